@@ -1,0 +1,173 @@
+/**
+ * Oncely's entry point: the only module that reads the environment. It parses
+ * the configuration once, builds clients, picks the process to run, and
+ * installs signal handlers. Everything else takes its dependencies as
+ * parameters.
+ */
+import type { Redis } from "ioredis";
+import type { Sql } from "postgres";
+import { connectPostgres, connectRedis, DependencyDown } from "./src/clients.ts";
+import { tenantCommand } from "./src/cli/tenant_command.ts";
+import { type Config, CONFIG_VARIABLES, ConfigError, parseConfig } from "./src/config.ts";
+import { migrate, readMigrations } from "./src/db/migrate.ts";
+import { createIdempotencyStore } from "./src/idempotency/idempotency_store.ts";
+import { createLogger, type Logger } from "./src/log/logger.ts";
+import { createHandler } from "./src/summaries/api.ts";
+import { jobKeys } from "./src/summaries/keys.ts";
+import { createAuthenticator } from "./src/tenants/authenticator.ts";
+import { createApiKey, tenantExists } from "./src/tenants/tenant_store.ts";
+
+const COMMANDS = ["api", "worker", "relay", "migrate", "dev", "tenant", "dlq"] as const;
+type Command = typeof COMMANDS[number];
+const USAGE = `Usage: deno task <${COMMANDS.join("|")}> [args]`;
+const REDIS_PREFIX = "oncely";
+const GRACE_MS = 8_000;
+
+/** Reads exactly the variables the service knows, so the env permission can list them. */
+function readEnv(): Record<string, string | undefined> {
+  return Object.fromEntries(CONFIG_VARIABLES.map((name) => [name, Deno.env.get(name)]));
+}
+
+/** An AbortSignal that fires on SIGTERM or SIGINT; a second signal, or the grace period, forces exit 0. */
+function shutdownSignal(log: Logger): AbortSignal {
+  const controller = new AbortController();
+  const onSignal = (signal: Deno.Signal) => () => {
+    if (controller.signal.aborted) Deno.exit(0);
+    log.info("shutdown_requested", { signal });
+    controller.abort(new Error(`received ${signal}`));
+    // The contract promises exit within 10 s; in-flight work left now stays pending and is reclaimed.
+    setTimeout(() => {
+      log.warn("shutdown_forced", { after_ms: GRACE_MS });
+      Deno.exit(0);
+    }, GRACE_MS).unref?.();
+  };
+  for (const signal of ["SIGTERM", "SIGINT"] as const) Deno.addSignalListener(signal, onSignal(signal));
+  return controller.signal;
+}
+
+interface Clients {
+  redis: Redis;
+  sql: Sql;
+}
+
+async function withClients<T>(
+  config: Config,
+  needs: { redis?: boolean; sql?: boolean },
+  run: (clients: Partial<Clients>) => Promise<T>,
+): Promise<T> {
+  const clients: Partial<Clients> = {};
+  try {
+    if (needs.sql) clients.sql = await connectPostgres(config.DATABASE_URL);
+    if (needs.redis) clients.redis = await connectRedis(config.REDIS_URL, { name: "oncely" });
+    return await run(clients);
+  } finally {
+    await clients.sql?.end({ timeout: 5 });
+    await clients.redis?.quit().catch(() => clients.redis?.disconnect());
+  }
+}
+
+async function serveApi(config: Config, { redis, sql }: Clients, log: Logger, signal: AbortSignal): Promise<void> {
+  const handler = createHandler({
+    redis,
+    sql,
+    log,
+    authenticate: createAuthenticator({ sql }, { mode: config.AUTH_MODE }),
+    idempotency: createIdempotencyStore({ redis, log }, {
+      prefix: REDIS_PREFIX,
+      lockTtlS: config.IDEMPOTENCY_LOCK_TTL_S,
+      resultTtlS: config.IDEMPOTENCY_RESULT_TTL_S,
+    }),
+    keys: jobKeys(REDIS_PREFIX),
+    maxBodyBytes: config.MAX_BODY_BYTES,
+  });
+  const server = Deno.serve({
+    hostname: config.HOST,
+    port: config.PORT,
+    onListen: ({ hostname, port }) => log.info("api_listening", { url: `http://${hostname}:${port}` }),
+  }, handler);
+  signal.addEventListener("abort", () => void server.shutdown(), { once: true });
+  await server.finished;
+  log.info("api_stopped");
+}
+
+async function ensureDevTenant(sql: Sql, config: Config): Promise<void> {
+  if (config.AUTH_MODE !== "api-key" || await tenantExists(sql, "dev")) {
+    console.log('Tenant "dev" exists. For a new key: deno task tenant create dev');
+    return;
+  }
+  const key = await createApiKey(sql, "dev");
+  const demoKey = `demo-${crypto.randomUUID().slice(0, 13)}`;
+  const base = `http://${config.HOST.includes(":") ? `[${config.HOST}]` : config.HOST}:${config.PORT}`;
+  console.log(`
+Created tenant "dev". Its API key (shown once): ${key}
+
+Submit a job:
+  curl -i ${base}/v1/summaries \\
+    -H 'Authorization: Bearer ${key}' \\
+    -H 'Idempotency-Key: ${demoKey}' \\
+    -H 'Content-Type: application/json' \\
+    -d '{"text": "Oncely accepts each job once. Workers call the model and commit the summary with an outbox row. A relay emails it.", "notify": "you@example.com"}'
+
+Run it twice: the second answer carries Idempotent-Replayed: true.
+`);
+}
+
+async function run(command: Command, args: string[], config: Config, log: Logger): Promise<number> {
+  switch (command) {
+    case "migrate":
+      return await withClients(config, { sql: true }, async ({ sql }) => {
+        const applied = await migrate({ sql: sql!, log }, await readMigrations());
+        console.log(applied.length ? `Applied ${applied.join(", ")}` : "Database is up to date");
+        return 0;
+      });
+    case "tenant":
+      return await withClients(config, { sql: true }, ({ sql }) => tenantCommand(sql!, args));
+    case "api":
+      return await withClients(config, { sql: true, redis: true }, async (clients) => {
+        await serveApi(config, clients as Clients, log, shutdownSignal(log));
+        return 0;
+      });
+    case "dev":
+      return await withClients(config, { sql: true, redis: true }, async (clients) => {
+        await migrate({ sql: clients.sql!, log }, await readMigrations());
+        await ensureDevTenant(clients.sql!, config);
+        await serveApi(config, clients as Clients, log, shutdownSignal(log));
+        return 0;
+      });
+    case "worker":
+    case "relay":
+    case "dlq":
+      console.error(`${command}: not implemented yet`);
+      return 1;
+  }
+}
+
+async function main(argv: string[]): Promise<number> {
+  const [command, ...args] = argv;
+  if (!COMMANDS.includes(command as Command)) {
+    console.error(USAGE);
+    return 2;
+  }
+  let config: Config;
+  try {
+    config = parseConfig(readEnv());
+  } catch (error) {
+    if (error instanceof ConfigError) {
+      console.error(error.message);
+      return 2;
+    }
+    throw error;
+  }
+  const log = createLogger({ level: config.LOG_LEVEL }).child({ process: command });
+  try {
+    return await run(command as Command, args, config, log);
+  } catch (error) {
+    if (error instanceof DependencyDown) {
+      console.error(error.message);
+      return 1;
+    }
+    throw error;
+  }
+}
+
+if (import.meta.main) Deno.exit(await main(Deno.args));

@@ -1,0 +1,112 @@
+import { z } from "zod";
+
+const int = (min: number, max = Number.MAX_SAFE_INTEGER) =>
+  z.string().trim().regex(/^\d+$/, `must be a whole number`).transform(Number)
+    .pipe(z.number().int().min(min, `must be at least ${min}`).max(max, `must be at most ${max}`));
+
+const seconds = z.string().trim().regex(/^\d+(\.\d+)?$/, "must be a number of seconds")
+  .transform(Number).pipe(z.number().positive("must be greater than 0"));
+
+const url = (protocols: string[], example: string) =>
+  z.string().trim().refine((value) => {
+    try {
+      return protocols.includes(new URL(value).protocol);
+    } catch {
+      return false;
+    }
+  }, `is not a ${protocols.map((p) => p.replace(":", "://")).join(" or ")} URL (for example ${example})`);
+
+const schema = z.object({
+  REDIS_URL: url(["redis:", "rediss:"], "redis://127.0.0.1:6379/0").default("redis://127.0.0.1:6379"),
+  DATABASE_URL: url(["postgres:", "postgresql:"], "postgres://postgres@127.0.0.1:5432/postgres")
+    .default("postgres://postgres@127.0.0.1:5432/postgres"),
+  HOST: z.string().trim().min(1, "must not be empty").default("127.0.0.1"),
+  PORT: int(0, 65535).default(8000),
+  AUTH_MODE: z.enum(["api-key", "trusted-header"], "must be api-key or trusted-header").default("api-key"),
+  LLM_PROVIDER: z.enum(["openai", "extractive"], "must be openai or extractive").optional(),
+  OPENAI_API_KEY: z.string().min(1).optional(),
+  OPENAI_BASE_URL: url(["http:", "https:"], "https://api.openai.com/v1").optional(),
+  OPENAI_MODEL: z.string().trim().min(1, "must not be empty").default("gpt-4.1-mini"),
+  MAIL_PROVIDER: z.enum(["resend", "log"], "must be resend or log").optional(),
+  RESEND_API_KEY: z.string().min(1).optional(),
+  RESEND_BASE_URL: url(["http:", "https:"], "https://api.resend.com").default("https://api.resend.com"),
+  MAIL_FROM: z.string().trim().min(3, "must be an email address").default("summaries@localhost"),
+  IDEMPOTENCY_LOCK_TTL_S: int(1).default(30),
+  IDEMPOTENCY_RESULT_TTL_S: int(1).default(86400),
+  CLAIM_IDLE_MS: int(100).default(120000),
+  MAX_DELIVERIES: int(1).default(5),
+  WORKER_CONCURRENCY: int(1, 10000).default(32),
+  JOB_BUDGET_S: seconds.default(60),
+  LLM_CALL_TIMEOUT_S: seconds.default(20),
+  LLM_MAX_ATTEMPTS: int(1, 100).default(4),
+  RELAY_BATCH: int(1, 10000).default(20),
+  RELAY_MAX_ATTEMPTS: int(1).default(10),
+  MAIL_SEND_TIMEOUT_S: seconds.default(10),
+  MAX_BODY_BYTES: int(64).default(1048576),
+  LOG_LEVEL: z.enum(["debug", "info", "warn", "error"], "must be debug, info, warn or error").default("info"),
+  METRICS_PORT: int(0, 65535).optional(),
+});
+
+/** The names of every environment variable the service reads. */
+export const CONFIG_VARIABLES: readonly string[] = Object.keys(schema.shape);
+
+type Raw = z.output<typeof schema>;
+
+/** Validated configuration, with provider choices resolved. */
+export type Config = Omit<Raw, "LLM_PROVIDER" | "MAIL_PROVIDER"> & {
+  LLM_PROVIDER: "openai" | "extractive";
+  MAIL_PROVIDER: "resend" | "log";
+};
+
+/** A configuration value that stops the process at start-up. */
+export class ConfigError extends Error {
+  constructor(readonly variable: string, message: string) {
+    super(message);
+    this.name = "ConfigError";
+  }
+}
+
+const SECRETS = new Set(["OPENAI_API_KEY", "RESEND_API_KEY"]);
+
+/**
+ * Parses the service configuration from an environment record.
+ * Empty strings count as unset, so `PORT=` falls back to the default.
+ * @throws {ConfigError} naming the first invalid variable.
+ */
+export function parseConfig(env: Record<string, string | undefined>): Config {
+  const input: Record<string, string> = {};
+  for (const name of CONFIG_VARIABLES) {
+    const value = env[name];
+    if (value !== undefined && value !== "") input[name] = value;
+  }
+  const parsed = schema.safeParse(input);
+  if (!parsed.success) {
+    const issue = parsed.error.issues[0]!;
+    const variable = String(issue.path[0]);
+    const value = input[variable] ?? "";
+    // Never echo a secret: API keys, or a URL that may carry a password.
+    const got = SECRETS.has(variable) || value.includes("@") ? "" : ` (got ${JSON.stringify(value)})`;
+    throw new ConfigError(variable, `Cannot start: ${variable} ${issue.message}${got}`);
+  }
+  const raw = parsed.data;
+  const llm = raw.LLM_PROVIDER ?? (raw.OPENAI_API_KEY ? "openai" : "extractive");
+  if (llm === "openai" && !raw.OPENAI_API_KEY) {
+    throw new ConfigError("OPENAI_API_KEY", "Cannot start: OPENAI_API_KEY must be set when LLM_PROVIDER=openai");
+  }
+  const mail = raw.MAIL_PROVIDER ?? (raw.RESEND_API_KEY ? "resend" : "log");
+  if (mail === "resend" && !raw.RESEND_API_KEY) {
+    throw new ConfigError("RESEND_API_KEY", "Cannot start: RESEND_API_KEY must be set when MAIL_PROVIDER=resend");
+  }
+  return { ...raw, LLM_PROVIDER: llm, MAIL_PROVIDER: mail };
+}
+
+/** Replaces the password in a connection URL, so it can be printed. */
+export function redactUrl(value: string): string {
+  try {
+    const u = new URL(value);
+    if (u.password) u.password = "***";
+    return u.toString();
+  } catch {
+    return "(unparseable URL)";
+  }
+}

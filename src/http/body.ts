@@ -1,0 +1,53 @@
+import { HttpError } from "./problem.ts";
+
+/**
+ * Reads a JSON request body of at most `maxBytes`. A declared length over
+ * the limit is refused before reading; an undeclared one is read in chunks
+ * and refused as soon as it passes the limit, so a large body is never held
+ * in memory whole.
+ * @throws {HttpError} 415 if not JSON, 413 if too large, 400 if malformed.
+ */
+export async function readJsonBody(req: Request, maxBytes: number): Promise<unknown> {
+  const type = (req.headers.get("content-type") ?? "").split(";")[0]!.trim().toLowerCase();
+  if (type !== "application/json" && !/^application\/[a-z0-9.+-]*\+json$/.test(type)) {
+    throw new HttpError(415, `Content-Type must be application/json (got ${JSON.stringify(type || "none")})`);
+  }
+  const tooLarge = () => new HttpError(413, `Request body exceeds ${maxBytes} bytes`);
+  const declared = req.headers.get("content-length");
+  if (declared !== null && Number(declared) > maxBytes) {
+    await req.body?.cancel().catch(() => {});
+    throw tooLarge();
+  }
+  if (!req.body) throw new HttpError(400, "Request body is empty; expected a JSON object");
+
+  const chunks: Uint8Array[] = [];
+  let size = 0;
+  const reader = req.body.getReader();
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    size += value.byteLength;
+    if (size > maxBytes) {
+      await reader.cancel().catch(() => {});
+      throw tooLarge();
+    }
+    chunks.push(value);
+  }
+  const bytes = new Uint8Array(size);
+  let offset = 0;
+  for (const chunk of chunks) {
+    bytes.set(chunk, offset);
+    offset += chunk.byteLength;
+  }
+  let text: string;
+  try {
+    text = new TextDecoder("utf-8", { fatal: true }).decode(bytes);
+  } catch (cause) {
+    throw new HttpError(400, "Request body is not valid UTF-8", {}, { cause });
+  }
+  try {
+    return JSON.parse(text);
+  } catch (cause) {
+    throw new HttpError(400, "Request body is not valid JSON", {}, { cause });
+  }
+}

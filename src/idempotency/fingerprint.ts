@@ -1,0 +1,18 @@
+import { sha256Hex } from "../crypto/digest.ts";
+
+/** JSON with object keys sorted at every level, so equal values encode equally. */
+export function canonicalJson(value: unknown): string {
+  if (Array.isArray(value)) return `[${value.map(canonicalJson).join(",")}]`;
+  if (value !== null && typeof value === "object") {
+    const entries = Object.entries(value as Record<string, unknown>)
+      .filter(([, v]) => v !== undefined)
+      .sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0));
+    return `{${entries.map(([k, v]) => `${JSON.stringify(k)}:${canonicalJson(v)}`).join(",")}}`;
+  }
+  return JSON.stringify(value);
+}
+
+/** SHA-256 (hex) of the canonical JSON of a validated body: whitespace and key order do not change it. */
+export function fingerprint(body: unknown): Promise<string> {
+  return sha256Hex(canonicalJson(body));
+}

@@ -1,0 +1,60 @@
+/** Log levels in increasing severity. */
+export type LogLevel = "debug" | "info" | "warn" | "error";
+
+const RANK: Record<LogLevel, number> = { debug: 10, info: 20, warn: 30, error: 40 };
+
+/** Fields attached to a log line; keep document text and secrets out. */
+export type LogFields = Record<string, unknown>;
+
+/** A structured logger: one JSON object per line. */
+export interface Logger {
+  debug(event: string, fields?: LogFields): void;
+  info(event: string, fields?: LogFields): void;
+  warn(event: string, fields?: LogFields): void;
+  error(event: string, fields?: LogFields): void;
+  /** A logger that adds `fields` to every line. */
+  child(fields: LogFields): Logger;
+}
+
+/** Options for {@linkcode createLogger}. */
+export interface LoggerOptions {
+  level?: LogLevel;
+  /** Where lines go; defaults to stderr so stdout stays for command output. */
+  write?: (line: string) => void;
+  now?: () => Date;
+}
+
+const encoder = new TextEncoder();
+
+function describe(value: unknown): unknown {
+  if (value instanceof Error) {
+    const out: Record<string, unknown> = { name: value.name, message: value.message };
+    if ("status" in value && typeof value.status === "number") out.status = value.status;
+    if ("code" in value && value.code !== undefined) out.code = value.code;
+    return out;
+  }
+  return value;
+}
+
+/** Creates a JSON-lines logger. Errors are logged by name and message, never by stack. */
+export function createLogger(options: LoggerOptions = {}, base: LogFields = {}): Logger {
+  const min = RANK[options.level ?? "info"];
+  const write = options.write ?? ((line: string) => Deno.stderr.writeSync(encoder.encode(line + "\n")));
+  const now = options.now ?? (() => new Date());
+  const emit = (level: LogLevel, event: string, fields?: LogFields) => {
+    if (RANK[level] < min) return;
+    const record: LogFields = { ts: now().toISOString(), level, event, ...base };
+    if (fields) { for (const [k, v] of Object.entries(fields)) record[k] = describe(v); }
+    write(JSON.stringify(record));
+  };
+  return {
+    debug: (e, f) => emit("debug", e, f),
+    info: (e, f) => emit("info", e, f),
+    warn: (e, f) => emit("warn", e, f),
+    error: (e, f) => emit("error", e, f),
+    child: (fields) => createLogger(options, { ...base, ...fields }),
+  };
+}
+
+/** A logger that drops everything, for tests that do not inspect logs. */
+export const silentLogger: Logger = createLogger({ level: "error", write: () => {} });

@@ -1,0 +1,148 @@
+import type { Redis } from "ioredis";
+import type { Sql } from "postgres";
+import { withTimeout } from "../async/timeout.ts";
+import { readJsonBody } from "../http/body.ts";
+import { errorResponse, HttpError, problem } from "../http/problem.ts";
+import { KeyReused, RequestInProgress } from "../idempotency/errors.ts";
+import { fingerprint } from "../idempotency/fingerprint.ts";
+import type { IdempotencyStore } from "../idempotency/idempotency_store.ts";
+import { encodeScope, jobIdFor } from "../idempotency/scope.ts";
+import type { Logger } from "../log/logger.ts";
+import type { Authenticate } from "../tenants/authenticator.ts";
+import { enqueueJob } from "./enqueue.ts";
+import type { JobKeys } from "./keys.ts";
+import { IdempotencyKey, SummaryRequest, type SummaryStatus } from "./schemas.ts";
+
+/** What the API handler needs. */
+export interface ApiDeps {
+  redis: Redis;
+  sql: Sql;
+  log: Logger;
+  authenticate: Authenticate;
+  idempotency: IdempotencyStore;
+  keys: JobKeys;
+  maxBodyBytes: number;
+  /** Extra routes (e.g. `/metrics`, `/openapi.json`) keyed by path, GET only. */
+  extraGetRoutes?: Record<string, (req: Request) => Response | Promise<Response>>;
+}
+
+const SUMMARIES = "/v1/summaries";
+const JOB_PATH = /^\/v1\/summaries\/([^/]+)$/;
+const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
+const READY_TIMEOUT_MS = 1_000;
+
+function json(status: number, body: unknown, headers: Record<string, string> = {}): Response {
+  return new Response(JSON.stringify(body), { status, headers: { ...headers, "content-type": "application/json" } });
+}
+
+function methodNotAllowed(allow: string): never {
+  throw new HttpError(405, `Use ${allow} on this path`, { allow });
+}
+
+/**
+ * Creates the HTTP API as a plain `(Request) => Promise<Response>`, so tests
+ * can call it without a port and `main.ts` hands it to `Deno.serve`.
+ */
+export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response> {
+  const { redis, sql, log, authenticate, idempotency, keys } = deps;
+
+  async function postSummary(req: Request): Promise<Response> {
+    const tenant = await authenticate(req);
+    const key = req.headers.get("idempotency-key");
+    if (key === null) throw new HttpError(400, "Idempotency-Key header is required");
+    if (!IdempotencyKey.safeParse(key).success) {
+      throw new HttpError(400, "Idempotency-Key must be 16 to 128 visible ASCII characters");
+    }
+    const raw = await readJsonBody(req, deps.maxBodyBytes);
+    const parsed = SummaryRequest.safeParse(raw);
+    if (!parsed.success) {
+      const errors = parsed.error.issues.map((i) => ({ path: i.path.join("."), message: i.message }));
+      throw new HttpError(422, "The request body failed validation", {}, { extra: { errors } });
+    }
+    const scope = { tenant, method: "POST", path: SUMMARIES, key };
+    const jobId = await jobIdFor(scope);
+    const fp = await fingerprint(parsed.data);
+    try {
+      const { response, replayed } = await idempotency.run(encodeScope(scope), fp, async () => {
+        await enqueueJob(redis, keys, { jobId, tenant, request: parsed.data });
+        log.info("job_enqueued", { job_id: jobId, tenant });
+        return {
+          status: 202,
+          body: { job_id: jobId, status: "queued" },
+          headers: { location: `${SUMMARIES}/${jobId}` },
+        };
+      });
+      const headers: Record<string, string> = { ...response.headers };
+      if (replayed) headers["idempotent-replayed"] = "true";
+      return json(response.status, response.body, headers);
+    } catch (error) {
+      if (error instanceof RequestInProgress) throw new HttpError(409, error.message, { "retry-after": "1" });
+      if (error instanceof KeyReused) throw new HttpError(422, error.message);
+      throw error;
+    }
+  }
+
+  async function getSummary(req: Request, jobId: string): Promise<Response> {
+    const tenant = await authenticate(req);
+    const notFound = new HttpError(404, `No job ${jobId} for this tenant`);
+    if (!UUID.test(jobId)) throw notFound;
+    const [rows, record] = await Promise.all([
+      sql<{ tenant: string; summary: string }[]>`SELECT tenant, summary FROM summaries WHERE job_id = ${jobId}`,
+      redis.hgetall(keys.job(jobId)),
+    ]);
+    const done = rows[0];
+    // Another tenant's job is indistinguishable from an unknown one.
+    if (done) {
+      if (done.tenant !== tenant) throw notFound;
+      return json(200, { job_id: jobId, status: "done", summary: done.summary } satisfies SummaryStatus);
+    }
+    if (record.tenant !== tenant) throw notFound;
+    const body: SummaryStatus = { job_id: jobId, status: record.status === "failed" ? "failed" : "queued" };
+    if (body.status === "failed" && record.error) body.error = record.error;
+    return json(200, body);
+  }
+
+  async function ready(): Promise<Response> {
+    const check = async (what: string, probe: () => Promise<unknown>) => {
+      try {
+        await withTimeout(probe(), READY_TIMEOUT_MS, what);
+        return "ok";
+      } catch (error) {
+        log.warn("readiness_check_failed", { dependency: what, error });
+        return "unavailable";
+      }
+    };
+    const [r, p] = await Promise.all([check("redis", () => redis.ping()), check("postgres", () => sql`SELECT 1`)]);
+    const ok = r === "ok" && p === "ok";
+    return json(ok ? 200 : 503, { status: ok ? "ready" : "not ready", redis: r, postgres: p });
+  }
+
+  async function route(req: Request, path: string): Promise<Response> {
+    if (path === SUMMARIES) {
+      if (req.method !== "POST") methodNotAllowed("POST");
+      return await postSummary(req);
+    }
+    const match = JOB_PATH.exec(path);
+    if (match) {
+      if (req.method !== "GET" && req.method !== "HEAD") methodNotAllowed("GET");
+      return await getSummary(req, match[1]!);
+    }
+    if (path === "/healthz") return json(200, { status: "ok" });
+    if (path === "/readyz") return await ready();
+    const extra = deps.extraGetRoutes?.[path];
+    if (extra) {
+      if (req.method !== "GET" && req.method !== "HEAD") methodNotAllowed("GET");
+      return await extra(req);
+    }
+    return problem(404, `No route for ${req.method} ${path}`);
+  }
+
+  return async (req) => {
+    const path = new URL(req.url).pathname;
+    try {
+      return await route(req, path);
+    } catch (error) {
+      return errorResponse(error, log, { method: req.method, path });
+    }
+  };
+}

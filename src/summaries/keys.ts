@@ -1,0 +1,26 @@
+/**
+ * Redis key names of the summary pipeline. Every key that takes part in one
+ * MULTI or script shares the `{jobs}` hash tag, so each such operation stays
+ * on one Redis Cluster slot. (Partitioned streams will use `{jobs.N}`.)
+ */
+export interface JobKeys {
+  stream: string;
+  dead: string;
+  group: string;
+  /** Hash with the job's tenant and status, read by `GET /v1/summaries/{id}`. */
+  job(jobId: string): string;
+}
+
+/** Key names under a prefix, e.g. `oncely`. */
+export function jobKeys(prefix: string): JobKeys {
+  const tag = `${prefix}:{jobs}`;
+  return {
+    stream: `${tag}:stream`,
+    dead: `${tag}:dead`,
+    group: "summarisers",
+    job: (jobId) => `${tag}:job:${jobId}`,
+  };
+}
+
+/** How long a job's status record lives in Redis (the summary itself lives in Postgres). */
+export const JOB_RECORD_TTL_S = 7 * 24 * 3600;

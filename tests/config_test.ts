@@ -1,0 +1,87 @@
+import assert from "node:assert/strict";
+import { ConfigError, parseConfig } from "../src/config.ts";
+
+Deno.test("parseConfig() applies the contract's defaults", () => {
+  const c = parseConfig({});
+  assert.equal(c.REDIS_URL, "redis://127.0.0.1:6379");
+  assert.equal(c.DATABASE_URL, "postgres://postgres@127.0.0.1:5432/postgres");
+  assert.equal(c.HOST, "127.0.0.1");
+  assert.equal(c.PORT, 8000);
+  assert.equal(c.AUTH_MODE, "api-key");
+  assert.equal(c.LLM_PROVIDER, "extractive");
+  assert.equal(c.OPENAI_MODEL, "gpt-4.1-mini");
+  assert.equal(c.MAIL_PROVIDER, "log");
+  assert.equal(c.RESEND_BASE_URL, "https://api.resend.com");
+  assert.equal(c.MAIL_FROM, "summaries@localhost");
+  assert.deepEqual(
+    [c.IDEMPOTENCY_LOCK_TTL_S, c.IDEMPOTENCY_RESULT_TTL_S, c.CLAIM_IDLE_MS, c.MAX_DELIVERIES, c.WORKER_CONCURRENCY],
+    [30, 86400, 120000, 5, 32],
+  );
+  assert.deepEqual([c.JOB_BUDGET_S, c.LLM_CALL_TIMEOUT_S, c.LLM_MAX_ATTEMPTS], [60, 20, 4]);
+  assert.deepEqual([c.RELAY_BATCH, c.RELAY_MAX_ATTEMPTS, c.MAIL_SEND_TIMEOUT_S], [20, 10, 10]);
+  assert.equal(c.MAX_BODY_BYTES, 1048576);
+  assert.equal(c.LOG_LEVEL, "info");
+  assert.equal(c.METRICS_PORT, undefined);
+});
+
+Deno.test("parseConfig() picks openai and resend when their keys are set", () => {
+  const c = parseConfig({ OPENAI_API_KEY: "sk-x", RESEND_API_KEY: "re_x" });
+  assert.equal(c.LLM_PROVIDER, "openai");
+  assert.equal(c.MAIL_PROVIDER, "resend");
+});
+
+Deno.test("parseConfig() names the variable and the value it rejects", () => {
+  const cases: [Record<string, string>, string, RegExp][] = [
+    [{ REDIS_URL: "localhost" }, "REDIS_URL", /REDIS_URL is not a redis:\/\/ or rediss:\/\/ URL.*\(got "localhost"\)/],
+    [{ PORT: "eighty" }, "PORT", /PORT must be a whole number \(got "eighty"\)/],
+    [{ PORT: "70000" }, "PORT", /PORT must be at most 65535/],
+    [{ CLAIM_IDLE_MS: "-1" }, "CLAIM_IDLE_MS", /CLAIM_IDLE_MS/],
+    [{ AUTH_MODE: "none" }, "AUTH_MODE", /AUTH_MODE must be api-key or trusted-header/],
+    [{ LOG_LEVEL: "loud" }, "LOG_LEVEL", /LOG_LEVEL/],
+    [{ JOB_BUDGET_S: "0" }, "JOB_BUDGET_S", /JOB_BUDGET_S must be greater than 0/],
+    [{ LLM_PROVIDER: "openai" }, "OPENAI_API_KEY", /OPENAI_API_KEY must be set when LLM_PROVIDER=openai/],
+    [{ MAIL_PROVIDER: "resend" }, "RESEND_API_KEY", /RESEND_API_KEY must be set/],
+  ];
+  for (const [env, variable, message] of cases) {
+    assert.throws(() => parseConfig(env), (e: unknown) => {
+      assert.ok(e instanceof ConfigError);
+      assert.equal(e.variable, variable);
+      assert.match(e.message, message);
+      assert.ok(!e.message.includes("\n"), "one line");
+      return true;
+    });
+  }
+});
+
+Deno.test("parseConfig() never echoes a URL that may carry a password", () => {
+  assert.throws(() => parseConfig({ DATABASE_URL: "mysql://u:secret@db/x" }), (e: Error) => {
+    assert.doesNotMatch(e.message, /secret/);
+    return true;
+  });
+});
+
+Deno.test("main.ts exits 2 with one line naming the variable on a bad value", async () => {
+  const out = await new Deno.Command(Deno.execPath(), {
+    args: ["run", "--allow-env", "--allow-read", "--allow-net", "--allow-sys", "main.ts", "api"],
+    env: { PORT: "not-a-port" },
+    stdout: "piped",
+    stderr: "piped",
+  }).output();
+  assert.equal(out.code, 2);
+  const stderr = new TextDecoder().decode(out.stderr).trim();
+  assert.equal(stderr.split("\n").length, 1, stderr);
+  assert.match(stderr, /^Cannot start: PORT must be a whole number \(got "not-a-port"\)$/);
+});
+
+Deno.test("main.ts says which dependency is down, where, and how to start it", async () => {
+  const out = await new Deno.Command(Deno.execPath(), {
+    args: ["run", "--allow-env", "--allow-read", "--allow-net", "--allow-sys", "main.ts", "tenant", "list"],
+    env: { DATABASE_URL: "postgres://postgres@127.0.0.1:1/postgres" },
+    stdout: "piped",
+    stderr: "piped",
+  }).output();
+  assert.equal(out.code, 1);
+  const stderr = new TextDecoder().decode(out.stderr);
+  assert.match(stderr, /Postgres at postgres:\/\/postgres@127\.0\.0\.1:1\/postgres \(DATABASE_URL\) does not answer/);
+  assert.match(stderr, /docker compose up -d postgres/);
+});

@@ -1,0 +1,318 @@
+import assert from "node:assert/strict";
+import { fingerprint } from "../../src/idempotency/fingerprint.ts";
+import { createIdempotencyStore } from "../../src/idempotency/idempotency_store.ts";
+import { jobIdFor } from "../../src/idempotency/scope.ts";
+import { silentLogger } from "../../src/log/logger.ts";
+import { createHandler } from "../../src/summaries/api.ts";
+import { jobKeys } from "../../src/summaries/keys.ts";
+import { createAuthenticator } from "../../src/tenants/authenticator.ts";
+import { createApiKey, revokeTenant } from "../../src/tenants/tenant_store.ts";
+import { createTestDatabase, createTestRedis } from "../_support.ts";
+
+const BODY = { text: "Quarterly revenue rose. Costs fell. The board approved the plan.", notify: "ops@example.com" };
+
+Deno.test("summaries API", async (t) => {
+  const db = await createTestDatabase();
+  const r = await createTestRedis();
+  const keys = jobKeys(r.prefix);
+  const idempotency = createIdempotencyStore({ redis: r.redis, log: silentLogger }, {
+    prefix: r.prefix,
+    lockTtlS: 30,
+    resultTtlS: 86_400,
+  });
+  const deps = {
+    redis: r.redis,
+    sql: db.sql,
+    log: silentLogger,
+    idempotency,
+    keys,
+    maxBodyBytes: 4096,
+    authenticate: createAuthenticator({ sql: db.sql }, { mode: "api-key", cacheTtlMs: 0 }),
+  };
+  const handler = createHandler(deps);
+  const apiKey = await createApiKey(db.sql, "acme");
+  const otherKey = await createApiKey(db.sql, "globex");
+  let n = 0;
+  const newKey = () => `test-key-${String(++n).padStart(8, "0")}`;
+  const post = (key: string | null, body: unknown = BODY, headers: Record<string, string> = {}) =>
+    handler(
+      new Request("http://api/v1/summaries", {
+        method: "POST",
+        headers: {
+          authorization: `Bearer ${apiKey}`,
+          "content-type": "application/json",
+          ...(key === null ? {} : { "idempotency-key": key }),
+          ...headers,
+        },
+        body: typeof body === "string" ? body : JSON.stringify(body),
+      }),
+    );
+  const get = (jobId: string, key = apiKey) =>
+    handler(new Request(`http://api/v1/summaries/${jobId}`, { headers: { authorization: `Bearer ${key}` } }));
+  const streamLength = () => r.redis.xlen(keys.stream);
+
+  try {
+    await t.step("POST accepts a job once: 202, Location, deterministic job id, one stream entry", async () => {
+      const key = newKey();
+      const before = await streamLength();
+      const res = await post(key);
+      assert.equal(res.status, 202);
+      const body = await res.json();
+      const expected = await jobIdFor({ tenant: "acme", method: "POST", path: "/v1/summaries", key });
+      assert.deepEqual(body, { job_id: expected, status: "queued" });
+      assert.equal(res.headers.get("location"), `/v1/summaries/${expected}`);
+      assert.equal(res.headers.get("idempotent-replayed"), null);
+      assert.equal(await streamLength(), before + 1);
+      const [entry] = await r.redis.xrevrange(keys.stream, "+", "-", "COUNT", 1);
+      const fields = entry![1];
+      assert.deepEqual(fields.slice(0, 4), ["job_id", expected, "tenant", "acme"]);
+      assert.deepEqual(JSON.parse(fields[5]!), BODY);
+      assert.deepEqual(await r.redis.hgetall(keys.job(expected)), { tenant: "acme", status: "queued" });
+    });
+
+    await t.step("a repeat replays the stored response with Idempotent-Replayed and enqueues nothing", async () => {
+      const key = newKey();
+      const first = await (await post(key)).json();
+      const before = await streamLength();
+      // Same content, other key order and whitespace: the same fingerprint.
+      const res = await post(key, `{ "notify": "${BODY.notify}",   "text": ${JSON.stringify(BODY.text)} }`);
+      assert.equal(res.status, 202);
+      assert.equal(res.headers.get("idempotent-replayed"), "true");
+      assert.equal(res.headers.get("location"), `/v1/summaries/${first.job_id}`);
+      assert.deepEqual(await res.json(), first);
+      assert.equal(await streamLength(), before);
+    });
+
+    await t.step("the same key with another body is 422 and leaves the stored record alone", async () => {
+      const key = newKey();
+      await post(key);
+      const before = await streamLength();
+      const res = await post(key, { ...BODY, text: "Something else entirely." });
+      assert.equal(res.status, 422);
+      assert.equal(res.headers.get("content-type"), "application/problem+json");
+      assert.match((await res.json()).detail, /different request body/);
+      assert.equal(await streamLength(), before);
+    });
+
+    await t.step("the same key while the first is in progress is 409 with Retry-After: 1", async () => {
+      const key = newKey();
+      const scope = JSON.stringify(["acme", "POST", "/v1/summaries", key]);
+      const redisKey = await idempotency.keyFor(scope);
+      // Another request holds the key: its marker carries this body's fingerprint.
+      await r.redis.set(redisKey, JSON.stringify({ state: "in_progress", fp: await fingerprint(BODY), token: "t" }));
+      const res = await post(key);
+      assert.equal(res.status, 409);
+      assert.equal(res.headers.get("retry-after"), "1");
+      assert.equal(res.headers.get("content-type"), "application/problem+json");
+    });
+
+    await t.step("20 concurrent duplicates enqueue exactly one stream entry", async () => {
+      const key = newKey();
+      const before = await streamLength();
+      const responses = await Promise.all(Array.from({ length: 20 }, () => post(key)));
+      const statuses = responses.map((res) => res.status);
+      await Promise.all(responses.map((res) => res.body?.cancel()));
+      assert.ok(statuses.includes(202));
+      assert.ok(statuses.every((s) => s === 202 || s === 409), `only 202 and 409 (got ${statuses})`);
+      assert.equal(await streamLength(), before + 1);
+    });
+
+    await t.step("an enqueue failure is a 500 problem without internals, and releases the key", async () => {
+      const broken = createHandler({ ...deps, keys: { ...keys, stream: keys.job("not-a-stream") } });
+      const key = newKey();
+      const jobId = await jobIdFor({ tenant: "acme", method: "POST", path: "/v1/summaries", key });
+      // Make XADD fail: the "stream" key holds a hash.
+      await r.redis.hset(keys.job("not-a-stream"), "x", "y");
+      const res = await broken(
+        new Request("http://api/v1/summaries", {
+          method: "POST",
+          headers: { authorization: `Bearer ${apiKey}`, "content-type": "application/json", "idempotency-key": key },
+          body: JSON.stringify(BODY),
+        }),
+      );
+      assert.equal(res.status, 500);
+      const problem = await res.json();
+      assert.doesNotMatch(JSON.stringify(problem), /WRONGTYPE|at |\.ts/);
+      const scope = JSON.stringify(["acme", "POST", "/v1/summaries", key]);
+      assert.equal(await r.redis.exists(await idempotency.keyFor(scope)), 0, "5xx is never stored");
+      const retry = await post(key);
+      assert.equal(retry.status, 202);
+      assert.equal((await retry.json()).job_id, jobId);
+    });
+
+    await t.step("job ids are tenant-scoped, and a tenant named like a scope prefix cannot collide", async () => {
+      const key = newKey();
+      const a = await (await post(key)).json();
+      const otherTenant = await (await post(key, BODY, { authorization: `Bearer ${otherKey}` })).json();
+      assert.notEqual(a.job_id, otherTenant.job_id);
+      const tricky = await createApiKey(db.sql, "acme.POST");
+      const trickyId = await jobIdFor({ tenant: "acme:POST", method: "POST", path: "/v1/summaries", key });
+      const plainId = await jobIdFor({ tenant: "acme", method: "POST:/v1/summaries", path: "", key });
+      assert.notEqual(trickyId, a.job_id);
+      assert.notEqual(plainId, a.job_id);
+      const res = await post(key, BODY, { authorization: `Bearer ${tricky}` });
+      assert.equal(res.headers.get("idempotent-replayed"), null, "another tenant never gets acme's replay");
+      assert.notEqual((await res.json()).job_id, a.job_id);
+    });
+
+    await t.step("GET reports queued, done and failed, and 404s for other tenants and unknown ids", async () => {
+      const key = newKey();
+      const { job_id } = await (await post(key)).json();
+      assert.deepEqual(await (await get(job_id)).json(), { job_id, status: "queued" });
+      const other = await get(job_id, otherKey);
+      assert.equal(other.status, 404);
+      await other.body?.cancel();
+      await db.sql`INSERT INTO summaries (job_id, tenant, summary) VALUES (${job_id}, 'acme', 'Revenue rose.')`;
+      assert.deepEqual(await (await get(job_id)).json(), { job_id, status: "done", summary: "Revenue rose." });
+      const notMine = await get(job_id, otherKey);
+      assert.equal(notMine.status, 404);
+      await notMine.body?.cancel();
+      const failed = await (await post(newKey())).json();
+      await r.redis.hset(keys.job(failed.job_id), "status", "failed", "error", "permanent: 400 from model");
+      assert.deepEqual(await (await get(failed.job_id)).json(), {
+        job_id: failed.job_id,
+        status: "failed",
+        error: "permanent: 400 from model",
+      });
+      for (const id of [crypto.randomUUID(), "not-a-uuid"]) {
+        const res = await get(id);
+        assert.equal(res.status, 404);
+        assert.equal(res.headers.get("content-type"), "application/problem+json");
+        await res.body?.cancel();
+      }
+    });
+
+    await t.step("401 for missing, malformed, unknown and revoked keys", async () => {
+      const cases: Record<string, string>[] = [
+        {},
+        { authorization: "Basic abc" },
+        { authorization: "Bearer onc_000000000000_" + "a".repeat(43) },
+        { authorization: `Bearer ${apiKey}x` },
+      ];
+      for (const headers of cases) {
+        const res = await handler(
+          new Request("http://api/v1/summaries", {
+            method: "POST",
+            headers: { "content-type": "application/json", "idempotency-key": newKey(), ...headers },
+            body: JSON.stringify(BODY),
+          }),
+        );
+        assert.equal(res.status, 401, JSON.stringify(headers));
+        assert.equal(res.headers.get("content-type"), "application/problem+json");
+        await res.body?.cancel();
+      }
+      const doomed = await createApiKey(db.sql, "doomed");
+      const ok = await post(newKey(), BODY, { authorization: `Bearer ${doomed}` });
+      assert.equal(ok.status, 202);
+      await ok.body?.cancel();
+      await revokeTenant(db.sql, "doomed");
+      const revoked = await post(newKey(), BODY, { authorization: `Bearer ${doomed}` });
+      assert.equal(revoked.status, 401);
+      await revoked.body?.cancel();
+    });
+
+    await t.step(
+      "400 for a missing or malformed Idempotency-Key and for malformed JSON, enqueuing nothing",
+      async () => {
+        const before = await streamLength();
+        for (const key of [null, "short", "x".repeat(129), "has space in it 123"]) {
+          const res = await post(key);
+          assert.equal(res.status, 400, String(key));
+          await res.body?.cancel();
+        }
+        const res = await post(newKey(), "{not json");
+        assert.equal(res.status, 400);
+        assert.equal((await res.json()).status, 400);
+        assert.equal(await streamLength(), before);
+      },
+    );
+
+    await t.step("415 when the body is not JSON", async () => {
+      const res = await post(newKey(), "text=hi", { "content-type": "application/x-www-form-urlencoded" });
+      assert.equal(res.status, 415);
+      assert.equal(res.headers.get("content-type"), "application/problem+json");
+      await res.body?.cancel();
+    });
+
+    await t.step("413 for a body over MAX_BODY_BYTES, declared or streamed, without storing the key", async () => {
+      const key = newKey();
+      const big = JSON.stringify({ text: "x".repeat(5000), notify: "a@b.co" });
+      const declared = await post(key, big);
+      assert.equal(declared.status, 413);
+      await declared.body?.cancel();
+      // A chunked body with no Content-Length is cut off as soon as it passes the limit.
+      let pulled = 0;
+      const stream = new ReadableStream<Uint8Array>({
+        pull(controller) {
+          pulled++;
+          if (pulled > 1000) controller.close();
+          else controller.enqueue(new TextEncoder().encode("x".repeat(1024)));
+        },
+      });
+      const res = await handler(
+        new Request("http://api/v1/summaries", {
+          method: "POST",
+          headers: { authorization: `Bearer ${apiKey}`, "content-type": "application/json", "idempotency-key": key },
+          body: stream,
+        }),
+      );
+      assert.equal(res.status, 413);
+      await res.body?.cancel();
+      assert.ok(pulled < 10, `stopped reading early (pulled ${pulled} chunks)`);
+      const scope = JSON.stringify(["acme", "POST", "/v1/summaries", key]);
+      assert.equal(await r.redis.exists(await idempotency.keyFor(scope)), 0);
+    });
+
+    await t.step("422 for bodies that fail validation, listing the fields", async () => {
+      const before = await streamLength();
+      const cases = [
+        { text: "", notify: "a@b.co" },
+        { text: "hi", notify: "not-an-email" },
+        { text: "hi" },
+        { ...BODY, extra: true },
+        [],
+        "a string",
+      ];
+      for (const body of cases) {
+        const res = await post(newKey(), JSON.stringify(body));
+        assert.equal(res.status, 422, JSON.stringify(body));
+        const problem = await res.json();
+        assert.equal(problem.title, "Unprocessable Content");
+        assert.ok(Array.isArray(problem.errors) && problem.errors.length > 0);
+      }
+      assert.equal(await streamLength(), before);
+    });
+
+    await t.step("healthz, readyz, unknown routes and wrong methods", async () => {
+      assert.equal((await handler(new Request("http://api/healthz"))).status, 200);
+      const ready = await handler(new Request("http://api/readyz"));
+      assert.equal(ready.status, 200);
+      assert.deepEqual(await ready.json(), { status: "ready", redis: "ok", postgres: "ok" });
+      const missing = await handler(new Request("http://api/nope"));
+      assert.equal(missing.status, 404);
+      await missing.body?.cancel();
+      const wrong = await handler(new Request("http://api/v1/summaries"));
+      assert.equal(wrong.status, 405);
+      assert.equal(wrong.headers.get("allow"), "POST");
+      await wrong.body?.cancel();
+    });
+  } finally {
+    await r.close();
+    await db.close();
+  }
+});
+
+Deno.test("trusted-header mode reads X-Tenant-Id and rejects a missing or invalid one", async () => {
+  const db = await createTestDatabase({ migrate: false });
+  try {
+    const auth = createAuthenticator({ sql: db.sql }, { mode: "trusted-header" });
+    assert.equal(await auth(new Request("http://x", { headers: { "x-tenant-id": "acme" } })), "acme");
+    await assert.rejects(() => auth(new Request("http://x")), (e: { status?: number }) => e.status === 401);
+    await assert.rejects(
+      () => auth(new Request("http://x", { headers: { "x-tenant-id": "a b" } })),
+      (e: { status?: number }) => e.status === 401,
+    );
+  } finally {
+    await db.close();
+  }
+});
