@@ -96,3 +96,35 @@ export function recordingLogger() {
   const lines: Record<string, unknown>[] = [];
   return { lines, write: (line: string) => lines.push(JSON.parse(line)) };
 }
+
+/** A clock whose time moves only when the code under test sleeps; timers never fire. */
+export function fakeClock(start = 0) {
+  let now = start;
+  const sleeps: number[] = [];
+  return {
+    sleeps,
+    now: () => now,
+    epochNow: () => 1_800_000_000_000 + now,
+    sleep(ms: number) {
+      sleeps.push(ms);
+      now += ms;
+      return Promise.resolve();
+    },
+    timer: () => ({ signal: new AbortController().signal, cancel() {} }),
+    advance(ms: number) {
+      now += ms;
+    },
+  };
+}
+
+/** A seeded PRNG (mulberry32) returning [0, 1). */
+export function seededRandom(seed: number): () => number {
+  let a = seed >>> 0;
+  return () => {
+    a = (a + 0x6d2b79f5) >>> 0;
+    let t = a;
+    t = Math.imul(t ^ (t >>> 15), t | 1);
+    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+  };
+}

@@ -1,0 +1,45 @@
+import OpenAI from "openai";
+import type { LLM } from "./llm.ts";
+
+/** Options for {@linkcode createOpenAiLlm}. */
+export interface OpenAiOptions {
+  apiKey: string;
+  model: string;
+  /** Any OpenAI-compatible server; the SDK's default when unset. */
+  baseURL?: string;
+  fetch?: typeof fetch;
+}
+
+/** An empty or missing completion; not retryable (it is not a transport failure). */
+export class EmptyCompletion extends Error {
+  constructor(message = "The model returned no text", options?: ErrorOptions) {
+    super(message, options);
+    this.name = "EmptyCompletion";
+  }
+}
+
+/**
+ * An {@linkcode LLM} on OpenAI-compatible Chat Completions. The SDK's own
+ * retries are off (`maxRetries: 0`): the retry policy is the only layer that
+ * retries, or four attempts would become twelve requests.
+ */
+export function createOpenAiLlm(options: OpenAiOptions): LLM & { client: OpenAI } {
+  const client = new OpenAI({
+    apiKey: options.apiKey,
+    baseURL: options.baseURL,
+    maxRetries: 0,
+    fetch: options.fetch,
+  });
+  return {
+    client,
+    async complete(prompt, { signal }) {
+      const completion = await client.chat.completions.create({
+        model: options.model,
+        messages: [{ role: "user", content: prompt }],
+      }, { signal });
+      const text = completion.choices[0]?.message?.content;
+      if (!text || !text.trim()) throw new EmptyCompletion();
+      return text.trim();
+    },
+  };
+}

@@ -1,0 +1,77 @@
+import { APIConnectionError, APIError } from "openai";
+import { TimeoutError } from "../async/timeout.ts";
+import { AttemptTimeout, ConnectionError, DeadlineExceeded, UpstreamHttpError } from "./errors.ts";
+
+/** Statuses a later attempt can fix, besides every 5xx (the same set the OpenAI SDK uses). */
+export const RETRYABLE_STATUS: ReadonlySet<number> = new Set([408, 409, 429]);
+
+/** The HTTP status an error carries, from the OpenAI SDK or a plain-fetch provider. */
+export function statusOf(error: unknown): number | undefined {
+  if (error instanceof APIError && typeof error.status === "number") return error.status;
+  if (error instanceof UpstreamHttpError) return error.status;
+  return undefined;
+}
+
+function headersOf(error: unknown): Headers | undefined {
+  if (error instanceof UpstreamHttpError) return error.headers;
+  if (error instanceof APIError && error.headers) return new Headers(error.headers as HeadersInit);
+  return undefined;
+}
+
+/** Whether the provider says the account's quota is spent: waiting will not fix that. */
+export function isQuotaExhausted(error: unknown): boolean {
+  if (error instanceof APIError) {
+    const body = error.error as { code?: unknown; type?: unknown } | undefined;
+    return [error.code, error.type, body?.code, body?.type].includes("insufficient_quota");
+  }
+  if (error instanceof UpstreamHttpError) return error.body.includes("insufficient_quota");
+  return false;
+}
+
+/**
+ * Whether a later attempt can succeed. Timeouts, connection errors, 408,
+ * 409, 429 and every 5xx are retryable. {@linkcode DeadlineExceeded} is not,
+ * nor is a 429 for an exhausted quota, nor any unknown error: a bug fails the
+ * same way every time, so it is not worth paying for again.
+ */
+export function isRetryable(error: unknown): boolean {
+  if (error instanceof DeadlineExceeded) return false;
+  if (error instanceof AttemptTimeout || error instanceof TimeoutError || error instanceof ConnectionError) {
+    return true;
+  }
+  if (error instanceof APIConnectionError) return true; // includes the SDK's timeout error
+  if (error instanceof DOMException && error.name === "TimeoutError") return true;
+  const status = statusOf(error);
+  if (status === undefined) return false;
+  if (status === 429 && isQuotaExhausted(error)) return false;
+  return RETRYABLE_STATUS.has(status) || status >= 500;
+}
+
+/** A short reason label for logs and metrics: `timeout`, `connection`, `http_429`, ... */
+export function reasonOf(error: unknown): string {
+  if (error instanceof DeadlineExceeded) return "deadline";
+  if (
+    error instanceof AttemptTimeout || error instanceof TimeoutError ||
+    (error instanceof DOMException && error.name === "TimeoutError")
+  ) return "timeout";
+  if (error instanceof ConnectionError || error instanceof APIConnectionError) return "connection";
+  const status = statusOf(error);
+  if (status !== undefined) return `http_${status}`;
+  return error instanceof Error ? error.name : "unknown";
+}
+
+/**
+ * The wait the provider asked for, in ms: `retry-after-ms`, or `Retry-After`
+ * as seconds or an HTTP date. Undefined when absent or unparseable.
+ */
+export function retryAfterMs(error: unknown, nowEpochMs: number = Date.now()): number | undefined {
+  const headers = headersOf(error);
+  if (!headers) return undefined;
+  const ms = headers.get("retry-after-ms");
+  if (ms !== null && /^\d+(\.\d+)?$/.test(ms.trim())) return Number(ms);
+  const after = headers.get("retry-after");
+  if (after === null) return undefined;
+  if (/^\d+(\.\d+)?$/.test(after.trim())) return Number(after) * 1000;
+  const date = Date.parse(after);
+  return Number.isNaN(date) ? undefined : Math.max(0, date - nowEpochMs);
+}

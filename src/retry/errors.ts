@@ -1,0 +1,40 @@
+/**
+ * The time budget of one delivery is spent. Deliberately not a timeout: it is
+ * never retried in-process. A job treats it as transient, so the message is
+ * redelivered with a fresh budget and MAX_DELIVERIES caps the total.
+ */
+export class DeadlineExceeded extends Error {
+  constructor(message: string, options?: ErrorOptions) {
+    super(message, options);
+    this.name = "DeadlineExceeded";
+  }
+}
+
+/** One attempt ran past its wall-clock cap. Retryable. */
+export class AttemptTimeout extends Error {
+  constructor(message: string, options?: ErrorOptions) {
+    super(message, options);
+    this.name = "AttemptTimeout";
+  }
+}
+
+/** A non-2xx answer from an HTTP provider called with plain `fetch`. */
+export class UpstreamHttpError extends Error {
+  constructor(
+    readonly status: number,
+    readonly headers: Headers,
+    readonly body: string,
+    options?: ErrorOptions,
+  ) {
+    super(`Upstream answered ${status}: ${body.slice(0, 200)}`, options);
+    this.name = "UpstreamHttpError";
+  }
+}
+
+/** The request never got an HTTP answer (refused, reset, DNS). Retryable. */
+export class ConnectionError extends Error {
+  constructor(message: string, options?: ErrorOptions) {
+    super(message, options);
+    this.name = "ConnectionError";
+  }
+}

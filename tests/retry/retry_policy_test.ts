@@ -1,0 +1,237 @@
+import assert from "node:assert/strict";
+import { BadRequestError, InternalServerError, RateLimitError } from "openai";
+import { isRetryable, retryAfterMs } from "../../src/retry/classify.ts";
+import { Deadline } from "../../src/retry/deadline.ts";
+import { AttemptTimeout, ConnectionError, DeadlineExceeded, UpstreamHttpError } from "../../src/retry/errors.ts";
+import { type AttemptReport, backoffMs, callWithRetries } from "../../src/retry/retry_policy.ts";
+import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
+import { errorBody, startFakeModel } from "../../src/testing/fake_model_server.ts";
+import { fakeClock, seededRandom } from "../_support.ts";
+
+const upstream = (status: number, headers: Record<string, string> = {}, body = "") =>
+  new UpstreamHttpError(status, new Headers(headers), body);
+
+Deno.test("isRetryable() retries timeouts, connection errors, 408, 409, 429 and 5xx, nothing else", () => {
+  for (const s of [408, 409, 429, 500, 502, 503, 504, 599]) assert.equal(isRetryable(upstream(s)), true, `status ${s}`);
+  for (const s of [400, 401, 403, 404, 413, 422]) assert.equal(isRetryable(upstream(s)), false, `status ${s}`);
+  assert.equal(isRetryable(new AttemptTimeout("slow")), true);
+  assert.equal(isRetryable(new ConnectionError("refused")), true);
+  assert.equal(isRetryable(new DOMException("t", "TimeoutError")), true);
+  assert.equal(isRetryable(new DeadlineExceeded("spent")), false);
+  assert.equal(isRetryable(new TypeError("a bug")), false);
+  assert.equal(isRetryable(new Error("unknown")), false);
+  assert.equal(isRetryable(upstream(429, {}, JSON.stringify(errorBody("quota", "insufficient_quota")))), false);
+  const sdk429 = new RateLimitError(429, errorBody("slow down", "requests"), "slow down", new Headers());
+  assert.equal(isRetryable(sdk429), true);
+  const quota = new RateLimitError(
+    429,
+    errorBody("You exceeded your current quota", "insufficient_quota", "insufficient_quota").error,
+    "quota",
+    new Headers(),
+  );
+  assert.equal(isRetryable(quota), false);
+  assert.equal(isRetryable(new BadRequestError(400, undefined, "bad", new Headers())), false);
+  assert.equal(isRetryable(new InternalServerError(503, undefined, "down", new Headers())), true);
+});
+
+Deno.test("retryAfterMs() reads retry-after-ms, seconds and HTTP dates", () => {
+  const now = Date.parse("2026-11-30T10:00:00Z");
+  assert.equal(retryAfterMs(upstream(429, { "retry-after-ms": "250" }), now), 250);
+  assert.equal(retryAfterMs(upstream(429, { "retry-after": "3" }), now), 3000);
+  assert.equal(retryAfterMs(upstream(503, { "retry-after": "Mon, 30 Nov 2026 10:00:05 GMT" }), now), 5000);
+  assert.equal(retryAfterMs(upstream(503, { "retry-after": "soon" }), now), undefined);
+  assert.equal(retryAfterMs(upstream(503), now), undefined);
+});
+
+Deno.test("backoffMs() stays within full-jitter bounds for a seeded random source, and caps Retry-After", () => {
+  const random = seededRandom(42);
+  const seen: number[] = [];
+  for (let attempt = 1; attempt <= 8; attempt++) {
+    for (let i = 0; i < 200; i++) {
+      const wait = backoffMs(attempt, new Error("x"), { baseMs: 100, capMs: 2000, random, epochNow: 0 });
+      const bound = Math.min(2000, 100 * 2 ** attempt);
+      assert.ok(wait >= 0 && wait < bound, `attempt ${attempt}: ${wait} in [0, ${bound})`);
+      seen.push(wait / bound);
+    }
+  }
+  // Full jitter spreads waits over the whole range, not near the top.
+  assert.ok(Math.min(...seen) < 0.05 && Math.max(...seen) > 0.95);
+  const capped = backoffMs(1, upstream(429, { "retry-after": "60" }), {
+    baseMs: 100,
+    capMs: 2000,
+    random,
+    epochNow: 0,
+  });
+  assert.equal(capped, 2000);
+});
+
+Deno.test("callWithRetries() with the real SDK", async (t) => {
+  await t.step(
+    "a 429 with Retry-After is retried after exactly that wait and succeeds on the second request",
+    async () => {
+      const model = startFakeModel((n) =>
+        n === 1
+          ? { kind: "status", status: 429, headers: { "retry-after": "2" }, body: errorBody("slow down", "requests") }
+          : { kind: "ok" }
+      );
+      try {
+        const llm = createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: model.url });
+        const clock = fakeClock();
+        const reports: AttemptReport[] = [];
+        const text = await callWithRetries((signal) => llm.complete("Revenue rose. Costs fell.", { signal }), {
+          deadline: Deadline.after(60_000, clock),
+          perCallTimeoutMs: 20_000,
+          maxAttempts: 4,
+          capMs: 8_000,
+          clock,
+          onAttempt: (r) => reports.push(r),
+        });
+        assert.equal(text, "Revenue rose. Costs fell.");
+        assert.equal(model.requests, 2);
+        assert.deepEqual(clock.sleeps, [2000]);
+        assert.deepEqual(reports.map((r) => [r.outcome, r.reason]), [["retry", "http_429"], ["ok", undefined]]);
+      } finally {
+        await model.close();
+      }
+    },
+  );
+
+  await t.step("a 400 raises BadRequestError and is not retried: the server sees one request", async () => {
+    const model = startFakeModel(() => ({
+      kind: "status",
+      status: 400,
+      body: errorBody("too long", "invalid_request_error"),
+    }));
+    try {
+      const llm = createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: model.url });
+      const clock = fakeClock();
+      await assert.rejects(
+        () =>
+          callWithRetries((signal) => llm.complete("x", { signal }), {
+            deadline: Deadline.after(60_000, clock),
+            perCallTimeoutMs: 20_000,
+            maxAttempts: 4,
+            clock,
+          }),
+        BadRequestError,
+      );
+      assert.equal(model.requests, 1);
+      assert.deepEqual(clock.sleeps, []);
+    } finally {
+      await model.close();
+    }
+  });
+
+  await t.step("insufficient_quota is permanent: one request, no wait", async () => {
+    const model = startFakeModel(() => ({
+      kind: "status",
+      status: 429,
+      headers: { "retry-after": "1" },
+      body: errorBody("You exceeded your current quota", "insufficient_quota", "insufficient_quota"),
+    }));
+    try {
+      const llm = createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: model.url });
+      const clock = fakeClock();
+      const error = await callWithRetries((signal) => llm.complete("x", { signal }), {
+        deadline: Deadline.after(60_000, clock),
+        perCallTimeoutMs: 20_000,
+        maxAttempts: 4,
+        clock,
+      }).catch((e) => e);
+      assert.ok(error instanceof RateLimitError);
+      assert.equal(isRetryable(error), false);
+      assert.equal(model.requests, 1);
+    } finally {
+      await model.close();
+    }
+  });
+
+  await t.step("a 503 storm stops after maxAttempts requests and rethrows a retryable error", async () => {
+    const model = startFakeModel(() => ({ kind: "status", status: 503 }));
+    try {
+      const llm = createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: model.url });
+      const clock = fakeClock();
+      const error = await callWithRetries((signal) => llm.complete("x", { signal }), {
+        deadline: Deadline.after(60_000, clock),
+        perCallTimeoutMs: 20_000,
+        maxAttempts: 4,
+        baseMs: 100,
+        clock,
+        random: seededRandom(1),
+      }).catch((e) => e);
+      assert.ok(error instanceof InternalServerError);
+      assert.equal(isRetryable(error), true);
+      assert.equal(model.requests, 4);
+      assert.equal(clock.sleeps.length, 3);
+    } finally {
+      await model.close();
+    }
+  });
+
+  await t.step(
+    "a model that always hangs: per-call 0.2 s, deadline 0.5 s, fails in under 0.6 s after at most 3 calls",
+    async () => {
+      const model = startFakeModel(() => ({ kind: "hang" }));
+      try {
+        const llm = createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: model.url });
+        const started = performance.now();
+        const error = await callWithRetries((signal) => llm.complete("x", { signal }), {
+          deadline: Deadline.after(500),
+          perCallTimeoutMs: 200,
+          maxAttempts: 10,
+          baseMs: 50,
+          capMs: 200,
+        }).catch((e) => e);
+        const elapsed = performance.now() - started;
+        assert.ok(error instanceof DeadlineExceeded, `got ${error}`);
+        assert.ok(error.cause instanceof AttemptTimeout);
+        assert.ok(elapsed < 600, `failed after ${elapsed.toFixed(0)} ms`);
+        assert.ok(model.requests >= 1 && model.requests <= 3, `${model.requests} calls`);
+      } finally {
+        await model.close();
+      }
+    },
+  );
+
+  await t.step("a dripping response is cut by the wall-clock cap", async () => {
+    const model = startFakeModel(() => ({ kind: "drip", intervalMs: 50 }));
+    try {
+      const llm = createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: model.url });
+      const started = performance.now();
+      const error = await callWithRetries((signal) => llm.complete("x", { signal }), {
+        deadline: Deadline.after(10_000),
+        perCallTimeoutMs: 300,
+        maxAttempts: 1,
+      }).catch((e) => e);
+      const elapsed = performance.now() - started;
+      assert.ok(error instanceof AttemptTimeout, `got ${error}`);
+      assert.ok(isRetryable(error));
+      assert.ok(elapsed >= 290 && elapsed < 1500, `cut after ${elapsed.toFixed(0)} ms`);
+      assert.equal(model.requests, 1);
+    } finally {
+      await model.close();
+    }
+  });
+});
+
+Deno.test("callWithRetries() stops before a sleep that would leave less than one useful attempt", async () => {
+  const clock = fakeClock();
+  let calls = 0;
+  const error = await callWithRetries(() => {
+    calls++;
+    clock.advance(4_000);
+    return Promise.reject(upstream(503, { "retry-after": "5" }));
+  }, {
+    deadline: Deadline.after(10_000, clock),
+    perCallTimeoutMs: 5_000,
+    maxAttempts: 10,
+    minAttemptMs: 1_000,
+    capMs: 8_000,
+    clock,
+  }).catch((e) => e);
+  // t=4 s after the first call; waiting 5 s leaves 1 s: still one useful attempt.
+  // t=13 s would be past the budget, so the second failure stops before sleeping.
+  assert.ok(error instanceof DeadlineExceeded);
+  assert.equal(calls, 2);
+  assert.deepEqual(clock.sleeps, [5_000]);
+});
