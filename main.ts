@@ -7,13 +7,18 @@
 import type { Redis } from "ioredis";
 import type { Sql } from "postgres";
 import { connectPostgres, connectRedis, DependencyDown } from "./src/clients.ts";
+import { dlqCommand } from "./src/cli/dlq_command.ts";
 import { tenantCommand } from "./src/cli/tenant_command.ts";
 import { type Config, CONFIG_VARIABLES, ConfigError, parseConfig } from "./src/config.ts";
 import { migrate, readMigrations } from "./src/db/migrate.ts";
 import { createIdempotencyStore } from "./src/idempotency/idempotency_store.ts";
+import { createExtractiveLlm } from "./src/llm/extractive.ts";
+import type { LLM } from "./src/llm/llm.ts";
+import { createOpenAiLlm } from "./src/llm/openai_llm.ts";
 import { createLogger, type Logger } from "./src/log/logger.ts";
 import { createHandler } from "./src/summaries/api.ts";
 import { jobKeys } from "./src/summaries/keys.ts";
+import { createSummaryWorker } from "./src/summaries/worker.ts";
 import { createAuthenticator } from "./src/tenants/authenticator.ts";
 import { createApiKey, tenantExists } from "./src/tenants/tenant_store.ts";
 
@@ -90,6 +95,39 @@ async function serveApi(config: Config, { redis, sql }: Clients, log: Logger, si
   log.info("api_stopped");
 }
 
+function buildLlm(config: Config): LLM {
+  if (config.LLM_PROVIDER === "extractive") return createExtractiveLlm();
+  return createOpenAiLlm({
+    apiKey: config.OPENAI_API_KEY!,
+    model: config.OPENAI_MODEL,
+    baseURL: config.OPENAI_BASE_URL,
+  });
+}
+
+async function runWorker(config: Config, { redis, sql }: Clients, log: Logger, signal: AbortSignal): Promise<void> {
+  const consumer = `${Deno.hostname()}-${Deno.pid}-${crypto.randomUUID().slice(0, 6)}`;
+  const worker = createSummaryWorker({ redis, sql, llm: buildLlm(config), log }, {
+    keys: jobKeys(REDIS_PREFIX),
+    consumer,
+    claimIdleMs: config.CLAIM_IDLE_MS,
+    maxDeliveries: config.MAX_DELIVERIES,
+    concurrency: config.WORKER_CONCURRENCY,
+    graceMs: 5_000,
+    job: {
+      budgetMs: config.JOB_BUDGET_S * 1000,
+      perCallTimeoutMs: config.LLM_CALL_TIMEOUT_S * 1000,
+      maxAttempts: config.LLM_MAX_ATTEMPTS,
+    },
+  });
+  log.info("worker_started", { consumer, concurrency: config.WORKER_CONCURRENCY, llm: config.LLM_PROVIDER });
+  try {
+    await worker.run(signal);
+  } finally {
+    await worker.close();
+    log.info("worker_stopped", { consumer });
+  }
+}
+
 async function ensureDevTenant(sql: Sql, config: Config): Promise<void> {
   if (config.AUTH_MODE !== "api-key" || await tenantExists(sql, "dev")) {
     console.log('Tenant "dev" exists. For a new key: deno task tenant create dev');
@@ -131,12 +169,25 @@ async function run(command: Command, args: string[], config: Config, log: Logger
       return await withClients(config, { sql: true, redis: true }, async (clients) => {
         await migrate({ sql: clients.sql!, log }, await readMigrations());
         await ensureDevTenant(clients.sql!, config);
-        await serveApi(config, clients as Clients, log, shutdownSignal(log));
+        const signal = shutdownSignal(log);
+        await Promise.all([
+          serveApi(config, clients as Clients, log.child({ component: "api" }), signal),
+          runWorker(config, clients as Clients, log.child({ component: "worker" }), signal),
+        ]);
         return 0;
       });
     case "worker":
-    case "relay":
+      return await withClients(config, { sql: true, redis: true }, async (clients) => {
+        await runWorker(config, clients as Clients, log, shutdownSignal(log));
+        return 0;
+      });
     case "dlq":
+      return await withClients(
+        config,
+        { redis: true },
+        ({ redis }) => dlqCommand(redis!, jobKeys(REDIS_PREFIX), args, { isTerminal: Deno.stdout.isTerminal() }),
+      );
+    case "relay":
       console.error(`${command}: not implemented yet`);
       return 1;
   }

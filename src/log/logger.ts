@@ -28,7 +28,8 @@ const encoder = new TextEncoder();
 
 function describe(value: unknown): unknown {
   if (value instanceof Error) {
-    const out: Record<string, unknown> = { name: value.name, message: value.message };
+    const name = value.name === "Error" ? value.constructor.name : value.name;
+    const out: Record<string, unknown> = { name, message: value.message };
     if ("status" in value && typeof value.status === "number") out.status = value.status;
     if ("code" in value && value.code !== undefined) out.code = value.code;
     return out;

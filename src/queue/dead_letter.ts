@@ -1,0 +1,101 @@
+import type { ChainableCommander, Redis } from "ioredis";
+import { defineScript } from "../redis/script.ts";
+import { fieldsToObject, type QueueNames, type StreamMessage } from "./message.ts";
+
+/** Adds app-specific commands (e.g. marking a job failed) to the dead-letter MULTI. Keys must share the queue's hash tag. */
+export type DeadLetterHook = (multi: ChainableCommander, message: StreamMessage, reason: string) => void;
+
+/** Fields the dead entry carries besides the original ones. */
+const META = ["dead_reason", "dead_deliveries", "dead_at", "original_id"] as const;
+
+/**
+ * Moves a message to the dead-letter stream: XADD to the dead stream, XACK
+ * and XDEL on the job stream, in one MULTI/EXEC, so a message is never both
+ * dead and pending, nor acknowledged and lost. The dead entry records the
+ * reason, the delivery count and the original fields (tenant included).
+ */
+export async function deadLetter(
+  redis: Redis,
+  names: QueueNames,
+  message: StreamMessage,
+  reason: string,
+  hook?: DeadLetterHook,
+): Promise<void> {
+  const entry: string[] = [];
+  for (const [k, v] of Object.entries(message.fields)) entry.push(k, v);
+  entry.push(
+    "dead_reason",
+    reason.slice(0, 2000),
+    "dead_deliveries",
+    String(message.deliveries),
+    "dead_at",
+    new Date().toISOString(),
+    "original_id",
+    message.id,
+  );
+  const multi = redis.multi()
+    .xadd(names.dead, "*", ...entry)
+    .xack(names.stream, names.group, message.id)
+    .xdel(names.stream, message.id);
+  hook?.(multi, message, reason);
+  const results = await multi.exec();
+  if (!results) throw new Error("Dead-letter transaction was aborted");
+  for (const [error] of results) if (error) throw error;
+}
+
+/** A dead-lettered message as `dlq list` shows it. */
+export interface DeadLetter {
+  id: string;
+  original_id: string;
+  reason: string;
+  deliveries: number;
+  dead_at: string;
+  /** The original fields, without the dead-letter metadata. */
+  fields: Record<string, string>;
+}
+
+/** Lists dead letters, oldest first. */
+export async function listDeadLetters(redis: Redis, names: QueueNames, count = 1000): Promise<DeadLetter[]> {
+  const entries = await redis.xrange(names.dead, "-", "+", "COUNT", count);
+  return entries.map(([id, flat]) => {
+    const all = fieldsToObject(flat);
+    const fields = { ...all };
+    for (const k of META) delete fields[k];
+    return {
+      id,
+      original_id: all.original_id ?? "",
+      reason: all.dead_reason ?? "",
+      deliveries: Number(all.dead_deliveries ?? 0),
+      dead_at: all.dead_at ?? "",
+      fields,
+    };
+  });
+}
+
+// Re-enqueue and remove the dead entry atomically, and only if it is still
+// there: replaying the same id twice enqueues once.
+const REPLAY = defineScript(`
+local entries = redis.call('XRANGE', KEYS[2], ARGV[1], ARGV[1])
+if #entries == 0 then return false end
+local flat = entries[1][2]
+local fields = {}
+for i = 1, #flat, 2 do
+  local k = flat[i]
+  if k ~= 'dead_reason' and k ~= 'dead_deliveries' and k ~= 'dead_at' and k ~= 'original_id' then
+    table.insert(fields, k)
+    table.insert(fields, flat[i + 1])
+  end
+end
+local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
+redis.call('XDEL', KEYS[2], ARGV[1])
+return id`);
+
+/**
+ * Re-enqueues a dead letter with its original fields (so the original job
+ * id) and deletes it from the dead stream, atomically.
+ * @returns the new stream entry id, or null if no such dead letter exists.
+ */
+export async function replayDeadLetter(redis: Redis, names: QueueNames, deadId: string): Promise<string | null> {
+  const id = await REPLAY.run(redis, [names.stream, names.dead], [deadId]);
+  return typeof id === "string" ? id : null;
+}

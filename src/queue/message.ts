@@ -1,0 +1,21 @@
+/** A stream entry as the worker hands it to a handler. */
+export interface StreamMessage {
+  id: string;
+  fields: Record<string, string>;
+  /** How many times the group has delivered it, this delivery included (from the PEL, so it survives crashes). */
+  deliveries: number;
+}
+
+/** Turns Redis's flat `[k, v, k, v]` field list into an object. */
+export function fieldsToObject(flat: string[]): Record<string, string> {
+  const out: Record<string, string> = {};
+  for (let i = 0; i + 1 < flat.length; i += 2) out[flat[i]!] = flat[i + 1]!;
+  return out;
+}
+
+/** Names of a consumer group's stream and its dead-letter stream. Both must share one hash tag. */
+export interface QueueNames {
+  stream: string;
+  dead: string;
+  group: string;
+}

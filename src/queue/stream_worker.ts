@@ -1,0 +1,275 @@
+import type { Redis } from "ioredis";
+import { settlesWithin, sleep } from "../async/timeout.ts";
+import type { Logger } from "../log/logger.ts";
+import { defineScript } from "../redis/script.ts";
+import { deadLetter, type DeadLetterHook } from "./dead_letter.ts";
+import { PermanentJobError } from "./errors.ts";
+import { fieldsToObject, type QueueNames, type StreamMessage } from "./message.ts";
+
+/** Handles one message. Resolve to acknowledge; throw to leave it pending for redelivery. */
+export type MessageHandler = (message: StreamMessage, signal: AbortSignal) => Promise<unknown>;
+
+/** Counters a worker reports; wire them to metrics. */
+export interface WorkerEvents {
+  delivered?(message: StreamMessage, source: "new" | "reclaimed"): void;
+  acked?(message: StreamMessage, durationMs: number): void;
+  failed?(message: StreamMessage, error: unknown): void;
+  deadLettered?(message: StreamMessage, reason: string): void;
+  inFlight?(count: number): void;
+}
+
+/** Options for {@linkcode createStreamWorker}. */
+export interface StreamWorkerOptions extends QueueNames {
+  /** Unique per process: host + pid + random. */
+  consumer: string;
+  /** Idle time after which another consumer may reclaim a pending message. */
+  claimIdleMs: number;
+  /** Deliveries allowed before a message is dead-lettered. */
+  maxDeliveries: number;
+  /** Handlers running at once in this process. */
+  concurrency: number;
+  /** How long one XREADGROUP blocks waiting for new messages. */
+  blockMs?: number;
+  /** How often in-flight messages' idle time is refreshed; default `claimIdleMs / 4`. */
+  heartbeatMs?: number;
+  /** Time in-flight handlers get to finish after stop; the rest stay pending. */
+  graceMs?: number;
+  onDeadLetter?: DeadLetterHook;
+  events?: WorkerEvents;
+}
+
+/** A running consumer. */
+export interface StreamWorker {
+  /** One iteration: reclaim idle messages, read new ones into free slots, start their handlers. @returns how many were started. */
+  runOnce(blockMs?: number): Promise<number>;
+  /** Loops until `signal` aborts, then drains in-flight handlers up to the grace period. */
+  run(signal: AbortSignal): Promise<void>;
+  /** Resolves when every in-flight handler has settled. */
+  drain(): Promise<void>;
+  /** Refreshes the idle time of in-flight messages this consumer still owns. @returns the ids refreshed. */
+  heartbeat(): Promise<string[]>;
+  readonly inFlight: number;
+  /** Closes the blocking connection this worker opened. */
+  close(): Promise<void>;
+}
+
+// Refresh idle time only for entries this consumer still owns. Checking the
+// owner and claiming in one script means a worker that stalled never steals
+// back a message another worker has already reclaimed. XCLAIM ... JUSTID
+// resets the idle time without bumping the delivery count.
+const HEARTBEAT = defineScript(`
+local refreshed = {}
+for i = 2, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == KEYS[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], KEYS[2], 0, ARGV[i], 'JUSTID')
+    table.insert(refreshed, ARGV[i])
+  end
+end
+return refreshed`);
+
+type RawEntry = [id: string, fields: string[] | null];
+
+/** Ensures the consumer group exists (creating the stream if needed). */
+export async function ensureGroup(redis: Redis, names: QueueNames): Promise<void> {
+  try {
+    await redis.xgroup("CREATE", names.stream, names.group, "0", "MKSTREAM");
+  } catch (error) {
+    if (!(error instanceof Error) || !error.message.startsWith("BUSYGROUP")) throw error;
+  }
+}
+
+/**
+ * Creates a consumer-group worker with at-least-once delivery: messages are
+ * acknowledged only after their handler resolves, reclaimed with XAUTOCLAIM
+ * when idle past `claimIdleMs`, and dead-lettered after `maxDeliveries`.
+ * Up to `concurrency` handlers run at once; more are read as slots free up.
+ */
+export function createStreamWorker(
+  { redis, log }: { redis: Redis; log: Logger },
+  options: StreamWorkerOptions,
+  handler: MessageHandler,
+): StreamWorker {
+  // XREADGROUP BLOCK occupies its connection; acks and heartbeats must not queue behind it.
+  const blocking = redis.duplicate();
+  blocking.on("error", () => {});
+  const names: QueueNames = { stream: options.stream, dead: options.dead, group: options.group };
+  const blockMs = options.blockMs ?? 1_000;
+  const heartbeatMs = options.heartbeatMs ?? Math.max(50, Math.floor(options.claimIdleMs / 4));
+  const graceMs = options.graceMs ?? 5_000;
+  const events = options.events ?? {};
+  const inFlight = new Map<string, Promise<void>>();
+  const handlerAbort = new AbortController();
+  let cursor = "0-0";
+  let groupReady = false;
+  let slotFreed: (() => void) | undefined;
+
+  const settle = (id: string) => {
+    inFlight.delete(id);
+    events.inFlight?.(inFlight.size);
+    slotFreed?.();
+  };
+
+  async function process(message: StreamMessage): Promise<void> {
+    const started = performance.now();
+    const msgLog = log.child({ msg_id: message.id, job_id: message.fields.job_id, tenant: message.fields.tenant });
+    if (message.deliveries > options.maxDeliveries) {
+      const reason = `exceeded ${options.maxDeliveries} deliveries`;
+      await deadLetter(redis, names, message, reason, options.onDeadLetter);
+      events.deadLettered?.(message, reason);
+      msgLog.warn("message_dead_lettered", { reason, deliveries: message.deliveries });
+      return;
+    }
+    try {
+      await handler(message, handlerAbort.signal);
+    } catch (error) {
+      if (error instanceof PermanentJobError) {
+        const reason = `permanent: ${error.message}`;
+        await deadLetter(redis, names, message, reason, options.onDeadLetter);
+        events.deadLettered?.(message, reason);
+        msgLog.warn("message_dead_lettered", { reason, deliveries: message.deliveries });
+        return;
+      }
+      // Leave it pending: XAUTOCLAIM redelivers it after claimIdleMs, which
+      // doubles as a coarse backoff between deliveries.
+      events.failed?.(message, error);
+      msgLog.warn("message_failed", { deliveries: message.deliveries, error });
+      return;
+    }
+    // Ack only after the handler's effects are committed. XDEL keeps the
+    // stream bounded without MAXLEN, which could trim pending entries.
+    await redis.multi().xack(names.stream, names.group, message.id).xdel(names.stream, message.id).exec();
+    events.acked?.(message, performance.now() - started);
+  }
+
+  function start(message: StreamMessage, source: "new" | "reclaimed") {
+    events.delivered?.(message, source);
+    const task = process(message)
+      .catch((error) => log.error("message_processing_error", { msg_id: message.id, error }))
+      .finally(() => settle(message.id));
+    inFlight.set(message.id, task);
+    events.inFlight?.(inFlight.size);
+  }
+
+  async function reclaim(count: number): Promise<StreamMessage[]> {
+    const [next, entries] = await redis.xautoclaim(
+      names.stream,
+      names.group,
+      options.consumer,
+      options.claimIdleMs,
+      cursor,
+      "COUNT",
+      count,
+    ) as [string, RawEntry[], string[]];
+    // Keep the cursor, or every call rescans the PEL from 0-0.
+    cursor = next;
+    const live = entries.filter((e): e is [string, string[]] => e[1] !== null && !inFlight.has(e[0]));
+    if (live.length === 0) return [];
+    // XAUTOCLAIM bumped each delivery count; read the counts back from the PEL.
+    const counts = new Map<string, number>();
+    const ids = live.map(([id]) => id);
+    const pending = await redis.xpending(
+      names.stream,
+      names.group,
+      ids[0]!,
+      ids[ids.length - 1]!,
+      ids.length,
+      options.consumer,
+    ) as [string, string, number, number][];
+    for (const [id, , , times] of pending) counts.set(id, times);
+    return live.map(([id, flat]) => ({ id, fields: fieldsToObject(flat), deliveries: counts.get(id) ?? 2 }));
+  }
+
+  async function readNew(count: number, block: number): Promise<StreamMessage[]> {
+    const args: (string | number)[] = ["GROUP", names.group, options.consumer, "COUNT", count];
+    if (block > 0) args.push("BLOCK", block);
+    args.push("STREAMS", names.stream, ">");
+    const reply = await blocking.call("XREADGROUP", ...args) as [string, RawEntry[]][] | null;
+    const entries = reply?.[0]?.[1] ?? [];
+    // A new message has been delivered exactly once.
+    return entries.filter((e): e is [string, string[]] => e[1] !== null)
+      .map(([id, flat]) => ({ id, fields: fieldsToObject(flat), deliveries: 1 }));
+  }
+
+  async function runOnce(block = blockMs): Promise<number> {
+    if (!groupReady) {
+      await ensureGroup(redis, names);
+      groupReady = true;
+    }
+    let free = options.concurrency - inFlight.size;
+    if (free <= 0) return 0;
+    const reclaimed = await reclaim(free);
+    for (const m of reclaimed) start(m, "reclaimed");
+    free -= reclaimed.length;
+    let started = reclaimed.length;
+    if (free > 0) {
+      const fresh = await readNew(free, reclaimed.length > 0 ? 0 : block);
+      for (const m of fresh) start(m, "new");
+      started += fresh.length;
+    }
+    return started;
+  }
+
+  async function heartbeat(): Promise<string[]> {
+    const ids = [...inFlight.keys()];
+    if (ids.length === 0) return [];
+    const refreshed = await HEARTBEAT.run(redis, [names.stream, options.consumer], [names.group, ...ids]) as string[];
+    if (refreshed.length < ids.length) {
+      const lost = ids.filter((id) => !refreshed.includes(id));
+      log.warn("messages_reclaimed_by_another_consumer", { msg_ids: lost });
+    }
+    return refreshed;
+  }
+
+  async function drain(): Promise<void> {
+    await Promise.all(inFlight.values());
+  }
+
+  async function run(signal: AbortSignal): Promise<void> {
+    const beat = setInterval(() => {
+      heartbeat().catch((error) => log.warn("heartbeat_failed", { error }));
+    }, heartbeatMs);
+    const wake = () => slotFreed?.();
+    signal.addEventListener("abort", wake);
+    try {
+      while (!signal.aborted) {
+        if (inFlight.size >= options.concurrency) {
+          await new Promise<void>((resolve) => (slotFreed = resolve));
+          slotFreed = undefined;
+          continue;
+        }
+        try {
+          await runOnce(Math.min(blockMs, 1_000));
+        } catch (error) {
+          if (signal.aborted) break;
+          log.warn("worker_read_failed", { error });
+          await sleep(500, signal).catch(() => {});
+        }
+      }
+      // Stop reading; let in-flight handlers finish within the grace period.
+      if (!(await settlesWithin(drain(), graceMs))) {
+        // Abandoned messages stay pending and are reclaimed by another worker.
+        log.warn("worker_abandoned_in_flight", { count: inFlight.size });
+        handlerAbort.abort(new Error("worker stopping"));
+        await settlesWithin(drain(), 500);
+      }
+    } finally {
+      clearInterval(beat);
+      signal.removeEventListener("abort", wake);
+    }
+  }
+
+  return {
+    runOnce,
+    run,
+    drain,
+    heartbeat,
+    get inFlight() {
+      return inFlight.size;
+    },
+    async close() {
+      handlerAbort.abort(new Error("worker closed"));
+      await blocking.quit().catch(() => blocking.disconnect());
+    },
+  };
+}

@@ -1,0 +1,92 @@
+import type { Sql } from "postgres";
+import { z } from "zod";
+import type { LLM } from "../llm/llm.ts";
+import { summaryPrompt } from "../llm/llm.ts";
+import type { Logger } from "../log/logger.ts";
+import { PermanentJobError } from "../queue/errors.ts";
+import type { StreamMessage } from "../queue/message.ts";
+import { isRetryable } from "../retry/classify.ts";
+import type { Clock } from "../retry/clock.ts";
+import { Deadline } from "../retry/deadline.ts";
+import { DeadlineExceeded } from "../retry/errors.ts";
+import { type AttemptReport, callWithRetries } from "../retry/retry_policy.ts";
+import type { GroupCommitter } from "./commit.ts";
+import { SummaryRequest } from "./schemas.ts";
+
+/** Options for {@linkcode createSummaryJob}. */
+export interface SummaryJobOptions {
+  /** Budget of one delivery across attempts and sleeps (JOB_BUDGET_S). */
+  budgetMs: number;
+  perCallTimeoutMs: number;
+  maxAttempts: number;
+  clock?: Clock;
+  random?: () => number;
+  backoffBaseMs?: number;
+  backoffCapMs?: number;
+  onAttempt?: (report: AttemptReport & { job_id: string }) => void;
+}
+
+const Fields = z.object({ job_id: z.uuid(), tenant: z.string().min(1), payload: z.string() });
+
+/**
+ * The summary job: model call, then summary + outbox row in one transaction.
+ * Safe under redelivery: a committed job skips the model, and a racing
+ * delivery that loses the insert writes no outbox row.
+ * @returns "done" when this delivery committed the job, "duplicate" otherwise.
+ * @throws {PermanentJobError} for a malformed message or a model error no retry can fix.
+ * @throws the retryable error, or {@linkcode DeadlineExceeded}, to leave the message pending.
+ */
+export function createSummaryJob(
+  { sql, llm, log, committer }: { sql: Sql; llm: LLM; log: Logger; committer: GroupCommitter },
+  options: SummaryJobOptions,
+): (message: StreamMessage, signal: AbortSignal) => Promise<"done" | "duplicate"> {
+  return async (message, signal) => {
+    const fields = Fields.safeParse(message.fields);
+    if (!fields.success) throw new PermanentJobError(`malformed job message: ${fields.error.issues[0]?.message}`);
+    const { job_id, tenant } = fields.data;
+    let request: SummaryRequest;
+    try {
+      request = SummaryRequest.parse(JSON.parse(fields.data.payload));
+    } catch (cause) {
+      throw new PermanentJobError("malformed job payload", { cause });
+    }
+    const jobLog = log.child({ job_id, tenant, msg_id: message.id });
+
+    // Cheap pre-check: a redelivery of a committed job (crash between commit
+    // and XACK) skips the model call. The guarantee is the primary key below.
+    const existing = await sql`SELECT 1 FROM summaries WHERE job_id = ${job_id}`;
+    if (existing.length > 0) {
+      jobLog.info("job_duplicate", { stage: "pre_check", deliveries: message.deliveries });
+      return "duplicate";
+    }
+
+    let summary: string;
+    try {
+      summary = await callWithRetries((s) => llm.complete(summaryPrompt(request.text), { signal: s }), {
+        deadline: Deadline.after(options.budgetMs, options.clock),
+        perCallTimeoutMs: options.perCallTimeoutMs,
+        maxAttempts: options.maxAttempts,
+        baseMs: options.backoffBaseMs,
+        capMs: options.backoffCapMs,
+        clock: options.clock,
+        random: options.random,
+        signal,
+        onAttempt: (report) => {
+          jobLog[report.outcome === "ok" ? "debug" : "info"]("model_attempt", { ...report });
+          options.onAttempt?.({ ...report, job_id });
+        },
+      });
+    } catch (error) {
+      // Transient: leave the message pending; redelivery brings a fresh budget.
+      if (signal.aborted || error instanceof DeadlineExceeded || isRetryable(error)) throw error;
+      const name = error instanceof Error ? (error.name === "Error" ? error.constructor.name : error.name) : "Error";
+      throw new PermanentJobError(`${name}: ${error instanceof Error ? error.message : String(error)}`, {
+        cause: error,
+      });
+    }
+
+    const outcome = await committer.commit({ jobId: job_id, tenant, summary, notify: request.notify });
+    jobLog.info(outcome === "done" ? "job_done" : "job_duplicate", { stage: "commit", deliveries: message.deliveries });
+    return outcome;
+  };
+}

@@ -1,0 +1,56 @@
+import type { Redis } from "ioredis";
+import type { Sql } from "postgres";
+import type { LLM } from "../llm/llm.ts";
+import type { Logger } from "../log/logger.ts";
+import type { DeadLetterHook } from "../queue/dead_letter.ts";
+import { createStreamWorker, type StreamWorker, type WorkerEvents } from "../queue/stream_worker.ts";
+import { createGroupCommitter } from "./commit.ts";
+import { JOB_RECORD_TTL_S, type JobKeys } from "./keys.ts";
+import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
+
+/** Options for {@linkcode createSummaryWorker}. */
+export interface SummaryWorkerOptions {
+  keys: JobKeys;
+  consumer: string;
+  claimIdleMs: number;
+  maxDeliveries: number;
+  concurrency: number;
+  job: SummaryJobOptions;
+  blockMs?: number;
+  graceMs?: number;
+  heartbeatMs?: number;
+  events?: WorkerEvents;
+}
+
+/** Marks the job failed for `GET /v1/summaries/{id}`, inside the dead-letter MULTI (same `{jobs}` hash tag). */
+export function markFailedHook(keys: JobKeys): DeadLetterHook {
+  return (multi, message, reason) => {
+    const jobId = message.fields.job_id;
+    if (!jobId) return;
+    multi.hset(keys.job(jobId), "status", "failed", "error", reason.slice(0, 500))
+      .expire(keys.job(jobId), JOB_RECORD_TTL_S);
+  };
+}
+
+/** The summary worker: the stream worker running the summary job. The caller closes it. */
+export function createSummaryWorker(
+  deps: { redis: Redis; sql: Sql; llm: LLM; log: Logger },
+  options: SummaryWorkerOptions,
+): StreamWorker {
+  const committer = createGroupCommitter({ sql: deps.sql, log: deps.log });
+  const job = createSummaryJob({ ...deps, committer }, options.job);
+  return createStreamWorker({ redis: deps.redis, log: deps.log }, {
+    stream: options.keys.stream,
+    dead: options.keys.dead,
+    group: options.keys.group,
+    consumer: options.consumer,
+    claimIdleMs: options.claimIdleMs,
+    maxDeliveries: options.maxDeliveries,
+    concurrency: options.concurrency,
+    blockMs: options.blockMs,
+    graceMs: options.graceMs,
+    heartbeatMs: options.heartbeatMs,
+    onDeadLetter: markFailedHook(options.keys),
+    events: options.events,
+  }, job);
+}

@@ -1,0 +1,272 @@
+import assert from "node:assert/strict";
+import { listDeadLetters, replayDeadLetter } from "../../src/queue/dead_letter.ts";
+import { PermanentJobError } from "../../src/queue/errors.ts";
+import type { StreamMessage } from "../../src/queue/message.ts";
+import { createStreamWorker, ensureGroup, type MessageHandler } from "../../src/queue/stream_worker.ts";
+import { silentLogger } from "../../src/log/logger.ts";
+import { createTestRedis, type TestRedis, waitFor } from "../_support.ts";
+
+function names(prefix: string) {
+  return { stream: `${prefix}:{q}:stream`, dead: `${prefix}:{q}:dead`, group: "g" };
+}
+
+function worker(r: TestRedis, consumer: string, handler: MessageHandler, overrides: Record<string, unknown> = {}) {
+  return createStreamWorker({ redis: r.redis, log: silentLogger }, {
+    ...names(r.prefix),
+    consumer,
+    claimIdleMs: 60_000,
+    maxDeliveries: 5,
+    concurrency: 8,
+    blockMs: 10,
+    ...overrides,
+  }, handler);
+}
+
+async function pendingOf(r: TestRedis) {
+  const n = names(r.prefix);
+  return await r.redis.xpending(n.stream, n.group, "-", "+", 100) as [string, string, number, number][];
+}
+
+function gate() {
+  let open!: () => void;
+  const opened = new Promise<void>((r) => (open = r));
+  return { open, opened };
+}
+
+Deno.test("stream worker", async (t) => {
+  const r = await createTestRedis();
+  const n = names(r.prefix);
+  const add = (fields: Record<string, string> = { job_id: "j", tenant: "acme" }) =>
+    r.redis.xadd(n.stream, "*", ...Object.entries(fields).flat()) as Promise<string>;
+  const reset = async () => {
+    await r.redis.del(n.stream, n.dead);
+    await ensureGroup(r.redis, n);
+  };
+
+  try {
+    await t.step("runs up to `concurrency` handlers at once and reads more as slots free up", async () => {
+      await reset();
+      for (let i = 0; i < 12; i++) await add();
+      let running = 0, peak = 0, done = 0;
+      const g = gate();
+      const w = worker(r, "c1", async () => {
+        running++;
+        peak = Math.max(peak, running);
+        await g.opened;
+        running--;
+        done++;
+      }, { concurrency: 5 });
+      try {
+        assert.equal(await w.runOnce(), 5);
+        assert.equal(await w.runOnce(), 0, "no free slot, nothing read");
+        assert.equal(w.inFlight, 5);
+        g.open();
+        await w.drain();
+        assert.equal(await w.runOnce(), 5);
+        await w.drain();
+        assert.equal(await w.runOnce(), 2);
+        await w.drain();
+        assert.equal(peak, 5);
+        assert.equal(done, 12);
+        assert.equal((await pendingOf(r)).length, 0);
+      } finally {
+        await w.close();
+      }
+    });
+
+    await t.step("acked entries are deleted: after 5,000 jobs the stream holds only what is pending", async () => {
+      await reset();
+      const pipeline = r.redis.pipeline();
+      for (let i = 0; i < 5000; i++) pipeline.xadd(n.stream, "*", "job_id", String(i), "tenant", "acme");
+      await pipeline.exec();
+      let handled = 0;
+      const w = worker(r, "c1", () => {
+        handled++;
+        return Promise.resolve();
+      }, { concurrency: 256 });
+      const stop = new AbortController();
+      const running = w.run(stop.signal);
+      try {
+        await waitFor("5000 handled", () => handled === 5000, 30_000);
+        await waitFor("acks", async () => (await pendingOf(r)).length === 0);
+        assert.equal(await r.redis.xlen(n.stream), 0);
+      } finally {
+        stop.abort();
+        await running;
+        await w.close();
+      }
+    });
+
+    await t.step(
+      "a consumer killed after XREADGROUP: not claimable before claimIdleMs, then claimed with 2 deliveries",
+      async () => {
+        await reset();
+        const id = await add();
+        const dead = worker(r, "killed", () => new Promise(() => {}), { claimIdleMs: 300 });
+        await dead.runOnce();
+        await dead.close(); // killed: no heartbeat, no ack
+        const seen: StreamMessage[] = [];
+        const survivor = worker(r, "survivor", (m) => {
+          seen.push(m);
+          return Promise.resolve();
+        }, { claimIdleMs: 300 });
+        try {
+          assert.equal(await survivor.runOnce(0), 0, "not claimable while idle < claimIdleMs");
+          assert.equal(seen.length, 0);
+          await new Promise((res) => setTimeout(res, 350));
+          assert.equal(await survivor.runOnce(0), 1);
+          await survivor.drain();
+          assert.equal(seen[0]!.id, id);
+          assert.equal(seen[0]!.deliveries, 2);
+          assert.equal((await pendingOf(r)).length, 0);
+        } finally {
+          await survivor.close();
+        }
+      },
+    );
+
+    await t.step("heartbeat: a job running 3x claimIdleMs is not reclaimed from a live worker", async () => {
+      await reset();
+      await add();
+      let calls = 0;
+      const live = worker(r, "live", async () => {
+        calls++;
+        await new Promise((res) => setTimeout(res, 900));
+      }, { claimIdleMs: 300, heartbeatMs: 75 });
+      const rival = worker(r, "rival", () => {
+        calls++;
+        return Promise.resolve();
+      }, { claimIdleMs: 300 });
+      const stop = new AbortController();
+      const running = live.run(stop.signal);
+      try {
+        await waitFor("live took it", () => calls === 1);
+        const end = performance.now() + 1_000;
+        while (performance.now() < end) {
+          await rival.runOnce(0);
+          await new Promise((res) => setTimeout(res, 50));
+        }
+        await rival.drain();
+        assert.equal(calls, 1, "the rival never ran it");
+        assert.equal((await pendingOf(r)).length, 0, "the live worker acked it");
+      } finally {
+        stop.abort();
+        await running;
+        await live.close();
+        await rival.close();
+      }
+    });
+
+    await t.step("heartbeat: a stalled worker never steals back a message another worker reclaimed", async () => {
+      await reset();
+      const id = await add();
+      const g = gate();
+      const stalled = worker(r, "stalled", () => g.opened, { claimIdleMs: 100 });
+      const rescuer = worker(r, "rescuer", () => new Promise(() => {}), { claimIdleMs: 100 });
+      try {
+        await stalled.runOnce(0); // in flight, but its heartbeat never runs (stalled)
+        await new Promise((res) => setTimeout(res, 150));
+        assert.equal(await rescuer.runOnce(0), 1);
+        assert.deepEqual(await stalled.heartbeat(), [], "the stalled worker refreshes nothing it lost");
+        const [entry] = await pendingOf(r);
+        assert.deepEqual([entry![0], entry![1], entry![3]], [id, "rescuer", 2], "still the rescuer's, count unchanged");
+        assert.deepEqual(await rescuer.heartbeat(), [id], "the owner's heartbeat refreshes it");
+        const [after] = await pendingOf(r);
+        assert.equal(after![3], 2, "JUSTID refresh does not bump the delivery count");
+      } finally {
+        g.open();
+        await stalled.drain();
+        await stalled.close();
+        await rescuer.close();
+      }
+    });
+
+    await t.step("an always-failing handler runs maxDeliveries times and the next claim dead-letters it", async () => {
+      await reset();
+      const id = await add({ job_id: "j-fail", tenant: "acme", payload: "{}" });
+      let calls = 0;
+      const w = worker(r, "c1", () => {
+        calls++;
+        return Promise.reject(new Error("transient"));
+      }, { claimIdleMs: 0, maxDeliveries: 3 });
+      try {
+        for (let i = 0; i < 4; i++) {
+          await w.runOnce(0);
+          await w.drain();
+        }
+        assert.equal(calls, 3);
+        assert.equal((await pendingOf(r)).length, 0);
+        assert.equal(await r.redis.xlen(n.stream), 0);
+        const [dead] = await listDeadLetters(r.redis, n);
+        assert.equal(dead!.original_id, id);
+        assert.equal(dead!.deliveries, 4);
+        assert.equal(dead!.reason, "exceeded 3 deliveries");
+        assert.deepEqual(dead!.fields, { job_id: "j-fail", tenant: "acme", payload: "{}" });
+      } finally {
+        await w.close();
+      }
+    });
+
+    await t.step("a PermanentJobError is dead-lettered after one call", async () => {
+      await reset();
+      await add({ job_id: "j-perm", tenant: "acme" });
+      let calls = 0;
+      const w = worker(r, "c1", () => {
+        calls++;
+        return Promise.reject(new PermanentJobError("400 from model"));
+      });
+      try {
+        await w.runOnce(0);
+        await w.drain();
+        assert.equal(calls, 1);
+        const dead = await listDeadLetters(r.redis, n);
+        assert.equal(dead.length, 1);
+        assert.equal(dead[0]!.reason, "permanent: 400 from model");
+        assert.equal(dead[0]!.deliveries, 1);
+        assert.equal((await pendingOf(r)).length, 0);
+      } finally {
+        await w.close();
+      }
+    });
+
+    await t.step("replay re-enqueues the original fields and removes the dead entry; twice is harmless", async () => {
+      const [dead] = await listDeadLetters(r.redis, n);
+      const before = await r.redis.xlen(n.stream);
+      const newId = await replayDeadLetter(r.redis, n, dead!.id);
+      assert.ok(newId);
+      assert.equal(await replayDeadLetter(r.redis, n, dead!.id), null);
+      assert.equal(await r.redis.xlen(n.stream), before + 1);
+      assert.equal((await listDeadLetters(r.redis, n)).length, 0);
+      const [entry] = await r.redis.xrange(n.stream, newId!, newId!);
+      assert.deepEqual(entry![1], ["job_id", "j-perm", "tenant", "acme"]);
+    });
+
+    await t.step("graceful stop: in-flight handlers finish; those past the grace period stay pending", async () => {
+      await reset();
+      await add({ job_id: "quick", tenant: "acme" });
+      await add({ job_id: "stuck", tenant: "acme" });
+      const finished: string[] = [];
+      const w = worker(r, "c1", async (m, signal) => {
+        if (m.fields.job_id === "quick") await new Promise((res) => setTimeout(res, 100));
+        else await new Promise((_, reject) => signal.addEventListener("abort", () => reject(signal.reason)));
+        finished.push(m.fields.job_id!);
+      }, { graceMs: 300 });
+      const stop = new AbortController();
+      const running = w.run(stop.signal);
+      try {
+        await waitFor("both in flight", () => w.inFlight === 2);
+        const started = performance.now();
+        stop.abort();
+        await running;
+        assert.ok(performance.now() - started < 2_000);
+        assert.deepEqual(finished, ["quick"]);
+        const pending = await pendingOf(r);
+        assert.equal(pending.length, 1, "the abandoned one stays pending for reclaim");
+      } finally {
+        await w.close();
+      }
+    });
+  } finally {
+    await r.close();
+  }
+});
