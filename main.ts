@@ -8,6 +8,7 @@ import type { Redis } from "ioredis";
 import type { Sql } from "postgres";
 import { connectPostgres, connectRedis, DependencyDown } from "./src/clients.ts";
 import { dlqCommand } from "./src/cli/dlq_command.ts";
+import { outboxCommand } from "./src/cli/outbox_command.ts";
 import { tenantCommand } from "./src/cli/tenant_command.ts";
 import { type Config, CONFIG_VARIABLES, ConfigError, parseConfig } from "./src/config.ts";
 import { migrate, readMigrations } from "./src/db/migrate.ts";
@@ -16,13 +17,18 @@ import { createExtractiveLlm } from "./src/llm/extractive.ts";
 import type { LLM } from "./src/llm/llm.ts";
 import { createOpenAiLlm } from "./src/llm/openai_llm.ts";
 import { createLogger, type Logger } from "./src/log/logger.ts";
+import { createLogMailer } from "./src/mail/log_mailer.ts";
+import type { Mailer } from "./src/mail/mailer.ts";
+import { createResendMailer } from "./src/mail/resend_mailer.ts";
+import { createRelay } from "./src/outbox/relay.ts";
 import { createHandler } from "./src/summaries/api.ts";
 import { jobKeys } from "./src/summaries/keys.ts";
+import { summaryEmailRenderer } from "./src/summaries/email.ts";
 import { createSummaryWorker } from "./src/summaries/worker.ts";
 import { createAuthenticator } from "./src/tenants/authenticator.ts";
 import { createApiKey, tenantExists } from "./src/tenants/tenant_store.ts";
 
-const COMMANDS = ["api", "worker", "relay", "migrate", "dev", "tenant", "dlq"] as const;
+const COMMANDS = ["api", "worker", "relay", "migrate", "dev", "tenant", "dlq", "outbox"] as const;
 type Command = typeof COMMANDS[number];
 const USAGE = `Usage: deno task <${COMMANDS.join("|")}> [args]`;
 const REDIS_PREFIX = "oncely";
@@ -128,6 +134,29 @@ async function runWorker(config: Config, { redis, sql }: Clients, log: Logger, s
   }
 }
 
+function buildMailer(config: Config): Mailer {
+  if (config.MAIL_PROVIDER === "log") return createLogMailer();
+  return createResendMailer({
+    apiKey: config.RESEND_API_KEY!,
+    baseUrl: config.RESEND_BASE_URL,
+    timeoutMs: config.MAIL_SEND_TIMEOUT_S * 1000,
+  });
+}
+
+async function runRelay(config: Config, sql: Sql, log: Logger, signal: AbortSignal): Promise<void> {
+  const sendTimeoutMs = config.MAIL_SEND_TIMEOUT_S * 1000;
+  const relay = createRelay({ sql, mailer: buildMailer(config), render: summaryEmailRenderer(config.MAIL_FROM), log }, {
+    batch: config.RELAY_BATCH,
+    maxAttempts: config.RELAY_MAX_ATTEMPTS,
+    // The lease must outlast a batch's concurrent sends (each capped by the send timeout) plus the commit.
+    leaseMs: 2 * sendTimeoutMs + 5_000,
+    retentionMs: config.OUTBOX_RETENTION_S * 1000,
+  });
+  log.info("relay_started", { mail: config.MAIL_PROVIDER, batch: config.RELAY_BATCH });
+  await relay.run(signal);
+  log.info("relay_stopped");
+}
+
 async function ensureDevTenant(sql: Sql, config: Config): Promise<void> {
   if (config.AUTH_MODE !== "api-key" || await tenantExists(sql, "dev")) {
     console.log('Tenant "dev" exists. For a new key: deno task tenant create dev');
@@ -173,6 +202,7 @@ async function run(command: Command, args: string[], config: Config, log: Logger
         await Promise.all([
           serveApi(config, clients as Clients, log.child({ component: "api" }), signal),
           runWorker(config, clients as Clients, log.child({ component: "worker" }), signal),
+          runRelay(config, clients.sql!, log.child({ component: "relay" }), signal),
         ]);
         return 0;
       });
@@ -188,8 +218,12 @@ async function run(command: Command, args: string[], config: Config, log: Logger
         ({ redis }) => dlqCommand(redis!, jobKeys(REDIS_PREFIX), args, { isTerminal: Deno.stdout.isTerminal() }),
       );
     case "relay":
-      console.error(`${command}: not implemented yet`);
-      return 1;
+      return await withClients(config, { sql: true }, async ({ sql }) => {
+        await runRelay(config, sql!, log, shutdownSignal(log));
+        return 0;
+      });
+    case "outbox":
+      return await withClients(config, { sql: true }, ({ sql }) => outboxCommand(sql!, args));
   }
 }
 

@@ -42,6 +42,7 @@ const schema = z.object({
   RELAY_BATCH: int(1, 10000).default(20),
   RELAY_MAX_ATTEMPTS: int(1).default(10),
   MAIL_SEND_TIMEOUT_S: seconds.default(10),
+  OUTBOX_RETENTION_S: int(60).default(7 * 24 * 3600),
   MAX_BODY_BYTES: int(64).default(1048576),
   LOG_LEVEL: z.enum(["debug", "info", "warn", "error"], "must be debug, info, warn or error").default("info"),
   METRICS_PORT: int(0, 65535).optional(),

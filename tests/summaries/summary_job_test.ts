@@ -10,6 +10,10 @@ import { enqueueJob } from "../../src/summaries/enqueue.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
 import { createSummaryJob } from "../../src/summaries/summary_job.ts";
 import { createSummaryWorker } from "../../src/summaries/worker.ts";
+import { createResendMailer } from "../../src/mail/resend_mailer.ts";
+import { createRelay } from "../../src/outbox/relay.ts";
+import { summaryEmailRenderer } from "../../src/summaries/email.ts";
+import { startFakeMail } from "../../src/testing/fake_mail_server.ts";
 import { errorBody, startFakeModel } from "../../src/testing/fake_model_server.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
 
@@ -58,7 +62,7 @@ Deno.test("summary job", async (t) => {
 
   try {
     await t.step(
-      "crash between commit and XACK: the redelivery skips the model; one summary, one outbox row",
+      "crash between commit and XACK: one model call, one summary, one outbox row, one email",
       async () => {
         await reset();
         const jobId = crypto.randomUUID();
@@ -96,6 +100,22 @@ Deno.test("summary job", async (t) => {
         assert.equal(row!.dedupe_key, `summary_ready:${jobId}`);
         assert.equal(row!.payload.to, "ops@example.com");
         assert.equal(row!.payload.job_id, jobId);
+        // Two relay passes send one email.
+        const mail = startFakeMail();
+        try {
+          const relay = createRelay({
+            sql: db.sql,
+            mailer: createResendMailer({ apiKey: "re_test", baseUrl: mail.url, timeoutMs: 2_000 }),
+            render: summaryEmailRenderer("s@example.com"),
+            log: silentLogger,
+          }, { batch: 20, maxAttempts: 10, leaseMs: 5_000 });
+          await relay.runOnce();
+          await relay.runOnce();
+          assert.equal(mail.requests, 1);
+          assert.equal(mail.delivered.length, 1);
+        } finally {
+          await mail.close();
+        }
       },
     );
 

@@ -1,0 +1,230 @@
+import type { Sql } from "postgres";
+import { settlesWithin, sleep } from "../async/timeout.ts";
+import type { Logger } from "../log/logger.ts";
+import type { Email, Mailer } from "../mail/mailer.ts";
+import { PermanentMailError } from "../mail/mailer.ts";
+import { isRetryable, reasonOf } from "../retry/classify.ts";
+
+/** An outbox row claimed by this relay. */
+export interface OutboxRow {
+  id: string;
+  topic: string;
+  dedupe_key: string;
+  payload: Record<string, unknown>;
+  attempts: number;
+  claim_token: string;
+}
+
+/** Turns an outbox row into the email to send. @throws for a topic it does not know (a permanent failure). */
+export type Renderer = (topic: string, payload: Record<string, unknown>) => Email;
+
+/** Counters a relay reports; wire them to metrics. */
+export interface RelayEvents {
+  sent?(row: OutboxRow, durationMs: number): void;
+  retry?(row: OutboxRow, reason: string): void;
+  failed?(row: OutboxRow, reason: string): void;
+}
+
+/** Options for {@linkcode createRelay}. */
+export interface RelayOptions {
+  /** Rows per claim (RELAY_BATCH); their sends run concurrently. */
+  batch: number;
+  /** Attempts before a row is marked failed (RELAY_MAX_ATTEMPTS). */
+  maxAttempts: number;
+  /** How long a claim is held; an expired lease makes the row claimable again. Above the send timeout. */
+  leaseMs: number;
+  /** Slow poll for rows that become due through backoff or expired leases. */
+  pollMs?: number;
+  backoffBaseMs?: number;
+  backoffCapMs?: number;
+  /** Sent rows older than this are deleted. */
+  retentionMs?: number;
+  /** How often retention runs. */
+  retentionEveryMs?: number;
+  random?: () => number;
+  events?: RelayEvents;
+}
+
+/** A running relay. */
+export interface Relay {
+  /** Claims due rows, sends them concurrently, records the outcomes. @returns how many rows were claimed. */
+  runOnce(): Promise<number>;
+  /** Claims up to `batch` due rows under a lease (exposed for crash tests). */
+  claim(): Promise<OutboxRow[]>;
+  /** Sends claimed rows and records each outcome (exposed for crash tests). */
+  deliver(rows: OutboxRow[]): Promise<void>;
+  /** Loops until `signal` aborts: wakes on NOTIFY, falls back to a slow poll, and finishes the current batch. */
+  run(signal: AbortSignal): Promise<void>;
+  /** Deletes sent rows older than the retention age, in small batches. @returns rows deleted. */
+  purgeSent(): Promise<number>;
+}
+
+/** The NOTIFY channel a trigger on outbox inserts signals (see migrations). */
+export const OUTBOX_CHANNEL = "oncely_outbox";
+const PURGE_BATCH = 1_000;
+
+/**
+ * Creates the outbox relay. No transaction is held across a network call:
+ * a claim stamps `locked_until` and a token in one short statement, the send
+ * happens outside any transaction, and a second short statement records the
+ * outcome. `FOR UPDATE SKIP LOCKED` keeps concurrent relays off each other's
+ * rows. A crash after the provider accepted a send but before we recorded it
+ * is the one duplicate window; the row's dedupe key, passed to the provider
+ * as its Idempotency-Key, closes it.
+ */
+export function createRelay(
+  { sql, mailer, render, log }: { sql: Sql; mailer: Mailer; render: Renderer; log: Logger },
+  options: RelayOptions,
+): Relay {
+  const random = options.random ?? Math.random;
+  const baseMs = options.backoffBaseMs ?? 2_000;
+  const capMs = options.backoffCapMs ?? 600_000;
+  const pollMs = options.pollMs ?? 2_000;
+  const retentionMs = options.retentionMs ?? 7 * 24 * 3600 * 1000;
+  const events = options.events ?? {};
+  const stopping = new AbortController();
+
+  async function claim(): Promise<OutboxRow[]> {
+    const token = crypto.randomUUID();
+    return await sql<OutboxRow[]>`
+      UPDATE outbox SET locked_until = now() + ${options.leaseMs} * interval '1 millisecond', claim_token = ${token}
+      WHERE id IN (
+        SELECT id FROM outbox
+        WHERE sent_at IS NULL AND failed_at IS NULL AND next_attempt_at <= now()
+          AND (locked_until IS NULL OR locked_until < now())
+        ORDER BY next_attempt_at, id
+        LIMIT ${options.batch}
+        FOR UPDATE SKIP LOCKED
+      )
+      RETURNING id::text, topic, dedupe_key, payload, attempts, claim_token::text`;
+  }
+
+  async function recordFailure(row: OutboxRow, error: unknown): Promise<void> {
+    const attempts = row.attempts + 1;
+    const permanent = error instanceof PermanentMailError || !isRetryable(error);
+    const reason = reasonOf(error);
+    const message = `${reason}: ${error instanceof Error ? error.message : String(error)}`.slice(0, 1000);
+    if (permanent || attempts >= options.maxAttempts) {
+      // Needs a person: `deno task outbox list --failed`, then `outbox retry`.
+      await sql`
+        UPDATE outbox SET attempts = ${attempts}, last_error = ${message}, failed_at = now(), locked_until = NULL
+        WHERE id = ${row.id} AND claim_token = ${row.claim_token} AND sent_at IS NULL`;
+      events.failed?.(row, reason);
+      log.warn("outbox_failed", {
+        outbox_id: row.id,
+        dedupe_key: row.dedupe_key,
+        attempt: attempts,
+        reason,
+        permanent,
+      });
+      return;
+    }
+    const waitMs = Math.round(random() * Math.min(capMs, baseMs * 2 ** (attempts - 1)));
+    await sql`
+      UPDATE outbox SET attempts = ${attempts}, last_error = ${message}, locked_until = NULL,
+        next_attempt_at = now() + ${waitMs} * interval '1 millisecond'
+      WHERE id = ${row.id} AND claim_token = ${row.claim_token} AND sent_at IS NULL`;
+    events.retry?.(row, reason);
+    log.info("outbox_send_retry", {
+      outbox_id: row.id,
+      dedupe_key: row.dedupe_key,
+      attempt: attempts,
+      reason,
+      wait_ms: waitMs,
+    });
+  }
+
+  async function deliver(rows: OutboxRow[]): Promise<void> {
+    const sent: string[] = [];
+    const providerIds: string[] = [];
+    await Promise.all(rows.map(async (row) => {
+      const started = performance.now();
+      try {
+        const email = render(row.topic, row.payload);
+        const result = await mailer.send(email, row.dedupe_key, stopping.signal);
+        sent.push(row.id);
+        providerIds.push(result.providerId ?? "");
+        events.sent?.(row, performance.now() - started);
+      } catch (error) {
+        await recordFailure(row, error).catch((e) =>
+          log.error("outbox_record_failed", { outbox_id: row.id, error: e })
+        );
+      }
+    }));
+    if (sent.length === 0) return;
+    // Marking sent needs no token: once the provider accepted it, it is sent, whoever holds the lease.
+    await sql`
+      UPDATE outbox SET sent_at = now(), locked_until = NULL, last_error = NULL,
+        provider_message_id = NULLIF(p.provider_id, '')
+      FROM unnest(${sent}::bigint[], ${providerIds}::text[]) AS p(id, provider_id)
+      WHERE outbox.id = p.id AND outbox.sent_at IS NULL`;
+  }
+
+  async function runOnce(): Promise<number> {
+    const rows = await claim();
+    if (rows.length > 0) await deliver(rows);
+    return rows.length;
+  }
+
+  async function purgeSent(): Promise<number> {
+    let total = 0;
+    for (;;) {
+      const deleted = await sql`
+        DELETE FROM outbox WHERE id IN (
+          SELECT id FROM outbox WHERE sent_at < now() - ${retentionMs} * interval '1 millisecond' LIMIT ${PURGE_BATCH}
+        )`;
+      total += deleted.count;
+      if (deleted.count < PURGE_BATCH) return total;
+    }
+  }
+
+  async function run(signal: AbortSignal): Promise<void> {
+    let wake: (() => void) | undefined;
+    let notified = false;
+    const listener = await sql.listen(OUTBOX_CHANNEL, () => {
+      notified = true;
+      wake?.();
+    });
+    const onAbort = () => wake?.();
+    signal.addEventListener("abort", onAbort);
+    let nextPurge = performance.now() + 5_000;
+    let current: Promise<unknown> = Promise.resolve();
+    try {
+      while (!signal.aborted) {
+        notified = false;
+        let claimed = 0;
+        try {
+          current = runOnce();
+          claimed = await (current as Promise<number>);
+          if (performance.now() >= nextPurge) {
+            nextPurge = performance.now() + (options.retentionEveryMs ?? 600_000);
+            const purged = await purgeSent();
+            if (purged > 0) log.info("outbox_purged", { rows: purged });
+          }
+        } catch (error) {
+          if (signal.aborted) break;
+          log.warn("relay_pass_failed", { error });
+          await sleep(1_000, signal).catch(() => {});
+          continue;
+        }
+        // A full batch means more may be due: go again at once.
+        if (claimed >= options.batch || notified) continue;
+        await new Promise<void>((resolve) => {
+          const timer = setTimeout(resolve, pollMs);
+          wake = () => {
+            clearTimeout(timer);
+            resolve();
+          };
+        });
+        wake = undefined;
+      }
+    } finally {
+      signal.removeEventListener("abort", onAbort);
+      // Finish the current batch; past the grace, abort sends (their rows keep the lease and are retried).
+      if (!(await settlesWithin(current, 7_000))) stopping.abort(new Error("relay stopping"));
+      await listener.unlisten();
+    }
+  }
+
+  return { runOnce, claim, deliver, run, purgeSent };
+}

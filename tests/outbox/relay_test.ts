@@ -1,0 +1,253 @@
+import assert from "node:assert/strict";
+import { silentLogger } from "../../src/log/logger.ts";
+import { createResendMailer } from "../../src/mail/resend_mailer.ts";
+import { createRelay, type RelayOptions } from "../../src/outbox/relay.ts";
+import { commitSummaries } from "../../src/summaries/commit.ts";
+import { summaryEmailRenderer } from "../../src/summaries/email.ts";
+import { type FakeMailServer, type MailBehaviour, startFakeMail } from "../../src/testing/fake_mail_server.ts";
+import { createTestDatabase, waitFor } from "../_support.ts";
+
+Deno.test("outbox relay", async (t) => {
+  const db = await createTestDatabase();
+  const sql = db.sql;
+  const render = summaryEmailRenderer("summaries@example.com");
+  const relayFor = (mail: FakeMailServer, options: Partial<RelayOptions> = {}) =>
+    createRelay({
+      sql,
+      mailer: createResendMailer({ apiKey: "re_test", baseUrl: mail.url, timeoutMs: 2_000 }),
+      render,
+      log: silentLogger,
+    }, { batch: 20, maxAttempts: 10, leaseMs: 5_000, backoffBaseMs: 1_000, ...options });
+  const addRows = async (n: number) => {
+    const ids = Array.from({ length: n }, () => crypto.randomUUID());
+    await commitSummaries(
+      sql,
+      ids.map((jobId) => ({ jobId, tenant: "acme", summary: `Summary of ${jobId}.`, notify: "ops@example.com" })),
+    );
+    return ids;
+  };
+  const reset = () => sql`TRUNCATE summaries, outbox`;
+  const row = async (jobId: string) =>
+    (await sql`SELECT * FROM outbox WHERE dedupe_key = ${"summary_ready:" + jobId}`)[0]!;
+
+  try {
+    await t.step(
+      "sends with the dedupe key as Idempotency-Key, the contract's body, and marks the row sent",
+      async () => {
+        await reset();
+        const mail = startFakeMail();
+        try {
+          const [jobId] = await addRows(1);
+          assert.equal(await relayFor(mail).runOnce(), 1);
+          assert.equal(mail.delivered.length, 1);
+          const email = mail.delivered[0]!;
+          assert.equal(email.idempotencyKey, `summary_ready:${jobId}`);
+          assert.deepEqual(email.to, ["ops@example.com"]);
+          assert.equal(email.from, "summaries@example.com");
+          assert.match(email.subject, new RegExp(jobId!));
+          assert.match(email.text, new RegExp(`Summary of ${jobId}`));
+          assert.deepEqual([...mail.authorizations], ["Bearer re_test"]);
+          const r = await row(jobId!);
+          assert.ok(r.sent_at);
+          assert.equal(r.provider_message_id, email.id);
+        } finally {
+          await mail.close();
+        }
+      },
+    );
+
+    await t.step(
+      "send-then-crash: the row goes out again with the same key, and the provider delivers once",
+      async () => {
+        await reset();
+        const mail = startFakeMail();
+        try {
+          const [jobId] = await addRows(1);
+          const a = relayFor(mail, { leaseMs: 100 });
+          const claimed = await a.claim();
+          assert.equal(claimed.length, 1);
+          // Relay A delivers, then dies before recording the send.
+          await createResendMailer({ apiKey: "re_test", baseUrl: mail.url, timeoutMs: 2_000 })
+            .send(render(claimed[0]!.topic, claimed[0]!.payload), claimed[0]!.dedupe_key, new AbortController().signal);
+          assert.equal((await row(jobId!)).sent_at, null);
+          await new Promise((r) => setTimeout(r, 150)); // A's lease expires
+          assert.equal(await relayFor(mail).runOnce(), 1);
+          assert.equal(mail.requests, 2, "we sent twice");
+          assert.equal(mail.delivered.length, 1, "the provider delivered once");
+          assert.ok((await row(jobId!)).sent_at);
+        } finally {
+          await mail.close();
+        }
+      },
+    );
+
+    await t.step("a provider that is down: attempts 1, next_attempt_at moves forward, a later pass sends", async () => {
+      await reset();
+      let down = true;
+      const mail = startFakeMail((): MailBehaviour => (down ? { kind: "status", status: 503 } : { kind: "ok" }));
+      try {
+        const [jobId] = await addRows(1);
+        const before = await row(jobId!);
+        const relay = relayFor(mail, { backoffBaseMs: 200, random: () => 0.99 });
+        await relay.runOnce();
+        const after = await row(jobId!);
+        assert.equal(after.attempts, 1);
+        assert.match(after.last_error, /http_503/);
+        assert.ok(after.next_attempt_at > before.next_attempt_at);
+        assert.equal(after.sent_at, null);
+        assert.equal(await relay.runOnce(), 0, "not due yet");
+        down = false;
+        await waitFor("the retry", async () => (await relay.runOnce()) === 1);
+        assert.ok((await row(jobId!)).sent_at);
+        assert.equal(mail.delivered.length, 1);
+      } finally {
+        await mail.close();
+      }
+    });
+
+    await t.step("two relays on one batch of 200 rows: every row sent exactly once by us", async () => {
+      await reset();
+      const mail = startFakeMail(() => ({ kind: "ok", delayMs: 2 }));
+      try {
+        await addRows(200);
+        const a = relayFor(mail), b = relayFor(mail);
+        const drain = async (relay: ReturnType<typeof relayFor>) => {
+          while ((await relay.runOnce()) > 0) { /* until nothing is due */ }
+        };
+        await Promise.all([drain(a), drain(b)]);
+        assert.equal(mail.requests, 200, "no row was sent twice");
+        assert.equal(new Set(mail.delivered.map((d) => d.idempotencyKey)).size, 200);
+        const [c] = await sql<{ n: number }[]>`SELECT count(*)::int AS n FROM outbox WHERE sent_at IS NOT NULL`;
+        assert.equal(c!.n, 200);
+      } finally {
+        await mail.close();
+      }
+    });
+
+    await t.step("an expired lease is reclaimed; a live one is not", async () => {
+      await reset();
+      const mail = startFakeMail();
+      try {
+        await addRows(1);
+        const a = relayFor(mail, { leaseMs: 200 });
+        assert.equal((await a.claim()).length, 1);
+        assert.equal((await relayFor(mail).claim()).length, 0, "the lease holds");
+        await new Promise((r) => setTimeout(r, 250));
+        assert.equal(await relayFor(mail).runOnce(), 1, "the expired lease is claimable");
+        assert.equal(mail.delivered.length, 1);
+      } finally {
+        await mail.close();
+      }
+    });
+
+    await t.step("a permanent 4xx marks the row failed after one attempt", async () => {
+      await reset();
+      const mail = startFakeMail(() => ({ kind: "status", status: 422 }));
+      try {
+        const [jobId] = await addRows(1);
+        await relayFor(mail).runOnce();
+        const r = await row(jobId!);
+        assert.equal(r.attempts, 1);
+        assert.ok(r.failed_at);
+        assert.equal(r.sent_at, null);
+        assert.equal(await relayFor(mail).runOnce(), 0, "a failed row is not retried");
+        assert.equal(mail.requests, 1);
+      } finally {
+        await mail.close();
+      }
+    });
+
+    await t.step("Resend's two 409s: in flight is retried, key reused with another payload is permanent", async () => {
+      await reset();
+      const inFlight = startFakeMail(() => ({
+        kind: "status",
+        status: 409,
+        body: { statusCode: 409, name: "concurrent_idempotent_requests", message: "in progress" },
+      }));
+      const reused = startFakeMail(() => ({
+        kind: "status",
+        status: 409,
+        body: { statusCode: 409, name: "invalid_idempotent_request", message: "different payload" },
+      }));
+      try {
+        const [a, b] = await addRows(2);
+        await sql`UPDATE outbox SET next_attempt_at = now() + interval '1 hour' WHERE dedupe_key = ${
+          "summary_ready:" + b
+        }`;
+        await relayFor(inFlight).runOnce();
+        assert.equal((await row(a!)).failed_at, null);
+        assert.equal((await row(a!)).attempts, 1);
+        await sql`UPDATE outbox SET next_attempt_at = now()`;
+        await sql`UPDATE outbox SET next_attempt_at = now() + interval '1 hour' WHERE dedupe_key = ${
+          "summary_ready:" + a
+        }`;
+        await relayFor(reused).runOnce();
+        assert.ok((await row(b!)).failed_at);
+      } finally {
+        await inFlight.close();
+        await reused.close();
+      }
+    });
+
+    await t.step("RELAY_MAX_ATTEMPTS failures mark the row failed", async () => {
+      await reset();
+      const mail = startFakeMail(() => ({ kind: "status", status: 500 }));
+      try {
+        const [jobId] = await addRows(1);
+        const relay = relayFor(mail, { maxAttempts: 3, backoffBaseMs: 1 });
+        for (let i = 0; i < 3; i++) await waitFor("a pass", async () => (await relay.runOnce()) === 1);
+        const r = await row(jobId!);
+        assert.equal(r.attempts, 3);
+        assert.ok(r.failed_at);
+        assert.equal(mail.requests, 3);
+      } finally {
+        await mail.close();
+      }
+    });
+
+    await t.step("LISTEN wake-up: a committed row is sent without waiting for the poll interval", async () => {
+      await reset();
+      const mail = startFakeMail();
+      const relay = relayFor(mail, { pollMs: 60_000 });
+      const stop = new AbortController();
+      const running = relay.run(stop.signal);
+      try {
+        await new Promise((r) => setTimeout(r, 200)); // the first pass found nothing and sleeps for a minute
+        const started = performance.now();
+        await addRows(1);
+        await waitFor("the email", () => mail.delivered.length === 1, 3_000);
+        assert.ok(performance.now() - started < 1_000);
+      } finally {
+        stop.abort();
+        await running;
+        await mail.close();
+      }
+    });
+
+    await t.step("retention deletes only sent rows older than the age", async () => {
+      await reset();
+      const mail = startFakeMail();
+      try {
+        const [oldSent, newSent, oldUnsent] = await addRows(3);
+        await sql`UPDATE outbox SET sent_at = now() - interval '10 days' WHERE dedupe_key = ${
+          "summary_ready:" + oldSent
+        }`;
+        await sql`UPDATE outbox SET sent_at = now() WHERE dedupe_key = ${"summary_ready:" + newSent}`;
+        await sql`UPDATE outbox SET created_at = now() - interval '10 days' WHERE dedupe_key = ${
+          "summary_ready:" + oldUnsent
+        }`;
+        const relay = relayFor(mail, { retentionMs: 7 * 24 * 3600 * 1000 });
+        assert.equal(await relay.purgeSent(), 1);
+        const left = await sql<{ dedupe_key: string }[]>`SELECT dedupe_key FROM outbox ORDER BY dedupe_key`;
+        assert.deepEqual(
+          left.map((r) => r.dedupe_key).sort(),
+          [`summary_ready:${newSent}`, `summary_ready:${oldUnsent}`].sort(),
+        );
+      } finally {
+        await mail.close();
+      }
+    });
+  } finally {
+    await db.close();
+  }
+});
