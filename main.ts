@@ -21,6 +21,7 @@ import { createLogMailer } from "./src/mail/log_mailer.ts";
 import type { Mailer } from "./src/mail/mailer.ts";
 import { createResendMailer } from "./src/mail/resend_mailer.ts";
 import { createRelay } from "./src/outbox/relay.ts";
+import { missingNetPermissions, type NetNeeds } from "./src/permissions.ts";
 import { createHandler } from "./src/summaries/api.ts";
 import { jobKeys } from "./src/summaries/keys.ts";
 import { summaryEmailRenderer } from "./src/summaries/email.ts";
@@ -30,6 +31,16 @@ import { createApiKey, tenantExists } from "./src/tenants/tenant_store.ts";
 
 const COMMANDS = ["api", "worker", "relay", "migrate", "dev", "tenant", "dlq", "outbox"] as const;
 type Command = typeof COMMANDS[number];
+const NEEDS: Record<Command, NetNeeds> = {
+  api: { redis: true, postgres: true, listen: true },
+  worker: { redis: true, postgres: true, model: true },
+  relay: { postgres: true, mail: true },
+  dev: { redis: true, postgres: true, listen: true, model: true, mail: true },
+  migrate: { postgres: true },
+  tenant: { postgres: true },
+  dlq: { redis: true },
+  outbox: { postgres: true },
+};
 const USAGE = `Usage: deno task <${COMMANDS.join("|")}> [args]`;
 const REDIS_PREFIX = "oncely";
 const GRACE_MS = 8_000;
@@ -242,6 +253,11 @@ async function main(argv: string[]): Promise<number> {
       return 2;
     }
     throw error;
+  }
+  const denied = missingNetPermissions(command!, config, NEEDS[command as Command]);
+  if (denied.length > 0) {
+    console.error(denied[0]);
+    return 2;
   }
   const log = createLogger({ level: config.LOG_LEVEL }).child({ process: command });
   try {

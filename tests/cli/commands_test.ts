@@ -1,0 +1,95 @@
+import assert from "node:assert/strict";
+import { dlqCommand } from "../../src/cli/dlq_command.ts";
+import { outboxCommand } from "../../src/cli/outbox_command.ts";
+import { tenantCommand } from "../../src/cli/tenant_command.ts";
+import { deadLetter } from "../../src/queue/dead_letter.ts";
+import { ensureGroup } from "../../src/queue/stream_worker.ts";
+import { commitSummaries } from "../../src/summaries/commit.ts";
+import { enqueueJob } from "../../src/summaries/enqueue.ts";
+import { jobKeys } from "../../src/summaries/keys.ts";
+import { markFailedHook } from "../../src/summaries/worker.ts";
+import { parseApiKey } from "../../src/tenants/tenant_store.ts";
+import { createTestDatabase, createTestRedis } from "../_support.ts";
+
+function capture() {
+  const lines: string[] = [];
+  return { lines, out: (line: string) => lines.push(line) };
+}
+
+Deno.test("operator commands", async (t) => {
+  const db = await createTestDatabase();
+  const r = await createTestRedis();
+  const keys = jobKeys(r.prefix);
+  try {
+    await t.step("tenant create prints the key as the last line; list shows it; revoke revokes it", async () => {
+      const c = capture();
+      assert.equal(await tenantCommand(db.sql, ["create", "acme"], c.out), 0);
+      assert.ok(parseApiKey(c.lines.at(-1)!), "last line is the key");
+      const list = capture();
+      await tenantCommand(db.sql, ["list", "--json"], list.out);
+      assert.deepEqual(JSON.parse(list.lines[0]!).active_keys, 1);
+      assert.equal(await tenantCommand(db.sql, ["revoke", "acme"], capture().out), 0);
+      const after = capture();
+      await tenantCommand(db.sql, ["list", "--json"], after.out);
+      assert.equal(JSON.parse(after.lines[0]!).active_keys, 0);
+      assert.equal(await tenantCommand(db.sql, ["create", "bad name"], capture().out), 2);
+    });
+
+    await t.step(
+      "dlq list prints JSON lines with id, job_id, tenant, reason, deliveries; replay twice is harmless",
+      async () => {
+        const jobId = crypto.randomUUID();
+        await enqueueJob(r.redis, keys, { jobId, tenant: "acme", request: { text: "t", notify: "a@b.co" } });
+        await ensureGroup(r.redis, keys);
+        const reply = await r.redis.xreadgroup("GROUP", keys.group, "c", "STREAMS", keys.stream, ">") as [
+          string,
+          [string, string[]][],
+        ][];
+        const [id, flat] = reply[0]![1][0]!;
+        const fields = Object.fromEntries(
+          Array.from({ length: flat.length / 2 }, (_, i) => [flat[2 * i], flat[2 * i + 1]]),
+        );
+        await deadLetter(r.redis, keys, { id, fields, deliveries: 6 }, "exceeded 5 deliveries", markFailedHook(keys));
+        assert.equal(await r.redis.hget(keys.job(jobId), "status"), "failed");
+        const list = capture();
+        await dlqCommand(r.redis, keys, ["list"], { out: list.out });
+        const row = JSON.parse(list.lines[0]!);
+        assert.deepEqual(Object.keys(row).slice(0, 5), ["id", "job_id", "tenant", "reason", "deliveries"]);
+        assert.deepEqual([row.job_id, row.tenant, row.reason, row.deliveries], [
+          jobId,
+          "acme",
+          "exceeded 5 deliveries",
+          6,
+        ]);
+        const before = await r.redis.xlen(keys.stream);
+        assert.equal(await dlqCommand(r.redis, keys, ["replay", row.id], { out: capture().out }), 0);
+        assert.equal(await dlqCommand(r.redis, keys, ["replay", row.id], { out: capture().out }), 0);
+        assert.equal(await r.redis.xlen(keys.stream), before + 1, "enqueued once");
+        assert.equal(await r.redis.hget(keys.job(jobId), "status"), "queued");
+        const [entry] = await r.redis.xrevrange(keys.stream, "+", "-", "COUNT", 1);
+        assert.equal(entry![1][1], jobId, "the original job id");
+      },
+    );
+
+    await t.step("outbox list --failed and retry put failed rows back in the queue", async () => {
+      const ids = [crypto.randomUUID(), crypto.randomUUID()];
+      await commitSummaries(db.sql, ids.map((jobId) => ({ jobId, tenant: "acme", summary: "s", notify: "a@b.co" })));
+      await db.sql`UPDATE outbox SET failed_at = now(), attempts = 10, last_error = 'http_422: no'`;
+      const list = capture();
+      await outboxCommand(db.sql, ["list", "--failed", "--json"], list.out);
+      assert.equal(list.lines.length, 2);
+      const first = JSON.parse(list.lines[0]!);
+      assert.equal(first.state, "failed");
+      await outboxCommand(db.sql, ["retry", first.id], capture().out);
+      const [one] = await db.sql`SELECT attempts, failed_at FROM outbox WHERE id = ${first.id}`;
+      assert.deepEqual([one!.attempts, one!.failed_at], [0, null]);
+      const all = capture();
+      await outboxCommand(db.sql, ["retry", "--all-failed"], all.out);
+      assert.match(all.lines[0]!, /^1 failed row/);
+      assert.equal(await outboxCommand(db.sql, ["retry", "abc"], capture().out), 2);
+    });
+  } finally {
+    await r.close();
+    await db.close();
+  }
+});

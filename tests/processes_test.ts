@@ -1,0 +1,133 @@
+/**
+ * The real tasks as subprocesses, with the permission sets from deno.json:
+ * graceful stop on SIGTERM within 10 s, and a host outside a process's
+ * permission set named at start-up.
+ */
+import assert from "node:assert/strict";
+import { Redis } from "ioredis";
+import { createApiKey } from "../src/tenants/tenant_store.ts";
+import { startFakeMail } from "../src/testing/fake_mail_server.ts";
+import { createTestDatabase, waitFor } from "./_support.ts";
+
+const tasks = JSON.parse(await Deno.readTextFile(new URL("../deno.json", import.meta.url))).tasks as Record<
+  string,
+  string
+>;
+
+/** The task's own command line, with the API port and extra hosts swapped in for the test. */
+function taskArgs(name: string, { port, extraNet = [] }: { port?: number; extraNet?: string[] } = {}): string[] {
+  let line = tasks[name]!;
+  if (port) line = line.replace("127.0.0.1:8000", `127.0.0.1:${port}`);
+  if (extraNet.length) line = line.replace("--allow-net=", `--allow-net=${extraNet.join(",")},`);
+  const args = line.split(/\s+/);
+  assert.equal(args[0], "deno");
+  assert.ok(!args.includes("-A") && !args.some((a) => a.startsWith("--allow-all")), "no task runs with -A");
+  return args.slice(1);
+}
+
+function spawn(args: string[], env: Record<string, string>) {
+  return new Deno.Command(Deno.execPath(), { args, env, stdout: "piped", stderr: "piped" }).spawn();
+}
+
+function freePort(): number {
+  const listener = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  const port = (listener.addr as Deno.NetAddr).port;
+  listener.close();
+  return port;
+}
+
+async function stopAndWait(child: Deno.ChildProcess) {
+  const started = performance.now();
+  child.kill("SIGTERM");
+  const status = await child.status;
+  const [out, err] = await Promise.all([new Response(child.stdout).text(), new Response(child.stderr).text()]);
+  return { status, elapsed: performance.now() - started, out, err };
+}
+
+Deno.test("processes", async (t) => {
+  const db = await createTestDatabase();
+  const redisDb = 1 + Math.floor(Math.random() * 15);
+  const redis = new Redis(`redis://127.0.0.1:6379/${redisDb}`);
+  const mail = startFakeMail();
+  const env = {
+    DATABASE_URL: db.url,
+    REDIS_URL: `redis://127.0.0.1:6379/${redisDb}`,
+    LOG_LEVEL: "info",
+    NO_COLOR: "1",
+  };
+  try {
+    await redis.flushdb();
+    await t.step("api, worker and relay run a job end to end and each exits 0 within 10 s of SIGTERM", async () => {
+      const port = freePort();
+      const key = await createApiKey(db.sql, "acme");
+      const mailHost = new URL(mail.url).host;
+      const api = spawn(taskArgs("api", { port }), { ...env, PORT: String(port) });
+      const worker = spawn(taskArgs("worker"), env);
+      const relay = spawn(taskArgs("relay", { extraNet: [mailHost] }), {
+        ...env,
+        RESEND_API_KEY: "re_test",
+        RESEND_BASE_URL: mail.url,
+      });
+      try {
+        await waitFor(
+          "the API",
+          () => fetch(`http://127.0.0.1:${port}/healthz`).then((r) => r.ok, () => false),
+          15_000,
+        );
+        const res = await fetch(`http://127.0.0.1:${port}/v1/summaries`, {
+          method: "POST",
+          headers: {
+            authorization: `Bearer ${key}`,
+            "idempotency-key": "process-test-0001",
+            "content-type": "application/json",
+          },
+          body: JSON.stringify({ text: "Revenue rose. Costs fell. The plan was approved.", notify: "ops@example.com" }),
+        });
+        assert.equal(res.status, 202);
+        const { job_id } = await res.json();
+        await waitFor("the email", () => mail.delivered.length === 1, 15_000);
+        assert.equal(mail.delivered[0]!.idempotencyKey, `summary_ready:${job_id}`);
+      } finally {
+        for (const [name, child] of [["api", api], ["worker", worker], ["relay", relay]] as const) {
+          const { status, elapsed, err } = await stopAndWait(child);
+          assert.equal(status.code, 0, `${name} exit code; stderr: ${err.slice(-500)}`);
+          assert.ok(elapsed < 10_000, `${name} stopped in ${elapsed.toFixed(0)} ms`);
+          assert.match(err, /shutdown_requested/);
+        }
+      }
+    });
+
+    await t.step("a configured host outside the task's permission set is named at start-up", async () => {
+      const out = await new Deno.Command(Deno.execPath(), {
+        args: taskArgs("relay"),
+        env: { ...env, RESEND_API_KEY: "re_test", RESEND_BASE_URL: mail.url },
+        stdout: "piped",
+        stderr: "piped",
+      }).output();
+      assert.equal(out.code, 2);
+      const stderr = new TextDecoder().decode(out.stderr).trim();
+      assert.match(stderr, new RegExp(`RESEND_BASE_URL needs network access to ${new URL(mail.url).host}`));
+    });
+
+    await t.step("a disallowed network access is refused by the runtime, not just by our check", async () => {
+      const port = new URL(mail.url).port;
+      const flags = taskArgs("relay").filter((a) => a.startsWith("--"));
+      const probe = await Deno.makeTempFile({ suffix: ".ts" });
+      await Deno.writeTextFile(probe, `await fetch("http://127.0.0.1:${port}/emails", { method: "POST" });`);
+      const out = await new Deno.Command(Deno.execPath(), {
+        args: ["run", ...flags, probe],
+        stdout: "piped",
+        stderr: "piped",
+      }).output();
+      await Deno.remove(probe);
+      assert.notEqual(out.code, 0);
+      assert.match(new TextDecoder().decode(out.stderr), /NotCapable|Requires net access/);
+      assert.equal(mail.requests, 1, "the fake provider saw only the real send");
+    });
+  } finally {
+    await redis.flushdb();
+    await redis.quit();
+    await mail.close();
+    await db.close();
+  }
+});
