@@ -1,76 +1,25 @@
 /** Test helpers: real Redis and Postgres, isolated per test file. */
-import { Redis } from "ioredis";
-import postgres, { type Sql } from "postgres";
-import { migrate, readMigrations } from "../src/db/migrate.ts";
-import { silentLogger } from "../src/log/logger.ts";
+import {
+  createScratchDatabase,
+  createScratchRedis,
+  type ScratchDatabase,
+  type ScratchRedis,
+} from "../src/testing/scratch.ts";
 
+export { deleteByPrefix } from "../src/testing/scratch.ts";
 export const ADMIN_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/postgres";
 export const REDIS_URL = "redis://127.0.0.1:6379/0";
+export type TestDatabase = ScratchDatabase;
+export type TestRedis = ScratchRedis;
 
-function randomId(): string {
-  return crypto.randomUUID().replaceAll("-", "").slice(0, 12);
+/** Creates `oncely_test_<random>` from the migrations; `close` drops it. */
+export function createTestDatabase(options: { migrate?: boolean } = {}): Promise<TestDatabase> {
+  return createScratchDatabase(ADMIN_DATABASE_URL, options);
 }
 
-/** A fresh Postgres database with the migrations applied; `close` drops it. */
-export interface TestDatabase {
-  sql: Sql;
-  url: string;
-  name: string;
-  close(): Promise<void>;
-}
-
-/** Creates `oncely_test_<random>` from the migrations. */
-export async function createTestDatabase(options: { migrate?: boolean } = {}): Promise<TestDatabase> {
-  const name = `oncely_test_${randomId()}`;
-  const admin = postgres(ADMIN_DATABASE_URL, { max: 1, onnotice: () => {} });
-  await admin.unsafe(`CREATE DATABASE ${name}`);
-  await admin.end();
-  const url = `postgres://postgres@127.0.0.1:5432/${name}`;
-  const sql = postgres(url, { max: 10, onnotice: () => {} });
-  if (options.migrate ?? true) await migrate({ sql, log: silentLogger }, await readMigrations());
-  return {
-    sql,
-    url,
-    name,
-    async close() {
-      await sql.end({ timeout: 1 });
-      const admin = postgres(ADMIN_DATABASE_URL, { max: 1, onnotice: () => {} });
-      await admin.unsafe(`DROP DATABASE IF EXISTS ${name} WITH (FORCE)`);
-      await admin.end();
-    },
-  };
-}
-
-/** A Redis client plus a key prefix no other test uses; `close` deletes the prefix's keys. */
-export interface TestRedis {
-  redis: Redis;
-  prefix: string;
-  close(): Promise<void>;
-}
-
-/** Connects to the local Redis with a random key prefix. */
-export async function createTestRedis(): Promise<TestRedis> {
-  const redis = new Redis(REDIS_URL, { lazyConnect: true, maxRetriesPerRequest: 1 });
-  await redis.connect();
-  const prefix = `oncely_test_${randomId()}`;
-  return {
-    redis,
-    prefix,
-    async close() {
-      await deleteByPrefix(redis, prefix);
-      await redis.quit();
-    },
-  };
-}
-
-/** Deletes every key that starts with `prefix`. */
-export async function deleteByPrefix(redis: Redis, prefix: string): Promise<void> {
-  let cursor = "0";
-  do {
-    const [next, keys] = await redis.scan(cursor, "MATCH", `${prefix}*`, "COUNT", 1000);
-    cursor = next;
-    if (keys.length) await redis.del(...keys);
-  } while (cursor !== "0");
+/** Connects to the local Redis with a random key prefix; `close` deletes its keys. */
+export function createTestRedis(): Promise<TestRedis> {
+  return createScratchRedis(REDIS_URL);
 }
 
 /**

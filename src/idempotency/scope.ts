@@ -1,4 +1,4 @@
-import { toHex } from "../crypto/digest.ts";
+import { sha1, toHex } from "../crypto/digest.ts";
 
 /** What an Idempotency-Key is scoped to. */
 export interface Scope {
@@ -27,13 +27,13 @@ function uuidBytes(uuid: string): Uint8Array {
 }
 
 /** RFC 9562 UUIDv5 (SHA-1, name-based) of `name` in `namespace`. */
-export async function uuidV5(name: string, namespace: string): Promise<string> {
+export function uuidV5(name: string, namespace: string): string {
   const ns = uuidBytes(namespace);
   const text = new TextEncoder().encode(name);
   const input = new Uint8Array(ns.length + text.length);
   input.set(ns);
   input.set(text, ns.length);
-  const bytes = new Uint8Array(await crypto.subtle.digest("SHA-1", input)).slice(0, 16);
+  const bytes = sha1(input).slice(0, 16);
   bytes[6] = (bytes[6]! & 0x0f) | 0x50;
   bytes[8] = (bytes[8]! & 0x3f) | 0x80;
   const hex = toHex(bytes);
@@ -41,6 +41,6 @@ export async function uuidV5(name: string, namespace: string): Promise<string> {
 }
 
 /** The job id of a scope: the same key from the same tenant always names the same job. */
-export function jobIdFor(scope: Scope): Promise<string> {
+export function jobIdFor(scope: Scope): string {
   return uuidV5(encodeScope(scope), JOB_ID_NAMESPACE);
 }

@@ -1,4 +1,5 @@
 import type { Redis } from "ioredis";
+import { defineScript } from "../redis/script.ts";
 import type { JobKeys } from "./keys.ts";
 import { JOB_RECORD_TTL_S } from "./keys.ts";
 import type { SummaryRequest } from "./schemas.ts";
@@ -10,12 +11,20 @@ export interface JobFields {
   payload: string;
 }
 
+// One script, so one command and one round trip; both keys share the `{jobs}`
+// hash tag, so it runs on a single Redis Cluster slot.
+const ENQUEUE = defineScript(`
+local id = redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'tenant', ARGV[2], 'payload', ARGV[3])
+redis.call('HSET', KEYS[2], 'tenant', ARGV[2], 'status', 'queued')
+redis.call('HDEL', KEYS[2], 'error')
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+return id`);
+
 /**
- * Puts a job on the stream and records it as queued, in one MULTI round
- * trip (both keys share the `{jobs}` hash tag). Enqueuing the same job id
- * twice, as happens when the API dies between XADD and finalising the
- * idempotency record, is harmless: the worker's summary primary key makes
- * the second delivery a duplicate.
+ * Puts a job on the stream and records it as queued for `GET`, atomically
+ * in one round trip. Enqueuing the same job id twice, as happens when the
+ * API dies between XADD and finalising the idempotency record, is harmless:
+ * the worker's summary primary key makes the second delivery a duplicate.
  * @returns the stream entry id.
  */
 export async function enqueueJob(
@@ -23,14 +32,11 @@ export async function enqueueJob(
   keys: JobKeys,
   job: { jobId: string; tenant: string; request: SummaryRequest },
 ): Promise<string> {
-  const record = keys.job(job.jobId);
-  const results = await redis.multi()
-    .xadd(keys.stream, "*", "job_id", job.jobId, "tenant", job.tenant, "payload", JSON.stringify(job.request))
-    .hset(record, "tenant", job.tenant, "status", "queued")
-    .hdel(record, "error")
-    .expire(record, JOB_RECORD_TTL_S)
-    .exec();
-  if (!results) throw new Error("Enqueue transaction was aborted");
-  for (const [error] of results) if (error) throw error;
-  return results[0]![1] as string;
+  const id = await ENQUEUE.run(redis, [keys.stream, keys.job(job.jobId)], [
+    job.jobId,
+    job.tenant,
+    JSON.stringify(job.request),
+    JOB_RECORD_TTL_S,
+  ]);
+  return id as string;
 }

@@ -1,0 +1,48 @@
+/**
+ * The server side of the ingest benchmark, run as its own process so the load
+ * generator does not share its CPU. `api`: the real handler with Redis and
+ * Postgres. `bare`: a plain Deno.serve handler that parses the same JSON and
+ * returns the same 202, the ceiling of the HTTP layer.
+ * Usage: ingest_server.ts api|bare PORT DATABASE_URL REDIS_URL PREFIX
+ */
+import { connectPostgres, connectRedis } from "../clients.ts";
+import { createIdempotencyStore } from "../idempotency/idempotency_store.ts";
+import { silentLogger } from "../log/logger.ts";
+import { createHandler } from "../summaries/api.ts";
+import { jobKeys } from "../summaries/keys.ts";
+import { createAuthenticator } from "../tenants/authenticator.ts";
+
+const [mode, port, databaseUrl, redisUrl, prefix] = Deno.args;
+const close: (() => Promise<unknown>)[] = [];
+let handler: (req: Request) => Promise<Response>;
+if (mode === "bare") {
+  const id = crypto.randomUUID();
+  handler = async (req) => {
+    await req.json();
+    return new Response(JSON.stringify({ job_id: id, status: "queued" }), {
+      status: 202,
+      headers: { "content-type": "application/json", location: `/v1/summaries/${id}` },
+    });
+  };
+} else {
+  const sql = await connectPostgres(databaseUrl!);
+  const redis = await connectRedis(redisUrl!);
+  close.push(() => sql.end(), () => redis.quit());
+  handler = createHandler({
+    redis,
+    sql,
+    log: silentLogger,
+    authenticate: createAuthenticator({ sql }, { mode: "api-key" }),
+    idempotency: createIdempotencyStore({ redis, log: silentLogger }, {
+      prefix: prefix!,
+      lockTtlS: 30,
+      resultTtlS: 600,
+    }),
+    keys: jobKeys(prefix!),
+    maxBodyBytes: 1 << 20,
+  });
+}
+const server = Deno.serve({ hostname: "127.0.0.1", port: Number(port), onListen: () => console.log("ready") }, handler);
+Deno.addSignalListener("SIGTERM", () => void server.shutdown());
+await server.finished;
+for (const c of close) await c();

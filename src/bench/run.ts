@@ -1,0 +1,528 @@
+/**
+ * `deno task bench`: measures the pipeline against baselines run the same way
+ * on the same machine in the same run, and prints one Markdown table of
+ * medians and ratios. `--smoke` runs each part briefly (CI checks that the
+ * bench runs, not the numbers); `--json FILE` also writes the rows as JSON.
+ * Every server it starts listens on 127.0.0.1 and every loop is bounded.
+ */
+import type { Sql } from "postgres";
+import { settlesWithin, sleep } from "../async/timeout.ts";
+import { createLogger, silentLogger } from "../log/logger.ts";
+import type { LLM } from "../llm/llm.ts";
+import { createResendMailer } from "../mail/resend_mailer.ts";
+import { createRelay } from "../outbox/relay.ts";
+import { createIdempotencyStore } from "../idempotency/idempotency_store.ts";
+import { commitSummaries } from "../summaries/commit.ts";
+import { createHandler } from "../summaries/api.ts";
+import { summaryEmailRenderer } from "../summaries/email.ts";
+import { jobKeys } from "../summaries/keys.ts";
+import { createSummaryWorker } from "../summaries/worker.ts";
+import { createAuthenticator } from "../tenants/authenticator.ts";
+import { createApiKey } from "../tenants/tenant_store.ts";
+import { startFakeMail } from "../testing/fake_mail_server.ts";
+import { createScratchDatabase, createScratchRedis, type ScratchRedis } from "../testing/scratch.ts";
+import { closedLoop } from "./load.ts";
+import { fmt, median, quantile } from "./stats.ts";
+
+const ADMIN_URL = Deno.env.get("BENCH_DATABASE_URL") ?? "postgres://postgres@127.0.0.1:5432/postgres";
+const REDIS_URL = Deno.env.get("BENCH_REDIS_URL") ?? "redis://127.0.0.1:6379/0";
+const smoke = Deno.args.includes("--smoke");
+const jsonAt = Deno.args.indexOf("--json");
+const jsonFile = jsonAt >= 0 ? Deno.args[jsonAt + 1] ?? "bench-results.json" : undefined;
+const only = Deno.args.find((a) => a.startsWith("--only="))?.slice("--only=".length).split(",");
+const RUNS = smoke ? 1 : 3;
+const progress = (msg: string) => console.error(`[bench] ${msg}`);
+
+/** One line of the results table. */
+interface Row {
+  benchmark: string;
+  result: string;
+  baseline?: string;
+  ratio?: string;
+  goal?: string;
+  value: number;
+  baselineValue?: number;
+}
+const rows: Row[] = [];
+
+const BODY = JSON.stringify({
+  text: "Revenue rose 12% in Q3. Costs fell. The board approved the expansion plan for next year.",
+  notify: "ops@example.com",
+});
+const fixedLlm = (delayMs: number): LLM => ({
+  complete: (_prompt, { signal }) =>
+    delayMs > 0 ? sleep(delayMs, signal).then(() => "Revenue rose; costs fell.") : Promise.resolve("Revenue rose."),
+});
+
+async function countRows(sql: Sql, table: "summaries" | "outbox", sentOnly = false): Promise<number> {
+  const [row] = sentOnly
+    ? await sql<{ n: number }[]>`SELECT count(*)::int AS n FROM outbox WHERE sent_at IS NOT NULL`
+    : await sql<{ n: number }[]>`SELECT count(*)::int AS n FROM ${sql(table)}`;
+  return row!.n;
+}
+
+async function enqueueMany(r: ScratchRedis, n: number, keys = jobKeys(r.prefix)) {
+  for (let start = 0; start < n; start += 1000) {
+    const p = r.redis.pipeline();
+    for (let i = start; i < Math.min(n, start + 1000); i++) {
+      p.xadd(keys.stream, "*", "job_id", crypto.randomUUID(), "tenant", "bench", "payload", BODY);
+    }
+    await p.exec();
+  }
+}
+
+async function startIngestServer(mode: "api" | "bare", port: number, dbUrl: string, prefix: string) {
+  const child = new Deno.Command(Deno.execPath(), {
+    args: [
+      "run",
+      "--allow-net=127.0.0.1",
+      "--allow-env",
+      "--allow-read",
+      "--allow-sys",
+      new URL("./ingest_server.ts", import.meta.url).pathname,
+      mode,
+      String(port),
+      dbUrl,
+      REDIS_URL,
+      prefix,
+    ],
+    stdout: "piped",
+    stderr: "inherit",
+  }).spawn();
+  const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
+  const { value } = await reader.read();
+  if (!value?.includes("ready")) throw new Error(`ingest server (${mode}) did not start`);
+  reader.releaseLock();
+  return {
+    async stop() {
+      child.kill("SIGTERM");
+      await child.status;
+      await child.stdout.cancel().catch(() => {});
+    },
+  };
+}
+
+function freePort(): number {
+  const l = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  const port = (l.addr as Deno.NetAddr).port;
+  l.close();
+  return port;
+}
+
+async function benchIngest() {
+  const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
+  const r = await createScratchRedis(REDIS_URL, "oncely_bench");
+  const key = await createApiKey(db.sql, "bench");
+  const seconds = smoke ? 0.5 : 4;
+  const run = async (mode: "api" | "bare", sameKey: boolean) => {
+    const port = freePort();
+    const server = await startIngestServer(mode, port, db.url, r.prefix);
+    const runId = crypto.randomUUID().slice(0, 8);
+    const request = (i: number) =>
+      new Request(`http://127.0.0.1:${port}/v1/summaries`, {
+        method: "POST",
+        headers: {
+          authorization: `Bearer ${key}`,
+          "content-type": "application/json",
+          "idempotency-key": sameKey ? `bench-replay-${runId}` : `bench-${runId}-${i}`,
+        },
+        body: BODY,
+      });
+    try {
+      await closedLoop(request, { connections: 64, seconds: smoke ? 0.2 : 1 }); // warm-up
+      const results = [];
+      for (let i = 0; i < RUNS; i++) results.push(await closedLoop(request, { connections: 64, seconds }));
+      const errors = results.reduce((n, x) => n + x.errors, 0);
+      if (errors > 0) {
+        throw new Error(`ingest ${mode}: ${errors} failed requests (${JSON.stringify(results[0]!.statuses)})`);
+      }
+      const best = results.map((x) => x.perSecond);
+      const mid = results.find((x) => x.perSecond === median(best))!;
+      return { rps: median(best), p50: quantile(mid.latenciesMs, 0.5), p99: quantile(mid.latenciesMs, 0.99) };
+    } finally {
+      await server.stop();
+    }
+  };
+  try {
+    progress("ingest: bare Deno.serve baseline");
+    const bare = await run("bare", false);
+    progress("ingest: real API, unique keys");
+    const api = await run("api", false);
+    progress("ingest: real API, replays");
+    const replay = await run("api", true);
+    const ratio = api.rps / bare.rps;
+    rows.push({
+      benchmark: "Ingest POST/s, unique keys, 64 connections",
+      result: `${fmt(api.rps)}/s (p50 ${fmt(api.p50, 1)} ms, p99 ${fmt(api.p99, 1)} ms)`,
+      baseline: `bare Deno.serve ${fmt(bare.rps)}/s (p50 ${fmt(bare.p50, 1)} ms, p99 ${fmt(bare.p99, 1)} ms)`,
+      ratio: `${fmt(ratio, 2)}x`,
+      goal: `>= 0.4x ${ratio >= 0.4 ? "(met)" : "(NOT met)"}`,
+      value: api.rps,
+      baselineValue: bare.rps,
+    });
+    rows.push({
+      benchmark: "Ingest POST/s, replay of one key, 64 connections",
+      result: `${fmt(replay.rps)}/s (p50 ${fmt(replay.p50, 1)} ms, p99 ${fmt(replay.p99, 1)} ms)`,
+      baseline: `bare Deno.serve ${fmt(bare.rps)}/s`,
+      ratio: `${fmt(replay.rps / bare.rps, 2)}x`,
+      value: replay.rps,
+      baselineValue: bare.rps,
+    });
+  } finally {
+    await r.close();
+    await db.close();
+  }
+}
+
+/** Runs one worker over `jobs` pre-enqueued jobs; returns jobs/s until every one is acked. */
+async function workerRun(opts: { jobs: number; concurrency: number; delayMs: number }): Promise<number> {
+  const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench", max: 10 });
+  const r = await createScratchRedis(REDIS_URL, "oncely_bench");
+  try {
+    const keys = jobKeys(r.prefix);
+    await enqueueMany(r, opts.jobs, keys);
+    let acked = 0;
+    let finished!: () => void;
+    const allDone = new Promise<void>((res) => (finished = res));
+    const worker = createSummaryWorker(
+      { redis: r.redis, sql: db.sql, llm: fixedLlm(opts.delayMs), log: silentLogger },
+      {
+        keys,
+        consumer: "bench",
+        claimIdleMs: 60_000,
+        maxDeliveries: 5,
+        concurrency: opts.concurrency,
+        blockMs: 5,
+        job: { budgetMs: 30_000, perCallTimeoutMs: 20_000, maxAttempts: 1 },
+        events: {
+          acked() {
+            if (++acked === opts.jobs) finished();
+          },
+        },
+      },
+    );
+    const stop = new AbortController();
+    const started = performance.now();
+    const running = worker.run(stop.signal);
+    const ok = await settlesWithin(allDone, 120_000);
+    const seconds = (performance.now() - started) / 1000;
+    stop.abort();
+    await running;
+    await worker.close();
+    if (!ok) throw new Error(`worker bench: only ${acked}/${opts.jobs} jobs acked in 120 s`);
+    const committed = await countRows(db.sql, "summaries");
+    if (committed !== opts.jobs) throw new Error(`worker bench: ${committed} summaries for ${opts.jobs} jobs`);
+    return opts.jobs / seconds;
+  } finally {
+    await r.close();
+    await db.close();
+  }
+}
+
+async function pgbenchPerJobTransaction(seconds: number): Promise<number> {
+  const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench", max: 1 });
+  const script = await Deno.makeTempFile({ suffix: ".sql" });
+  try {
+    await Deno.writeTextFile(
+      script,
+      `\\set n random(1, 9000000000000000000)
+BEGIN;
+INSERT INTO summaries (job_id, tenant, summary) VALUES (md5(:n::text)::uuid, 'bench', 'Revenue rose.') ON CONFLICT (job_id) DO NOTHING RETURNING job_id;
+INSERT INTO outbox (topic, dedupe_key, payload) VALUES ('email.summary_ready', 'summary_ready:' || md5(:n::text)::uuid, '{"to":"ops@example.com"}'::jsonb) ON CONFLICT (dedupe_key) DO NOTHING;
+COMMIT;
+`,
+    );
+    const u = new URL(db.url);
+    const out = await new Deno.Command("pgbench", {
+      args: [
+        "-n",
+        "-c",
+        "16",
+        "-j",
+        "2",
+        "-T",
+        String(Math.max(1, Math.round(seconds))),
+        "-f",
+        script,
+        "-h",
+        u.hostname,
+        "-p",
+        u.port || "5432",
+        "-U",
+        decodeURIComponent(u.username || "postgres"),
+        u.pathname.slice(1),
+      ],
+      stdout: "piped",
+      stderr: "piped",
+    }).output();
+    const text = new TextDecoder().decode(out.stdout);
+    const tps = /tps = ([\d.]+)/.exec(text);
+    if (!out.success || !tps) throw new Error(`pgbench failed: ${new TextDecoder().decode(out.stderr)}`);
+    return Number(tps[1]);
+  } finally {
+    await Deno.remove(script);
+    await db.close();
+  }
+}
+
+async function benchWorker() {
+  const slowJobs = smoke ? 300 : 4000;
+  progress(`worker: ${slowJobs} jobs, 200 ms model, concurrency 256`);
+  const slow: number[] = [];
+  for (let i = 0; i < RUNS; i++) slow.push(await workerRun({ jobs: slowJobs, concurrency: 256, delayMs: 200 }));
+  const ideal = 256 / 0.2;
+  rows.push({
+    benchmark: "Worker jobs/s, 200 ms model, WORKER_CONCURRENCY=256, one process",
+    result: `${fmt(median(slow))}/s`,
+    baseline: `ideal 256 / 0.2 s = ${fmt(ideal)}/s`,
+    ratio: `${fmt(median(slow) / ideal, 2)}x`,
+    goal: `>= 0.9x ${median(slow) / ideal >= 0.9 ? "(met)" : "(NOT met)"}`,
+    value: median(slow),
+    baselineValue: ideal,
+  });
+  const fastJobs = smoke ? 500 : 10_000;
+  progress(`worker: ${fastJobs} jobs, instant model, with Postgres; pgbench baseline`);
+  const fast: number[] = [], pg: number[] = [];
+  for (let i = 0; i < RUNS; i++) {
+    fast.push(await workerRun({ jobs: fastJobs, concurrency: 256, delayMs: 0 }));
+    pg.push(await pgbenchPerJobTransaction(smoke ? 1 : 5));
+  }
+  rows.push({
+    benchmark: "Worker jobs/s, instant model, incl. Postgres commit, one process",
+    result: `${fmt(median(fast))}/s`,
+    baseline: `pgbench, same per-job transaction, 16 clients: ${fmt(median(pg))} tx/s`,
+    ratio: `${fmt(median(fast) / median(pg), 2)}x`,
+    goal: `> 1x ${median(fast) > median(pg) ? "(met)" : "(NOT met)"}`,
+    value: median(fast),
+    baselineValue: median(pg),
+  });
+}
+
+async function benchRelay() {
+  const n = smoke ? 500 : 10_000;
+  const results: Record<number, number[]> = { 20: [], 200: [] };
+  for (const batch of [20, 200]) {
+    for (let i = 0; i < RUNS; i++) {
+      progress(`relay: ${n} emails, RELAY_BATCH=${batch}, run ${i + 1}`);
+      const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
+      const mail = startFakeMail();
+      try {
+        for (let start = 0; start < n; start += 1000) {
+          await commitSummaries(
+            db.sql,
+            Array.from({ length: Math.min(1000, n - start) }, () => ({
+              jobId: crypto.randomUUID(),
+              tenant: "bench",
+              summary: "Revenue rose.",
+              notify: "ops@example.com",
+            })),
+          );
+        }
+        const relay = createRelay({
+          sql: db.sql,
+          mailer: createResendMailer({ apiKey: "re_bench", baseUrl: mail.url, timeoutMs: 10_000 }),
+          render: summaryEmailRenderer("bench@example.com"),
+          log: silentLogger,
+        }, { batch, maxAttempts: 10, leaseMs: 30_000 });
+        const started = performance.now();
+        while ((await relay.runOnce()) > 0) { /* drain */ }
+        const seconds = (performance.now() - started) / 1000;
+        const sent = await countRows(db.sql, "outbox", true);
+        if (sent !== n || mail.delivered.length !== n) {
+          throw new Error(`relay bench: ${sent} sent, ${mail.delivered.length} delivered`);
+        }
+        results[batch]!.push(n / seconds);
+      } finally {
+        await mail.close();
+        await db.close();
+      }
+    }
+  }
+  for (const batch of [20, 200]) {
+    const v = median(results[batch]!);
+    rows.push({
+      benchmark: `Relay emails/s, one relay, instant local provider, RELAY_BATCH=${batch}`,
+      result: `${fmt(v)}/s`,
+      goal: `>= 3,000/s ${v >= 3000 ? "(met)" : "(NOT met)"}`,
+      value: v,
+    });
+  }
+}
+
+async function benchEndToEnd() {
+  const rate = 200;
+  const seconds = smoke ? 1 : 10;
+  progress(`end to end: ${rate} jobs/s for ${seconds} s, instant model`);
+  const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
+  const r = await createScratchRedis(REDIS_URL, "oncely_bench");
+  const arrivals = new Map<string, number>();
+  const mail = startFakeMail();
+  const keys = jobKeys(r.prefix);
+  const key = await createApiKey(db.sql, "bench");
+  const handler = createHandler({
+    redis: r.redis,
+    sql: db.sql,
+    log: silentLogger,
+    authenticate: createAuthenticator({ sql: db.sql }, { mode: "api-key" }),
+    idempotency: createIdempotencyStore({ redis: r.redis, log: silentLogger }, {
+      prefix: r.prefix,
+      lockTtlS: 30,
+      resultTtlS: 600,
+    }),
+    keys,
+    maxBodyBytes: 1 << 20,
+  });
+  const worker = createSummaryWorker({ redis: r.redis, sql: db.sql, llm: fixedLlm(0), log: silentLogger }, {
+    keys,
+    consumer: "e2e",
+    claimIdleMs: 60_000,
+    maxDeliveries: 5,
+    concurrency: 64,
+    blockMs: 1_000,
+    job: { budgetMs: 30_000, perCallTimeoutMs: 20_000, maxAttempts: 1 },
+  });
+  const baseMailer = createResendMailer({ apiKey: "re_bench", baseUrl: mail.url, timeoutMs: 10_000 });
+  const relay = createRelay({
+    sql: db.sql,
+    mailer: {
+      async send(email, idempotencyKey, signal) {
+        const result = await baseMailer.send(email, idempotencyKey, signal);
+        arrivals.set(idempotencyKey.slice("summary_ready:".length), performance.now());
+        return result;
+      },
+    },
+    render: summaryEmailRenderer("bench@example.com"),
+    log: silentLogger,
+  }, { batch: 20, maxAttempts: 10, leaseMs: 30_000, pollMs: 2_000 });
+  const stop = new AbortController();
+  const loops = [worker.run(stop.signal), relay.run(stop.signal)];
+  const accepted = new Map<string, number>();
+  try {
+    await sleep(200);
+    const total = rate * seconds;
+    const started = performance.now();
+    const posts: Promise<void>[] = [];
+    for (let i = 0; i < total; i++) {
+      const due = started + (i * 1000) / rate;
+      const wait = due - performance.now();
+      if (wait > 0) await sleep(wait);
+      posts.push((async () => {
+        const res = await handler(
+          new Request("http://bench/v1/summaries", {
+            method: "POST",
+            headers: {
+              authorization: `Bearer ${key}`,
+              "content-type": "application/json",
+              "idempotency-key": `e2e-${crypto.randomUUID()}`,
+            },
+            body: BODY,
+          }),
+        );
+        const t = performance.now();
+        const { job_id } = await res.json();
+        accepted.set(job_id, t);
+      })());
+    }
+    await Promise.all(posts);
+    const deadline = performance.now() + 30_000;
+    while (arrivals.size < total && performance.now() < deadline) await sleep(20);
+    if (arrivals.size < total) throw new Error(`end to end: ${arrivals.size}/${total} emails arrived`);
+    const latencies = [...accepted].map(([id, t]) => arrivals.get(id)! - t);
+    const p50 = quantile(latencies, 0.5), p99 = quantile(latencies, 0.99);
+    rows.push({
+      benchmark: `End-to-end 202 -> provider receives email, instant model, ${rate} jobs/s`,
+      result: `p50 ${fmt(p50, 1)} ms, p99 ${fmt(p99, 1)} ms`,
+      goal: `p50 < 20 ms ${p50 < 20 ? "(met)" : "(NOT met)"}`,
+      value: p50,
+    });
+  } finally {
+    stop.abort();
+    await Promise.all(loops);
+    await worker.close();
+    await mail.close();
+    await r.close();
+    await db.close();
+  }
+}
+
+async function benchMemory() {
+  const inFlight = smoke ? 200 : 1000;
+  progress(`memory: worker RSS with ${inFlight} jobs in flight`);
+  const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
+  const r = await createScratchRedis(REDIS_URL, "oncely_bench");
+  const keys = jobKeys(r.prefix);
+  const stop = new AbortController();
+  try {
+    await enqueueMany(r, inFlight, keys);
+    (globalThis as { gc?: () => void }).gc?.();
+    const before = Deno.memoryUsage().rss;
+    const worker = createSummaryWorker({ redis: r.redis, sql: db.sql, llm: fixedLlm(60_000), log: silentLogger }, {
+      keys,
+      consumer: "mem",
+      claimIdleMs: 60_000,
+      maxDeliveries: 5,
+      concurrency: inFlight,
+      blockMs: 5,
+      graceMs: 100,
+      job: { budgetMs: 120_000, perCallTimeoutMs: 100_000, maxAttempts: 1 },
+    });
+    const running = worker.run(stop.signal);
+    const deadline = performance.now() + 30_000;
+    while (worker.inFlight < inFlight && performance.now() < deadline) await sleep(20);
+    const held = worker.inFlight;
+    await sleep(300);
+    const during = Deno.memoryUsage().rss;
+    stop.abort();
+    await running;
+    await worker.close();
+    rows.push({
+      benchmark: `Worker RSS with ${held} jobs in flight`,
+      result: `${fmt(during / 2 ** 20, 1)} MiB`,
+      baseline: `same process before the worker: ${fmt(before / 2 ** 20, 1)} MiB`,
+      ratio: `+${fmt((during - before) / 2 ** 20, 1)} MiB`,
+      value: during,
+      baselineValue: before,
+    });
+  } finally {
+    await r.close();
+    await db.close();
+  }
+}
+
+const sections: Record<string, () => Promise<void>> = {
+  ingest: benchIngest,
+  worker: benchWorker,
+  relay: benchRelay,
+  e2e: benchEndToEnd,
+  memory: benchMemory,
+};
+
+const log = createLogger({ level: "warn" });
+for (const [name, fn] of Object.entries(sections)) {
+  if (only && !only.includes(name)) continue;
+  try {
+    await fn();
+  } catch (error) {
+    log.error("bench_section_failed", { section: name, error });
+    rows.push({ benchmark: name, result: `FAILED: ${(error as Error).message}`, value: NaN });
+  }
+}
+
+const cpuinfo = await Deno.readTextFile("/proc/cpuinfo").catch(() => "");
+const cpu = cpuinfo.match(/model name\s*:\s*(.+)/)?.[1] ?? cpuinfo.match(/vendor_id\s*:\s*(.+)/)?.[1] ?? "unknown CPU";
+console.log(
+  `\nOncely bench${
+    smoke ? " (smoke)" : ""
+  }: ${cpu}, ${navigator.hardwareConcurrency} cores, Deno ${Deno.version.deno}, ` +
+    `medians of ${RUNS} run(s)\n`,
+);
+console.log("| benchmark | result | baseline (same run) | ratio | goal |");
+console.log("| --- | --- | --- | --- | --- |");
+for (const r of rows) {
+  console.log(`| ${r.benchmark} | ${r.result} | ${r.baseline ?? ""} | ${r.ratio ?? ""} | ${r.goal ?? ""} |`);
+}
+if (jsonFile) {
+  await Deno.writeTextFile(jsonFile, JSON.stringify({ smoke, cpu, deno: Deno.version.deno, rows }, null, 2));
+  console.error(`[bench] wrote ${jsonFile}`);
+}
+if (rows.some((r) => r.result.startsWith("FAILED"))) Deno.exit(1);
