@@ -266,7 +266,7 @@ COMMIT;
 }
 
 async function benchWorker() {
-  const slowJobs = smoke ? 300 : 4000;
+  const slowJobs = smoke ? 300 : 8000;
   progress(`worker: ${slowJobs} jobs, 200 ms model, concurrency 256`);
   const slow: number[] = [];
   for (let i = 0; i < RUNS; i++) slow.push(await workerRun({ jobs: slowJobs, concurrency: 256, delayMs: 200 }));
@@ -490,11 +490,12 @@ async function benchMemory() {
 }
 
 const sections: Record<string, () => Promise<void>> = {
+  // Memory first: its baseline is then the RSS of a fresh process.
+  memory: benchMemory,
   ingest: benchIngest,
   worker: benchWorker,
   relay: benchRelay,
   e2e: benchEndToEnd,
-  memory: benchMemory,
 };
 
 const log = createLogger({ level: "warn" });

@@ -1,4 +1,5 @@
 import type { Redis } from "ioredis";
+import { createBatcher } from "../async/batcher.ts";
 import { settlesWithin, sleep } from "../async/timeout.ts";
 import type { Logger } from "../log/logger.ts";
 import { defineScript } from "../redis/script.ts";
@@ -98,16 +99,31 @@ export function createStreamWorker(
   const heartbeatMs = options.heartbeatMs ?? Math.max(50, Math.floor(options.claimIdleMs / 4));
   const graceMs = options.graceMs ?? 5_000;
   const events = options.events ?? {};
+  // Every message this consumer holds and has not yet acked, with its task.
   const inFlight = new Map<string, Promise<void>>();
+  // The subset whose handler is still running: these use up concurrency slots.
+  const running = new Set<string>();
   const handlerAbort = new AbortController();
   let cursor = "0-0";
   let groupReady = false;
   let slotFreed: (() => void) | undefined;
 
-  const settle = (id: string) => {
-    inFlight.delete(id);
-    events.inFlight?.(inFlight.size);
+  // Acks that finish together share one MULTI: XACK + XDEL of all their ids.
+  const ack = createBatcher<string>(async (ids) => {
+    const results = await redis.multi().xack(names.stream, names.group, ...ids).xdel(names.stream, ...ids).exec();
+    const failed = results?.find(([error]) => error);
+    if (!results || failed) throw failed?.[0] ?? new Error("ack transaction aborted");
+    return ids.map(() => undefined);
+  });
+
+  const release = (id: string) => {
+    if (!running.delete(id)) return;
+    events.inFlight?.(running.size);
     slotFreed?.();
+  };
+  const settle = (id: string) => {
+    release(id);
+    inFlight.delete(id);
   };
 
   async function process(message: StreamMessage): Promise<void> {
@@ -136,9 +152,11 @@ export function createStreamWorker(
       msgLog.warn("message_failed", { deliveries: message.deliveries, error });
       return;
     }
+    // The slot is free once the work is committed; the ack can finish in the background.
+    release(message.id);
     // Ack only after the handler's effects are committed. XDEL keeps the
     // stream bounded without MAXLEN, which could trim pending entries.
-    await redis.multi().xack(names.stream, names.group, message.id).xdel(names.stream, message.id).exec();
+    await ack(message.id);
     events.acked?.(message, performance.now() - started);
   }
 
@@ -147,8 +165,9 @@ export function createStreamWorker(
     const task = process(message)
       .catch((error) => log.error("message_processing_error", { msg_id: message.id, error }))
       .finally(() => settle(message.id));
+    running.add(message.id);
     inFlight.set(message.id, task);
-    events.inFlight?.(inFlight.size);
+    events.inFlight?.(running.size);
   }
 
   async function reclaim(count: number): Promise<StreamMessage[]> {
@@ -196,7 +215,7 @@ export function createStreamWorker(
       await ensureGroup(redis, names);
       groupReady = true;
     }
-    let free = options.concurrency - inFlight.size;
+    let free = options.concurrency - running.size;
     if (free <= 0) return 0;
     const reclaimed = await reclaim(free);
     for (const m of reclaimed) start(m, "reclaimed");
@@ -233,7 +252,7 @@ export function createStreamWorker(
     signal.addEventListener("abort", wake);
     try {
       while (!signal.aborted) {
-        if (inFlight.size >= options.concurrency) {
+        if (running.size >= options.concurrency) {
           await new Promise<void>((resolve) => (slotFreed = resolve));
           slotFreed = undefined;
           continue;
@@ -249,7 +268,7 @@ export function createStreamWorker(
       // Stop reading; let in-flight handlers finish within the grace period.
       if (!(await settlesWithin(drain(), graceMs))) {
         // Abandoned messages stay pending and are reclaimed by another worker.
-        log.warn("worker_abandoned_in_flight", { count: inFlight.size });
+        log.warn("worker_abandoned_in_flight", { count: running.size });
         handlerAbort.abort(new Error("worker stopping"));
         await settlesWithin(drain(), 500);
       }
@@ -265,7 +284,7 @@ export function createStreamWorker(
     drain,
     heartbeat,
     get inFlight() {
-      return inFlight.size;
+      return running.size;
     },
     async close() {
       handlerAbort.abort(new Error("worker closed"));

@@ -1,4 +1,5 @@
 import type { Sql } from "postgres";
+import { createBatcher } from "../async/batcher.ts";
 import type { Logger } from "../log/logger.ts";
 
 /** A finished summary ready to commit, with what its notification email needs. */
@@ -55,12 +56,6 @@ export interface GroupCommitter {
   commit(result: SummaryResult): Promise<"done" | "duplicate">;
 }
 
-interface Waiter {
-  result: SummaryResult;
-  resolve(outcome: "done" | "duplicate"): void;
-  reject(error: unknown): void;
-}
-
 /**
  * Group commit without added latency: the first job commits at once; jobs
  * that finish while that transaction is in flight are committed together in
@@ -72,70 +67,51 @@ export function createGroupCommitter(
   { sql, log }: { sql: Sql; log: Logger },
   options: { maxBatch?: number; inFlight?: number } = {},
 ): GroupCommitter {
-  const maxBatch = options.maxBatch ?? 500;
-  const maxInFlight = options.inFlight ?? 2;
-  let queue: Waiter[] = [];
-  let running = 0;
-
-  async function flush(batch: Waiter[]): Promise<void> {
-    // Two deliveries of one job in the same batch: the first decides, the others follow it.
-    const first = new Map<string, Waiter>();
-    const followers: Waiter[] = [];
-    for (const w of batch) {
-      if (first.has(w.result.jobId)) followers.push(w);
-      else first.set(w.result.jobId, w);
-    }
-    for (const f of followers) {
-      const leader = first.get(f.result.jobId)!;
-      const { resolve, reject } = leader;
-      leader.resolve = (outcome) => {
-        resolve(outcome);
-        f.resolve("duplicate");
-      };
-      leader.reject = (error) => {
-        reject(error);
-        f.reject(error);
-      };
-    }
-    const unique = [...first.values()];
+  type Outcome = "done" | "duplicate" | { error: unknown };
+  const commitOne = async (r: SummaryResult): Promise<Outcome> => {
     try {
-      const inserted = await commitSummaries(sql, unique.map((w) => w.result));
-      for (const w of unique) w.resolve(inserted.has(w.result.jobId) ? "done" : "duplicate");
+      return (await commitSummaries(sql, [r])).has(r.jobId) ? "done" : "duplicate";
     } catch (error) {
-      if (unique.length === 1) {
-        unique[0]!.reject(error);
-      } else {
-        log.warn("group_commit_failed", { jobs: unique.length, error });
-        await Promise.all(unique.map(async (w) => {
-          try {
-            const inserted = await commitSummaries(sql, [w.result]);
-            w.resolve(inserted.has(w.result.jobId) ? "done" : "duplicate");
-          } catch (e) {
-            w.reject(e);
-          }
-        }));
-      }
+      return { error };
     }
-  }
-
-  function pump() {
-    while (running < maxInFlight && queue.length > 0) {
-      const batch = queue.slice(0, maxBatch);
-      queue = queue.slice(maxBatch);
-      running++;
-      flush(batch).finally(() => {
-        running--;
-        pump();
-      });
+  };
+  const commit = createBatcher<SummaryResult, Outcome>(async (results) => {
+    // Two deliveries of one job in the same batch: the first decides, the others are duplicates.
+    const firstIndex = new Map<string, number>();
+    results.forEach((r, i) => firstIndex.has(r.jobId) || firstIndex.set(r.jobId, i));
+    const unique = [...firstIndex.values()].map((i) => results[i]!);
+    let outcomes: Map<string, Outcome>;
+    try {
+      const inserted = await commitSummaries(sql, unique);
+      outcomes = new Map(unique.map((r) => [r.jobId, inserted.has(r.jobId) ? "done" : "duplicate"]));
+    } catch (error) {
+      if (unique.length > 1) log.warn("group_commit_failed", { jobs: unique.length, error });
+      const each = unique.length > 1 ? await Promise.all(unique.map(commitOne)) : [{ error }];
+      outcomes = new Map(unique.map((r, i) => [r.jobId, each[i]!]));
     }
-  }
-
+    return results.map((r, i) => {
+      const outcome = outcomes.get(r.jobId)!;
+      return firstIndex.get(r.jobId) === i || typeof outcome === "object" ? outcome : "duplicate";
+    });
+  }, { maxBatch: options.maxBatch ?? 500, maxInFlight: options.inFlight ?? 2 });
   return {
-    commit(result) {
-      return new Promise((resolve, reject) => {
-        queue.push({ result, resolve, reject });
-        pump();
-      });
+    async commit(result) {
+      const outcome = await commit(result);
+      if (typeof outcome === "object") throw outcome.error;
+      return outcome;
     },
   };
+}
+
+/**
+ * Whether jobs are already committed, with concurrent checks coalesced into
+ * one `= ANY(...)` query, so a wave of new deliveries costs one round trip.
+ */
+export function createCommittedCheck(sql: Sql): (jobId: string) => Promise<boolean> {
+  return createBatcher<string, boolean>(async (ids) => {
+    const rows = await sql<{ job_id: string }[]>`
+      SELECT job_id::text FROM summaries WHERE job_id = ANY(${ids}::uuid[])`;
+    const found = new Set(rows.map((r) => r.job_id));
+    return ids.map((id) => found.has(id));
+  }, { maxBatch: 1000, maxInFlight: 2 });
 }

@@ -10,7 +10,7 @@ import type { Clock } from "../retry/clock.ts";
 import { Deadline } from "../retry/deadline.ts";
 import { DeadlineExceeded } from "../retry/errors.ts";
 import { type AttemptReport, callWithRetries } from "../retry/retry_policy.ts";
-import type { GroupCommitter } from "./commit.ts";
+import { createCommittedCheck, type GroupCommitter } from "./commit.ts";
 import { SummaryRequest } from "./schemas.ts";
 
 /** Options for {@linkcode createSummaryJob}. */
@@ -40,6 +40,7 @@ export function createSummaryJob(
   { sql, llm, log, committer }: { sql: Sql; llm: LLM; log: Logger; committer: GroupCommitter },
   options: SummaryJobOptions,
 ): (message: StreamMessage, signal: AbortSignal) => Promise<"done" | "duplicate"> {
+  const isCommitted = createCommittedCheck(sql);
   return async (message, signal) => {
     const fields = Fields.safeParse(message.fields);
     if (!fields.success) throw new PermanentJobError(`malformed job message: ${fields.error.issues[0]?.message}`);
@@ -54,8 +55,7 @@ export function createSummaryJob(
 
     // Cheap pre-check: a redelivery of a committed job (crash between commit
     // and XACK) skips the model call. The guarantee is the primary key below.
-    const existing = await sql`SELECT 1 FROM summaries WHERE job_id = ${job_id}`;
-    if (existing.length > 0) {
+    if (await isCommitted(job_id)) {
       jobLog.info("job_duplicate", { stage: "pre_check", deliveries: message.deliveries });
       return "duplicate";
     }
