@@ -21,6 +21,9 @@ import { createLogMailer } from "./src/mail/log_mailer.ts";
 import type { Mailer } from "./src/mail/mailer.ts";
 import { createResendMailer } from "./src/mail/resend_mailer.ts";
 import { createRelay } from "./src/outbox/relay.ts";
+import type { Registry } from "prom-client";
+import { apiMetrics, createRegistry, relayMetrics, serveMetrics, workerMetrics } from "./src/metrics/metrics.ts";
+import { attemptObserver, outboxGauges, queueGauges, relayEvents, workerEvents } from "./src/metrics/wire.ts";
 import { missingNetPermissions, type NetNeeds } from "./src/permissions.ts";
 import { createHandler } from "./src/summaries/api.ts";
 import { jobKeys } from "./src/summaries/keys.ts";
@@ -33,8 +36,8 @@ const COMMANDS = ["api", "worker", "relay", "migrate", "dev", "tenant", "dlq", "
 type Command = typeof COMMANDS[number];
 const NEEDS: Record<Command, NetNeeds> = {
   api: { redis: true, postgres: true, listen: true },
-  worker: { redis: true, postgres: true, model: true },
-  relay: { postgres: true, mail: true },
+  worker: { redis: true, postgres: true, model: true, metrics: true },
+  relay: { postgres: true, mail: true, metrics: true },
   dev: { redis: true, postgres: true, listen: true, model: true, mail: true },
   migrate: { postgres: true },
   tenant: { postgres: true },
@@ -88,8 +91,15 @@ async function withClients<T>(
   }
 }
 
-async function serveApi(config: Config, { redis, sql }: Clients, log: Logger, signal: AbortSignal): Promise<void> {
+async function serveApi(
+  config: Config,
+  { redis, sql }: Clients,
+  log: Logger,
+  signal: AbortSignal,
+  registry: Registry,
+): Promise<void> {
   const handler = createHandler({
+    metrics: { api: apiMetrics(registry), registry },
     redis,
     sql,
     log,
@@ -121,10 +131,26 @@ function buildLlm(config: Config): LLM {
   });
 }
 
-async function runWorker(config: Config, { redis, sql }: Clients, log: Logger, signal: AbortSignal): Promise<void> {
+/** Serves a standalone process's /metrics on METRICS_PORT, when set. */
+function maybeServeMetrics(config: Config, registry: Registry, signal: AbortSignal): void {
+  if (config.METRICS_PORT === undefined) return;
+  serveMetrics(registry, { hostname: config.HOST, port: config.METRICS_PORT, signal });
+}
+
+async function runWorker(
+  config: Config,
+  { redis, sql }: Clients,
+  log: Logger,
+  signal: AbortSignal,
+  registry: Registry,
+): Promise<void> {
+  const metrics = workerMetrics(registry);
+  const keys = jobKeys(REDIS_PREFIX);
+  queueGauges(registry, redis, keys);
   const consumer = `${Deno.hostname()}-${Deno.pid}-${crypto.randomUUID().slice(0, 6)}`;
   const worker = createSummaryWorker({ redis, sql, llm: buildLlm(config), log }, {
-    keys: jobKeys(REDIS_PREFIX),
+    keys,
+    events: workerEvents(metrics),
     consumer,
     claimIdleMs: config.CLAIM_IDLE_MS,
     maxDeliveries: config.MAX_DELIVERIES,
@@ -134,6 +160,7 @@ async function runWorker(config: Config, { redis, sql }: Clients, log: Logger, s
       budgetMs: config.JOB_BUDGET_S * 1000,
       perCallTimeoutMs: config.LLM_CALL_TIMEOUT_S * 1000,
       maxAttempts: config.LLM_MAX_ATTEMPTS,
+      onAttempt: attemptObserver(metrics),
     },
   });
   log.info("worker_started", { consumer, concurrency: config.WORKER_CONCURRENCY, llm: config.LLM_PROVIDER });
@@ -154,7 +181,8 @@ function buildMailer(config: Config): Mailer {
   });
 }
 
-async function runRelay(config: Config, sql: Sql, log: Logger, signal: AbortSignal): Promise<void> {
+async function runRelay(config: Config, sql: Sql, log: Logger, signal: AbortSignal, registry: Registry): Promise<void> {
+  outboxGauges(registry, sql);
   const sendTimeoutMs = config.MAIL_SEND_TIMEOUT_S * 1000;
   const relay = createRelay({ sql, mailer: buildMailer(config), render: summaryEmailRenderer(config.MAIL_FROM), log }, {
     batch: config.RELAY_BATCH,
@@ -162,6 +190,7 @@ async function runRelay(config: Config, sql: Sql, log: Logger, signal: AbortSign
     // The lease must outlast a batch's concurrent sends (each capped by the send timeout) plus the commit.
     leaseMs: 2 * sendTimeoutMs + 5_000,
     retentionMs: config.OUTBOX_RETENTION_S * 1000,
+    events: relayEvents(relayMetrics(registry)),
   });
   log.info("relay_started", { mail: config.MAIL_PROVIDER, batch: config.RELAY_BATCH });
   await relay.run(signal);
@@ -202,7 +231,7 @@ async function run(command: Command, args: string[], config: Config, log: Logger
       return await withClients(config, { sql: true }, ({ sql }) => tenantCommand(sql!, args));
     case "api":
       return await withClients(config, { sql: true, redis: true }, async (clients) => {
-        await serveApi(config, clients as Clients, log, shutdownSignal(log));
+        await serveApi(config, clients as Clients, log, shutdownSignal(log), createRegistry());
         return 0;
       });
     case "dev":
@@ -210,16 +239,21 @@ async function run(command: Command, args: string[], config: Config, log: Logger
         await migrate({ sql: clients.sql!, log }, await readMigrations());
         await ensureDevTenant(clients.sql!, config);
         const signal = shutdownSignal(log);
+        // One registry: the API's /metrics shows all three components.
+        const registry = createRegistry();
         await Promise.all([
-          serveApi(config, clients as Clients, log.child({ component: "api" }), signal),
-          runWorker(config, clients as Clients, log.child({ component: "worker" }), signal),
-          runRelay(config, clients.sql!, log.child({ component: "relay" }), signal),
+          serveApi(config, clients as Clients, log.child({ component: "api" }), signal, registry),
+          runWorker(config, clients as Clients, log.child({ component: "worker" }), signal, registry),
+          runRelay(config, clients.sql!, log.child({ component: "relay" }), signal, registry),
         ]);
         return 0;
       });
     case "worker":
       return await withClients(config, { sql: true, redis: true }, async (clients) => {
-        await runWorker(config, clients as Clients, log, shutdownSignal(log));
+        const signal = shutdownSignal(log);
+        const registry = createRegistry();
+        maybeServeMetrics(config, registry, signal);
+        await runWorker(config, clients as Clients, log, signal, registry);
         return 0;
       });
     case "dlq":
@@ -230,7 +264,10 @@ async function run(command: Command, args: string[], config: Config, log: Logger
       );
     case "relay":
       return await withClients(config, { sql: true }, async ({ sql }) => {
-        await runRelay(config, sql!, log, shutdownSignal(log));
+        const signal = shutdownSignal(log);
+        const registry = createRegistry();
+        maybeServeMetrics(config, registry, signal);
+        await runRelay(config, sql!, log, signal, registry);
         return 0;
       });
     case "outbox":

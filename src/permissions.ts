@@ -7,6 +7,8 @@ export interface NetNeeds {
   model?: boolean;
   mail?: boolean;
   listen?: boolean;
+  /** Serves /metrics on METRICS_PORT when it is set. */
+  metrics?: boolean;
 }
 
 const DEFAULT_PORTS: Record<string, string> = {
@@ -29,6 +31,9 @@ export function requiredHosts(config: Config, needs: NetNeeds): Record<string, s
   if (needs.redis) out.REDIS_URL = hostOf(config.REDIS_URL);
   if (needs.postgres) out.DATABASE_URL = hostOf(config.DATABASE_URL);
   if (needs.listen) out["HOST/PORT"] = `${config.HOST.replace(/^\[|\]$/g, "")}:${config.PORT}`;
+  if (needs.metrics && config.METRICS_PORT !== undefined) {
+    out.METRICS_PORT = `${config.HOST.replace(/^\[|\]$/g, "")}:${config.METRICS_PORT}`;
+  }
   if (needs.model && config.LLM_PROVIDER === "openai") {
     out.OPENAI_BASE_URL = hostOf(config.OPENAI_BASE_URL ?? "https://api.openai.com/v1");
   }

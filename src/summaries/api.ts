@@ -8,9 +8,12 @@ import { fingerprint } from "../idempotency/fingerprint.ts";
 import type { IdempotencyStore } from "../idempotency/idempotency_store.ts";
 import { encodeScope, jobIdFor } from "../idempotency/scope.ts";
 import type { Logger } from "../log/logger.ts";
+import { type ApiMetrics, metricsResponse } from "../metrics/metrics.ts";
+import type { Registry } from "prom-client";
 import type { Authenticate } from "../tenants/authenticator.ts";
 import { enqueueJob } from "./enqueue.ts";
 import type { JobKeys } from "./keys.ts";
+import { openApiDocument, ROUTES } from "./openapi.ts";
 import { IdempotencyKey, SummaryRequest, type SummaryStatus } from "./schemas.ts";
 
 /** What the API handler needs. */
@@ -22,8 +25,8 @@ export interface ApiDeps {
   idempotency: IdempotencyStore;
   keys: JobKeys;
   maxBodyBytes: number;
-  /** Extra routes (e.g. `/metrics`, `/openapi.json`) keyed by path, GET only. */
-  extraGetRoutes?: Record<string, (req: Request) => Response | Promise<Response>>;
+  /** Prometheus metrics; `/metrics` serves `registry` (which `dev` shares with the worker and relay). */
+  metrics?: { api: ApiMetrics; registry: Registry };
 }
 
 const SUMMARIES = "/v1/summaries";
@@ -33,6 +36,12 @@ const READY_TIMEOUT_MS = 1_000;
 
 function json(status: number, body: unknown, headers: Record<string, string> = {}): Response {
   return new Response(JSON.stringify(body), { status, headers: { ...headers, "content-type": "application/json" } });
+}
+
+/** A bounded label for a path: the route template, or "other". */
+function routeLabel(path: string): string {
+  if (JOB_PATH.test(path)) return "/v1/summaries/{job_id}";
+  return ROUTES.some((r) => r.path === path) ? path : "other";
 }
 
 function methodNotAllowed(allow: string): never {
@@ -56,6 +65,7 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     const raw = await readJsonBody(req, deps.maxBodyBytes);
     const parsed = SummaryRequest.safeParse(raw);
     if (!parsed.success) {
+      deps.metrics?.api.validationErrors.inc();
       const errors = parsed.error.issues.map((i) => ({ path: i.path.join("."), message: i.message }));
       throw new HttpError(422, "The request body failed validation", {}, { extra: { errors } });
     }
@@ -73,11 +83,20 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
         };
       });
       const headers: Record<string, string> = { ...response.headers };
-      if (replayed) headers["idempotent-replayed"] = "true";
+      if (replayed) {
+        headers["idempotent-replayed"] = "true";
+        deps.metrics?.api.replays.inc();
+      }
       return json(response.status, response.body, headers);
     } catch (error) {
-      if (error instanceof RequestInProgress) throw new HttpError(409, error.message, { "retry-after": "1" });
-      if (error instanceof KeyReused) throw new HttpError(422, error.message);
+      if (error instanceof RequestInProgress) {
+        deps.metrics?.api.conflicts.inc();
+        throw new HttpError(409, error.message, { "retry-after": "1" });
+      }
+      if (error instanceof KeyReused) {
+        deps.metrics?.api.keyReuse.inc();
+        throw new HttpError(422, error.message);
+      }
       throw error;
     }
   }
@@ -129,20 +148,32 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     }
     if (path === "/healthz") return json(200, { status: "ok" });
     if (path === "/readyz") return await ready();
-    const extra = deps.extraGetRoutes?.[path];
-    if (extra) {
+    if (path === "/openapi.json" || path === "/metrics") {
       if (req.method !== "GET" && req.method !== "HEAD") methodNotAllowed("GET");
-      return await extra(req);
+    }
+    if (path === "/openapi.json") return json(200, openApi);
+    if (path === "/metrics") {
+      if (!deps.metrics) return problem(404, "Metrics are not enabled in this process");
+      return await metricsResponse(deps.metrics.registry);
     }
     return problem(404, `No route for ${req.method} ${path}`);
   }
 
+  const openApi = openApiDocument();
   return async (req) => {
+    const started = performance.now();
     const path = new URL(req.url).pathname;
+    let response: Response;
     try {
-      return await route(req, path);
+      response = await route(req, path);
     } catch (error) {
-      return errorResponse(error, log, { method: req.method, path });
+      response = errorResponse(error, log, { method: req.method, path });
     }
+    if (deps.metrics) {
+      const labels = { route: routeLabel(path), method: req.method };
+      deps.metrics.api.requests.inc({ ...labels, status: String(response.status) });
+      deps.metrics.api.duration.observe(labels, (performance.now() - started) / 1000);
+    }
+    return response;
   };
 }

@@ -4,14 +4,14 @@ import { z } from "zod";
 export const SummaryRequest = z.strictObject({
   text: z.string().min(1).max(200_000).describe("The document to summarise, 1 to 200,000 characters"),
   notify: z.email().max(320).describe("Where to email the summary when it is ready"),
-}).meta({ id: "SummaryRequest" });
+});
 export type SummaryRequest = z.infer<typeof SummaryRequest>;
 
 /** Body of the 202 response. */
 export const SummaryAccepted = z.object({
   job_id: z.uuid(),
   status: z.literal("queued"),
-}).meta({ id: "SummaryAccepted" });
+});
 
 /** Body of `GET /v1/summaries/{job_id}`. */
 export const SummaryStatus = z.object({
@@ -19,7 +19,7 @@ export const SummaryStatus = z.object({
   status: z.enum(["queued", "done", "failed"]),
   summary: z.string().optional(),
   error: z.string().optional(),
-}).meta({ id: "SummaryStatus" });
+});
 export type SummaryStatus = z.infer<typeof SummaryStatus>;
 
 /** `Idempotency-Key`: 16 to 128 visible ASCII characters. */

@@ -1,0 +1,182 @@
+import { Counter, Gauge, Histogram, Registry } from "prom-client";
+
+/** API metrics. */
+export interface ApiMetrics {
+  requests: Counter<"route" | "method" | "status">;
+  duration: Histogram<"route" | "method">;
+  replays: Counter;
+  conflicts: Counter;
+  keyReuse: Counter;
+  validationErrors: Counter;
+}
+
+/** Worker metrics. */
+export interface WorkerMetrics {
+  deliveries: Counter<"source">;
+  acked: Counter;
+  failures: Counter;
+  deadLetters: Counter;
+  inFlight: Gauge;
+  modelAttempts: Counter<"outcome">;
+  modelRetries: Counter<"reason">;
+  deadlineExpiries: Counter;
+  modelDuration: Histogram<"outcome">;
+}
+
+/** Relay metrics. */
+export interface RelayMetrics {
+  sends: Counter<"outcome">;
+  sendDuration: Histogram;
+}
+
+/** A Prometheus registry; `dev` shares one between the three components. */
+export function createRegistry(): Registry {
+  return new Registry();
+}
+
+/** Registers the API metrics. */
+export function apiMetrics(registry: Registry): ApiMetrics {
+  const registers = [registry];
+  return {
+    requests: new Counter({
+      name: "oncely_http_requests_total",
+      help: "HTTP requests by route, method and status.",
+      labelNames: ["route", "method", "status"] as const,
+      registers,
+    }),
+    duration: new Histogram({
+      name: "oncely_http_request_duration_seconds",
+      help: "HTTP request latency.",
+      labelNames: ["route", "method"] as const,
+      buckets: [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5],
+      registers,
+    }),
+    replays: new Counter({
+      name: "oncely_idempotent_replays_total",
+      help: "POSTs answered from a stored response (Idempotent-Replayed: true).",
+      registers,
+    }),
+    conflicts: new Counter({
+      name: "oncely_idempotency_in_progress_total",
+      help: "POSTs answered 409 because the same key was still in progress.",
+      registers,
+    }),
+    keyReuse: new Counter({
+      name: "oncely_idempotency_key_reuse_total",
+      help: "POSTs answered 422 because the key was used with another body.",
+      registers,
+    }),
+    validationErrors: new Counter({
+      name: "oncely_validation_errors_total",
+      help: "POSTs answered 422 because the body failed validation.",
+      registers,
+    }),
+  };
+}
+
+/** Registers the worker metrics. */
+export function workerMetrics(registry: Registry): WorkerMetrics {
+  const registers = [registry];
+  return {
+    deliveries: new Counter({
+      name: "oncely_worker_deliveries_total",
+      help: "Messages handed to a handler, by source (new or reclaimed).",
+      labelNames: ["source"] as const,
+      registers,
+    }),
+    acked: new Counter({ name: "oncely_worker_acked_total", help: "Messages acknowledged.", registers }),
+    failures: new Counter({
+      name: "oncely_worker_failures_total",
+      help: "Deliveries that failed transiently and stay pending.",
+      registers,
+    }),
+    deadLetters: new Counter({
+      name: "oncely_worker_dead_letters_total",
+      help: "Messages moved to the dead-letter stream.",
+      registers,
+    }),
+    inFlight: new Gauge({ name: "oncely_worker_jobs_in_flight", help: "Handlers running now.", registers }),
+    modelAttempts: new Counter({
+      name: "oncely_model_attempts_total",
+      help: "Model call attempts by outcome (ok, retry, give_up, deadline).",
+      labelNames: ["outcome"] as const,
+      registers,
+    }),
+    modelRetries: new Counter({
+      name: "oncely_model_retries_total",
+      help: "Model call retries by reason (timeout, connection, http_429, ...).",
+      labelNames: ["reason"] as const,
+      registers,
+    }),
+    deadlineExpiries: new Counter({
+      name: "oncely_model_deadline_exceeded_total",
+      help: "Deliveries whose time budget ran out (the job is redelivered).",
+      registers,
+    }),
+    modelDuration: new Histogram({
+      name: "oncely_model_call_duration_seconds",
+      help: "Duration of one model call attempt.",
+      labelNames: ["outcome"] as const,
+      buckets: [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40],
+      registers,
+    }),
+  };
+}
+
+/** Registers the relay metrics. */
+export function relayMetrics(registry: Registry): RelayMetrics {
+  const registers = [registry];
+  return {
+    sends: new Counter({
+      name: "oncely_relay_sends_total",
+      help: "Email sends by outcome (sent, retry, failed).",
+      labelNames: ["outcome"] as const,
+      registers,
+    }),
+    sendDuration: new Histogram({
+      name: "oncely_relay_send_duration_seconds",
+      help: "Duration of successful sends.",
+      buckets: [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
+      registers,
+    }),
+  };
+}
+
+/** Adds a gauge whose value is read when Prometheus scrapes. */
+export function scrapeGauge(
+  registry: Registry,
+  name: string,
+  help: string,
+  read: () => Promise<number>,
+): Gauge {
+  return new Gauge({
+    name,
+    help,
+    registers: [registry],
+    async collect() {
+      try {
+        this.set(await read());
+      } catch {
+        // A failed read leaves the last value; /metrics must still answer.
+      }
+    },
+  });
+}
+
+/** The `/metrics` response. */
+export async function metricsResponse(registry: Registry): Promise<Response> {
+  return new Response(await registry.metrics(), { headers: { "content-type": registry.contentType } });
+}
+
+/** Serves `/metrics` on its own port (worker and relay, when METRICS_PORT is set). */
+export function serveMetrics(
+  registry: Registry,
+  { hostname, port, signal }: { hostname: string; port: number; signal: AbortSignal },
+): Deno.HttpServer {
+  return Deno.serve({ hostname, port, signal, onListen: () => {} }, (req) => {
+    const path = new URL(req.url).pathname;
+    if (path === "/metrics") return metricsResponse(registry);
+    if (path === "/healthz") return Response.json({ status: "ok" });
+    return new Response("not found", { status: 404 });
+  });
+}

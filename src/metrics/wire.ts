@@ -1,0 +1,83 @@
+import type { Redis } from "ioredis";
+import type { Sql } from "postgres";
+import type { Registry } from "prom-client";
+import type { RelayEvents } from "../outbox/relay.ts";
+import { outboxBacklog } from "../outbox/outbox_admin.ts";
+import type { QueueNames } from "../queue/message.ts";
+import type { WorkerEvents } from "../queue/stream_worker.ts";
+import type { AttemptReport } from "../retry/retry_policy.ts";
+import { type RelayMetrics, scrapeGauge, type WorkerMetrics } from "./metrics.ts";
+
+/** Worker events that feed the worker metrics. */
+export function workerEvents(m: WorkerMetrics): WorkerEvents {
+  return {
+    delivered: (_msg, source) => m.deliveries.inc({ source }),
+    acked: () => m.acked.inc(),
+    failed: () => m.failures.inc(),
+    deadLettered: () => m.deadLetters.inc(),
+    inFlight: (n) => m.inFlight.set(n),
+  };
+}
+
+/** Model-attempt reports that feed the worker metrics. */
+export function attemptObserver(m: WorkerMetrics): (report: AttemptReport) => void {
+  return (report) => {
+    m.modelAttempts.inc({ outcome: report.outcome });
+    if (report.duration_ms > 0) m.modelDuration.observe({ outcome: report.outcome }, report.duration_ms / 1000);
+    if (report.outcome === "retry") m.modelRetries.inc({ reason: report.reason ?? "unknown" });
+    if (report.outcome === "deadline") m.deadlineExpiries.inc();
+  };
+}
+
+/** Pending count and consumer lag of the job stream, read on scrape. */
+export function queueGauges(registry: Registry, redis: Redis, names: QueueNames): void {
+  scrapeGauge(registry, "oncely_queue_pending", "Messages delivered but not yet acknowledged.", async () => {
+    const summary = await redis.xpending(names.stream, names.group) as [number, ...unknown[]];
+    return Number(summary[0] ?? 0);
+  });
+  scrapeGauge(registry, "oncely_queue_lag", "Messages in the stream not yet delivered to the group.", async () => {
+    const groups = await redis.call("XINFO", "GROUPS", names.stream) as unknown[][];
+    for (const g of groups) {
+      const fields = new Map<string, unknown>();
+      for (let i = 0; i + 1 < g.length; i += 2) fields.set(String(g[i]), g[i + 1]);
+      if (fields.get("name") === names.group) return Number(fields.get("lag") ?? 0);
+    }
+    return 0;
+  });
+}
+
+/** Relay events that feed the relay metrics. */
+export function relayEvents(m: RelayMetrics): RelayEvents {
+  return {
+    sent: (_row, ms) => {
+      m.sends.inc({ outcome: "sent" });
+      m.sendDuration.observe(ms / 1000);
+    },
+    retry: () => m.sends.inc({ outcome: "retry" }),
+    failed: () => m.sends.inc({ outcome: "failed" }),
+  };
+}
+
+/** Outbox backlog and the age of the oldest unsent row, read on scrape. */
+export function outboxGauges(registry: Registry, sql: Sql): void {
+  let cached: { at: number; value: Awaited<ReturnType<typeof outboxBacklog>> } | undefined;
+  const read = async () => {
+    if (!cached || performance.now() - cached.at > 1_000) {
+      cached = { at: performance.now(), value: await outboxBacklog(sql) };
+    }
+    return cached.value;
+  };
+  scrapeGauge(
+    registry,
+    "oncely_outbox_unsent",
+    "Outbox rows not yet sent (failed rows excluded).",
+    async () => (await read()).unsent,
+  );
+  scrapeGauge(registry, "oncely_outbox_failed", "Outbox rows that need a person.", async () => (await read()).failed);
+  scrapeGauge(
+    registry,
+    "oncely_outbox_oldest_unsent_seconds",
+    "Age of the oldest unsent outbox row.",
+    async () => (await read()).oldest_unsent_s,
+  );
+}

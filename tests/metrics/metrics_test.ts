@@ -1,0 +1,176 @@
+import assert from "node:assert/strict";
+import { createIdempotencyStore } from "../../src/idempotency/idempotency_store.ts";
+import { silentLogger } from "../../src/log/logger.ts";
+import { apiMetrics, createRegistry, relayMetrics, workerMetrics } from "../../src/metrics/metrics.ts";
+import { attemptObserver, outboxGauges, queueGauges, relayEvents, workerEvents } from "../../src/metrics/wire.ts";
+import { createResendMailer } from "../../src/mail/resend_mailer.ts";
+import { createRelay } from "../../src/outbox/relay.ts";
+import { createHandler } from "../../src/summaries/api.ts";
+import { summaryEmailRenderer } from "../../src/summaries/email.ts";
+import { enqueueJob } from "../../src/summaries/enqueue.ts";
+import { jobKeys } from "../../src/summaries/keys.ts";
+import { createSummaryWorker } from "../../src/summaries/worker.ts";
+import { createAuthenticator } from "../../src/tenants/authenticator.ts";
+import { startFakeMail } from "../../src/testing/fake_mail_server.ts";
+import { startFakeModel } from "../../src/testing/fake_model_server.ts";
+import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
+import { createTestDatabase, createTestRedis } from "../_support.ts";
+
+/** Parses Prometheus text format into `name{labels}` -> value, checking every line against the format. */
+function parseExposition(text: string): Map<string, number> {
+  const out = new Map<string, number>();
+  const sample =
+    /^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*\})? (-?[0-9.e+]+|NaN|\+Inf|-Inf)$/;
+  for (const line of text.split("\n")) {
+    if (line === "") continue;
+    if (line.startsWith("# HELP ") || line.startsWith("# TYPE ")) continue;
+    const m = sample.exec(line);
+    assert.ok(m, `valid exposition line: ${line}`);
+    out.set(m[1]! + (m[2] ?? ""), Number(m[3]));
+  }
+  return out;
+}
+
+Deno.test("metrics", async (t) => {
+  const db = await createTestDatabase();
+  const r = await createTestRedis();
+  const keys = jobKeys(r.prefix);
+  try {
+    await t.step(
+      "the API counts requests by route and status, replays, 409s and 422s, with a latency histogram",
+      async () => {
+        const registry = createRegistry();
+        const handler = createHandler({
+          redis: r.redis,
+          sql: db.sql,
+          log: silentLogger,
+          authenticate: createAuthenticator({ sql: db.sql }, { mode: "trusted-header" }),
+          idempotency: createIdempotencyStore({ redis: r.redis, log: silentLogger }, {
+            prefix: r.prefix,
+            lockTtlS: 30,
+            resultTtlS: 60,
+          }),
+          keys,
+          maxBodyBytes: 4096,
+          metrics: { api: apiMetrics(registry), registry },
+        });
+        const post = (key: string, text = "Revenue rose.") =>
+          handler(
+            new Request("http://api/v1/summaries", {
+              method: "POST",
+              headers: { "x-tenant-id": "acme", "idempotency-key": key, "content-type": "application/json" },
+              body: JSON.stringify({ text, notify: "a@b.co" }),
+            }),
+          ).then((res) => res.arrayBuffer());
+        await post("metrics-key-000001");
+        await post("metrics-key-000001");
+        await post("metrics-key-000001", "Another body.");
+        const res = await handler(new Request("http://api/metrics"));
+        assert.match(res.headers.get("content-type")!, /^text\/plain/);
+        const m = parseExposition(await res.text());
+        assert.equal(m.get('oncely_http_requests_total{route="/v1/summaries",method="POST",status="202"}'), 2);
+        assert.equal(m.get('oncely_http_requests_total{route="/v1/summaries",method="POST",status="422"}'), 1);
+        assert.equal(m.get("oncely_idempotent_replays_total"), 1);
+        assert.equal(m.get("oncely_idempotency_key_reuse_total"), 1);
+        assert.equal(m.get('oncely_http_request_duration_seconds_count{route="/v1/summaries",method="POST"}'), 3);
+      },
+    );
+
+    await t.step(
+      "the worker counts deliveries, retries by reason and dead letters, and reads pending and lag",
+      async () => {
+        const registry = createRegistry();
+        const metrics = workerMetrics(registry);
+        queueGauges(registry, r.redis, keys);
+        const model = startFakeModel((n) =>
+          n === 1 ? { kind: "status", status: 429, headers: { "retry-after-ms": "1" } } : { kind: "ok" }
+        );
+        const worker = createSummaryWorker({
+          redis: r.redis,
+          sql: db.sql,
+          llm: createOpenAiLlm({ apiKey: "k", model: "m", baseURL: model.url }),
+          log: silentLogger,
+        }, {
+          keys,
+          consumer: "metrics",
+          claimIdleMs: 60_000,
+          maxDeliveries: 5,
+          concurrency: 4,
+          blockMs: 5,
+          events: workerEvents(metrics),
+          job: { budgetMs: 5_000, perCallTimeoutMs: 2_000, maxAttempts: 3, onAttempt: attemptObserver(metrics) },
+        });
+        try {
+          await r.redis.del(keys.stream);
+          await enqueueJob(r.redis, keys, {
+            jobId: crypto.randomUUID(),
+            tenant: "acme",
+            request: { text: "Revenue rose.", notify: "a@b.co" },
+          });
+          await enqueueJob(r.redis, keys, {
+            jobId: crypto.randomUUID(),
+            tenant: "acme",
+            request: { text: "Costs fell.", notify: "a@b.co" },
+          });
+          await worker.runOnce(0);
+          await worker.drain();
+          await r.redis.xadd(keys.stream, "*", "job_id", "bad", "tenant", "acme", "payload", "{}");
+          await r.redis.xadd(keys.stream, "*", "job_id", "waiting", "tenant", "acme", "payload", "{}");
+          const m0 = parseExposition(await registry.metrics());
+          assert.equal(m0.get("oncely_queue_lag"), 2);
+          await worker.runOnce(0);
+          await worker.drain();
+          const m = parseExposition(await registry.metrics());
+          assert.equal(m.get('oncely_worker_deliveries_total{source="new"}'), 4);
+          assert.equal(m.get('oncely_model_retries_total{reason="http_429"}'), 1);
+          assert.equal(m.get('oncely_model_attempts_total{outcome="ok"}'), 2);
+          assert.equal(m.get("oncely_worker_dead_letters_total"), 2);
+          assert.equal(m.get("oncely_worker_acked_total"), 2);
+          assert.equal(m.get("oncely_queue_pending"), 0);
+          assert.equal(m.get("oncely_queue_lag"), 0);
+          assert.equal(m.get("oncely_worker_jobs_in_flight"), 0);
+        } finally {
+          await worker.close();
+          await model.close();
+        }
+      },
+    );
+
+    await t.step(
+      "the relay counts sends by outcome and reads the backlog and the oldest unsent row's age",
+      async () => {
+        const registry = createRegistry();
+        outboxGauges(registry, db.sql);
+        await db.sql`TRUNCATE outbox`;
+        await db.sql`
+        INSERT INTO outbox (topic, dedupe_key, payload, created_at) VALUES
+          ('email.summary_ready', 'summary_ready:a', '{"job_id":"a","to":"a@b.co","summary":"s"}', now() - interval '60 seconds'),
+          ('email.summary_ready', 'summary_ready:b', '{"job_id":"b","to":"a@b.co","summary":"s"}', now())`;
+        const before = parseExposition(await registry.metrics());
+        assert.equal(before.get("oncely_outbox_unsent"), 2);
+        assert.ok(before.get("oncely_outbox_oldest_unsent_seconds")! >= 59);
+        const mail = startFakeMail((n) => (n === 1 ? { kind: "status", status: 500 } : { kind: "ok" }));
+        try {
+          const relay = createRelay({
+            sql: db.sql,
+            mailer: createResendMailer({ apiKey: "k", baseUrl: mail.url, timeoutMs: 2_000 }),
+            render: summaryEmailRenderer("s@example.com"),
+            log: silentLogger,
+          }, { batch: 1, maxAttempts: 5, leaseMs: 5_000, events: relayEvents(relayMetrics(registry)) });
+          await relay.runOnce();
+          await relay.runOnce();
+          await new Promise((res) => setTimeout(res, 1_100)); // the backlog gauge caches for 1 s
+          const after = parseExposition(await registry.metrics());
+          assert.equal(after.get('oncely_relay_sends_total{outcome="retry"}'), 1);
+          assert.equal(after.get('oncely_relay_sends_total{outcome="sent"}'), 1);
+          assert.equal(after.get("oncely_outbox_unsent"), 1);
+        } finally {
+          await mail.close();
+        }
+      },
+    );
+  } finally {
+    await r.close();
+    await db.close();
+  }
+});

@@ -1,0 +1,54 @@
+import assert from "node:assert/strict";
+import { z } from "zod";
+import { silentLogger } from "../../src/log/logger.ts";
+import { createHandler } from "../../src/summaries/api.ts";
+import { openApiDocument, ROUTES } from "../../src/summaries/openapi.ts";
+import { SummaryRequest } from "../../src/summaries/schemas.ts";
+import type { Redis } from "ioredis";
+import type { Sql } from "postgres";
+
+// Routing needs no Redis or Postgres until a handler runs; these stand-ins are never called.
+const unused = new Proxy({}, {
+  get() {
+    throw new Error("not used");
+  },
+});
+
+Deno.test("openapi.json documents exactly the routes the handler serves", async () => {
+  const handler = createHandler({
+    redis: unused as Redis,
+    sql: unused as Sql,
+    log: silentLogger,
+    authenticate: () => Promise.reject(Object.assign(new Error("no"), { status: 401 })),
+    idempotency: unused as never,
+    keys: unused as never,
+    maxBodyBytes: 1024,
+  });
+  const res = await handler(new Request("http://api/openapi.json"));
+  assert.equal(res.status, 200);
+  const doc = await res.json();
+  assert.equal(doc.openapi, "3.1.0");
+  assert.deepEqual(doc, JSON.parse(JSON.stringify(openApiDocument())));
+  const documented = Object.entries(doc.paths as Record<string, Record<string, unknown>>)
+    .flatMap(([path, ops]) => Object.keys(ops).map((method) => `${method} ${path}`)).sort();
+  assert.deepEqual(documented, ROUTES.map((r) => `${r.method} ${r.path}`).sort());
+  for (const { method, path } of ROUTES) {
+    const url = `http://api${path.replace("{job_id}", crypto.randomUUID())}`;
+    const r = await handler(new Request(url, { method: method.toUpperCase() }));
+    const body = await r.text();
+    assert.doesNotMatch(body, /No route for/, `${method} ${path} is served`);
+    assert.notEqual(r.status, 405, `${method} ${path} accepts ${method}`);
+  }
+  const missing = await handler(new Request("http://api/v2/nothing"));
+  assert.equal(missing.status, 404);
+  await missing.body?.cancel();
+});
+
+Deno.test("openapi.json's request schema is the zod schema that validates requests", () => {
+  const doc = openApiDocument() as { components: { schemas: Record<string, Record<string, unknown>> } };
+  const { $schema: _, ...expected } = z.toJSONSchema(SummaryRequest, { io: "input" }) as Record<string, unknown>;
+  assert.deepEqual(doc.components.schemas.SummaryRequest, expected);
+  const schema = doc.components.schemas.SummaryRequest as { required: string[]; additionalProperties: boolean };
+  assert.deepEqual(schema.required.sort(), ["notify", "text"]);
+  assert.equal(schema.additionalProperties, false);
+});
