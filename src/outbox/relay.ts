@@ -112,6 +112,7 @@ export function createRelay(
       events.failed?.(row, reason);
       log.warn("outbox_failed", {
         outbox_id: row.id,
+        job_id: row.payload.job_id,
         dedupe_key: row.dedupe_key,
         attempt: attempts,
         reason,
@@ -127,6 +128,7 @@ export function createRelay(
     events.retry?.(row, reason);
     log.info("outbox_send_retry", {
       outbox_id: row.id,
+      job_id: row.payload.job_id,
       dedupe_key: row.dedupe_key,
       attempt: attempts,
       reason,
