@@ -77,13 +77,13 @@ interface Clients {
 
 async function withClients<T>(
   config: Config,
-  needs: { redis?: boolean; sql?: boolean },
+  needs: { redis?: boolean; sql?: boolean; failFast?: boolean },
   run: (clients: Partial<Clients>) => Promise<T>,
 ): Promise<T> {
   const clients: Partial<Clients> = {};
   try {
     if (needs.sql) clients.sql = await connectPostgres(config.DATABASE_URL);
-    if (needs.redis) clients.redis = await connectRedis(config.REDIS_URL, { name: "oncely" });
+    if (needs.redis) clients.redis = await connectRedis(config.REDIS_URL, { name: "oncely", failFast: needs.failFast });
     return await run(clients);
   } finally {
     await clients.sql?.end({ timeout: 5 });
@@ -230,7 +230,7 @@ async function run(command: Command, args: string[], config: Config, log: Logger
     case "tenant":
       return await withClients(config, { sql: true }, ({ sql }) => tenantCommand(sql!, args));
     case "api":
-      return await withClients(config, { sql: true, redis: true }, async (clients) => {
+      return await withClients(config, { sql: true, redis: true, failFast: true }, async (clients) => {
         await serveApi(config, clients as Clients, log, shutdownSignal(log), createRegistry());
         return 0;
       });

@@ -17,12 +17,17 @@ const STARTUP_TIMEOUT_MS = 3_000;
  * Connects to Redis and checks that it answers.
  * @throws {DependencyDown} naming the URL and how to start Redis.
  */
-export async function connectRedis(url: string, options: { name?: string } = {}): Promise<Redis> {
+export async function connectRedis(
+  url: string,
+  options: { name?: string; failFast?: boolean } = {},
+): Promise<Redis> {
   const redis = new Redis(url, {
     lazyConnect: true,
     connectionName: options.name,
-    // Keep retrying commands across a Redis restart instead of failing them after 20 tries.
-    maxRetriesPerRequest: null,
+    // Background loops keep retrying commands across a Redis restart; a
+    // request handler fails fast instead (a 5xx is never stored, so the
+    // client retries), rather than hanging until Redis is back.
+    maxRetriesPerRequest: options.failFast ? 2 : null,
     retryStrategy: (times) => Math.min(50 * 2 ** times, 2_000),
   });
   redis.on("error", () => {}); // reconnects are retried; failures surface on commands

@@ -28,6 +28,8 @@ export interface FakeMailServer {
   readonly delivered: DeliveredEmail[];
   /** Authorization headers seen. */
   readonly authorizations: Set<string>;
+  /** Requests answered from an earlier send with the same Idempotency-Key (duplicates absorbed). */
+  readonly deduplicated: number;
   close(): Promise<void>;
 }
 
@@ -35,7 +37,7 @@ export interface FakeMailServer {
 export function startFakeMail(
   behave: (n: number, key: string | null) => MailBehaviour = () => ({ kind: "ok" }),
 ): FakeMailServer {
-  const state = { requests: 0, delivered: [] as DeliveredEmail[], authorizations: new Set<string>() };
+  const state = { requests: 0, deduplicated: 0, delivered: [] as DeliveredEmail[], authorizations: new Set<string>() };
   const byKey = new Map<string, { payload: string; id?: string }>();
   const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, async (req) => {
     if (req.method !== "POST" || new URL(req.url).pathname !== "/emails") {
@@ -77,6 +79,7 @@ export function startFakeMail(
             message: "Same idempotency key used while original request is still in progress",
           }, { status: 409 });
         }
+        state.deduplicated++;
         return Response.json({ id: seen.id });
       }
       byKey.set(key, { payload });
@@ -97,6 +100,9 @@ export function startFakeMail(
     },
     get authorizations() {
       return state.authorizations;
+    },
+    get deduplicated() {
+      return state.deduplicated;
     },
     close: () => server.shutdown(),
   };

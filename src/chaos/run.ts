@@ -1,0 +1,444 @@
+/**
+ * `deno task chaos`: proves "exactly-once effects under at-least-once
+ * delivery" by crashing real processes on purpose.
+ *
+ * It starts the API, two workers and two relays as subprocesses with their
+ * tasks' own command lines (plus the fake providers' loopback ports), a
+ * flaky fake model and a flaky fake Resend, submits jobs the way real
+ * clients do (1 to 3 retries per POST, some concurrent), SIGKILLs a random
+ * process every 1 to 3 s and restarts it, then waits for every accepted job
+ * and counts effects. Exits non-zero unless nothing was lost or duplicated.
+ *
+ *   deno task chaos [--jobs N] [--duration S] [--redis-restart] [--pg-terminate] [--no-kills] [--seed N]
+ *
+ * It uses a fresh Postgres database and an empty Redis database index (or,
+ * with --redis-restart, its own redis-server with AOF on in a temporary
+ * directory), and cleans up afterwards. All traffic stays on 127.0.0.1.
+ */
+import { Redis } from "ioredis";
+import postgres from "postgres";
+import { sleep } from "../async/timeout.ts";
+import { createApiKey } from "../tenants/tenant_store.ts";
+import { startFakeMail } from "../testing/fake_mail_server.ts";
+import { startFakeModel } from "../testing/fake_model_server.ts";
+import { createScratchDatabase } from "../testing/scratch.ts";
+
+const args = Deno.args;
+const flag = (name: string) => args.includes(`--${name}`);
+const option = (name: string, fallback: number) => {
+  const i = args.indexOf(`--${name}`);
+  const value = i >= 0 ? Number(args[i + 1]) : fallback;
+  if (!Number.isFinite(value) || value < 0) {
+    console.error(`--${name} must be a number (got ${JSON.stringify(args[i + 1])})`);
+    Deno.exit(2);
+  }
+  return value;
+};
+const JOBS = option("jobs", 500);
+const DURATION_S = option("duration", 30);
+const DRAIN_TIMEOUT_S = option("drain-timeout", 180);
+const REDIS_RESTART = flag("redis-restart");
+const PG_TERMINATE = flag("pg-terminate");
+const NO_KILLS = flag("no-kills");
+let seed = option("seed", Date.now() % 1_000_000);
+const SEED = seed;
+/** A seeded PRNG (mulberry32), so a failing run can be repeated with --seed. */
+const random = () => {
+  seed = (seed + 0x6d2b79f5) >>> 0;
+  let t = seed;
+  t = Math.imul(t ^ (t >>> 15), t | 1);
+  t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+  return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+};
+const pick = <T>(items: T[]) => items[Math.floor(random() * items.length)]!;
+
+const ADMIN_URL = Deno.env.get("CHAOS_DATABASE_URL") ?? "postgres://postgres@127.0.0.1:5432/postgres";
+const tasks = JSON.parse(await Deno.readTextFile(new URL("../../deno.json", import.meta.url))).tasks as Record<
+  string,
+  string
+>;
+const logDir = await Deno.makeTempDir({ prefix: "oncely-chaos-" });
+const stderr = (line: string) => Deno.stderr.writeSync(new TextEncoder().encode(line));
+
+function freePort(): number {
+  const l = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  const port = (l.addr as Deno.NetAddr).port;
+  l.close();
+  return port;
+}
+
+// ---------------------------------------------------------------- providers
+let modelCalls = 0;
+const model = startFakeModel(() => {
+  modelCalls++;
+  const r = random();
+  if (r < 0.08) return { kind: "status", status: 429, headers: { "retry-after": "0.2" } };
+  if (r < 0.14) return { kind: "status", status: 503 };
+  if (r < 0.17) return { kind: "hang" };
+  return { kind: "ok", delayMs: 5 + Math.floor(random() * 30) };
+});
+const mail = startFakeMail(() => (random() < 0.1 ? { kind: "status", status: 500 } : { kind: "ok" }));
+
+// ---------------------------------------------------------------- Redis and Postgres
+const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_chaos" });
+let redisUrl: string;
+let ownRedis: { port: number; dir: string; child?: Deno.ChildProcess } | undefined;
+
+async function startOwnRedis() {
+  ownRedis!.child = new Deno.Command("redis-server", {
+    args: [
+      "--port",
+      String(ownRedis!.port),
+      "--bind",
+      "127.0.0.1",
+      "--dir",
+      ownRedis!.dir,
+      "--appendonly",
+      "yes",
+      "--appendfsync",
+      "always",
+      "--save",
+      "",
+    ],
+    stdout: "null",
+    stderr: "null",
+  }).spawn();
+  for (let i = 0; i < 100; i++) {
+    try {
+      const probe = new Redis({ port: ownRedis!.port, host: "127.0.0.1", lazyConnect: true, maxRetriesPerRequest: 0 });
+      probe.on("error", () => {});
+      await probe.connect();
+      await probe.ping();
+      await probe.quit();
+      return;
+    } catch {
+      await sleep(50);
+    }
+  }
+  throw new Error("own redis-server did not start");
+}
+
+if (REDIS_RESTART) {
+  ownRedis = { port: freePort(), dir: await Deno.makeTempDir({ prefix: "oncely-chaos-redis-" }) };
+  await startOwnRedis();
+  redisUrl = `redis://127.0.0.1:${ownRedis.port}/0`;
+} else {
+  const probe = new Redis("redis://127.0.0.1:6379/0");
+  let index = -1;
+  for (let i = 15; i >= 1 && index < 0; i--) {
+    await probe.select(i);
+    if ((await probe.dbsize()) === 0) index = i;
+  }
+  await probe.quit();
+  if (index < 0) throw new Error("no empty Redis database index (1-15) for the chaos run");
+  redisUrl = `redis://127.0.0.1:6379/${index}`;
+}
+const redisAdmin = new Redis(redisUrl, { maxRetriesPerRequest: null });
+redisAdmin.on("error", () => {});
+
+// ---------------------------------------------------------------- processes
+const apiPort = freePort();
+const apiKey = await createApiKey(db.sql, "chaos");
+const env: Record<string, string> = {
+  DATABASE_URL: db.url,
+  REDIS_URL: redisUrl,
+  PORT: String(apiPort),
+  OPENAI_API_KEY: "sk-chaos",
+  OPENAI_BASE_URL: model.url,
+  RESEND_API_KEY: "re_chaos",
+  RESEND_BASE_URL: mail.url,
+  IDEMPOTENCY_LOCK_TTL_S: "3",
+  CLAIM_IDLE_MS: "2000",
+  MAX_DELIVERIES: "100",
+  WORKER_CONCURRENCY: "16",
+  JOB_BUDGET_S: "4",
+  LLM_CALL_TIMEOUT_S: "1",
+  RELAY_BATCH: "10",
+  RELAY_MAX_ATTEMPTS: "1000",
+  MAIL_SEND_TIMEOUT_S: "1",
+  LOG_LEVEL: "info",
+  NO_COLOR: "1",
+};
+const extraHosts = [new URL(model.url).host, new URL(mail.url).host, `127.0.0.1:${apiPort}`];
+if (ownRedis) extraHosts.push(`127.0.0.1:${ownRedis.port}`);
+
+/** The task's own command line, with the chaos run's loopback hosts added to --allow-net. */
+function taskArgs(task: string): string[] {
+  const line = tasks[task]!.replace("--allow-net=", `--allow-net=${extraHosts.join(",")},`);
+  return line.split(/\s+/).slice(1);
+}
+
+interface Proc {
+  name: string;
+  task: string;
+  child: Deno.ChildProcess;
+  log: Deno.FsFile;
+}
+const procs: Proc[] = [];
+/** Processes that exited without being killed by us: each must survive Redis and Postgres restarts. */
+const selfExits: string[] = [];
+const killedByUs = new Set<Deno.ChildProcess>();
+
+async function spawn(name: string, task: string): Promise<Proc> {
+  const log = await Deno.open(`${logDir}/${name}.log`, { append: true, create: true });
+  const child = new Deno.Command(Deno.execPath(), { args: taskArgs(task), env, stdout: "piped", stderr: "piped" })
+    .spawn();
+  // Keep the pipes drained into the log file (a full pipe would stall the process).
+  child.stdout.pipeTo(log.writable, { preventClose: true }).catch(() => {});
+  child.stderr.pipeTo(log.writable, { preventClose: true }).catch(() => {});
+  child.status.then((status) => {
+    if (!killedByUs.has(child)) selfExits.push(`${name} (exit ${status.code})`);
+  });
+  return { name, task, child, log };
+}
+
+for (
+  const [name, task] of [["api", "api"], ["worker-1", "worker"], ["worker-2", "worker"], ["relay-1", "relay"], [
+    "relay-2",
+    "relay",
+  ]] as const
+) procs.push(await spawn(name, task));
+
+async function apiUp(timeoutMs: number) {
+  const end = performance.now() + timeoutMs;
+  while (performance.now() < end) {
+    try {
+      const res = await fetch(`http://127.0.0.1:${apiPort}/healthz`);
+      await res.body?.cancel();
+      if (res.ok) return;
+    } catch { /* not yet */ }
+    await sleep(100);
+  }
+  throw new Error(`the API did not come up; see ${logDir}/api.log`);
+}
+await apiUp(30_000);
+
+// ---------------------------------------------------------------- clients
+const accepted = new Map<string, string>(); // idempotency key -> job id
+let submitted = 0, postRequests = 0;
+let killing = true;
+const BODY_WORDS = "revenue costs growth board plan quarter market customer contract region team".split(" ");
+
+function document(i: number): string {
+  return Array.from(
+    { length: 6 },
+    (_, s) =>
+      `${BODY_WORDS[(i + s) % BODY_WORDS.length]} ${
+        BODY_WORDS[(i * 7 + s) % BODY_WORDS.length]
+      } changed in period ${s} of job ${i}.`,
+  ).join(" ");
+}
+
+async function postOnce(key: string, body: string): Promise<string | null> {
+  postRequests++;
+  try {
+    const res = await fetch(`http://127.0.0.1:${apiPort}/v1/summaries`, {
+      method: "POST",
+      headers: { authorization: `Bearer ${apiKey}`, "idempotency-key": key, "content-type": "application/json" },
+      body,
+      signal: AbortSignal.timeout(5_000),
+    });
+    const text = await res.text();
+    if (res.status === 202) return (JSON.parse(text) as { job_id: string }).job_id;
+    if (res.status === 409 || res.status >= 500) return null; // retry later, as clients do
+    throw new Error(`POST answered ${res.status}: ${text}`);
+  } catch (error) {
+    if (error instanceof Error && error.message.startsWith("POST answered")) throw error;
+    return null; // connection refused or reset: the API is restarting
+  }
+}
+
+/** One logical request: sent 1-3 times (sometimes concurrently), then retried until it gets a 202. */
+async function submit(i: number) {
+  const key = `chaos-${SEED}-${String(i).padStart(6, "0")}`;
+  const body = JSON.stringify({ text: document(i), notify: `user${i}@example.com` });
+  const copies = 1 + Math.floor(random() * 3);
+  const concurrent = random() < 0.3;
+  const ids: (string | null)[] = [];
+  if (concurrent) ids.push(...await Promise.all(Array.from({ length: copies }, () => postOnce(key, body))));
+  else for (let c = 0; c < copies; c++) ids.push(await postOnce(key, body));
+  let jobId = ids.find((id) => id !== null) ?? null;
+  const end = performance.now() + 120_000;
+  for (let delay = 100; jobId === null && performance.now() < end; delay = Math.min(delay * 2, 1_000)) {
+    await sleep(delay + random() * 100);
+    jobId = await postOnce(key, body);
+  }
+  if (jobId === null) throw new Error(`POST for ${key} never got a 202 in 120 s`);
+  accepted.set(key, jobId);
+  submitted++;
+}
+
+// ---------------------------------------------------------------- chaos
+let kills = 0;
+const events: string[] = [];
+async function killLoop() {
+  const end = performance.now() + DURATION_S * 1000;
+  let redisRestarted = !REDIS_RESTART, pgTerminated = !PG_TERMINATE;
+  while (performance.now() < end) {
+    await sleep(1_000 + random() * 2_000);
+    if (performance.now() >= end) break;
+    const elapsed = 1 - (end - performance.now()) / (DURATION_S * 1000);
+    if (!redisRestarted && elapsed > 0.4) {
+      redisRestarted = true;
+      events.push("redis-server killed and restarted");
+      ownRedis!.child!.kill("SIGKILL");
+      await ownRedis!.child!.status;
+      await sleep(500);
+      await startOwnRedis();
+      continue;
+    }
+    if (!pgTerminated && elapsed > 0.6) {
+      pgTerminated = true;
+      const admin = postgres(ADMIN_URL, { max: 1, onnotice: () => {} });
+      const [row] = await admin<{ n: number }[]>`
+        SELECT count(pg_terminate_backend(pid))::int AS n FROM pg_stat_activity
+        WHERE datname = ${db.name} AND application_name = 'oncely' AND pid <> pg_backend_pid()`;
+      await admin.end();
+      events.push(`pg_terminate_backend on ${row!.n} service connections`);
+      continue;
+    }
+    if (NO_KILLS) continue;
+    const victim = pick(procs);
+    killedByUs.add(victim.child);
+    victim.child.kill("SIGKILL");
+    await victim.child.status;
+    kills++;
+    const replacement = await spawn(victim.name, victim.task);
+    procs[procs.indexOf(victim)] = replacement;
+    victim.log.close();
+  }
+  killing = false;
+}
+
+async function countDone(): Promise<number> {
+  const [row] = await db.sql<{ n: number }[]>`SELECT count(*)::int AS n FROM summaries`;
+  return row!.n;
+}
+
+let done = 0;
+const started = performance.now();
+const tty = Deno.stderr.isTerminal();
+let lastLine = 0;
+function drawProgress(final = false) {
+  const width = 30;
+  const filled = Math.round((done / JOBS) * width);
+  const bar = "#".repeat(Math.min(width, filled)) + ".".repeat(Math.max(0, width - filled));
+  const line = `[${bar}] submitted ${submitted}/${JOBS}  done ${done}/${JOBS}  killed ${kills}${
+    killing ? "" : " (kills over)"
+  }  ${((performance.now() - started) / 1000).toFixed(0)} s`;
+  if (tty) stderr(`\r${line}${final ? "\n" : ""}`);
+  else if (final || performance.now() - lastLine > 3_000) {
+    lastLine = performance.now();
+    stderr(line + "\n");
+  }
+}
+
+let failure: unknown;
+let drainSeconds = NaN;
+try {
+  const chaos = killLoop();
+  const progress = setInterval(() => {
+    countDone().then((n) => (done = n), () => {});
+    drawProgress();
+  }, 250);
+  try {
+    // Submit with 16 clients in parallel, spread over most of the kill period.
+    const spacingMs = (DURATION_S * 800) / Math.max(1, JOBS);
+    let next = 0;
+    await Promise.all(Array.from({ length: 16 }, async () => {
+      while (next < JOBS) {
+        const i = next++;
+        const due = started + i * spacingMs;
+        if (due > performance.now()) await sleep(due - performance.now());
+        await submit(i);
+      }
+    }));
+    await chaos;
+    const drainStart = performance.now();
+    const end = drainStart + DRAIN_TIMEOUT_S * 1000;
+    const expected = new Set(accepted.values());
+    while (performance.now() < end) {
+      done = await countDone();
+      const keys = new Set(mail.delivered.map((d) => d.idempotencyKey));
+      if (done >= expected.size && [...expected].every((id) => keys.has(`summary_ready:${id}`))) break;
+      await sleep(200);
+    }
+    drainSeconds = (performance.now() - drainStart) / 1000;
+  } finally {
+    clearInterval(progress);
+    done = await countDone().catch(() => done);
+    drawProgress(true);
+  }
+} catch (error) {
+  failure = error;
+}
+
+// ---------------------------------------------------------------- results
+const jobIds = [...new Set(accepted.values())];
+const summaries = await db.sql<{ job_id: string }[]>`SELECT job_id::text FROM summaries`;
+const outbox = await db.sql<{ job_id: string }[]>`SELECT payload->>'job_id' AS job_id FROM outbox`;
+const summaryIds = new Set(summaries.map((r) => r.job_id));
+const lost = jobIds.filter((id) => !summaryIds.has(id)).length;
+const dupSummaries = summaries.length - summaryIds.size;
+const dupOutbox = outbox.length - new Set(outbox.map((r) => r.job_id)).size;
+const unexpected = summaries.filter((r) => !jobIds.includes(r.job_id)).length;
+const deliveredKeys = mail.delivered.map((d) => d.idempotencyKey);
+const distinctEmails = new Set(deliveredKeys).size;
+const dupEmails = deliveredKeys.length - distinctEmails;
+const dead = await redisAdmin.xlen("oncely:{jobs}:dead").catch(() => -1);
+
+const rows: [string, string][] = [
+  ["seed", String(SEED)],
+  [
+    "mode",
+    [REDIS_RESTART && "redis restart", PG_TERMINATE && "pg_terminate_backend"].filter(Boolean).join(", ") ||
+    "process kills",
+  ],
+  ["jobs accepted", String(jobIds.length)],
+  ["POST requests sent (with client retries)", String(postRequests)],
+  ["processes killed (SIGKILL)", String(kills)],
+  ["processes that exited on their own", selfExits.length ? selfExits.join(", ") : "0"],
+  ...events.map((e): [string, string] => ["infrastructure event", e]),
+  ["jobs lost (accepted but never done)", String(lost)],
+  ["dead-lettered", String(dead)],
+  ["duplicate summaries", String(dupSummaries)],
+  ["duplicate outbox rows", String(dupOutbox)],
+  ["summaries for jobs never accepted", String(unexpected)],
+  ["distinct emails delivered / expected", `${distinctEmails} / ${jobIds.length}`],
+  ["emails delivered twice", String(dupEmails)],
+  ["send requests / duplicates the provider absorbed", `${mail.requests} / ${mail.deduplicated}`],
+  ["model calls per job", jobIds.length ? (modelCalls / jobIds.length).toFixed(2) : "n/a"],
+  ["time to drain after the last kill", Number.isFinite(drainSeconds) ? `${drainSeconds.toFixed(1)} s` : "n/a"],
+];
+console.log("\n| chaos run | result |\n| --- | --- |");
+for (const [k, v] of rows) console.log(`| ${k} | ${v} |`);
+
+// ---------------------------------------------------------------- clean up
+const stoppedCleanly = selfExits.length === 0;
+for (const p of procs) {
+  killedByUs.add(p.child);
+  p.child.kill("SIGTERM");
+}
+await Promise.all(procs.map((p) => p.child.status));
+for (const p of procs) p.log.close();
+await model.close();
+await mail.close();
+await redisAdmin.flushdb().catch(() => {});
+await redisAdmin.quit().catch(() => redisAdmin.disconnect());
+if (ownRedis) {
+  ownRedis.child?.kill("SIGKILL");
+  await ownRedis.child?.status;
+  await Deno.remove(ownRedis.dir, { recursive: true });
+}
+await db.close();
+
+const ok = !failure && stoppedCleanly && lost === 0 && dupSummaries === 0 && dupOutbox === 0 && unexpected === 0 &&
+  dupEmails === 0 &&
+  distinctEmails === jobIds.length && jobIds.length === JOBS;
+if (failure) console.error(`chaos run failed: ${failure instanceof Error ? failure.message : failure}`);
+if (!ok) {
+  console.error(`FAILED: the process logs are in ${logDir}`);
+  Deno.exit(1);
+}
+await Deno.remove(logDir, { recursive: true });
+console.log("\nOK: nothing lost, nothing duplicated.");
