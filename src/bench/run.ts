@@ -17,6 +17,7 @@ import { createHandler } from "../summaries/api.ts";
 import { summaryEmailRenderer } from "../summaries/email.ts";
 import { jobKeys } from "../summaries/keys.ts";
 import { createSummaryWorker } from "../summaries/worker.ts";
+import { createStreamWorker } from "../queue/stream_worker.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
 import { createApiKey } from "../tenants/tenant_store.ts";
 import { startFakeMail } from "../testing/fake_mail_server.ts";
@@ -489,11 +490,109 @@ async function benchMemory() {
   }
 }
 
+/** Our stream worker with a no-op handler: jobs/s until `n` pre-enqueued messages are acked (and deleted). */
+async function oursNoop(n: number, concurrency: number): Promise<number> {
+  const r = await createScratchRedis(REDIS_URL, "oncely_bench");
+  const names = { stream: `${r.prefix}:{q}:stream`, dead: `${r.prefix}:{q}:dead`, group: "g" };
+  try {
+    for (let start = 0; start < n; start += 1000) {
+      const p = r.redis.pipeline();
+      for (let i = start; i < Math.min(n, start + 1000); i++) p.xadd(names.stream, "*", "i", String(i));
+      await p.exec();
+    }
+    let acked = 0;
+    let finished!: () => void;
+    const allDone = new Promise<void>((res) => (finished = res));
+    const worker = createStreamWorker({ redis: r.redis, log: silentLogger }, {
+      ...names,
+      consumer: "noop",
+      claimIdleMs: 60_000,
+      maxDeliveries: 5,
+      concurrency,
+      blockMs: 5,
+      events: {
+        acked() {
+          if (++acked === n) finished();
+        },
+      },
+    }, () => Promise.resolve());
+    const stop = new AbortController();
+    const started = performance.now();
+    const running = worker.run(stop.signal);
+    const ok = await settlesWithin(allDone, 120_000);
+    const seconds = (performance.now() - started) / 1000;
+    stop.abort();
+    await running;
+    await worker.close();
+    if (!ok) throw new Error(`queue bench (ours): ${acked}/${n} acked in 120 s`);
+    return n / seconds;
+  } finally {
+    await r.close();
+  }
+}
+
+/** BullMQ with a no-op processor on the same Redis, same concurrency: jobs/s until `n` pre-added jobs complete. */
+async function bullmqNoop(n: number, concurrency: number): Promise<number> {
+  const { Queue, Worker } = await import("bullmq");
+  const u = new URL(REDIS_URL);
+  const connection = { host: u.hostname, port: Number(u.port || 6379), db: Number(u.pathname.slice(1) || 0) };
+  const prefix = `oncely_bench_bullmq_${crypto.randomUUID().slice(0, 8)}`;
+  const queue = new Queue("noop", { connection, prefix });
+  try {
+    for (let start = 0; start < n; start += 1000) {
+      await queue.addBulk(Array.from({ length: Math.min(1000, n - start) }, (_, i) => ({ name: "j", data: { i } })));
+    }
+    let completed = 0;
+    let finished!: () => void;
+    const allDone = new Promise<void>((res) => (finished = res));
+    const started = performance.now();
+    // removeOnComplete keeps Redis bounded, as our XDEL does.
+    const worker = new Worker("noop", async () => {}, {
+      connection,
+      prefix,
+      concurrency,
+      removeOnComplete: { count: 0 },
+    });
+    worker.on("completed", () => {
+      if (++completed === n) finished();
+    });
+    const ok = await settlesWithin(allDone, 120_000);
+    const seconds = (performance.now() - started) / 1000;
+    await worker.close();
+    if (!ok) throw new Error(`queue bench (BullMQ): ${completed}/${n} completed in 120 s`);
+    return n / seconds;
+  } finally {
+    await queue.obliterate({ force: true }).catch(() => {});
+    await queue.close();
+  }
+}
+
+async function benchQueue() {
+  const n = smoke ? 2_000 : 20_000;
+  const ours: number[] = [], theirs: number[] = [];
+  for (let i = 0; i < RUNS; i++) {
+    progress(`queue: ${n} no-op jobs, concurrency 256, ours then BullMQ (run ${i + 1})`);
+    ours.push(await oursNoop(n, 256));
+    theirs.push(await bullmqNoop(n, 256));
+  }
+  const ratio = median(ours) / median(theirs);
+  rows.push({
+    benchmark: "Queue jobs/s, no-op handler, concurrency 256, same Redis",
+    result: `ours ${fmt(median(ours))}/s`,
+    baseline: `BullMQ 6.7 under Deno ${fmt(median(theirs))}/s`,
+    ratio: `${fmt(ratio, 2)}x`,
+    goal: `>= 1x ${ratio >= 1 ? "(met)" : "(NOT met)"}`,
+    value: median(ours),
+    baselineValue: median(theirs),
+  });
+}
+
 const sections: Record<string, () => Promise<void>> = {
   // Memory first: its baseline is then the RSS of a fresh process.
   memory: benchMemory,
   ingest: benchIngest,
   worker: benchWorker,
+  queue: benchQueue,
   relay: benchRelay,
   e2e: benchEndToEnd,
 };
