@@ -17,7 +17,7 @@ import { createHandler } from "../summaries/api.ts";
 import { summaryEmailRenderer } from "../summaries/email.ts";
 import { jobKeys } from "../summaries/keys.ts";
 import { createSummaryWorker } from "../summaries/worker.ts";
-import { createStreamWorker } from "../queue/stream_worker.ts";
+import { createStreamWorker, type StreamWorker } from "../queue/stream_worker.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
 import { createApiKey } from "../tenants/tenant_store.ts";
 import { startFakeMail } from "../testing/fake_mail_server.ts";
@@ -175,6 +175,19 @@ async function benchIngest() {
   }
 }
 
+/** Runs `worker` until `allDone` resolves (at most 120 s), then stops it. @returns whether it finished, and the seconds it took. */
+async function runUntil(worker: StreamWorker, allDone: Promise<void>): Promise<{ ok: boolean; seconds: number }> {
+  const stop = new AbortController();
+  const started = performance.now();
+  const running = worker.run(stop.signal);
+  const ok = await settlesWithin(allDone, 120_000);
+  const seconds = (performance.now() - started) / 1000;
+  stop.abort();
+  await running;
+  await worker.close();
+  return { ok, seconds };
+}
+
 /** Runs one worker over `jobs` pre-enqueued jobs; returns jobs/s until every one is acked. */
 async function workerRun(opts: { jobs: number; concurrency: number; delayMs: number }): Promise<number> {
   const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench", max: 10 });
@@ -202,14 +215,7 @@ async function workerRun(opts: { jobs: number; concurrency: number; delayMs: num
         },
       },
     );
-    const stop = new AbortController();
-    const started = performance.now();
-    const running = worker.run(stop.signal);
-    const ok = await settlesWithin(allDone, 120_000);
-    const seconds = (performance.now() - started) / 1000;
-    stop.abort();
-    await running;
-    await worker.close();
+    const { ok, seconds } = await runUntil(worker, allDone);
     if (!ok) throw new Error(`worker bench: only ${acked}/${opts.jobs} jobs acked in 120 s`);
     const committed = await countRows(db.sql, "summaries");
     if (committed !== opts.jobs) throw new Error(`worker bench: ${committed} summaries for ${opts.jobs} jobs`);
@@ -516,14 +522,7 @@ async function oursNoop(n: number, concurrency: number): Promise<number> {
         },
       },
     }, () => Promise.resolve());
-    const stop = new AbortController();
-    const started = performance.now();
-    const running = worker.run(stop.signal);
-    const ok = await settlesWithin(allDone, 120_000);
-    const seconds = (performance.now() - started) / 1000;
-    stop.abort();
-    await running;
-    await worker.close();
+    const { ok, seconds } = await runUntil(worker, allDone);
     if (!ok) throw new Error(`queue bench (ours): ${acked}/${n} acked in 120 s`);
     return n / seconds;
   } finally {

@@ -104,20 +104,20 @@ export function createRelay(
     const permanent = error instanceof PermanentMailError || !isRetryable(error);
     const reason = reasonOf(error);
     const message = `${reason}: ${error instanceof Error ? error.message : String(error)}`.slice(0, 1000);
+    const fields = {
+      outbox_id: row.id,
+      job_id: row.payload.job_id,
+      dedupe_key: row.dedupe_key,
+      attempt: attempts,
+      reason,
+    };
     if (permanent || attempts >= options.maxAttempts) {
       // Needs a person: `deno task outbox list --failed`, then `outbox retry`.
       await sql`
         UPDATE outbox SET attempts = ${attempts}, last_error = ${message}, failed_at = now(), locked_until = NULL
         WHERE id = ${row.id} AND claim_token = ${row.claim_token} AND sent_at IS NULL`;
       events.failed?.(row, reason);
-      log.warn("outbox_failed", {
-        outbox_id: row.id,
-        job_id: row.payload.job_id,
-        dedupe_key: row.dedupe_key,
-        attempt: attempts,
-        reason,
-        permanent,
-      });
+      log.warn("outbox_failed", { ...fields, permanent });
       return;
     }
     const waitMs = Math.round(random() * Math.min(capMs, baseMs * 2 ** (attempts - 1)));
@@ -126,14 +126,7 @@ export function createRelay(
         next_attempt_at = now() + ${waitMs} * interval '1 millisecond'
       WHERE id = ${row.id} AND claim_token = ${row.claim_token} AND sent_at IS NULL`;
     events.retry?.(row, reason);
-    log.info("outbox_send_retry", {
-      outbox_id: row.id,
-      job_id: row.payload.job_id,
-      dedupe_key: row.dedupe_key,
-      attempt: attempts,
-      reason,
-      wait_ms: waitMs,
-    });
+    log.info("outbox_send_retry", { ...fields, wait_ms: waitMs });
   }
 
   async function deliver(rows: OutboxRow[]): Promise<void> {
@@ -223,7 +216,7 @@ export function createRelay(
     } finally {
       signal.removeEventListener("abort", onAbort);
       // Finish the current batch; past the grace, abort sends (their rows keep the lease and are retried).
-      if (!(await settlesWithin(current, 7_000))) stopping.abort(new Error("relay stopping"));
+      if (!(await settlesWithin(current, 5_000))) stopping.abort(new Error("relay stopping"));
       await listener.unlisten();
     }
   }

@@ -35,6 +35,11 @@ export interface StreamWorkerOptions extends QueueNames {
   heartbeatMs?: number;
   /** Time in-flight handlers get to finish after stop; the rest stay pending. */
   graceMs?: number;
+  /**
+   * Consumers idle this long with nothing pending are removed from the group
+   * (each process restart adds a consumer name). Default `max(3 × claimIdleMs, 60 s)`.
+   */
+  pruneIdleMs?: number;
   onDeadLetter?: DeadLetterHook;
   events?: WorkerEvents;
 }
@@ -49,6 +54,8 @@ export interface StreamWorker {
   drain(): Promise<void>;
   /** Refreshes the idle time of in-flight messages this consumer still owns. @returns the ids refreshed. */
   heartbeat(): Promise<string[]>;
+  /** Removes other consumers that hold nothing and have been idle past `pruneIdleMs`. @returns their names. */
+  pruneConsumers(): Promise<string[]>;
   readonly inFlight: number;
   /** Closes the blocking connection this worker opened. */
   close(): Promise<void>;
@@ -240,6 +247,23 @@ export function createStreamWorker(
     return refreshed;
   }
 
+  const pruneIdleMs = options.pruneIdleMs ?? Math.max(3 * options.claimIdleMs, 60_000);
+  async function pruneConsumers(): Promise<string[]> {
+    const consumers = await redis.call("XINFO", "CONSUMERS", names.stream, names.group) as unknown[][];
+    const removed: string[] = [];
+    for (const c of consumers) {
+      const f = new Map<string, unknown>();
+      for (let i = 0; i + 1 < c.length; i += 2) f.set(String(c[i]), c[i + 1]);
+      const name = String(f.get("name"));
+      // Only consumers with an empty PEL: deleting one that holds messages would drop them from the PEL.
+      if (name === options.consumer || Number(f.get("pending")) !== 0 || Number(f.get("idle")) < pruneIdleMs) continue;
+      await redis.xgroup("DELCONSUMER", names.stream, names.group, name);
+      removed.push(name);
+    }
+    if (removed.length) log.info("consumers_pruned", { consumers: removed });
+    return removed;
+  }
+
   async function drain(): Promise<void> {
     await Promise.all(inFlight.values());
   }
@@ -248,6 +272,9 @@ export function createStreamWorker(
     const beat = setInterval(() => {
       heartbeat().catch((error) => log.warn("heartbeat_failed", { error }));
     }, heartbeatMs);
+    const prune = setInterval(() => {
+      pruneConsumers().catch((error) => log.warn("consumer_prune_failed", { error }));
+    }, Math.min(pruneIdleMs, 60_000));
     const wake = () => slotFreed?.();
     signal.addEventListener("abort", wake);
     try {
@@ -274,6 +301,7 @@ export function createStreamWorker(
       }
     } finally {
       clearInterval(beat);
+      clearInterval(prune);
       signal.removeEventListener("abort", wake);
     }
   }
@@ -283,6 +311,7 @@ export function createStreamWorker(
     run,
     drain,
     heartbeat,
+    pruneConsumers,
     get inFlight() {
       return running.size;
     },

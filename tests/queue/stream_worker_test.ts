@@ -241,6 +241,27 @@ Deno.test("stream worker", async (t) => {
       assert.deepEqual(entry![1], ["job_id", "j-perm", "tenant", "acme"]);
     });
 
+    await t.step("idle consumers with nothing pending are pruned; one holding messages stays", async () => {
+      await reset();
+      await add();
+      const busy = worker(r, "busy", () => new Promise(() => {}));
+      await busy.runOnce(0); // holds one pending message
+      await busy.close();
+      await r.redis.xgroup("CREATECONSUMER", n.stream, n.group, "ghost");
+      const w = worker(r, "self", () => Promise.resolve(), { pruneIdleMs: 50 });
+      try {
+        await w.runOnce(0);
+        await new Promise((res) => setTimeout(res, 100));
+        assert.deepEqual(await w.pruneConsumers(), ["ghost"]);
+        const left = (await r.redis.call("XINFO", "CONSUMERS", n.stream, n.group) as unknown[][])
+          .map((c) => String(c[1])).sort();
+        assert.ok(left.includes("busy") && !left.includes("ghost"), `left: ${left}`);
+        assert.equal((await pendingOf(r)).length, 1, "the busy consumer's message is still pending");
+      } finally {
+        await w.close();
+      }
+    });
+
     await t.step("graceful stop: in-flight handlers finish; those past the grace period stay pending", async () => {
       await reset();
       await add({ job_id: "quick", tenant: "acme" });
