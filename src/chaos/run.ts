@@ -5,7 +5,7 @@
  * It starts the API, two workers and two relays as subprocesses with their
  * tasks' own command lines (plus the fake providers' loopback ports), a
  * flaky fake model and a flaky fake Resend, submits jobs the way real
- * clients do (1 to 3 retries per POST, some concurrent), SIGKILLs a random
+ * clients do (each POST retried 1 to 3 times, some concurrently), SIGKILLs a random
  * process every 1 to 3 s and restarts it, then waits for every accepted job
  * and counts effects. Exits non-zero unless nothing was lost or duplicated.
  *
@@ -248,11 +248,11 @@ async function postOnce(key: string, body: string): Promise<string | null> {
   }
 }
 
-/** One logical request: sent 1-3 times (sometimes concurrently), then retried until it gets a 202. */
+/** One logical request: sent, then retried 1-3 times (sometimes concurrently), then until it gets a 202. */
 async function submit(i: number) {
   const key = `chaos-${SEED}-${String(i).padStart(6, "0")}`;
   const body = JSON.stringify({ text: document(i), notify: `user${i}@example.com` });
-  const copies = 1 + Math.floor(random() * 3);
+  const copies = 2 + Math.floor(random() * 3); // the first send and 1-3 retries
   const concurrent = random() < 0.3;
   const ids: (string | null)[] = [];
   if (concurrent) ids.push(...await Promise.all(Array.from({ length: copies }, () => postOnce(key, body))));
