@@ -61,7 +61,7 @@ export function startFakeModel(
     const behaviour = respond(n, prompt);
     switch (behaviour.kind) {
       case "ok": {
-        if (behaviour.delayMs) await abortableDelay(behaviour.delayMs, req.signal);
+        if (behaviour.delayMs) await new Promise((r) => setTimeout(r, behaviour.delayMs));
         const text = prompt.startsWith(SUMMARY_INSTRUCTION) ? prompt.slice(SUMMARY_INSTRUCTION.length) : prompt;
         return Response.json(completionBody(summariseExtractively(text.trim()) || "(empty)", body.model));
       }
@@ -71,10 +71,8 @@ export function startFakeModel(
           headers: behaviour.headers,
         });
       case "hang":
-        await new Promise<void>((resolve) => {
-          hangs.add(resolve);
-          req.signal.addEventListener("abort", () => resolve(), { once: true });
-        });
+        // Never answers; close() releases every hung request.
+        await new Promise<void>((resolve) => hangs.add(resolve));
         return new Response(null, { status: 499 });
       case "drip": {
         // Headers at once, then one byte per interval: never trips a read timeout.
@@ -88,7 +86,6 @@ export function startFakeModel(
             clearInterval(timer);
           },
         });
-        req.signal.addEventListener("abort", () => clearInterval(timer), { once: true });
         return new Response(stream, { headers: { "content-type": "application/json" } });
       }
     }
@@ -107,14 +104,4 @@ export function startFakeModel(
       await server.shutdown();
     },
   };
-}
-
-function abortableDelay(ms: number, signal: AbortSignal): Promise<void> {
-  return new Promise((resolve) => {
-    const id = setTimeout(resolve, ms);
-    signal.addEventListener("abort", () => {
-      clearTimeout(id);
-      resolve();
-    }, { once: true });
-  });
 }
