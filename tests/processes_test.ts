@@ -109,20 +109,61 @@ Deno.test("processes", async (t) => {
       assert.match(stderr, new RegExp(`RESEND_BASE_URL needs network access to ${new URL(mail.url).host}`));
     });
 
-    await t.step("a disallowed network access is refused by the runtime, not just by our check", async () => {
-      const port = new URL(mail.url).port;
-      const flags = taskArgs("relay").filter((a) => a.startsWith("--"));
+    await t.step("each process's permission set refuses what it does not use, at the runtime level", async () => {
+      const mailPort = new URL(mail.url).port;
+      // Outside every set: the fake provider's port. Outside the relay's: Redis. Outside the api's: a model host.
+      const cases: [string, string][] = [
+        ["api", `await fetch("http://127.0.0.1:${mailPort}/emails", { method: "POST" });`],
+        ["api", `await fetch("https://api.openai.com/v1/models");`],
+        ["worker", `await fetch("http://127.0.0.1:${mailPort}/emails", { method: "POST" });`],
+        ["worker", `await fetch("https://api.resend.com/emails");`],
+        ["relay", `await fetch("http://127.0.0.1:${mailPort}/emails", { method: "POST" });`],
+        ["relay", `await Deno.connect({ hostname: "127.0.0.1", port: 6379 });`],
+        ["relay", `Deno.env.get("HOME");`],
+      ];
       const probe = await Deno.makeTempFile({ suffix: ".ts" });
-      await Deno.writeTextFile(probe, `await fetch("http://127.0.0.1:${port}/emails", { method: "POST" });`);
-      const out = await new Deno.Command(Deno.execPath(), {
-        args: ["run", ...flags, probe],
-        stdout: "piped",
-        stderr: "piped",
-      }).output();
-      await Deno.remove(probe);
-      assert.notEqual(out.code, 0);
-      assert.match(new TextDecoder().decode(out.stderr), /NotCapable|Requires net access/);
+      try {
+        for (const [task, code] of cases) {
+          await Deno.writeTextFile(probe, code);
+          const flags = taskArgs(task).filter((a) => a.startsWith("--"));
+          const out = await new Deno.Command(Deno.execPath(), {
+            args: ["run", ...flags, probe],
+            stdout: "piped",
+            stderr: "piped",
+          }).output();
+          const stderr = new TextDecoder().decode(out.stderr);
+          if (code.includes("HOME")) {
+            // --ignore-env: an unlisted variable reads as unset instead of being disclosed.
+            assert.equal(out.code, 0, stderr);
+            continue;
+          }
+          assert.notEqual(out.code, 0, `${task}: ${code}`);
+          assert.match(stderr, /NotCapable|Requires net access/, `${task}: ${code}`);
+        }
+      } finally {
+        await Deno.remove(probe);
+      }
       assert.equal(mail.requests, 1, "the fake provider saw only the real send");
+    });
+
+    await t.step("the worker serves /metrics on METRICS_PORT", async () => {
+      const port = freePort();
+      const worker = spawn(taskArgs("worker", { extraNet: [`127.0.0.1:${port}`] }), {
+        ...env,
+        METRICS_PORT: String(port),
+      });
+      try {
+        const text = await waitFor(
+          "metrics",
+          () => fetch(`http://127.0.0.1:${port}/metrics`).then((r) => (r.ok ? r.text() : null), () => null),
+          15_000,
+        );
+        assert.match(text, /^# TYPE oncely_worker_deliveries_total counter$/m);
+        assert.match(text, /^oncely_queue_lag \d+/m);
+      } finally {
+        const { status } = await stopAndWait(worker);
+        assert.equal(status.code, 0);
+      }
     });
   } finally {
     await redis.flushdb();
