@@ -11,7 +11,7 @@ import { dlqCommand } from "./src/cli/dlq_command.ts";
 import { outboxCommand } from "./src/cli/outbox_command.ts";
 import { tenantCommand } from "./src/cli/tenant_command.ts";
 import { type Config, CONFIG_VARIABLES, ConfigError, parseConfig } from "./src/config.ts";
-import { migrate, readMigrations } from "./src/db/migrate.ts";
+import { migrate, MIGRATIONS_DIR, readMigrations } from "./src/db/migrate.ts";
 import { createIdempotencyStore } from "./src/idempotency/idempotency_store.ts";
 import { createExtractiveLlm } from "./src/llm/extractive.ts";
 import type { LLM } from "./src/llm/llm.ts";
@@ -24,7 +24,7 @@ import { createRelay } from "./src/outbox/relay.ts";
 import type { Registry } from "prom-client";
 import { apiMetrics, createRegistry, relayMetrics, serveMetrics, workerMetrics } from "./src/metrics/metrics.ts";
 import { attemptObserver, outboxGauges, queueGauges, relayEvents, workerEvents } from "./src/metrics/wire.ts";
-import { missingNetPermissions, type NetNeeds } from "./src/permissions.ts";
+import { type Command, COMMANDS, missingNetPermissions, NEEDS, permissionFlags } from "./src/permissions.ts";
 import { createHandler } from "./src/summaries/api.ts";
 import { jobKeys } from "./src/summaries/keys.ts";
 import { summaryEmailRenderer } from "./src/summaries/email.ts";
@@ -32,18 +32,6 @@ import { createSummaryWorker } from "./src/summaries/worker.ts";
 import { createAuthenticator } from "./src/tenants/authenticator.ts";
 import { createApiKey, tenantExists } from "./src/tenants/tenant_store.ts";
 
-const COMMANDS = ["api", "worker", "relay", "migrate", "dev", "tenant", "dlq", "outbox"] as const;
-type Command = typeof COMMANDS[number];
-const NEEDS: Record<Command, NetNeeds> = {
-  api: { redis: true, postgres: true, listen: true },
-  worker: { redis: true, postgres: true, model: true, metrics: true },
-  relay: { postgres: true, mail: true, metrics: true },
-  dev: { redis: true, postgres: true, listen: true, model: true, mail: true },
-  migrate: { postgres: true },
-  tenant: { postgres: true },
-  dlq: { redis: true },
-  outbox: { postgres: true },
-};
 const USAGE = `Usage: deno task <${COMMANDS.join("|")}> [args]`;
 const REDIS_PREFIX = "oncely";
 const GRACE_MS = 8_000;
@@ -67,6 +55,12 @@ function shutdownSignal(log: Logger): AbortSignal {
     }, GRACE_MS).unref?.();
   };
   for (const signal of ["SIGTERM", "SIGINT"] as const) Deno.addSignalListener(signal, onSignal(signal));
+  // Launched by `deno task`: if the launcher is killed outright, stop gracefully rather than run orphaned.
+  const parent = Deno.ppid;
+  const watch = setInterval(() => {
+    if (Deno.ppid !== parent && !controller.signal.aborted) onSignal("SIGTERM")();
+  }, 1_000);
+  Deno.unrefTimer(watch);
   return controller.signal;
 }
 
@@ -275,8 +269,39 @@ async function run(command: Command, args: string[], config: Config, log: Logger
   }
 }
 
+/**
+ * `main.ts launch <command>`: what `deno task <command>` runs. It derives the
+ * command's permission set from the configured URLs (so HOST/PORT and every
+ * URL may point anywhere, and the process may still reach nothing else),
+ * runs `deno run <flags> main.ts <command>`, forwards SIGTERM/SIGINT, and
+ * exits with the child's code.
+ */
+async function launch(command: Command, args: string[], config: Config): Promise<number> {
+  const flags = permissionFlags(command, config, decodeURIComponent(MIGRATIONS_DIR.pathname));
+  const child = new Deno.Command("deno", {
+    args: ["run", ...flags, decodeURIComponent(new URL(import.meta.url).pathname), command, ...args],
+    stdin: "inherit",
+    stdout: "inherit",
+    stderr: "inherit",
+  }).spawn();
+  const forward = (signal: Deno.Signal) => () => {
+    try {
+      child.kill(signal);
+    } catch { /* already gone */ }
+  };
+  const handlers = (["SIGTERM", "SIGINT"] as const).map((signal) => {
+    const handler = forward(signal);
+    Deno.addSignalListener(signal, handler);
+    return [signal, handler] as const;
+  });
+  const status = await child.status;
+  for (const [signal, handler] of handlers) Deno.removeSignalListener(signal, handler);
+  return status.code;
+}
+
 async function main(argv: string[]): Promise<number> {
-  const [command, ...args] = argv;
+  const launching = argv[0] === "launch";
+  const [command, ...args] = launching ? argv.slice(1) : argv;
   if (!COMMANDS.includes(command as Command)) {
     console.error(USAGE);
     return 2;
@@ -291,6 +316,7 @@ async function main(argv: string[]): Promise<number> {
     }
     throw error;
   }
+  if (launching) return await launch(command as Command, args, config);
   const denied = missingNetPermissions(command!, config, NEEDS[command as Command]);
   if (denied.length > 0) {
     console.error(denied[0]);

@@ -1,4 +1,5 @@
 import type { Config } from "./config.ts";
+import { CONFIG_VARIABLES } from "./config.ts";
 
 /** Which outside hosts a process talks to. */
 export interface NetNeeds {
@@ -58,4 +59,35 @@ export function missingNetPermissions(command: string, config: Config, needs: Ne
     }
   }
   return problems;
+}
+
+/** The processes and commands main.ts runs. */
+export const COMMANDS = ["api", "worker", "relay", "migrate", "dev", "tenant", "dlq", "outbox"] as const;
+export type Command = typeof COMMANDS[number];
+
+/** What each command talks to. */
+export const NEEDS: Record<Command, NetNeeds> = {
+  api: { redis: true, postgres: true, listen: true },
+  worker: { redis: true, postgres: true, model: true, metrics: true },
+  relay: { postgres: true, mail: true, metrics: true },
+  dev: { redis: true, postgres: true, listen: true, model: true, mail: true },
+  migrate: { postgres: true },
+  tenant: { postgres: true },
+  dlq: { redis: true },
+  outbox: { postgres: true },
+};
+
+/**
+ * The exact permission flags of a command under a configuration: network
+ * access to the hosts its configured URLs name and nothing else, the
+ * service's variables, and the few extras a command needs (the hostname for
+ * worker consumer names, the migrations folder). `deno task <command>`
+ * launches the command with these.
+ */
+export function permissionFlags(command: Command, config: Config, migrationsDir: string): string[] {
+  const hosts = [...new Set(Object.values(requiredHosts(config, NEEDS[command])))];
+  const flags = [`--allow-net=${hosts.join(",")}`, `--allow-env=${CONFIG_VARIABLES.join(",")}`, "--ignore-env"];
+  if (command === "worker" || command === "dev") flags.push("--allow-sys=hostname");
+  if (command === "migrate" || command === "dev") flags.push(`--allow-read=${migrationsDir}`);
+  return flags;
 }

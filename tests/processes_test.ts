@@ -1,10 +1,13 @@
 /**
- * The real tasks as subprocesses, with the permission sets from deno.json:
- * graceful stop on SIGTERM within 10 s, and a host outside a process's
- * permission set named at start-up.
+ * The real tasks as subprocesses, exactly as deno.json runs them (a launcher
+ * that derives each process's permission set from its configured URLs):
+ * graceful stop on SIGTERM within 10 s, a host outside a process's set named
+ * at start-up, and the runtime refusing what a set does not allow.
  */
 import assert from "node:assert/strict";
 import { Redis } from "ioredis";
+import { parseConfig } from "../src/config.ts";
+import { type Command, permissionFlags } from "../src/permissions.ts";
 import { createApiKey } from "../src/tenants/tenant_store.ts";
 import { startFakeMail } from "../src/testing/fake_mail_server.ts";
 import { createTestDatabase, waitFor } from "./_support.ts";
@@ -14,19 +17,19 @@ const tasks = JSON.parse(await Deno.readTextFile(new URL("../deno.json", import.
   string
 >;
 
-/** The task's own command line, with the API port and extra hosts swapped in for the test. */
-function taskArgs(name: string, { port, extraNet = [] }: { port?: number; extraNet?: string[] } = {}): string[] {
-  let line = tasks[name]!;
-  if (port) line = line.replace("127.0.0.1:8000", `127.0.0.1:${port}`);
-  if (extraNet.length) line = line.replace("--allow-net=", `--allow-net=${extraNet.join(",")},`);
-  const args = line.split(/\s+/);
+const ROOT = decodeURIComponent(new URL("..", import.meta.url).pathname);
+const MIGRATIONS = decodeURIComponent(new URL("../migrations/", import.meta.url).pathname);
+
+/** The task's own command line from deno.json. */
+function taskArgs(name: string): string[] {
+  const args = tasks[name]!.split(/\s+/);
   assert.equal(args[0], "deno");
   assert.ok(!args.includes("-A") && !args.some((a) => a.startsWith("--allow-all")), "no task runs with -A");
   return args.slice(1);
 }
 
 function spawn(args: string[], env: Record<string, string>) {
-  return new Deno.Command(Deno.execPath(), { args, env, stdout: "piped", stderr: "piped" }).spawn();
+  return new Deno.Command(Deno.execPath(), { args, env, cwd: ROOT, stdout: "piped", stderr: "piped" }).spawn();
 }
 
 function freePort(): number {
@@ -60,10 +63,9 @@ Deno.test("processes", async (t) => {
     await t.step("api, worker and relay run a job end to end and each exits 0 within 10 s of SIGTERM", async () => {
       const port = freePort();
       const key = await createApiKey(db.sql, "acme");
-      const mailHost = new URL(mail.url).host;
-      const api = spawn(taskArgs("api", { port }), { ...env, PORT: String(port) });
+      const api = spawn(taskArgs("api"), { ...env, PORT: String(port) });
       const worker = spawn(taskArgs("worker"), env);
-      const relay = spawn(taskArgs("relay", { extraNet: [mailHost] }), {
+      const relay = spawn(taskArgs("relay"), {
         ...env,
         RESEND_API_KEY: "re_test",
         RESEND_BASE_URL: mail.url,
@@ -97,9 +99,23 @@ Deno.test("processes", async (t) => {
       }
     });
 
-    await t.step("a configured host outside the task's permission set is named at start-up", async () => {
+    await t.step("if the launcher is SIGKILLed, the process it started stops instead of running orphaned", async () => {
+      const port = freePort();
+      const api = spawn(taskArgs("api"), { ...env, PORT: String(port) });
+      const up = () => fetch(`http://127.0.0.1:${port}/healthz`).then((r) => (r.body?.cancel(), r.ok), () => false);
+      await waitFor("the API", up, 15_000);
+      api.kill("SIGKILL");
+      await api.status;
+      await waitFor("the orphan to stop", async () => !(await up()), 5_000);
+      await Promise.all([api.stdout.cancel(), api.stderr.cancel()]);
+    });
+
+    await t.step("run with a set that lacks a configured host, a process names it at start-up", async () => {
+      // main.ts run directly with the default hosts' set (as a compiled binary is), but a different mail host.
+      const flags = permissionFlags("relay", parseConfig({ RESEND_API_KEY: "re_test" }), MIGRATIONS);
       const out = await new Deno.Command(Deno.execPath(), {
-        args: taskArgs("relay"),
+        args: ["run", ...flags, "main.ts", "relay"],
+        cwd: ROOT,
         env: { ...env, RESEND_API_KEY: "re_test", RESEND_BASE_URL: mail.url },
         stdout: "piped",
         stderr: "piped",
@@ -111,8 +127,9 @@ Deno.test("processes", async (t) => {
 
     await t.step("each process's permission set refuses what it does not use, at the runtime level", async () => {
       const mailPort = new URL(mail.url).port;
+      const config = parseConfig({ ...env, OPENAI_API_KEY: "sk", RESEND_API_KEY: "re" });
       // Outside every set: the fake provider's port. Outside the relay's: Redis. Outside the api's: a model host.
-      const cases: [string, string][] = [
+      const cases: [Command, string][] = [
         ["api", `await fetch("http://127.0.0.1:${mailPort}/emails", { method: "POST" });`],
         ["api", `await fetch("https://api.openai.com/v1/models");`],
         ["worker", `await fetch("http://127.0.0.1:${mailPort}/emails", { method: "POST" });`],
@@ -125,7 +142,7 @@ Deno.test("processes", async (t) => {
       try {
         for (const [task, code] of cases) {
           await Deno.writeTextFile(probe, code);
-          const flags = taskArgs(task).filter((a) => a.startsWith("--"));
+          const flags = permissionFlags(task, config, MIGRATIONS);
           const out = await new Deno.Command(Deno.execPath(), {
             args: ["run", ...flags, probe],
             stdout: "piped",
@@ -148,7 +165,7 @@ Deno.test("processes", async (t) => {
 
     await t.step("the worker serves /metrics on METRICS_PORT", async () => {
       const port = freePort();
-      const worker = spawn(taskArgs("worker", { extraNet: [`127.0.0.1:${port}`] }), {
+      const worker = spawn(taskArgs("worker"), {
         ...env,
         METRICS_PORT: String(port),
       });

