@@ -199,7 +199,8 @@ export function createStreamWorker(
       names.group,
       ids[0]!,
       ids[ids.length - 1]!,
-      ids.length,
+      // Our in-flight entries may sit in the same id range; ask for enough rows to cover them too.
+      ids.length + inFlight.size,
       options.consumer,
     ) as [string, string, number, number][];
     for (const [id, , , times] of pending) counts.set(id, times);

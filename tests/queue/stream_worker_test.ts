@@ -125,6 +125,34 @@ Deno.test("stream worker", async (t) => {
       },
     );
 
+    await t.step(
+      "reclaimed messages get their own delivery counts even around this consumer's in-flight ones",
+      async () => {
+        await reset();
+        const b = await add({ job_id: "b", tenant: "acme" });
+        const c = await add({ job_id: "c", tenant: "acme" });
+        await r.redis.xreadgroup("GROUP", n.group, "dead", "COUNT", 1, "STREAMS", n.stream, ">"); // b: 1 delivery
+        const seen = new Map<string, number>();
+        const w = worker(r, "w", (m) => {
+          seen.set(m.id, m.deliveries);
+          return m.id === c ? new Promise(() => {}) : Promise.resolve();
+        }, { claimIdleMs: 50, concurrency: 8 });
+        try {
+          await w.runOnce(0); // c is in flight from here on, between b and d
+          const d = await add({ job_id: "d", tenant: "acme" });
+          await r.redis.xreadgroup("GROUP", n.group, "dead", "COUNT", 1, "STREAMS", n.stream, ">"); // d: 1
+          await r.redis.xclaim(n.stream, n.group, "dead", 0, d); // d: 2 deliveries
+          await new Promise((res) => setTimeout(res, 80));
+          assert.equal(await w.runOnce(0), 2, "b and d reclaimed; c is already running here");
+          await new Promise((res) => setTimeout(res, 20));
+          assert.equal(seen.get(b), 2);
+          assert.equal(seen.get(d), 3);
+        } finally {
+          await w.close();
+        }
+      },
+    );
+
     await t.step("heartbeat: a job running 3x claimIdleMs is not reclaimed from a live worker", async () => {
       await reset();
       await add();
