@@ -7,7 +7,7 @@
  */
 import { connectPostgres, connectRedis } from "../clients.ts";
 import { createIdempotencyStore } from "../idempotency/idempotency_store.ts";
-import { silentLogger } from "../log/logger.ts";
+import { createLogger } from "../log/logger.ts";
 import { createHandler } from "../summaries/api.ts";
 import { jobKeys } from "../summaries/keys.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
@@ -25,15 +25,17 @@ if (mode === "bare") {
     });
   };
 } else {
+  // The real logger at the default level: one line per accepted job goes to stderr, as in production.
+  const log = createLogger({ level: "info" });
   const sql = await connectPostgres(databaseUrl!);
   const redis = await connectRedis(redisUrl!);
   close.push(() => sql.end(), () => redis.quit());
   handler = createHandler({
     redis,
     sql,
-    log: silentLogger,
+    log,
     authenticate: createAuthenticator({ sql }, { mode: "api-key" }),
-    idempotency: createIdempotencyStore({ redis, log: silentLogger }, {
+    idempotency: createIdempotencyStore({ redis, log }, {
       prefix: prefix!,
       lockTtlS: 30,
       resultTtlS: 600,

@@ -88,7 +88,7 @@ async function startIngestServer(mode: "api" | "bare", port: number, dbUrl: stri
       prefix,
     ],
     stdout: "piped",
-    stderr: "inherit",
+    stderr: "null", // its JSON logs: written (the cost is measured), then discarded
   }).spawn();
   const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
   const { value } = await reader.read();
