@@ -85,3 +85,16 @@ Deno.test("main.ts says which dependency is down, where, and how to start it", a
   assert.match(stderr, /Postgres at postgres:\/\/postgres@127\.0\.0\.1:1\/postgres \(DATABASE_URL\) does not answer/);
   assert.match(stderr, /docker compose up -d postgres/);
 });
+
+Deno.test("deno task dev names a Redis that does not answer, its URL, and how to start it", async () => {
+  const out = await new Deno.Command(Deno.execPath(), {
+    args: ["task", "dev"],
+    env: { REDIS_URL: "redis://127.0.0.1:1/0", NO_COLOR: "1" },
+    stdout: "piped",
+    stderr: "piped",
+  }).output();
+  assert.equal(out.code, 1);
+  const stderr = new TextDecoder().decode(out.stderr);
+  assert.match(stderr, /Cannot start: Redis at redis:\/\/127\.0\.0\.1:1\/0 \(REDIS_URL\) does not answer/);
+  assert.match(stderr, /docker compose up -d redis/);
+});
