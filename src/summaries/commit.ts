@@ -10,9 +10,10 @@ export interface SummaryResult {
   notify: string;
 }
 
-/** The outbox topic and dedupe key of a summary's notification. */
+/** The outbox topic of a summary's notification. */
 export const SUMMARY_READY_TOPIC = "email.summary_ready";
-export const dedupeKeyFor = (jobId: string) => `summary_ready:${jobId}`;
+/** Its dedupe key is this prefix plus the job id; the relay passes it to the provider as Idempotency-Key. */
+export const SUMMARY_READY_KEY_PREFIX = "summary_ready:";
 
 /**
  * Commits summaries and their outbox rows in one statement (so one
@@ -42,7 +43,7 @@ export async function commitSummaries(sql: Sql, results: SummaryResult[]): Promi
       RETURNING job_id
     ), outbox_rows AS (
       INSERT INTO outbox (topic, dedupe_key, payload)
-      SELECT ${SUMMARY_READY_TOPIC}, 'summary_ready:' || input.job_id, input.payload::jsonb
+      SELECT ${SUMMARY_READY_TOPIC}, ${SUMMARY_READY_KEY_PREFIX} || input.job_id, input.payload::jsonb
       FROM input JOIN inserted USING (job_id)
       ON CONFLICT (dedupe_key) DO NOTHING
     )
