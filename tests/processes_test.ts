@@ -10,6 +10,9 @@ import { parseConfig } from "../src/config.ts";
 import { type Command, permissionFlags } from "../src/permissions.ts";
 import { createApiKey } from "../src/tenants/tenant_store.ts";
 import { startFakeMail } from "../src/testing/fake_mail_server.ts";
+import { startFakeModel } from "../src/testing/fake_model_server.ts";
+import { enqueueJob } from "../src/summaries/enqueue.ts";
+import { jobKeys } from "../src/summaries/keys.ts";
 import { createTestDatabase, waitFor } from "./_support.ts";
 
 const tasks = JSON.parse(await Deno.readTextFile(new URL("../deno.json", import.meta.url))).tasks as Record<
@@ -162,6 +165,37 @@ Deno.test("processes", async (t) => {
       }
       assert.equal(mail.requests, 1, "the fake provider saw only the real send");
     });
+
+    await t.step(
+      "SIGTERM with a job stuck in a hung model call: the worker exits 0 within 10 s, the job stays pending",
+      async () => {
+        const model = startFakeModel(() => ({ kind: "hang" }));
+        const keys = jobKeys("oncely");
+        const worker = spawn(taskArgs("worker"), {
+          ...env,
+          OPENAI_API_KEY: "sk-test",
+          OPENAI_BASE_URL: model.url,
+          LLM_CALL_TIMEOUT_S: "30",
+          JOB_BUDGET_S: "60",
+        });
+        try {
+          await enqueueJob(redis, keys, {
+            jobId: crypto.randomUUID(),
+            tenant: "acme",
+            request: { text: "Revenue rose.", notify: "a@b.co" },
+          });
+          await waitFor("the model call", () => model.requests === 1, 15_000);
+          const { status, elapsed, err } = await stopAndWait(worker);
+          assert.equal(status.code, 0, err.slice(-500));
+          assert.ok(elapsed < 10_000, `stopped in ${elapsed.toFixed(0)} ms`);
+          assert.match(err, /worker_abandoned_in_flight/);
+          const [pending] = await redis.xpending(keys.stream, keys.group) as [number];
+          assert.equal(pending, 1, "the abandoned job is still pending, for another worker to reclaim");
+        } finally {
+          await model.close();
+        }
+      },
+    );
 
     await t.step("the worker serves /metrics on METRICS_PORT", async () => {
       const port = freePort();
