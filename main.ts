@@ -93,7 +93,7 @@ async function serveApi(
   registry: Registry,
 ): Promise<void> {
   const handler = createHandler({
-    metrics: { api: apiMetrics(registry), registry },
+    metrics: { api: apiMetrics(registry), registry, token: config.METRICS_TOKEN },
     redis,
     sql,
     log,
@@ -128,7 +128,7 @@ function buildLlm(config: Config): LLM {
 /** Serves a standalone process's /metrics on METRICS_PORT, when set. */
 function maybeServeMetrics(config: Config, registry: Registry, signal: AbortSignal): void {
   if (config.METRICS_PORT === undefined) return;
-  serveMetrics(registry, { hostname: config.HOST, port: config.METRICS_PORT, signal });
+  serveMetrics(registry, { hostname: config.HOST, port: config.METRICS_PORT, signal, token: config.METRICS_TOKEN });
 }
 
 async function runWorker(

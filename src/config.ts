@@ -46,6 +46,7 @@ const schema = z.object({
   MAX_BODY_BYTES: int(64).default(1048576),
   LOG_LEVEL: z.enum(["debug", "info", "warn", "error"], "must be debug, info, warn or error").default("info"),
   METRICS_PORT: int(0, 65535).optional(),
+  METRICS_TOKEN: z.string().trim().min(16, "must be at least 16 characters").optional(),
 });
 
 /** The names of every environment variable the service reads. */
@@ -67,7 +68,7 @@ export class ConfigError extends Error {
   }
 }
 
-const SECRETS = new Set(["OPENAI_API_KEY", "RESEND_API_KEY"]);
+const SECRETS = new Set(["OPENAI_API_KEY", "RESEND_API_KEY", "METRICS_TOKEN"]);
 
 /**
  * Parses the service configuration from an environment record.

@@ -1,4 +1,6 @@
+import { createHash, timingSafeEqual } from "node:crypto";
 import { Counter, Gauge, Histogram, Registry } from "prom-client";
+import { problem } from "../http/problem.ts";
 
 /** API metrics. */
 export interface ApiMetrics {
@@ -163,19 +165,39 @@ export function scrapeGauge(
   });
 }
 
-/** The `/metrics` response. */
-export async function metricsResponse(registry: Registry): Promise<Response> {
+const digest = (value: string) => createHash("sha256").update(value).digest();
+
+/** Whether `headers` carry `Authorization: Bearer <token>`, compared in constant time. */
+export function bearerMatches(headers: Headers, token: string): boolean {
+  const presented = /^Bearer\s+(\S+)\s*$/i.exec(headers.get("authorization") ?? "")?.[1] ?? "";
+  // Hashing first gives both sides one length, so the comparison time reveals nothing about the token.
+  return timingSafeEqual(digest(presented), digest(token));
+}
+
+/**
+ * The `/metrics` response. With `token` set (METRICS_TOKEN), a request
+ * without it as a bearer token gets 401 and no metrics.
+ */
+export async function metricsResponse(
+  registry: Registry,
+  { token, headers }: { token?: string; headers?: Headers } = {},
+): Promise<Response> {
+  if (token !== undefined && !bearerMatches(headers ?? new Headers(), token)) {
+    return problem(401, "Authorization: Bearer <METRICS_TOKEN> is required", {
+      "www-authenticate": 'Bearer realm="metrics"',
+    });
+  }
   return new Response(await registry.metrics(), { headers: { "content-type": registry.contentType } });
 }
 
-/** Serves `/metrics` on its own port (worker and relay, when METRICS_PORT is set). */
+/** Serves `/metrics` on its own port (worker and relay, when METRICS_PORT is set), behind `token` when set. */
 export function serveMetrics(
   registry: Registry,
-  { hostname, port, signal }: { hostname: string; port: number; signal: AbortSignal },
+  { hostname, port, signal, token }: { hostname: string; port: number; signal: AbortSignal; token?: string },
 ): Deno.HttpServer {
   return Deno.serve({ hostname, port, signal, onListen: () => {} }, (req) => {
     const path = new URL(req.url).pathname;
-    if (path === "/metrics") return metricsResponse(registry);
+    if (path === "/metrics") return metricsResponse(registry, { token, headers: req.headers });
     if (path === "/healthz") return Response.json({ status: "ok" });
     return new Response("not found", { status: 404 });
   });

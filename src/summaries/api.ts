@@ -25,8 +25,11 @@ export interface ApiDeps {
   idempotency: IdempotencyStore;
   keys: JobKeys;
   maxBodyBytes: number;
-  /** Prometheus metrics; `/metrics` serves `registry` (which `dev` shares with the worker and relay). */
-  metrics?: { api: ApiMetrics; registry: Registry };
+  /**
+   * Prometheus metrics; `/metrics` serves `registry` (which `dev` shares with
+   * the worker and relay), behind `token` as a bearer token when it is set.
+   */
+  metrics?: { api: ApiMetrics; registry: Registry; token?: string };
 }
 
 const SUMMARIES = "/v1/summaries";
@@ -38,10 +41,28 @@ function json(status: number, body: unknown, headers: Record<string, string> = {
   return new Response(JSON.stringify(body), { status, headers: { ...headers, "content-type": "application/json" } });
 }
 
+/** The methods this API serves on some path; every other method is counted as "other" in metrics. */
+const SERVED_METHODS: ReadonlySet<string> = new Set(["GET", "HEAD", "POST"]);
+/** RFC 9110's methods and PATCH. Any other token is unknown: 501, or 405 on a known path. */
+const STANDARD_METHODS: ReadonlySet<string> = new Set([
+  ...SERVED_METHODS,
+  "PUT",
+  "DELETE",
+  "CONNECT",
+  "OPTIONS",
+  "TRACE",
+  "PATCH",
+]);
+
 /** A bounded label for a path: the route template, or "other". */
 function routeLabel(path: string): string {
   if (JOB_PATH.test(path)) return "/v1/summaries/{job_id}";
   return ROUTES.some((r) => r.path === path) ? path : "other";
+}
+
+/** A bounded label for a method: a client may send any token as its method, so only served ones are kept. */
+function methodLabel(method: string): string {
+  return SERVED_METHODS.has(method) ? method : "other";
 }
 
 function methodNotAllowed(allow: string): never {
@@ -137,6 +158,9 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
   }
 
   async function route(req: Request, path: string): Promise<Response> {
+    if (!STANDARD_METHODS.has(req.method) && routeLabel(path) === "other") {
+      throw new HttpError(501, "This server does not implement that method");
+    }
     if (path === SUMMARIES) {
       if (req.method !== "POST") methodNotAllowed("POST");
       return await postSummary(req);
@@ -146,15 +170,13 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
       if (req.method !== "GET" && req.method !== "HEAD") methodNotAllowed("GET");
       return await getSummary(req, match[1]!);
     }
+    if (routeLabel(path) !== "other" && req.method !== "GET" && req.method !== "HEAD") methodNotAllowed("GET");
     if (path === "/healthz") return json(200, { status: "ok" });
     if (path === "/readyz") return await ready();
-    if (path === "/openapi.json" || path === "/metrics") {
-      if (req.method !== "GET" && req.method !== "HEAD") methodNotAllowed("GET");
-    }
     if (path === "/openapi.json") return json(200, openApi);
     if (path === "/metrics") {
       if (!deps.metrics) return problem(404, "Metrics are not enabled in this process");
-      return await metricsResponse(deps.metrics.registry);
+      return await metricsResponse(deps.metrics.registry, { token: deps.metrics.token, headers: req.headers });
     }
     return problem(404, `No route for ${req.method} ${path}`);
   }
@@ -170,7 +192,7 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
       response = errorResponse(error, log, { method: req.method, path });
     }
     if (deps.metrics) {
-      const labels = { route: routeLabel(path), method: req.method };
+      const labels = { route: routeLabel(path), method: methodLabel(req.method) };
       deps.metrics.api.requests.inc({ ...labels, status: String(response.status) });
       deps.metrics.api.duration.observe(labels, (performance.now() - started) / 1000);
     }

@@ -59,6 +59,11 @@ Deno.test("compose.yaml runs durable Redis, Postgres 16, a one-shot migrate and 
     assert.equal(s[name].depends_on.migrate.condition, "service_completed_successfully");
   }
   assert.equal(s.migrate.restart, "no");
+  // /metrics needs a token, and no app port is published beyond the host's loopback.
+  assert.match(s.api.environment.METRICS_TOKEN, /^\$\{METRICS_TOKEN:\?/);
+  for (const name of ["api", "worker", "relay"]) {
+    for (const port of s[name].ports ?? []) assert.match(port, /^127\.0\.0\.1:/, `${name} publishes ${port}`);
+  }
   assert.ok(s.redis.healthcheck && s.postgres.healthcheck);
 });
 

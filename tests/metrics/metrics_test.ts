@@ -1,7 +1,8 @@
 import assert from "node:assert/strict";
+import type { Registry } from "prom-client";
 import { createIdempotencyStore } from "../../src/idempotency/idempotency_store.ts";
 import { silentLogger } from "../../src/log/logger.ts";
-import { apiMetrics, createRegistry, relayMetrics, workerMetrics } from "../../src/metrics/metrics.ts";
+import { apiMetrics, createRegistry, relayMetrics, serveMetrics, workerMetrics } from "../../src/metrics/metrics.ts";
 import { attemptObserver, outboxGauges, queueGauges, relayEvents, workerEvents } from "../../src/metrics/wire.ts";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import { createRelay } from "../../src/outbox/relay.ts";
@@ -35,25 +36,27 @@ Deno.test("metrics", async (t) => {
   const db = await createTestDatabase();
   const r = await createTestRedis();
   const keys = jobKeys(r.prefix);
+  const apiHandler = (registry: Registry, token?: string) =>
+    createHandler({
+      redis: r.redis,
+      sql: db.sql,
+      log: silentLogger,
+      authenticate: createAuthenticator({ sql: db.sql }, { mode: "trusted-header" }),
+      idempotency: createIdempotencyStore({ redis: r.redis, log: silentLogger }, {
+        prefix: r.prefix,
+        lockTtlS: 30,
+        resultTtlS: 60,
+      }),
+      keys,
+      maxBodyBytes: 4096,
+      metrics: { api: apiMetrics(registry), registry, token },
+    });
   try {
     await t.step(
       "the API counts requests by route and status, replays, 409s and 422s, with a latency histogram",
       async () => {
         const registry = createRegistry();
-        const handler = createHandler({
-          redis: r.redis,
-          sql: db.sql,
-          log: silentLogger,
-          authenticate: createAuthenticator({ sql: db.sql }, { mode: "trusted-header" }),
-          idempotency: createIdempotencyStore({ redis: r.redis, log: silentLogger }, {
-            prefix: r.prefix,
-            lockTtlS: 30,
-            resultTtlS: 60,
-          }),
-          keys,
-          maxBodyBytes: 4096,
-          metrics: { api: apiMetrics(registry), registry },
-        });
+        const handler = apiHandler(registry);
         const post = (key: string, text = "Revenue rose.") =>
           handler(
             new Request("http://api/v1/summaries", {
@@ -75,6 +78,75 @@ Deno.test("metrics", async (t) => {
         assert.equal(m.get('oncely_http_request_duration_seconds_count{route="/v1/summaries",method="POST"}'), 3);
       },
     );
+
+    await t.step(
+      "invented methods and paths leave /metrics bounded: unknown methods get 501, or 405 on known paths",
+      async () => {
+        const registry = createRegistry();
+        const handler = apiHandler(registry);
+        const scrape = () => handler(new Request("http://api/metrics")).then((res) => res.text());
+        // Warm every series a legitimate client can create, so growth below is only what attackers add.
+        for (const path of ["/v1/summaries", "/healthz", "/metrics", "/nope"]) {
+          await handler(new Request(`http://api${path}`)).then((res) => res.arrayBuffer());
+        }
+        const before = (await scrape()).length;
+        const statuses = new Map<string, number>();
+        for (let i = 0; i < 30; i++) {
+          const method = `X${i}${"Q".repeat(60_000)}`;
+          for (const path of ["/v1/summaries", `/v1/summaries/${crypto.randomUUID()}`, "/metrics", `/x/${i}`]) {
+            const res = await handler(new Request(`http://api${path}`, { method }));
+            await res.arrayBuffer();
+            const route = path.startsWith("/x/") ? "unknown" : "known";
+            statuses.set(`${route} ${res.status}`, (statuses.get(`${route} ${res.status}`) ?? 0) + 1);
+          }
+        }
+        assert.deepEqual(Object.fromEntries(statuses), { "known 405": 90, "unknown 501": 30 });
+        const text = await scrape();
+        // At most a handful of new series (the 405 and 501 statuses under method="other"), never a 60 KB label.
+        assert.ok(text.length - before < 8_000, `/metrics grew by ${text.length - before} bytes`);
+        assert.doesNotMatch(text, /QQQQ/);
+        const m = parseExposition(text);
+        assert.equal(m.get('oncely_http_requests_total{route="other",method="other",status="501"}'), 30);
+        assert.equal(m.get('oncely_http_requests_total{route="/metrics",method="other",status="405"}'), 30);
+        // A known method on an unknown path is still a plain 404.
+        const put = await handler(new Request("http://api/x", { method: "PUT" }));
+        assert.equal(put.status, 404);
+        await put.arrayBuffer();
+      },
+    );
+
+    await t.step("with a token set, /metrics answers 401 without it and the metrics with it", async () => {
+      const registry = createRegistry();
+      const token = "metrics-token-0123456789";
+      const handler = apiHandler(registry, token);
+      for (const authorization of [undefined, "Bearer wrong-token", "Bearer metrics-token-012345678"]) {
+        const res = await handler(
+          new Request("http://api/metrics", { headers: authorization ? { authorization } : {} }),
+        );
+        assert.equal(res.status, 401);
+        assert.doesNotMatch(await res.text(), /oncely_/);
+      }
+      const ok = await handler(
+        new Request("http://api/metrics", { headers: { authorization: "Bearer metrics-token-0123456789" } }),
+      );
+      assert.equal(ok.status, 200);
+      assert.match(await ok.text(), /oncely_http_requests_total/);
+      // The worker's and relay's METRICS_PORT server keeps to the same token.
+      const stop = new AbortController();
+      const server = serveMetrics(registry, { hostname: "127.0.0.1", port: 0, signal: stop.signal, token });
+      try {
+        const url = `http://127.0.0.1:${(server.addr as Deno.NetAddr).port}/metrics`;
+        const denied = await fetch(url);
+        assert.equal(denied.status, 401);
+        await denied.body?.cancel();
+        const allowed = await fetch(url, { headers: { authorization: `Bearer ${token}` } });
+        assert.equal(allowed.status, 200);
+        assert.match(await allowed.text(), /oncely_http_requests_total/);
+      } finally {
+        stop.abort();
+        await server.finished;
+      }
+    });
 
     await t.step(
       "the worker counts deliveries, retries by reason and dead letters, and reads pending and lag",
