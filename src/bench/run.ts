@@ -52,7 +52,9 @@ const BODY = JSON.stringify({
 });
 const fixedLlm = (delayMs: number): LLM => ({
   complete: (_prompt, { signal }) =>
-    delayMs > 0 ? sleep(delayMs, signal).then(() => "Revenue rose; costs fell.") : Promise.resolve("Revenue rose."),
+    delayMs > 0
+      ? sleep(delayMs, signal).then(() => ({ text: "Revenue rose; costs fell." }))
+      : Promise.resolve({ text: "Revenue rose." }),
 });
 
 async function countRows(sql: Sql, table: "summaries" | "outbox", sentOnly = false): Promise<number> {

@@ -60,7 +60,7 @@ export function createExtractiveLlm(): LLM {
     complete(prompt, { signal }) {
       signal.throwIfAborted();
       const text = prompt.startsWith(SUMMARY_INSTRUCTION) ? prompt.slice(SUMMARY_INSTRUCTION.length) : prompt;
-      return Promise.resolve(summariseExtractively(text.trim()));
+      return Promise.resolve({ text: summariseExtractively(text.trim()) });
     },
   };
 }

@@ -1,8 +1,27 @@
+/** Token counts the provider reported for one call. */
+export interface Usage {
+  prompt_tokens: number;
+  completion_tokens: number;
+  total_tokens: number;
+}
+
+/** One model answer: its text, and what the provider said about the call. */
+export interface Completion {
+  text: string;
+  /** The provider's token accounting, when it sends one. */
+  usage?: Usage;
+  /** Response headers (rate-limit state), for a provider reached over HTTP. */
+  headers?: Headers;
+}
+
 /** A text-completion model. */
 export interface LLM {
   /** Completes `prompt`. Honours `signal`: an aborted call must stop paying. */
-  complete(prompt: string, options: { signal: AbortSignal }): Promise<string>;
+  complete(prompt: string, options: { signal: AbortSignal }): Promise<Completion>;
 }
+
+/** The most tokens a summary may use; sent as the call's output cap and reserved by the rate limiter. */
+export const MAX_OUTPUT_TOKENS = 1024;
 
 /** The instruction that precedes the document text (which is passed verbatim). */
 export const SUMMARY_INSTRUCTION = "Summarise the following document for the account team in a few sentences.";
@@ -10,4 +29,14 @@ export const SUMMARY_INSTRUCTION = "Summarise the following document for the acc
 /** The prompt for a document: the instruction, then the text verbatim. */
 export function summaryPrompt(text: string): string {
   return `${SUMMARY_INSTRUCTION}\n\n${text}`;
+}
+
+/**
+ * What a call may cost in tokens before the provider has said: the prompt's
+ * size (about four characters a token for English, rounded up, plus the chat
+ * framing) and the output cap. The limiter reserves this, then settles
+ * against the reported usage.
+ */
+export function estimateTokens(prompt: string, maxOutputTokens = MAX_OUTPUT_TOKENS): number {
+  return Math.ceil(prompt.length / 4) + 8 + maxOutputTokens;
 }

@@ -1,5 +1,5 @@
 import OpenAI from "openai";
-import type { LLM } from "./llm.ts";
+import { type LLM, MAX_OUTPUT_TOKENS } from "./llm.ts";
 
 /** Options for {@linkcode createOpenAiLlm}. */
 export interface OpenAiOptions {
@@ -23,7 +23,7 @@ export class EmptyCompletion extends Error {
  * retries are off (`maxRetries: 0`): the retry policy is the only layer that
  * retries, or four attempts would become twelve requests.
  */
-export function createOpenAiLlm(options: OpenAiOptions): LLM & { client: OpenAI } {
+export function createOpenAiLlm(options: OpenAiOptions): LLM {
   const client = new OpenAI({
     apiKey: options.apiKey,
     baseURL: options.baseURL,
@@ -31,15 +31,23 @@ export function createOpenAiLlm(options: OpenAiOptions): LLM & { client: OpenAI 
     fetch: options.fetch,
   });
   return {
-    client,
     async complete(prompt, { signal }) {
-      const completion = await client.chat.completions.create({
+      // withResponse() keeps the headers: the shared limiter learns the provider's limits from them.
+      const { data, response } = await client.chat.completions.create({
         model: options.model,
         messages: [{ role: "user", content: prompt }],
-      }, { signal });
-      const text = completion.choices[0]?.message?.content;
+        max_completion_tokens: MAX_OUTPUT_TOKENS,
+      }, { signal }).withResponse();
+      const text = data.choices[0]?.message?.content;
       if (!text || !text.trim()) throw new EmptyCompletion();
-      return text.trim();
+      const usage = data.usage
+        ? {
+          prompt_tokens: data.usage.prompt_tokens,
+          completion_tokens: data.usage.completion_tokens,
+          total_tokens: data.usage.total_tokens,
+        }
+        : undefined;
+      return { text: text.trim(), usage, headers: response.headers };
     },
   };
 }

@@ -42,6 +42,12 @@ export interface StreamWorkerOptions extends QueueNames {
   pruneIdleMs?: number;
   onDeadLetter?: DeadLetterHook;
   events?: WorkerEvents;
+  /**
+   * Asked before each read: how many messages the downstream can start soon.
+   * With no permits the worker reads nothing (jobs wait in the stream, not in
+   * memory, and spend no delivery) and asks again after `waitMs`.
+   */
+  gate?: () => Promise<{ permits: number; waitMs: number }>;
 }
 
 /** A running consumer. */
@@ -114,6 +120,8 @@ export function createStreamWorker(
   let cursor = "0-0";
   let groupReady = false;
   let slotFreed: (() => void) | undefined;
+  // Set by runOnce when the gate had no permits: how long to wait before asking again.
+  let gateWaitMs = 0;
 
   // Acks that finish together share one MULTI: XACK + XDEL of all their ids.
   const ack = createBatcher<string>(async (ids) => {
@@ -225,6 +233,15 @@ export function createStreamWorker(
     }
     let free = options.concurrency - running.size;
     if (free <= 0) return 0;
+    gateWaitMs = 0;
+    if (options.gate) {
+      const { permits, waitMs } = await options.gate();
+      if (permits <= 0) {
+        gateWaitMs = Math.max(1, waitMs);
+        return 0;
+      }
+      free = Math.min(free, permits);
+    }
     const reclaimed = await reclaim(free);
     for (const m of reclaimed) start(m, "reclaimed");
     free -= reclaimed.length;
@@ -287,6 +304,7 @@ export function createStreamWorker(
         }
         try {
           await runOnce(Math.min(blockMs, 1_000));
+          if (gateWaitMs > 0) await sleep(Math.min(gateWaitMs, 1_000), signal).catch(() => {});
         } catch (error) {
           if (signal.aborted) break;
           log.warn("worker_read_failed", { error });

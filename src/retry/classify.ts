@@ -12,7 +12,8 @@ export function statusOf(error: unknown): number | undefined {
   return undefined;
 }
 
-function headersOf(error: unknown): Headers | undefined {
+/** The response headers an error carries, from the OpenAI SDK or a plain-fetch provider. */
+export function headersOf(error: unknown): Headers | undefined {
   if (error instanceof UpstreamHttpError) return error.headers;
   if (error instanceof APIError && error.headers) return new Headers(error.headers as HeadersInit);
   return undefined;
@@ -74,4 +75,21 @@ export function retryAfterMs(error: unknown, nowEpochMs: number = Date.now()): n
   if (/^\d+(\.\d+)?$/.test(after.trim())) return Number(after) * 1000;
   const date = Date.parse(after);
   return Number.isNaN(date) ? undefined : Math.max(0, date - nowEpochMs);
+}
+
+/**
+ * Whom a failed model call says something about, for the shared flow control:
+ * - `rate_limited`: a 429 that is not about quota; every worker pauses until the provider's reset.
+ * - `quota`: `insufficient_quota`; the provider is unusable until someone pays, so the breaker opens.
+ * - `provider`: timeouts, connection errors, 408 and 5xx; a run of them opens the breaker.
+ * - `request`: anything else (400 context too long, 409, a bug): about this call alone.
+ */
+export type FailureKind = "rate_limited" | "quota" | "provider" | "request";
+
+/** Classifies a failed model call; see {@linkcode FailureKind}. */
+export function failureKindOf(error: unknown): FailureKind {
+  const status = statusOf(error);
+  if (status === 429) return isQuotaExhausted(error) ? "quota" : "rate_limited";
+  if (status !== undefined) return status === 408 || status >= 500 ? "provider" : "request";
+  return reasonOf(error) === "timeout" || reasonOf(error) === "connection" ? "provider" : "request";
 }

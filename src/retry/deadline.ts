@@ -3,7 +3,7 @@ import { systemClock } from "./clock.ts";
 
 /** A monotonic time budget covering every attempt and sleep of one delivery. */
 export class Deadline {
-  private constructor(private readonly end: number, private readonly clock: Clock) {}
+  private constructor(private end: number, private readonly clock: Clock) {}
 
   /** A deadline `ms` from now on `clock`. */
   static after(ms: number, clock: Clock = systemClock): Deadline {
@@ -13,6 +13,11 @@ export class Deadline {
   /** Milliseconds left, never negative. */
   remaining(): number {
     return Math.max(0, this.end - this.clock.now());
+  }
+
+  /** Moves the end `ms` later: time the job spent waiting for the provider is not charged to it. */
+  extend(ms: number): void {
+    if (ms > 0) this.end += ms;
   }
 
   get expired(): boolean {

@@ -38,3 +38,11 @@ export class ConnectionError extends Error {
     this.name = "ConnectionError";
   }
 }
+
+/** The shared flow control could not be asked (its Redis is unreachable). Transient: the job is redelivered. */
+export class GateUnavailable extends Error {
+  constructor(message: string, options?: ErrorOptions) {
+    super(message, options);
+    this.name = "GateUnavailable";
+  }
+}

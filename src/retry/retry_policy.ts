@@ -2,22 +2,37 @@ import { isRetryable, reasonOf, retryAfterMs } from "./classify.ts";
 import type { Clock } from "./clock.ts";
 import { systemClock } from "./clock.ts";
 import type { Deadline } from "./deadline.ts";
-import { AttemptTimeout, DeadlineExceeded } from "./errors.ts";
+import { AttemptTimeout, DeadlineExceeded, GateUnavailable } from "./errors.ts";
 
 /** What one attempt reports, for logs and metrics. */
 export interface AttemptReport {
   attempt: number;
-  outcome: "ok" | "retry" | "give_up" | "deadline";
+  /** `paused`: the gate took the failure on itself (a 429, an outage); the attempt does not count. */
+  outcome: "ok" | "retry" | "give_up" | "deadline" | "paused";
   reason?: string;
   status?: number;
   /** The wait before the next attempt, in ms. */
   wait_ms?: number;
   remaining_ms: number;
   duration_ms: number;
+  /** Time spent waiting for the gate's permit before this attempt, in ms. */
+  permit_wait_ms?: number;
+}
+
+/**
+ * Shared flow control in front of every attempt (the provider limiter and
+ * breaker). Each attempt first takes a permit, then reports how it ended.
+ */
+export interface AttemptGate<T> {
+  acquire(signal?: AbortSignal): Promise<{
+    readonly waitedMs: number;
+    /** @returns true when the gate absorbed the failure: retry after its wait, without counting an attempt. */
+    settle(outcome: { value?: T; error?: unknown; aborted?: boolean }): Promise<boolean>;
+  }>;
 }
 
 /** Options for {@linkcode callWithRetries}. */
-export interface RetryOptions {
+export interface RetryOptions<T = unknown> {
   deadline: Deadline;
   /** Wall-clock cap of one attempt. */
   perCallTimeoutMs: number;
@@ -34,6 +49,8 @@ export interface RetryOptions {
   /** Aborts the whole call (shutdown); not retried. */
   signal?: AbortSignal;
   onAttempt?: (report: AttemptReport) => void;
+  /** Flow control shared with other callers; its waits are not charged to `deadline`. */
+  gate?: AttemptGate<T>;
 }
 
 /**
@@ -55,12 +72,19 @@ export function backoffMs(
  * says a later attempt can fix. Every attempt gets
  * `min(perCallTimeoutMs, deadline.remaining())`, enforced by racing a
  * wall-clock timer as well as aborting `fn`'s signal: a server that drips a
- * byte every few seconds never trips an HTTP read timeout.
+ * byte every few seconds never trips an HTTP read timeout. With a `gate`,
+ * every attempt (the first and each retry) waits for its permit first, and a
+ * failure the gate absorbs is retried after the gate's wait without counting
+ * toward `maxAttempts`.
  * @throws {DeadlineExceeded} when the budget cannot fit another useful attempt
  * (its `cause` is the last error).
+ * @throws {GateUnavailable} when the gate cannot be asked.
  * @throws the last error when it is not retryable or attempts are exhausted.
  */
-export async function callWithRetries<T>(fn: (signal: AbortSignal) => Promise<T>, options: RetryOptions): Promise<T> {
+export async function callWithRetries<T>(
+  fn: (signal: AbortSignal) => Promise<T>,
+  options: RetryOptions<T>,
+): Promise<T> {
   const clock = options.clock ?? systemClock;
   const random = options.random ?? Math.random;
   const baseMs = options.baseMs ?? 500;
@@ -71,13 +95,21 @@ export async function callWithRetries<T>(fn: (signal: AbortSignal) => Promise<T>
   let lastError: unknown;
   for (let attempt = 1;; attempt++) {
     options.signal?.throwIfAborted();
-    const budget = Math.min(options.perCallTimeoutMs, deadline.remaining());
-    if (budget < minAttemptMs) {
+    if (deadline.remaining() < minAttemptMs) {
       onAttempt?.({ attempt, outcome: "deadline", remaining_ms: deadline.remaining(), duration_ms: 0 });
       throw new DeadlineExceeded(`${Math.round(deadline.remaining())} ms of budget left, need ${minAttemptMs}`, {
         cause: lastError,
       });
     }
+    // Waiting for the shared permit costs the job nothing: the provider, not the job, is the bottleneck.
+    const permit = await options.gate?.acquire(options.signal).catch((cause) => {
+      if (options.signal?.aborted) throw cause;
+      throw new GateUnavailable(`flow control unavailable: ${cause instanceof Error ? cause.message : cause}`, {
+        cause,
+      });
+    });
+    if (permit) deadline.extend(permit.waitedMs);
+    const budget = Math.min(options.perCallTimeoutMs, deadline.remaining());
     const started = clock.now();
     const timer = clock.timer(budget);
     const signal = options.signal ? AbortSignal.any([timer.signal, options.signal]) : timer.signal;
@@ -86,22 +118,53 @@ export async function callWithRetries<T>(fn: (signal: AbortSignal) => Promise<T>
       onTimeout = () => reject(new AttemptTimeout(`attempt ${attempt} exceeded ${Math.round(budget)} ms`));
       timer.signal.addEventListener("abort", onTimeout, { once: true });
     });
+    let result: T;
     try {
-      const result = await Promise.race([fn(signal), timedOut]);
-      onAttempt?.({ attempt, outcome: "ok", remaining_ms: deadline.remaining(), duration_ms: clock.now() - started });
-      return result;
+      result = await Promise.race([fn(signal), timedOut]);
     } catch (error) {
       lastError = error;
-    } finally {
       timer.cancel();
       timer.signal.removeEventListener("abort", onTimeout);
+      const duration_ms = clock.now() - started;
+      const reason = reasonOf(lastError);
+      const status = (lastError as { status?: unknown })?.status;
+      const report = {
+        attempt,
+        reason,
+        status: typeof status === "number" ? status : undefined,
+        duration_ms,
+        permit_wait_ms: permit?.waitedMs,
+      };
+      if (options.signal?.aborted) {
+        await permit?.settle({ aborted: true }).catch(() => {});
+        throw options.signal.reason;
+      }
+      // The gate settles first, so the pause or the open breaker is in force before anyone's next attempt.
+      if (permit && await permit.settle({ error }).catch(() => false)) {
+        onAttempt?.({ ...report, outcome: "paused", remaining_ms: deadline.remaining() });
+        attempt--;
+        continue;
+      }
+      await retryOrThrow(report);
+      continue;
     }
+    timer.cancel();
+    timer.signal.removeEventListener("abort", onTimeout);
+    await permit?.settle({ value: result }).catch(() => {});
+    onAttempt?.({
+      attempt,
+      outcome: "ok",
+      remaining_ms: deadline.remaining(),
+      duration_ms: clock.now() - started,
+      permit_wait_ms: permit?.waitedMs,
+    });
+    return result;
+  }
 
-    const duration_ms = clock.now() - started;
-    const reason = reasonOf(lastError);
-    const status = (lastError as { status?: unknown })?.status;
-    const report = { attempt, reason, status: typeof status === "number" ? status : undefined, duration_ms };
-    if (options.signal?.aborted) throw options.signal.reason;
+  async function retryOrThrow(
+    report: Omit<AttemptReport, "outcome" | "remaining_ms">,
+  ): Promise<void> {
+    const { attempt } = report;
     if (!isRetryable(lastError) || attempt >= options.maxAttempts) {
       onAttempt?.({ ...report, outcome: "give_up", remaining_ms: deadline.remaining() });
       throw lastError;

@@ -1,14 +1,14 @@
 import type { Sql } from "postgres";
 import { z } from "zod";
-import type { LLM } from "../llm/llm.ts";
-import { summaryPrompt } from "../llm/llm.ts";
+import { estimateTokens, type LLM, summaryPrompt } from "../llm/llm.ts";
 import type { Logger } from "../log/logger.ts";
 import { PermanentJobError } from "../queue/errors.ts";
 import type { StreamMessage } from "../queue/message.ts";
 import { isRetryable } from "../retry/classify.ts";
 import type { Clock } from "../retry/clock.ts";
 import { Deadline } from "../retry/deadline.ts";
-import { DeadlineExceeded } from "../retry/errors.ts";
+import { DeadlineExceeded, GateUnavailable } from "../retry/errors.ts";
+import type { ProviderFlow } from "../provider/flow_control.ts";
 import { type AttemptReport, callWithRetries } from "../retry/retry_policy.ts";
 import { createCommittedCheck, type GroupCommitter } from "./commit.ts";
 import { SummaryRequest } from "./schemas.ts";
@@ -37,7 +37,14 @@ const Fields = z.object({ job_id: z.uuid(), tenant: z.string().min(1), payload: 
  * @throws the retryable error, or {@linkcode DeadlineExceeded}, to leave the message pending.
  */
 export function createSummaryJob(
-  { sql, llm, log, committer }: { sql: Sql; llm: LLM; log: Logger; committer: GroupCommitter },
+  { sql, llm, log, committer, flow }: {
+    sql: Sql;
+    llm: LLM;
+    log: Logger;
+    committer: GroupCommitter;
+    /** The provider's shared limiter and breaker; every attempt waits for its permit. */
+    flow?: ProviderFlow;
+  },
   options: SummaryJobOptions,
 ): (message: StreamMessage, signal: AbortSignal) => Promise<"done" | "duplicate"> {
   const isCommitted = createCommittedCheck(sql);
@@ -60,9 +67,12 @@ export function createSummaryJob(
       return "duplicate";
     }
 
+    const prompt = summaryPrompt(request.text);
+    const estimated = estimateTokens(prompt);
     let summary: string;
     try {
-      summary = await callWithRetries((s) => llm.complete(summaryPrompt(request.text), { signal: s }), {
+      const completion = await callWithRetries((s) => llm.complete(prompt, { signal: s }), {
+        gate: flow && { acquire: (s) => flow.acquire(estimated, s) },
         deadline: Deadline.after(options.budgetMs, options.clock),
         perCallTimeoutMs: options.perCallTimeoutMs,
         maxAttempts: options.maxAttempts,
@@ -76,9 +86,11 @@ export function createSummaryJob(
           options.onAttempt?.({ ...report, job_id });
         },
       });
+      summary = completion.text;
     } catch (error) {
       // Transient: leave the message pending; redelivery brings a fresh budget.
-      if (signal.aborted || error instanceof DeadlineExceeded || isRetryable(error)) throw error;
+      if (signal.aborted || error instanceof DeadlineExceeded || error instanceof GateUnavailable) throw error;
+      if (isRetryable(error)) throw error;
       const name = error instanceof Error ? (error.name === "Error" ? error.constructor.name : error.name) : "Error";
       throw new PermanentJobError(`${name}: ${error instanceof Error ? error.message : String(error)}`, {
         cause: error,

@@ -1,6 +1,7 @@
 import type { Redis } from "ioredis";
 import type { Sql } from "postgres";
 import type { LLM } from "../llm/llm.ts";
+import type { ProviderFlow } from "../provider/flow_control.ts";
 import type { Logger } from "../log/logger.ts";
 import type { DeadLetterHook } from "../queue/dead_letter.ts";
 import { createStreamWorker, type StreamWorker, type WorkerEvents } from "../queue/stream_worker.ts";
@@ -34,7 +35,7 @@ export function markFailedHook(keys: JobKeys): DeadLetterHook {
 
 /** The summary worker: the stream worker running the summary job. The caller closes it. */
 export function createSummaryWorker(
-  deps: { redis: Redis; sql: Sql; llm: LLM; log: Logger },
+  deps: { redis: Redis; sql: Sql; llm: LLM; log: Logger; flow?: ProviderFlow },
   options: SummaryWorkerOptions,
 ): StreamWorker {
   const committer = createGroupCommitter({ sql: deps.sql, log: deps.log });
@@ -52,5 +53,7 @@ export function createSummaryWorker(
     heartbeatMs: options.heartbeatMs,
     onDeadLetter: markFailedHook(options.keys),
     events: options.events,
+    // With a shared provider limit, jobs wait in the stream until a permit is near, not in this process.
+    gate: deps.flow?.ready,
   }, job);
 }

@@ -8,7 +8,7 @@ import { SUMMARY_INSTRUCTION } from "../llm/llm.ts";
 
 /** What the server does with one request. */
 export type ModelBehaviour =
-  | { kind: "ok"; delayMs?: number }
+  | { kind: "ok"; delayMs?: number; headers?: Record<string, string> }
   | { kind: "status"; status: number; headers?: Record<string, string>; body?: unknown }
   | { kind: "hang" }
   | { kind: "drip"; intervalMs: number };
@@ -63,7 +63,9 @@ export function startFakeModel(
       case "ok": {
         if (behaviour.delayMs) await new Promise((r) => setTimeout(r, behaviour.delayMs));
         const text = prompt.startsWith(SUMMARY_INSTRUCTION) ? prompt.slice(SUMMARY_INSTRUCTION.length) : prompt;
-        return Response.json(completionBody(summariseExtractively(text.trim()) || "(empty)", body.model));
+        return Response.json(completionBody(summariseExtractively(text.trim()) || "(empty)", body.model), {
+          headers: behaviour.headers,
+        });
       }
       case "status":
         return Response.json(behaviour.body ?? errorBody(`scripted ${behaviour.status}`, "server_error"), {
@@ -102,6 +104,105 @@ export function startFakeModel(
     async close() {
       for (const release of hangs) release();
       await server.shutdown();
+    },
+  };
+}
+
+/** An outage a {@linkcode LimitedProvider} can be switched into. */
+export type Outage = "quota" | "503" | null;
+
+/** A provider that enforces a rate limit the way OpenAI does, and can go down. */
+export interface LimitedProvider {
+  /** `respond` for {@linkcode startFakeModel}. */
+  respond(n: number, prompt: string): ModelBehaviour;
+  /** Switches every answer to an outage (`quota`: 429 insufficient_quota; `503`), or back with null. */
+  setOutage(outage: Outage): void;
+  readonly counts: { ok: number; rateLimited: number; quota: number; unavailable: number };
+}
+
+function resetText(ms: number): string {
+  if (ms < 1000) return `${Math.max(1, Math.ceil(ms))}ms`;
+  const s = ms / 1000;
+  return s < 60 ? `${s.toFixed(3).replace(/\.?0+$/, "")}s` : `${Math.floor(s / 60)}m${Math.round(s % 60)}s`;
+}
+
+/**
+ * The rate limit of a real provider: at most `rps` requests in any sliding
+ * second (OpenAI enforces its per-minute limits over such short windows),
+ * advertised per minute in `x-ratelimit-*` headers on every answer, and
+ * refused above it with `429 rate_limit_exceeded` and `retry-after-ms`.
+ */
+export function limitedProvider(
+  { rps, tpm = 10_000_000, delayMs = 0 }: { rps: number; tpm?: number; delayMs?: number },
+): LimitedProvider {
+  const accepted: number[] = [];
+  const tokens: { at: number; n: number }[] = [];
+  const counts = { ok: 0, rateLimited: 0, quota: 0, unavailable: 0 };
+  let outage: Outage = null;
+  const rpm = rps * 60;
+  let bucket = rpm;
+  let bucketAt = performance.now();
+  const headers = (now: number) => {
+    while (tokens.length && tokens[0]!.at <= now - 60_000) tokens.shift();
+    const usedTokens = tokens.reduce((sum, t) => sum + t.n, 0);
+    // As OpenAI reports it: a per-minute budget that refills continuously.
+    bucket = Math.min(rpm, bucket + ((now - bucketAt) / 60_000) * rpm);
+    bucketAt = now;
+    const remaining = Math.max(0, Math.floor(bucket));
+    return {
+      "x-ratelimit-limit-requests": String(rpm),
+      "x-ratelimit-remaining-requests": String(remaining),
+      "x-ratelimit-reset-requests": resetText(((rpm - remaining) / rpm) * 60_000),
+      "x-ratelimit-limit-tokens": String(tpm),
+      "x-ratelimit-remaining-tokens": String(Math.max(0, tpm - usedTokens)),
+      "x-ratelimit-reset-tokens": resetText((usedTokens / tpm) * 60_000),
+    };
+  };
+  return {
+    counts,
+    setOutage(next) {
+      outage = next;
+    },
+    respond(_n, prompt) {
+      const now = performance.now();
+      if (outage === "quota") {
+        counts.quota++;
+        return {
+          kind: "status",
+          status: 429,
+          headers: headers(now),
+          body: errorBody(
+            "You exceeded your current quota, please check your plan and billing details.",
+            "insufficient_quota",
+            "insufficient_quota",
+          ),
+        };
+      }
+      if (outage === "503") {
+        counts.unavailable++;
+        return { kind: "status", status: 503, body: errorBody("The server is overloaded.", "server_error") };
+      }
+      while (accepted.length && accepted[0]! <= now - 1_000) accepted.shift();
+      if (accepted.length >= rps) {
+        counts.rateLimited++;
+        const retry = Math.max(1, Math.ceil(accepted[0]! + 1_000 - now));
+        return {
+          kind: "status",
+          status: 429,
+          headers: { ...headers(now), "retry-after-ms": String(retry) },
+          body: errorBody(
+            `Rate limit reached on requests per min (RPM): Limit ${rpm}, Used ${rpm}, Requested 1. ` +
+              `Please try again in ${retry}ms.`,
+            "requests",
+            "rate_limit_exceeded",
+          ),
+        };
+      }
+      accepted.push(now);
+      bucket = Math.max(0, bucket - 1);
+      counts.ok++;
+      tokens.push({ at: now, n: Math.ceil(prompt.length / 4) + 1 });
+      return { kind: "ok", delayMs, headers: headers(now) };
     },
   };
 }

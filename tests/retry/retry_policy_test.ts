@@ -86,7 +86,7 @@ Deno.test("callWithRetries() with the real SDK", async (t) => {
           clock,
           onAttempt: (r) => reports.push(r),
         });
-        assert.equal(text, "Revenue rose. Costs fell.");
+        assert.equal(text.text, "Revenue rose. Costs fell.");
         assert.equal(model.requests, 2);
         assert.deepEqual(clock.sleeps, [2000]);
         assert.deepEqual(reports.map((r) => [r.outcome, r.reason]), [["retry", "http_429"], ["ok", undefined]]);

@@ -1,0 +1,455 @@
+/**
+ * Flow control for one model provider, shared by every worker process
+ * through one Redis hash: a paced rate limiter (requests and tokens per
+ * minute), a shared pause on 429, and a circuit breaker. Every decision runs
+ * in a Lua script on that one key, so it is atomic across processes and the
+ * key can live on any Redis Cluster slot. Time is Redis's own (`TIME`), so
+ * workers on hosts with different clocks agree.
+ */
+import type { Redis } from "ioredis";
+import { createHash } from "node:crypto";
+import { sleep } from "../async/timeout.ts";
+import type { Completion, Usage } from "../llm/llm.ts";
+import type { Logger } from "../log/logger.ts";
+import { defineScript } from "../redis/script.ts";
+import { type FailureKind, failureKindOf, headersOf, retryAfterMs } from "../retry/classify.ts";
+import { parseRateLimitHeaders } from "./rate_limit_headers.ts";
+
+/** Defaults, in one place. */
+export const FLOW_DEFAULTS = {
+  /** Consecutive provider-wide failures that open the breaker. */
+  failureThreshold: 3,
+  /** A failed probe multiplies the cooldown by this... */
+  cooldownGrowth: 1.5,
+  /** ...up to this multiple of the configured cooldown, so a recovered provider is found within one period. */
+  maxCooldownFactor: 2,
+  /** Permits are paced at this share of the limit, leaving room for clock and network jitter. */
+  margin: 0.97,
+  /** How far ahead a caller may book a permit; beyond it, it waits without booking. */
+  maxAheadMs: 1_000,
+  /** The stream gate counts permits due within this horizon. */
+  horizonMs: 1_000,
+  /** How long an idle provider's state is kept. */
+  stateTtlMs: 7 * 24 * 3600 * 1000,
+} as const;
+
+/** Breaker states: `closed` calls freely, `open` calls nothing, `half_open` lets one probe through. */
+export type BreakerState = "closed" | "open" | "half_open";
+
+/** What the flow control reports, for metrics and logs. */
+export interface FlowEvents {
+  granted?(waitMs: number, probe: boolean): void;
+  /** A 429 by kind (`rate_limited` or `quota`). */
+  limited?(kind: "rate_limited" | "quota"): void;
+  tokens?(usage: Usage): void;
+  breaker?(from: BreakerState, to: BreakerState, reason: string): void;
+}
+
+/** Options for {@linkcode createProviderFlow}. */
+export interface ProviderFlowOptions {
+  /** The Redis hash holding this provider's state; see {@linkcode providerStateKey}. */
+  key: string;
+  /** Configured requests per minute (LLM_RPM) for all workers together; headers may tighten it. */
+  rpm?: number;
+  /** Configured tokens per minute (LLM_TPM). */
+  tpm?: number;
+  /** LLM_BREAKER_COOLDOWN_S, in ms: how long an open breaker waits before its probe. */
+  cooldownMs: number;
+  /** How long a probe may hold the single slot before another caller may probe: a call's timeout plus slack. */
+  probeLeaseMs: number;
+  failureThreshold?: number;
+  margin?: number;
+  maxAheadMs?: number;
+  random?: () => number;
+  events?: FlowEvents;
+}
+
+/** How a call that held a permit ended. */
+export interface PermitOutcome {
+  value?: Completion;
+  error?: unknown;
+  /** The caller gave up (shutdown): says nothing about the provider. */
+  aborted?: boolean;
+}
+
+/** The right to make one model call now. */
+export interface Permit {
+  /** How long the caller waited for it, in ms (not charged to the job's deadline). */
+  readonly waitedMs: number;
+  /** Whether this call is the breaker's (or the limit learner's) single probe. */
+  readonly probe: boolean;
+  /**
+   * Reports the call's outcome: settles the token reservation, learns from
+   * the headers, and moves the pause and the breaker.
+   * @returns whether flow control took the failure on itself (a 429, an
+   * exhausted quota, an outage): the job should wait and try again without
+   * counting an attempt.
+   */
+  settle(outcome: PermitOutcome): Promise<boolean>;
+}
+
+/** Where a limit in force came from. */
+export type LimitSource = "config" | "headers" | "none";
+
+/** The shared state, as `deno task provider status` shows it. */
+export interface ProviderStatus {
+  key: string;
+  now: number;
+  rpm: { limit: number | null; source: LimitSource; configured: number | null; learned: number | null };
+  tpm: { limit: number | null; source: LimitSource; configured: number | null; learned: number | null };
+  /** Whether the limits are still being learned (one call at a time until the first headers). */
+  learning: boolean;
+  remaining: { requests: number | null; tokens: number | null; headers_at: number | null };
+  reset: { requests_at: number | null; tokens_at: number | null };
+  /** When the next permit is free (epoch ms); now or earlier means at once. */
+  next_permit_at: number;
+  pause: { until: number | null; reason: string | null };
+  breaker: {
+    state: BreakerState;
+    failures: number;
+    reason: string | null;
+    opened_at: number | null;
+    probe_at: number | null;
+    cooldown_ms: number;
+  };
+}
+
+/** A running flow control for one provider. */
+export interface ProviderFlow {
+  /**
+   * Waits until a call of `estimatedTokens` may go out: the breaker lets it,
+   * no pause is in force, and the paced limiter has a permit.
+   * @throws the signal's reason when it aborts while waiting.
+   */
+  acquire(estimatedTokens: number, signal?: AbortSignal): Promise<Permit>;
+  /**
+   * Whether a worker should take jobs now: `permits` that can be granted
+   * within about a second (less what this process is already waiting for),
+   * or else `waitMs` until it is worth asking again.
+   */
+  ready(): Promise<{ permits: number; waitMs: number }>;
+  status(): Promise<ProviderStatus>;
+  /** Callers of this process waiting for a permit now. */
+  readonly waiting: number;
+}
+
+/** The Redis key of a provider's state: one per base URL, model and API key (the key is hashed). */
+export function providerStateKey(
+  prefix: string,
+  { baseURL, model, apiKey }: { baseURL: string; model: string; apiKey: string },
+): string {
+  const id = createHash("sha256").update(JSON.stringify([baseURL, model, apiKey])).digest("hex").slice(0, 16);
+  return `${prefix}:provider:{${id}}`;
+}
+
+const PRELUDE = `
+local key = KEYS[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function n(v) return tonumber(v) or 0 end
+local function lower(a, b) if a > 0 and b > 0 then return math.min(a, b) end return math.max(a, b) end
+`;
+
+// ARGV: cfg_rpm, cfg_tpm, estimated tokens, max ahead ms, probe lease ms, margin, peek (1/0), horizon ms.
+// Returns {code, ms, detail}. Taking: code 1 = permit booked ms from now, 2 = probe permit, 0 = ask again in ms.
+// Peeking: code = permits within the horizon, ms = wait before asking again.
+const ACQUIRE = defineScript(
+  PRELUDE + `
+local cfg_rpm, cfg_tpm, est = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local max_ahead, lease, margin = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local peek, horizon = ARGV[7] == '1', tonumber(ARGV[8])
+local h = redis.call('HMGET', key, 'state', 'open_until', 'probe_until', 'pause_until', 'tat_req', 'tat_tok',
+  'hdr_rpm', 'hdr_tpm', 'learned', 'failures')
+local state = h[1] or 'closed'
+local open_until, probe_until, pause_until = n(h[2]), n(h[3]), n(h[4])
+local tat_req, tat_tok = n(h[5]), n(h[6])
+local rpm, tpm = lower(cfg_rpm, n(h[7])), lower(cfg_tpm, n(h[8]))
+if state == 'open' then
+  if now < open_until then return {0, open_until - now, 'breaker_open'} end
+  state = 'half_open'
+  if not peek then redis.call('HSET', key, 'state', 'half_open') end
+end
+if pause_until > now then return {0, pause_until - now, 'paused'} end
+-- One call at a time while probing a suspect or half-open provider, or while the limits are unknown.
+local single = state == 'half_open' or n(h[10]) > 0 or (rpm == 0 and tpm == 0 and h[9] ~= '1')
+if single and probe_until > now then return {0, math.min(probe_until - now, 100), 'probing'} end
+local req_iv, tok_iv = 0, 0
+if rpm > 0 then req_iv = 60000 / (rpm * margin) end
+if tpm > 0 then tok_iv = 60000 / (tpm * margin) end
+local start = now
+if req_iv > 0 and tat_req > start then start = tat_req end
+if tok_iv > 0 and tat_tok > start then start = tat_tok end
+local wait = start - now
+if peek then
+  if single then return {1, 0, 'probe'} end
+  if wait > horizon then return {0, math.ceil(wait - horizon), 'pacing'} end
+  if req_iv == 0 then return {1000000, 0, 'unlimited'} end
+  return {math.floor((horizon - wait) / req_iv) + 1, 0, 'pacing'}
+end
+if wait > max_ahead then return {0, math.ceil(wait - max_ahead), 'pacing'} end
+-- Book the slot: the next caller's earliest start moves one interval (and this call's tokens) later.
+if req_iv > 0 then tat_req = math.max(now, tat_req) + req_iv end
+if tok_iv > 0 then tat_tok = math.max(now, tat_tok) + est * tok_iv end
+redis.call('HSET', key, 'tat_req', tat_req, 'tat_tok', tat_tok, 'cfg_rpm', cfg_rpm, 'cfg_tpm', cfg_tpm)
+redis.call('PEXPIRE', key, ${FLOW_DEFAULTS.stateTtlMs})
+if single then
+  redis.call('HSET', key, 'probe_until', now + lease)
+  return {2, math.ceil(wait), 'probe'}
+end
+return {1, math.ceil(wait), 'permit'}
+`,
+);
+
+// ARGV: kind, estimated, actual tokens, probe, retry-after ms, limit req, limit tok, remaining req, remaining tok,
+// reset req ms, reset tok ms (-1 = absent), threshold, base cooldown, max cooldown, growth, margin, cfg_tpm.
+// Returns {absorbed, state before, state after, reason}.
+const SETTLE = defineScript(
+  PRELUDE + `
+local kind = ARGV[1]
+local est, actual, probe, retry_after = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4] == '1', tonumber(ARGV[5])
+local lim_req, lim_tok, rem_req, rem_tok = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local reset_req, reset_tok = tonumber(ARGV[10]), tonumber(ARGV[11])
+local threshold, base, maxc, growth = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
+local margin, cfg_tpm = tonumber(ARGV[16]), tonumber(ARGV[17])
+local h = redis.call('HMGET', key, 'state', 'failures', 'cooldown_ms', 'tat_tok', 'hdr_tpm', 'pause_until', 'open_until')
+local state = h[1] or 'closed'
+if state == 'open' and now >= n(h[7]) then state = 'half_open' end
+local before, failures, cooldown = state, n(h[2]), n(h[3])
+if cooldown <= 0 then cooldown = base end
+local f = {}
+local function set(k, v) f[#f + 1] = k; f[#f + 1] = v end
+local reason = ''
+-- Learn the limits. A provider that answers without the headers is not paced by them.
+local heard = lim_req >= 0 or lim_tok >= 0
+if lim_req >= 0 then set('hdr_rpm', lim_req) end
+if lim_tok >= 0 then set('hdr_tpm', lim_tok) end
+if rem_req >= 0 then set('hdr_rem_req', rem_req) end
+if rem_tok >= 0 then set('hdr_rem_tok', rem_tok) end
+if reset_req >= 0 then set('hdr_reset_req_at', now + reset_req) end
+if reset_tok >= 0 then set('hdr_reset_tok_at', now + reset_tok) end
+if heard then set('hdr_at', now) end
+if heard or kind == 'ok' or kind == 'request' or kind == 'rate_limited' then set('learned', '1') end
+-- Settle the token reservation against what the provider counted.
+local tpm = n(h[5])
+if lim_tok >= 0 then tpm = lim_tok end
+tpm = lower(cfg_tpm, tpm)
+if actual >= 0 and tpm > 0 then set('tat_tok', n(h[4]) + (actual - est) * 60000 / (tpm * margin)) end
+-- A budget the headers say is spent pauses everyone until enough of it is back. The reset header is the
+-- time until the whole budget is back, so one unit returns every reset / (limit - remaining).
+local pause_to, why = 0, ''
+local function refill(limit, remaining, reset, need)
+  if reset <= 0 then return 0 end
+  if limit <= remaining then return math.min(reset, 1000) end
+  return math.min(reset, (need - remaining) * reset / (limit - remaining))
+end
+if rem_req == 0 then pause_to, why = now + refill(lim_req, 0, reset_req, 1), 'requests_exhausted' end
+if rem_tok >= 0 and rem_tok < est then
+  local p = now + refill(lim_tok, rem_tok, reset_tok, est)
+  if p > pause_to then pause_to, why = p, 'tokens_exhausted' end
+end
+local absorbed = 0
+local function open(r)
+  if before == 'half_open' then cooldown = math.min(cooldown * growth, maxc) else cooldown = base end
+  state, reason = 'open', r
+  set('state', 'open'); set('open_until', now + cooldown); set('cooldown_ms', cooldown)
+  set('opened_reason', r); set('opened_at', now); set('failures', 0)
+end
+local function close()
+  if before ~= 'closed' or failures > 0 then
+    state = 'closed'
+    set('state', 'closed'); set('failures', 0); set('cooldown_ms', base); set('opened_reason', '')
+  end
+end
+if kind == 'rate_limited' then
+  -- The provider answered, so it is up; it asks everyone to slow down.
+  local p = retry_after
+  if p < 0 then p = math.max(pause_to - now, 1000) end
+  if now + p > pause_to then pause_to, why = now + p, 'rate_limited' end
+  close()
+  absorbed = 1
+elseif kind == 'quota' then
+  if before ~= 'open' then open('insufficient_quota') end
+  absorbed = 1
+elseif kind == 'provider' then
+  if before == 'open' then absorbed = 1
+  elseif before == 'half_open' then open('probe_failed'); absorbed = 1
+  else
+    failures = failures + 1
+    set('failures', failures)
+    if failures >= threshold then open('consecutive_failures'); absorbed = 1 end
+  end
+elseif kind == 'ok' or kind == 'request' then
+  close()
+end
+if probe then set('probe_until', 0) end
+if pause_to > n(h[6]) then set('pause_until', pause_to); set('pause_reason', why) end
+if #f > 0 then redis.call('HSET', key, unpack(f)) end
+return {absorbed, before, state, reason}
+`,
+);
+
+const STATUS = defineScript(
+  PRELUDE + `
+return {now, redis.call('HGETALL', key)}
+`,
+);
+
+/**
+ * Creates the flow control for the provider whose state is `options.key`.
+ * Cheap to create; all state lives in Redis.
+ */
+export function createProviderFlow(
+  { redis, log }: { redis: Redis; log: Logger },
+  options: ProviderFlowOptions,
+): ProviderFlow {
+  const threshold = options.failureThreshold ?? FLOW_DEFAULTS.failureThreshold;
+  const margin = options.margin ?? FLOW_DEFAULTS.margin;
+  const maxAheadMs = options.maxAheadMs ?? FLOW_DEFAULTS.maxAheadMs;
+  const random = options.random ?? Math.random;
+  const events = options.events ?? {};
+  const cfgRpm = options.rpm ?? 0;
+  const cfgTpm = options.tpm ?? 0;
+  let waiting = 0;
+
+  const ask = (estimated: number, peek: boolean) =>
+    ACQUIRE.run(redis, [options.key], [
+      cfgRpm,
+      cfgTpm,
+      estimated,
+      maxAheadMs,
+      options.probeLeaseMs,
+      margin,
+      peek ? 1 : 0,
+      FLOW_DEFAULTS.horizonMs,
+    ]) as Promise<[number, number, string]>;
+
+  async function settle(estimated: number, probe: boolean, outcome: PermitOutcome): Promise<boolean> {
+    const kind: FailureKind | "ok" | "aborted" = outcome.aborted
+      ? "aborted"
+      : outcome.error === undefined
+      ? "ok"
+      : failureKindOf(outcome.error);
+    const headers = outcome.value?.headers ?? headersOf(outcome.error);
+    const h = headers ? parseRateLimitHeaders(headers) : {};
+    const usage = outcome.value?.usage;
+    if (usage) events.tokens?.(usage);
+    if (kind === "rate_limited" || kind === "quota") events.limited?.(kind);
+    const [absorbed, from, to, reason] = await SETTLE.run(redis, [options.key], [
+      kind,
+      estimated,
+      usage?.total_tokens ?? -1,
+      probe ? 1 : 0,
+      outcome.error === undefined ? -1 : Math.round(retryAfterMs(outcome.error) ?? -1),
+      h.limitRequests ?? -1,
+      h.limitTokens ?? -1,
+      h.remainingRequests ?? -1,
+      h.remainingTokens ?? -1,
+      Math.round(h.resetRequestsMs ?? -1),
+      Math.round(h.resetTokensMs ?? -1),
+      threshold,
+      options.cooldownMs,
+      options.cooldownMs * FLOW_DEFAULTS.maxCooldownFactor,
+      FLOW_DEFAULTS.cooldownGrowth,
+      margin,
+      cfgTpm,
+    ]) as [number, BreakerState, BreakerState, string];
+    if (from !== to) {
+      events.breaker?.(from, to, reason);
+      if (to === "open") {
+        // Loud: nothing will be called until a probe succeeds, and an exhausted quota needs a person.
+        log.error(reason === "insufficient_quota" ? "provider_quota_exhausted" : "provider_breaker_opened", {
+          reason,
+          cooldown_s: options.cooldownMs / 1000,
+          error: outcome.error,
+        });
+      } else if (to === "closed") log.info("provider_breaker_closed", { from });
+    }
+    return absorbed === 1;
+  }
+
+  return {
+    get waiting() {
+      return waiting;
+    },
+
+    async acquire(estimatedTokens, signal) {
+      const started = performance.now();
+      waiting++;
+      let booked = false;
+      try {
+        for (;;) {
+          signal?.throwIfAborted();
+          const [code, ms] = await ask(estimatedTokens, false);
+          if (code > 0) {
+            booked = true;
+            waiting--;
+            const probe = code === 2;
+            try {
+              if (ms > 0) await sleep(ms, signal);
+            } catch (error) {
+              if (probe) await settle(estimatedTokens, true, { aborted: true }).catch(() => {});
+              throw error;
+            }
+            const waitedMs = performance.now() - started;
+            events.granted?.(waitedMs, probe);
+            return { waitedMs, probe, settle: (outcome) => settle(estimatedTokens, probe, outcome) };
+          }
+          // Spread the callers a pause or an open breaker releases at the same instant.
+          await sleep(ms + random() * Math.min(100, ms * 0.1 + 10), signal);
+        }
+      } finally {
+        if (!booked) waiting--;
+      }
+    },
+
+    async ready() {
+      const [raw, ms] = await ask(0, true);
+      const permits = Math.max(0, raw - waiting);
+      // Permits this process's own waiters will take are not there for new jobs: look again shortly.
+      return { permits, waitMs: permits > 0 ? 0 : raw > 0 ? 50 : ms };
+    },
+
+    async status() {
+      const [now, flat] = await STATUS.run(redis, [options.key], []) as [number, string[]];
+      const f = new Map<string, string>();
+      for (let i = 0; i + 1 < flat.length; i += 2) f.set(flat[i]!, flat[i + 1]!);
+      const num = (name: string) => (f.has(name) && f.get(name) !== "" ? Number(f.get(name)) : null);
+      const limit = (configured: number, learned: number | null) => {
+        const c = configured > 0 ? configured : null;
+        const l = learned !== null && learned > 0 ? learned : null;
+        if (c !== null && (l === null || c <= l)) {
+          return { limit: c, source: "config" as const, configured: c, learned: l };
+        }
+        if (l !== null) return { limit: l, source: "headers" as const, configured: c, learned: l };
+        return { limit: null, source: "none" as const, configured: c, learned: l };
+      };
+      const rpm = limit(cfgRpm, num("hdr_rpm"));
+      const tpm = limit(cfgTpm, num("hdr_tpm"));
+      let state = (f.get("state") ?? "closed") as BreakerState;
+      const openUntil = num("open_until");
+      if (state === "open" && openUntil !== null && now >= openUntil) state = "half_open";
+      const pauseUntil = num("pause_until");
+      return {
+        key: options.key,
+        now,
+        rpm,
+        tpm,
+        learning: rpm.limit === null && tpm.limit === null && f.get("learned") !== "1",
+        remaining: { requests: num("hdr_rem_req"), tokens: num("hdr_rem_tok"), headers_at: num("hdr_at") },
+        reset: { requests_at: num("hdr_reset_req_at"), tokens_at: num("hdr_reset_tok_at") },
+        next_permit_at: Math.max(now, rpm.limit ? num("tat_req") ?? 0 : 0, tpm.limit ? num("tat_tok") ?? 0 : 0),
+        pause: pauseUntil !== null && pauseUntil > now
+          ? { until: pauseUntil, reason: f.get("pause_reason") ?? null }
+          : { until: null, reason: null },
+        breaker: {
+          state,
+          failures: num("failures") ?? 0,
+          reason: f.get("opened_reason") || null,
+          opened_at: state === "closed" ? null : num("opened_at"),
+          probe_at: state === "closed" ? null : openUntil,
+          cooldown_ms: num("cooldown_ms") ?? options.cooldownMs,
+        },
+      };
+    },
+  };
+}

@@ -1,0 +1,260 @@
+import assert from "node:assert/strict";
+import { APIError } from "openai";
+import { createLogger } from "../../src/log/logger.ts";
+import {
+  createProviderFlow,
+  type Permit,
+  type ProviderFlowOptions,
+  providerStateKey,
+} from "../../src/provider/flow_control.ts";
+import { parseRateLimitHeaders, parseResetDuration } from "../../src/provider/rate_limit_headers.ts";
+import { ConnectionError } from "../../src/retry/errors.ts";
+import { createTestRedis, recordingLogger, waitFor } from "../_support.ts";
+
+/** An error as the OpenAI SDK raises it for an HTTP answer. */
+function apiError(status: number, code: string | null, headers: Record<string, string> = {}) {
+  const body = { message: `scripted ${status}`, type: code ?? "server_error", param: null, code };
+  return APIError.generate(status, { error: body }, body.message, new Headers(headers));
+}
+
+const rateLimitHeaders = (limit: number, remaining: number) => ({
+  "x-ratelimit-limit-requests": String(limit),
+  "x-ratelimit-remaining-requests": String(remaining),
+  "x-ratelimit-reset-requests": "1s",
+  "x-ratelimit-limit-tokens": "1000000",
+  "x-ratelimit-remaining-tokens": "999000",
+  "x-ratelimit-reset-tokens": "60ms",
+});
+
+Deno.test("rate-limit headers: OpenAI's durations and counts", () => {
+  assert.equal(parseResetDuration("1s"), 1_000);
+  assert.equal(parseResetDuration("6m0s"), 360_000);
+  assert.equal(parseResetDuration("20ms"), 20);
+  assert.equal(parseResetDuration("1h2m3.5s"), 3_723_500);
+  assert.equal(parseResetDuration("2"), 2_000);
+  assert.equal(parseResetDuration("soon"), undefined);
+  assert.deepEqual(parseRateLimitHeaders(new Headers(rateLimitHeaders(600, 599))), {
+    limitRequests: 600,
+    limitTokens: 1_000_000,
+    remainingRequests: 599,
+    remainingTokens: 999_000,
+    resetRequestsMs: 1_000,
+    resetTokensMs: 60,
+  });
+  assert.deepEqual(parseRateLimitHeaders(new Headers({ "x-ratelimit-limit-requests": "many" })), {
+    limitRequests: undefined,
+    limitTokens: undefined,
+    remainingRequests: undefined,
+    remainingTokens: undefined,
+    resetRequestsMs: undefined,
+    resetTokensMs: undefined,
+  });
+});
+
+Deno.test("provider flow control", async (t) => {
+  const r = await createTestRedis();
+  let n = 0;
+  const flowFor = (options: Partial<ProviderFlowOptions> = {}, log = createLogger({ write: () => {} })) =>
+    createProviderFlow({ redis: r.redis, log }, {
+      key: providerStateKey(r.prefix, { baseURL: `http://p${n++}`, model: "m", apiKey: "k" }),
+      cooldownMs: 300,
+      probeLeaseMs: 2_000,
+      ...options,
+    });
+  try {
+    await t.step("the key is per base URL, model and API key, one hash tag each, and never holds the key", () => {
+      const a = providerStateKey("x", { baseURL: "u", model: "m", apiKey: "sk-secret" });
+      assert.match(a, /^x:provider:\{[0-9a-f]{16}\}$/);
+      assert.doesNotMatch(a, /secret/);
+      assert.notEqual(a, providerStateKey("x", { baseURL: "u", model: "m2", apiKey: "sk-secret" }));
+      assert.notEqual(a, providerStateKey("x", { baseURL: "u", model: "m", apiKey: "sk-other" }));
+    });
+
+    await t.step("permits are paced evenly at the configured rate, shared by every flow on the key", async () => {
+      const a = flowFor({ rpm: 600 });
+      // A second process: another flow object on the same Redis key.
+      const b = createProviderFlow({ redis: r.redis, log: createLogger({ write: () => {} }) }, {
+        key: (await a.status()).key,
+        rpm: 600,
+        cooldownMs: 300,
+        probeLeaseMs: 2_000,
+      });
+      const started = performance.now();
+      const grants = await Promise.all(
+        Array.from({ length: 12 }, (_, i) => (i % 2 ? a : b).acquire(10).then(() => performance.now() - started)),
+      );
+      grants.sort((x, y) => x - y);
+      // 600/min paced at 97% is one permit every ~103 ms: twelve permits span at least eleven intervals.
+      assert.ok(grants[11]! - grants[0]! >= 11 * 100, `spread ${grants[11]! - grants[0]!} ms`);
+      for (let i = 1; i < grants.length; i++) assert.ok(grants[i]! - grants[i - 1]! >= 80, `gap ${i}`);
+      const status = await a.status();
+      assert.deepEqual(status.rpm, { limit: 600, source: "config", configured: 600, learned: null });
+      assert.equal(status.breaker.state, "closed");
+    });
+
+    await t.step("the stream gate counts permits due within a second, less this process's waiters", async () => {
+      const flow = flowFor({ rpm: 600 });
+      const first = await flow.ready();
+      assert.ok(first.permits >= 9 && first.permits <= 10, `permits ${first.permits}`);
+      const held = Array.from({ length: 15 }, () => flow.acquire(1));
+      await new Promise((res) => setTimeout(res, 50));
+      // About ten callers booked the next second; the others wait in this process without booking.
+      assert.ok(flow.waiting >= 3 && flow.waiting <= 6, `waiting ${flow.waiting}`);
+      const later = await flow.ready();
+      assert.equal(later.permits, 0);
+      assert.ok(later.waitMs > 0);
+      await Promise.all(held);
+    });
+
+    await t.step("a 429 rate_limit_exceeded pauses every caller until retry-after, and is absorbed", async () => {
+      const flow = flowFor({ rpm: 60_000 });
+      const permit = await flow.acquire(10);
+      const absorbed = await permit.settle({
+        error: apiError(429, "rate_limit_exceeded", { "retry-after-ms": "400" }),
+      });
+      assert.equal(absorbed, true);
+      const status = await flow.status();
+      assert.equal(status.pause.reason, "rate_limited");
+      assert.ok(status.pause.until! - status.now > 300);
+      assert.equal((await flow.ready()).permits, 0);
+      const started = performance.now();
+      await flow.acquire(10);
+      assert.ok(performance.now() - started >= 350, "the next permit waited for the pause");
+      assert.equal(status.breaker.state, "closed");
+    });
+
+    await t.step("a spent request budget in the headers pauses until one request is back", async () => {
+      const flow = flowFor();
+      const permit = await flow.acquire(10);
+      await permit.settle({
+        value: {
+          text: "ok",
+          headers: new Headers({ ...rateLimitHeaders(600, 0), "x-ratelimit-reset-requests": "60s" }),
+        },
+      });
+      const status = await flow.status();
+      assert.equal(status.pause.reason, "requests_exhausted");
+      // 60 s until the whole budget of 600 is back: one request returns in 100 ms.
+      assert.ok(status.pause.until! - status.now <= 100);
+      assert.deepEqual(status.rpm, { limit: 600, source: "headers", configured: null, learned: 600 });
+    });
+
+    await t.step("without configuration, one call at a time until the headers give the limits", async () => {
+      const flow = flowFor();
+      assert.equal((await flow.status()).learning, true);
+      const probe = await flow.acquire(10);
+      assert.equal(probe.probe, true);
+      let second = false;
+      const next = flow.acquire(10).then((p) => (second = true, p));
+      await new Promise((res) => setTimeout(res, 150));
+      assert.equal(second, false, "a second call waits while the limits are unknown");
+      await probe.settle({ value: { text: "ok", headers: new Headers(rateLimitHeaders(1200, 1199)) } });
+      const p2 = await next;
+      assert.equal(p2.probe, false);
+      const status = await flow.status();
+      assert.equal(status.learning, false);
+      assert.deepEqual(status.rpm, { limit: 1200, source: "headers", configured: null, learned: 1200 });
+      assert.deepEqual(status.tpm, { limit: 1_000_000, source: "headers", configured: null, learned: 1_000_000 });
+    });
+
+    await t.step("headers tighten a configured limit but never loosen it", async () => {
+      const tighter = flowFor({ rpm: 6000 });
+      await (await tighter.acquire(1)).settle({
+        value: { text: "ok", headers: new Headers(rateLimitHeaders(600, 599)) },
+      });
+      assert.deepEqual((await tighter.status()).rpm, { limit: 600, source: "headers", configured: 6000, learned: 600 });
+      const looser = flowFor({ rpm: 300 });
+      await (await looser.acquire(1)).settle({
+        value: { text: "ok", headers: new Headers(rateLimitHeaders(600, 599)) },
+      });
+      assert.deepEqual((await looser.status()).rpm, { limit: 300, source: "config", configured: 300, learned: 600 });
+    });
+
+    await t.step("tokens are reserved up front and settled against the reported usage", async () => {
+      const flow = flowFor({ rpm: 600_000, tpm: 60_000 });
+      const before = await flow.status();
+      const permit = await flow.acquire(1_000);
+      const booked = await flow.status();
+      // 1,000 tokens at 60,000/min (paced at 97%) book about a second of the token budget.
+      assert.ok(booked.next_permit_at - before.now >= 1_000, "the estimate is reserved");
+      await permit.settle({
+        value: { text: "ok", usage: { prompt_tokens: 50, completion_tokens: 50, total_tokens: 100 } },
+      });
+      const settled = await flow.status();
+      assert.ok(settled.next_permit_at - settled.now <= 150, "the unused 900 tokens are given back");
+    });
+
+    await t.step(
+      "a run of provider failures opens the breaker: no permits, one probe after the cooldown, closed on success",
+      async () => {
+        const lines = recordingLogger();
+        const flow = flowFor({ rpm: 60_000 }, createLogger({ write: lines.write }));
+        const fail = async () => (await flow.acquire(1)).settle({ error: apiError(503, null) });
+        // The first failure makes the provider suspect: one call at a time, and it counts as the job's attempt.
+        assert.equal(await fail(), false);
+        assert.equal(await fail(), false);
+        assert.equal(await fail(), true, "the failure that opens the breaker is absorbed");
+        const open = await flow.status();
+        assert.equal(open.breaker.state, "open");
+        assert.equal(open.breaker.reason, "consecutive_failures");
+        assert.equal((await flow.ready()).permits, 0);
+        assert.ok(lines.lines.some((l) => l.event === "provider_breaker_opened"));
+        // Many callers wait; exactly one probe goes out when the cooldown ends.
+        const granted: Permit[] = [];
+        const waiters = Array.from({ length: 5 }, () => flow.acquire(1).then((p) => (granted.push(p), p)));
+        const first = await waitFor("the first probe", () => granted[0]);
+        assert.equal(first.probe, true);
+        await new Promise((res) => setTimeout(res, 150));
+        assert.equal(granted.length, 1, "nobody else calls while the probe runs");
+        // The probe fails: open again, with a longer cooldown.
+        assert.equal(await first.settle({ error: new ConnectionError("refused") }), true);
+        const reopened = await flow.status();
+        assert.equal(reopened.breaker.state, "open");
+        assert.equal(reopened.breaker.cooldown_ms, 450);
+        // The next probe succeeds: closed, and everyone proceeds.
+        const second = await waitFor("the second probe", () => granted[1]);
+        assert.equal(second.probe, true);
+        assert.equal(granted.length, 2);
+        assert.equal(await second.settle({ value: { text: "ok" } }), false);
+        assert.equal((await flow.status()).breaker.state, "closed");
+        await Promise.all(waiters);
+        assert.equal(granted.filter((p) => p.probe).length, 2);
+        assert.ok(lines.lines.some((l) => l.event === "provider_breaker_closed"));
+      },
+    );
+
+    await t.step("insufficient_quota opens the breaker at once and says so loudly", async () => {
+      const lines = recordingLogger();
+      const flow = flowFor({ rpm: 60_000 }, createLogger({ write: lines.write }));
+      const permit = await flow.acquire(1);
+      assert.equal(await permit.settle({ error: apiError(429, "insufficient_quota") }), true);
+      const status = await flow.status();
+      assert.equal(status.breaker.state, "open");
+      assert.equal(status.breaker.reason, "insufficient_quota");
+      const line = lines.lines.find((l) => l.event === "provider_quota_exhausted");
+      assert.equal(line?.level, "error");
+    });
+
+    await t.step("a 400 for one document says nothing against the provider", async () => {
+      const flow = flowFor({ rpm: 60_000 });
+      assert.equal(await (await flow.acquire(1)).settle({ error: apiError(400, "context_length_exceeded") }), false);
+      const status = await flow.status();
+      assert.equal(status.breaker.state, "closed");
+      assert.equal(status.breaker.failures, 0);
+    });
+
+    await t.step("a caller aborted while waiting stops waiting and frees the probe slot", async () => {
+      const flow = flowFor();
+      const probe = await flow.acquire(1);
+      const stop = new AbortController();
+      const waiting = flow.acquire(1, stop.signal);
+      stop.abort(new Error("shutdown"));
+      await assert.rejects(waiting, /shutdown/);
+      assert.equal(flow.waiting, 0);
+      await probe.settle({ aborted: true });
+      assert.equal((await flow.acquire(1)).probe, true, "the slot is free again");
+    });
+  } finally {
+    await r.close();
+  }
+});
