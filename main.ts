@@ -9,6 +9,7 @@ import type { Sql } from "postgres";
 import { connectPostgres, connectRedis, DependencyDown } from "./src/clients.ts";
 import { dlqCommand } from "./src/cli/dlq_command.ts";
 import { outboxCommand } from "./src/cli/outbox_command.ts";
+import { providerCommand } from "./src/cli/provider_command.ts";
 import { tenantCommand } from "./src/cli/tenant_command.ts";
 import { type Config, CONFIG_VARIABLES, ConfigError, parseConfig } from "./src/config.ts";
 import { migrate, MIGRATIONS_DIR, readMigrations } from "./src/db/migrate.ts";
@@ -23,7 +24,21 @@ import { createResendMailer } from "./src/mail/resend_mailer.ts";
 import { createRelay } from "./src/outbox/relay.ts";
 import type { Registry } from "prom-client";
 import { apiMetrics, createRegistry, relayMetrics, serveMetrics, workerMetrics } from "./src/metrics/metrics.ts";
-import { attemptObserver, outboxGauges, queueGauges, relayEvents, workerEvents } from "./src/metrics/wire.ts";
+import {
+  attemptObserver,
+  flowEvents,
+  outboxGauges,
+  providerGauges,
+  queueGauges,
+  relayEvents,
+  workerEvents,
+} from "./src/metrics/wire.ts";
+import {
+  createProviderFlow,
+  type FlowEvents,
+  type ProviderFlow,
+  providerStateKey,
+} from "./src/provider/flow_control.ts";
 import { type Command, COMMANDS, missingNetPermissions, NEEDS, permissionFlags } from "./src/permissions.ts";
 import { createHandler } from "./src/summaries/api.ts";
 import { jobKeys } from "./src/summaries/keys.ts";
@@ -125,6 +140,35 @@ function buildLlm(config: Config): LLM {
   });
 }
 
+const DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1";
+
+/** The provider as people name it: base URL and model (never the key). */
+function providerLabel(config: Config): string {
+  if (config.LLM_PROVIDER === "extractive") return "extractive";
+  return `${config.OPENAI_BASE_URL ?? DEFAULT_OPENAI_BASE_URL} ${config.OPENAI_MODEL}`;
+}
+
+/**
+ * The shared limiter and breaker of the configured provider; none for the
+ * local extractive model, which has no limits and cannot be down.
+ */
+function buildFlow(config: Config, redis: Redis, log: Logger, events?: FlowEvents): ProviderFlow | undefined {
+  if (config.LLM_PROVIDER === "extractive") return undefined;
+  return createProviderFlow({ redis, log }, {
+    key: providerStateKey(REDIS_PREFIX, {
+      baseURL: config.OPENAI_BASE_URL ?? DEFAULT_OPENAI_BASE_URL,
+      model: config.OPENAI_MODEL,
+      apiKey: config.OPENAI_API_KEY!,
+    }),
+    rpm: config.LLM_RPM,
+    tpm: config.LLM_TPM,
+    cooldownMs: config.LLM_BREAKER_COOLDOWN_S * 1000,
+    // A probe holds the single slot for at most one call's timeout, plus slack.
+    probeLeaseMs: config.LLM_CALL_TIMEOUT_S * 1000 + 5_000,
+    events,
+  });
+}
+
 /** Serves a standalone process's /metrics on METRICS_PORT, when set. */
 function maybeServeMetrics(config: Config, registry: Registry, signal: AbortSignal): void {
   if (config.METRICS_PORT === undefined) return;
@@ -142,7 +186,9 @@ async function runWorker(
   const keys = jobKeys(REDIS_PREFIX);
   queueGauges(registry, redis, keys);
   const consumer = `${Deno.hostname()}-${Deno.pid}-${crypto.randomUUID().slice(0, 6)}`;
-  const worker = createSummaryWorker({ redis, sql, llm: buildLlm(config), log }, {
+  const flow = buildFlow(config, redis, log, flowEvents(metrics));
+  if (flow) providerGauges(registry, flow, providerLabel(config));
+  const worker = createSummaryWorker({ redis, sql, llm: buildLlm(config), log, flow }, {
     keys,
     events: workerEvents(metrics),
     consumer,
@@ -157,7 +203,13 @@ async function runWorker(
       onAttempt: attemptObserver(metrics),
     },
   });
-  log.info("worker_started", { consumer, concurrency: config.WORKER_CONCURRENCY, llm: config.LLM_PROVIDER });
+  log.info("worker_started", {
+    consumer,
+    concurrency: config.WORKER_CONCURRENCY,
+    llm: config.LLM_PROVIDER,
+    rpm: config.LLM_RPM ?? (flow ? "from headers" : "unlimited"),
+    tpm: config.LLM_TPM ?? (flow ? "from headers" : "unlimited"),
+  });
   try {
     await worker.run(signal);
   } finally {
@@ -255,6 +307,12 @@ async function run(command: Command, args: string[], config: Config, log: Logger
         config,
         { redis: true },
         ({ redis }) => dlqCommand(redis!, jobKeys(REDIS_PREFIX), args, { isTerminal: Deno.stdout.isTerminal() }),
+      );
+    case "provider":
+      return await withClients(
+        config,
+        { redis: true },
+        ({ redis }) => providerCommand(buildFlow(config, redis!, log), providerLabel(config), args),
       );
     case "relay":
       return await withClients(config, { sql: true }, async ({ sql }) => {

@@ -62,7 +62,7 @@ export function missingNetPermissions(command: string, config: Config, needs: Ne
 }
 
 /** The processes and commands main.ts runs. */
-export const COMMANDS = ["api", "worker", "relay", "migrate", "dev", "tenant", "dlq", "outbox"] as const;
+export const COMMANDS = ["api", "worker", "relay", "migrate", "dev", "tenant", "dlq", "outbox", "provider"] as const;
 export type Command = typeof COMMANDS[number];
 
 /** What each command talks to. */
@@ -75,6 +75,7 @@ export const NEEDS: Record<Command, NetNeeds> = {
   tenant: { postgres: true },
   dlq: { redis: true },
   outbox: { postgres: true },
+  provider: { redis: true },
 };
 
 /**

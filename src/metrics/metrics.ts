@@ -23,6 +23,11 @@ export interface WorkerMetrics {
   modelRetries: Counter<"reason">;
   deadlineExpiries: Counter;
   modelDuration: Histogram<"outcome">;
+  permits: Counter<"kind">;
+  permitWait: Histogram;
+  rateLimited: Counter<"kind">;
+  tokens: Counter<"kind">;
+  breakerTransitions: Counter<"to">;
 }
 
 /** Relay metrics. */
@@ -120,6 +125,36 @@ export function workerMetrics(registry: Registry): WorkerMetrics {
       help: "Duration of one model call attempt.",
       labelNames: ["outcome"] as const,
       buckets: [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40],
+      registers,
+    }),
+    permits: new Counter({
+      name: "oncely_llm_permits_total",
+      help: "Model-call permits granted by the shared limiter, by kind (permit, or the breaker's probe).",
+      labelNames: ["kind"] as const,
+      registers,
+    }),
+    permitWait: new Histogram({
+      name: "oncely_llm_permit_wait_seconds",
+      help: "Time a model call waited for its permit (pacing, a 429 pause, an open breaker).",
+      buckets: [0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60],
+      registers,
+    }),
+    rateLimited: new Counter({
+      name: "oncely_llm_429_total",
+      help: "429 answers from the model provider, by kind (rate_limited, quota).",
+      labelNames: ["kind"] as const,
+      registers,
+    }),
+    tokens: new Counter({
+      name: "oncely_llm_tokens_total",
+      help: "Tokens the model provider reported, by kind (prompt, completion).",
+      labelNames: ["kind"] as const,
+      registers,
+    }),
+    breakerTransitions: new Counter({
+      name: "oncely_llm_breaker_transitions_total",
+      help: "Breaker state changes this process caused, by new state.",
+      labelNames: ["to"] as const,
       registers,
     }),
   };

@@ -1,11 +1,12 @@
 import type { Redis } from "ioredis";
 import type { Sql } from "postgres";
-import type { Registry } from "prom-client";
+import { Gauge, type Registry } from "prom-client";
 import type { RelayEvents } from "../outbox/relay.ts";
 import { outboxBacklog } from "../outbox/outbox_admin.ts";
 import type { QueueNames } from "../queue/message.ts";
 import type { WorkerEvents } from "../queue/stream_worker.ts";
 import type { AttemptReport } from "../retry/retry_policy.ts";
+import type { FlowEvents, ProviderFlow } from "../provider/flow_control.ts";
 import { type RelayMetrics, scrapeGauge, type WorkerMetrics } from "./metrics.ts";
 
 /** Worker events that feed the worker metrics. */
@@ -80,4 +81,40 @@ export function outboxGauges(registry: Registry, sql: Sql): void {
     "Age of the oldest unsent outbox row.",
     async () => (await read()).oldest_unsent_s,
   );
+}
+
+/** Flow-control events that feed the worker metrics. */
+export function flowEvents(m: WorkerMetrics): FlowEvents {
+  return {
+    granted: (waitMs, probe) => {
+      m.permits.inc({ kind: probe ? "probe" : "permit" });
+      m.permitWait.observe(waitMs / 1000);
+    },
+    limited: (kind) => m.rateLimited.inc({ kind }),
+    tokens: (usage) => {
+      m.tokens.inc({ kind: "prompt" }, usage.prompt_tokens);
+      m.tokens.inc({ kind: "completion" }, usage.completion_tokens);
+    },
+    breaker: (_from, to) => m.breakerTransitions.inc({ to }),
+  };
+}
+
+const BREAKER_VALUES = { closed: 0, half_open: 1, open: 2 } as const;
+
+/** The shared breaker's state (0 closed, 1 half-open, 2 open) and pause, read from Redis on scrape. */
+export function providerGauges(registry: Registry, flow: ProviderFlow, provider: string): void {
+  new Gauge({
+    name: "oncely_llm_breaker_state",
+    help: "The provider's shared circuit breaker: 0 closed, 1 half-open, 2 open.",
+    labelNames: ["provider"] as const,
+    registers: [registry],
+    async collect() {
+      try {
+        const status = await flow.status();
+        this.set({ provider }, BREAKER_VALUES[status.breaker.state]);
+      } catch {
+        // A failed read leaves the last value; /metrics must still answer.
+      }
+    },
+  });
 }

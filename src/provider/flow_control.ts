@@ -150,14 +150,15 @@ local function n(v) return tonumber(v) or 0 end
 local function lower(a, b) if a > 0 and b > 0 then return math.min(a, b) end return math.max(a, b) end
 `;
 
-// ARGV: cfg_rpm, cfg_tpm, estimated tokens, max ahead ms, probe lease ms, margin, peek (1/0), horizon ms.
-// Returns {code, ms, detail}. Taking: code 1 = permit booked ms from now, 2 = probe permit, 0 = ask again in ms.
-// Peeking: code = permits within the horizon, ms = wait before asking again.
+// ARGV: cfg_rpm, cfg_tpm, estimated tokens, max ahead ms, probe lease ms, margin, mode, horizon ms.
+// Returns {code, ms, detail}. Mode take: code 1 = permit booked ms from now, 2 = probe permit, 0 = ask again in ms.
+// Mode peek: code = permits within the horizon, ms = wait before asking again. Mode confirm: a booked permit's
+// slot has come; code 1 = go, 0 = the breaker or a pause stopped it meanwhile (ask again in ms).
 const ACQUIRE = defineScript(
   PRELUDE + `
 local cfg_rpm, cfg_tpm, est = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_ahead, lease, margin = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local peek, horizon = ARGV[7] == '1', tonumber(ARGV[8])
+local peek, confirm, horizon = ARGV[7] == 'peek', ARGV[7] == 'confirm', tonumber(ARGV[8])
 local h = redis.call('HMGET', key, 'state', 'open_until', 'probe_until', 'pause_until', 'tat_req', 'tat_tok',
   'hdr_rpm', 'hdr_tpm', 'learned', 'failures')
 local state = h[1] or 'closed'
@@ -173,6 +174,10 @@ if pause_until > now then return {0, pause_until - now, 'paused'} end
 -- One call at a time while probing a suspect or half-open provider, or while the limits are unknown.
 local single = state == 'half_open' or n(h[10]) > 0 or (rpm == 0 and tpm == 0 and h[9] ~= '1')
 if single and probe_until > now then return {0, math.min(probe_until - now, 100), 'probing'} end
+if confirm then
+  if single then return {0, 0, 'probing'} end
+  return {1, 0, 'permit'}
+end
 local req_iv, tok_iv = 0, 0
 if rpm > 0 then req_iv = 60000 / (rpm * margin) end
 if tpm > 0 then tok_iv = 60000 / (tpm * margin) end
@@ -311,7 +316,7 @@ export function createProviderFlow(
   const cfgTpm = options.tpm ?? 0;
   let waiting = 0;
 
-  const ask = (estimated: number, peek: boolean) =>
+  const ask = (estimated: number, mode: "take" | "peek" | "confirm") =>
     ACQUIRE.run(redis, [options.key], [
       cfgRpm,
       cfgTpm,
@@ -319,7 +324,7 @@ export function createProviderFlow(
       maxAheadMs,
       options.probeLeaseMs,
       margin,
-      peek ? 1 : 0,
+      mode,
       FLOW_DEFAULTS.horizonMs,
     ]) as Promise<[number, number, string]>;
 
@@ -379,16 +384,27 @@ export function createProviderFlow(
       try {
         for (;;) {
           signal?.throwIfAborted();
-          const [code, ms] = await ask(estimatedTokens, false);
+          const [code, ms] = await ask(estimatedTokens, "take");
           if (code > 0) {
-            booked = true;
-            waiting--;
             const probe = code === 2;
+            if (!booked) waiting--;
+            booked = true;
             try {
               if (ms > 0) await sleep(ms, signal);
             } catch (error) {
               if (probe) await settle(estimatedTokens, true, { aborted: true }).catch(() => {});
               throw error;
+            }
+            // A slot booked ahead is checked again when it comes: the breaker may have opened, or a 429
+            // paused everyone, while this caller slept. Then the slot is forfeit and the caller waits.
+            if (ms > 0 && !probe) {
+              const [go, again] = await ask(estimatedTokens, "confirm");
+              if (go !== 1) {
+                waiting++;
+                booked = false;
+                await sleep(again + random() * 20, signal);
+                continue;
+              }
             }
             const waitedMs = performance.now() - started;
             events.granted?.(waitedMs, probe);
@@ -403,7 +419,7 @@ export function createProviderFlow(
     },
 
     async ready() {
-      const [raw, ms] = await ask(0, true);
+      const [raw, ms] = await ask(0, "peek");
       const permits = Math.max(0, raw - waiting);
       // Permits this process's own waiters will take are not there for new jobs: look again shortly.
       return { permits, waitMs: permits > 0 ? 0 : raw > 0 ? 50 : ms };
