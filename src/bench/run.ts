@@ -23,6 +23,7 @@ import { createApiKey } from "../tenants/tenant_store.ts";
 import { startFakeMail } from "../testing/fake_mail_server.ts";
 import { createScratchDatabase, createScratchRedis, type ScratchRedis } from "../testing/scratch.ts";
 import { closedLoop } from "./load.ts";
+import { type ProviderRun, providerRun } from "./provider_bench.ts";
 import { fmt, median, quantile } from "./stats.ts";
 
 const ADMIN_URL = Deno.env.get("BENCH_DATABASE_URL") ?? "postgres://postgres@127.0.0.1:5432/postgres";
@@ -588,6 +589,62 @@ async function benchQueue() {
   });
 }
 
+async function benchProvider() {
+  // The issue's setting: two workers at concurrency 32, a provider limited to 10 requests/s, 200 jobs.
+  const rps = smoke ? 20 : 10;
+  const jobs = smoke ? 40 : 200;
+  const ideal = jobs / rps;
+  const goodput = async (rpm: number | undefined, label: string, goal: { time: number; limited: number }) => {
+    const runs: ProviderRun[] = [];
+    for (let i = 0; i < RUNS; i++) {
+      progress(`provider: ${jobs} jobs, 2 workers, limit ${rps}/s, ${label} (run ${i + 1})`);
+      runs.push(await providerRun({ jobs, rps, rpm, adminUrl: ADMIN_URL, redisUrl: REDIS_URL }));
+    }
+    const mid = runs.find((r) => r.seconds === median(runs.map((x) => x.seconds)))!;
+    const share429 = mid.rateLimited / mid.calls;
+    const met = mid.seconds <= goal.time * ideal && share429 <= goal.limited && mid.dead === 0;
+    rows.push({
+      benchmark: `Goodput under a provider limit of ${rps}/s, ${jobs} jobs, 2 worker processes, ${label}`,
+      result: `drained in ${fmt(mid.seconds, 1)} s; ${fmt((jobs / mid.seconds / rps) * 100)}% of the limit used; ` +
+        `${mid.rateLimited}/${mid.calls} calls answered 429 (${fmt(share429 * 100, 1)}%); ${mid.dead} dead-lettered`,
+      baseline: `ideal ${fmt(ideal, 1)} s (jobs / limit)`,
+      ratio: `${fmt(mid.seconds / ideal, 2)}x`,
+      goal: `<= ${goal.time}x, <= ${goal.limited * 100}% 429, 0 dead ${met ? "(met)" : "(NOT met)"}`,
+      value: mid.seconds,
+      baselineValue: ideal,
+    });
+  };
+  await goodput(rps * 60, `LLM_RPM=${rps * 60}`, { time: 1.2, limited: 0.02 });
+  await goodput(undefined, "limits learned from headers", { time: 1.3, limited: 0.1 });
+  const outageJobs = 20;
+  for (const [outage, ms] of [["quota", smoke ? 2_000 : 12_000], ["503", smoke ? 2_000 : 15_000]] as const) {
+    const cooldownS = smoke ? 0.5 : 3;
+    progress(`provider: ${outageJobs} jobs through a ${ms / 1000} s ${outage} outage, cooldown ${cooldownS} s`);
+    const r = await providerRun({
+      jobs: outageJobs,
+      rps,
+      rpm: rps * 60,
+      outage,
+      outageMs: ms,
+      cooldownS,
+      adminUrl: ADMIN_URL,
+      redisUrl: REDIS_URL,
+    });
+    const met = r.dead === 0 && r.afterRecovery <= 10;
+    rows.push({
+      benchmark:
+        `${ms / 1000} s ${outage === "quota" ? "insufficient_quota" : "503"} outage, ${outageJobs} queued jobs, ` +
+        `LLM_BREAKER_COOLDOWN_S=${cooldownS}`,
+      result:
+        `${r.failedDuringOutage} calls during the outage; all done ${fmt(r.afterRecovery, 1)} s after recovery; ` +
+        `${r.dead} dead-lettered`,
+      baseline: `before flow control: every job dead-lettered`,
+      goal: `0 dead, done <= 10 s after recovery ${met ? "(met)" : "(NOT met)"}`,
+      value: r.afterRecovery,
+    });
+  }
+}
+
 const sections: Record<string, () => Promise<void>> = {
   // Memory first: its baseline is then the RSS of a fresh process.
   memory: benchMemory,
@@ -596,6 +653,7 @@ const sections: Record<string, () => Promise<void>> = {
   queue: benchQueue,
   relay: benchRelay,
   e2e: benchEndToEnd,
+  provider: benchProvider,
 };
 
 const log = createLogger({ level: "warn" });

@@ -10,6 +10,13 @@
  * and counts effects. Exits non-zero unless nothing was lost or duplicated.
  *
  *   deno task chaos [--jobs N] [--duration S] [--redis-restart] [--pg-terminate] [--no-kills] [--seed N]
+ *                   [--provider-limit RPS]
+ *
+ * With --provider-limit, the fake model also enforces RPS requests in any
+ * sliding second with OpenAI's x-ratelimit-* headers and 429 bodies (the
+ * workers learn the limit from them), and goes down twice during the kill
+ * period: insufficient_quota for 10% of it, then 503 for 10% of it, with a
+ * 1 s breaker cooldown.
  *
  * It uses a fresh Postgres database and an empty Redis database index (or,
  * with --redis-restart, its own redis-server with AOF on in a temporary
@@ -22,8 +29,8 @@ import { parseConfig } from "../config.ts";
 import { type Command, permissionFlags } from "../permissions.ts";
 import { createApiKey } from "../tenants/tenant_store.ts";
 import { startFakeMail } from "../testing/fake_mail_server.ts";
-import { startFakeModel } from "../testing/fake_model_server.ts";
-import { createScratchDatabase } from "../testing/scratch.ts";
+import { limitedProvider, startFakeModel } from "../testing/fake_model_server.ts";
+import { createScratchDatabase, emptyRedisDatabase } from "../testing/scratch.ts";
 
 const args = Deno.args;
 const flag = (name: string) => args.includes(`--${name}`);
@@ -42,6 +49,7 @@ const DRAIN_TIMEOUT_S = option("drain-timeout", 180);
 const REDIS_RESTART = flag("redis-restart");
 const PG_TERMINATE = flag("pg-terminate");
 const NO_KILLS = flag("no-kills");
+const PROVIDER_LIMIT = option("provider-limit", 0);
 let seed = option("seed", Date.now() % 1_000_000);
 const SEED = seed;
 /** A seeded PRNG (mulberry32), so a failing run can be repeated with --seed. */
@@ -67,13 +75,20 @@ function freePort(): number {
 
 // ---------------------------------------------------------------- providers
 let modelCalls = 0;
-const model = startFakeModel(() => {
+const limited = PROVIDER_LIMIT > 0 ? limitedProvider({ rps: PROVIDER_LIMIT }) : undefined;
+const model = startFakeModel((n, prompt) => {
   modelCalls++;
+  const gate = limited?.respond(n, prompt);
+  if (gate && gate.kind !== "ok") return gate;
   const r = random();
   if (r < 0.08) return { kind: "status", status: 429, headers: { "retry-after": "0.2" } };
   if (r < 0.14) return { kind: "status", status: 503 };
   if (r < 0.17) return { kind: "hang" };
-  return { kind: "ok", delayMs: 5 + Math.floor(random() * 30) };
+  return {
+    kind: "ok",
+    delayMs: 5 + Math.floor(random() * 30),
+    headers: gate?.kind === "ok" ? gate.headers : undefined,
+  };
 });
 const mail = startFakeMail(() => (random() < 0.1 ? { kind: "status", status: 500 } : { kind: "ok" }));
 
@@ -121,15 +136,7 @@ if (REDIS_RESTART) {
   await startOwnRedis();
   redisUrl = `redis://127.0.0.1:${ownRedis.port}/0`;
 } else {
-  const probe = new Redis("redis://127.0.0.1:6379/0");
-  let index = -1;
-  for (let i = 15; i >= 1 && index < 0; i--) {
-    await probe.select(i);
-    if ((await probe.dbsize()) === 0) index = i;
-  }
-  await probe.quit();
-  if (index < 0) throw new Error("no empty Redis database index (1-15) for the chaos run");
-  redisUrl = `redis://127.0.0.1:6379/${index}`;
+  redisUrl = await emptyRedisDatabase("redis://127.0.0.1:6379/0");
 }
 const redisAdmin = new Redis(redisUrl, { maxRetriesPerRequest: null });
 redisAdmin.on("error", () => {});
@@ -156,6 +163,7 @@ const env: Record<string, string> = {
   MAIL_SEND_TIMEOUT_S: "1",
   LOG_LEVEL: "info",
   NO_COLOR: "1",
+  LLM_BREAKER_COOLDOWN_S: "1",
 };
 const config = parseConfig(env);
 const MAIN = decodeURIComponent(new URL("../../main.ts", import.meta.url).pathname);
@@ -273,8 +281,21 @@ async function submit(i: number) {
 // ---------------------------------------------------------------- chaos
 let kills = 0;
 const events: string[] = [];
+/** Switches the limited provider's outages on and off on schedule, until the kill period ends. */
+async function outageLoop(end: number) {
+  while (limited && performance.now() < end) {
+    const elapsed = 1 - (end - performance.now()) / (DURATION_S * 1000);
+    const outage = elapsed >= 0.25 && elapsed < 0.35 ? "quota" : elapsed >= 0.5 && elapsed < 0.6 ? "503" : null;
+    if (outage && !events.includes(`provider outage: ${outage}`)) events.push(`provider outage: ${outage}`);
+    limited.setOutage(outage);
+    await sleep(50);
+  }
+  limited?.setOutage(null);
+}
+
 async function killLoop() {
   const end = performance.now() + DURATION_S * 1000;
+  const outages = outageLoop(end);
   let redisRestarted = !REDIS_RESTART, pgTerminated = !PG_TERMINATE;
   while (performance.now() < end) {
     await sleep(1_000 + random() * 2_000);
@@ -309,6 +330,7 @@ async function killLoop() {
     procs[procs.indexOf(victim)] = replacement;
     victim.log.close();
   }
+  await outages;
   killing = false;
 }
 
@@ -410,6 +432,12 @@ const rows: [string, string][] = [
   ["emails delivered twice", String(dupEmails)],
   ["send requests / duplicates the provider absorbed", `${mail.requests} / ${mail.deduplicated}`],
   ["model calls per job", jobIds.length ? (modelCalls / jobIds.length).toFixed(2) : "n/a"],
+  ...(limited
+    ? [[
+      `provider limit ${PROVIDER_LIMIT}/s: answered ok / 429 over the limit / in outages`,
+      `${limited.counts.ok} / ${limited.counts.rateLimited} / ${limited.counts.quota + limited.counts.unavailable}`,
+    ] as [string, string]]
+    : []),
   ["time to drain after the last kill", Number.isFinite(drainSeconds) ? `${drainSeconds.toFixed(1)} s` : "n/a"],
 ];
 console.log("\n| chaos run | result |\n| --- | --- |");

@@ -83,3 +83,26 @@ export async function createScratchRedis(url: string, prefix = "oncely_test"): P
     },
   };
 }
+
+/**
+ * Finds an empty Redis database index (15 down to 1) on the server of `url`,
+ * for running real service processes, whose key names are fixed, in
+ * isolation. @returns the URL of that database.
+ * @throws {Error} when every index holds keys.
+ */
+export async function emptyRedisDatabase(url: string): Promise<string> {
+  const probe = new Redis(url, { maxRetriesPerRequest: 1 });
+  try {
+    for (let i = 15; i >= 1; i--) {
+      await probe.select(i);
+      if ((await probe.dbsize()) === 0) {
+        const u = new URL(url);
+        u.pathname = `/${i}`;
+        return u.toString();
+      }
+    }
+  } finally {
+    await probe.quit();
+  }
+  throw new Error(`no empty Redis database index (1-15) on ${url}`);
+}
