@@ -1,6 +1,9 @@
 import assert from "node:assert/strict";
 import { dlqCommand } from "../../src/cli/dlq_command.ts";
 import { outboxCommand } from "../../src/cli/outbox_command.ts";
+import { providerCommand } from "../../src/cli/provider_command.ts";
+import { silentLogger } from "../../src/log/logger.ts";
+import { createProviderFlow, providerStateKey } from "../../src/provider/flow_control.ts";
 import { tenantCommand } from "../../src/cli/tenant_command.ts";
 import { deadLetter } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
@@ -88,6 +91,42 @@ Deno.test("operator commands", async (t) => {
       assert.match(all.lines[0]!, /^1 failed row/);
       assert.equal(await outboxCommand(db.sql, ["retry", "abc"], capture().out), 2);
     });
+
+    await t.step(
+      "provider status shows each limit's source, the pause and the breaker, as text or JSON",
+      async () => {
+        const flow = createProviderFlow({ redis: r.redis, log: silentLogger }, {
+          key: providerStateKey(r.prefix, { baseURL: "http://model", model: "m", apiKey: "sk" }),
+          rpm: 6000,
+          cooldownMs: 30_000,
+          probeLeaseMs: 5_000,
+        });
+        const permit = await flow.acquire(100);
+        await permit.settle({
+          value: {
+            text: "ok",
+            headers: new Headers({ "x-ratelimit-limit-requests": "600", "x-ratelimit-remaining-requests": "599" }),
+          },
+        });
+        const text = capture();
+        assert.equal(await providerCommand(flow, "http://model m", ["status"], text.out), 0);
+        assert.match(
+          text.lines.join("\n"),
+          /requests\/min +600 +\(source: headers; configured 6000, from headers 600\)/,
+        );
+        assert.match(text.lines.join("\n"), /breaker +closed/);
+        const json = capture();
+        await providerCommand(flow, "http://model m", ["status", "--json"], json.out);
+        const doc = JSON.parse(json.lines[0]!);
+        assert.equal(doc.rpm.source, "headers");
+        assert.equal(doc.remaining.requests, 599);
+        assert.equal(doc.breaker.state, "closed");
+        const local = capture();
+        assert.equal(await providerCommand(undefined, "extractive", ["status"], local.out), 0);
+        assert.match(local.lines[0]!, /no shared limiter/);
+        assert.equal(await providerCommand(flow, "x", ["stats"], capture().out), 2);
+      },
+    );
   } finally {
     await r.close();
     await db.close();
