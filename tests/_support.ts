@@ -4,9 +4,11 @@ import {
   createScratchRedis,
   type ScratchDatabase,
   type ScratchRedis,
-} from "../src/testing/scratch.ts";
+} from "./support/scratch.ts";
 
-export { deleteByPrefix } from "../src/testing/scratch.ts";
+export { deleteByPrefix } from "./support/scratch.ts";
+export { seededRandom } from "./support/random.ts";
+export { freePort } from "./support/free_port.ts";
 export const ADMIN_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/postgres";
 export const REDIS_URL = "redis://127.0.0.1:6379/0";
 export type TestDatabase = ScratchDatabase;
@@ -63,17 +65,5 @@ export function fakeClock(start = 0) {
     advance(ms: number) {
       now += ms;
     },
-  };
-}
-
-/** A seeded PRNG (mulberry32) returning [0, 1). */
-export function seededRandom(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
   };
 }

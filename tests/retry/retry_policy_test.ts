@@ -5,7 +5,7 @@ import { Deadline } from "../../src/retry/deadline.ts";
 import { AttemptTimeout, ConnectionError, DeadlineExceeded, UpstreamHttpError } from "../../src/retry/errors.ts";
 import { type AttemptReport, backoffMs, callWithRetries } from "../../src/retry/retry_policy.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
-import { errorBody, startFakeModel } from "../../src/testing/fake_model_server.ts";
+import { errorBody, startFakeModel } from "../support/fake_model_server.ts";
 import { fakeClock, seededRandom } from "../_support.ts";
 
 const upstream = (status: number, headers: Record<string, string> = {}, body = "") =>

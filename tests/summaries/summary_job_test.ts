@@ -13,8 +13,8 @@ import { createSummaryWorker } from "../../src/summaries/worker.ts";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import { createRelay } from "../../src/outbox/relay.ts";
 import { summaryEmailRenderer } from "../../src/summaries/email.ts";
-import { startFakeMail } from "../../src/testing/fake_mail_server.ts";
-import { errorBody, startFakeModel } from "../../src/testing/fake_model_server.ts";
+import { startFakeMail } from "../support/fake_mail_server.ts";
+import { errorBody, startFakeModel } from "../support/fake_model_server.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
 
 const TEXT = "Revenue rose 12% in Q3. Costs fell. The board approved the plan. Staff were told on Friday.";

@@ -5,12 +5,12 @@
  * returns the same 202, the ceiling of the HTTP layer.
  * Usage: ingest_server.ts api|bare PORT DATABASE_URL REDIS_URL PREFIX
  */
-import { connectPostgres, connectRedis } from "../clients.ts";
-import { createIdempotencyStore } from "../idempotency/idempotency_store.ts";
-import { createLogger } from "../log/logger.ts";
-import { createHandler } from "../summaries/api.ts";
-import { jobKeys } from "../summaries/keys.ts";
-import { createAuthenticator } from "../tenants/authenticator.ts";
+import { connectPostgres, connectRedis } from "../../src/clients.ts";
+import { createIdempotencyStore } from "../../src/idempotency/idempotency_store.ts";
+import { createLogger } from "../../src/log/logger.ts";
+import { createHandler } from "../../src/summaries/api.ts";
+import { jobKeys } from "../../src/summaries/keys.ts";
+import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 
 const [mode, port, databaseUrl, redisUrl, prefix] = Deno.args;
 const close: (() => Promise<unknown>)[] = [];

@@ -7,13 +7,13 @@
  * the start, with a short breaker cooldown.
  */
 import { Redis } from "ioredis";
-import { sleep } from "../async/timeout.ts";
-import { parseConfig } from "../config.ts";
-import { permissionFlags } from "../permissions.ts";
-import { enqueueJob } from "../summaries/enqueue.ts";
-import { jobKeys } from "../summaries/keys.ts";
-import { limitedProvider, type Outage, startFakeModel } from "../testing/fake_model_server.ts";
-import { createScratchDatabase, emptyRedisDatabase } from "../testing/scratch.ts";
+import { sleep } from "../../src/async/timeout.ts";
+import { parseConfig } from "../../src/config.ts";
+import { permissionFlags } from "../../src/permissions.ts";
+import { enqueueJob } from "../../src/summaries/enqueue.ts";
+import { jobKeys } from "../../src/summaries/keys.ts";
+import { limitedProvider, type Outage, startFakeModel } from "../support/fake_model_server.ts";
+import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
 
 const MAIN = decodeURIComponent(new URL("../../main.ts", import.meta.url).pathname);
 const MIGRATIONS = decodeURIComponent(new URL("../../migrations/", import.meta.url).pathname);

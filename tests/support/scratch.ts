@@ -1,8 +1,8 @@
 /** Scratch Postgres databases and Redis key prefixes, for tests, benchmarks and the chaos run. */
 import { Redis } from "ioredis";
 import postgres, { type Sql } from "postgres";
-import { migrate, readMigrations } from "../db/migrate.ts";
-import { silentLogger } from "../log/logger.ts";
+import { migrate, readMigrations } from "../../src/db/migrate.ts";
+import { silentLogger } from "../../src/log/logger.ts";
 
 /** A fresh database with the migrations applied; `close` drops it. */
 export interface ScratchDatabase {

@@ -6,23 +6,24 @@
  * Every server it starts listens on 127.0.0.1 and every loop is bounded.
  */
 import type { Sql } from "postgres";
-import { settlesWithin, sleep } from "../async/timeout.ts";
-import { createLogger, silentLogger } from "../log/logger.ts";
-import type { LLM } from "../llm/llm.ts";
-import { createResendMailer } from "../mail/resend_mailer.ts";
-import { createRelay } from "../outbox/relay.ts";
-import { createIdempotencyStore } from "../idempotency/idempotency_store.ts";
-import { commitSummaries } from "../summaries/commit.ts";
-import { createHandler } from "../summaries/api.ts";
-import { summaryEmailRenderer } from "../summaries/email.ts";
-import { jobKeys } from "../summaries/keys.ts";
-import { createSummaryWorker } from "../summaries/worker.ts";
-import { createStreamWorker, type StreamWorker } from "../queue/stream_worker.ts";
-import { createAuthenticator } from "../tenants/authenticator.ts";
-import { createApiKey } from "../tenants/tenant_store.ts";
-import { startFakeMail } from "../testing/fake_mail_server.ts";
-import { createScratchDatabase, createScratchRedis, type ScratchRedis } from "../testing/scratch.ts";
+import { settlesWithin, sleep } from "../../src/async/timeout.ts";
+import { createLogger, silentLogger } from "../../src/log/logger.ts";
+import type { LLM } from "../../src/llm/llm.ts";
+import { createResendMailer } from "../../src/mail/resend_mailer.ts";
+import { createRelay } from "../../src/outbox/relay.ts";
+import { createIdempotencyStore } from "../../src/idempotency/idempotency_store.ts";
+import { commitSummaries } from "../../src/summaries/commit.ts";
+import { createHandler } from "../../src/summaries/api.ts";
+import { summaryEmailRenderer } from "../../src/summaries/email.ts";
+import { jobKeys } from "../../src/summaries/keys.ts";
+import { createSummaryWorker } from "../../src/summaries/worker.ts";
+import { createStreamWorker, type StreamWorker } from "../../src/queue/stream_worker.ts";
+import { createAuthenticator } from "../../src/tenants/authenticator.ts";
+import { createApiKey } from "../../src/tenants/tenant_store.ts";
+import { startFakeMail } from "../support/fake_mail_server.ts";
+import { createScratchDatabase, createScratchRedis, type ScratchRedis } from "../support/scratch.ts";
 import { closedLoop } from "./load.ts";
+import { freePort } from "../support/free_port.ts";
 import { type ProviderRun, providerRun } from "./provider_bench.ts";
 import { fmt, median, quantile } from "./stats.ts";
 
@@ -104,13 +105,6 @@ async function startIngestServer(mode: "api" | "bare", port: number, dbUrl: stri
       await child.stdout.cancel().catch(() => {});
     },
   };
-}
-
-function freePort(): number {
-  const l = Deno.listen({ hostname: "127.0.0.1", port: 0 });
-  const port = (l.addr as Deno.NetAddr).port;
-  l.close();
-  return port;
 }
 
 async function benchIngest() {
@@ -535,7 +529,7 @@ async function oursNoop(n: number, concurrency: number): Promise<number> {
 
 /** BullMQ with a no-op processor on the same Redis, same concurrency: jobs/s until `n` pre-added jobs complete. */
 async function bullmqNoop(n: number, concurrency: number): Promise<number> {
-  const { Queue, Worker } = await import("bullmq");
+  const { Queue, Worker } = await import("npm:bullmq@6.7.0");
   const u = new URL(REDIS_URL);
   const connection = { host: u.hostname, port: Number(u.port || 6379), db: Number(u.pathname.slice(1) || 0) };
   const prefix = `oncely_bench_bullmq_${crypto.randomUUID().slice(0, 8)}`;

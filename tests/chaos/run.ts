@@ -24,13 +24,15 @@
  */
 import { Redis } from "ioredis";
 import postgres from "postgres";
-import { sleep } from "../async/timeout.ts";
-import { parseConfig } from "../config.ts";
-import { type Command, permissionFlags } from "../permissions.ts";
-import { createApiKey } from "../tenants/tenant_store.ts";
-import { startFakeMail } from "../testing/fake_mail_server.ts";
-import { limitedProvider, startFakeModel } from "../testing/fake_model_server.ts";
-import { createScratchDatabase, emptyRedisDatabase } from "../testing/scratch.ts";
+import { sleep } from "../../src/async/timeout.ts";
+import { parseConfig } from "../../src/config.ts";
+import { type Command, permissionFlags } from "../../src/permissions.ts";
+import { createApiKey } from "../../src/tenants/tenant_store.ts";
+import { startFakeMail } from "../support/fake_mail_server.ts";
+import { limitedProvider, startFakeModel } from "../support/fake_model_server.ts";
+import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
+import { freePort } from "../support/free_port.ts";
+import { seededRandom } from "../support/random.ts";
 
 const args = Deno.args;
 const flag = (name: string) => args.includes(`--${name}`);
@@ -50,28 +52,13 @@ const REDIS_RESTART = flag("redis-restart");
 const PG_TERMINATE = flag("pg-terminate");
 const NO_KILLS = flag("no-kills");
 const PROVIDER_LIMIT = option("provider-limit", 0);
-let seed = option("seed", Date.now() % 1_000_000);
-const SEED = seed;
-/** A seeded PRNG (mulberry32), so a failing run can be repeated with --seed. */
-const random = () => {
-  seed = (seed + 0x6d2b79f5) >>> 0;
-  let t = seed;
-  t = Math.imul(t ^ (t >>> 15), t | 1);
-  t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-  return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-};
+const SEED = option("seed", Date.now() % 1_000_000);
+const random = seededRandom(SEED);
 const pick = <T>(items: T[]) => items[Math.floor(random() * items.length)]!;
 
 const ADMIN_URL = Deno.env.get("CHAOS_DATABASE_URL") ?? "postgres://postgres@127.0.0.1:5432/postgres";
 const logDir = await Deno.makeTempDir({ prefix: "oncely-chaos-" });
 const stderr = (line: string) => Deno.stderr.writeSync(new TextEncoder().encode(line));
-
-function freePort(): number {
-  const l = Deno.listen({ hostname: "127.0.0.1", port: 0 });
-  const port = (l.addr as Deno.NetAddr).port;
-  l.close();
-  return port;
-}
 
 // ---------------------------------------------------------------- providers
 let modelCalls = 0;

@@ -3,8 +3,8 @@
  * tests, the chaos run and benchmarks. Each request is answered by
  * `respond`, which may return a scripted failure instead of a completion.
  */
-import { summariseExtractively } from "../llm/extractive.ts";
-import { SUMMARY_INSTRUCTION } from "../llm/llm.ts";
+import { summariseExtractively } from "../../src/llm/extractive.ts";
+import { SUMMARY_INSTRUCTION } from "../../src/llm/llm.ts";
 
 /** What the server does with one request. */
 export type ModelBehaviour =
