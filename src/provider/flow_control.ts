@@ -12,7 +12,8 @@ import { sleep } from "../async/timeout.ts";
 import type { Completion, Usage } from "../llm/llm.ts";
 import type { Logger } from "../log/logger.ts";
 import { defineScript } from "../redis/script.ts";
-import { type FailureKind, failureKindOf, headersOf, retryAfterMs } from "../retry/classify.ts";
+import { type FailureKind, failureKindOf, headersOf, reasonOf, retryAfterMs } from "../retry/classify.ts";
+import { GateRefused } from "../retry/errors.ts";
 import { parseRateLimitHeaders } from "./rate_limit_headers.ts";
 
 /** Defaults, in one place. */
@@ -29,6 +30,8 @@ export const FLOW_DEFAULTS = {
   maxAheadMs: 1_000,
   /** The stream gate counts permits due within this horizon. */
   horizonMs: 1_000,
+  /** The shortest shared pause on a 429, whatever its Retry-After says, so a zero cannot make a busy loop. */
+  minPauseMs: 100,
   /** How long an idle provider's state is kept. */
   stateTtlMs: 7 * 24 * 3600 * 1000,
 } as const;
@@ -150,15 +153,17 @@ local function n(v) return tonumber(v) or 0 end
 local function lower(a, b) if a > 0 and b > 0 then return math.min(a, b) end return math.max(a, b) end
 `;
 
-// ARGV: cfg_rpm, cfg_tpm, estimated tokens, max ahead ms, probe lease ms, margin, mode, horizon ms.
-// Returns {code, ms, detail}. Mode take: code 1 = permit booked ms from now, 2 = probe permit, 0 = ask again in ms.
-// Mode peek: code = permits within the horizon, ms = wait before asking again. Mode confirm: a booked permit's
-// slot has come; code 1 = go, 0 = the breaker or a pause stopped it meanwhile (ask again in ms).
+// ARGV: cfg_rpm, cfg_tpm, estimated tokens, max ahead ms, probe lease ms, margin, mode, horizon ms, probe id.
+// Returns {code, ms, detail}. Mode take: code 1 = permit booked ms from now, 2 = probe permit (lease held by the
+// probe id), 0 = ask again in ms, -1 = this call can never fit the token limit. Mode peek: code = permits within
+// the horizon, ms = wait before asking again. Mode confirm / confirm_probe: a booked slot has come; code 1 = go,
+// 0 = the breaker or a pause stopped it meanwhile (ask again in ms).
 const ACQUIRE = defineScript(
   PRELUDE + `
 local cfg_rpm, cfg_tpm, est = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_ahead, lease, margin = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local peek, confirm, horizon = ARGV[7] == 'peek', ARGV[7] == 'confirm', tonumber(ARGV[8])
+local mode, horizon, probe_id = ARGV[7], tonumber(ARGV[8]), ARGV[9]
+local peek, confirm = mode == 'peek', mode == 'confirm' or mode == 'confirm_probe'
 local h = redis.call('HMGET', key, 'state', 'open_until', 'probe_until', 'pause_until', 'tat_req', 'tat_tok',
   'hdr_rpm', 'hdr_tpm', 'learned', 'failures')
 local state = h[1] or 'closed'
@@ -171,6 +176,7 @@ if state == 'open' then
   if not peek then redis.call('HSET', key, 'state', 'half_open') end
 end
 if pause_until > now then return {0, pause_until - now, 'paused'} end
+if mode == 'confirm_probe' then return {1, 0, 'probe'} end
 -- One call at a time while probing a suspect or half-open provider, or while the limits are unknown.
 local single = state == 'half_open' or n(h[10]) > 0 or (rpm == 0 and tpm == 0 and h[9] ~= '1')
 if single and probe_until > now then return {0, math.min(probe_until - now, 100), 'probing'} end
@@ -185,6 +191,7 @@ local start = now
 if req_iv > 0 and tat_req > start then start = tat_req end
 if tok_iv > 0 and tat_tok > start then start = tat_tok end
 local wait = start - now
+if tpm > 0 and est > tpm then return {-1, 0, 'too_large'} end
 if peek then
   if single then return {1, 0, 'probe'} end
   if wait > horizon then return {0, math.ceil(wait - horizon), 'pacing'} end
@@ -198,25 +205,30 @@ if tok_iv > 0 then tat_tok = math.max(now, tat_tok) + est * tok_iv end
 redis.call('HSET', key, 'tat_req', tat_req, 'tat_tok', tat_tok, 'cfg_rpm', cfg_rpm, 'cfg_tpm', cfg_tpm)
 redis.call('PEXPIRE', key, ${FLOW_DEFAULTS.stateTtlMs})
 if single then
-  redis.call('HSET', key, 'probe_until', now + lease)
+  redis.call('HSET', key, 'probe_until', now + lease, 'probe_id', probe_id)
   return {2, math.ceil(wait), 'probe'}
 end
 return {1, math.ceil(wait), 'permit'}
 `,
 );
 
-// ARGV: kind, estimated, actual tokens, probe, retry-after ms, limit req, limit tok, remaining req, remaining tok,
-// reset req ms, reset tok ms (-1 = absent), threshold, base cooldown, max cooldown, growth, margin, cfg_tpm.
+// ARGV: kind, estimated, actual tokens, probe id ('' = not a probe), retry-after ms, limit req, limit tok,
+// remaining req, remaining tok, reset req ms, reset tok ms (-1 = absent), threshold, base cooldown, max cooldown,
+// growth, margin, cfg_tpm, min pause ms.
 // Returns {absorbed, state before, state after, reason}.
 const SETTLE = defineScript(
   PRELUDE + `
 local kind = ARGV[1]
-local est, actual, probe, retry_after = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4] == '1', tonumber(ARGV[5])
+local est, actual, probe_id, retry_after = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
 local lim_req, lim_tok, rem_req, rem_tok = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local reset_req, reset_tok = tonumber(ARGV[10]), tonumber(ARGV[11])
 local threshold, base, maxc, growth = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
-local margin, cfg_tpm = tonumber(ARGV[16]), tonumber(ARGV[17])
-local h = redis.call('HMGET', key, 'state', 'failures', 'cooldown_ms', 'tat_tok', 'hdr_tpm', 'pause_until', 'open_until')
+local margin, cfg_tpm, min_pause = tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18])
+local h = redis.call('HMGET', key, 'state', 'failures', 'cooldown_ms', 'tat_tok', 'hdr_tpm', 'pause_until', 'open_until',
+  'probe_id')
+-- Only the current probe speaks for the provider while the breaker is open or half-open: a call that started
+-- before it opened, or a probe whose lease ran out and was replaced, must not move it.
+local probe = probe_id ~= '' and h[8] == probe_id
 local state = h[1] or 'closed'
 if state == 'open' and now >= n(h[7]) then state = 'half_open' end
 local before, failures, cooldown = state, n(h[2]), n(h[3])
@@ -238,7 +250,9 @@ if heard or kind == 'ok' or kind == 'request' or kind == 'rate_limited' then set
 local tpm = n(h[5])
 if lim_tok >= 0 then tpm = lim_tok end
 tpm = lower(cfg_tpm, tpm)
-if actual >= 0 and tpm > 0 then set('tat_tok', n(h[4]) + (actual - est) * 60000 / (tpm * margin)) end
+if actual >= 0 and tpm > 0 then
+  set('tat_tok', math.max(n(h[4]), now) + (actual - est) * 60000 / (tpm * margin))
+end
 -- A budget the headers say is spent pauses everyone until enough of it is back. The reset header is the
 -- time until the whole budget is back, so one unit returns every reset / (limit - remaining).
 local pause_to, why = 0, ''
@@ -259,8 +273,9 @@ local function open(r)
   set('state', 'open'); set('open_until', now + cooldown); set('cooldown_ms', cooldown)
   set('opened_reason', r); set('opened_at', now); set('failures', 0)
 end
+local speaks = probe or before == 'closed'
 local function close()
-  if before ~= 'closed' or failures > 0 then
+  if speaks and (before ~= 'closed' or failures > 0) then
     state = 'closed'
     set('state', 'closed'); set('failures', 0); set('cooldown_ms', base); set('opened_reason', '')
   end
@@ -269,15 +284,18 @@ if kind == 'rate_limited' then
   -- The provider answered, so it is up; it asks everyone to slow down.
   local p = retry_after
   if p < 0 then p = math.max(pause_to - now, 1000) end
+  p = math.max(p, min_pause)
   if now + p > pause_to then pause_to, why = now + p, 'rate_limited' end
   close()
   absorbed = 1
 elseif kind == 'quota' then
-  if before ~= 'open' then open('insufficient_quota') end
+  if before == 'closed' or (before == 'half_open' and probe) then open('insufficient_quota') end
   absorbed = 1
 elseif kind == 'provider' then
   if before == 'open' then absorbed = 1
-  elseif before == 'half_open' then open('probe_failed'); absorbed = 1
+  elseif before == 'half_open' then
+    if probe then open('probe_failed') end
+    absorbed = 1
   else
     failures = failures + 1
     set('failures', failures)
@@ -286,7 +304,7 @@ elseif kind == 'provider' then
 elseif kind == 'ok' or kind == 'request' then
   close()
 end
-if probe then set('probe_until', 0) end
+if probe then set('probe_until', 0); set('probe_id', '') end
 if pause_to > n(h[6]) then set('pause_until', pause_to); set('pause_reason', why) end
 if #f > 0 then redis.call('HSET', key, unpack(f)) end
 return {absorbed, before, state, reason}
@@ -316,7 +334,7 @@ export function createProviderFlow(
   const cfgTpm = options.tpm ?? 0;
   let waiting = 0;
 
-  const ask = (estimated: number, mode: "take" | "peek" | "confirm") =>
+  const ask = (estimated: number, mode: "take" | "peek" | "confirm" | "confirm_probe", probeId = "") =>
     ACQUIRE.run(redis, [options.key], [
       cfgRpm,
       cfgTpm,
@@ -326,9 +344,10 @@ export function createProviderFlow(
       margin,
       mode,
       FLOW_DEFAULTS.horizonMs,
+      probeId,
     ]) as Promise<[number, number, string]>;
 
-  async function settle(estimated: number, probe: boolean, outcome: PermitOutcome): Promise<boolean> {
+  async function settle(estimated: number, probeId: string, outcome: PermitOutcome): Promise<boolean> {
     const kind: FailureKind | "ok" | "aborted" = outcome.aborted
       ? "aborted"
       : outcome.error === undefined
@@ -342,8 +361,9 @@ export function createProviderFlow(
     const [absorbed, from, to, reason] = await SETTLE.run(redis, [options.key], [
       kind,
       estimated,
-      usage?.total_tokens ?? -1,
-      probe ? 1 : 0,
+      // A call the provider refused or never got costs no tokens; a timed-out one may have run, so it keeps them.
+      usage?.total_tokens ?? (kind === "ok" || (kind === "provider" && reasonOf(outcome.error) === "timeout") ? -1 : 0),
+      probeId,
       outcome.error === undefined ? -1 : Math.round(retryAfterMs(outcome.error) ?? -1),
       h.limitRequests ?? -1,
       h.limitTokens ?? -1,
@@ -357,6 +377,7 @@ export function createProviderFlow(
       FLOW_DEFAULTS.cooldownGrowth,
       margin,
       cfgTpm,
+      FLOW_DEFAULTS.minPauseMs,
     ]) as [number, BreakerState, BreakerState, string];
     if (from !== to) {
       events.breaker?.(from, to, reason);
@@ -384,22 +405,30 @@ export function createProviderFlow(
       try {
         for (;;) {
           signal?.throwIfAborted();
-          const [code, ms] = await ask(estimatedTokens, "take");
+          const id = crypto.randomUUID();
+          const [code, ms] = await ask(estimatedTokens, "take", id);
+          if (code === -1) {
+            throw new GateRefused(
+              `the call's ${estimatedTokens} estimated tokens exceed the provider's tokens-per-minute limit`,
+            );
+          }
           if (code > 0) {
             const probe = code === 2;
+            const probeId = probe ? id : "";
             if (!booked) waiting--;
             booked = true;
             try {
               if (ms > 0) await sleep(ms, signal);
             } catch (error) {
-              if (probe) await settle(estimatedTokens, true, { aborted: true }).catch(() => {});
+              if (probe) await settle(estimatedTokens, probeId, { aborted: true }).catch(() => {});
               throw error;
             }
             // A slot booked ahead is checked again when it comes: the breaker may have opened, or a 429
             // paused everyone, while this caller slept. Then the slot is forfeit and the caller waits.
-            if (ms > 0 && !probe) {
-              const [go, again] = await ask(estimatedTokens, "confirm");
+            if (ms > 0) {
+              const [go, again] = await ask(estimatedTokens, probe ? "confirm_probe" : "confirm");
               if (go !== 1) {
+                if (probe) await settle(estimatedTokens, probeId, { aborted: true });
                 waiting++;
                 booked = false;
                 await sleep(again + random() * 20, signal);
@@ -408,7 +437,7 @@ export function createProviderFlow(
             }
             const waitedMs = performance.now() - started;
             events.granted?.(waitedMs, probe);
-            return { waitedMs, probe, settle: (outcome) => settle(estimatedTokens, probe, outcome) };
+            return { waitedMs, probe, settle: (outcome) => settle(estimatedTokens, probeId, outcome) };
           }
           // Spread the callers a pause or an open breaker releases at the same instant.
           await sleep(ms + random() * Math.min(100, ms * 0.1 + 10), signal);

@@ -30,6 +30,15 @@ export function isQuotaExhausted(error: unknown): boolean {
 }
 
 /**
+ * Whether the provider refused a request because it alone exceeds a
+ * per-minute limit (OpenAI: 429 "Request too large ... on tokens per min").
+ * Waiting will not fix that: it is about this document.
+ */
+export function isRequestTooLarge(error: unknown): boolean {
+  return statusOf(error) === 429 && /request too large/i.test(error instanceof Error ? error.message : "");
+}
+
+/**
  * Whether a later attempt can succeed. Timeouts, connection errors, 408,
  * 409, 429 and every 5xx are retryable. {@linkcode DeadlineExceeded} is not,
  * nor is a 429 for an exhausted quota, nor any unknown error: a bug fails the
@@ -44,7 +53,7 @@ export function isRetryable(error: unknown): boolean {
   if (error instanceof DOMException && error.name === "TimeoutError") return true;
   const status = statusOf(error);
   if (status === undefined) return false;
-  if (status === 429 && isQuotaExhausted(error)) return false;
+  if (status === 429 && (isQuotaExhausted(error) || isRequestTooLarge(error))) return false;
   return RETRYABLE_STATUS.has(status) || status >= 500;
 }
 
@@ -89,7 +98,7 @@ export type FailureKind = "rate_limited" | "quota" | "provider" | "request";
 /** Classifies a failed model call; see {@linkcode FailureKind}. */
 export function failureKindOf(error: unknown): FailureKind {
   const status = statusOf(error);
-  if (status === 429) return isQuotaExhausted(error) ? "quota" : "rate_limited";
+  if (status === 429) return isQuotaExhausted(error) ? "quota" : isRequestTooLarge(error) ? "request" : "rate_limited";
   if (status !== undefined) return status === 408 || status >= 500 ? "provider" : "request";
   return reasonOf(error) === "timeout" || reasonOf(error) === "connection" ? "provider" : "request";
 }

@@ -46,3 +46,11 @@ export class GateUnavailable extends Error {
     this.name = "GateUnavailable";
   }
 }
+
+/** The shared flow control says this call can never go (it exceeds the provider's limit on its own). Permanent. */
+export class GateRefused extends Error {
+  constructor(message: string, options?: ErrorOptions) {
+    super(message, options);
+    this.name = "GateRefused";
+  }
+}

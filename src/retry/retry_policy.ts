@@ -2,7 +2,7 @@ import { isRetryable, reasonOf, retryAfterMs } from "./classify.ts";
 import type { Clock } from "./clock.ts";
 import { systemClock } from "./clock.ts";
 import type { Deadline } from "./deadline.ts";
-import { AttemptTimeout, DeadlineExceeded, GateUnavailable } from "./errors.ts";
+import { AttemptTimeout, DeadlineExceeded, GateRefused, GateUnavailable } from "./errors.ts";
 
 /** What one attempt reports, for logs and metrics. */
 export interface AttemptReport {
@@ -103,7 +103,7 @@ export async function callWithRetries<T>(
     }
     // Waiting for the shared permit costs the job nothing: the provider, not the job, is the bottleneck.
     const permit = await options.gate?.acquire(options.signal).catch((cause) => {
-      if (options.signal?.aborted) throw cause;
+      if (options.signal?.aborted || cause instanceof GateRefused) throw cause;
       throw new GateUnavailable(`flow control unavailable: ${cause instanceof Error ? cause.message : cause}`, {
         cause,
       });
@@ -140,7 +140,9 @@ export async function callWithRetries<T>(
         throw options.signal.reason;
       }
       // The gate settles first, so the pause or the open breaker is in force before anyone's next attempt.
-      if (permit && await permit.settle({ error }).catch(() => false)) {
+      // An absorbed failure was the provider's, not the job's: it costs neither an attempt nor budget.
+      if (permit && await settleOrThrow(permit, error)) {
+        deadline.extend(duration_ms);
         onAttempt?.({ ...report, outcome: "paused", remaining_ms: deadline.remaining() });
         attempt--;
         continue;
@@ -159,6 +161,20 @@ export async function callWithRetries<T>(
       permit_wait_ms: permit?.waitedMs,
     });
     return result;
+  }
+
+  async function settleOrThrow(
+    permit: { settle(outcome: { error: unknown }): Promise<boolean> },
+    error: unknown,
+  ): Promise<boolean> {
+    try {
+      return await permit.settle({ error });
+    } catch (cause) {
+      // Without the gate's verdict a quota error would look permanent: leave the job for redelivery instead.
+      throw new GateUnavailable(`flow control unavailable: ${cause instanceof Error ? cause.message : cause}`, {
+        cause,
+      });
+    }
   }
 
   async function retryOrThrow(

@@ -59,20 +59,43 @@ export function createSummaryJob(
       throw new PermanentJobError("malformed job payload", { cause });
     }
     const jobLog = log.child({ job_id, tenant, msg_id: message.id });
+    const prompt = summaryPrompt(request.text);
+    const estimated = estimateTokens(prompt);
+    // Ask for the first permit now, in the same tick the worker started this job: the worker's next look at
+    // the gate then counts this job as waiting, so it does not read more jobs than permits are coming.
+    const early = new AbortController();
+    let first = flow?.acquire(estimated, AbortSignal.any([signal, early.signal]));
+    first?.catch(() => {}); // observed below; never an unhandled rejection while the pre-check runs
 
     // Cheap pre-check: a redelivery of a committed job (crash between commit
     // and XACK) skips the model call. The guarantee is the primary key below.
-    if (await isCommitted(job_id)) {
+    const releaseFirst = async (why: string) => {
+      early.abort(new Error(why));
+      await first?.then((permit) => permit.settle({ aborted: true }), () => {}).catch(() => {});
+    };
+    let committed: boolean;
+    try {
+      committed = await isCommitted(job_id);
+    } catch (error) {
+      await releaseFirst("pre-check failed");
+      throw error;
+    }
+    if (committed) {
+      await releaseFirst("job already committed");
       jobLog.info("job_duplicate", { stage: "pre_check", deliveries: message.deliveries });
       return "duplicate";
     }
 
-    const prompt = summaryPrompt(request.text);
-    const estimated = estimateTokens(prompt);
     let summary: string;
     try {
       const completion = await callWithRetries((s) => llm.complete(prompt, { signal: s }), {
-        gate: flow && { acquire: (s) => flow.acquire(estimated, s) },
+        gate: flow && {
+          acquire: (s) => {
+            const permit = first ?? flow.acquire(estimated, s);
+            first = undefined;
+            return permit;
+          },
+        },
         deadline: Deadline.after(options.budgetMs, options.clock),
         perCallTimeoutMs: options.perCallTimeoutMs,
         maxAttempts: options.maxAttempts,

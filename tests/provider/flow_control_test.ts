@@ -8,7 +8,7 @@ import {
   providerStateKey,
 } from "../../src/provider/flow_control.ts";
 import { parseRateLimitHeaders, parseResetDuration } from "../../src/provider/rate_limit_headers.ts";
-import { ConnectionError } from "../../src/retry/errors.ts";
+import { AttemptTimeout, ConnectionError, GateRefused } from "../../src/retry/errors.ts";
 import { createTestRedis, recordingLogger, waitFor } from "../_support.ts";
 
 /** An error as the OpenAI SDK raises it for an HTTP answer. */
@@ -241,6 +241,51 @@ Deno.test("provider flow control", async (t) => {
       const status = await flow.status();
       assert.equal(status.breaker.state, "closed");
       assert.equal(status.breaker.failures, 0);
+    });
+
+    await t.step("a call larger than the whole tokens-per-minute limit is refused, not queued forever", async () => {
+      const flow = flowFor({ rpm: 60_000, tpm: 1_000 });
+      await assert.rejects(flow.acquire(5_000), GateRefused);
+      const status = await flow.status();
+      assert.ok(status.next_permit_at - status.now <= 0, "nothing was booked for it");
+    });
+
+    await t.step("only the current probe moves an open breaker; late calls update nothing", async () => {
+      const flow = flowFor({ rpm: 60_000 });
+      // A call granted while closed, still running when quota runs out.
+      const late = await flow.acquire(1);
+      assert.equal(await (await flow.acquire(1)).settle({ error: apiError(429, "insufficient_quota") }), true);
+      assert.equal((await flow.status()).breaker.state, "open");
+      // It succeeds afterwards: that says nothing about the quota now, so the breaker stays open.
+      assert.equal(await late.settle({ value: { text: "ok" } }), false);
+      assert.equal((await flow.status()).breaker.state, "open");
+      // The probe's lease runs out (its holder stalled) and a second probe is granted; the stale one's
+      // answer neither closes the breaker nor frees the new probe's slot.
+      const stale = await flow.acquire(1);
+      assert.equal(stale.probe, true);
+      await r.redis.hset((await flow.status()).key, "probe_until", 0);
+      const current = await flow.acquire(1);
+      assert.equal(current.probe, true);
+      await stale.settle({ value: { text: "ok" } });
+      const after = await flow.status();
+      assert.equal(after.breaker.state, "half_open");
+      let third = false;
+      const next = flow.acquire(1).then((p) => (third = true, p));
+      await new Promise((res) => setTimeout(res, 150));
+      assert.equal(third, false, "the current probe still holds the slot");
+      await current.settle({ value: { text: "ok" } });
+      assert.equal((await flow.status()).breaker.state, "closed");
+      await next;
+    });
+
+    await t.step("a refused or failed call gives its reserved tokens back; a timed-out one keeps them", async () => {
+      const flow = flowFor({ rpm: 600_000, tpm: 60_000 });
+      await (await flow.acquire(1_000)).settle({ error: apiError(503, null) });
+      let status = await flow.status();
+      assert.ok(status.next_permit_at - status.now <= 100, "a 503 costs no tokens");
+      await (await flow.acquire(1_000)).settle({ error: new AttemptTimeout("slow") });
+      status = await flow.status();
+      assert.ok(status.next_permit_at - status.now >= 900, "a timeout may have run: its tokens stay booked");
     });
 
     await t.step("a caller aborted while waiting stops waiting and frees the probe slot", async () => {

@@ -1,8 +1,15 @@
 import assert from "node:assert/strict";
 import { BadRequestError, InternalServerError, RateLimitError } from "openai";
-import { isRetryable, retryAfterMs } from "../../src/retry/classify.ts";
+import { failureKindOf, isRetryable, retryAfterMs } from "../../src/retry/classify.ts";
 import { Deadline } from "../../src/retry/deadline.ts";
-import { AttemptTimeout, ConnectionError, DeadlineExceeded, UpstreamHttpError } from "../../src/retry/errors.ts";
+import {
+  AttemptTimeout,
+  ConnectionError,
+  DeadlineExceeded,
+  GateRefused,
+  GateUnavailable,
+  UpstreamHttpError,
+} from "../../src/retry/errors.ts";
 import { type AttemptReport, backoffMs, callWithRetries } from "../../src/retry/retry_policy.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { errorBody, startFakeModel } from "../support/fake_model_server.ts";
@@ -234,4 +241,111 @@ Deno.test("callWithRetries() stops before a sleep that would leave less than one
   assert.ok(error instanceof DeadlineExceeded);
   assert.equal(calls, 2);
   assert.deepEqual(clock.sleeps, [5_000]);
+});
+
+Deno.test("callWithRetries() with a gate: an absorbed failure costs neither an attempt nor budget", async () => {
+  const clock = fakeClock();
+  const outcomes: string[] = [];
+  let calls = 0;
+  const gate = {
+    acquire() {
+      clock.advance(30_000); // the provider's outage: a long wait for the permit
+      return Promise.resolve({
+        waitedMs: 30_000,
+        settle(o: { value?: unknown; error?: unknown }) {
+          outcomes.push(o.error ? "error" : "ok");
+          return Promise.resolve(o.error !== undefined && calls <= 5); // the first five failures are the provider's
+        },
+      });
+    },
+  };
+  const reports: AttemptReport[] = [];
+  const result = await callWithRetries(() => {
+    calls++;
+    clock.advance(2_000); // each failing call takes 2 s of the job's 10 s budget
+    return calls <= 6 ? Promise.reject(upstream(503)) : Promise.resolve("done");
+  }, {
+    gate,
+    deadline: Deadline.after(10_000, clock),
+    perCallTimeoutMs: 5_000,
+    maxAttempts: 2,
+    baseMs: 1,
+    clock,
+    random: () => 0,
+    onAttempt: (r) => reports.push(r),
+  });
+  assert.equal(result, "done");
+  assert.equal(calls, 7);
+  assert.deepEqual(reports.map((r) => `${r.attempt}:${r.outcome}`), [
+    "1:paused",
+    "1:paused",
+    "1:paused",
+    "1:paused",
+    "1:paused",
+    "1:retry",
+    "2:ok",
+  ]);
+  assert.equal(outcomes.length, 7, "every attempt settled its permit");
+});
+
+Deno.test("callWithRetries() leaves the job transient when the gate cannot settle, and never calls without a permit", async () => {
+  const clock = fakeClock();
+  let calls = 0;
+  const error = await callWithRetries(() => {
+    calls++;
+    return Promise.reject(upstream(429, {}, JSON.stringify(errorBody("quota", "insufficient_quota"))));
+  }, {
+    gate: {
+      acquire: () => Promise.resolve({ waitedMs: 0, settle: () => Promise.reject(new Error("Connection is closed.")) }),
+    },
+    deadline: Deadline.after(10_000, clock),
+    perCallTimeoutMs: 5_000,
+    maxAttempts: 3,
+    clock,
+  }).catch((e) => e);
+  assert.ok(error instanceof GateUnavailable, "not the permanent quota error");
+  assert.equal(calls, 1);
+  const refused = await callWithRetries(() => {
+    calls++;
+    return Promise.resolve("never");
+  }, {
+    gate: { acquire: () => Promise.reject(new GateRefused("too large")) },
+    deadline: Deadline.after(10_000, clock),
+    perCallTimeoutMs: 5_000,
+    maxAttempts: 3,
+    clock,
+  }).catch((e) => e);
+  assert.ok(refused instanceof GateRefused);
+  assert.equal(calls, 1);
+});
+
+Deno.test("failureKindOf() tells the provider's trouble from one document's", () => {
+  const tooLarge = new RateLimitError(
+    429,
+    errorBody("Request too large for gpt-4.1-mini on tokens per min (TPM): Limit 30000, Requested 45000.", "tokens")
+      .error,
+    "Request too large for gpt-4.1-mini on tokens per min (TPM): Limit 30000, Requested 45000.",
+    new Headers(),
+  );
+  assert.equal(failureKindOf(tooLarge), "request");
+  assert.equal(isRetryable(tooLarge), false, "waiting will not shrink the document");
+  assert.equal(
+    failureKindOf(new RateLimitError(429, errorBody("slow down", "requests").error, "slow", new Headers())),
+    "rate_limited",
+  );
+  assert.equal(failureKindOf(upstream(503)), "provider");
+  assert.equal(failureKindOf(new AttemptTimeout("slow")), "provider");
+  assert.equal(failureKindOf(new ConnectionError("refused")), "provider");
+  assert.equal(failureKindOf(upstream(400)), "request");
+  assert.equal(
+    failureKindOf(
+      new BadRequestError(
+        400,
+        errorBody("context_length_exceeded", "invalid_request_error").error,
+        "too long",
+        new Headers(),
+      ),
+    ),
+    "request",
+  );
 });
