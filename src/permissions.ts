@@ -1,16 +1,6 @@
+import { type Command, COMMAND_TABLE, type NetNeeds } from "./commands.ts";
 import type { Config } from "./config.ts";
 import { CONFIG_VARIABLES } from "./config.ts";
-
-/** Which outside hosts a process talks to. */
-export interface NetNeeds {
-  redis?: boolean;
-  postgres?: boolean;
-  model?: boolean;
-  mail?: boolean;
-  listen?: boolean;
-  /** Serves /metrics on METRICS_PORT when it is set. */
-  metrics?: boolean;
-}
 
 const DEFAULT_PORTS: Record<string, string> = {
   "redis:": "6379",
@@ -48,9 +38,9 @@ export function requiredHosts(config: Config, needs: NetNeeds): Record<string, s
  * example, dead-letter jobs over a deployment mistake).
  * @returns one line per missing permission; empty when all are granted.
  */
-export function missingNetPermissions(command: string, config: Config, needs: NetNeeds): string[] {
+export function missingNetPermissions(command: Command, config: Config): string[] {
   const problems: string[] = [];
-  for (const [variable, host] of Object.entries(requiredHosts(config, needs))) {
+  for (const [variable, host] of Object.entries(requiredHosts(config, COMMAND_TABLE[command].net))) {
     if (Deno.permissions.querySync({ name: "net", host }).state !== "granted") {
       problems.push(
         `Cannot start: ${variable} needs network access to ${host}, which the \`${command}\` task's permission set ` +
@@ -61,23 +51,6 @@ export function missingNetPermissions(command: string, config: Config, needs: Ne
   return problems;
 }
 
-/** The processes and commands main.ts runs. */
-export const COMMANDS = ["api", "worker", "relay", "migrate", "dev", "tenant", "dlq", "outbox", "provider"] as const;
-export type Command = typeof COMMANDS[number];
-
-/** What each command talks to. */
-export const NEEDS: Record<Command, NetNeeds> = {
-  api: { redis: true, postgres: true, listen: true },
-  worker: { redis: true, postgres: true, model: true, metrics: true },
-  relay: { postgres: true, mail: true, metrics: true },
-  dev: { redis: true, postgres: true, listen: true, model: true, mail: true },
-  migrate: { postgres: true },
-  tenant: { postgres: true },
-  dlq: { redis: true },
-  outbox: { postgres: true },
-  provider: { redis: true },
-};
-
 /**
  * The exact permission flags of a command under a configuration: network
  * access to the hosts its configured URLs name and nothing else, the
@@ -86,9 +59,10 @@ export const NEEDS: Record<Command, NetNeeds> = {
  * launches the command with these.
  */
 export function permissionFlags(command: Command, config: Config, migrationsDir: string): string[] {
-  const hosts = [...new Set(Object.values(requiredHosts(config, NEEDS[command])))];
+  const spec = COMMAND_TABLE[command];
+  const hosts = [...new Set(Object.values(requiredHosts(config, spec.net)))];
   const flags = [`--allow-net=${hosts.join(",")}`, `--allow-env=${CONFIG_VARIABLES.join(",")}`, "--ignore-env"];
-  if (command === "worker" || command === "dev") flags.push("--allow-sys=hostname");
-  if (command === "migrate" || command === "dev") flags.push(`--allow-read=${migrationsDir}`);
+  if (spec.hostname) flags.push("--allow-sys=hostname");
+  if (spec.migrations) flags.push(`--allow-read=${migrationsDir}`);
   return flags;
 }

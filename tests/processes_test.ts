@@ -7,7 +7,8 @@
 import assert from "node:assert/strict";
 import { Redis } from "ioredis";
 import { parseConfig } from "../src/config.ts";
-import { type Command, permissionFlags } from "../src/permissions.ts";
+import type { Command } from "../src/commands.ts";
+import { permissionFlags } from "../src/permissions.ts";
 import { createApiKey } from "../src/tenants/tenant_store.ts";
 import { startFakeMail } from "./support/fake_mail_server.ts";
 import { startFakeModel } from "./support/fake_model_server.ts";

@@ -11,7 +11,10 @@ export interface JobKeys {
   job(jobId: string): string;
 }
 
-/** Key names under a prefix, e.g. `oncely`. */
+/** The prefix of every Redis key the service writes. */
+export const KEY_PREFIX = "oncely";
+
+/** Key names under a prefix: {@linkcode KEY_PREFIX} in the service, a random one in tests. */
 export function jobKeys(prefix: string): JobKeys {
   const tag = `${prefix}:{jobs}`;
   return {

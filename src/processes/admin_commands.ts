@@ -1,0 +1,36 @@
+/** The operator commands: one-shot, each with the clients its table entry names. */
+import type { RunContext } from "../commands.ts";
+import { dlqCommand } from "../cli/dlq_command.ts";
+import { outboxCommand } from "../cli/outbox_command.ts";
+import { providerCommand } from "../cli/provider_command.ts";
+import { tenantCommand } from "../cli/tenant_command.ts";
+import { migrate, readMigrations } from "../db/migrate.ts";
+import { jobKeys, KEY_PREFIX } from "../summaries/keys.ts";
+import { buildFlow, providerLabel } from "./_model.ts";
+
+/** `deno task migrate`. */
+export async function runMigrate({ clients, log }: RunContext<{ sql: true }>): Promise<number> {
+  const applied = await migrate({ sql: clients.sql, log }, await readMigrations());
+  console.log(applied.length ? `Applied ${applied.join(", ")}` : "Database is up to date");
+  return 0;
+}
+
+/** `deno task tenant ...`. */
+export function runTenant({ clients, args }: RunContext<{ sql: true }>): Promise<number> {
+  return tenantCommand(clients.sql, args);
+}
+
+/** `deno task dlq ...`. */
+export function runDlq({ clients, args }: RunContext<{ redis: true }>): Promise<number> {
+  return dlqCommand(clients.redis, jobKeys(KEY_PREFIX), args, { isTerminal: Deno.stdout.isTerminal() });
+}
+
+/** `deno task outbox ...`. */
+export function runOutbox({ clients, args }: RunContext<{ sql: true }>): Promise<number> {
+  return outboxCommand(clients.sql, args);
+}
+
+/** `deno task provider status [--json]`. */
+export function runProvider({ config, clients, args, log }: RunContext<{ redis: true }>): Promise<number> {
+  return providerCommand(buildFlow(config, clients.redis, log), providerLabel(config), args);
+}

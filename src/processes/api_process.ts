@@ -1,0 +1,46 @@
+import type { Redis } from "ioredis";
+import type { Sql } from "postgres";
+import type { Registry } from "prom-client";
+import type { RunContext } from "../commands.ts";
+import type { Config } from "../config.ts";
+import { createIdempotencyStore } from "../idempotency/idempotency_store.ts";
+import type { Logger } from "../log/logger.ts";
+import { apiMetrics, createRegistry } from "../metrics/metrics.ts";
+import { createHandler } from "../summaries/api.ts";
+import { jobKeys, KEY_PREFIX } from "../summaries/keys.ts";
+import { createAuthenticator } from "../tenants/authenticator.ts";
+
+/** Serves the API on HOST:PORT until `signal` aborts, then finishes in-flight requests. */
+export async function serveApi(
+  { config, redis, sql, log, registry }: { config: Config; redis: Redis; sql: Sql; log: Logger; registry: Registry },
+  signal: AbortSignal,
+): Promise<void> {
+  const handler = createHandler({
+    metrics: { api: apiMetrics(registry), registry, token: config.METRICS_TOKEN },
+    redis,
+    sql,
+    log,
+    authenticate: createAuthenticator({ sql }, { mode: config.AUTH_MODE }),
+    idempotency: createIdempotencyStore({ redis, log }, {
+      prefix: KEY_PREFIX,
+      lockTtlS: config.IDEMPOTENCY_LOCK_TTL_S,
+      resultTtlS: config.IDEMPOTENCY_RESULT_TTL_S,
+    }),
+    keys: jobKeys(KEY_PREFIX),
+    maxBodyBytes: config.MAX_BODY_BYTES,
+  });
+  const server = Deno.serve({
+    hostname: config.HOST,
+    port: config.PORT,
+    onListen: ({ hostname, port }) => log.info("api_listening", { url: `http://${hostname}:${port}` }),
+  }, handler);
+  signal.addEventListener("abort", () => void server.shutdown(), { once: true });
+  await server.finished;
+  log.info("api_stopped");
+}
+
+/** `deno task api`. */
+export async function runApi({ config, clients, log, shutdown }: RunContext<{ redis: true; sql: true }>) {
+  await serveApi({ config, ...clients, log, registry: createRegistry() }, shutdown());
+  return 0;
+}

@@ -1,0 +1,40 @@
+import type { Sql } from "postgres";
+import type { Registry } from "prom-client";
+import type { RunContext } from "../commands.ts";
+import type { Config } from "../config.ts";
+import type { Logger } from "../log/logger.ts";
+import { createRegistry, relayMetrics } from "../metrics/metrics.ts";
+import { outboxGauges, relayEvents } from "../metrics/wire.ts";
+import { createRelay } from "../outbox/relay.ts";
+import { summaryEmailRenderer } from "../summaries/email.ts";
+import { buildMailer } from "./_mailer.ts";
+import { maybeServeMetrics } from "./_metrics_port.ts";
+
+/** Runs the outbox relay until `signal` aborts, then finishes its current batch. */
+export async function startRelay(
+  { config, sql, log, registry }: { config: Config; sql: Sql; log: Logger; registry: Registry },
+  signal: AbortSignal,
+): Promise<void> {
+  outboxGauges(registry, sql);
+  const sendTimeoutMs = config.MAIL_SEND_TIMEOUT_S * 1000;
+  const relay = createRelay({ sql, mailer: buildMailer(config), render: summaryEmailRenderer(config.MAIL_FROM), log }, {
+    batch: config.RELAY_BATCH,
+    maxAttempts: config.RELAY_MAX_ATTEMPTS,
+    // The lease must outlast a batch's concurrent sends (each capped by the send timeout) plus the commit.
+    leaseMs: 2 * sendTimeoutMs + 5_000,
+    retentionMs: config.OUTBOX_RETENTION_S * 1000,
+    events: relayEvents(relayMetrics(registry)),
+  });
+  log.info("relay_started", { mail: config.MAIL_PROVIDER, batch: config.RELAY_BATCH });
+  await relay.run(signal);
+  log.info("relay_stopped");
+}
+
+/** `deno task relay`. */
+export async function runRelay({ config, clients, log, shutdown }: RunContext<{ sql: true }>) {
+  const signal = shutdown();
+  const registry = createRegistry();
+  maybeServeMetrics(config, registry, signal);
+  await startRelay({ config, sql: clients.sql, log, registry }, signal);
+  return 0;
+}

@@ -1,0 +1,62 @@
+import type { Redis } from "ioredis";
+import type { Sql } from "postgres";
+import type { Registry } from "prom-client";
+import type { RunContext } from "../commands.ts";
+import type { Config } from "../config.ts";
+import type { Logger } from "../log/logger.ts";
+import { createRegistry, workerMetrics } from "../metrics/metrics.ts";
+import { attemptObserver, flowEvents, providerGauges, queueGauges, workerEvents } from "../metrics/wire.ts";
+import { jobKeys, KEY_PREFIX } from "../summaries/keys.ts";
+import { createSummaryWorker } from "../summaries/worker.ts";
+import { buildFlow, buildLlm, providerLabel } from "./_model.ts";
+import { maybeServeMetrics } from "./_metrics_port.ts";
+
+/** Runs a summary worker until `signal` aborts, then drains it within the grace period. */
+export async function startWorker(
+  { config, redis, sql, log, registry }: { config: Config; redis: Redis; sql: Sql; log: Logger; registry: Registry },
+  signal: AbortSignal,
+): Promise<void> {
+  const metrics = workerMetrics(registry);
+  const keys = jobKeys(KEY_PREFIX);
+  queueGauges(registry, redis, keys);
+  const consumer = `${Deno.hostname()}-${Deno.pid}-${crypto.randomUUID().slice(0, 6)}`;
+  const flow = buildFlow(config, redis, log, flowEvents(metrics));
+  if (flow) providerGauges(registry, flow, providerLabel(config));
+  const worker = createSummaryWorker({ redis, sql, llm: buildLlm(config), log, flow }, {
+    keys,
+    events: workerEvents(metrics),
+    consumer,
+    claimIdleMs: config.CLAIM_IDLE_MS,
+    maxDeliveries: config.MAX_DELIVERIES,
+    concurrency: config.WORKER_CONCURRENCY,
+    graceMs: 5_000,
+    job: {
+      budgetMs: config.JOB_BUDGET_S * 1000,
+      perCallTimeoutMs: config.LLM_CALL_TIMEOUT_S * 1000,
+      maxAttempts: config.LLM_MAX_ATTEMPTS,
+      onAttempt: attemptObserver(metrics),
+    },
+  });
+  log.info("worker_started", {
+    consumer,
+    concurrency: config.WORKER_CONCURRENCY,
+    llm: config.LLM_PROVIDER,
+    rpm: config.LLM_RPM ?? (flow ? "from headers" : "unlimited"),
+    tpm: config.LLM_TPM ?? (flow ? "from headers" : "unlimited"),
+  });
+  try {
+    await worker.run(signal);
+  } finally {
+    await worker.close();
+    log.info("worker_stopped", { consumer });
+  }
+}
+
+/** `deno task worker`. */
+export async function runWorker({ config, clients, log, shutdown }: RunContext<{ redis: true; sql: true }>) {
+  const signal = shutdown();
+  const registry = createRegistry();
+  maybeServeMetrics(config, registry, signal);
+  await startWorker({ config, ...clients, log, registry }, signal);
+  return 0;
+}
