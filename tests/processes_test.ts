@@ -14,7 +14,8 @@ import { startFakeMail } from "./support/fake_mail_server.ts";
 import { startFakeModel } from "./support/fake_model_server.ts";
 import { enqueueJob } from "../src/summaries/enqueue.ts";
 import { jobKeys } from "../src/summaries/keys.ts";
-import { createTestDatabase, freePort, waitFor } from "./_support.ts";
+import { createTestDatabase, freePort, REDIS_URL, waitFor } from "./_support.ts";
+import { emptyRedisDatabase } from "./support/scratch.ts";
 
 const tasks = JSON.parse(await Deno.readTextFile(new URL("../deno.json", import.meta.url))).tasks as Record<
   string,
@@ -46,12 +47,13 @@ async function stopAndWait(child: Deno.ChildProcess) {
 
 Deno.test("processes", async (t) => {
   const db = await createTestDatabase();
-  const redisDb = 1 + Math.floor(Math.random() * 15);
-  const redis = new Redis(`redis://127.0.0.1:6379/${redisDb}`);
+  // The real processes use the service's fixed key names, so they get a Redis database nobody else uses.
+  const redisUrl = await emptyRedisDatabase(REDIS_URL);
+  const redis = new Redis(redisUrl);
   const mail = startFakeMail();
   const env = {
     DATABASE_URL: db.url,
-    REDIS_URL: `redis://127.0.0.1:6379/${redisDb}`,
+    REDIS_URL: redisUrl,
     LOG_LEVEL: "info",
     NO_COLOR: "1",
   };

@@ -1,5 +1,6 @@
 import OpenAI from "openai";
 import { type LLM, MAX_OUTPUT_TOKENS } from "./llm.ts";
+import { fromOpenAiError } from "./openai_errors.ts";
 
 /** Options for {@linkcode createOpenAiLlm}. */
 export interface OpenAiOptions {
@@ -19,7 +20,8 @@ export class EmptyCompletion extends Error {
 }
 
 /**
- * An {@linkcode LLM} on OpenAI-compatible Chat Completions. The SDK's own
+ * An {@linkcode LLM} on OpenAI-compatible Chat Completions. Its errors are
+ * the service's transport errors (see `openai_errors.ts`). The SDK's own
  * retries are off (`maxRetries: 0`): the retry policy is the only layer that
  * retries, or four attempts would become twelve requests.
  */
@@ -37,7 +39,9 @@ export function createOpenAiLlm(options: OpenAiOptions): LLM {
         model: options.model,
         messages: [{ role: "user", content: prompt }],
         max_completion_tokens: MAX_OUTPUT_TOKENS,
-      }, { signal }).withResponse();
+      }, { signal }).withResponse().catch((error) => {
+        throw fromOpenAiError(error);
+      });
       const text = data.choices[0]?.message?.content;
       if (!text || !text.trim()) throw new EmptyCompletion();
       const usage = data.usage

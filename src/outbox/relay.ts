@@ -4,6 +4,7 @@ import type { Logger } from "../log/logger.ts";
 import type { Email, Mailer } from "../mail/mailer.ts";
 import { PermanentMailError } from "../mail/mailer.ts";
 import { isRetryable, reasonOf } from "../retry/classify.ts";
+import { backoffMs } from "../retry/retry_policy.ts";
 
 /** An outbox row claimed by this relay. */
 export interface OutboxRow {
@@ -120,7 +121,8 @@ export function createRelay(
       log.warn("outbox_failed", { ...fields, permanent });
       return;
     }
-    const waitMs = Math.round(random() * Math.min(capMs, baseMs * 2 ** (attempts - 1)));
+    // The shared policy: full jitter, or the provider's Retry-After when it sent one (capped).
+    const waitMs = Math.round(backoffMs(attempts - 1, error, { baseMs, capMs, random, epochNow: Date.now() }));
     await sql`
       UPDATE outbox SET attempts = ${attempts}, last_error = ${message}, locked_until = NULL,
         next_attempt_at = now() + ${waitMs} * interval '1 millisecond'

@@ -1,32 +1,22 @@
-import { APIConnectionError, APIError } from "openai";
 import { TimeoutError } from "../async/timeout.ts";
 import { AttemptTimeout, ConnectionError, DeadlineExceeded, UpstreamHttpError } from "./errors.ts";
 
 /** Statuses a later attempt can fix, besides every 5xx (the same set the OpenAI SDK uses). */
 export const RETRYABLE_STATUS: ReadonlySet<number> = new Set([408, 409, 429]);
 
-/** The HTTP status an error carries, from the OpenAI SDK or a plain-fetch provider. */
+/** The HTTP status an upstream answered with. */
 export function statusOf(error: unknown): number | undefined {
-  if (error instanceof APIError && typeof error.status === "number") return error.status;
-  if (error instanceof UpstreamHttpError) return error.status;
-  return undefined;
+  return error instanceof UpstreamHttpError ? error.status : undefined;
 }
 
-/** The response headers an error carries, from the OpenAI SDK or a plain-fetch provider. */
+/** The response headers an upstream answered with. */
 export function headersOf(error: unknown): Headers | undefined {
-  if (error instanceof UpstreamHttpError) return error.headers;
-  if (error instanceof APIError && error.headers) return new Headers(error.headers as HeadersInit);
-  return undefined;
+  return error instanceof UpstreamHttpError ? error.headers : undefined;
 }
 
 /** Whether the provider says the account's quota is spent: waiting will not fix that. */
 export function isQuotaExhausted(error: unknown): boolean {
-  if (error instanceof APIError) {
-    const body = error.error as { code?: unknown; type?: unknown } | undefined;
-    return [error.code, error.type, body?.code, body?.type].includes("insufficient_quota");
-  }
-  if (error instanceof UpstreamHttpError) return error.body.includes("insufficient_quota");
-  return false;
+  return error instanceof UpstreamHttpError && error.body.includes("insufficient_quota");
 }
 
 /**
@@ -35,7 +25,7 @@ export function isQuotaExhausted(error: unknown): boolean {
  * Waiting will not fix that: it is about this document.
  */
 export function isRequestTooLarge(error: unknown): boolean {
-  return statusOf(error) === 429 && /request too large/i.test(error instanceof Error ? error.message : "");
+  return error instanceof UpstreamHttpError && error.status === 429 && /request too large/i.test(error.body);
 }
 
 /**
@@ -49,7 +39,6 @@ export function isRetryable(error: unknown): boolean {
   if (error instanceof AttemptTimeout || error instanceof TimeoutError || error instanceof ConnectionError) {
     return true;
   }
-  if (error instanceof APIConnectionError) return true; // includes the SDK's timeout error
   if (error instanceof DOMException && error.name === "TimeoutError") return true;
   const status = statusOf(error);
   if (status === undefined) return false;
@@ -64,7 +53,7 @@ export function reasonOf(error: unknown): string {
     error instanceof AttemptTimeout || error instanceof TimeoutError ||
     (error instanceof DOMException && error.name === "TimeoutError")
   ) return "timeout";
-  if (error instanceof ConnectionError || error instanceof APIConnectionError) return "connection";
+  if (error instanceof ConnectionError) return "connection";
   const status = statusOf(error);
   if (status !== undefined) return `http_${status}`;
   return error instanceof Error ? error.name : "unknown";

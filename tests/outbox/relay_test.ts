@@ -105,6 +105,29 @@ Deno.test("outbox relay", async (t) => {
       }
     });
 
+    await t.step("a 429 with Retry-After from the mail provider sets the next attempt that far out", async () => {
+      await reset();
+      const mail = startFakeMail((): MailBehaviour => ({
+        kind: "status",
+        status: 429,
+        headers: { "retry-after": "120" },
+      }));
+      try {
+        const [jobId] = await addRows(1);
+        // With no Retry-After, random() = 0 would retry at once.
+        const relay = relayFor(mail, { backoffBaseMs: 200, random: () => 0 });
+        await relay.runOnce();
+        const after = await row(jobId!);
+        assert.equal(after.attempts, 1);
+        const [next] = await sql<{ wait: number }[]>`
+          SELECT extract(epoch FROM next_attempt_at - now())::float AS wait FROM outbox WHERE payload->>'job_id' = ${jobId!}`;
+        assert.ok(next!.wait > 110 && next!.wait <= 120, `next attempt in ${next!.wait} s`);
+        assert.equal(mail.requests, 1);
+      } finally {
+        await mail.close();
+      }
+    });
+
     await t.step("two relays on one batch of 200 rows: every row sent exactly once by us", async () => {
       await reset();
       const mail = startFakeMail(() => ({ kind: "ok", delayMs: 2 }));

@@ -1,6 +1,7 @@
 import assert from "node:assert/strict";
 import { APIError } from "openai";
 import { createLogger } from "../../src/log/logger.ts";
+import { fromOpenAiError } from "../../src/llm/openai_errors.ts";
 import {
   createProviderFlow,
   type Permit,
@@ -14,7 +15,7 @@ import { createTestRedis, recordingLogger, waitFor } from "../_support.ts";
 /** An error as the OpenAI SDK raises it for an HTTP answer. */
 function apiError(status: number, code: string | null, headers: Record<string, string> = {}) {
   const body = { message: `scripted ${status}`, type: code ?? "server_error", param: null, code };
-  return APIError.generate(status, { error: body }, body.message, new Headers(headers));
+  return fromOpenAiError(APIError.generate(status, { error: body }, body.message, new Headers(headers)));
 }
 
 const rateLimitHeaders = (limit: number, remaining: number) => ({

@@ -12,6 +12,7 @@ import {
 } from "../../src/retry/errors.ts";
 import { type AttemptReport, backoffMs, callWithRetries } from "../../src/retry/retry_policy.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
+import { fromOpenAiError } from "../../src/llm/openai_errors.ts";
 import { errorBody, startFakeModel } from "../support/fake_model_server.ts";
 import { fakeClock, seededRandom } from "../_support.ts";
 
@@ -28,17 +29,21 @@ Deno.test("isRetryable() retries timeouts, connection errors, 408, 409, 429 and 
   assert.equal(isRetryable(new TypeError("a bug")), false);
   assert.equal(isRetryable(new Error("unknown")), false);
   assert.equal(isRetryable(upstream(429, {}, JSON.stringify(errorBody("quota", "insufficient_quota")))), false);
-  const sdk429 = new RateLimitError(429, errorBody("slow down", "requests"), "slow down", new Headers());
+  const sdk429 = fromOpenAiError(
+    new RateLimitError(429, errorBody("slow down", "requests"), "slow down", new Headers()),
+  );
   assert.equal(isRetryable(sdk429), true);
-  const quota = new RateLimitError(
-    429,
-    errorBody("You exceeded your current quota", "insufficient_quota", "insufficient_quota").error,
-    "quota",
-    new Headers(),
+  const quota = fromOpenAiError(
+    new RateLimitError(
+      429,
+      errorBody("You exceeded your current quota", "insufficient_quota", "insufficient_quota").error,
+      "quota",
+      new Headers(),
+    ),
   );
   assert.equal(isRetryable(quota), false);
-  assert.equal(isRetryable(new BadRequestError(400, undefined, "bad", new Headers())), false);
-  assert.equal(isRetryable(new InternalServerError(503, undefined, "down", new Headers())), true);
+  assert.equal(isRetryable(fromOpenAiError(new BadRequestError(400, undefined, "bad", new Headers()))), false);
+  assert.equal(isRetryable(fromOpenAiError(new InternalServerError(503, undefined, "down", new Headers()))), true);
 });
 
 Deno.test("retryAfterMs() reads retry-after-ms, seconds and HTTP dates", () => {
@@ -103,7 +108,7 @@ Deno.test("callWithRetries() with the real SDK", async (t) => {
     },
   );
 
-  await t.step("a 400 raises BadRequestError and is not retried: the server sees one request", async () => {
+  await t.step("a 400 raises an UpstreamHttpError 400 and is not retried: the server sees one request", async () => {
     const model = startFakeModel(() => ({
       kind: "status",
       status: 400,
@@ -120,7 +125,7 @@ Deno.test("callWithRetries() with the real SDK", async (t) => {
             maxAttempts: 4,
             clock,
           }),
-        BadRequestError,
+        (e: unknown) => e instanceof UpstreamHttpError && e.status === 400 && e.cause instanceof BadRequestError,
       );
       assert.equal(model.requests, 1);
       assert.deepEqual(clock.sleeps, []);
@@ -145,7 +150,7 @@ Deno.test("callWithRetries() with the real SDK", async (t) => {
         maxAttempts: 4,
         clock,
       }).catch((e) => e);
-      assert.ok(error instanceof RateLimitError);
+      assert.ok(error instanceof UpstreamHttpError && error.status === 429 && error.cause instanceof RateLimitError);
       assert.equal(isRetryable(error), false);
       assert.equal(model.requests, 1);
     } finally {
@@ -166,7 +171,9 @@ Deno.test("callWithRetries() with the real SDK", async (t) => {
         clock,
         random: seededRandom(1),
       }).catch((e) => e);
-      assert.ok(error instanceof InternalServerError);
+      assert.ok(
+        error instanceof UpstreamHttpError && error.status === 503 && error.cause instanceof InternalServerError,
+      );
       assert.equal(isRetryable(error), true);
       assert.equal(model.requests, 4);
       assert.equal(clock.sleeps.length, 3);
@@ -320,17 +327,21 @@ Deno.test("callWithRetries() leaves the job transient when the gate cannot settl
 });
 
 Deno.test("failureKindOf() tells the provider's trouble from one document's", () => {
-  const tooLarge = new RateLimitError(
-    429,
-    errorBody("Request too large for gpt-4.1-mini on tokens per min (TPM): Limit 30000, Requested 45000.", "tokens")
-      .error,
-    "Request too large for gpt-4.1-mini on tokens per min (TPM): Limit 30000, Requested 45000.",
-    new Headers(),
+  const tooLarge = fromOpenAiError(
+    new RateLimitError(
+      429,
+      errorBody("Request too large for gpt-4.1-mini on tokens per min (TPM): Limit 30000, Requested 45000.", "tokens")
+        .error,
+      "Request too large for gpt-4.1-mini on tokens per min (TPM): Limit 30000, Requested 45000.",
+      new Headers(),
+    ),
   );
   assert.equal(failureKindOf(tooLarge), "request");
   assert.equal(isRetryable(tooLarge), false, "waiting will not shrink the document");
   assert.equal(
-    failureKindOf(new RateLimitError(429, errorBody("slow down", "requests").error, "slow", new Headers())),
+    failureKindOf(
+      fromOpenAiError(new RateLimitError(429, errorBody("slow down", "requests").error, "slow", new Headers())),
+    ),
     "rate_limited",
   );
   assert.equal(failureKindOf(upstream(503)), "provider");

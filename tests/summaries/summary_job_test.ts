@@ -253,7 +253,7 @@ Deno.test("summary job", async (t) => {
         const dead = await listDeadLetters(r.redis, keys);
         assert.equal(dead.length, 1);
         assert.equal(dead[0]!.fields.tenant, "acme");
-        assert.match(dead[0]!.reason, /^permanent: BadRequestError/);
+        assert.match(dead[0]!.reason, /^permanent: UpstreamHttpError: Upstream answered 400/);
         assert.deepEqual(await counts(), [0, 0]);
         assert.equal(await r.redis.hget(keys.job(jobId), "status"), "failed");
       } finally {

@@ -7,7 +7,9 @@
  */
 
 /** What the server does with one request before deduping (a scripted failure, or a delay). */
-export type MailBehaviour = { kind: "ok"; delayMs?: number } | { kind: "status"; status: number; body?: unknown };
+export type MailBehaviour =
+  | { kind: "ok"; delayMs?: number }
+  | { kind: "status"; status: number; body?: unknown; headers?: Record<string, string> };
 
 /** One email the provider delivered. */
 export interface DeliveredEmail {
@@ -51,7 +53,7 @@ export function startFakeMail(
     if (behaviour.kind === "status") {
       return Response.json(
         behaviour.body ?? { statusCode: behaviour.status, name: "application_error", message: "scripted failure" },
-        { status: behaviour.status },
+        { status: behaviour.status, headers: behaviour.headers },
       );
     }
     let email: DeliveredEmail;
