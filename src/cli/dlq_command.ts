@@ -1,6 +1,7 @@
 import type { Redis } from "ioredis";
 import { listDeadLetters, replayDeadLetter } from "../queue/dead_letter.ts";
 import type { JobKeys } from "../summaries/keys.ts";
+import { markQueuedOnReplay } from "../summaries/job_status.ts";
 import { printRows } from "./table.ts";
 
 const USAGE = "Usage: deno task dlq list [--json|--table] | replay ID | replay --all";
@@ -44,10 +45,9 @@ export async function dlqCommand(
     }
     let replayed = 0;
     for (const d of chosen) {
-      const newId = await replayDeadLetter(redis, keys, d.id);
-      if (newId === null) continue; // replayed concurrently by someone else
       const jobId = d.fields.job_id;
-      if (jobId) await redis.multi().hset(keys.job(jobId), "status", "queued").hdel(keys.job(jobId), "error").exec();
+      const newId = await replayDeadLetter(redis, keys, d.id, jobId ? markQueuedOnReplay(keys, jobId) : undefined);
+      if (newId === null) continue; // replayed concurrently by someone else
       out(`Replayed ${d.id} as ${newId} (job ${jobId ?? "?"}, tenant ${d.fields.tenant ?? "?"})`);
       replayed++;
     }

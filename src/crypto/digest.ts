@@ -9,13 +9,13 @@ export function toHex(bytes: Uint8Array): string {
 // cheaper than crypto.subtle's async dispatch for inputs this small.
 
 /** SHA-256 of a UTF-8 string or bytes. */
-export function sha256(data: string | Uint8Array): Promise<Uint8Array> {
-  return Promise.resolve(new Uint8Array(createHash("sha256").update(data).digest()));
+export function sha256(data: string | Uint8Array): Uint8Array {
+  return new Uint8Array(createHash("sha256").update(data).digest());
 }
 
 /** SHA-256 of a UTF-8 string or bytes, as lowercase hex. */
-export function sha256Hex(data: string | Uint8Array): Promise<string> {
-  return Promise.resolve(createHash("sha256").update(data).digest("hex"));
+export function sha256Hex(data: string | Uint8Array): string {
+  return createHash("sha256").update(data).digest("hex");
 }
 
 /** SHA-1 of bytes (for RFC 9562 UUIDv5 only). */

@@ -42,7 +42,7 @@ export async function migrate(
 ): Promise<string[]> {
   const applied: string[] = [];
   for (const migration of migrations) {
-    const checksum = await sha256Hex(migration.sql);
+    const checksum = sha256Hex(migration.sql);
     const didApply = await sql.begin(async (tx) => {
       await tx`SELECT pg_advisory_xact_lock(${LOCK_ID})`;
       await tx`CREATE TABLE IF NOT EXISTS oncely_migrations (

@@ -13,6 +13,6 @@ export function canonicalJson(value: unknown): string {
 }
 
 /** SHA-256 (hex) of the canonical JSON of a validated body: whitespace and key order do not change it. */
-export function fingerprint(body: unknown): Promise<string> {
+export function fingerprint(body: unknown): string {
   return sha256Hex(canonicalJson(body));
 }

@@ -37,7 +37,7 @@ export interface IdempotencyStore {
    */
   run(scope: string, fingerprint: string, handler: () => Promise<StoredResponse>): Promise<IdempotentResult>;
   /** The Redis key that holds a scope's record. */
-  keyFor(scope: string): Promise<string>;
+  keyFor(scope: string): string;
 }
 
 type Marker = { state: "in_progress"; fp: string; token: string };
@@ -65,7 +65,7 @@ export function createIdempotencyStore(
 ): IdempotencyStore {
   // The scope is hashed so that the Redis key has a bounded length and no
   // caller-chosen characters; scopes are already collision-free encodings.
-  const keyFor = async (scope: string) => `${options.prefix}:idem:${await sha256Hex(scope)}`;
+  const keyFor = (scope: string) => `${options.prefix}:idem:${sha256Hex(scope)}`;
 
   const release = async (key: string, marker: string) => {
     try {
@@ -79,7 +79,7 @@ export function createIdempotencyStore(
   return {
     keyFor,
     async run(scope, fingerprint, handler) {
-      const key = await keyFor(scope);
+      const key = keyFor(scope);
       const marker = JSON.stringify(
         { state: "in_progress", fp: fingerprint, token: crypto.randomUUID() } satisfies Marker,
       );

@@ -14,7 +14,8 @@ export interface Mailer {
   /**
    * Sends `email`. The provider must dedupe on `idempotencyKey`, which covers
    * a crash after it accepted the send but before we recorded it.
-   * @throws an error that {@linkcode isPermanentMailError} classifies.
+   * @throws {PermanentMailError} when no retry can fix the send; a transport error (`UpstreamHttpError`,
+   * `ConnectionError`, a timeout) when a later pass may succeed.
    */
   send(email: Email, idempotencyKey: string, signal: AbortSignal): Promise<SendResult>;
 }

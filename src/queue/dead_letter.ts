@@ -23,16 +23,13 @@ export async function deadLetter(
 ): Promise<void> {
   const entry: string[] = [];
   for (const [k, v] of Object.entries(message.fields)) entry.push(k, v);
-  entry.push(
-    "dead_reason",
-    reason.slice(0, 2000),
-    "dead_deliveries",
-    String(message.deliveries),
-    "dead_at",
-    new Date().toISOString(),
-    "original_id",
-    message.id,
-  );
+  const meta: Record<typeof META[number], string> = {
+    dead_reason: reason.slice(0, 2000),
+    dead_deliveries: String(message.deliveries),
+    dead_at: new Date().toISOString(),
+    original_id: message.id,
+  };
+  for (const k of META) entry.push(k, meta[k]);
   const multi = redis.multi()
     .xadd(names.dead, "*", ...entry)
     .xack(names.stream, names.group, message.id)
@@ -72,30 +69,65 @@ export async function listDeadLetters(redis: Redis, names: QueueNames, count = 1
   });
 }
 
+/**
+ * A change to an application record made in the same script as a replay:
+ * `set` and `del` on `key`, only when the dead entry's `match.field` equals
+ * `match.value`. The key must share the queue's hash tag.
+ */
+export interface RecordUpdate {
+  key: string;
+  match: { field: string; value: string };
+  /** Field, value, field, value, ... */
+  set: string[];
+  del: string[];
+}
+
 // Re-enqueue and remove the dead entry atomically, and only if it is still
-// there: replaying the same id twice enqueues once.
+// there: replaying the same id twice enqueues once. The metadata fields are
+// the ones META names (ARGV[2]); an optional record (KEYS[3]) changes in the
+// same step, so a replayed job never reads as failed while it is queued.
 const REPLAY = defineScript(`
 local entries = redis.call('XRANGE', KEYS[2], ARGV[1], ARGV[1])
 if #entries == 0 then return false end
+local meta = {}
+for name in string.gmatch(ARGV[2], '[^,]+') do meta[name] = true end
 local flat = entries[1][2]
-local fields = {}
+local fields, matched = {}, false
 for i = 1, #flat, 2 do
   local k = flat[i]
-  if k ~= 'dead_reason' and k ~= 'dead_deliveries' and k ~= 'dead_at' and k ~= 'original_id' then
+  if not meta[k] then
     table.insert(fields, k)
     table.insert(fields, flat[i + 1])
+    if KEYS[3] and k == ARGV[3] and flat[i + 1] == ARGV[4] then matched = true end
   end
 end
 local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
 redis.call('XDEL', KEYS[2], ARGV[1])
+if matched then
+  local n = tonumber(ARGV[5])
+  if n > 0 then redis.call('HSET', KEYS[3], unpack(ARGV, 6, 5 + n)) end
+  if #ARGV > 5 + n then redis.call('HDEL', KEYS[3], unpack(ARGV, 6 + n, #ARGV)) end
+end
 return id`);
 
 /**
  * Re-enqueues a dead letter with its original fields (so the original job
- * id) and deletes it from the dead stream, atomically.
+ * id) and deletes it from the dead stream, atomically, applying `record` in
+ * the same step.
  * @returns the new stream entry id, or null if no such dead letter exists.
  */
-export async function replayDeadLetter(redis: Redis, names: QueueNames, deadId: string): Promise<string | null> {
-  const id = await REPLAY.run(redis, [names.stream, names.dead], [deadId]);
+export async function replayDeadLetter(
+  redis: Redis,
+  names: QueueNames,
+  deadId: string,
+  record?: RecordUpdate,
+): Promise<string | null> {
+  const keys = [names.stream, names.dead];
+  const args: (string | number)[] = [deadId, META.join(",")];
+  if (record) {
+    keys.push(record.key);
+    args.push(record.match.field, record.match.value, record.set.length, ...record.set, ...record.del);
+  }
+  const id = await REPLAY.run(redis, keys, args);
   return typeof id === "string" ? id : null;
 }

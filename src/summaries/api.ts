@@ -92,7 +92,7 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     }
     const scope = { tenant, method: "POST", path: SUMMARIES, key };
     const jobId = await jobIdFor(scope);
-    const fp = await fingerprint(parsed.data);
+    const fp = fingerprint(parsed.data);
     try {
       const { response, replayed } = await idempotency.run(encodeScope(scope), fp, async () => {
         await enqueueJob(redis, keys, { jobId, tenant, request: parsed.data });

@@ -1,23 +1,15 @@
 import type { Redis } from "ioredis";
 import { defineScript } from "../redis/script.ts";
 import type { JobKeys } from "./keys.ts";
+import { markQueuedLua } from "./job_status.ts";
 import { JOB_RECORD_TTL_S } from "./keys.ts";
 import type { SummaryRequest } from "./schemas.ts";
-
-/** A summary job as it travels on the stream. */
-export interface JobFields {
-  job_id: string;
-  tenant: string;
-  payload: string;
-}
 
 // One script, so one command and one round trip; both keys share the `{jobs}`
 // hash tag, so it runs on a single Redis Cluster slot.
 const ENQUEUE = defineScript(`
 local id = redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'tenant', ARGV[2], 'payload', ARGV[3])
-redis.call('HSET', KEYS[2], 'tenant', ARGV[2], 'status', 'queued')
-redis.call('HDEL', KEYS[2], 'error')
-redis.call('EXPIRE', KEYS[2], ARGV[4])
+${markQueuedLua({ key: "KEYS[2]", tenant: "ARGV[2]", ttl: "ARGV[4]" })}
 return id`);
 
 /**

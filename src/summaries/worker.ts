@@ -3,10 +3,10 @@ import type { Sql } from "postgres";
 import type { LLM } from "../llm/llm.ts";
 import type { ProviderFlow } from "../provider/flow_control.ts";
 import type { Logger } from "../log/logger.ts";
-import type { DeadLetterHook } from "../queue/dead_letter.ts";
 import { createStreamWorker, type StreamWorker, type WorkerEvents } from "../queue/stream_worker.ts";
 import { createGroupCommitter } from "./commit.ts";
-import { JOB_RECORD_TTL_S, type JobKeys } from "./keys.ts";
+import type { JobKeys } from "./keys.ts";
+import { markFailedHook } from "./job_status.ts";
 import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
 
 /** Options for {@linkcode createSummaryWorker}. */
@@ -21,16 +21,6 @@ export interface SummaryWorkerOptions {
   graceMs?: number;
   heartbeatMs?: number;
   events?: WorkerEvents;
-}
-
-/** Marks the job failed for `GET /v1/summaries/{id}`, inside the dead-letter MULTI (same `{jobs}` hash tag). */
-export function markFailedHook(keys: JobKeys): DeadLetterHook {
-  return (multi, message, reason) => {
-    const jobId = message.fields.job_id;
-    if (!jobId) return;
-    multi.hset(keys.job(jobId), "status", "failed", "error", reason.slice(0, 500))
-      .expire(keys.job(jobId), JOB_RECORD_TTL_S);
-  };
 }
 
 /** The summary worker: the stream worker running the summary job. The caller closes it. */

@@ -60,7 +60,7 @@ export function createAuthenticator({ sql }: { sql: Sql }, options: AuthOptions)
     const parsed = match ? parseApiKey(match[1]!) : null;
     if (!parsed) throw unauthorized("The API key is malformed");
     const entry = await lookup(parsed.id);
-    const hash = await hashSecret(parsed.secret);
+    const hash = hashSecret(parsed.secret);
     // Compare even when the id is unknown, so timing does not reveal which ids exist.
     const expected = entry?.hash ?? new Uint8Array(hash.length);
     if (!timingSafeEqual(hash, expected) || !entry) throw unauthorized("The API key is not valid");

@@ -37,7 +37,7 @@ export function parseApiKey(key: string): { id: string; secret: string } | null 
 }
 
 /** Hash of a key's secret, as stored. */
-export function hashSecret(secret: string): Promise<Uint8Array> {
+export function hashSecret(secret: string): Uint8Array {
   return sha256(secret);
 }
 
@@ -50,7 +50,7 @@ export async function createApiKey(sql: Sql, tenant: string): Promise<string> {
   for (;;) {
     const id = toHex(crypto.getRandomValues(new Uint8Array(6)));
     const secret = base64url(crypto.getRandomValues(new Uint8Array(32)));
-    const hash = await sha256(secret);
+    const hash = sha256(secret);
     try {
       await sql.begin(async (tx) => {
         await tx`INSERT INTO tenants (name) VALUES (${tenant}) ON CONFLICT (name) DO NOTHING`;

@@ -8,17 +8,14 @@
  */
 import { Redis } from "ioredis";
 import { sleep } from "../../src/async/timeout.ts";
-import { parseConfig } from "../../src/config.ts";
-import { permissionFlags } from "../../src/permissions.ts";
 import { enqueueJob } from "../../src/summaries/enqueue.ts";
-import { jobKeys } from "../../src/summaries/keys.ts";
+import { jobKeys, KEY_PREFIX } from "../../src/summaries/keys.ts";
+import { startWorkerProcess } from "./worker_process.ts";
 import { limitedProvider, type Outage, startFakeModel } from "../support/fake_model_server.ts";
 import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
 
-const MAIN = decodeURIComponent(new URL("../../main.ts", import.meta.url).pathname);
-const MIGRATIONS = decodeURIComponent(new URL("../../migrations/", import.meta.url).pathname);
 // The service's own key names: the processes run on an empty Redis database of their own.
-const KEYS = jobKeys("oncely");
+const KEYS = jobKeys(KEY_PREFIX);
 
 /** What one run measured. */
 export interface ProviderRun {
@@ -31,34 +28,6 @@ export interface ProviderRun {
   dead: number;
   /** Seconds from the provider's recovery until every job was done. */
   afterRecovery: number;
-}
-
-async function startWorker(env: Record<string, string>): Promise<{ stop(): Promise<void> }> {
-  const child = new Deno.Command(Deno.execPath(), {
-    args: ["run", ...permissionFlags("worker", parseConfig(env), MIGRATIONS), MAIN, "worker"],
-    env: { ...env, NO_COLOR: "1" },
-    stdout: "null",
-    stderr: "piped",
-  }).spawn();
-  const lines = child.stderr.pipeThrough(new TextDecoderStream()).getReader();
-  let buffered = "";
-  const end = performance.now() + 30_000;
-  while (!buffered.includes('"worker_started"')) {
-    const { value, done } = await lines.read();
-    if (done || performance.now() > end) throw new Error(`worker did not start: ${buffered.slice(-500)}`);
-    buffered += value;
-  }
-  // Keep reading, or a full pipe would stall the worker.
-  const drained = (async () => {
-    while (!(await lines.read()).done) { /* discard */ }
-  })().catch(() => {});
-  return {
-    async stop() {
-      child.kill("SIGTERM");
-      await child.status;
-      await drained;
-    },
-  };
 }
 
 /**
@@ -97,7 +66,7 @@ export async function providerRun(
   };
   const workers: { stop(): Promise<void> }[] = [];
   try {
-    workers.push(await startWorker(env), await startWorker(env));
+    workers.push(await startWorkerProcess(env), await startWorkerProcess(env));
     if (outage) provider.setOutage(outage);
     const started = performance.now();
     await Promise.all(Array.from({ length: jobs }, (_, i) =>

@@ -10,7 +10,7 @@ import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { commitSummaries } from "../../src/summaries/commit.ts";
 import { enqueueJob } from "../../src/summaries/enqueue.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
-import { markFailedHook } from "../../src/summaries/worker.ts";
+import { markFailedHook } from "../../src/summaries/job_status.ts";
 import { parseApiKey } from "../../src/tenants/tenant_store.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
 

@@ -24,7 +24,7 @@ Deno.test("IdempotencyStore", async (t) => {
       });
       assert.deepEqual(out, { response: { status: 202, body: { ok: 1 } }, replayed: false });
       assert.equal(calls, 1);
-      const key = await store.keyFor(s);
+      const key = store.keyFor(s);
       const record = JSON.parse((await redis.get(key))!);
       assert.equal(record.state, "done");
       const ttl = await redis.ttl(key);
@@ -51,7 +51,7 @@ Deno.test("IdempotencyStore", async (t) => {
       "run() holds an in-progress marker with the lock TTL and answers duplicates with RequestInProgress",
       async () => {
         const s = scope();
-        const key = await store.keyFor(s);
+        const key = store.keyFor(s);
         let release!: () => void;
         const gate = new Promise<void>((r) => (release = r));
         const first = store.run(s, "fp", async () => {
@@ -82,7 +82,7 @@ Deno.test("IdempotencyStore", async (t) => {
       const s = scope();
       const out = await store.run(s, "fp", () => Promise.resolve({ status: 503, body: {} }));
       assert.equal(out.response.status, 503);
-      assert.equal(await redis.exists(await store.keyFor(s)), 0);
+      assert.equal(await redis.exists(store.keyFor(s)), 0);
       const retry = await store.run(s, "fp", () => Promise.resolve({ status: 202, body: { second: true } }));
       assert.deepEqual(retry.response.body, { second: true });
     });
@@ -90,12 +90,12 @@ Deno.test("IdempotencyStore", async (t) => {
     await t.step("run() releases the key when the handler throws, and rethrows", async () => {
       const s = scope();
       await assert.rejects(() => store.run(s, "fp", () => Promise.reject(new Error("boom"))), /boom/);
-      assert.equal(await redis.exists(await store.keyFor(s)), 0);
+      assert.equal(await redis.exists(store.keyFor(s)), 0);
     });
 
     await t.step("a request that overran its lock never overwrites or deletes a newer request's result", async () => {
       const s = scope();
-      const key = await store.keyFor(s);
+      const key = store.keyFor(s);
       // A's lock "expires" while A runs; B takes the key and finishes first.
       const a = store.run(s, "fp", async () => {
         await redis.del(key);
@@ -108,7 +108,7 @@ Deno.test("IdempotencyStore", async (t) => {
       assert.ok(logs.lines.some((l) => l.event === "idempotency_lock_lost"), "lost lock is logged as a warning");
       // Nor may a failing overrun delete B's record.
       const s2 = scope();
-      const key2 = await store.keyFor(s2);
+      const key2 = store.keyFor(s2);
       await assert.rejects(() =>
         store.run(s2, "fp", async () => {
           await redis.del(key2);

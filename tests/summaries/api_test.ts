@@ -97,9 +97,9 @@ Deno.test("summaries API", async (t) => {
     await t.step("the same key while the first is in progress is 409 with Retry-After: 1", async () => {
       const key = newKey();
       const scope = JSON.stringify(["acme", "POST", "/v1/summaries", key]);
-      const redisKey = await idempotency.keyFor(scope);
+      const redisKey = idempotency.keyFor(scope);
       // Another request holds the key: its marker carries this body's fingerprint.
-      await r.redis.set(redisKey, JSON.stringify({ state: "in_progress", fp: await fingerprint(BODY), token: "t" }));
+      await r.redis.set(redisKey, JSON.stringify({ state: "in_progress", fp: fingerprint(BODY), token: "t" }));
       const res = await post(key);
       assert.equal(res.status, 409);
       assert.equal(res.headers.get("retry-after"), "1");
@@ -134,7 +134,7 @@ Deno.test("summaries API", async (t) => {
       const problem = await res.json();
       assert.doesNotMatch(JSON.stringify(problem), /WRONGTYPE|at |\.ts/);
       const scope = JSON.stringify(["acme", "POST", "/v1/summaries", key]);
-      assert.equal(await r.redis.exists(await idempotency.keyFor(scope)), 0, "5xx is never stored");
+      assert.equal(await r.redis.exists(idempotency.keyFor(scope)), 0, "5xx is never stored");
       const retry = await post(key);
       assert.equal(retry.status, 202);
       assert.equal((await retry.json()).job_id, jobId);
@@ -260,7 +260,7 @@ Deno.test("summaries API", async (t) => {
       await res.body?.cancel();
       assert.ok(pulled < 10, `stopped reading early (pulled ${pulled} chunks)`);
       const scope = JSON.stringify(["acme", "POST", "/v1/summaries", key]);
-      assert.equal(await r.redis.exists(await idempotency.keyFor(scope)), 0);
+      assert.equal(await r.redis.exists(idempotency.keyFor(scope)), 0);
     });
 
     await t.step("422 for bodies that fail validation, listing the fields", async () => {

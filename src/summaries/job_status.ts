@@ -1,0 +1,32 @@
+/**
+ * The job-status hash (`keys.job(id)`: tenant, status, error) that
+ * `GET /v1/summaries/{id}` reads before the summary exists. This module is
+ * its only writer: every change is one of the operations below, each inside
+ * the atomic step that causes it (the enqueue script, the dead-letter MULTI,
+ * the replay script).
+ */
+import type { DeadLetterHook, RecordUpdate } from "../queue/dead_letter.ts";
+import { JOB_RECORD_TTL_S, type JobKeys } from "./keys.ts";
+
+/** Lua for the enqueue script: KEYS[k] becomes queued for tenant ARGV[tenant], expiring after ARGV[ttl] s. */
+export function markQueuedLua({ key, tenant, ttl }: { key: string; tenant: string; ttl: string }): string {
+  return `
+redis.call('HSET', ${key}, 'tenant', ${tenant}, 'status', 'queued')
+redis.call('HDEL', ${key}, 'error')
+redis.call('EXPIRE', ${key}, ${ttl})`;
+}
+
+/** Marks the job failed with the dead-letter reason, inside the dead-letter MULTI (same hash tag). */
+export function markFailedHook(keys: JobKeys): DeadLetterHook {
+  return (multi, message, reason) => {
+    const jobId = message.fields.job_id;
+    if (!jobId) return;
+    multi.hset(keys.job(jobId), "status", "failed", "error", reason.slice(0, 500))
+      .expire(keys.job(jobId), JOB_RECORD_TTL_S);
+  };
+}
+
+/** What a replay does to the job's record, inside the replay script: queued again, its error gone. */
+export function markQueuedOnReplay(keys: JobKeys, jobId: string): RecordUpdate {
+  return { key: keys.job(jobId), match: { field: "job_id", value: jobId }, set: ["status", "queued"], del: ["error"] };
+}

@@ -1,0 +1,108 @@
+/** The real `worker` process for benchmarks: `main.ts worker` with the permission set its task derives. */
+import { parseConfig } from "../../src/config.ts";
+import { permissionFlags } from "../../src/permissions.ts";
+
+const MAIN = decodeURIComponent(new URL("../../main.ts", import.meta.url).pathname);
+const MIGRATIONS = decodeURIComponent(new URL("../../migrations/", import.meta.url).pathname);
+const TICK_MS = 10; // Linux USER_HZ: /proc/<pid>/stat counts CPU time in 1/100 s
+
+/** CPU time (user + system) a process has used so far, in ms, from /proc. */
+export async function cpuMs(pid: number): Promise<number> {
+  const stat = await Deno.readTextFile(`/proc/${pid}/stat`);
+  // Fields after the command name, which is in parentheses and may contain spaces.
+  const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+  return (Number(fields[11]) + Number(fields[12])) * TICK_MS;
+}
+
+/** A running worker process. */
+export interface WorkerProcess {
+  pid: number;
+  stop(): Promise<void>;
+}
+
+/** Starts a worker with `env` and resolves once it has logged `worker_started`. */
+export async function startWorkerProcess(env: Record<string, string>): Promise<WorkerProcess> {
+  const child = new Deno.Command(Deno.execPath(), {
+    args: ["run", ...permissionFlags("worker", parseConfig(env), MIGRATIONS), MAIN, "worker"],
+    env: { ...env, NO_COLOR: "1" },
+    stdout: "null",
+    stderr: "piped",
+  }).spawn();
+  const lines = child.stderr.pipeThrough(new TextDecoderStream()).getReader();
+  let buffered = "";
+  const end = performance.now() + 30_000;
+  while (!buffered.includes('"worker_started"')) {
+    const { value, done } = await lines.read();
+    if (done || performance.now() > end) throw new Error(`worker did not start: ${buffered.slice(-500)}`);
+    buffered += value;
+  }
+  // Keep reading, or a full pipe would stall the worker.
+  const drained = (async () => {
+    while (!(await lines.read()).done) { /* discard */ }
+  })().catch(() => {});
+  return {
+    pid: child.pid,
+    async stop() {
+      child.kill("SIGTERM");
+      await child.status;
+      await drained;
+    },
+  };
+}
+
+/** A fake model in its own process. */
+export async function startModelProcess(delayMs: number): Promise<{ url: string; stop(): Promise<void> }> {
+  const child = new Deno.Command(Deno.execPath(), {
+    args: ["run", "--allow-net=127.0.0.1", new URL("./model_server.ts", import.meta.url).pathname, String(delayMs)],
+    stdout: "piped",
+    stderr: "inherit",
+  }).spawn();
+  const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
+  const { value } = await reader.read();
+  const url = value?.trim() ?? "";
+  if (!url.startsWith("http")) throw new Error(`model server did not start: ${value}`);
+  return {
+    url,
+    async stop() {
+      child.kill("SIGTERM");
+      await child.status;
+      await reader.cancel().catch(() => {});
+    },
+  };
+}
+
+/** The SDK alone against `url`: calls/s and CPU ms per call, measured after a warm-up. */
+export async function sdkCeiling(url: string, concurrency: number, calls: number) {
+  const child = new Deno.Command(Deno.execPath(), {
+    args: [
+      "run",
+      "--allow-net=127.0.0.1",
+      "--allow-env",
+      new URL("./sdk_ceiling.ts", import.meta.url).pathname,
+      url,
+      String(concurrency),
+      String(calls),
+    ],
+    stdin: "piped",
+    stdout: "piped",
+    stderr: "inherit",
+  }).spawn();
+  const reader = child.stdout.pipeThrough(new TextDecoderStream()).getReader();
+  let text = "";
+  while (!text.includes("ready")) text += (await reader.read()).value ?? "";
+  const before = await cpuMs(child.pid);
+  const writer = child.stdin.getWriter();
+  await writer.write(new TextEncoder().encode("go\n"));
+  while (!/done [\d.]+/.test(text)) {
+    const { value, done } = await reader.read();
+    if (done) throw new Error("sdk ceiling exited early");
+    text += value;
+  }
+  const after = await cpuMs(child.pid);
+  const seconds = Number(/done ([\d.]+)/.exec(text)![1]);
+  child.kill("SIGTERM");
+  await child.status;
+  await writer.close().catch(() => {});
+  await reader.cancel().catch(() => {});
+  return { perSecond: calls / seconds, cpuMsPerCall: (after - before) / calls };
+}
