@@ -17,8 +17,3 @@ export function sha256(data: string | Uint8Array): Uint8Array {
 export function sha256Hex(data: string | Uint8Array): string {
   return createHash("sha256").update(data).digest("hex");
 }
-
-/** SHA-1 of bytes (for RFC 9562 UUIDv5 only). */
-export function sha1(data: Uint8Array): Uint8Array {
-  return new Uint8Array(createHash("sha1").update(data).digest());
-}

@@ -1,4 +1,4 @@
-import { sha1, toHex } from "../crypto/digest.ts";
+import { createHash } from "node:crypto";
 
 /** What an Idempotency-Key is scoped to. */
 export interface Scope {
@@ -26,21 +26,25 @@ function uuidBytes(uuid: string): Uint8Array {
   return Uint8Array.from(hex.match(/../g)!, (h) => parseInt(h, 16));
 }
 
+const namespaces = new Map<string, Uint8Array>();
+
 /** RFC 9562 UUIDv5 (SHA-1, name-based) of `name` in `namespace`. */
 export function uuidV5(name: string, namespace: string): string {
-  const ns = uuidBytes(namespace);
-  const text = new TextEncoder().encode(name);
-  const input = new Uint8Array(ns.length + text.length);
-  input.set(ns);
-  input.set(text, ns.length);
-  const bytes = sha1(input).slice(0, 16);
-  bytes[6] = (bytes[6]! & 0x0f) | 0x50;
-  bytes[8] = (bytes[8]! & 0x3f) | 0x80;
-  const hex = toHex(bytes);
-  return `${hex.slice(0, 8)}-${hex.slice(8, 12)}-${hex.slice(12, 16)}-${hex.slice(16, 20)}-${hex.slice(20)}`;
+  let ns = namespaces.get(namespace);
+  if (!ns) namespaces.set(namespace, ns = uuidBytes(namespace));
+  // On the request path: hash the namespace bytes and the UTF-8 name without copying them together.
+  const hex = createHash("sha1").update(ns).update(name, "utf8").digest("hex");
+  // Version 5 in the high nibble of byte 6; the RFC variant (10xx) in the high bits of byte 8.
+  const variant = ((parseInt(hex[16]!, 16) & 0x3) | 0x8).toString(16);
+  return `${hex.slice(0, 8)}-${hex.slice(8, 12)}-5${hex.slice(13, 16)}-${variant}${hex.slice(17, 20)}-${
+    hex.slice(20, 32)
+  }`;
 }
 
-/** The job id of a scope: the same key from the same tenant always names the same job. */
-export function jobIdFor(scope: Scope): string {
-  return uuidV5(encodeScope(scope), JOB_ID_NAMESPACE);
+/**
+ * The job id of a scope and a body: the same key with the same body from the
+ * same tenant always names the same job, and another body never does.
+ */
+export function jobIdFor(scope: Scope, fingerprint: string): string {
+  return uuidV5(`${encodeScope(scope)}\n${fingerprint}`, JOB_ID_NAMESPACE);
 }

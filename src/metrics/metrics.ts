@@ -7,7 +7,6 @@ export interface ApiMetrics {
   requests: Counter<"route" | "method" | "status">;
   duration: Histogram<"route" | "method">;
   replays: Counter;
-  conflicts: Counter;
   keyReuse: Counter;
   validationErrors: Counter;
 }
@@ -61,11 +60,6 @@ export function apiMetrics(registry: Registry): ApiMetrics {
     replays: new Counter({
       name: "oncely_idempotent_replays_total",
       help: "POSTs answered from a stored response (Idempotent-Replayed: true).",
-      registers,
-    }),
-    conflicts: new Counter({
-      name: "oncely_idempotency_in_progress_total",
-      help: "POSTs answered 409 because the same key was still in progress.",
       registers,
     }),
     keyReuse: new Counter({

@@ -3,10 +3,10 @@ import type { Sql } from "postgres";
 import type { Registry } from "prom-client";
 import type { RunContext } from "../commands.ts";
 import type { Config } from "../config.ts";
-import { createIdempotencyStore } from "../idempotency/idempotency_store.ts";
 import type { Logger } from "../log/logger.ts";
 import { apiMetrics, createRegistry } from "../metrics/metrics.ts";
-import { createHandler } from "../summaries/api.ts";
+import { createHandler, SUMMARIES } from "../summaries/api.ts";
+import { createIntake } from "../summaries/intake.ts";
 import { jobKeys, KEY_PREFIX } from "../summaries/keys.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
 
@@ -15,18 +15,15 @@ export async function serveApi(
   { config, redis, sql, log, registry }: { config: Config; redis: Redis; sql: Sql; log: Logger; registry: Registry },
   signal: AbortSignal,
 ): Promise<void> {
+  const keys = jobKeys(KEY_PREFIX);
   const handler = createHandler({
     metrics: { api: apiMetrics(registry), registry, token: config.METRICS_TOKEN },
     redis,
     sql,
     log,
     authenticate: createAuthenticator({ sql }, { mode: config.AUTH_MODE }),
-    idempotency: createIdempotencyStore({ redis, log }, {
-      prefix: KEY_PREFIX,
-      lockTtlS: config.IDEMPOTENCY_LOCK_TTL_S,
-      resultTtlS: config.IDEMPOTENCY_RESULT_TTL_S,
-    }),
-    keys: jobKeys(KEY_PREFIX),
+    intake: createIntake({ redis }, { keys, resultTtlS: config.IDEMPOTENCY_RESULT_TTL_S, path: SUMMARIES }),
+    keys,
     maxBodyBytes: config.MAX_BODY_BYTES,
   });
   const server = Deno.serve({

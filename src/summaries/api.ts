@@ -3,15 +3,13 @@ import type { Sql } from "postgres";
 import { withTimeout } from "../async/timeout.ts";
 import { readJsonBody } from "../http/body.ts";
 import { errorResponse, HttpError, problem } from "../http/problem.ts";
-import { KeyReused, RequestInProgress } from "../idempotency/errors.ts";
+import { KeyReused } from "../idempotency/errors.ts";
 import { fingerprint } from "../idempotency/fingerprint.ts";
-import type { IdempotencyStore } from "../idempotency/idempotency_store.ts";
-import { encodeScope, jobIdFor } from "../idempotency/scope.ts";
 import type { Logger } from "../log/logger.ts";
 import { type ApiMetrics, metricsResponse } from "../metrics/metrics.ts";
 import type { Registry } from "prom-client";
 import type { Authenticate } from "../tenants/authenticator.ts";
-import { enqueueJob } from "./enqueue.ts";
+import type { Intake } from "./intake.ts";
 import type { JobKeys } from "./keys.ts";
 import { openApiDocument, ROUTES } from "./openapi.ts";
 import { IdempotencyKey, SummaryRequest, type SummaryStatus } from "./schemas.ts";
@@ -22,7 +20,7 @@ export interface ApiDeps {
   sql: Sql;
   log: Logger;
   authenticate: Authenticate;
-  idempotency: IdempotencyStore;
+  intake: Intake;
   keys: JobKeys;
   maxBodyBytes: number;
   /**
@@ -32,7 +30,8 @@ export interface ApiDeps {
   metrics?: { api: ApiMetrics; registry: Registry; token?: string };
 }
 
-const SUMMARIES = "/v1/summaries";
+/** The collection path: POSTs are scoped to it, and job documents live below it. */
+export const SUMMARIES = "/v1/summaries";
 const JOB_PATH = /^\/v1\/summaries\/([^/]+)$/;
 const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
 const READY_TIMEOUT_MS = 1_000;
@@ -74,7 +73,7 @@ function methodNotAllowed(allow: string): never {
  * can call it without a port and `main.ts` hands it to `Deno.serve`.
  */
 export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response> {
-  const { redis, sql, log, authenticate, idempotency, keys } = deps;
+  const { redis, sql, log, authenticate, intake, keys } = deps;
 
   async function postSummary(req: Request): Promise<Response> {
     const tenant = await authenticate(req);
@@ -91,29 +90,21 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
       throw new HttpError(422, "The request body failed validation", {}, { extra: { errors } });
     }
     const scope = { tenant, method: "POST", path: SUMMARIES, key };
-    const jobId = await jobIdFor(scope);
-    const fp = fingerprint(parsed.data);
     try {
-      const { response, replayed } = await idempotency.run(encodeScope(scope), fp, async () => {
-        await enqueueJob(redis, keys, { jobId, tenant, request: parsed.data });
-        log.info("job_enqueued", { job_id: jobId, tenant });
-        return {
-          status: 202,
-          body: { job_id: jobId, status: "queued" },
-          headers: { location: `${SUMMARIES}/${jobId}` },
-        };
+      const { response, replayed } = await intake.submit({
+        scope,
+        fingerprint: fingerprint(parsed.data),
+        request: parsed.data,
       });
       const headers: Record<string, string> = { ...response.headers };
       if (replayed) {
         headers["idempotent-replayed"] = "true";
         deps.metrics?.api.replays.inc();
+      } else {
+        log.info("job_enqueued", { job_id: response.body.job_id, tenant });
       }
       return json(response.status, response.body, headers);
     } catch (error) {
-      if (error instanceof RequestInProgress) {
-        deps.metrics?.api.conflicts.inc();
-        throw new HttpError(409, error.message, { "retry-after": "1" });
-      }
       if (error instanceof KeyReused) {
         deps.metrics?.api.keyReuse.inc();
         throw new HttpError(422, error.message);

@@ -9,6 +9,8 @@ export interface JobKeys {
   group: string;
   /** Hash with the job's tenant and status, read by `GET /v1/summaries/{id}`. */
   job(jobId: string): string;
+  /** The stored answer for an Idempotency-Key scope (by its hash), in the same slot as the stream it enqueues to. */
+  idempotency(scopeHash: string): string;
 }
 
 /** The prefix of every Redis key the service writes. */
@@ -22,6 +24,7 @@ export function jobKeys(prefix: string): JobKeys {
     dead: `${tag}:dead`,
     group: "summarisers",
     job: (jobId) => `${tag}:job:${jobId}`,
+    idempotency: (scopeHash) => `${tag}:idem:${scopeHash}`,
   };
 }
 

@@ -80,7 +80,6 @@ export function openApiDocument(): Record<string, unknown> {
             },
             "400": problem("Missing or malformed Idempotency-Key, or malformed JSON"),
             "401": problem("Missing or bad credentials"),
-            "409": problem("The same key is still in progress", { "Retry-After": { schema: { type: "string" } } }),
             "413": problem("Body over MAX_BODY_BYTES"),
             "415": problem("Not JSON"),
             "422": problem("Body failed validation, or the key was used with another body"),

@@ -6,9 +6,9 @@
  * Usage: ingest_server.ts api|bare PORT DATABASE_URL REDIS_URL PREFIX
  */
 import { connectPostgres, connectRedis } from "../../src/clients.ts";
-import { createIdempotencyStore } from "../../src/idempotency/idempotency_store.ts";
+import { createIntake } from "../../src/summaries/intake.ts";
 import { createLogger } from "../../src/log/logger.ts";
-import { createHandler } from "../../src/summaries/api.ts";
+import { createHandler, SUMMARIES } from "../../src/summaries/api.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 
@@ -35,11 +35,7 @@ if (mode === "bare") {
     sql,
     log,
     authenticate: createAuthenticator({ sql }, { mode: "api-key" }),
-    idempotency: createIdempotencyStore({ redis, log }, {
-      prefix: prefix!,
-      lockTtlS: 30,
-      resultTtlS: 600,
-    }),
+    intake: createIntake({ redis }, { keys: jobKeys(prefix!), resultTtlS: 600, path: SUMMARIES }),
     keys: jobKeys(prefix!),
     maxBodyBytes: 1 << 20,
   });

@@ -11,9 +11,9 @@ import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import type { LLM } from "../../src/llm/llm.ts";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import { createRelay } from "../../src/outbox/relay.ts";
-import { createIdempotencyStore } from "../../src/idempotency/idempotency_store.ts";
+import { createIntake } from "../../src/summaries/intake.ts";
 import { commitSummaries } from "../../src/summaries/commit.ts";
-import { createHandler } from "../../src/summaries/api.ts";
+import { createHandler, SUMMARIES } from "../../src/summaries/api.ts";
 import { summaryEmailRenderer } from "../../src/summaries/email.ts";
 import { jobKeys, KEY_PREFIX } from "../../src/summaries/keys.ts";
 import { createSummaryWorker } from "../../src/summaries/worker.ts";
@@ -458,11 +458,7 @@ async function benchEndToEnd() {
     sql: db.sql,
     log: silentLogger,
     authenticate: createAuthenticator({ sql: db.sql }, { mode: "api-key" }),
-    idempotency: createIdempotencyStore({ redis: r.redis, log: silentLogger }, {
-      prefix: r.prefix,
-      lockTtlS: 30,
-      resultTtlS: 600,
-    }),
+    intake: createIntake({ redis: r.redis }, { keys, resultTtlS: 600, path: SUMMARIES }),
     keys,
     maxBodyBytes: 1 << 20,
   });

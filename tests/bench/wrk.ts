@@ -112,9 +112,11 @@ ${
     load.vary
       ? `function request()
   counter = counter + 1
-  return wrk.format(nil, nil, { [${luaString(load.vary.header)}] = ${
-        luaString(load.vary.prefix)
-      } .. thread_id .. "-" .. counter })
+  -- wrk.format replaces wrk.headers with the table it is given, so copy them first.
+  local headers = {}
+  for k, v in pairs(wrk.headers) do headers[k] = v end
+  headers[${luaString(load.vary.header)}] = ${luaString(load.vary.prefix)} .. thread_id .. "-" .. counter
+  return wrk.format(nil, nil, headers)
 end`
       : ""
   }

@@ -1,6 +1,6 @@
 import assert from "node:assert/strict";
 import type { Registry } from "prom-client";
-import { createIdempotencyStore } from "../../src/idempotency/idempotency_store.ts";
+import { createIntake } from "../../src/summaries/intake.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { apiMetrics, createRegistry, relayMetrics, serveMetrics, workerMetrics } from "../../src/metrics/metrics.ts";
 import { attemptObserver, outboxGauges, queueGauges, relayEvents, workerEvents } from "../../src/metrics/wire.ts";
@@ -42,11 +42,7 @@ Deno.test("metrics", async (t) => {
       sql: db.sql,
       log: silentLogger,
       authenticate: createAuthenticator({ sql: db.sql }, { mode: "trusted-header" }),
-      idempotency: createIdempotencyStore({ redis: r.redis, log: silentLogger }, {
-        prefix: r.prefix,
-        lockTtlS: 30,
-        resultTtlS: 60,
-      }),
+      intake: createIntake({ redis: r.redis }, { keys, resultTtlS: 60, path: "/v1/summaries" }),
       keys,
       maxBodyBytes: 4096,
       metrics: { api: apiMetrics(registry), registry, token },

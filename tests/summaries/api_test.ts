@@ -1,9 +1,9 @@
 import assert from "node:assert/strict";
 import { fingerprint } from "../../src/idempotency/fingerprint.ts";
-import { createIdempotencyStore } from "../../src/idempotency/idempotency_store.ts";
 import { jobIdFor } from "../../src/idempotency/scope.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createHandler } from "../../src/summaries/api.ts";
+import { createIntake } from "../../src/summaries/intake.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { createApiKey, revokeTenant } from "../../src/tenants/tenant_store.ts";
@@ -15,16 +15,13 @@ Deno.test("summaries API", async (t) => {
   const db = await createTestDatabase();
   const r = await createTestRedis();
   const keys = jobKeys(r.prefix);
-  const idempotency = createIdempotencyStore({ redis: r.redis, log: silentLogger }, {
-    prefix: r.prefix,
-    lockTtlS: 30,
-    resultTtlS: 86_400,
-  });
+  const intake = createIntake({ redis: r.redis }, { keys, resultTtlS: 86_400, path: "/v1/summaries" });
+  const scopeOf = (key: string) => ({ tenant: "acme", method: "POST", path: "/v1/summaries", key });
   const deps = {
     redis: r.redis,
     sql: db.sql,
     log: silentLogger,
-    idempotency,
+    intake,
     keys,
     maxBodyBytes: 4096,
     authenticate: createAuthenticator({ sql: db.sql }, { mode: "api-key", cacheTtlMs: 0 }),
@@ -58,7 +55,7 @@ Deno.test("summaries API", async (t) => {
       const res = await post(key);
       assert.equal(res.status, 202);
       const body = await res.json();
-      const expected = await jobIdFor({ tenant: "acme", method: "POST", path: "/v1/summaries", key });
+      const expected = jobIdFor(scopeOf(key), fingerprint(BODY));
       assert.deepEqual(body, { job_id: expected, status: "queued" });
       assert.equal(res.headers.get("location"), `/v1/summaries/${expected}`);
       assert.equal(res.headers.get("idempotent-replayed"), null);
@@ -94,33 +91,63 @@ Deno.test("summaries API", async (t) => {
       assert.equal(await streamLength(), before);
     });
 
-    await t.step("the same key while the first is in progress is 409 with Retry-After: 1", async () => {
-      const key = newKey();
-      const scope = JSON.stringify(["acme", "POST", "/v1/summaries", key]);
-      const redisKey = idempotency.keyFor(scope);
-      // Another request holds the key: its marker carries this body's fingerprint.
-      await r.redis.set(redisKey, JSON.stringify({ state: "in_progress", fp: fingerprint(BODY), token: "t" }));
-      const res = await post(key);
-      assert.equal(res.status, 409);
-      assert.equal(res.headers.get("retry-after"), "1");
-      assert.equal(res.headers.get("content-type"), "application/problem+json");
-    });
-
-    await t.step("20 concurrent duplicates enqueue exactly one stream entry", async () => {
+    await t.step("20 concurrent duplicates: one enqueue, and every other answer is the same 202 replayed", async () => {
       const key = newKey();
       const before = await streamLength();
       const responses = await Promise.all(Array.from({ length: 20 }, () => post(key)));
-      const statuses = responses.map((res) => res.status);
-      await Promise.all(responses.map((res) => res.body?.cancel()));
-      assert.ok(statuses.includes(202));
-      assert.ok(statuses.every((s) => s === 202 || s === 409), `only 202 and 409 (got ${statuses})`);
+      assert.deepEqual(
+        new Set(responses.map((res) => res.status)),
+        new Set([202]),
+        "no 409: intake is one atomic step",
+      );
+      const replayed = responses.filter((res) => res.headers.get("idempotent-replayed") === "true").length;
+      assert.equal(replayed, 19);
+      const ids = new Set(await Promise.all(responses.map(async (res) => (await res.json()).job_id)));
+      assert.equal(ids.size, 1);
       assert.equal(await streamLength(), before + 1);
     });
 
+    await t.step(
+      "a key reused with another body after its record expired names a new job, never the old one",
+      async () => {
+        const shortLived = createIntake({ redis: r.redis }, { keys, resultTtlS: 1, path: "/v1/summaries" });
+        const briefly = createHandler({ ...deps, intake: shortLived });
+        const key = newKey();
+        const send = (body: unknown) =>
+          briefly(
+            new Request("http://api/v1/summaries", {
+              method: "POST",
+              headers: {
+                authorization: `Bearer ${apiKey}`,
+                "content-type": "application/json",
+                "idempotency-key": key,
+              },
+              body: JSON.stringify(body),
+            }),
+          );
+        const first = await (await send(BODY)).json();
+        await r.redis.del(shortLived.keyFor(scopeOf(key))); // the record's TTL has run out
+        const other = { ...BODY, text: "A different document, sent months later with the same key." };
+        const before = await streamLength();
+        const res = await send(other);
+        assert.equal(res.status, 202);
+        assert.equal(res.headers.get("idempotent-replayed"), null);
+        const second = await res.json();
+        assert.notEqual(second.job_id, first.job_id, "the new body is its own job");
+        assert.equal(await streamLength(), before + 1);
+        const [entry] = await r.redis.xrevrange(keys.stream, "+", "-", "COUNT", 1);
+        assert.equal(JSON.parse(entry![1][5]!).text, other.text);
+      },
+    );
+
     await t.step("an enqueue failure is a 500 problem without internals, and releases the key", async () => {
-      const broken = createHandler({ ...deps, keys: { ...keys, stream: keys.job("not-a-stream") } });
+      const brokenKeys = { ...keys, stream: keys.job("not-a-stream") };
+      const broken = createHandler({
+        ...deps,
+        intake: createIntake({ redis: r.redis }, { keys: brokenKeys, resultTtlS: 60, path: "/v1/summaries" }),
+      });
       const key = newKey();
-      const jobId = await jobIdFor({ tenant: "acme", method: "POST", path: "/v1/summaries", key });
+      const jobId = jobIdFor(scopeOf(key), fingerprint(BODY));
       // Make XADD fail: the "stream" key holds a hash.
       await r.redis.hset(keys.job("not-a-stream"), "x", "y");
       const res = await broken(
@@ -133,8 +160,7 @@ Deno.test("summaries API", async (t) => {
       assert.equal(res.status, 500);
       const problem = await res.json();
       assert.doesNotMatch(JSON.stringify(problem), /WRONGTYPE|at |\.ts/);
-      const scope = JSON.stringify(["acme", "POST", "/v1/summaries", key]);
-      assert.equal(await r.redis.exists(idempotency.keyFor(scope)), 0, "5xx is never stored");
+      assert.equal(await r.redis.exists(intake.keyFor(scopeOf(key))), 0, "5xx is never stored");
       const retry = await post(key);
       assert.equal(retry.status, 202);
       assert.equal((await retry.json()).job_id, jobId);
@@ -146,8 +172,8 @@ Deno.test("summaries API", async (t) => {
       const otherTenant = await (await post(key, BODY, { authorization: `Bearer ${otherKey}` })).json();
       assert.notEqual(a.job_id, otherTenant.job_id);
       const tricky = await createApiKey(db.sql, "acme.POST");
-      const trickyId = await jobIdFor({ tenant: "acme:POST", method: "POST", path: "/v1/summaries", key });
-      const plainId = await jobIdFor({ tenant: "acme", method: "POST:/v1/summaries", path: "", key });
+      const trickyId = jobIdFor({ tenant: "acme:POST", method: "POST", path: "/v1/summaries", key }, fingerprint(BODY));
+      const plainId = jobIdFor({ tenant: "acme", method: "POST:/v1/summaries", path: "", key }, fingerprint(BODY));
       assert.notEqual(trickyId, a.job_id);
       assert.notEqual(plainId, a.job_id);
       const res = await post(key, BODY, { authorization: `Bearer ${tricky}` });
@@ -259,8 +285,7 @@ Deno.test("summaries API", async (t) => {
       assert.equal(res.status, 413);
       await res.body?.cancel();
       assert.ok(pulled < 10, `stopped reading early (pulled ${pulled} chunks)`);
-      const scope = JSON.stringify(["acme", "POST", "/v1/summaries", key]);
-      assert.equal(await r.redis.exists(idempotency.keyFor(scope)), 0);
+      assert.equal(await r.redis.exists(intake.keyFor(scopeOf(key))), 0);
     });
 
     await t.step("422 for bodies that fail validation, listing the fields", async () => {

@@ -20,7 +20,7 @@ Deno.test("openapi.json documents exactly the routes the handler serves", async 
     sql: unused as Sql,
     log: silentLogger,
     authenticate: () => Promise.reject(Object.assign(new Error("no"), { status: 401 })),
-    idempotency: unused as never,
+    intake: unused as never,
     keys: unused as never,
     maxBodyBytes: 1024,
   });

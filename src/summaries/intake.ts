@@ -1,0 +1,88 @@
+/**
+ * Intake in one round trip: the idempotency check, the enqueue, the job's
+ * status record and the stored response happen in one Lua script, so no
+ * crash can leave a key "in progress" and a concurrent duplicate simply finds
+ * the first request's record (Redis runs scripts one at a time).
+ */
+import type { Redis } from "ioredis";
+import { sha256Hex } from "../crypto/digest.ts";
+import { KeyReused } from "../idempotency/errors.ts";
+import { encodeScope, jobIdFor, type Scope } from "../idempotency/scope.ts";
+import { defineScript } from "../redis/script.ts";
+import { markQueuedLua } from "./job_status.ts";
+import { JOB_RECORD_TTL_S, type JobKeys } from "./keys.ts";
+import type { SummaryRequest } from "./schemas.ts";
+
+/** The stored answer to an accepted POST, replayed for the key's lifetime. */
+export interface IntakeResponse {
+  status: number;
+  body: { job_id: string; status: "queued" };
+  headers: Record<string, string>;
+}
+
+/** What one submission came to. */
+export interface IntakeResult {
+  response: IntakeResponse;
+  /** The key had been used with this body before: `response` is the stored one and nothing was enqueued. */
+  replayed: boolean;
+}
+
+/** Accepts summary jobs at most once per Idempotency-Key scope. */
+export interface Intake {
+  /**
+   * Enqueues the job unless the scope already has a record.
+   * @throws {KeyReused} when the scope's record is for another body.
+   */
+  submit(input: { scope: Scope; fingerprint: string; request: SummaryRequest }): Promise<IntakeResult>;
+  /** The Redis key of a scope's record. */
+  keyFor(scope: Scope): string;
+}
+
+// KEYS: the scope's record, the job stream, the job's status record (one hash tag).
+// ARGV: job id, tenant, payload, status TTL, record, record TTL.
+// Returns the existing record, or false after enqueuing and storing ours.
+const INTAKE = defineScript(`
+local stored = redis.call('GET', KEYS[1])
+if stored then return stored end
+redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[1], 'tenant', ARGV[2], 'payload', ARGV[3])
+${markQueuedLua({ key: "KEYS[3]", tenant: "ARGV[2]", ttl: "ARGV[4]" })}
+redis.call('SET', KEYS[1], ARGV[5], 'EX', ARGV[6])
+return false`);
+
+type StoredRecord = { fp: string } & IntakeResponse;
+
+/** Creates the intake on `redis`; records live `resultTtlS` (IDEMPOTENCY_RESULT_TTL_S). */
+export function createIntake(
+  { redis }: { redis: Redis },
+  { keys, resultTtlS, path }: { keys: JobKeys; resultTtlS: number; path: string },
+): Intake {
+  // The scope is hashed so the key has a bounded length and no caller-chosen characters.
+  const keyFor = (scope: Scope) => keys.idempotency(sha256Hex(encodeScope(scope)));
+  return {
+    keyFor,
+    async submit({ scope, fingerprint, request }) {
+      // The body's fingerprint is part of the job id: a key reused with another body after its record
+      // expired names a new job, never the old job's result.
+      const jobId = jobIdFor(scope, fingerprint);
+      const response: IntakeResponse = {
+        status: 202,
+        body: { job_id: jobId, status: "queued" },
+        headers: { location: `${path}/${jobId}` },
+      };
+      const record = JSON.stringify({ fp: fingerprint, ...response } satisfies StoredRecord);
+      const stored = await INTAKE.run(redis, [keyFor(scope), keys.stream, keys.job(jobId)], [
+        jobId,
+        scope.tenant,
+        JSON.stringify(request),
+        JOB_RECORD_TTL_S,
+        record,
+        resultTtlS,
+      ]) as string | null;
+      if (stored === null) return { response, replayed: false };
+      const previous = JSON.parse(stored) as StoredRecord;
+      if (previous.fp !== fingerprint) throw new KeyReused();
+      const { status, body, headers } = previous;
+      return { response: { status, body, headers }, replayed: true };
+    },
+  };
+}
