@@ -1,5 +1,3 @@
-import { sha256Hex } from "../crypto/digest.ts";
-
 /** JSON with object keys sorted at every level, so equal values encode equally. */
 export function canonicalJson(value: unknown): string {
   if (Array.isArray(value)) return `[${value.map(canonicalJson).join(",")}]`;
@@ -10,9 +8,4 @@ export function canonicalJson(value: unknown): string {
     return `{${entries.map(([k, v]) => `${JSON.stringify(k)}:${canonicalJson(v)}`).join(",")}}`;
   }
   return JSON.stringify(value);
-}
-
-/** SHA-256 (hex) of the canonical JSON of a validated body: whitespace and key order do not change it. */
-export function fingerprint(body: unknown): string {
-  return sha256Hex(canonicalJson(body));
 }

@@ -42,9 +42,10 @@ export function uuidV5(name: string, namespace: string): string {
 }
 
 /**
- * The job id of a scope and a body: the same key with the same body from the
- * same tenant always names the same job, and another body never does.
+ * The job id of a scope and a body (its canonical JSON): the same key with
+ * the same body from the same tenant always names the same job, and another
+ * body never does.
  */
-export function jobIdFor(scope: Scope, fingerprint: string): string {
-  return uuidV5(`${encodeScope(scope)}\n${fingerprint}`, JOB_ID_NAMESPACE);
+export function jobIdFor(scope: Scope, canonicalBody: string): string {
+  return uuidV5(`${encodeScope(scope)}\n${canonicalBody}`, JOB_ID_NAMESPACE);
 }

@@ -4,7 +4,6 @@ import { withTimeout } from "../async/timeout.ts";
 import { readJsonBody } from "../http/body.ts";
 import { errorResponse, HttpError, problem } from "../http/problem.ts";
 import { KeyReused } from "../idempotency/errors.ts";
-import { fingerprint } from "../idempotency/fingerprint.ts";
 import type { Logger } from "../log/logger.ts";
 import { type ApiMetrics, metricsResponse } from "../metrics/metrics.ts";
 import type { Registry } from "prom-client";
@@ -91,11 +90,7 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     }
     const scope = { tenant, method: "POST", path: SUMMARIES, key };
     try {
-      const { response, replayed } = await intake.submit({
-        scope,
-        fingerprint: fingerprint(parsed.data),
-        request: parsed.data,
-      });
+      const { response, replayed } = await intake.submit({ scope, request: parsed.data });
       const headers: Record<string, string> = { ...response.headers };
       if (replayed) {
         headers["idempotent-replayed"] = "true";

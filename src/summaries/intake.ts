@@ -5,8 +5,8 @@
  * the first request's record (Redis runs scripts one at a time).
  */
 import type { Redis } from "ioredis";
-import { sha256Hex } from "../crypto/digest.ts";
 import { KeyReused } from "../idempotency/errors.ts";
+import { canonicalJson } from "../idempotency/fingerprint.ts";
 import { encodeScope, jobIdFor, type Scope } from "../idempotency/scope.ts";
 import { defineScript } from "../redis/script.ts";
 import { markQueuedLua } from "./job_status.ts";
@@ -33,7 +33,7 @@ export interface Intake {
    * Enqueues the job unless the scope already has a record.
    * @throws {KeyReused} when the scope's record is for another body.
    */
-  submit(input: { scope: Scope; fingerprint: string; request: SummaryRequest }): Promise<IntakeResult>;
+  submit(input: { scope: Scope; request: SummaryRequest }): Promise<IntakeResult>;
   /** The Redis key of a scope's record. */
   keyFor(scope: Scope): string;
 }
@@ -56,14 +56,17 @@ export function createIntake(
   { redis }: { redis: Redis },
   { keys, resultTtlS, path }: { keys: JobKeys; resultTtlS: number; path: string },
 ): Intake {
-  // The scope is hashed so the key has a bounded length and no caller-chosen characters.
-  const keyFor = (scope: Scope) => keys.idempotency(sha256Hex(encodeScope(scope)));
+  // The scope's unambiguous encoding is the key: bounded (a validated tenant name and a key of at most 128
+  // visible characters) and not hashed, since every hash costs the request path several microseconds.
+  const keyFor = (scope: Scope) => keys.idempotency(encodeScope(scope));
   return {
     keyFor,
-    async submit({ scope, fingerprint, request }) {
-      // The body's fingerprint is part of the job id: a key reused with another body after its record
-      // expired names a new job, never the old job's result.
-      const jobId = jobIdFor(scope, fingerprint);
+    async submit({ scope, request }) {
+      // One hash covers the scope and the body's canonical JSON: the job id. A key reused with another body
+      // after its record expired therefore names a new job, never the old job's result, and the job id is
+      // the body's fingerprint in the stored record.
+      const jobId = jobIdFor(scope, canonicalJson(request));
+      const fingerprint = jobId;
       const response: IntakeResponse = {
         status: 202,
         body: { job_id: jobId, status: "queued" },

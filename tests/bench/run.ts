@@ -11,14 +11,11 @@ import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import type { LLM } from "../../src/llm/llm.ts";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import { createRelay } from "../../src/outbox/relay.ts";
-import { createIntake } from "../../src/summaries/intake.ts";
 import { commitSummaries } from "../../src/summaries/commit.ts";
-import { createHandler, SUMMARIES } from "../../src/summaries/api.ts";
 import { summaryEmailRenderer } from "../../src/summaries/email.ts";
 import { jobKeys, KEY_PREFIX } from "../../src/summaries/keys.ts";
 import { createSummaryWorker } from "../../src/summaries/worker.ts";
 import { createStreamWorker, type StreamWorker } from "../../src/queue/stream_worker.ts";
-import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import {
@@ -28,6 +25,9 @@ import {
   type ScratchRedis,
 } from "../support/scratch.ts";
 import { type HttpLoad, postLoad } from "./wrk.ts";
+import { VARIANTS } from "./ingest_variants.ts";
+import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
+import { SUMMARY_READY_KEY_PREFIX } from "../../src/summaries/commit.ts";
 import { cpuMs, sdkCeiling, startModelProcess, startWorkerProcess } from "./worker_process.ts";
 import { Redis } from "ioredis";
 import { enqueueJob } from "../../src/summaries/enqueue.ts";
@@ -84,7 +84,13 @@ async function enqueueMany(r: ScratchRedis, n: number, keys = jobKeys(r.prefix))
   }
 }
 
-async function startIngestServer(mode: "api" | "bare", port: number, dbUrl: string, prefix: string) {
+async function startIngestServer(
+  mode: string,
+  port: number,
+  dbUrl: string,
+  prefix: string,
+  script = "./ingest_server.ts",
+) {
   const child = new Deno.Command(Deno.execPath(), {
     args: [
       "run",
@@ -92,7 +98,7 @@ async function startIngestServer(mode: "api" | "bare", port: number, dbUrl: stri
       "--allow-env",
       "--allow-read",
       "--allow-sys",
-      new URL("./ingest_server.ts", import.meta.url).pathname,
+      new URL(script, import.meta.url).pathname,
       mode,
       String(port),
       dbUrl,
@@ -179,6 +185,55 @@ async function benchIngest() {
       value: replay.rps,
       baselineValue: bare.rps,
     });
+  } finally {
+    await r.close();
+    await db.close();
+  }
+}
+
+/** Each step of the API's POST path under the same wrk load, to show where its time goes. */
+async function benchIngestProfile() {
+  const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
+  const r = await createScratchRedis(REDIS_URL, "oncely_bench");
+  const key = await createApiKey(db.sql, "bench");
+  try {
+    let previous: number | undefined;
+    for (const [variant, label] of VARIANTS) {
+      const port = freePort();
+      progress(`ingest profile: ${variant}`);
+      const server = await startIngestServer(variant, port, db.url, r.prefix, "./ingest_variants.ts");
+      try {
+        const runs: HttpLoad[] = [];
+        for (let i = 0; i < (smoke ? 1 : 3); i++) {
+          runs.push(
+            await postLoad({
+              url: `http://127.0.0.1:${port}/v1/summaries`,
+              headers: { authorization: `Bearer ${key}`, "content-type": "application/json" },
+              body: BODY,
+              vary: {
+                header: "idempotency-key",
+                prefix: `profile-${variant}-${i}-${crypto.randomUUID().slice(0, 8)}-`,
+              },
+              connections: 64,
+              seconds: smoke ? 1 : 3,
+              expectStatus: 202,
+            }, progress),
+          );
+        }
+        const rps = median(runs.map((x) => x.perSecond));
+        const perRequestUs = 1e6 / rps;
+        rows.push({
+          benchmark: `Ingest profile: ${label}`,
+          result: `${fmt(rps)}/s, ${fmt(perRequestUs)} µs per request`,
+          baseline: previous === undefined ? "" : `previous step ${fmt(1e6 / previous)} µs`,
+          ratio: previous === undefined ? "" : `+${fmt(perRequestUs - 1e6 / previous)} µs`,
+          value: rps,
+        });
+        previous = rps;
+      } finally {
+        await server.stop();
+      }
+    }
   } finally {
     await r.close();
     await db.close();
@@ -453,37 +508,28 @@ async function benchEndToEnd() {
   const mail = startFakeMail();
   const keys = jobKeys(r.prefix);
   const key = await createApiKey(db.sql, "bench");
-  const handler = createHandler({
-    redis: r.redis,
-    sql: db.sql,
-    log: silentLogger,
-    authenticate: createAuthenticator({ sql: db.sql }, { mode: "api-key" }),
-    intake: createIntake({ redis: r.redis }, { keys, resultTtlS: 600, path: SUMMARIES }),
-    keys,
-    maxBodyBytes: 1 << 20,
+  const handler = apiHandler({ redis: r.redis, sql: db.sql, keys }, {
+    authMode: "api-key",
+    authCacheTtlMs: 10_000,
+    resultTtlS: 600,
   });
-  const worker = createSummaryWorker({ redis: r.redis, sql: db.sql, llm: fixedLlm(0), log: silentLogger }, {
-    keys,
+  const worker = summaryWorker({ redis: r.redis, sql: db.sql, llm: fixedLlm(0), keys }, {
     consumer: "e2e",
-    claimIdleMs: 60_000,
-    maxDeliveries: 5,
     concurrency: 64,
     blockMs: 1_000,
     job: { budgetMs: 30_000, perCallTimeoutMs: 20_000, maxAttempts: 1 },
   });
   const baseMailer = createResendMailer({ apiKey: "re_bench", baseUrl: mail.url, timeoutMs: 10_000 });
-  const relay = createRelay({
+  const relay = relayTo({
     sql: db.sql,
     mailer: {
       async send(email, idempotencyKey, signal) {
         const result = await baseMailer.send(email, idempotencyKey, signal);
-        arrivals.set(idempotencyKey.slice("summary_ready:".length), performance.now());
+        arrivals.set(idempotencyKey.slice(SUMMARY_READY_KEY_PREFIX.length), performance.now());
         return result;
       },
     },
-    render: summaryEmailRenderer("bench@example.com"),
-    log: silentLogger,
-  }, { batch: 20, maxAttempts: 10, leaseMs: 30_000, pollMs: 2_000 });
+  }, { maxAttempts: 10, leaseMs: 30_000, pollMs: 2_000 });
   const stop = new AbortController();
   const loops = [worker.run(stop.signal), relay.run(stop.signal)];
   const accepted = new Map<string, number>();
@@ -729,6 +775,7 @@ const sections: Record<string, () => Promise<void>> = {
   // Memory first: its baseline is then the RSS of a fresh process.
   memory: benchMemory,
   ingest: benchIngest,
+  "ingest-profile": benchIngestProfile,
   worker: benchWorker,
   "worker-process": benchWorkerProcess,
   queue: benchQueue,

@@ -29,6 +29,8 @@ import { parseConfig } from "../../src/config.ts";
 import type { Command } from "../../src/commands.ts";
 import { permissionFlags } from "../../src/permissions.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
+import { SUMMARY_READY_KEY_PREFIX } from "../../src/summaries/commit.ts";
+import { jobKeys, KEY_PREFIX } from "../../src/summaries/keys.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { limitedProvider, startFakeModel } from "../support/fake_model_server.ts";
 import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
@@ -372,7 +374,7 @@ try {
     while (performance.now() < end) {
       done = await countDone();
       const keys = new Set(mail.delivered.map((d) => d.idempotencyKey));
-      if (done >= expected.size && [...expected].every((id) => keys.has(`summary_ready:${id}`))) break;
+      if (done >= expected.size && [...expected].every((id) => keys.has(`${SUMMARY_READY_KEY_PREFIX}${id}`))) break;
       await sleep(200);
     }
     drainSeconds = (performance.now() - drainStart) / 1000;
@@ -397,7 +399,7 @@ const unexpected = summaries.filter((r) => !jobIds.includes(r.job_id)).length;
 const deliveredKeys = mail.delivered.map((d) => d.idempotencyKey);
 const distinctEmails = new Set(deliveredKeys).size;
 const dupEmails = deliveredKeys.length - distinctEmails;
-const dead = await redisAdmin.xlen("oncely:{jobs}:dead").catch(() => -1);
+const dead = await redisAdmin.xlen(jobKeys(KEY_PREFIX).dead).catch(() => -1);
 
 const rows: [string, string][] = [
   ["seed", String(SEED)],

@@ -1,21 +1,14 @@
 import assert from "node:assert/strict";
 import type { Registry } from "prom-client";
-import { createIntake } from "../../src/summaries/intake.ts";
-import { silentLogger } from "../../src/log/logger.ts";
 import { apiMetrics, createRegistry, relayMetrics, serveMetrics, workerMetrics } from "../../src/metrics/metrics.ts";
 import { attemptObserver, outboxGauges, queueGauges, relayEvents, workerEvents } from "../../src/metrics/wire.ts";
-import { createResendMailer } from "../../src/mail/resend_mailer.ts";
-import { createRelay } from "../../src/outbox/relay.ts";
-import { createHandler } from "../../src/summaries/api.ts";
-import { summaryEmailRenderer } from "../../src/summaries/email.ts";
 import { enqueueJob } from "../../src/summaries/enqueue.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
-import { createSummaryWorker } from "../../src/summaries/worker.ts";
-import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
+import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
 
 /** Parses Prometheus text format into `name{labels}` -> value, checking every line against the format. */
 function parseExposition(text: string): Map<string, number> {
@@ -36,14 +29,9 @@ Deno.test("metrics", async (t) => {
   const db = await createTestDatabase();
   const r = await createTestRedis();
   const keys = jobKeys(r.prefix);
-  const apiHandler = (registry: Registry, token?: string) =>
-    createHandler({
-      redis: r.redis,
-      sql: db.sql,
-      log: silentLogger,
-      authenticate: createAuthenticator({ sql: db.sql }, { mode: "trusted-header" }),
-      intake: createIntake({ redis: r.redis }, { keys, resultTtlS: 60, path: "/v1/summaries" }),
-      keys,
+  const handlerWith = (registry: Registry, token?: string) =>
+    apiHandler({ redis: r.redis, sql: db.sql, keys }, {
+      resultTtlS: 60,
       maxBodyBytes: 4096,
       metrics: { api: apiMetrics(registry), registry, token },
     });
@@ -52,7 +40,7 @@ Deno.test("metrics", async (t) => {
       "the API counts requests by route and status, replays, 409s and 422s, with a latency histogram",
       async () => {
         const registry = createRegistry();
-        const handler = apiHandler(registry);
+        const handler = handlerWith(registry);
         const post = (key: string, text = "Revenue rose.") =>
           handler(
             new Request("http://api/v1/summaries", {
@@ -79,7 +67,7 @@ Deno.test("metrics", async (t) => {
       "invented methods and paths leave /metrics bounded: unknown methods get 501, or 405 on known paths",
       async () => {
         const registry = createRegistry();
-        const handler = apiHandler(registry);
+        const handler = handlerWith(registry);
         const scrape = () => handler(new Request("http://api/metrics")).then((res) => res.text());
         // Warm every series a legitimate client can create, so growth below is only what attackers add.
         for (const path of ["/v1/summaries", "/healthz", "/metrics", "/nope"]) {
@@ -114,7 +102,7 @@ Deno.test("metrics", async (t) => {
     await t.step("with a token set, /metrics answers 401 without it and the metrics with it", async () => {
       const registry = createRegistry();
       const token = "metrics-token-0123456789";
-      const handler = apiHandler(registry, token);
+      const handler = handlerWith(registry, token);
       for (const authorization of [undefined, "Bearer wrong-token", "Bearer metrics-token-012345678"]) {
         const res = await handler(
           new Request("http://api/metrics", { headers: authorization ? { authorization } : {} }),
@@ -153,16 +141,12 @@ Deno.test("metrics", async (t) => {
         const model = startFakeModel((n) =>
           n === 1 ? { kind: "status", status: 429, headers: { "retry-after-ms": "1" } } : { kind: "ok" }
         );
-        const worker = createSummaryWorker({
+        const worker = summaryWorker({
           redis: r.redis,
           sql: db.sql,
           llm: createOpenAiLlm({ apiKey: "k", model: "m", baseURL: model.url }),
-          log: silentLogger,
-        }, {
           keys,
-          consumer: "metrics",
-          claimIdleMs: 60_000,
-          maxDeliveries: 5,
+        }, {
           concurrency: 4,
           blockMs: 5,
           events: workerEvents(metrics),
@@ -219,12 +203,10 @@ Deno.test("metrics", async (t) => {
         assert.ok(before.get("oncely_outbox_oldest_unsent_seconds")! >= 59);
         const mail = startFakeMail((n) => (n === 1 ? { kind: "status", status: 500 } : { kind: "ok" }));
         try {
-          const relay = createRelay({
-            sql: db.sql,
-            mailer: createResendMailer({ apiKey: "k", baseUrl: mail.url, timeoutMs: 2_000 }),
-            render: summaryEmailRenderer("s@example.com"),
-            log: silentLogger,
-          }, { batch: 1, maxAttempts: 5, leaseMs: 5_000, events: relayEvents(relayMetrics(registry)) });
+          const relay = relayTo({ sql: db.sql, mailUrl: mail.url }, {
+            batch: 1,
+            events: relayEvents(relayMetrics(registry)),
+          });
           await relay.runOnce();
           await relay.runOnce();
           await new Promise((res) => setTimeout(res, 1_100)); // the backlog gauge caches for 1 s

@@ -1,23 +1,18 @@
 import assert from "node:assert/strict";
-import { silentLogger } from "../../src/log/logger.ts";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
-import { createRelay, type RelayOptions } from "../../src/outbox/relay.ts";
+import { type RelayOptions } from "../../src/outbox/relay.ts";
 import { commitSummaries } from "../../src/summaries/commit.ts";
 import { summaryEmailRenderer } from "../../src/summaries/email.ts";
 import { type FakeMailServer, type MailBehaviour, startFakeMail } from "../support/fake_mail_server.ts";
 import { createTestDatabase, waitFor } from "../_support.ts";
+import { relayTo } from "../support/fixtures.ts";
 
 Deno.test("outbox relay", async (t) => {
   const db = await createTestDatabase();
   const sql = db.sql;
   const render = summaryEmailRenderer("summaries@example.com");
   const relayFor = (mail: FakeMailServer, options: Partial<RelayOptions> = {}) =>
-    createRelay({
-      sql,
-      mailer: createResendMailer({ apiKey: "re_test", baseUrl: mail.url, timeoutMs: 2_000 }),
-      render,
-      log: silentLogger,
-    }, { batch: 20, maxAttempts: 10, leaseMs: 5_000, backoffBaseMs: 1_000, ...options });
+    relayTo({ sql, mailUrl: mail.url }, { maxAttempts: 10, backoffBaseMs: 1_000, ...options });
   const addRows = async (n: number) => {
     const ids = Array.from({ length: n }, () => crypto.randomUUID());
     await commitSummaries(

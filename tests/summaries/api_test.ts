@@ -1,9 +1,8 @@
 import assert from "node:assert/strict";
-import { fingerprint } from "../../src/idempotency/fingerprint.ts";
+import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
 import { jobIdFor } from "../../src/idempotency/scope.ts";
-import { silentLogger } from "../../src/log/logger.ts";
-import { createHandler } from "../../src/summaries/api.ts";
-import { createIntake } from "../../src/summaries/intake.ts";
+import { createIntake, type Intake } from "../../src/summaries/intake.ts";
+import { apiHandler } from "../support/fixtures.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { createApiKey, revokeTenant } from "../../src/tenants/tenant_store.ts";
@@ -17,16 +16,9 @@ Deno.test("summaries API", async (t) => {
   const keys = jobKeys(r.prefix);
   const intake = createIntake({ redis: r.redis }, { keys, resultTtlS: 86_400, path: "/v1/summaries" });
   const scopeOf = (key: string) => ({ tenant: "acme", method: "POST", path: "/v1/summaries", key });
-  const deps = {
-    redis: r.redis,
-    sql: db.sql,
-    log: silentLogger,
-    intake,
-    keys,
-    maxBodyBytes: 4096,
-    authenticate: createAuthenticator({ sql: db.sql }, { mode: "api-key", cacheTtlMs: 0 }),
-  };
-  const handler = createHandler(deps);
+  const handlerWith = (intake: Intake) =>
+    apiHandler({ redis: r.redis, sql: db.sql, keys }, { authMode: "api-key", intake, maxBodyBytes: 4096 });
+  const handler = handlerWith(intake);
   const apiKey = await createApiKey(db.sql, "acme");
   const otherKey = await createApiKey(db.sql, "globex");
   let n = 0;
@@ -55,7 +47,7 @@ Deno.test("summaries API", async (t) => {
       const res = await post(key);
       assert.equal(res.status, 202);
       const body = await res.json();
-      const expected = jobIdFor(scopeOf(key), fingerprint(BODY));
+      const expected = jobIdFor(scopeOf(key), canonicalJson(BODY));
       assert.deepEqual(body, { job_id: expected, status: "queued" });
       assert.equal(res.headers.get("location"), `/v1/summaries/${expected}`);
       assert.equal(res.headers.get("idempotent-replayed"), null);
@@ -111,7 +103,7 @@ Deno.test("summaries API", async (t) => {
       "a key reused with another body after its record expired names a new job, never the old one",
       async () => {
         const shortLived = createIntake({ redis: r.redis }, { keys, resultTtlS: 1, path: "/v1/summaries" });
-        const briefly = createHandler({ ...deps, intake: shortLived });
+        const briefly = handlerWith(shortLived);
         const key = newKey();
         const send = (body: unknown) =>
           briefly(
@@ -142,12 +134,11 @@ Deno.test("summaries API", async (t) => {
 
     await t.step("an enqueue failure is a 500 problem without internals, and releases the key", async () => {
       const brokenKeys = { ...keys, stream: keys.job("not-a-stream") };
-      const broken = createHandler({
-        ...deps,
-        intake: createIntake({ redis: r.redis }, { keys: brokenKeys, resultTtlS: 60, path: "/v1/summaries" }),
-      });
+      const broken = handlerWith(
+        createIntake({ redis: r.redis }, { keys: brokenKeys, resultTtlS: 60, path: "/v1/summaries" }),
+      );
       const key = newKey();
-      const jobId = jobIdFor(scopeOf(key), fingerprint(BODY));
+      const jobId = jobIdFor(scopeOf(key), canonicalJson(BODY));
       // Make XADD fail: the "stream" key holds a hash.
       await r.redis.hset(keys.job("not-a-stream"), "x", "y");
       const res = await broken(
@@ -172,8 +163,11 @@ Deno.test("summaries API", async (t) => {
       const otherTenant = await (await post(key, BODY, { authorization: `Bearer ${otherKey}` })).json();
       assert.notEqual(a.job_id, otherTenant.job_id);
       const tricky = await createApiKey(db.sql, "acme.POST");
-      const trickyId = jobIdFor({ tenant: "acme:POST", method: "POST", path: "/v1/summaries", key }, fingerprint(BODY));
-      const plainId = jobIdFor({ tenant: "acme", method: "POST:/v1/summaries", path: "", key }, fingerprint(BODY));
+      const trickyId = jobIdFor(
+        { tenant: "acme:POST", method: "POST", path: "/v1/summaries", key },
+        canonicalJson(BODY),
+      );
+      const plainId = jobIdFor({ tenant: "acme", method: "POST:/v1/summaries", path: "", key }, canonicalJson(BODY));
       assert.notEqual(trickyId, a.job_id);
       assert.notEqual(plainId, a.job_id);
       const res = await post(key, BODY, { authorization: `Bearer ${tricky}` });

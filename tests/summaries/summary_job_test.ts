@@ -9,13 +9,11 @@ import { commitSummaries, createGroupCommitter } from "../../src/summaries/commi
 import { enqueueJob } from "../../src/summaries/enqueue.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
 import { createSummaryJob } from "../../src/summaries/summary_job.ts";
-import { createSummaryWorker } from "../../src/summaries/worker.ts";
-import { createResendMailer } from "../../src/mail/resend_mailer.ts";
-import { createRelay } from "../../src/outbox/relay.ts";
-import { summaryEmailRenderer } from "../../src/summaries/email.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { errorBody, startFakeModel } from "../support/fake_model_server.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
+import { relayTo, summaryWorker } from "../support/fixtures.ts";
+import type { SummaryWorkerOptions } from "../../src/summaries/worker.ts";
 
 const TEXT = "Revenue rose 12% in Q3. Costs fell. The board approved the plan. Staff were told on Friday.";
 
@@ -47,17 +45,8 @@ Deno.test("summary job", async (t) => {
   const enqueue = (jobId: string) =>
     enqueueJob(r.redis, keys, { jobId, tenant: "acme", request: { text: TEXT, notify: "ops@example.com" } });
   const jobOptions = { budgetMs: 5_000, perCallTimeoutMs: 2_000, maxAttempts: 4, backoffBaseMs: 1, backoffCapMs: 5 };
-  const makeWorker = (consumer: string, llm: LLM, overrides: Record<string, unknown> = {}) =>
-    createSummaryWorker({ redis: r.redis, sql: db.sql, llm, log: silentLogger }, {
-      keys,
-      consumer,
-      claimIdleMs: 60_000,
-      maxDeliveries: 5,
-      concurrency: 8,
-      blockMs: 10,
-      job: jobOptions,
-      ...overrides,
-    });
+  const makeWorker = (consumer: string, llm: LLM, overrides: Partial<SummaryWorkerOptions> = {}) =>
+    summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, { consumer, job: jobOptions, ...overrides });
   const pending = async () => ((await r.redis.xpending(keys.stream, keys.group)) as [number])[0];
 
   try {
@@ -103,12 +92,7 @@ Deno.test("summary job", async (t) => {
         // Two relay passes send one email.
         const mail = startFakeMail();
         try {
-          const relay = createRelay({
-            sql: db.sql,
-            mailer: createResendMailer({ apiKey: "re_test", baseUrl: mail.url, timeoutMs: 2_000 }),
-            render: summaryEmailRenderer("s@example.com"),
-            log: silentLogger,
-          }, { batch: 20, maxAttempts: 10, leaseMs: 5_000 });
+          const relay = relayTo({ sql: db.sql, mailUrl: mail.url }, { maxAttempts: 10 });
           await relay.runOnce();
           await relay.runOnce();
           assert.equal(mail.requests, 1);

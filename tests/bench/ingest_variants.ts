@@ -1,0 +1,89 @@
+/**
+ * Where an accepted POST's time goes: the API's handler built up step by
+ * step, each variant its own server, so `deno task bench --only=ingest-profile`
+ * can load each with wrk and show what every step costs under load.
+ * Usage: ingest_variants.ts VARIANT PORT DATABASE_URL REDIS_URL PREFIX
+ */
+import { connectPostgres, connectRedis } from "../../src/clients.ts";
+import { readJsonBody } from "../../src/http/body.ts";
+import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
+import { jobIdFor } from "../../src/idempotency/scope.ts";
+import { createLogger } from "../../src/log/logger.ts";
+import { createHandler, SUMMARIES } from "../../src/summaries/api.ts";
+import { createIntake } from "../../src/summaries/intake.ts";
+import { jobKeys } from "../../src/summaries/keys.ts";
+import { SummaryRequest } from "../../src/summaries/schemas.ts";
+import { createAuthenticator } from "../../src/tenants/authenticator.ts";
+
+/** The variants, each adding one step to the one before. */
+export const VARIANTS = [
+  ["bare", "bare Deno.serve: req.json() and a 202"],
+  ["headers", "+ URL and the four request headers read"],
+  ["body", "+ the body read and decoded as the API does (readJsonBody)"],
+  ["auth", "+ API-key authentication (cached lookup, SHA-256, constant-time compare)"],
+  ["validate", "+ zod validation and the job id (canonical JSON, one SHA-1)"],
+  ["log", "+ the job_enqueued log line"],
+  ["handler", "the API handler with an intake that does nothing"],
+  ["api", "the API handler with the real one-script intake"],
+] as const;
+
+if (import.meta.main) {
+  const [variant, port, databaseUrl, redisUrl, prefix] = Deno.args;
+  const sql = await connectPostgres(databaseUrl!);
+  const redis = await connectRedis(redisUrl!, { failFast: true });
+  const keys = jobKeys(prefix!);
+  const log = createLogger({ level: "info" });
+  const auth = createAuthenticator({ sql }, { mode: "api-key" });
+  const accepted = (id = "00000000-0000-5000-8000-000000000000") =>
+    new Response(JSON.stringify({ job_id: id, status: "queued" }), {
+      status: 202,
+      headers: { "content-type": "application/json", location: `${SUMMARIES}/${id}` },
+    });
+  const steps = async (req: Request, upTo: number) => {
+    new URL(req.url);
+    const key = req.headers.get("idempotency-key")!;
+    req.headers.get("authorization");
+    req.headers.get("content-type");
+    if (upTo < 2) {
+      await req.json();
+      return accepted();
+    }
+    const tenant = upTo >= 3 ? await auth(req) : "bench";
+    const body = await readJsonBody(req, 1 << 20);
+    if (upTo < 4) return accepted();
+    const parsed = SummaryRequest.parse(body);
+    const id = jobIdFor({ tenant, method: "POST", path: SUMMARIES, key }, canonicalJson(parsed));
+    if (upTo >= 5) log.info("job_enqueued", { job_id: id, tenant });
+    return accepted(id);
+  };
+  const nothing = {
+    keyFor: () => "",
+    submit: () =>
+      Promise.resolve({
+        response: { status: 202, body: { job_id: "x", status: "queued" as const }, headers: {} },
+        replayed: false,
+      }),
+  };
+  const index = VARIANTS.findIndex(([name]) => name === variant);
+  const handler = variant === "bare"
+    ? async (req: Request) => (await req.json(), accepted())
+    : variant === "handler" || variant === "api"
+    ? createHandler({
+      redis,
+      sql,
+      log,
+      authenticate: auth,
+      intake: variant === "api" ? createIntake({ redis }, { keys, resultTtlS: 600, path: SUMMARIES }) : nothing,
+      keys,
+      maxBodyBytes: 1 << 20,
+    })
+    : (req: Request) => steps(req, index);
+  const server = Deno.serve(
+    { hostname: "127.0.0.1", port: Number(port), onListen: () => console.log("ready") },
+    handler,
+  );
+  Deno.addSignalListener("SIGTERM", () => void server.shutdown());
+  await server.finished;
+  await sql.end();
+  await redis.quit();
+}

@@ -1,0 +1,88 @@
+/**
+ * One place that builds the API handler, a summary worker and a relay the
+ * way the processes do, with test-friendly defaults. Tests and the bench
+ * pass their own clients and override only what they are about.
+ */
+import type { Redis } from "ioredis";
+import type { Sql } from "postgres";
+import type { LLM } from "../../src/llm/llm.ts";
+import { silentLogger } from "../../src/log/logger.ts";
+import type { Logger } from "../../src/log/logger.ts";
+import { createResendMailer } from "../../src/mail/resend_mailer.ts";
+import type { Mailer } from "../../src/mail/mailer.ts";
+import { createRelay, type Relay, type RelayOptions } from "../../src/outbox/relay.ts";
+import type { ProviderFlow } from "../../src/provider/flow_control.ts";
+import type { StreamWorker } from "../../src/queue/stream_worker.ts";
+import { type ApiDeps, createHandler, SUMMARIES } from "../../src/summaries/api.ts";
+import { summaryEmailRenderer } from "../../src/summaries/email.ts";
+import { createIntake } from "../../src/summaries/intake.ts";
+import type { JobKeys } from "../../src/summaries/keys.ts";
+import { createSummaryWorker, type SummaryWorkerOptions } from "../../src/summaries/worker.ts";
+import { createAuthenticator } from "../../src/tenants/authenticator.ts";
+
+/** The API handler on `redis` and `sql`; trusted-header auth unless `authMode` says otherwise. */
+export function apiHandler(
+  { redis, sql, keys, log = silentLogger }: { redis: Redis; sql: Sql; keys: JobKeys; log?: Logger },
+  overrides: Partial<ApiDeps> & {
+    authMode?: "api-key" | "trusted-header";
+    /** 0 (the default here) looks every key up, so a revocation shows at once. */
+    authCacheTtlMs?: number;
+    resultTtlS?: number;
+  } = {},
+): (req: Request) => Promise<Response> {
+  const { authMode = "trusted-header", authCacheTtlMs = 0, resultTtlS = 86_400, ...deps } = overrides;
+  return createHandler({
+    redis,
+    sql,
+    log,
+    authenticate: createAuthenticator({ sql }, { mode: authMode, cacheTtlMs: authCacheTtlMs }),
+    intake: createIntake({ redis }, { keys, resultTtlS, path: SUMMARIES }),
+    keys,
+    maxBodyBytes: 1 << 20,
+    ...deps,
+  });
+}
+
+/** A summary worker with short timings: redelivery after a minute, small budgets, fast backoff. */
+export function summaryWorker(
+  { redis, sql, llm, keys, flow, log = silentLogger }: {
+    redis: Redis;
+    sql: Sql;
+    llm: LLM;
+    keys: JobKeys;
+    flow?: ProviderFlow;
+    log?: Logger;
+  },
+  overrides: Partial<SummaryWorkerOptions> = {},
+): StreamWorker {
+  return createSummaryWorker({ redis, sql, llm, log, flow }, {
+    keys,
+    consumer: "test",
+    claimIdleMs: 60_000,
+    maxDeliveries: 5,
+    concurrency: 8,
+    blockMs: 10,
+    ...overrides,
+    job: {
+      budgetMs: 5_000,
+      perCallTimeoutMs: 2_000,
+      maxAttempts: 4,
+      backoffBaseMs: 1,
+      backoffCapMs: 5,
+      ...overrides.job,
+    },
+  });
+}
+
+/** A relay to a Resend-compatible server at `mailUrl` (or any mailer). */
+export function relayTo(
+  { sql, mailUrl, mailer, log = silentLogger }: { sql: Sql; mailUrl?: string; mailer?: Mailer; log?: Logger },
+  overrides: Partial<RelayOptions> = {},
+): Relay {
+  return createRelay({
+    sql,
+    mailer: mailer ?? createResendMailer({ apiKey: "re_test", baseUrl: mailUrl!, timeoutMs: 2_000 }),
+    render: summaryEmailRenderer("summaries@example.com"),
+    log,
+  }, { batch: 20, maxAttempts: 5, leaseMs: 5_000, ...overrides });
+}
