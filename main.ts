@@ -10,7 +10,7 @@
 import { type Command, COMMAND_TABLE, COMMANDS, isCommand } from "./src/commands.ts";
 import { type Config, CONFIG_VARIABLES, ConfigError, parseConfig } from "./src/config.ts";
 import { createLogger, type Logger } from "./src/log/logger.ts";
-import { permissionFlags } from "./src/permissions.ts";
+import { permissionFlags, redisProbeFlags } from "./src/permissions.ts";
 
 const USAGE = `Usage: deno task <${COMMANDS.join("|")}|compile> [args]`;
 const GRACE_MS = 8_000;
@@ -80,8 +80,26 @@ async function spawnDeno(args: string[]): Promise<number> {
  * process may still reach nothing else), runs `deno run <flags> main.ts
  * <command>`, and exits with its code.
  */
-function launch(command: Command, args: string[], config: Config): Promise<number> {
-  return spawnDeno(["run", ...permissionFlags(command, config, MIGRATIONS), SELF, command, ...args]);
+async function launch(command: Command, args: string[], config: Config): Promise<number> {
+  const derived = COMMAND_TABLE[command].net.redis ? await withClusterNodes(config) : config;
+  return await spawnDeno(["run", ...permissionFlags(command, derived, MIGRATIONS), SELF, command, ...args]);
+}
+
+/**
+ * REDIS_URL may name one node of a Redis Cluster, but the client talks to
+ * every node. A child that may reach only the configured seeds asks which
+ * nodes the cluster has (`main.ts redis-nodes`); they join the permission
+ * set. A standalone server, or one that does not answer, adds nothing.
+ */
+async function withClusterNodes(config: Config): Promise<Config> {
+  const out = await new Deno.Command("deno", {
+    args: ["run", ...redisProbeFlags(config), SELF, "redis-nodes"],
+    stdout: "piped",
+    stderr: "null",
+  }).output();
+  const nodes = new TextDecoder().decode(out.stdout).split("\n").map((line) => line.trim()).filter(Boolean);
+  if (!out.success || nodes.length === 0) return config;
+  return { ...config, REDIS_URL: [config.REDIS_URL, ...nodes.map((node) => `redis://${node}`)].join(",") };
 }
 
 /**
@@ -104,6 +122,12 @@ async function compile(env: Record<string, string | undefined>): Promise<number>
 }
 
 async function main(argv: string[]): Promise<number> {
+  if (argv[0] === "redis-nodes") {
+    const { clusterNodes } = await import("./src/redis/cluster_nodes.ts");
+    const seed = parseConfig(readEnv()).REDIS_URL.split(",")[0]!.trim();
+    for (const node of await clusterNodes(seed)) console.log(node);
+    return 0;
+  }
   const launching = argv[0] === "launch";
   const [command, ...args] = launching ? argv.slice(1) : argv;
   const compiling = launching && command === "compile";

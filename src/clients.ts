@@ -1,4 +1,4 @@
-import { Redis } from "ioredis";
+import { Cluster, Redis, type RedisOptions } from "ioredis";
 import postgres, { type Sql } from "postgres";
 import { withTimeout } from "./async/timeout.ts";
 import { redactUrl } from "./config.ts";
@@ -13,17 +13,20 @@ export class DependencyDown extends Error {
 
 const STARTUP_TIMEOUT_MS = 3_000;
 
-/**
- * Connects to Redis and checks that it answers.
- * @throws {DependencyDown} naming the URL and how to start Redis.
- */
-export async function connectRedis(
-  url: string,
-  options: { name?: string; failFast?: boolean } = {},
-): Promise<Redis> {
-  const redis = new Redis(url, {
-    lazyConnect: true,
+/** A Redis client: one server, or a Redis Cluster (same commands; every multi-key step stays in one slot). */
+export type RedisClient = Redis | Cluster;
+
+/** The seed nodes of REDIS_URL: one URL, or a comma-separated list. */
+export function redisSeeds(url: string): URL[] {
+  return url.split(",").map((part) => new URL(part.trim()));
+}
+
+function redisOptions(seed: URL, options: { name?: string; failFast?: boolean }): RedisOptions {
+  return {
     connectionName: options.name,
+    username: seed.username ? decodeURIComponent(seed.username) : undefined,
+    password: seed.password ? decodeURIComponent(seed.password) : undefined,
+    tls: seed.protocol === "rediss:" ? {} : undefined,
     // Background loops keep retrying commands across a Redis restart; a
     // request handler fails fast instead (a 5xx is never stored, so the
     // client retries), rather than hanging until Redis is back.
@@ -32,16 +35,62 @@ export async function connectRedis(
     // requests this took ingest from about 0.33x to 0.46x of a bare handler.
     enableAutoPipelining: true,
     retryStrategy: (times) => Math.min(50 * 2 ** times, 2_000),
-  });
-  redis.on("error", () => {}); // reconnects are retried; failures surface on commands
+  };
+}
+
+/**
+ * Connects to Redis and checks that it answers. Cluster mode is detected,
+ * not configured: a comma-separated list of seeds, or a node whose
+ * `INFO cluster` says `cluster_enabled:1`, gets ioredis's cluster client.
+ * @throws {DependencyDown} naming the URL and how to start Redis.
+ */
+export async function connectRedis(
+  url: string,
+  options: { name?: string; failFast?: boolean } = {},
+): Promise<RedisClient> {
+  const seeds = redisSeeds(url);
+  const first = seeds[0]!;
+  const probe = new Redis(first.toString(), { ...redisOptions(first, options), lazyConnect: true });
+  probe.on("error", () => {}); // reconnects are retried; failures surface on commands
+  let cluster = seeds.length > 1;
   try {
-    await withTimeout(redis.connect().then(() => redis.ping()), STARTUP_TIMEOUT_MS, "Redis ping");
-    return redis;
+    await withTimeout(probe.connect().then(() => probe.ping()), STARTUP_TIMEOUT_MS, "Redis ping");
+    if (!cluster) cluster = /cluster_enabled:1/.test(await probe.info("cluster"));
   } catch (cause) {
-    redis.disconnect();
+    probe.disconnect();
     throw new DependencyDown(
-      `Cannot start: Redis at ${redactUrl(url)} (REDIS_URL) does not answer: ${(cause as Error).message}. ` +
+      `Cannot start: Redis at ${redactUrl(first.toString())} (REDIS_URL) does not answer: ${
+        (cause as Error).message
+      }. ` +
         `Start it with \`docker compose up -d redis\` or \`redis-server --daemonize yes\`.`,
+      { cause },
+    );
+  }
+  if (!cluster) return probe;
+  probe.disconnect();
+  if (seeds.some((seed) => seed.pathname.length > 1 && seed.pathname !== "/0")) {
+    throw new DependencyDown(
+      `Cannot start: REDIS_URL names a database (${first.pathname}), which a Redis Cluster does not have`,
+    );
+  }
+  const nodeOptions = redisOptions(first, options);
+  const client = new Cluster(seeds.map((seed) => ({ host: seed.hostname, port: Number(seed.port || 6379) })), {
+    redisOptions: nodeOptions,
+    enableAutoPipelining: true,
+    // Commands wait for the cluster to be ready, and retry MOVED/ASK and a failed-over master.
+    maxRedirections: 16,
+    clusterRetryStrategy: (times) => Math.min(100 * 2 ** times, 2_000),
+    lazyConnect: true,
+  });
+  client.on("error", () => {});
+  try {
+    await withTimeout(client.connect().then(() => client.ping()), STARTUP_TIMEOUT_MS, "Redis Cluster ping");
+    return client;
+  } catch (cause) {
+    client.disconnect();
+    throw new DependencyDown(
+      `Cannot start: the Redis Cluster at ${seeds.map((s) => redactUrl(s.toString())).join(",")} (REDIS_URL) ` +
+        `does not answer: ${(cause as Error).message}.`,
       { cause },
     );
   }

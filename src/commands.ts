@@ -7,7 +7,7 @@
  * The code is loaded lazily, so the launcher (which reads only this table
  * and the configuration) loads none of the service's dependencies.
  */
-import type { Redis } from "ioredis";
+import type { RedisClient } from "./clients.ts";
 import type { Sql } from "postgres";
 import type { Config } from "./config.ts";
 import type { Logger } from "./log/logger.ts";
@@ -32,7 +32,7 @@ export interface ClientNeeds {
 
 /** The clients named by `N`, all present. */
 export type ClientsOf<N extends ClientNeeds> =
-  & (N extends { redis: true } ? { redis: Redis } : Record<never, never>)
+  & (N extends { redis: true } ? { redis: RedisClient } : Record<never, never>)
   & (N extends { sql: true } ? { sql: Sql } : Record<never, never>);
 
 /** What a command's code receives. */

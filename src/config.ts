@@ -17,7 +17,11 @@ const url = (protocols: string[], example: string) =>
   }, `is not a ${protocols.map((p) => p.replace(":", "://")).join(" or ")} URL (for example ${example})`);
 
 const schema = z.object({
-  REDIS_URL: url(["redis:", "rediss:"], "redis://127.0.0.1:6379/0").default("redis://127.0.0.1:6379"),
+  // One node (standalone, or any node of a cluster), or a comma-separated list of cluster seed nodes.
+  REDIS_URL: z.string().trim().refine(
+    (value) => value.split(",").every((part) => url(["redis:", "rediss:"], "").safeParse(part.trim()).success),
+    "is not a redis:// or rediss:// URL, nor a comma-separated list of them (for example redis://127.0.0.1:6379/0)",
+  ).default("redis://127.0.0.1:6379"),
   DATABASE_URL: url(["postgres:", "postgresql:"], "postgres://postgres@127.0.0.1:5432/postgres")
     .default("postgres://postgres@127.0.0.1:5432/postgres"),
   HOST: z.string().trim().min(1, "must not be empty").default("127.0.0.1"),

@@ -19,7 +19,10 @@ function hostOf(url: string): string {
 /** The `host:port` each configured URL needs, keyed by the variable that names it. */
 export function requiredHosts(config: Config, needs: NetNeeds): Record<string, string> {
   const out: Record<string, string> = {};
-  if (needs.redis) out.REDIS_URL = hostOf(config.REDIS_URL);
+  if (needs.redis) {
+    // Every seed of a cluster, and the nodes the launcher discovered from them.
+    config.REDIS_URL.split(",").forEach((seed, i) => (out[i ? `REDIS_URL[${i}]` : "REDIS_URL"] = hostOf(seed.trim())));
+  }
   if (needs.postgres) out.DATABASE_URL = hostOf(config.DATABASE_URL);
   if (needs.listen) out["HOST/PORT"] = `${config.HOST.replace(/^\[|\]$/g, "")}:${config.PORT}`;
   if (needs.metrics && config.METRICS_PORT !== undefined) {
@@ -65,4 +68,13 @@ export function permissionFlags(command: Command, config: Config, migrationsDir:
   if (spec.hostname) flags.push("--allow-sys=hostname");
   if (spec.migrations) flags.push(`--allow-read=${migrationsDir}`);
   return flags;
+}
+
+/**
+ * The flags of the launcher's cluster probe (`main.ts redis-nodes`): the
+ * configured Redis seeds only, and the service's variables.
+ */
+export function redisProbeFlags(config: Config): string[] {
+  const hosts = [...new Set(Object.values(requiredHosts(config, { redis: true })))];
+  return [`--allow-net=${hosts.join(",")}`, `--allow-env=${CONFIG_VARIABLES.join(",")}`, "--ignore-env"];
 }

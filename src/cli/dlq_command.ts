@@ -1,4 +1,4 @@
-import type { Redis } from "ioredis";
+import type { RedisClient } from "../clients.ts";
 import { listDeadLetters, replayDeadLetter } from "../queue/dead_letter.ts";
 import type { JobKeys } from "../summaries/keys.ts";
 import { markQueuedOnReplay } from "../summaries/job_status.ts";
@@ -14,7 +14,7 @@ const USAGE = "Usage: deno task dlq list [--json|--table] | replay ID | replay -
  * @returns the process exit code.
  */
 export async function dlqCommand(
-  redis: Redis,
+  redis: RedisClient,
   keys: JobKeys,
   args: string[],
   { out = console.log, isTerminal = false }: { out?: (line: string) => void; isTerminal?: boolean } = {},

@@ -1,4 +1,4 @@
-import type { Redis } from "ioredis";
+import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
 import { Gauge, type Registry } from "prom-client";
 import type { RelayEvents } from "../outbox/relay.ts";
@@ -31,7 +31,7 @@ export function attemptObserver(m: WorkerMetrics): (report: AttemptReport) => vo
 }
 
 /** Pending count and consumer lag of the job stream, read on scrape. */
-export function queueGauges(registry: Registry, redis: Redis, names: QueueNames): void {
+export function queueGauges(registry: Registry, redis: RedisClient, names: QueueNames): void {
   scrapeGauge(registry, "oncely_queue_pending", "Messages delivered but not yet acknowledged.", async () => {
     const summary = await redis.xpending(names.stream, names.group) as [number, ...unknown[]];
     return Number(summary[0] ?? 0);

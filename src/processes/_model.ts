@@ -1,5 +1,5 @@
 /** The model and flow control the configuration picks. */
-import type { Redis } from "ioredis";
+import type { RedisClient } from "../clients.ts";
 import type { Config } from "../config.ts";
 import { createExtractiveLlm } from "../llm/extractive.ts";
 import type { LLM } from "../llm/llm.ts";
@@ -30,7 +30,12 @@ export function providerLabel(config: Config): string {
  * The shared limiter and breaker of the configured provider; none for the
  * local extractive model, which has no limits and cannot be down.
  */
-export function buildFlow(config: Config, redis: Redis, log: Logger, events?: FlowEvents): ProviderFlow | undefined {
+export function buildFlow(
+  config: Config,
+  redis: RedisClient,
+  log: Logger,
+  events?: FlowEvents,
+): ProviderFlow | undefined {
   if (config.LLM_PROVIDER === "extractive") return undefined;
   return createProviderFlow({ redis, log }, {
     key: providerStateKey(KEY_PREFIX, {

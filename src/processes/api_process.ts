@@ -1,4 +1,4 @@
-import type { Redis } from "ioredis";
+import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
 import type { Registry } from "prom-client";
 import type { RunContext } from "../commands.ts";
@@ -12,7 +12,13 @@ import { createAuthenticator } from "../tenants/authenticator.ts";
 
 /** Serves the API on HOST:PORT until `signal` aborts, then finishes in-flight requests. */
 export async function serveApi(
-  { config, redis, sql, log, registry }: { config: Config; redis: Redis; sql: Sql; log: Logger; registry: Registry },
+  { config, redis, sql, log, registry }: {
+    config: Config;
+    redis: RedisClient;
+    sql: Sql;
+    log: Logger;
+    registry: Registry;
+  },
   signal: AbortSignal,
 ): Promise<void> {
   const keys = jobKeys(KEY_PREFIX);

@@ -1,4 +1,4 @@
-import type { Redis } from "ioredis";
+import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
 import type { Registry } from "prom-client";
 import type { RunContext } from "../commands.ts";
@@ -13,7 +13,13 @@ import { maybeServeMetrics } from "./_metrics_port.ts";
 
 /** Runs a summary worker until `signal` aborts, then drains it within the grace period. */
 export async function startWorker(
-  { config, redis, sql, log, registry }: { config: Config; redis: Redis; sql: Sql; log: Logger; registry: Registry },
+  { config, redis, sql, log, registry }: {
+    config: Config;
+    redis: RedisClient;
+    sql: Sql;
+    log: Logger;
+    registry: Registry;
+  },
   signal: AbortSignal,
 ): Promise<void> {
   const metrics = workerMetrics(registry);

@@ -6,7 +6,7 @@
  * key can live on any Redis Cluster slot. Time is Redis's own (`TIME`), so
  * workers on hosts with different clocks agree.
  */
-import type { Redis } from "ioredis";
+import type { RedisClient } from "../clients.ts";
 import { createHash } from "node:crypto";
 import { sleep } from "../async/timeout.ts";
 import type { Completion, Usage } from "../llm/llm.ts";
@@ -322,7 +322,7 @@ return {now, redis.call('HGETALL', key)}
  * Cheap to create; all state lives in Redis.
  */
 export function createProviderFlow(
-  { redis, log }: { redis: Redis; log: Logger },
+  { redis, log }: { redis: RedisClient; log: Logger },
   options: ProviderFlowOptions,
 ): ProviderFlow {
   const threshold = options.failureThreshold ?? FLOW_DEFAULTS.failureThreshold;

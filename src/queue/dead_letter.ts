@@ -1,4 +1,5 @@
-import type { ChainableCommander, Redis } from "ioredis";
+import type { ChainableCommander } from "ioredis";
+import type { RedisClient } from "../clients.ts";
 import { defineScript } from "../redis/script.ts";
 import { fieldsToObject, type QueueNames, type StreamMessage } from "./message.ts";
 
@@ -15,7 +16,7 @@ const META = ["dead_reason", "dead_deliveries", "dead_at", "original_id"] as con
  * reason, the delivery count and the original fields (tenant included).
  */
 export async function deadLetter(
-  redis: Redis,
+  redis: RedisClient,
   names: QueueNames,
   message: StreamMessage,
   reason: string,
@@ -52,7 +53,7 @@ export interface DeadLetter {
 }
 
 /** Lists dead letters, oldest first. */
-export async function listDeadLetters(redis: Redis, names: QueueNames, count = 1000): Promise<DeadLetter[]> {
+export async function listDeadLetters(redis: RedisClient, names: QueueNames, count = 1000): Promise<DeadLetter[]> {
   const entries = await redis.xrange(names.dead, "-", "+", "COUNT", count);
   return entries.map(([id, flat]) => {
     const all = fieldsToObject(flat);
@@ -117,7 +118,7 @@ return id`);
  * @returns the new stream entry id, or null if no such dead letter exists.
  */
 export async function replayDeadLetter(
-  redis: Redis,
+  redis: RedisClient,
   names: QueueNames,
   deadId: string,
   record?: RecordUpdate,

@@ -1,4 +1,4 @@
-import type { Redis } from "ioredis";
+import type { RedisClient } from "../clients.ts";
 import { createBatcher } from "../async/batcher.ts";
 import { settlesWithin, sleep } from "../async/timeout.ts";
 import type { Logger } from "../log/logger.ts";
@@ -71,12 +71,14 @@ export interface StreamWorker {
 // owner and claiming in one script means a worker that stalled never steals
 // back a message another worker has already reclaimed. XCLAIM ... JUSTID
 // resets the idle time without bumping the delivery count.
+// KEYS: the stream. ARGV: the group, the consumer, then the ids. The consumer
+// is an argument, not a key: on Redis Cluster every key must be in one slot.
 const HEARTBEAT = defineScript(`
 local refreshed = {}
-for i = 2, #ARGV do
+for i = 3, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if #p == 1 and p[1][2] == KEYS[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], KEYS[2], 0, ARGV[i], 'JUSTID')
+  if #p == 1 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
     table.insert(refreshed, ARGV[i])
   end
 end
@@ -85,7 +87,7 @@ return refreshed`);
 type RawEntry = [id: string, fields: string[] | null];
 
 /** Ensures the consumer group exists (creating the stream if needed). */
-export async function ensureGroup(redis: Redis, names: QueueNames): Promise<void> {
+export async function ensureGroup(redis: RedisClient, names: QueueNames): Promise<void> {
   try {
     await redis.xgroup("CREATE", names.stream, names.group, "0", "MKSTREAM");
   } catch (error) {
@@ -100,7 +102,7 @@ export async function ensureGroup(redis: Redis, names: QueueNames): Promise<void
  * Up to `concurrency` handlers run at once; more are read as slots free up.
  */
 export function createStreamWorker(
-  { redis, log }: { redis: Redis; log: Logger },
+  { redis, log }: { redis: RedisClient; log: Logger },
   options: StreamWorkerOptions,
   handler: MessageHandler,
 ): StreamWorker {
@@ -257,7 +259,7 @@ export function createStreamWorker(
   async function heartbeat(): Promise<string[]> {
     const ids = [...inFlight.keys()];
     if (ids.length === 0) return [];
-    const refreshed = await HEARTBEAT.run(redis, [names.stream, options.consumer], [names.group, ...ids]) as string[];
+    const refreshed = await HEARTBEAT.run(redis, [names.stream], [names.group, options.consumer, ...ids]) as string[];
     if (refreshed.length < ids.length) {
       const lost = ids.filter((id) => !refreshed.includes(id));
       log.warn("messages_reclaimed_by_another_consumer", { msg_ids: lost });

@@ -1,11 +1,11 @@
-import type { Redis } from "ioredis";
+import type { RedisClient } from "../clients.ts";
 import { createHash } from "node:crypto";
 
 /** A Lua script run by SHA, loaded into the server only when it is missing. */
 export interface Script {
   readonly sha: string;
   /** Runs the script with EVALSHA, falling back to EVAL once on NOSCRIPT. */
-  run(redis: Redis, keys: string[], args: (string | number)[]): Promise<unknown>;
+  run(redis: RedisClient, keys: string[], args: (string | number)[]): Promise<unknown>;
 }
 
 /**

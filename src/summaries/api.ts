@@ -1,4 +1,4 @@
-import type { Redis } from "ioredis";
+import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
 import { withTimeout } from "../async/timeout.ts";
 import { readJsonBody } from "../http/body.ts";
@@ -15,7 +15,7 @@ import { IdempotencyKey, SummaryRequest, type SummaryStatus } from "./schemas.ts
 
 /** What the API handler needs. */
 export interface ApiDeps {
-  redis: Redis;
+  redis: RedisClient;
   sql: Sql;
   log: Logger;
   authenticate: Authenticate;

@@ -1,4 +1,4 @@
-import type { Redis } from "ioredis";
+import type { RedisClient } from "../clients.ts";
 import { defineScript } from "../redis/script.ts";
 import type { JobKeys } from "./keys.ts";
 import { markQueuedLua } from "./job_status.ts";
@@ -20,7 +20,7 @@ return id`);
  * @returns the stream entry id.
  */
 export async function enqueueJob(
-  redis: Redis,
+  redis: RedisClient,
   keys: JobKeys,
   job: { jobId: string; tenant: string; request: SummaryRequest },
 ): Promise<string> {

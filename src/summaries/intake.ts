@@ -4,7 +4,7 @@
  * crash can leave a key "in progress" and a concurrent duplicate simply finds
  * the first request's record (Redis runs scripts one at a time).
  */
-import type { Redis } from "ioredis";
+import type { RedisClient } from "../clients.ts";
 import { KeyReused } from "../idempotency/errors.ts";
 import { canonicalJson } from "../idempotency/fingerprint.ts";
 import { encodeScope, jobIdFor, type Scope } from "../idempotency/scope.ts";
@@ -53,7 +53,7 @@ type StoredRecord = { fp: string } & IntakeResponse;
 
 /** Creates the intake on `redis`; records live `resultTtlS` (IDEMPOTENCY_RESULT_TTL_S). */
 export function createIntake(
-  { redis }: { redis: Redis },
+  { redis }: { redis: RedisClient },
   { keys, resultTtlS, path }: { keys: JobKeys; resultTtlS: number; path: string },
 ): Intake {
   // The scope's unambiguous encoding is the key: bounded (a validated tenant name and a key of at most 128

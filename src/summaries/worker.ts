@@ -1,4 +1,4 @@
-import type { Redis } from "ioredis";
+import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
 import type { LLM } from "../llm/llm.ts";
 import type { ProviderFlow } from "../provider/flow_control.ts";
@@ -25,7 +25,7 @@ export interface SummaryWorkerOptions {
 
 /** The summary worker: the stream worker running the summary job. The caller closes it. */
 export function createSummaryWorker(
-  deps: { redis: Redis; sql: Sql; llm: LLM; log: Logger; flow?: ProviderFlow },
+  deps: { redis: RedisClient; sql: Sql; llm: LLM; log: Logger; flow?: ProviderFlow },
   options: SummaryWorkerOptions,
 ): StreamWorker {
   const committer = createGroupCommitter({ sql: deps.sql, log: deps.log });

@@ -3,7 +3,7 @@
  * way the processes do, with test-friendly defaults. Tests and the bench
  * pass their own clients and override only what they are about.
  */
-import type { Redis } from "ioredis";
+import type { RedisClient } from "../../src/clients.ts";
 import type { Sql } from "postgres";
 import type { LLM } from "../../src/llm/llm.ts";
 import { silentLogger } from "../../src/log/logger.ts";
@@ -22,7 +22,7 @@ import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 
 /** The API handler on `redis` and `sql`; trusted-header auth unless `authMode` says otherwise. */
 export function apiHandler(
-  { redis, sql, keys, log = silentLogger }: { redis: Redis; sql: Sql; keys: JobKeys; log?: Logger },
+  { redis, sql, keys, log = silentLogger }: { redis: RedisClient; sql: Sql; keys: JobKeys; log?: Logger },
   overrides: Partial<ApiDeps> & {
     authMode?: "api-key" | "trusted-header";
     /** 0 (the default here) looks every key up, so a revocation shows at once. */
@@ -46,7 +46,7 @@ export function apiHandler(
 /** A summary worker with short timings: redelivery after a minute, small budgets, fast backoff. */
 export function summaryWorker(
   { redis, sql, llm, keys, flow, log = silentLogger }: {
-    redis: Redis;
+    redis: RedisClient;
     sql: Sql;
     llm: LLM;
     keys: JobKeys;
