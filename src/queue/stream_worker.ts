@@ -5,6 +5,7 @@ import type { Logger } from "../log/logger.ts";
 import { defineScript } from "../redis/script.ts";
 import { deadLetter, type DeadLetterHook } from "./dead_letter.ts";
 import { PermanentJobError } from "./errors.ts";
+import type { LaneSource } from "./lanes.ts";
 import { fieldsToObject, type QueueNames, type StreamMessage } from "./message.ts";
 
 /** Handles one message. Resolve to acknowledge; throw to leave it pending for redelivery. */
@@ -48,6 +49,14 @@ export interface StreamWorkerOptions extends QueueNames {
    * memory, and spend no delivery) and asks again after `waitMs`.
    */
   gate?: () => Promise<{ permits: number; waitMs: number }>;
+  /**
+   * Several streams ("lanes", one per tenant), shared fairly: each read takes
+   * from the lanes with work in turn. Without it the worker reads the one
+   * stream in `stream`/`dead`/`group`.
+   */
+  lanes?: LaneSource;
+  /** With lanes: the most messages of one lane pending across all consumers (TENANT_MAX_IN_FLIGHT). */
+  laneMaxInFlight?: number;
 }
 
 /** A running consumer. */
@@ -84,6 +93,22 @@ for i = 3, #ARGV do
 end
 return refreshed`);
 
+// Reads up to ARGV[3] new messages for consumer ARGV[2] of group ARGV[1] on
+// stream KEYS[1], but never more than leave ARGV[4] (0 = no cap) pending in
+// the group across all consumers: a tenant's in-flight cap, checked and
+// taken in one step. Returns {capped, entries}.
+const TAKE = defineScript(`
+local count = tonumber(ARGV[3])
+local cap = tonumber(ARGV[4])
+if cap > 0 then
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1])[1]
+  count = math.min(count, cap - pending)
+  if count <= 0 then return {1, {}} end
+end
+local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count, 'STREAMS', KEYS[1], '>')
+if not reply then return {0, {}} end
+return {0, reply[1][2]}`);
+
 type RawEntry = [id: string, fields: string[] | null];
 
 /** Ensures the consumer group exists (creating the stream if needed). */
@@ -100,6 +125,9 @@ export async function ensureGroup(redis: RedisClient, names: QueueNames): Promis
  * acknowledged only after their handler resolves, reclaimed with XAUTOCLAIM
  * when idle past `claimIdleMs`, and dead-lettered after `maxDeliveries`.
  * Up to `concurrency` handlers run at once; more are read as slots free up.
+ * With `lanes`, every stream the lane source names is one lane with its own
+ * group, reclaim, heartbeats, acks and dead letters, and free slots go to
+ * the lanes with work in turn.
  */
 export function createStreamWorker(
   { redis, log }: { redis: RedisClient; log: Logger },
@@ -107,48 +135,60 @@ export function createStreamWorker(
   handler: MessageHandler,
 ): StreamWorker {
   // XREADGROUP BLOCK occupies its connection; acks and heartbeats must not queue behind it.
-  const blocking = redis.duplicate();
-  blocking.on("error", () => {});
-  const names: QueueNames = { stream: options.stream, dead: options.dead, group: options.group };
+  const blocking = options.lanes ? undefined : redis.duplicate();
+  blocking?.on("error", () => {});
+  const single: QueueNames = { stream: options.stream, dead: options.dead, group: options.group };
   const blockMs = options.blockMs ?? 1_000;
   const heartbeatMs = options.heartbeatMs ?? Math.max(50, Math.floor(options.claimIdleMs / 4));
   const graceMs = options.graceMs ?? 5_000;
   const events = options.events ?? {};
-  // Every message this consumer holds and has not yet acked, with its task.
-  const inFlight = new Map<string, Promise<void>>();
+  // Messages are known by lane and id: two lanes' streams may use the same entry ids.
+  const tag = (lane: QueueNames, id: string) => `${lane.stream}\n${id}`;
+  // Every message this consumer holds and has not yet acked, with its task and lane.
+  const inFlight = new Map<string, { task: Promise<void>; lane: QueueNames; id: string }>();
   // The subset whose handler is still running: these use up concurrency slots.
   const running = new Set<string>();
   const handlerAbort = new AbortController();
-  let cursor = "0-0";
-  let groupReady = false;
+  const cursors = new Map<string, string>();
+  const groupsReady = new Set<string>();
+  let turn = 0;
+  let lastReclaim = -Infinity;
   let slotFreed: (() => void) | undefined;
   // Set by runOnce when the gate had no permits: how long to wait before asking again.
   let gateWaitMs = 0;
 
-  // Acks that finish together share one MULTI: XACK + XDEL of all their ids.
-  const ack = createBatcher<string>(async (ids) => {
-    const results = await redis.multi().xack(names.stream, names.group, ...ids).xdel(names.stream, ...ids).exec();
-    const failed = results?.find(([error]) => error);
-    if (!results || failed) throw failed?.[0] ?? new Error("ack transaction aborted");
-    return ids.map(() => undefined);
+  // Acks that finish together share one MULTI per lane: XACK + XDEL of their ids.
+  const ack = createBatcher<{ lane: QueueNames; id: string }>(async (items) => {
+    const byLane = new Map<string, { lane: QueueNames; ids: string[] }>();
+    for (const { lane, id } of items) {
+      const entry = byLane.get(lane.stream) ?? { lane, ids: [] };
+      entry.ids.push(id);
+      byLane.set(lane.stream, entry);
+    }
+    await Promise.all([...byLane.values()].map(async ({ lane, ids }) => {
+      const results = await redis.multi().xack(lane.stream, lane.group, ...ids).xdel(lane.stream, ...ids).exec();
+      const failed = results?.find(([error]) => error);
+      if (!results || failed) throw failed?.[0] ?? new Error("ack transaction aborted");
+    }));
+    return items.map(() => undefined);
   });
 
-  const release = (id: string) => {
-    if (!running.delete(id)) return;
+  const release = (key: string) => {
+    if (!running.delete(key)) return;
     events.inFlight?.(running.size);
     slotFreed?.();
   };
-  const settle = (id: string) => {
-    release(id);
-    inFlight.delete(id);
+  const settle = (key: string) => {
+    release(key);
+    inFlight.delete(key);
   };
 
-  async function process(message: StreamMessage): Promise<void> {
+  async function process(lane: QueueNames, message: StreamMessage): Promise<void> {
     const started = performance.now();
     const msgLog = log.child({ msg_id: message.id, job_id: message.fields.job_id, tenant: message.fields.tenant });
     if (message.deliveries > options.maxDeliveries) {
       const reason = `exceeded ${options.maxDeliveries} deliveries`;
-      await deadLetter(redis, names, message, reason, options.onDeadLetter);
+      await deadLetter(redis, lane, message, reason, options.onDeadLetter);
       events.deadLettered?.(message, reason);
       msgLog.warn("message_dead_lettered", { reason, deliveries: message.deliveries });
       return;
@@ -158,7 +198,7 @@ export function createStreamWorker(
     } catch (error) {
       if (error instanceof PermanentJobError) {
         const reason = `permanent: ${error.message}`;
-        await deadLetter(redis, names, message, reason, options.onDeadLetter);
+        await deadLetter(redis, lane, message, reason, options.onDeadLetter);
         events.deadLettered?.(message, reason);
         msgLog.warn("message_dead_lettered", { reason, deliveries: message.deliveries });
         return;
@@ -170,43 +210,51 @@ export function createStreamWorker(
       return;
     }
     // The slot is free once the work is committed; the ack can finish in the background.
-    release(message.id);
+    release(tag(lane, message.id));
     // Ack only after the handler's effects are committed. XDEL keeps the
     // stream bounded without MAXLEN, which could trim pending entries.
-    await ack(message.id);
+    await ack({ lane, id: message.id });
     events.acked?.(message, performance.now() - started);
   }
 
-  function start(message: StreamMessage, source: "new" | "reclaimed") {
+  function start(lane: QueueNames, message: StreamMessage, source: "new" | "reclaimed") {
     events.delivered?.(message, source);
-    const task = process(message)
+    const key = tag(lane, message.id);
+    const task = process(lane, message)
       .catch((error) => log.error("message_processing_error", { msg_id: message.id, error }))
-      .finally(() => settle(message.id));
-    running.add(message.id);
-    inFlight.set(message.id, task);
+      .finally(() => settle(key));
+    running.add(key);
+    inFlight.set(key, { task, lane, id: message.id });
     events.inFlight?.(running.size);
   }
 
-  async function reclaim(count: number): Promise<StreamMessage[]> {
+  async function ready(lane: QueueNames): Promise<void> {
+    if (groupsReady.has(lane.stream)) return;
+    await ensureGroup(redis, lane);
+    groupsReady.add(lane.stream);
+  }
+
+  async function reclaim(lane: QueueNames, count: number): Promise<StreamMessage[]> {
+    await ready(lane);
     const [next, entries] = await redis.xautoclaim(
-      names.stream,
-      names.group,
+      lane.stream,
+      lane.group,
       options.consumer,
       options.claimIdleMs,
-      cursor,
+      cursors.get(lane.stream) ?? "0-0",
       "COUNT",
       count,
     ) as [string, RawEntry[], string[]];
     // Keep the cursor, or every call rescans the PEL from 0-0.
-    cursor = next;
-    const live = entries.filter((e): e is [string, string[]] => e[1] !== null && !inFlight.has(e[0]));
+    cursors.set(lane.stream, next);
+    const live = entries.filter((e): e is [string, string[]] => e[1] !== null && !inFlight.has(tag(lane, e[0])));
     if (live.length === 0) return [];
     // XAUTOCLAIM bumped each delivery count; read the counts back from the PEL.
     const counts = new Map<string, number>();
     const ids = live.map(([id]) => id);
     const pending = await redis.xpending(
-      names.stream,
-      names.group,
+      lane.stream,
+      lane.group,
       ids[0]!,
       ids[ids.length - 1]!,
       // Our in-flight entries may sit in the same id range; ask for enough rows to cover them too.
@@ -217,22 +265,71 @@ export function createStreamWorker(
     return live.map(([id, flat]) => ({ id, fields: fieldsToObject(flat), deliveries: counts.get(id) ?? 2 }));
   }
 
-  async function readNew(count: number, block: number): Promise<StreamMessage[]> {
-    const args: (string | number)[] = ["GROUP", names.group, options.consumer, "COUNT", count];
-    if (block > 0) args.push("BLOCK", block);
-    args.push("STREAMS", names.stream, ">");
-    const reply = await blocking.call("XREADGROUP", ...args) as [string, RawEntry[]][] | null;
-    const entries = reply?.[0]?.[1] ?? [];
+  const toMessages = (entries: RawEntry[]) =>
     // A new message has been delivered exactly once.
-    return entries.filter((e): e is [string, string[]] => e[1] !== null)
+    entries.filter((e): e is [string, string[]] => e[1] !== null)
       .map(([id, flat]) => ({ id, fields: fieldsToObject(flat), deliveries: 1 }));
+
+  async function readSingle(count: number, block: number): Promise<StreamMessage[]> {
+    const args: (string | number)[] = ["GROUP", single.group, options.consumer, "COUNT", count];
+    if (block > 0) args.push("BLOCK", block);
+    args.push("STREAMS", single.stream, ">");
+    const reply = await blocking!.call("XREADGROUP", ...args) as [string, RawEntry[]][] | null;
+    return toMessages(reply?.[0]?.[1] ?? []);
+  }
+
+  /** Takes from one lane, within its in-flight cap. @returns the messages, and whether the cap stopped it. */
+  async function take(lane: QueueNames, count: number): Promise<{ messages: StreamMessage[]; capped: boolean }> {
+    await ready(lane);
+    const [capped, entries] = await TAKE.run(redis, [lane.stream], [
+      lane.group,
+      options.consumer,
+      count,
+      options.laneMaxInFlight ?? 0,
+    ]) as [number, RawEntry[]];
+    return { messages: toMessages(entries), capped: capped === 1 };
+  }
+
+  /**
+   * Shares `free` slots between the lanes with work: each gets an equal
+   * share, starting one lane further on every call (round robin), so one
+   * tenant's backlog never stalls another's jobs.
+   */
+  async function readLanes(free: number, block: number): Promise<number> {
+    const source = options.lanes!;
+    const lanes = await source.active();
+    let started = 0;
+    if (lanes.length > 0) {
+      const visits = Math.min(lanes.length, free);
+      const share = Math.max(1, Math.floor(free / visits));
+      const first = turn++ % lanes.length;
+      for (let i = 0; i < visits && free > 0; i++) {
+        const lane = lanes[(first + i) % lanes.length]!;
+        const { messages, capped } = await take(lane, Math.min(share, free));
+        if (messages.length === 0 && !capped) await source.idle(lane);
+        for (const m of messages) start(lane, m, "new");
+        free -= messages.length;
+        started += messages.length;
+      }
+    }
+    if (started === 0 && block > 0) await source.wait(block);
+    return started;
+  }
+
+  async function reclaimAll(free: number): Promise<number> {
+    let started = 0;
+    const lanes = options.lanes ? await options.lanes.all() : [single];
+    for (const lane of lanes) {
+      if (free - started <= 0) break;
+      const reclaimed = await reclaim(lane, free - started);
+      for (const m of reclaimed) start(lane, m, "reclaimed");
+      started += reclaimed.length;
+    }
+    return started;
   }
 
   async function runOnce(block = blockMs): Promise<number> {
-    if (!groupReady) {
-      await ensureGroup(redis, names);
-      groupReady = true;
-    }
+    if (!options.lanes) await ready(single);
     let free = options.concurrency - running.size;
     if (free <= 0) return 0;
     gateWaitMs = 0;
@@ -244,48 +341,68 @@ export function createStreamWorker(
       }
       free = Math.min(free, permits);
     }
-    const reclaimed = await reclaim(free);
-    for (const m of reclaimed) start(m, "reclaimed");
-    free -= reclaimed.length;
-    let started = reclaimed.length;
+    let started = 0;
+    // One lane is reclaimed on every pass; many lanes at most once per heartbeat interval.
+    if (!options.lanes || performance.now() - lastReclaim >= heartbeatMs) {
+      lastReclaim = performance.now();
+      started = await reclaimAll(free);
+      free -= started;
+    }
     if (free > 0) {
-      const fresh = await readNew(free, reclaimed.length > 0 ? 0 : block);
-      for (const m of fresh) start(m, "new");
-      started += fresh.length;
+      if (options.lanes) started += await readLanes(free, started > 0 ? 0 : block);
+      else {
+        const fresh = await readSingle(free, started > 0 ? 0 : block);
+        for (const m of fresh) start(single, m, "new");
+        started += fresh.length;
+      }
     }
     return started;
   }
 
   async function heartbeat(): Promise<string[]> {
-    const ids = [...inFlight.keys()];
-    if (ids.length === 0) return [];
-    const refreshed = await HEARTBEAT.run(redis, [names.stream], [names.group, options.consumer, ...ids]) as string[];
-    if (refreshed.length < ids.length) {
-      const lost = ids.filter((id) => !refreshed.includes(id));
-      log.warn("messages_reclaimed_by_another_consumer", { msg_ids: lost });
+    if (inFlight.size === 0) return [];
+    const byLane = new Map<string, { lane: QueueNames; ids: string[] }>();
+    for (const { lane, id } of inFlight.values()) {
+      const entry = byLane.get(lane.stream) ?? { lane, ids: [] };
+      entry.ids.push(id);
+      byLane.set(lane.stream, entry);
+    }
+    const refreshed: string[] = [];
+    for (const { lane, ids } of byLane.values()) {
+      const ok = await HEARTBEAT.run(redis, [lane.stream], [lane.group, options.consumer, ...ids]) as string[];
+      refreshed.push(...ok);
+      if (ok.length < ids.length) {
+        const lost = ids.filter((id) => !ok.includes(id));
+        log.warn("messages_reclaimed_by_another_consumer", { stream: lane.stream, msg_ids: lost });
+      }
     }
     return refreshed;
   }
 
   const pruneIdleMs = options.pruneIdleMs ?? Math.max(3 * options.claimIdleMs, 60_000);
   async function pruneConsumers(): Promise<string[]> {
-    const consumers = await redis.call("XINFO", "CONSUMERS", names.stream, names.group) as unknown[][];
     const removed: string[] = [];
-    for (const c of consumers) {
-      const f = new Map<string, unknown>();
-      for (let i = 0; i + 1 < c.length; i += 2) f.set(String(c[i]), c[i + 1]);
-      const name = String(f.get("name"));
-      // Only consumers with an empty PEL: deleting one that holds messages would drop them from the PEL.
-      if (name === options.consumer || Number(f.get("pending")) !== 0 || Number(f.get("idle")) < pruneIdleMs) continue;
-      await redis.xgroup("DELCONSUMER", names.stream, names.group, name);
-      removed.push(name);
+    for (const lane of options.lanes ? await options.lanes.all() : [single]) {
+      await ready(lane);
+      const consumers = await redis.call("XINFO", "CONSUMERS", lane.stream, lane.group) as unknown[][];
+      for (const c of consumers) {
+        const f = new Map<string, unknown>();
+        for (let i = 0; i + 1 < c.length; i += 2) f.set(String(c[i]), c[i + 1]);
+        const name = String(f.get("name"));
+        // Only consumers with an empty PEL: deleting one that holds messages would drop them from the PEL.
+        if (name === options.consumer || Number(f.get("pending")) !== 0 || Number(f.get("idle")) < pruneIdleMs) {
+          continue;
+        }
+        await redis.xgroup("DELCONSUMER", lane.stream, lane.group, name);
+        removed.push(name);
+      }
     }
     if (removed.length) log.info("consumers_pruned", { consumers: removed });
     return removed;
   }
 
   async function drain(): Promise<void> {
-    await Promise.all(inFlight.values());
+    await Promise.all([...inFlight.values()].map((f) => f.task));
   }
 
   async function run(signal: AbortSignal): Promise<void> {
@@ -338,7 +455,7 @@ export function createStreamWorker(
     },
     async close() {
       handlerAbort.abort(new Error("worker closed"));
-      await blocking.quit().catch(() => blocking.disconnect());
+      await blocking?.quit().catch(() => blocking.disconnect());
     },
   };
 }

@@ -1,0 +1,157 @@
+/**
+ * Lanes: one stream and consumer group per tenant, each under the tenant's
+ * own hash tag, so lanes spread over a Redis Cluster's slots while every
+ * atomic step stays inside one. A registry of lanes with work (a set, in its
+ * own slot) lets workers find them without scanning the keyspace, and a
+ * publish after each enqueue wakes idle workers at once.
+ *
+ * The registry is kept free of lost updates by ordering, not by locks: the
+ * producer adds a lane *after* its enqueue, and a worker that found a lane
+ * empty removes it and *then* looks again, re-adding it if work arrived in
+ * between. A periodic sweep repairs what a crash between enqueue and add
+ * left behind.
+ */
+import type { RedisClient } from "../clients.ts";
+import type { Logger } from "../log/logger.ts";
+import type { QueueNames } from "./message.ts";
+
+/** Where a multi-lane worker finds its lanes. */
+export interface LaneSource {
+  /** Lanes that may have work now. */
+  active(): Promise<QueueNames[]>;
+  /** Every lane there is (for reclaim, heartbeats and pruning). */
+  all(): Promise<QueueNames[]>;
+  /** A read found `lane` empty: take it off the active set, unless work arrived meanwhile. */
+  idle(lane: QueueNames): Promise<void>;
+  /** Resolves on a wake-up (new work somewhere), or after `ms`. */
+  wait(ms: number): Promise<void>;
+}
+
+/** Registry key names. */
+export interface LaneRegistryKeys {
+  /** Set of lane ids with work. */
+  active: string;
+  /** Set of every lane id ever used. */
+  all: string;
+  /** Pub/sub channel a producer publishes a lane id on after enqueuing. */
+  wake: string;
+}
+
+/** The registry's keys under `prefix`, in their own slot. */
+export function laneRegistryKeys(prefix: string): LaneRegistryKeys {
+  const tag = `${prefix}:{lanes}`;
+  return { active: `${tag}:active`, all: `${tag}:all`, wake: `${prefix}:lanes:wake` };
+}
+
+/** Whether a lane's stream holds messages not yet delivered to its group. */
+async function hasUndelivered(redis: RedisClient, lane: QueueNames): Promise<boolean> {
+  const [length, pending] = await Promise.all([
+    redis.xlen(lane.stream),
+    redis.xpending(lane.stream, lane.group).then((p) => Number((p as [number])[0] ?? 0), () => 0),
+  ]);
+  // Acked entries are deleted (XDEL), so everything beyond the pending ones is undelivered.
+  return length > pending;
+}
+
+/**
+ * Tells workers about new work in lane `id`: adds it to the registry and
+ * publishes a wake-up. Call it after the enqueue has committed.
+ */
+export async function announceLane(redis: RedisClient, keys: LaneRegistryKeys, id: string): Promise<void> {
+  await Promise.all([redis.sadd(keys.active, id), redis.sadd(keys.all, id), redis.publish(keys.wake, id)]);
+}
+
+/** Options for {@linkcode createLaneRegistry}. */
+export interface LaneRegistryOptions {
+  keys: LaneRegistryKeys;
+  /** The queue names of lane `id`. */
+  lane(id: string): QueueNames;
+  /** Lanes outside the registry that are read while they have work (the pre-lane single stream). */
+  extra?: QueueNames[];
+  /** How often the sweep re-adds lanes that have work but fell off the active set. */
+  sweepMs?: number;
+}
+
+/** A {@linkcode LaneSource} on the Redis registry; `close` ends its subscription. */
+export function createLaneRegistry(
+  { redis, log }: { redis: RedisClient; log: Logger },
+  options: LaneRegistryOptions,
+): LaneSource & { sweep(): Promise<number>; close(): Promise<void> } {
+  const { keys } = options;
+  const ids = new Map<string, string>(); // stream -> lane id
+  const toLane = (id: string) => {
+    const lane = options.lane(id);
+    ids.set(lane.stream, id);
+    return lane;
+  };
+  let extraWithWork = [...(options.extra ?? [])];
+  let waiters: (() => void)[] = [];
+  const wakeAll = () => {
+    const list = waiters;
+    waiters = [];
+    for (const w of list) w();
+  };
+  // Wake-ups come on a connection of their own: a subscribed connection can do nothing else.
+  const subscriber = redis.duplicate();
+  subscriber.on("error", () => {});
+  subscriber.on("message", wakeAll);
+  const subscribed = subscriber.subscribe(keys.wake).catch((error) => log.warn("lane_wakeup_unavailable", { error }));
+
+  async function sweep(): Promise<number> {
+    let repaired = 0;
+    for (const id of await redis.smembers(keys.all)) {
+      const lane = toLane(id);
+      if (await hasUndelivered(redis, lane) && (await redis.sadd(keys.active, id)) === 1) repaired++;
+    }
+    const extra: QueueNames[] = [];
+    for (const lane of options.extra ?? []) if (await hasUndelivered(redis, lane)) extra.push(lane);
+    extraWithWork = extra;
+    if (repaired) log.info("lanes_repaired", { lanes: repaired });
+    return repaired;
+  }
+  const sweeper = setInterval(() => {
+    sweep().catch((error) => log.warn("lane_sweep_failed", { error }));
+  }, options.sweepMs ?? 30_000);
+  Deno.unrefTimer(sweeper);
+
+  return {
+    async active() {
+      await subscribed;
+      return [...extraWithWork, ...(await redis.smembers(keys.active)).sort().map(toLane)];
+    },
+    async all() {
+      return [...(options.extra ?? []), ...(await redis.smembers(keys.all)).sort().map(toLane)];
+    },
+    async idle(lane) {
+      const id = ids.get(lane.stream);
+      if (id === undefined) {
+        // A lane outside the registry (the old single stream) is read until it is empty.
+        if (!(await hasUndelivered(redis, lane))) extraWithWork = extraWithWork.filter((l) => l !== lane);
+        return;
+      }
+      await redis.srem(keys.active, id);
+      // Look again *after* removing: an enqueue that landed meanwhile has either re-added the lane
+      // itself (it adds after enqueuing), or is visible here.
+      if (await hasUndelivered(redis, lane)) await redis.sadd(keys.active, id);
+    },
+    wait(ms) {
+      return new Promise<void>((resolve) => {
+        const done = () => {
+          clearTimeout(timer);
+          resolve();
+        };
+        const timer = setTimeout(() => {
+          waiters = waiters.filter((w) => w !== done);
+          resolve();
+        }, ms);
+        waiters.push(done);
+      });
+    },
+    sweep,
+    async close() {
+      clearInterval(sweeper);
+      wakeAll();
+      await subscriber.quit().catch(() => subscriber.disconnect());
+    },
+  };
+}
