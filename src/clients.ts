@@ -73,10 +73,12 @@ export async function connectRedis(
       `Cannot start: REDIS_URL names a database (${first.pathname}), which a Redis Cluster does not have`,
     );
   }
-  const nodeOptions = redisOptions(first, options);
+  const nodeOptions = { ...redisOptions(first, options), enableAutoPipelining: false };
   const client = new Cluster(seeds.map((seed) => ({ host: seed.hostname, port: Number(seed.port || 6379) })), {
     redisOptions: nodeOptions,
-    enableAutoPipelining: true,
+    // Off on a cluster: ioredis routes an auto-pipelined EVALSHA by its first argument (the script's SHA),
+    // not its key, and then refuses a pipeline that mixes slots (redis/ioredis#2109).
+    enableAutoPipelining: false,
     // Commands wait for the cluster to be ready, and retry MOVED/ASK and a failed-over master.
     maxRedirections: 16,
     clusterRetryStrategy: (times) => Math.min(100 * 2 ** times, 2_000),

@@ -1,6 +1,8 @@
 import type { RedisClient } from "../clients.ts";
 import { listDeadLetters, replayDeadLetter } from "../queue/dead_letter.ts";
-import type { JobKeys } from "../summaries/keys.ts";
+import type { JobKeys, ServiceKeys } from "../summaries/keys.ts";
+import { allLanes } from "../summaries/all_lanes.ts";
+import { announceLane } from "../queue/lanes.ts";
 import { markQueuedOnReplay } from "../summaries/job_status.ts";
 import { printRows } from "./table.ts";
 
@@ -15,14 +17,19 @@ const USAGE = "Usage: deno task dlq list [--json|--table] | replay ID | replay -
  */
 export async function dlqCommand(
   redis: RedisClient,
-  keys: JobKeys,
+  keys: ServiceKeys | JobKeys,
   args: string[],
   { out = console.log, isTerminal = false }: { out?: (line: string) => void; isTerminal?: boolean } = {},
 ): Promise<number> {
   const [action, target] = args;
+  const lanes = await allLanes(redis, keys);
+  const listAll = async () =>
+    (await Promise.all(
+      lanes.map(async (lane) => (await listDeadLetters(redis, lane.keys, 100_000)).map((d) => ({ ...d, lane }))),
+    )).flat().sort((a, b) => a.dead_at.localeCompare(b.dead_at));
   if (action === "list") {
     const json = args.includes("--json") || (!isTerminal && !args.includes("--table"));
-    const dead = await listDeadLetters(redis, keys, 100_000);
+    const dead = await listAll();
     printRows(
       dead.map((d) => ({
         id: d.id,
@@ -37,7 +44,7 @@ export async function dlqCommand(
     return 0;
   }
   if (action === "replay" && target) {
-    const dead = await listDeadLetters(redis, keys, 100_000);
+    const dead = await listAll();
     const chosen = target === "--all" ? dead : dead.filter((d) => d.id === target);
     if (chosen.length === 0) {
       out(target === "--all" ? "Nothing to replay." : `No dead letter ${target} (already replayed?). Nothing done.`);
@@ -46,8 +53,11 @@ export async function dlqCommand(
     let replayed = 0;
     for (const d of chosen) {
       const jobId = d.fields.job_id;
-      const newId = await replayDeadLetter(redis, keys, d.id, jobId ? markQueuedOnReplay(keys, jobId) : undefined);
+      const lane = d.lane.keys;
+      const newId = await replayDeadLetter(redis, lane, d.id, jobId ? markQueuedOnReplay(lane, jobId) : undefined);
       if (newId === null) continue; // replayed concurrently by someone else
+      // Back in its lane's stream: tell the workers, as an enqueue does.
+      if (d.lane.tenant !== null && "lane" in keys) await announceLane(redis, keys.registry, d.lane.tenant);
       out(`Replayed ${d.id} as ${newId} (job ${jobId ?? "?"}, tenant ${d.fields.tenant ?? "?"})`);
       replayed++;
     }

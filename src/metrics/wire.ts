@@ -3,7 +3,8 @@ import type { Sql } from "postgres";
 import { Gauge, type Registry } from "prom-client";
 import type { RelayEvents } from "../outbox/relay.ts";
 import { outboxBacklog } from "../outbox/outbox_admin.ts";
-import type { QueueNames } from "../queue/message.ts";
+import type { JobKeys, ServiceKeys } from "../summaries/keys.ts";
+import { allLanes } from "../summaries/all_lanes.ts";
 import type { WorkerEvents } from "../queue/stream_worker.ts";
 import type { AttemptReport } from "../retry/retry_policy.ts";
 import type { FlowEvents, ProviderFlow } from "../provider/flow_control.ts";
@@ -30,20 +31,51 @@ export function attemptObserver(m: WorkerMetrics): (report: AttemptReport) => vo
   };
 }
 
-/** Pending count and consumer lag of the job stream, read on scrape. */
-export function queueGauges(registry: Registry, redis: RedisClient, names: QueueNames): void {
-  scrapeGauge(registry, "oncely_queue_pending", "Messages delivered but not yet acknowledged.", async () => {
-    const summary = await redis.xpending(names.stream, names.group) as [number, ...unknown[]];
-    return Number(summary[0] ?? 0);
-  });
-  scrapeGauge(registry, "oncely_queue_lag", "Messages in the stream not yet delivered to the group.", async () => {
-    const groups = await redis.call("XINFO", "GROUPS", names.stream) as unknown[][];
-    for (const g of groups) {
-      const fields = new Map<string, unknown>();
-      for (let i = 0; i + 1 < g.length; i += 2) fields.set(String(g[i]), g[i + 1]);
-      if (fields.get("name") === names.group) return Number(fields.get("lag") ?? 0);
-    }
-    return 0;
+/**
+ * Pending count and consumer lag summed over every lane, and each tenant's
+ * queue depth (messages in its lane's stream), read on scrape.
+ */
+export function queueGauges(registry: Registry, redis: RedisClient, keys: ServiceKeys | JobKeys): void {
+  type LaneStat = { tenant: string; length: number; pending: number; lag: number };
+  const read = async (): Promise<LaneStat[]> => {
+    return await Promise.all((await allLanes(redis, keys)).map(async ({ tenant, keys: lane }) => {
+      const [length, pending, groups] = await Promise.all([
+        redis.xlen(lane.stream),
+        redis.xpending(lane.stream, lane.group).then((s) => Number((s as [number])[0] ?? 0), () => 0),
+        (redis.call("XINFO", "GROUPS", lane.stream) as Promise<unknown[][]>).catch(() => []),
+      ]);
+      let lag = 0;
+      for (const g of groups) {
+        const fields = new Map<string, unknown>();
+        for (let i = 0; i + 1 < g.length; i += 2) fields.set(String(g[i]), g[i + 1]);
+        if (fields.get("name") === lane.group) lag = Number(fields.get("lag") ?? 0);
+      }
+      return { tenant: tenant ?? "(before lanes)", length, pending, lag };
+    }));
+  };
+  const sum = (field: "pending" | "lag") => async () => (await read()).reduce((n, s) => n + s[field], 0);
+  scrapeGauge(
+    registry,
+    "oncely_queue_pending",
+    "Messages delivered but not yet acknowledged, all lanes.",
+    sum("pending"),
+  );
+  scrapeGauge(registry, "oncely_queue_lag", "Messages not yet delivered to the group, all lanes.", sum("lag"));
+  new Gauge({
+    name: "oncely_queue_depth",
+    help: "Messages in a tenant's lane (waiting or in flight), by tenant.",
+    labelNames: ["tenant"] as const,
+    registers: [registry],
+    async collect() {
+      try {
+        this.reset();
+        for (const s of await read()) {
+          if (s.length > 0 || s.tenant !== "(before lanes)") this.set({ tenant: s.tenant }, s.length);
+        }
+      } catch {
+        // A failed read leaves the gauge empty; /metrics must still answer.
+      }
+    },
   });
 }
 

@@ -5,7 +5,7 @@ import { outboxCommand } from "../cli/outbox_command.ts";
 import { providerCommand } from "../cli/provider_command.ts";
 import { tenantCommand } from "../cli/tenant_command.ts";
 import { migrate, readMigrations } from "../db/migrate.ts";
-import { jobKeys, KEY_PREFIX } from "../summaries/keys.ts";
+import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { buildFlow, providerLabel } from "./_model.ts";
 
 /** `deno task migrate`. */
@@ -22,7 +22,7 @@ export function runTenant({ clients, args }: RunContext<{ sql: true }>): Promise
 
 /** `deno task dlq ...`. */
 export function runDlq({ clients, args }: RunContext<{ redis: true }>): Promise<number> {
-  return dlqCommand(clients.redis, jobKeys(KEY_PREFIX), args, { isTerminal: Deno.stdout.isTerminal() });
+  return dlqCommand(clients.redis, serviceKeys(KEY_PREFIX), args, { isTerminal: Deno.stdout.isTerminal() });
 }
 
 /** `deno task outbox ...`. */

@@ -7,7 +7,7 @@ import type { Logger } from "../log/logger.ts";
 import { apiMetrics, createRegistry } from "../metrics/metrics.ts";
 import { createHandler, SUMMARIES } from "../summaries/api.ts";
 import { createIntake } from "../summaries/intake.ts";
-import { jobKeys, KEY_PREFIX } from "../summaries/keys.ts";
+import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
 
 /** Serves the API on HOST:PORT until `signal` aborts, then finishes in-flight requests. */
@@ -21,14 +21,14 @@ export async function serveApi(
   },
   signal: AbortSignal,
 ): Promise<void> {
-  const keys = jobKeys(KEY_PREFIX);
+  const keys = serviceKeys(KEY_PREFIX);
   const handler = createHandler({
     metrics: { api: apiMetrics(registry), registry, token: config.METRICS_TOKEN },
     redis,
     sql,
     log,
     authenticate: createAuthenticator({ sql }, { mode: config.AUTH_MODE }),
-    intake: createIntake({ redis }, { keys, resultTtlS: config.IDEMPOTENCY_RESULT_TTL_S, path: SUMMARIES }),
+    intake: createIntake({ redis, log }, { keys, resultTtlS: config.IDEMPOTENCY_RESULT_TTL_S, path: SUMMARIES }),
     keys,
     maxBodyBytes: config.MAX_BODY_BYTES,
   });

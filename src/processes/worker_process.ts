@@ -6,7 +6,7 @@ import type { Config } from "../config.ts";
 import type { Logger } from "../log/logger.ts";
 import { createRegistry, workerMetrics } from "../metrics/metrics.ts";
 import { attemptObserver, flowEvents, providerGauges, queueGauges, workerEvents } from "../metrics/wire.ts";
-import { jobKeys, KEY_PREFIX } from "../summaries/keys.ts";
+import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createSummaryWorker } from "../summaries/worker.ts";
 import { buildFlow, buildLlm, providerLabel } from "./_model.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
@@ -23,7 +23,7 @@ export async function startWorker(
   signal: AbortSignal,
 ): Promise<void> {
   const metrics = workerMetrics(registry);
-  const keys = jobKeys(KEY_PREFIX);
+  const keys = serviceKeys(KEY_PREFIX);
   queueGauges(registry, redis, keys);
   const consumer = `${Deno.hostname()}-${Deno.pid}-${crypto.randomUUID().slice(0, 6)}`;
   const flow = buildFlow(config, redis, log, flowEvents(metrics));
@@ -35,6 +35,7 @@ export async function startWorker(
     claimIdleMs: config.CLAIM_IDLE_MS,
     maxDeliveries: config.MAX_DELIVERIES,
     concurrency: config.WORKER_CONCURRENCY,
+    tenantMaxInFlight: config.TENANT_MAX_IN_FLIGHT,
     graceMs: 5_000,
     job: {
       budgetMs: config.JOB_BUDGET_S * 1000,

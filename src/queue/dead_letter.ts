@@ -4,7 +4,12 @@ import { defineScript } from "../redis/script.ts";
 import { fieldsToObject, type QueueNames, type StreamMessage } from "./message.ts";
 
 /** Adds app-specific commands (e.g. marking a job failed) to the dead-letter MULTI. Keys must share the queue's hash tag. */
-export type DeadLetterHook = (multi: ChainableCommander, message: StreamMessage, reason: string) => void;
+export type DeadLetterHook = (
+  multi: ChainableCommander,
+  message: StreamMessage,
+  reason: string,
+  names: QueueNames,
+) => void;
 
 /** Fields the dead entry carries besides the original ones. */
 const META = ["dead_reason", "dead_deliveries", "dead_at", "original_id"] as const;
@@ -35,7 +40,7 @@ export async function deadLetter(
     .xadd(names.dead, "*", ...entry)
     .xack(names.stream, names.group, message.id)
     .xdel(names.stream, message.id);
-  hook?.(multi, message, reason);
+  hook?.(multi, message, reason, names);
   const results = await multi.exec();
   if (!results) throw new Error("Dead-letter transaction was aborted");
   for (const [error] of results) if (error) throw error;

@@ -13,6 +13,7 @@
  */
 import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
+import { defineScript } from "../redis/script.ts";
 import type { QueueNames } from "./message.ts";
 
 /** Where a multi-lane worker finds its lanes. */
@@ -58,8 +59,15 @@ async function hasUndelivered(redis: RedisClient, lane: QueueNames): Promise<boo
  * publishes a wake-up. Call it after the enqueue has committed.
  */
 export async function announceLane(redis: RedisClient, keys: LaneRegistryKeys, id: string): Promise<void> {
-  await Promise.all([redis.sadd(keys.active, id), redis.sadd(keys.all, id), redis.publish(keys.wake, id)]);
+  await ANNOUNCE.run(redis, [keys.active, keys.all], [id, keys.wake]);
 }
+
+// One command: both registry sets (one slot) and the wake-up.
+const ANNOUNCE = defineScript(`
+redis.call('SADD', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('PUBLISH', ARGV[2], ARGV[1])
+return 1`);
 
 /** Options for {@linkcode createLaneRegistry}. */
 export interface LaneRegistryOptions {

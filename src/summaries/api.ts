@@ -9,7 +9,7 @@ import { type ApiMetrics, metricsResponse } from "../metrics/metrics.ts";
 import type { Registry } from "prom-client";
 import type { Authenticate } from "../tenants/authenticator.ts";
 import type { Intake } from "./intake.ts";
-import type { JobKeys } from "./keys.ts";
+import type { ServiceKeys } from "./keys.ts";
 import { openApiDocument, ROUTES } from "./openapi.ts";
 import { IdempotencyKey, SummaryRequest, type SummaryStatus } from "./schemas.ts";
 
@@ -20,7 +20,7 @@ export interface ApiDeps {
   log: Logger;
   authenticate: Authenticate;
   intake: Intake;
-  keys: JobKeys;
+  keys: ServiceKeys;
   maxBodyBytes: number;
   /**
    * Prometheus metrics; `/metrics` serves `registry` (which `dev` shares with
@@ -112,11 +112,13 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     const tenant = await authenticate(req);
     const notFound = new HttpError(404, `No job ${jobId} for this tenant`);
     if (!UUID.test(jobId)) throw notFound;
-    const [rows, record] = await Promise.all([
+    const [rows, laneRecord] = await Promise.all([
       sql<{ tenant: string; summary: string }[]>`SELECT tenant, summary FROM summaries WHERE job_id = ${jobId}`,
-      redis.hgetall(keys.job(jobId)),
+      redis.hgetall(keys.lane(tenant).job(jobId)),
     ]);
     const done = rows[0];
+    // A job queued before lanes has its record beside the old single stream.
+    const record = done || laneRecord.tenant ? laneRecord : await redis.hgetall(keys.legacy.job(jobId));
     // Another tenant's job is indistinguishable from an unknown one.
     if (done) {
       if (done.tenant !== tenant) throw notFound;

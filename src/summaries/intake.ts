@@ -10,7 +10,9 @@ import { canonicalJson } from "../idempotency/fingerprint.ts";
 import { encodeScope, jobIdFor, type Scope } from "../idempotency/scope.ts";
 import { defineScript } from "../redis/script.ts";
 import { markQueuedLua } from "./job_status.ts";
-import { JOB_RECORD_TTL_S, type JobKeys } from "./keys.ts";
+import { JOB_RECORD_TTL_S, type ServiceKeys } from "./keys.ts";
+import { announceLane } from "../queue/lanes.ts";
+import type { Logger } from "../log/logger.ts";
 import type { SummaryRequest } from "./schemas.ts";
 
 /** The stored answer to an accepted POST, replayed for the key's lifetime. */
@@ -53,12 +55,12 @@ type StoredRecord = { fp: string } & IntakeResponse;
 
 /** Creates the intake on `redis`; records live `resultTtlS` (IDEMPOTENCY_RESULT_TTL_S). */
 export function createIntake(
-  { redis }: { redis: RedisClient },
-  { keys, resultTtlS, path }: { keys: JobKeys; resultTtlS: number; path: string },
+  { redis, log }: { redis: RedisClient; log?: Logger },
+  { keys, resultTtlS, path }: { keys: ServiceKeys; resultTtlS: number; path: string },
 ): Intake {
   // The scope's unambiguous encoding is the key: bounded (a validated tenant name and a key of at most 128
   // visible characters) and not hashed, since every hash costs the request path several microseconds.
-  const keyFor = (scope: Scope) => keys.idempotency(encodeScope(scope));
+  const keyFor = (scope: Scope) => keys.lane(scope.tenant).idempotency(encodeScope(scope));
   return {
     keyFor,
     async submit({ scope, request }) {
@@ -73,7 +75,8 @@ export function createIntake(
         headers: { location: `${path}/${jobId}` },
       };
       const record = JSON.stringify({ fp: fingerprint, ...response } satisfies StoredRecord);
-      const stored = await INTAKE.run(redis, [keyFor(scope), keys.stream, keys.job(jobId)], [
+      const lane = keys.lane(scope.tenant);
+      const stored = await INTAKE.run(redis, [keyFor(scope), lane.stream, lane.job(jobId)], [
         jobId,
         scope.tenant,
         JSON.stringify(request),
@@ -81,7 +84,15 @@ export function createIntake(
         record,
         resultTtlS,
       ]) as string | null;
-      if (stored === null) return { response, replayed: false };
+      if (stored === null) {
+        // After the enqueue, never before: a worker that is just taking the lane off the active set looks
+        // again after removing it, so between the two the lane cannot be lost. If this fails, the job is
+        // queued all the same, and the workers' periodic sweep finds the lane.
+        announceLane(redis, keys.registry, scope.tenant).catch((error) =>
+          log?.warn("lane_announce_failed", { tenant: scope.tenant, error })
+        );
+        return { response, replayed: false };
+      }
       const previous = JSON.parse(stored) as StoredRecord;
       if (previous.fp !== fingerprint) throw new KeyReused();
       const { status, body, headers } = previous;

@@ -6,7 +6,7 @@
  * the replay script).
  */
 import type { DeadLetterHook, RecordUpdate } from "../queue/dead_letter.ts";
-import { JOB_RECORD_TTL_S, type JobKeys } from "./keys.ts";
+import { JOB_RECORD_TTL_S, jobKeyBeside, type JobKeys } from "./keys.ts";
 
 /** Lua for the enqueue script: KEYS[k] becomes queued for tenant ARGV[tenant], expiring after ARGV[ttl] s. */
 export function markQueuedLua({ key, tenant, ttl }: { key: string; tenant: string; ttl: string }): string {
@@ -16,15 +16,13 @@ redis.call('HDEL', ${key}, 'error')
 redis.call('EXPIRE', ${key}, ${ttl})`;
 }
 
-/** Marks the job failed with the dead-letter reason, inside the dead-letter MULTI (same hash tag). */
-export function markFailedHook(keys: JobKeys): DeadLetterHook {
-  return (multi, message, reason) => {
-    const jobId = message.fields.job_id;
-    if (!jobId) return;
-    multi.hset(keys.job(jobId), "status", "failed", "error", reason.slice(0, 500))
-      .expire(keys.job(jobId), JOB_RECORD_TTL_S);
-  };
-}
+/** Marks the job failed with the dead-letter reason, inside the dead-letter MULTI (same hash tag as its lane). */
+export const markFailedHook: DeadLetterHook = (multi, message, reason, lane) => {
+  const jobId = message.fields.job_id;
+  if (!jobId) return;
+  const key = jobKeyBeside(lane.stream, jobId);
+  multi.hset(key, "status", "failed", "error", reason.slice(0, 500)).expire(key, JOB_RECORD_TTL_S);
+};
 
 /** What a replay does to the job's record, inside the replay script: queued again, its error gone. */
 export function markQueuedOnReplay(keys: JobKeys, jobId: string): RecordUpdate {

@@ -1,8 +1,12 @@
 /**
- * Redis key names of the summary pipeline. Every key that takes part in one
- * MULTI or script shares the `{jobs}` hash tag, so each such operation stays
- * on one Redis Cluster slot. (Partitioned streams will use `{jobs.N}`.)
+ * Redis key names of the summary pipeline. Each tenant has a lane: its
+ * stream, dead letters, job status records and idempotency records share the
+ * tag `{t:<tenant>}`, so every MULTI or script stays in one Redis Cluster
+ * slot while lanes spread over all of them. (A very large tenant could later
+ * be split over `{t:<tenant>:N}` lanes with the same code.)
  */
+import { type LaneRegistryKeys, laneRegistryKeys } from "../queue/lanes.ts";
+
 export interface JobKeys {
   stream: string;
   dead: string;
@@ -16,9 +20,46 @@ export interface JobKeys {
 /** The prefix of every Redis key the service writes. */
 export const KEY_PREFIX = "oncely";
 
-/** Key names under a prefix: {@linkcode KEY_PREFIX} in the service, a random one in tests. */
+/** Every key name the service uses under a prefix. */
+export interface ServiceKeys {
+  prefix: string;
+  /** Tenant `tenant`'s lane. */
+  lane(tenant: string): JobKeys;
+  /** The single stream of releases before lanes: workers read it until it is empty, and GET still finds its jobs. */
+  legacy: JobKeys;
+  /** The registry of lanes with work. */
+  registry: LaneRegistryKeys;
+}
+
+/** The service's keys under a prefix: {@linkcode KEY_PREFIX} in the service, a random one in tests. */
+export function serviceKeys(prefix: string): ServiceKeys {
+  const lanes = new Map<string, JobKeys>();
+  return {
+    prefix,
+    lane(tenant) {
+      let keys = lanes.get(tenant);
+      if (!keys) {
+        keys = keysUnder(`${prefix}:{t:${tenant}}`);
+        if (lanes.size < 10_000) lanes.set(tenant, keys);
+      }
+      return keys;
+    },
+    legacy: jobKeys(prefix),
+    registry: laneRegistryKeys(prefix),
+  };
+}
+
+/** The status record of `jobId` in the lane whose stream is `stream` (lanes keep both under one tag). */
+export function jobKeyBeside(stream: string, jobId: string): string {
+  return `${stream.slice(0, stream.lastIndexOf(":stream"))}:job:${jobId}`;
+}
+
+/** The single `{jobs}` stream's keys (before lanes; also a one-stream queue for tests). */
 export function jobKeys(prefix: string): JobKeys {
-  const tag = `${prefix}:{jobs}`;
+  return keysUnder(`${prefix}:{jobs}`);
+}
+
+function keysUnder(tag: string): JobKeys {
   return {
     stream: `${tag}:stream`,
     dead: `${tag}:dead`,

@@ -5,13 +5,17 @@ import type { ProviderFlow } from "../provider/flow_control.ts";
 import type { Logger } from "../log/logger.ts";
 import { createStreamWorker, type StreamWorker, type WorkerEvents } from "../queue/stream_worker.ts";
 import { createGroupCommitter } from "./commit.ts";
-import type { JobKeys } from "./keys.ts";
+import type { JobKeys, ServiceKeys } from "./keys.ts";
+import { createLaneRegistry } from "../queue/lanes.ts";
 import { markFailedHook } from "./job_status.ts";
 import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
 
 /** Options for {@linkcode createSummaryWorker}. */
 export interface SummaryWorkerOptions {
-  keys: JobKeys;
+  /** The service's keys (a lane per tenant, and the old single stream until it is empty), or one stream. */
+  keys: ServiceKeys | JobKeys;
+  /** The most jobs of one tenant in flight across all workers (TENANT_MAX_IN_FLIGHT). */
+  tenantMaxInFlight?: number;
   consumer: string;
   claimIdleMs: number;
   maxDeliveries: number;
@@ -30,10 +34,21 @@ export function createSummaryWorker(
 ): StreamWorker {
   const committer = createGroupCommitter({ sql: deps.sql, log: deps.log });
   const job = createSummaryJob({ ...deps, committer }, options.job);
-  return createStreamWorker({ redis: deps.redis, log: deps.log }, {
-    stream: options.keys.stream,
-    dead: options.keys.dead,
-    group: options.keys.group,
+  const keys = options.keys;
+  const lanes = "lane" in keys
+    ? createLaneRegistry({ redis: deps.redis, log: deps.log }, {
+      keys: keys.registry,
+      lane: (tenant) => keys.lane(tenant),
+      extra: [keys.legacy],
+    })
+    : undefined;
+  const one = "lane" in keys ? keys.legacy : keys;
+  const worker = createStreamWorker({ redis: deps.redis, log: deps.log }, {
+    stream: one.stream,
+    dead: one.dead,
+    group: one.group,
+    lanes,
+    laneMaxInFlight: options.tenantMaxInFlight,
     consumer: options.consumer,
     claimIdleMs: options.claimIdleMs,
     maxDeliveries: options.maxDeliveries,
@@ -41,9 +56,19 @@ export function createSummaryWorker(
     blockMs: options.blockMs,
     graceMs: options.graceMs,
     heartbeatMs: options.heartbeatMs,
-    onDeadLetter: markFailedHook(options.keys),
+    onDeadLetter: markFailedHook,
     events: options.events,
     // With a shared provider limit, jobs wait in the stream until a permit is near, not in this process.
     gate: deps.flow?.ready,
   }, job);
+  return {
+    ...worker,
+    get inFlight() {
+      return worker.inFlight;
+    },
+    async close() {
+      await worker.close();
+      await lanes?.close();
+    },
+  };
 }

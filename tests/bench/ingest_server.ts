@@ -9,7 +9,7 @@ import { connectPostgres, connectRedis } from "../../src/clients.ts";
 import { createIntake } from "../../src/summaries/intake.ts";
 import { createLogger } from "../../src/log/logger.ts";
 import { createHandler, SUMMARIES } from "../../src/summaries/api.ts";
-import { jobKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 
 const [mode, port, databaseUrl, redisUrl, prefix] = Deno.args;
@@ -35,8 +35,8 @@ if (mode === "bare") {
     sql,
     log,
     authenticate: createAuthenticator({ sql }, { mode: "api-key" }),
-    intake: createIntake({ redis }, { keys: jobKeys(prefix!), resultTtlS: 600, path: SUMMARIES }),
-    keys: jobKeys(prefix!),
+    intake: createIntake({ redis }, { keys: serviceKeys(prefix!), resultTtlS: 600, path: SUMMARIES }),
+    keys: serviceKeys(prefix!),
     maxBodyBytes: 1 << 20,
   });
 }

@@ -11,7 +11,7 @@ import { jobIdFor } from "../../src/idempotency/scope.ts";
 import { createLogger } from "../../src/log/logger.ts";
 import { createHandler, SUMMARIES } from "../../src/summaries/api.ts";
 import { createIntake } from "../../src/summaries/intake.ts";
-import { jobKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/summaries/keys.ts";
 import { SummaryRequest } from "../../src/summaries/schemas.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 
@@ -31,7 +31,7 @@ if (import.meta.main) {
   const [variant, port, databaseUrl, redisUrl, prefix] = Deno.args;
   const sql = await connectPostgres(databaseUrl!);
   const redis = await connectRedis(redisUrl!, { failFast: true });
-  const keys = jobKeys(prefix!);
+  const keys = serviceKeys(prefix!);
   const log = createLogger({ level: "info" });
   const auth = createAuthenticator({ sql }, { mode: "api-key" });
   const accepted = (id = "00000000-0000-5000-8000-000000000000") =>

@@ -13,7 +13,7 @@ import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import { createRelay } from "../../src/outbox/relay.ts";
 import { commitSummaries } from "../../src/summaries/commit.ts";
 import { summaryEmailRenderer } from "../../src/summaries/email.ts";
-import { jobKeys, KEY_PREFIX } from "../../src/summaries/keys.ts";
+import { jobKeys, KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
 import { createSummaryWorker } from "../../src/summaries/worker.ts";
 import { createStreamWorker, type StreamWorker } from "../../src/queue/stream_worker.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
@@ -506,7 +506,8 @@ async function benchEndToEnd() {
   const r = await createScratchRedis(REDIS_URL, "oncely_bench");
   const arrivals = new Map<string, number>();
   const mail = startFakeMail();
-  const keys = jobKeys(r.prefix);
+  // The service's key layout: each tenant's lane, woken by the publish after each enqueue.
+  const keys = serviceKeys(r.prefix);
   const key = await createApiKey(db.sql, "bench");
   const handler = apiHandler({ redis: r.redis, sql: db.sql, keys }, {
     authMode: "api-key",

@@ -30,7 +30,8 @@ import type { Command } from "../../src/commands.ts";
 import { permissionFlags } from "../../src/permissions.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { SUMMARY_READY_KEY_PREFIX } from "../../src/summaries/commit.ts";
-import { jobKeys, KEY_PREFIX } from "../../src/summaries/keys.ts";
+import { KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
+import { allLanes } from "../../src/summaries/all_lanes.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { limitedProvider, startFakeModel } from "../support/fake_model_server.ts";
 import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
@@ -399,7 +400,9 @@ const unexpected = summaries.filter((r) => !jobIds.includes(r.job_id)).length;
 const deliveredKeys = mail.delivered.map((d) => d.idempotencyKey);
 const distinctEmails = new Set(deliveredKeys).size;
 const dupEmails = deliveredKeys.length - distinctEmails;
-const dead = await redisAdmin.xlen(jobKeys(KEY_PREFIX).dead).catch(() => -1);
+const dead = await allLanes(redisAdmin, serviceKeys(KEY_PREFIX))
+  .then(async (lanes) => (await Promise.all(lanes.map((l) => redisAdmin.xlen(l.keys.dead)))).reduce((n, x) => n + x, 0))
+  .catch(() => -1);
 
 const rows: [string, string][] = [
   ["seed", String(SEED)],

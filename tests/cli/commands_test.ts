@@ -52,7 +52,7 @@ Deno.test("operator commands", async (t) => {
         const fields = Object.fromEntries(
           Array.from({ length: flat.length / 2 }, (_, i) => [flat[2 * i], flat[2 * i + 1]]),
         );
-        await deadLetter(r.redis, keys, { id, fields, deliveries: 6 }, "exceeded 5 deliveries", markFailedHook(keys));
+        await deadLetter(r.redis, keys, { id, fields, deliveries: 6 }, "exceeded 5 deliveries", markFailedHook);
         assert.equal(await r.redis.hget(keys.job(jobId), "status"), "failed");
         const list = capture();
         await dlqCommand(r.redis, keys, ["list"], { out: list.out });

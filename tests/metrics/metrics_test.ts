@@ -3,7 +3,7 @@ import type { Registry } from "prom-client";
 import { apiMetrics, createRegistry, relayMetrics, serveMetrics, workerMetrics } from "../../src/metrics/metrics.ts";
 import { attemptObserver, outboxGauges, queueGauges, relayEvents, workerEvents } from "../../src/metrics/wire.ts";
 import { enqueueJob } from "../../src/summaries/enqueue.ts";
-import { jobKeys } from "../../src/summaries/keys.ts";
+import { jobKeys, serviceKeys } from "../../src/summaries/keys.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
@@ -30,7 +30,7 @@ Deno.test("metrics", async (t) => {
   const r = await createTestRedis();
   const keys = jobKeys(r.prefix);
   const handlerWith = (registry: Registry, token?: string) =>
-    apiHandler({ redis: r.redis, sql: db.sql, keys }, {
+    apiHandler({ redis: r.redis, sql: db.sql, keys: serviceKeys(r.prefix) }, {
       resultTtlS: 60,
       maxBodyBytes: 4096,
       metrics: { api: apiMetrics(registry), registry, token },

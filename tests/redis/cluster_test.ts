@@ -11,9 +11,9 @@ import { parseConfig } from "../../src/config.ts";
 import { redisProbeFlags } from "../../src/permissions.ts";
 import { createProviderFlow, providerStateKey } from "../../src/provider/flow_control.ts";
 import { deadLetter, listDeadLetters, replayDeadLetter } from "../../src/queue/dead_letter.ts";
-import { silentLogger } from "../../src/log/logger.ts";
+import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import { markFailedHook, markQueuedOnReplay } from "../../src/summaries/job_status.ts";
-import { jobKeys, KEY_PREFIX } from "../../src/summaries/keys.ts";
+import { jobKeys, KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
 import { enqueueJob } from "../../src/summaries/enqueue.ts";
 import { createExtractiveLlm } from "../../src/llm/extractive.ts";
 import { createTestDatabase, waitFor } from "../_support.ts";
@@ -36,12 +36,14 @@ Deno.test("on a three-master Redis Cluster", async (t) => {
       await seeded.quit();
     });
     const client = redis!;
-    const keys = jobKeys(`oncely_cluster_${crypto.randomUUID().slice(0, 8)}`);
+    const service = serviceKeys(`oncely_cluster_${crypto.randomUUID().slice(0, 8)}`);
+    // Tenant acme's lane: its stream, dead letters and records live in acme's slot.
+    const keys = service.lane("acme");
 
     await t.step("POST, replay, key reuse, worker, relay and GET: one summary and one email per job", async () => {
       const mail = startFakeMail();
-      const handler = apiHandler({ redis: client, sql: db.sql, keys });
-      const worker = summaryWorker({ redis: client, sql: db.sql, llm: createExtractiveLlm(), keys }, {
+      const handler = apiHandler({ redis: client, sql: db.sql, keys: service, log: createLogger({ level: "error" }) });
+      const worker = summaryWorker({ redis: client, sql: db.sql, llm: createExtractiveLlm(), keys: service }, {
         heartbeatMs: 50,
       });
       const relay = relayTo({ sql: db.sql, mailUrl: mail.url });
@@ -94,7 +96,7 @@ Deno.test("on a three-master Redis Cluster", async (t) => {
         keys,
         { id, fields: { job_id: jobId, tenant: "acme", payload: "{}" }, deliveries: 6 },
         "test",
-        markFailedHook(keys),
+        markFailedHook,
       );
       assert.equal(await client.hget(keys.job(jobId), "status"), "failed");
       const [dead] = await listDeadLetters(client, keys);

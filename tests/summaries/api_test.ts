@@ -3,7 +3,7 @@ import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
 import { jobIdFor } from "../../src/idempotency/scope.ts";
 import { createIntake, type Intake } from "../../src/summaries/intake.ts";
 import { apiHandler } from "../support/fixtures.ts";
-import { jobKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { createApiKey, revokeTenant } from "../../src/tenants/tenant_store.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
@@ -13,7 +13,8 @@ const BODY = { text: "Quarterly revenue rose. Costs fell. The board approved the
 Deno.test("summaries API", async (t) => {
   const db = await createTestDatabase();
   const r = await createTestRedis();
-  const keys = jobKeys(r.prefix);
+  const keys = serviceKeys(r.prefix);
+  const acme = keys.lane("acme");
   const intake = createIntake({ redis: r.redis }, { keys, resultTtlS: 86_400, path: "/v1/summaries" });
   const scopeOf = (key: string) => ({ tenant: "acme", method: "POST", path: "/v1/summaries", key });
   const handlerWith = (intake: Intake) =>
@@ -38,7 +39,7 @@ Deno.test("summaries API", async (t) => {
     );
   const get = (jobId: string, key = apiKey) =>
     handler(new Request(`http://api/v1/summaries/${jobId}`, { headers: { authorization: `Bearer ${key}` } }));
-  const streamLength = () => r.redis.xlen(keys.stream);
+  const streamLength = () => r.redis.xlen(acme.stream);
 
   try {
     await t.step("POST accepts a job once: 202, Location, deterministic job id, one stream entry", async () => {
@@ -52,11 +53,11 @@ Deno.test("summaries API", async (t) => {
       assert.equal(res.headers.get("location"), `/v1/summaries/${expected}`);
       assert.equal(res.headers.get("idempotent-replayed"), null);
       assert.equal(await streamLength(), before + 1);
-      const [entry] = await r.redis.xrevrange(keys.stream, "+", "-", "COUNT", 1);
+      const [entry] = await r.redis.xrevrange(acme.stream, "+", "-", "COUNT", 1);
       const fields = entry![1];
       assert.deepEqual(fields.slice(0, 4), ["job_id", expected, "tenant", "acme"]);
       assert.deepEqual(JSON.parse(fields[5]!), BODY);
-      assert.deepEqual(await r.redis.hgetall(keys.job(expected)), { tenant: "acme", status: "queued" });
+      assert.deepEqual(await r.redis.hgetall(acme.job(expected)), { tenant: "acme", status: "queued" });
     });
 
     await t.step("a repeat replays the stored response with Idempotent-Replayed and enqueues nothing", async () => {
@@ -127,20 +128,23 @@ Deno.test("summaries API", async (t) => {
         const second = await res.json();
         assert.notEqual(second.job_id, first.job_id, "the new body is its own job");
         assert.equal(await streamLength(), before + 1);
-        const [entry] = await r.redis.xrevrange(keys.stream, "+", "-", "COUNT", 1);
+        const [entry] = await r.redis.xrevrange(acme.stream, "+", "-", "COUNT", 1);
         assert.equal(JSON.parse(entry![1][5]!).text, other.text);
       },
     );
 
     await t.step("an enqueue failure is a 500 problem without internals, and releases the key", async () => {
-      const brokenKeys = { ...keys, stream: keys.job("not-a-stream") };
+      const brokenKeys = {
+        ...keys,
+        lane: (tenant: string) => ({ ...keys.lane(tenant), stream: acme.job("not-a-stream") }),
+      };
       const broken = handlerWith(
         createIntake({ redis: r.redis }, { keys: brokenKeys, resultTtlS: 60, path: "/v1/summaries" }),
       );
       const key = newKey();
       const jobId = jobIdFor(scopeOf(key), canonicalJson(BODY));
       // Make XADD fail: the "stream" key holds a hash.
-      await r.redis.hset(keys.job("not-a-stream"), "x", "y");
+      await r.redis.hset(acme.job("not-a-stream"), "x", "y");
       const res = await broken(
         new Request("http://api/v1/summaries", {
           method: "POST",
@@ -188,7 +192,7 @@ Deno.test("summaries API", async (t) => {
       assert.equal(notMine.status, 404);
       await notMine.body?.cancel();
       const failed = await (await post(newKey())).json();
-      await r.redis.hset(keys.job(failed.job_id), "status", "failed", "error", "permanent: 400 from model");
+      await r.redis.hset(acme.job(failed.job_id), "status", "failed", "error", "permanent: 400 from model");
       assert.deepEqual(await (await get(failed.job_id)).json(), {
         job_id: failed.job_id,
         status: "failed",

@@ -16,13 +16,13 @@ import type { StreamWorker } from "../../src/queue/stream_worker.ts";
 import { type ApiDeps, createHandler, SUMMARIES } from "../../src/summaries/api.ts";
 import { summaryEmailRenderer } from "../../src/summaries/email.ts";
 import { createIntake } from "../../src/summaries/intake.ts";
-import type { JobKeys } from "../../src/summaries/keys.ts";
+import type { JobKeys, ServiceKeys } from "../../src/summaries/keys.ts";
 import { createSummaryWorker, type SummaryWorkerOptions } from "../../src/summaries/worker.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 
 /** The API handler on `redis` and `sql`; trusted-header auth unless `authMode` says otherwise. */
 export function apiHandler(
-  { redis, sql, keys, log = silentLogger }: { redis: RedisClient; sql: Sql; keys: JobKeys; log?: Logger },
+  { redis, sql, keys, log = silentLogger }: { redis: RedisClient; sql: Sql; keys: ServiceKeys; log?: Logger },
   overrides: Partial<ApiDeps> & {
     authMode?: "api-key" | "trusted-header";
     /** 0 (the default here) looks every key up, so a revocation shows at once. */
@@ -49,7 +49,7 @@ export function summaryWorker(
     redis: RedisClient;
     sql: Sql;
     llm: LLM;
-    keys: JobKeys;
+    keys: ServiceKeys | JobKeys;
     flow?: ProviderFlow;
     log?: Logger;
   },
