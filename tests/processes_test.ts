@@ -12,7 +12,7 @@ import { permissionFlags } from "../src/permissions.ts";
 import { createApiKey } from "../src/tenants/tenant_store.ts";
 import { startFakeMail } from "./support/fake_mail_server.ts";
 import { startFakeModel } from "./support/fake_model_server.ts";
-import { enqueueJob } from "../src/summaries/enqueue.ts";
+import { enqueueJob } from "./support/enqueue.ts";
 import { jobKeys } from "../src/summaries/keys.ts";
 import { createTestDatabase, freePort, REDIS_URL, waitFor } from "./_support.ts";
 import { emptyRedisDatabase } from "./support/scratch.ts";

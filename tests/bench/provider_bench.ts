@@ -8,14 +8,14 @@
  */
 import { Redis } from "ioredis";
 import { sleep } from "../../src/async/timeout.ts";
-import { enqueueJob } from "../../src/summaries/enqueue.ts";
-import { jobKeys, KEY_PREFIX } from "../../src/summaries/keys.ts";
+import { enqueueToLane } from "../support/enqueue.ts";
+import { KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
 import { startWorkerProcess } from "./worker_process.ts";
 import { limitedProvider, type Outage, startFakeModel } from "../support/fake_model_server.ts";
 import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
 
 // The service's own key names: the processes run on an empty Redis database of their own.
-const KEYS = jobKeys(KEY_PREFIX);
+const KEYS = serviceKeys(KEY_PREFIX);
 
 /** What one run measured. */
 export interface ProviderRun {
@@ -70,7 +70,7 @@ export async function providerRun(
     if (outage) provider.setOutage(outage);
     const started = performance.now();
     await Promise.all(Array.from({ length: jobs }, (_, i) =>
-      enqueueJob(redis, KEYS, {
+      enqueueToLane(redis, KEYS, {
         jobId: crypto.randomUUID(),
         tenant: "bench",
         request: {
@@ -101,7 +101,7 @@ export async function providerRun(
       ok: provider.counts.ok,
       rateLimited: provider.counts.rateLimited,
       failedDuringOutage,
-      dead: await redis.xlen(KEYS.dead),
+      dead: await redis.xlen(KEYS.lane("bench").dead),
       afterRecovery: (finished - recoveredAt) / 1000,
     };
   } finally {

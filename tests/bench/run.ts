@@ -30,7 +30,7 @@ import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
 import { SUMMARY_READY_KEY_PREFIX } from "../../src/summaries/commit.ts";
 import { cpuMs, sdkCeiling, startModelProcess, startWorkerProcess } from "./worker_process.ts";
 import { Redis } from "ioredis";
-import { enqueueJob } from "../../src/summaries/enqueue.ts";
+import { enqueueJob, enqueueToLane } from "../support/enqueue.ts";
 import { freePort } from "../support/free_port.ts";
 import { type ProviderRun, providerRun } from "./provider_bench.ts";
 import { fmt, median, quantile } from "./stats.ts";
@@ -387,11 +387,11 @@ async function workerProcessRun(modelUrl: string, jobs: number) {
     LOG_LEVEL: "info",
   });
   try {
-    const keys = jobKeys(KEY_PREFIX);
+    const keys = serviceKeys(KEY_PREFIX);
     const before = await cpuMs(worker.pid);
     const started = performance.now();
     await Promise.all(Array.from({ length: jobs }, () =>
-      enqueueJob(redis, keys, {
+      enqueueToLane(redis, keys, {
         jobId: crypto.randomUUID(),
         tenant: "bench",
         request: JSON.parse(BODY),
@@ -445,6 +445,78 @@ async function benchWorkerProcess() {
       await model.stop();
     }
   }
+}
+
+/**
+ * Tenant B posts 8 jobs while tenant A has a backlog, on one worker with 8
+ * slots and a 250 ms model: how long B waits, with lanes and with the one
+ * FIFO stream of earlier releases (the baseline). Then two equal backlogs.
+ */
+async function benchFairness() {
+  const delayMs = smoke ? 50 : 250;
+  const backlog = smoke ? 40 : 240;
+  const run = async (lanes: boolean) => {
+    const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
+    const r = await createScratchRedis(REDIS_URL, "oncely_bench");
+    const service = serviceKeys(r.prefix);
+    const fifo = jobKeys(r.prefix);
+    const enqueue = (tenant: string, i: number) => {
+      const job = {
+        jobId: crypto.randomUUID(),
+        tenant,
+        request: { text: `${tenant} ${i}. Revenue rose.`, notify: "o@x.co" },
+      };
+      return (lanes ? enqueueToLane(r.redis, service, job) : enqueueJob(r.redis, fifo, job)).then(() => job.jobId);
+    };
+    const worker = summaryWorker(
+      { redis: r.redis, sql: db.sql, llm: fixedLlm(delayMs), keys: lanes ? service : fifo },
+      {
+        consumer: "fair",
+        concurrency: 8,
+        blockMs: 50,
+        job: { budgetMs: 60_000, perCallTimeoutMs: 30_000, maxAttempts: 1 },
+      },
+    );
+    const stop = new AbortController();
+    const running = worker.run(stop.signal);
+    try {
+      for (let i = 0; i < backlog; i++) await enqueue("a", i);
+      await sleep(delayMs * 2); // A is under way
+      const posted = performance.now();
+      const bIds = [];
+      for (let i = 0; i < 8; i++) bIds.push(await enqueue("b", i));
+      for (;;) {
+        const [row] = await db.sql<
+          { n: number }[]
+        >`SELECT count(*)::int AS n FROM summaries WHERE job_id = ANY(${bIds})`;
+        if (row!.n === 8) break;
+        if (performance.now() - posted > 120_000) throw new Error("fairness: B not done in 120 s");
+        await sleep(10);
+      }
+      return (performance.now() - posted) / 1000;
+    } finally {
+      stop.abort();
+      await running;
+      await worker.close();
+      await r.close();
+      await db.close();
+    }
+  };
+  progress(`fairness: B's 8 jobs behind A's ${backlog}, ${delayMs} ms model, 8 slots: lanes, then one FIFO stream`);
+  const withLanes = await run(true);
+  const fifo = await run(false);
+  const goal = smoke ? 0.5 : 2;
+  rows.push({
+    benchmark:
+      `Fairness: tenant B's 8 jobs posted behind tenant A's ${backlog} (${fmt((backlog * delayMs) / 8 / 1000, 1)} s ` +
+      `backlog), one worker, 8 slots, ${delayMs} ms model`,
+    result: `with lanes, B done ${fmt(withLanes, 2)} s after posting`,
+    baseline: `one FIFO stream (before lanes): ${fmt(fifo, 2)} s`,
+    ratio: `${fmt(fifo / withLanes, 1)}x sooner`,
+    goal: `<= ${goal} s ${withLanes <= goal ? "(met)" : "(NOT met)"}`,
+    value: withLanes,
+    baselineValue: fifo,
+  });
 }
 
 async function benchRelay() {
@@ -780,6 +852,7 @@ const sections: Record<string, () => Promise<void>> = {
   worker: benchWorker,
   "worker-process": benchWorkerProcess,
   queue: benchQueue,
+  fairness: benchFairness,
   relay: benchRelay,
   e2e: benchEndToEnd,
   provider: benchProvider,

@@ -8,7 +8,7 @@ import { tenantCommand } from "../../src/cli/tenant_command.ts";
 import { deadLetter } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { commitSummaries } from "../../src/summaries/commit.ts";
-import { enqueueJob } from "../../src/summaries/enqueue.ts";
+import { enqueueJob } from "../support/enqueue.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
 import { markFailedHook } from "../../src/summaries/job_status.ts";
 import { parseApiKey } from "../../src/tenants/tenant_store.ts";

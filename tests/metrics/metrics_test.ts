@@ -2,7 +2,7 @@ import assert from "node:assert/strict";
 import type { Registry } from "prom-client";
 import { apiMetrics, createRegistry, relayMetrics, serveMetrics, workerMetrics } from "../../src/metrics/metrics.ts";
 import { attemptObserver, outboxGauges, queueGauges, relayEvents, workerEvents } from "../../src/metrics/wire.ts";
-import { enqueueJob } from "../../src/summaries/enqueue.ts";
+import { enqueueJob } from "../support/enqueue.ts";
 import { jobKeys, serviceKeys } from "../../src/summaries/keys.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";

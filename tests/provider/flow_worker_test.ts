@@ -11,7 +11,7 @@ import { silentLogger } from "../../src/log/logger.ts";
 import { createProviderFlow, providerStateKey } from "../../src/provider/flow_control.ts";
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
-import { enqueueJob } from "../../src/summaries/enqueue.ts";
+import { enqueueJob } from "../support/enqueue.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
 import { createSummaryWorker } from "../../src/summaries/worker.ts";
 import { limitedProvider, startFakeModel } from "../support/fake_model_server.ts";

@@ -14,7 +14,7 @@ import { deadLetter, listDeadLetters, replayDeadLetter } from "../../src/queue/d
 import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import { markFailedHook, markQueuedOnReplay } from "../../src/summaries/job_status.ts";
 import { jobKeys, KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
-import { enqueueJob } from "../../src/summaries/enqueue.ts";
+import { enqueueJob } from "../support/enqueue.ts";
 import { createExtractiveLlm } from "../../src/llm/extractive.ts";
 import { createTestDatabase, waitFor } from "../_support.ts";
 import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";

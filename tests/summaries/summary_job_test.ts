@@ -6,7 +6,7 @@ import { silentLogger } from "../../src/log/logger.ts";
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { commitSummaries, createGroupCommitter } from "../../src/summaries/commit.ts";
-import { enqueueJob } from "../../src/summaries/enqueue.ts";
+import { enqueueJob } from "../support/enqueue.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
 import { createSummaryJob } from "../../src/summaries/summary_job.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";

@@ -1,9 +1,14 @@
-import type { RedisClient } from "../clients.ts";
-import { defineScript } from "../redis/script.ts";
-import type { JobKeys } from "./keys.ts";
-import { markQueuedLua } from "./job_status.ts";
-import { JOB_RECORD_TTL_S } from "./keys.ts";
-import type { SummaryRequest } from "./schemas.ts";
+/**
+ * Enqueuing a job directly, without the API's idempotency record: what tests,
+ * the bench and the chaos run use to fill a queue.
+ */
+import type { RedisClient } from "../../src/clients.ts";
+import { defineScript } from "../../src/redis/script.ts";
+import type { JobKeys, ServiceKeys } from "../../src/summaries/keys.ts";
+import { announceLane } from "../../src/queue/lanes.ts";
+import { markQueuedLua } from "../../src/summaries/job_status.ts";
+import { JOB_RECORD_TTL_S } from "../../src/summaries/keys.ts";
+import type { SummaryRequest } from "../../src/summaries/schemas.ts";
 
 // One script, so one command and one round trip; both keys share the `{jobs}`
 // hash tag, so it runs on a single Redis Cluster slot.
@@ -31,4 +36,15 @@ export async function enqueueJob(
     JOB_RECORD_TTL_S,
   ]);
   return id as string;
+}
+
+/** Enqueues into the tenant's lane and announces the lane, as intake does. @returns the stream entry id. */
+export async function enqueueToLane(
+  redis: RedisClient,
+  keys: ServiceKeys,
+  job: { jobId: string; tenant: string; request: SummaryRequest },
+): Promise<string> {
+  const id = await enqueueJob(redis, keys.lane(job.tenant), job);
+  await announceLane(redis, keys.registry, job.tenant);
+  return id;
 }
