@@ -10,7 +10,11 @@
  * and counts effects. Exits non-zero unless nothing was lost or duplicated.
  *
  *   deno task chaos [--jobs N] [--duration S] [--redis-restart] [--pg-terminate] [--no-kills] [--seed N]
- *                   [--provider-limit RPS]
+ *                   [--provider-limit RPS] [--cluster]
+ *
+ * With --cluster, Redis is a local three-master Redis Cluster with AOF on
+ * (fsync always) in a temporary directory, REDIS_URL lists its nodes, and one
+ * master's process is SIGKILLed and restarted mid-run.
  *
  * With --provider-limit, the fake model also enforces RPS requests in any
  * sliding second with OpenAI's x-ratelimit-* headers and 429 bodies (the
@@ -35,6 +39,8 @@ import { allLanes } from "../../src/summaries/all_lanes.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { limitedProvider, startFakeModel } from "../support/fake_model_server.ts";
 import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
+import { type LocalCluster, startLocalCluster } from "../support/redis_cluster.ts";
+import { connectRedis, type RedisClient } from "../../src/clients.ts";
 import { freePort } from "../support/free_port.ts";
 import { seededRandom } from "../support/random.ts";
 
@@ -53,6 +59,7 @@ const JOBS = option("jobs", 500);
 const DURATION_S = option("duration", 30);
 const DRAIN_TIMEOUT_S = option("drain-timeout", 180);
 const REDIS_RESTART = flag("redis-restart");
+const CLUSTER = flag("cluster");
 const PG_TERMINATE = flag("pg-terminate");
 const NO_KILLS = flag("no-kills");
 const PROVIDER_LIMIT = option("provider-limit", 0);
@@ -122,19 +129,27 @@ async function startOwnRedis() {
   throw new Error("own redis-server did not start");
 }
 
-if (REDIS_RESTART) {
+let cluster: LocalCluster | undefined;
+if (CLUSTER) {
+  cluster = await startLocalCluster({ aof: true });
+  redisUrl = cluster.nodes.join(",");
+} else if (REDIS_RESTART) {
   ownRedis = { port: freePort(), dir: await Deno.makeTempDir({ prefix: "oncely-chaos-redis-" }) };
   await startOwnRedis();
   redisUrl = `redis://127.0.0.1:${ownRedis.port}/0`;
 } else {
   redisUrl = await emptyRedisDatabase("redis://127.0.0.1:6379/0");
 }
-const redisAdmin = new Redis(redisUrl, { maxRetriesPerRequest: null });
+const redisAdmin: RedisClient = CLUSTER
+  ? await connectRedis(redisUrl)
+  : new Redis(redisUrl, { maxRetriesPerRequest: null });
 redisAdmin.on("error", () => {});
 
 // ---------------------------------------------------------------- processes
 const apiPort = freePort();
-const apiKey = await createApiKey(db.sql, "chaos");
+// Four tenants, so four lanes: on a cluster they spread over the masters.
+const TENANTS = ["chaos-a", "chaos-b", "chaos-c", "chaos-d"];
+const apiKeys = await Promise.all(TENANTS.map((tenant) => createApiKey(db.sql, tenant)));
 const env: Record<string, string> = {
   DATABASE_URL: db.url,
   REDIS_URL: redisUrl,
@@ -230,7 +245,7 @@ function document(i: number): string {
   ).join(" ");
 }
 
-async function postOnce(key: string, body: string): Promise<string | null> {
+async function postOnce(key: string, body: string, apiKey: string): Promise<string | null> {
   postRequests++;
   try {
     const res = await fetch(`http://127.0.0.1:${apiPort}/v1/summaries`, {
@@ -253,16 +268,17 @@ async function postOnce(key: string, body: string): Promise<string | null> {
 async function submit(i: number) {
   const key = `chaos-${SEED}-${String(i).padStart(6, "0")}`;
   const body = JSON.stringify({ text: document(i), notify: `user${i}@example.com` });
+  const apiKey = apiKeys[i % apiKeys.length]!;
   const copies = 2 + Math.floor(random() * 3); // the first send and 1-3 retries
   const concurrent = random() < 0.3;
   const ids: (string | null)[] = [];
-  if (concurrent) ids.push(...await Promise.all(Array.from({ length: copies }, () => postOnce(key, body))));
-  else for (let c = 0; c < copies; c++) ids.push(await postOnce(key, body));
+  if (concurrent) ids.push(...await Promise.all(Array.from({ length: copies }, () => postOnce(key, body, apiKey))));
+  else for (let c = 0; c < copies; c++) ids.push(await postOnce(key, body, apiKey));
   let jobId = ids.find((id) => id !== null) ?? null;
   const end = performance.now() + 120_000;
   for (let delay = 100; jobId === null && performance.now() < end; delay = Math.min(delay * 2, 1_000)) {
     await sleep(delay + random() * 100);
-    jobId = await postOnce(key, body);
+    jobId = await postOnce(key, body, apiKey);
   }
   if (jobId === null) throw new Error(`POST for ${key} never got a 202 in 120 s`);
   accepted.set(key, jobId);
@@ -284,10 +300,18 @@ async function outageLoop(end: number) {
   limited?.setOutage(null);
 }
 
+/** The index (in `cluster.nodes`) of the master that serves `key`'s slot. */
+async function masterOf(key: string): Promise<number> {
+  const slot = await redisAdmin.cluster("KEYSLOT", key) as number;
+  const ranges = await redisAdmin.cluster("SLOTS");
+  const owner = ranges.find(([from, to]) => slot >= from && slot <= to)!;
+  return cluster!.nodes.indexOf(`redis://127.0.0.1:${owner[2]![1]}`);
+}
+
 async function killLoop() {
   const end = performance.now() + DURATION_S * 1000;
   const outages = outageLoop(end);
-  let redisRestarted = !REDIS_RESTART, pgTerminated = !PG_TERMINATE;
+  let redisRestarted = !REDIS_RESTART, pgTerminated = !PG_TERMINATE, masterRestarted = !CLUSTER;
   while (performance.now() < end) {
     await sleep(1_000 + random() * 2_000);
     if (performance.now() >= end) break;
@@ -299,6 +323,14 @@ async function killLoop() {
       await ownRedis!.child!.status;
       await sleep(500);
       await startOwnRedis();
+      continue;
+    }
+    if (!masterRestarted && elapsed > 0.4) {
+      masterRestarted = true;
+      // The master that serves the first tenant's lane: its jobs are in flight when it dies.
+      const index = await masterOf(serviceKeys(KEY_PREFIX).lane(TENANTS[0]!).stream);
+      await cluster!.restart(index);
+      events.push(`cluster master ${cluster!.nodes[index]} killed (SIGKILL) and restarted from its AOF`);
       continue;
     }
     if (!pgTerminated && elapsed > 0.6) {
@@ -408,7 +440,8 @@ const rows: [string, string][] = [
   ["seed", String(SEED)],
   [
     "mode",
-    [REDIS_RESTART && "redis restart", PG_TERMINATE && "pg_terminate_backend"].filter(Boolean).join(", ") ||
+    [CLUSTER && "redis cluster", REDIS_RESTART && "redis restart", PG_TERMINATE && "pg_terminate_backend"]
+      .filter(Boolean).join(", ") ||
     "process kills",
   ],
   ["jobs accepted", String(jobIds.length)],
@@ -446,8 +479,9 @@ await Promise.all(procs.map((p) => p.child.status));
 for (const p of procs) p.log.close();
 await model.close();
 await mail.close();
-await redisAdmin.flushdb().catch(() => {});
+if (!CLUSTER) await (redisAdmin as Redis).flushdb().catch(() => {});
 await redisAdmin.quit().catch(() => redisAdmin.disconnect());
+await cluster?.stop();
 if (ownRedis) {
   ownRedis.child?.kill("SIGKILL");
   await ownRedis.child?.status;

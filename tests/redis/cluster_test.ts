@@ -16,7 +16,7 @@ import { markFailedHook, markQueuedOnReplay } from "../../src/summaries/job_stat
 import { jobKeys, KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
 import { enqueueJob } from "../support/enqueue.ts";
 import { createExtractiveLlm } from "../../src/llm/extractive.ts";
-import { createTestDatabase, waitFor } from "../_support.ts";
+import { createTestDatabase, freePort, waitFor } from "../_support.ts";
 import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { startLocalCluster } from "../support/redis_cluster.ts";
@@ -170,6 +170,61 @@ Deno.test("on a three-master Redis Cluster", async (t) => {
         }
       },
     );
+    await t.step("deno task dev runs on the cluster: POST, the job is done, GET shows the summary", async () => {
+      const port = freePort();
+      const dev = new Deno.Command(Deno.execPath(), {
+        args: ["task", "dev"],
+        cwd: ROOT,
+        env: {
+          REDIS_URL: cluster.nodes[1]!,
+          DATABASE_URL: db.url,
+          PORT: String(port),
+          LOG_LEVEL: "warn",
+          NO_COLOR: "1",
+        },
+        stdout: "piped",
+        stderr: "piped",
+      }).spawn();
+      const stderr = new Response(dev.stderr).text();
+      const lines = dev.stdout.pipeThrough(new TextDecoderStream()).getReader();
+      try {
+        let out = "";
+        while (!/API key \(shown once\): (\S+)/.test(out) && !/Tenant "dev" exists/.test(out)) {
+          const { value, done } = await lines.read();
+          if (done) throw new Error(`dev exited: ${await stderr}`);
+          out += value;
+        }
+        const key = /API key \(shown once\): (\S+)/.exec(out)![1]!;
+        const base = `http://127.0.0.1:${port}`;
+        await waitFor(
+          "the API",
+          () => fetch(`${base}/healthz`).then((r) => (r.body?.cancel(), r.ok), () => false),
+          15_000,
+        );
+        const res = await fetch(`${base}/v1/summaries`, {
+          method: "POST",
+          headers: {
+            authorization: `Bearer ${key}`,
+            "idempotency-key": "dev-on-cluster-0001",
+            "content-type": "application/json",
+          },
+          body: JSON.stringify({ text: "Revenue rose. Costs fell. The cluster held.", notify: "you@example.com" }),
+        });
+        assert.equal(res.status, 202);
+        const { job_id } = await res.json();
+        const doc = await waitFor("the summary", async () => {
+          const r = await fetch(`${base}/v1/summaries/${job_id}`, { headers: { authorization: `Bearer ${key}` } });
+          const body = await r.json();
+          return body.status === "done" ? body : null;
+        }, 15_000);
+        assert.ok(doc.summary.length > 0);
+      } finally {
+        dev.kill("SIGTERM");
+        assert.equal((await dev.status).code, 0);
+        await lines.cancel().catch(() => {});
+        await stderr;
+      }
+    });
   } finally {
     await redis?.quit().catch(() => redis?.disconnect());
     await db.close();
