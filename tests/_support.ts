@@ -7,6 +7,8 @@ import {
 } from "./support/scratch.ts";
 
 export { deleteByPrefix } from "./support/scratch.ts";
+import { startLocalCluster } from "./support/redis_cluster.ts";
+import { connectRedis } from "../src/clients.ts";
 export { seededRandom } from "./support/random.ts";
 export { freePort } from "./support/free_port.ts";
 export const ADMIN_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/postgres";
@@ -19,9 +21,25 @@ export function createTestDatabase(options: { migrate?: boolean } = {}): Promise
   return createScratchDatabase(ADMIN_DATABASE_URL, options);
 }
 
-/** Connects to the local Redis with a random key prefix; `close` deletes its keys. */
-export function createTestRedis(): Promise<TestRedis> {
-  return createScratchRedis(REDIS_URL);
+/**
+ * Connects to the local Redis with a random key prefix; `close` deletes its
+ * keys. With `ONCELY_TEST_CLUSTER=1` the test file gets a three-master Redis
+ * Cluster of its own instead (the client is the cluster client), so the
+ * Redis-facing tests run on both (`deno task test:cluster`).
+ */
+export async function createTestRedis(): Promise<TestRedis> {
+  if (Deno.env.get("ONCELY_TEST_CLUSTER") !== "1") return await createScratchRedis(REDIS_URL);
+  const cluster = await startLocalCluster();
+  const redis = await connectRedis(cluster.nodes[0]!);
+  return {
+    redis,
+    url: cluster.nodes.join(","),
+    prefix: `oncely_test_${crypto.randomUUID().slice(0, 8)}`,
+    async close() {
+      await redis.quit().catch(() => redis.disconnect());
+      await cluster.stop();
+    },
+  };
 }
 
 /**

@@ -5,7 +5,7 @@
  * counted: model calls by answer, summary rows, outbox rows, dead letters.
  */
 import assert from "node:assert/strict";
-import { Redis } from "ioredis";
+import { connectRedis, type RedisClient } from "../../src/clients.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createProviderFlow, providerStateKey } from "../../src/provider/flow_control.ts";
@@ -15,7 +15,7 @@ import { enqueueJob } from "../support/enqueue.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
 import { createSummaryWorker } from "../../src/summaries/worker.ts";
 import { limitedProvider, startFakeModel } from "../support/fake_model_server.ts";
-import { createTestDatabase, createTestRedis, REDIS_URL, waitFor } from "../_support.ts";
+import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 
 const RPS = 20;
 
@@ -41,10 +41,11 @@ Deno.test("two workers share one provider's limit, pause and breaker", async (t)
     const model = startFakeModel(provider.respond);
     const stateKey = providerStateKey(r.prefix, { baseURL: model.url, model: `m${run++}`, apiKey: "sk-test" });
     const stop = new AbortController();
-    const clients: Redis[] = [];
+    const clients: RedisClient[] = [];
     const workers = [];
     for (const name of ["w1", "w2"]) {
-      const redis = new Redis(REDIS_URL, { maxRetriesPerRequest: 1 });
+      // Its own connection, as a second process would have (a cluster client on a cluster run).
+      const redis = await connectRedis(r.url);
       clients.push(redis);
       const flow = createProviderFlow({ redis, log: silentLogger }, {
         key: stateKey,

@@ -1,5 +1,6 @@
 /** Scratch Postgres databases and Redis key prefixes, for tests, benchmarks and the chaos run. */
 import { Redis } from "ioredis";
+import type { RedisClient } from "../../src/clients.ts";
 import postgres, { type Sql } from "postgres";
 import { migrate, readMigrations } from "../../src/db/migrate.ts";
 import { silentLogger } from "../../src/log/logger.ts";
@@ -64,7 +65,9 @@ export async function deleteByPrefix(redis: Redis, prefix: string): Promise<void
 
 /** A Redis client plus a key prefix nobody else uses; `close` deletes the prefix's keys. */
 export interface ScratchRedis {
-  redis: Redis;
+  redis: RedisClient;
+  /** The URL (or seed list) the client connected to, for clients a test opens itself. */
+  url: string;
   prefix: string;
   close(): Promise<void>;
 }
@@ -76,6 +79,7 @@ export async function createScratchRedis(url: string, prefix = "oncely_test"): P
   const p = `${prefix}_${randomId()}`;
   return {
     redis,
+    url,
     prefix: p,
     async close() {
       await deleteByPrefix(redis, p);
