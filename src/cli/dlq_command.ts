@@ -6,7 +6,7 @@ import { announceLane } from "../queue/lanes.ts";
 import { markQueuedOnReplay } from "../summaries/job_status.ts";
 import { printRows } from "./table.ts";
 
-const USAGE = "Usage: deno task dlq list [--json|--table] | replay ID | replay --all";
+const USAGE = "Usage: deno task dlq list [--json|--table] | replay ID [--tenant T] | replay --all";
 
 /**
  * `dlq list | replay ID | replay --all`. `list` prints JSON lines (id,
@@ -45,7 +45,21 @@ export async function dlqCommand(
   }
   if (action === "replay" && target) {
     const dead = await listAll();
-    const chosen = target === "--all" ? dead : dead.filter((d) => d.id === target);
+    const tenantAt = args.indexOf("--tenant");
+    const tenant = tenantAt >= 0 ? args[tenantAt + 1] : undefined;
+    const chosen = target === "--all"
+      ? dead
+      : dead.filter((d) => d.id === target && (tenant === undefined || d.lane.tenant === tenant));
+    // Each lane's dead-letter stream numbers its own entries, so one id may name dead letters in two lanes.
+    if (target !== "--all" && chosen.length > 1) {
+      console.error(
+        `Dead letter ${target} exists in the lanes of ${
+          chosen.map((d) => d.lane.tenant ?? "(before lanes)").join(", ")
+        }; ` +
+          `add --tenant T to say which. Nothing done.`,
+      );
+      return 2;
+    }
     if (chosen.length === 0) {
       out(target === "--all" ? "Nothing to replay." : `No dead letter ${target} (already replayed?). Nothing done.`);
       return 0;

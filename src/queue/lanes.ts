@@ -93,8 +93,13 @@ export function createLaneRegistry(
     return lane;
   };
   let extraWithWork = [...(options.extra ?? [])];
+  let extraCheckedAt = performance.now();
   let waiters: (() => void)[] = [];
+  // Counts wake-ups, so a publish between `active()` and `wait()` is not missed.
+  let wakes = 0;
+  let wakesSeen = 0;
   const wakeAll = () => {
+    wakes++;
     const list = waiters;
     waiters = [];
     for (const w of list) w();
@@ -125,6 +130,15 @@ export function createLaneRegistry(
   return {
     async active() {
       await subscribed;
+      wakesSeen = wakes;
+      // A drained lane outside the registry is looked at again every second: a replayed dead letter, or an
+      // older API still writing there during a rolling upgrade, is not left for the sweep.
+      if (extraWithWork.length < (options.extra ?? []).length && performance.now() - extraCheckedAt > 1_000) {
+        extraCheckedAt = performance.now();
+        const extra: QueueNames[] = [];
+        for (const lane of options.extra ?? []) if (await hasUndelivered(redis, lane)) extra.push(lane);
+        extraWithWork = extra;
+      }
       return [...extraWithWork, ...(await redis.smembers(keys.active)).sort().map(toLane)];
     },
     async all() {
@@ -139,10 +153,13 @@ export function createLaneRegistry(
       }
       await redis.srem(keys.active, id);
       // Look again *after* removing: an enqueue that landed meanwhile has either re-added the lane
-      // itself (it adds after enqueuing), or is visible here.
-      if (await hasUndelivered(redis, lane)) await redis.sadd(keys.active, id);
+      // itself (it adds after enqueuing), or is visible here. If the look fails, put the lane back:
+      // an extra read of an empty lane costs little, a lost one waits for the sweep.
+      const more = await hasUndelivered(redis, lane).catch(() => true);
+      if (more) await redis.sadd(keys.active, id);
     },
     wait(ms) {
+      if (wakes !== wakesSeen) return Promise.resolve();
       return new Promise<void>((resolve) => {
         const done = () => {
           clearTimeout(timer);

@@ -151,7 +151,8 @@ export function createStreamWorker(
   const handlerAbort = new AbortController();
   const cursors = new Map<string, string>();
   const groupsReady = new Set<string>();
-  let turn = 0;
+  let lastServed = "";
+  let reclaimTurn = 0;
   let lastReclaim = -Infinity;
   let slotFreed: (() => void) | undefined;
   // Set by runOnce when the gate had no permits: how long to wait before asking again.
@@ -299,31 +300,56 @@ export function createStreamWorker(
     const source = options.lanes!;
     const lanes = await source.active();
     let started = 0;
+    let capped = false;
     if (lanes.length > 0) {
-      const visits = Math.min(lanes.length, free);
-      const share = Math.max(1, Math.floor(free / visits));
-      const first = turn++ % lanes.length;
-      for (let i = 0; i < visits && free > 0; i++) {
+      // Start one lane after the one served first last time, and keep going round until the free
+      // slots are used or every lane was asked: an empty or capped lane never leaves a slot idle
+      // while another lane has work.
+      const at = lanes.findIndex((l) => l.stream > lastServed);
+      const first = at < 0 ? 0 : at;
+      const share = Math.max(1, Math.floor(free / Math.min(lanes.length, free)));
+      for (let i = 0; i < lanes.length && free > 0; i++) {
         const lane = lanes[(first + i) % lanes.length]!;
-        const { messages, capped } = await take(lane, Math.min(share, free));
-        if (messages.length === 0 && !capped) await source.idle(lane);
-        for (const m of messages) start(lane, m, "new");
-        free -= messages.length;
-        started += messages.length;
+        if (i === 0) lastServed = lane.stream;
+        try {
+          const took = await take(lane, Math.min(share, free));
+          capped ||= took.capped;
+          if (took.messages.length === 0 && !took.capped) await source.idle(lane);
+          for (const m of took.messages) start(lane, m, "new");
+          free -= took.messages.length;
+          started += took.messages.length;
+        } catch (error) {
+          // One lane's trouble (its node failing over, a lost group) must not stall the others.
+          laneFailed(lane, error);
+        }
       }
     }
-    if (started === 0 && block > 0) await source.wait(block);
+    // Nothing to take: wait for a wake-up; a capped lane frees up as its jobs finish, so look again soon.
+    if (started === 0 && block > 0) await source.wait(capped ? Math.min(block, 50) : block);
     return started;
+  }
+
+  function laneFailed(lane: QueueNames, error: unknown) {
+    if (error instanceof Error && error.message.includes("NOGROUP")) groupsReady.delete(lane.stream);
+    log.warn("lane_read_failed", { stream: lane.stream, error });
   }
 
   async function reclaimAll(free: number): Promise<number> {
     let started = 0;
     const lanes = options.lanes ? await options.lanes.all() : [single];
-    for (const lane of lanes) {
+    // Rotate where reclaim starts, so one lane's stream of failures cannot take every pass.
+    const first = lanes.length ? reclaimTurn++ % lanes.length : 0;
+    for (let i = 0; i < lanes.length; i++) {
       if (free - started <= 0) break;
-      const reclaimed = await reclaim(lane, free - started);
-      for (const m of reclaimed) start(lane, m, "reclaimed");
-      started += reclaimed.length;
+      const lane = lanes[(first + i) % lanes.length]!;
+      try {
+        const reclaimed = await reclaim(lane, free - started);
+        for (const m of reclaimed) start(lane, m, "reclaimed");
+        started += reclaimed.length;
+      } catch (error) {
+        if (!options.lanes) throw error;
+        laneFailed(lane, error);
+      }
     }
     return started;
   }
@@ -383,8 +409,15 @@ export function createStreamWorker(
   async function pruneConsumers(): Promise<string[]> {
     const removed: string[] = [];
     for (const lane of options.lanes ? await options.lanes.all() : [single]) {
-      await ready(lane);
-      const consumers = await redis.call("XINFO", "CONSUMERS", lane.stream, lane.group) as unknown[][];
+      let consumers: unknown[][];
+      try {
+        await ready(lane);
+        consumers = await redis.call("XINFO", "CONSUMERS", lane.stream, lane.group) as unknown[][];
+      } catch (error) {
+        if (!options.lanes) throw error;
+        laneFailed(lane, error);
+        continue;
+      }
       for (const c of consumers) {
         const f = new Map<string, unknown>();
         for (let i = 0; i + 1 < c.length; i += 2) f.set(String(c[i]), c[i + 1]);

@@ -119,6 +119,31 @@ Deno.test("lanes", async (t) => {
       await registry.close();
     });
 
+    await t.step("a capped lane does not leave a free slot idle while another lane has work", async () => {
+      const { registry, enqueue, workerWith } = setup();
+      const release = new Map<string, () => void>();
+      const seen: string[] = [];
+      const worker = workerWith((m) => {
+        seen.push(m.fields.job_id!);
+        return new Promise<void>((res) => release.set(m.fields.job_id!, res));
+      }, { concurrency: 2, laneMaxInFlight: 1 });
+      await enqueue("a", 5);
+      await enqueue("b", 5);
+      assert.equal(await worker.runOnce(0), 2); // a-0 and b-0
+      release.get("b-0")!();
+      await waitFor("b-0 acked", () => worker.inFlight === 1);
+      assert.equal(await worker.runOnce(0), 1); // b-1: the turn starts after a
+      release.get("b-1")!();
+      await waitFor("b-1 acked", () => worker.inFlight === 1);
+      // Now the turn starts at a, which is at its cap with a-0 running: the slot goes to b.
+      assert.equal(await worker.runOnce(0), 1);
+      assert.deepEqual(seen, ["a-0", "b-0", "b-1", "b-2"]);
+      for (const res of release.values()) res();
+      await worker.drain();
+      await worker.close();
+      await registry.close();
+    });
+
     await t.step(
       "an empty lane leaves the active set; work arriving meanwhile puts it back; the sweep repairs",
       async () => {
@@ -166,6 +191,13 @@ Deno.test("lanes", async (t) => {
       await worker.runOnce(0);
       assert.deepEqual(done.sort(), ["old-0", "old-1", "old-2"]);
       assert.equal((await registry.active()).length, 0, "drained, so no longer read");
+      // A message that lands there later (a replay, an older API during an upgrade) is read within a second.
+      await r.redis.xadd(legacy.stream, "*", "job_id", "old-3", "tenant", "x");
+      await waitFor("the late message", async () => {
+        await worker.runOnce(0);
+        await worker.drain();
+        return done.includes("old-3");
+      }, 5_000);
       await worker.close();
       await registry.close();
     });
