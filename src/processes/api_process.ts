@@ -1,9 +1,5 @@
-import type { RedisClient } from "../clients.ts";
-import type { Sql } from "postgres";
-import type { Registry } from "prom-client";
 import type { RunContext } from "../commands.ts";
-import type { Config } from "../config.ts";
-import type { Logger } from "../log/logger.ts";
+import type { ComponentDeps } from "./_deps.ts";
 import { apiMetrics, createRegistry } from "../metrics/metrics.ts";
 import { createHandler, SUMMARIES } from "../summaries/api.ts";
 import { createIntake } from "../summaries/intake.ts";
@@ -12,13 +8,7 @@ import { createAuthenticator } from "../tenants/authenticator.ts";
 
 /** Serves the API on HOST:PORT until `signal` aborts, then finishes in-flight requests. */
 export async function serveApi(
-  { config, redis, sql, log, registry }: {
-    config: Config;
-    redis: RedisClient;
-    sql: Sql;
-    log: Logger;
-    registry: Registry;
-  },
+  { config, redis, sql, log, registry }: ComponentDeps,
   signal: AbortSignal,
 ): Promise<void> {
   const keys = serviceKeys(KEY_PREFIX);

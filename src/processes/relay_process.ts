@@ -1,18 +1,15 @@
-import type { Sql } from "postgres";
-import type { Registry } from "prom-client";
 import type { RunContext } from "../commands.ts";
-import type { Config } from "../config.ts";
-import type { Logger } from "../log/logger.ts";
 import { createRegistry, relayMetrics } from "../metrics/metrics.ts";
 import { outboxGauges, relayEvents } from "../metrics/wire.ts";
 import { createRelay } from "../outbox/relay.ts";
 import { summaryEmailRenderer } from "../summaries/email.ts";
 import { buildMailer } from "./_mailer.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
+import type { ComponentDeps } from "./_deps.ts";
 
 /** Runs the outbox relay until `signal` aborts, then finishes its current batch. */
 export async function startRelay(
-  { config, sql, log, registry }: { config: Config; sql: Sql; log: Logger; registry: Registry },
+  { config, sql, log, registry }: Omit<ComponentDeps, "redis">,
   signal: AbortSignal,
 ): Promise<void> {
   outboxGauges(registry, sql);

@@ -1,25 +1,15 @@
-import type { RedisClient } from "../clients.ts";
-import type { Sql } from "postgres";
-import type { Registry } from "prom-client";
 import type { RunContext } from "../commands.ts";
-import type { Config } from "../config.ts";
-import type { Logger } from "../log/logger.ts";
 import { createRegistry, workerMetrics } from "../metrics/metrics.ts";
 import { attemptObserver, flowEvents, providerGauges, queueGauges, workerEvents } from "../metrics/wire.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createSummaryWorker } from "../summaries/worker.ts";
 import { buildFlow, buildLlm, providerLabel } from "./_model.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
+import type { ComponentDeps } from "./_deps.ts";
 
 /** Runs a summary worker until `signal` aborts, then drains it within the grace period. */
 export async function startWorker(
-  { config, redis, sql, log, registry }: {
-    config: Config;
-    redis: RedisClient;
-    sql: Sql;
-    log: Logger;
-    registry: Registry;
-  },
+  { config, redis, sql, log, registry }: ComponentDeps,
   signal: AbortSignal,
 ): Promise<void> {
   const metrics = workerMetrics(registry);
