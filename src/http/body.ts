@@ -7,7 +7,7 @@ const tooLarge = (maxBytes: number) => new HttpError(413, `Request body exceeds 
  * the limit is refused before reading; an undeclared one is read in chunks
  * and refused as soon as it passes the limit, so a large body is never held
  * in memory whole.
- * @throws {HttpError} 415 if not JSON, 413 if too large, 400 if malformed.
+ * @throws {HttpError} 415 if not JSON, 413 if too large, 400 if malformed or with a key twice in one object.
  */
 export async function readJsonBody(req: Request, maxBytes: number): Promise<unknown> {
   const type = (req.headers.get("content-type") ?? "").split(";")[0]!.trim().toLowerCase();
@@ -33,11 +33,52 @@ export async function readJsonBody(req: Request, maxBytes: number): Promise<unkn
   } catch (cause) {
     throw new HttpError(400, "Request body is not valid UTF-8", {}, { cause });
   }
+  let value: unknown;
   try {
-    return JSON.parse(text);
+    value = JSON.parse(text);
   } catch (cause) {
     throw new HttpError(400, "Request body is not valid JSON", {}, { cause });
   }
+  // JSON.parse keeps the last of two equal keys; a client that sent both meant something we cannot know.
+  const duplicate = duplicateKey(text);
+  if (duplicate !== null) throw new HttpError(400, `Request body has the key ${JSON.stringify(duplicate)} twice`);
+  return value;
+}
+
+/**
+ * The first key that appears twice in one object of a JSON text (already
+ * known to be valid), compared after unescaping, or null. Strings are
+ * skipped with indexOf, so a large document costs little.
+ */
+export function duplicateKey(text: string): string | null {
+  const objects: (Set<string> | null)[] = []; // null: an array level
+  for (let i = 0; i < text.length; i++) {
+    const c = text.charCodeAt(i);
+    if (c === 0x22 /* " */) {
+      let end = i + 1;
+      for (;;) {
+        end = text.indexOf('"', end);
+        let slashes = 0;
+        while (text.charCodeAt(end - 1 - slashes) === 0x5c) slashes++;
+        if (slashes % 2 === 0) break;
+        end++;
+      }
+      const top = objects[objects.length - 1];
+      if (top) {
+        let j = end + 1;
+        while (j < text.length && /\s/.test(text[j]!)) j++;
+        if (text[j] === ":") {
+          const key = JSON.parse(text.slice(i, end + 1)) as string;
+          if (top.has(key)) return key;
+          top.add(key);
+        }
+      }
+      i = end;
+    } else if (c === 0x7b /* { */) objects.push(new Set());
+    else if (c === 0x5b /* [ */) objects.push(null);
+    else if (c === 0x7d /* } */ || c === 0x5d /* ] */) objects.pop();
+  }
+  return null;
 }
 
 /** Reads a body of undeclared length in chunks, refusing it as soon as it passes `maxBytes`. */

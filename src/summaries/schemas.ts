@@ -1,8 +1,18 @@
 import { z } from "zod";
 
+/**
+ * Text Postgres can store: no NUL character and no unpaired UTF-16
+ * surrogate. Either passes JSON parsing and would only fail at the commit,
+ * after the model was paid for, on every delivery.
+ */
+const storableText = (field: string) =>
+  z.string().refine((s) => !s.includes("\u0000") && s.isWellFormed(), {
+    message: `${field} must not contain NUL characters or unpaired surrogates (the database cannot store them)`,
+  });
+
 /** Body of `POST /v1/summaries`. Unknown fields are rejected. */
 export const SummaryRequest = z.strictObject({
-  text: z.string().min(1).max(200_000).describe("The document to summarise, 1 to 200,000 characters"),
+  text: storableText("text").min(1).max(200_000).describe("The document to summarise, 1 to 200,000 characters"),
   notify: z.email().max(320).describe("Where to email the summary when it is ready"),
 });
 export type SummaryRequest = z.infer<typeof SummaryRequest>;

@@ -26,6 +26,14 @@ export interface SummaryJobOptions {
   onAttempt?: (report: AttemptReport & { job_id: string }) => void;
 }
 
+/** SQLSTATE class 22, "data exception": the value itself is wrong, so a retry fails the same way. */
+const DATA_EXCEPTION_CLASS = "22";
+
+function isDataException(error: unknown): boolean {
+  const code = (error as { code?: unknown })?.code;
+  return typeof code === "string" && code.startsWith(DATA_EXCEPTION_CLASS) && code.length === 5;
+}
+
 const Fields = z.object({ job_id: z.uuid(), tenant: z.string().min(1), payload: z.string() });
 
 /**
@@ -120,7 +128,17 @@ export function createSummaryJob(
       });
     }
 
-    const outcome = await committer.commit({ jobId: job_id, tenant, summary, notify: request.notify });
+    let outcome: "done" | "duplicate";
+    try {
+      outcome = await committer.commit({ jobId: job_id, tenant, summary, notify: request.notify });
+    } catch (error) {
+      // A data exception (SQLSTATE class 22: bad encoding, a NUL, a value out of range) fails the same way on
+      // every delivery: dead-letter the job now instead of paying for the model again and again.
+      if (isDataException(error)) {
+        throw new PermanentJobError(`the summary cannot be stored: ${(error as Error).message}`, { cause: error });
+      }
+      throw error;
+    }
     jobLog.info(outcome === "done" ? "job_done" : "job_duplicate", { stage: "commit", deliveries: message.deliveries });
     return outcome;
   };

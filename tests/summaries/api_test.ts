@@ -247,6 +247,14 @@ Deno.test("summaries API", async (t) => {
         const res = await post(newKey(), "{not json");
         assert.equal(res.status, 400);
         assert.equal((await res.json()).status, 400);
+        // The same key twice (also when one is escaped): JSON.parse would silently keep the last.
+        for (
+          const body of ['{"text":"a","text":"b","notify":"a@b.co"}', '{"text":"a","\\u0074ext":"b","notify":"a@b.co"}']
+        ) {
+          const dup = await post(newKey(), body);
+          assert.equal(dup.status, 400, body);
+          assert.match((await dup.json()).detail, /key "text" twice/);
+        }
         assert.equal(await streamLength(), before);
       },
     );
@@ -304,6 +312,20 @@ Deno.test("summaries API", async (t) => {
         assert.ok(Array.isArray(problem.errors) && problem.errors.length > 0);
       }
       assert.equal(await streamLength(), before);
+    });
+
+    await t.step("422 naming the field for text the database cannot store: NUL, unpaired surrogates", async () => {
+      const before = await streamLength();
+      for (const text of ["before\u0000after", "lone \ud800 high", "lone \udc00 low"]) {
+        const res = await post(newKey(), { text, notify: "a@b.co" });
+        assert.equal(res.status, 422);
+        const problem = await res.json();
+        assert.equal(problem.errors[0].path, "text");
+        assert.match(problem.errors[0].message, /NUL characters or unpaired surrogates/);
+      }
+      // A well-formed pair (an emoji) is fine.
+      assert.equal((await post(newKey(), { text: "Revenue rose \ud83d\ude00.", notify: "a@b.co" })).status, 202);
+      assert.equal(await streamLength(), before + 1, "nothing enqueued for the refused bodies");
     });
 
     await t.step("healthz, readyz, unknown routes and wrong methods", async () => {

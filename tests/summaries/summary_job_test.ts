@@ -246,6 +246,30 @@ Deno.test("summary job", async (t) => {
       }
     });
 
+    await t.step(
+      "a summary the database refuses (class 22) is dead-lettered after one delivery and one model call",
+      async () => {
+        await reset();
+        const llm = countingLlm({ complete: () => Promise.resolve({ text: "a NUL \u0000 in the summary" }) });
+        const w = makeWorker("w", llm);
+        try {
+          const jobId = crypto.randomUUID();
+          await enqueue(jobId);
+          await w.runOnce(0);
+          await w.drain();
+          assert.equal(llm.calls, 1);
+          assert.equal(await pending(), 0, "not left pending for another paid delivery");
+          const dead = await listDeadLetters(r.redis, keys);
+          assert.equal(dead.length, 1);
+          assert.match(dead[0]!.reason, /^permanent: the summary cannot be stored/);
+          assert.deepEqual(await counts(), [0, 0]);
+          assert.equal(await r.redis.hget(keys.job(jobId), "status"), "failed");
+        } finally {
+          await w.close();
+        }
+      },
+    );
+
     await t.step("a malformed message is dead-lettered without a model call", async () => {
       await reset();
       await r.redis.xadd(keys.stream, "*", "job_id", "nope", "tenant", "acme", "payload", "{");
