@@ -16,7 +16,9 @@ export function printRows(
     return;
   }
   const columns = Object.keys(rows[0]!);
-  const cell = (v: unknown) => (v === null || v === undefined ? "" : String(v).replaceAll("\n", " "));
+  // A provider's error body ends up here: control characters (ESC, CR, ...) would drive the terminal.
+  const cell = (v: unknown) =>
+    v === null || v === undefined ? "" : String(v).replace(/\p{Cc}/gu, (c) => (c === "\n" ? " " : "?"));
   const widths = columns.map((c) => Math.max(c.length, ...rows.map((r) => Math.min(cell(r[c]).length, 60))));
   const line = (values: string[]) =>
     values.map((v, i) => (v.length > 60 ? v.slice(0, 57) + "..." : v).padEnd(widths[i]!)).join("  ").trimEnd();

@@ -40,16 +40,30 @@ export function createAuthenticator({ sql }: { sql: Sql }, options: AuthOptions)
   const ttl = options.cacheTtlMs ?? 10_000;
   const size = options.cacheSize ?? 10_000;
   const now = options.now ?? (() => performance.now());
-  const cache = new Map<string, { value: Cached; expires: number }>();
+  // Known keys and unknown ids are cached apart: a flood of invented ids fills only its own, bounded map
+  // (each miss costs one query, then none for the TTL), and can never evict a good key.
+  const known = new Map<string, { value: NonNullable<Cached>; expires: number }>();
+  const unknown = new Map<string, number>();
+  const remember = <V>(map: Map<string, V>, id: string, value: V) => {
+    if (map.size >= size) map.delete(map.keys().next().value!);
+    map.set(id, value);
+  };
 
   const lookup = async (id: string): Promise<Cached> => {
-    const hit = cache.get(id);
+    const hit = known.get(id);
     if (hit && hit.expires > now()) return hit.value;
+    const miss = unknown.get(id);
+    if (miss !== undefined && miss > now()) return null;
     const [row] = await sql<{ tenant: string; secret_sha256: Uint8Array }[]>`
       SELECT tenant, secret_sha256 FROM api_keys WHERE id = ${id} AND revoked_at IS NULL`;
-    const value = row ? { tenant: row.tenant, hash: new Uint8Array(row.secret_sha256) } : null;
-    if (cache.size >= size) cache.delete(cache.keys().next().value!);
-    cache.set(id, { value, expires: now() + ttl });
+    if (!row) {
+      known.delete(id); // revoked since it was cached
+      remember(unknown, id, now() + ttl);
+      return null;
+    }
+    const value = { tenant: row.tenant, hash: new Uint8Array(row.secret_sha256) };
+    unknown.delete(id);
+    remember(known, id, { value, expires: now() + ttl });
     return value;
   };
 
