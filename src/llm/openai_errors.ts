@@ -4,14 +4,23 @@
  * the adapter, so that retry and flow-control code never sees a vendor class.
  */
 import { APIConnectionError, APIConnectionTimeoutError, APIError, APIUserAbortError } from "openai";
-import { AttemptTimeout, ConnectionError, UpstreamHttpError } from "../retry/errors.ts";
+import { AttemptTimeout, ConnectionError, isNotCapable, PermissionDenied, UpstreamHttpError } from "../retry/errors.ts";
 
 /** @returns the neutral error for an SDK error (the SDK's own one as `cause`); anything else unchanged. */
 export function fromOpenAiError(error: unknown): unknown {
   // Our own abort (a timeout race or shutdown): the caller knows why, so keep it as it is.
   if (error instanceof APIUserAbortError) return error;
   if (error instanceof APIConnectionTimeoutError) return new AttemptTimeout(error.message, { cause: error });
-  if (error instanceof APIConnectionError) return new ConnectionError(error.message, { cause: error });
+  if (error instanceof APIConnectionError) {
+    if (isNotCapable(error)) {
+      return new PermissionDenied(
+        "this process's permission set does not allow the model provider's host (OPENAI_BASE_URL): " +
+          "add it to the task's --allow-net or fix the URL",
+        { cause: error },
+      );
+    }
+    return new ConnectionError(error.message, { cause: error });
+  }
   if (error instanceof APIError && typeof error.status === "number") {
     // The provider's error document, as it sent it: its code says quota or rate limit, its message "too large".
     const body = JSON.stringify(error.error ?? { message: error.message });

@@ -1,4 +1,4 @@
-import { ConnectionError, UpstreamHttpError } from "../retry/errors.ts";
+import { ConnectionError, isNotCapable, PermissionDenied, UpstreamHttpError } from "../retry/errors.ts";
 import type { Mailer } from "./mailer.ts";
 import { PermanentMailError } from "./mailer.ts";
 
@@ -54,6 +54,13 @@ export function createResendMailer(options: ResendOptions): Mailer {
         if (signal.aborted) throw cause;
         if (timeout.aborted) {
           throw new DOMException(`mail send timed out after ${options.timeoutMs} ms`, "TimeoutError");
+        }
+        if (isNotCapable(cause)) {
+          throw new PermissionDenied(
+            "this process's permission set does not allow the mail provider's host (RESEND_BASE_URL): " +
+              "add it to the task's --allow-net or fix the URL",
+            { cause },
+          );
         }
         throw new ConnectionError(`mail provider unreachable: ${(cause as Error).message}`, { cause });
       }

@@ -1,5 +1,5 @@
 import { TimeoutError } from "../async/timeout.ts";
-import { AttemptTimeout, ConnectionError, DeadlineExceeded, UpstreamHttpError } from "./errors.ts";
+import { AttemptTimeout, ConnectionError, DeadlineExceeded, PermissionDenied, UpstreamHttpError } from "./errors.ts";
 
 /** Statuses a later attempt can fix, besides every 5xx (the same set the OpenAI SDK uses). */
 export const RETRYABLE_STATUS: ReadonlySet<number> = new Set([408, 409, 429]);
@@ -53,6 +53,7 @@ export function reasonOf(error: unknown): string {
     error instanceof AttemptTimeout || error instanceof TimeoutError ||
     (error instanceof DOMException && error.name === "TimeoutError")
   ) return "timeout";
+  if (error instanceof PermissionDenied) return "permission_denied";
   if (error instanceof ConnectionError) return "connection";
   const status = statusOf(error);
   if (status !== undefined) return `http_${status}`;

@@ -54,3 +54,23 @@ export class GateRefused extends Error {
     this.name = "GateRefused";
   }
 }
+
+/**
+ * The process's permission set refused a connection (Deno's `NotCapable`): a
+ * deployment mistake that no retry can fix, reported by name instead of as a
+ * connection error retried for ever.
+ */
+export class PermissionDenied extends Error {
+  constructor(message: string, options?: ErrorOptions) {
+    super(message, options);
+    this.name = "PermissionDenied";
+  }
+}
+
+/** Whether `error`, or an error in its `cause` chain, is Deno's permission denial. */
+export function isNotCapable(error: unknown): boolean {
+  for (let e = error, depth = 0; e instanceof Error && depth < 5; e = e.cause, depth++) {
+    if (e.name === "NotCapable" || /Requires net access/.test(e.message)) return true;
+  }
+  return false;
+}

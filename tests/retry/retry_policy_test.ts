@@ -1,6 +1,6 @@
 import assert from "node:assert/strict";
-import { BadRequestError, InternalServerError, RateLimitError } from "openai";
-import { failureKindOf, isRetryable, retryAfterMs } from "../../src/retry/classify.ts";
+import { APIConnectionError, BadRequestError, InternalServerError, RateLimitError } from "openai";
+import { failureKindOf, isRetryable, reasonOf, retryAfterMs } from "../../src/retry/classify.ts";
 import { Deadline } from "../../src/retry/deadline.ts";
 import {
   AttemptTimeout,
@@ -8,6 +8,7 @@ import {
   DeadlineExceeded,
   GateRefused,
   GateUnavailable,
+  PermissionDenied,
   UpstreamHttpError,
 } from "../../src/retry/errors.ts";
 import { type AttemptReport, backoffMs, callWithRetries } from "../../src/retry/retry_policy.ts";
@@ -359,4 +360,18 @@ Deno.test("failureKindOf() tells the provider's trouble from one document's", ()
     ),
     "request",
   );
+});
+
+Deno.test("a permission denial (NotCapable) is a named, permanent error, not a connection error retried for ever", () => {
+  const denied = Object.assign(new Error('Requires net access to "mail.internal:443"'), { name: "NotCapable" });
+  const sdk = fromOpenAiError(new APIConnectionError({ message: "Connection error.", cause: denied }));
+  assert.ok(sdk instanceof PermissionDenied);
+  assert.match((sdk as Error).message, /OPENAI_BASE_URL/);
+  assert.equal(isRetryable(sdk), false);
+  assert.equal(reasonOf(sdk), "permission_denied");
+  const plain = fromOpenAiError(
+    new APIConnectionError({ message: "Connection error.", cause: new TypeError("reset") }),
+  );
+  assert.ok(plain instanceof ConnectionError);
+  assert.equal(isRetryable(plain), true);
 });
