@@ -55,6 +55,7 @@ const schema = z.object({
   LOG_LEVEL: z.enum(["debug", "info", "warn", "error"], "must be debug, info, warn or error").default("info"),
   METRICS_PORT: int(0, 65535).optional(),
   METRICS_TOKEN: z.string().trim().min(16, "must be at least 16 characters").optional(),
+  GATEWAY_SECRET: z.string().trim().min(16, "must be at least 16 characters").optional(),
 });
 
 /** The names of every environment variable the service reads. */
@@ -76,7 +77,7 @@ export class ConfigError extends Error {
   }
 }
 
-const SECRETS = new Set(["OPENAI_API_KEY", "RESEND_API_KEY", "METRICS_TOKEN"]);
+const SECRETS = new Set(["OPENAI_API_KEY", "RESEND_API_KEY", "METRICS_TOKEN", "GATEWAY_SECRET"]);
 
 /**
  * Parses the service configuration from an environment record.
@@ -99,6 +100,13 @@ export function parseConfig(env: Record<string, string | undefined>): Config {
     throw new ConfigError(variable, `Cannot start: ${variable} ${issue.message}${got}`);
   }
   const raw = parsed.data;
+  if (raw.AUTH_MODE === "trusted-header" && !raw.GATEWAY_SECRET) {
+    // Without it, any process that can reach the port chooses its tenant.
+    throw new ConfigError(
+      "GATEWAY_SECRET",
+      "Cannot start: AUTH_MODE=trusted-header requires GATEWAY_SECRET, the secret your gateway sends as X-Gateway-Secret",
+    );
+  }
   const llm = raw.LLM_PROVIDER ?? (raw.OPENAI_API_KEY ? "openai" : "extractive");
   if (llm === "openai" && !raw.OPENAI_API_KEY) {
     throw new ConfigError("OPENAI_API_KEY", "Cannot start: OPENAI_API_KEY must be set when LLM_PROVIDER=openai");

@@ -98,3 +98,15 @@ Deno.test("deno task dev names a Redis that does not answer, its URL, and how to
   assert.match(stderr, /Cannot start: Redis at redis:\/\/127\.0\.0\.1:1\/0 \(REDIS_URL\) does not answer/);
   assert.match(stderr, /docker compose up -d redis/);
 });
+
+Deno.test("parseConfig() refuses trusted-header mode without GATEWAY_SECRET, and never echoes the secret", () => {
+  assert.throws(() => parseConfig({ AUTH_MODE: "trusted-header" }), /requires GATEWAY_SECRET/);
+  assert.equal(
+    parseConfig({ AUTH_MODE: "trusted-header", GATEWAY_SECRET: "s".repeat(20) }).AUTH_MODE,
+    "trusted-header",
+  );
+  assert.throws(
+    () => parseConfig({ AUTH_MODE: "trusted-header", GATEWAY_SECRET: "short-secret" }),
+    (e: Error) => /GATEWAY_SECRET must be at least 16/.test(e.message) && !e.message.includes("short-secret"),
+  );
+});

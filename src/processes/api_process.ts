@@ -17,7 +17,7 @@ export async function serveApi(
     redis,
     sql,
     log,
-    authenticate: createAuthenticator({ sql }, { mode: config.AUTH_MODE }),
+    authenticate: createAuthenticator({ sql }, { mode: config.AUTH_MODE, gatewaySecret: config.GATEWAY_SECRET }),
     intake: createIntake({ redis, log }, { keys, resultTtlS: config.IDEMPOTENCY_RESULT_TTL_S, path: SUMMARIES }),
     keys,
     maxBodyBytes: config.MAX_BODY_BYTES,

@@ -1,5 +1,5 @@
 import type { Sql } from "postgres";
-import { timingSafeEqual } from "node:crypto";
+import { createHash, timingSafeEqual } from "node:crypto";
 import { HttpError } from "../http/problem.ts";
 import { hashSecret, parseApiKey, TENANT_NAME } from "./tenant_store.ts";
 
@@ -9,6 +9,8 @@ export type Authenticate = (req: Request) => Promise<string>;
 /** Options for {@linkcode createAuthenticator}. */
 export interface AuthOptions {
   mode: "api-key" | "trusted-header";
+  /** Required in trusted-header mode (GATEWAY_SECRET): the gateway proves itself with `X-Gateway-Secret`. */
+  gatewaySecret?: string;
   /** How long a key lookup is cached; a revocation takes effect within this time. */
   cacheTtlMs?: number;
   /** Most cached key ids kept at once. */
@@ -29,17 +31,10 @@ const unauthorized = (detail: string) => new HttpError(401, detail, { "www-authe
  * @throws {HttpError} 401 on missing or bad credentials.
  */
 export function createAuthenticator({ sql }: { sql: Sql }, options: AuthOptions): Authenticate {
-  if (options.mode === "trusted-header") {
-    return (req) => {
-      const tenant = req.headers.get("x-tenant-id");
-      if (!tenant) return Promise.reject(unauthorized("X-Tenant-Id header is required"));
-      if (!TENANT_NAME.test(tenant)) return Promise.reject(unauthorized("X-Tenant-Id is not a valid tenant name"));
-      return Promise.resolve(tenant);
-    };
-  }
   const ttl = options.cacheTtlMs ?? 10_000;
   const size = options.cacheSize ?? 10_000;
   const now = options.now ?? (() => performance.now());
+  if (options.mode === "trusted-header") return trustedHeader(sql, options, { ttl, size, now });
   // Known keys and unknown ids are cached apart: a flood of invented ids fills only its own, bounded map
   // (each miss costs one query, then none for the TTL), and can never evict a good key.
   const known = new Map<string, { value: NonNullable<Cached>; expires: number }>();
@@ -79,5 +74,43 @@ export function createAuthenticator({ sql }: { sql: Sql }, options: AuthOptions)
     const expected = entry?.hash ?? new Uint8Array(hash.length);
     if (!timingSafeEqual(hash, expected) || !entry) throw unauthorized("The API key is not valid");
     return entry.tenant;
+  };
+}
+
+const digest = (value: string) => createHash("sha256").update(value).digest();
+
+/**
+ * Trusted-header mode: the gateway in front authenticates clients and names
+ * the tenant in `X-Tenant-Id`. The service believes it only from a caller
+ * that sends the gateway's secret, and only for a tenant that exists and has
+ * an active key (a revoked tenant is refused here too).
+ */
+function trustedHeader(
+  sql: Sql,
+  options: AuthOptions,
+  { ttl, size, now }: { ttl: number; size: number; now: () => number },
+): Authenticate {
+  if (!options.gatewaySecret) throw new TypeError("trusted-header mode needs a gateway secret");
+  const secret = digest(options.gatewaySecret);
+  const active = new Map<string, { ok: boolean; expires: number }>();
+  const isActive = async (tenant: string) => {
+    const hit = active.get(tenant);
+    if (hit && hit.expires > now()) return hit.ok;
+    const [row] = await sql<{ ok: boolean }[]>`
+      SELECT EXISTS (SELECT 1 FROM api_keys WHERE tenant = ${tenant} AND revoked_at IS NULL) AS ok`;
+    if (active.size >= size) active.delete(active.keys().next().value!);
+    active.set(tenant, { ok: row!.ok, expires: now() + ttl });
+    return row!.ok;
+  };
+  return async (req) => {
+    // Hashing first gives both sides one length, so the comparison time reveals nothing about the secret.
+    if (!timingSafeEqual(digest(req.headers.get("x-gateway-secret") ?? ""), secret)) {
+      throw unauthorized("X-Gateway-Secret is missing or wrong: only the gateway may call this API");
+    }
+    const tenant = req.headers.get("x-tenant-id");
+    if (!tenant) throw unauthorized("X-Tenant-Id header is required");
+    if (!TENANT_NAME.test(tenant)) throw unauthorized("X-Tenant-Id is not a valid tenant name");
+    if (!(await isActive(tenant))) throw unauthorized("The tenant does not exist or is revoked");
+    return tenant;
   };
 }

@@ -9,6 +9,7 @@ import { startFakeModel } from "../support/fake_model_server.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
 import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
+import { createApiKey } from "../../src/tenants/tenant_store.ts";
 
 /** Parses Prometheus text format into `name{labels}` -> value, checking every line against the format. */
 function parseExposition(text: string): Map<string, number> {
@@ -29,6 +30,7 @@ Deno.test("metrics", async (t) => {
   const db = await createTestDatabase();
   const r = await createTestRedis();
   const keys = jobKeys(r.prefix);
+  await createApiKey(db.sql, "acme"); // trusted-header mode serves only tenants that exist
   const handlerWith = (registry: Registry, token?: string) =>
     apiHandler({ redis: r.redis, sql: db.sql, keys: serviceKeys(r.prefix) }, {
       resultTtlS: 60,

@@ -347,16 +347,24 @@ Deno.test("summaries API", async (t) => {
   }
 });
 
-Deno.test("trusted-header mode reads X-Tenant-Id and rejects a missing or invalid one", async () => {
-  const db = await createTestDatabase({ migrate: false });
+Deno.test("trusted-header mode: only the gateway's secret, and only tenants that exist and are not revoked", async () => {
+  const db = await createTestDatabase();
   try {
-    const auth = createAuthenticator({ sql: db.sql }, { mode: "trusted-header" });
-    assert.equal(await auth(new Request("http://x", { headers: { "x-tenant-id": "acme" } })), "acme");
-    await assert.rejects(() => auth(new Request("http://x")), (e: { status?: number }) => e.status === 401);
-    await assert.rejects(
-      () => auth(new Request("http://x", { headers: { "x-tenant-id": "a b" } })),
-      (e: { status?: number }) => e.status === 401,
-    );
+    const secret = "gateway-secret-0123456789";
+    const auth = createAuthenticator({ sql: db.sql }, { mode: "trusted-header", gatewaySecret: secret, cacheTtlMs: 0 });
+    await createApiKey(db.sql, "acme");
+    const as = (headers: Record<string, string>) => auth(new Request("http://x", { headers }));
+    const refused = (p: Promise<unknown>, detail: RegExp) =>
+      assert.rejects(p, (e: { status?: number; detail?: string }) => e.status === 401 && detail.test(e.detail ?? ""));
+    assert.equal(await as({ "x-gateway-secret": secret, "x-tenant-id": "acme" }), "acme");
+    await refused(as({ "x-tenant-id": "acme" }), /X-Gateway-Secret/);
+    await refused(as({ "x-gateway-secret": "guess-guess-guess-guess", "x-tenant-id": "acme" }), /X-Gateway-Secret/);
+    await refused(as({ "x-gateway-secret": secret }), /X-Tenant-Id header is required/);
+    await refused(as({ "x-gateway-secret": secret, "x-tenant-id": "a b" }), /not a valid tenant name/);
+    await refused(as({ "x-gateway-secret": secret, "x-tenant-id": "nobody" }), /does not exist or is revoked/);
+    await revokeTenant(db.sql, "acme");
+    await refused(as({ "x-gateway-secret": secret, "x-tenant-id": "acme" }), /does not exist or is revoked/);
+    assert.throws(() => createAuthenticator({ sql: db.sql }, { mode: "trusted-header" }), TypeError);
   } finally {
     await db.close();
   }

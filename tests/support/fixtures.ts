@@ -31,17 +31,32 @@ export function apiHandler(
   } = {},
 ): (req: Request) => Promise<Response> {
   const { authMode = "trusted-header", authCacheTtlMs = 0, resultTtlS = 86_400, ...deps } = overrides;
-  return createHandler({
+  const handler = createHandler({
     redis,
     sql,
     log,
-    authenticate: createAuthenticator({ sql }, { mode: authMode, cacheTtlMs: authCacheTtlMs }),
+    authenticate: createAuthenticator({ sql }, {
+      mode: authMode,
+      cacheTtlMs: authCacheTtlMs,
+      gatewaySecret: GATEWAY_SECRET_FOR_TESTS,
+    }),
     intake: createIntake({ redis }, { keys, resultTtlS, path: SUMMARIES }),
     keys,
     maxBodyBytes: 1 << 20,
     ...deps,
   });
+  if (authMode === "api-key") return handler;
+  // Trusted-header tests play the gateway: every request carries its secret.
+  return (req) => {
+    if (req.headers.has("x-gateway-secret")) return handler(req);
+    const headers = new Headers(req.headers);
+    headers.set("x-gateway-secret", GATEWAY_SECRET_FOR_TESTS);
+    return handler(new Request(req, { headers }));
+  };
 }
+
+/** The gateway secret of trusted-header handlers built here. */
+export const GATEWAY_SECRET_FOR_TESTS = "test-gateway-secret-0123456789";
 
 /** A summary worker with short timings: redelivery after a minute, small budgets, fast backoff. */
 export function summaryWorker(
