@@ -1,5 +1,8 @@
 import { HttpError } from "./problem.ts";
 
+/** How long a request body may take to arrive, however it is sent. */
+export const BODY_DEADLINE_MS = 10_000;
+
 const tooLarge = (maxBytes: number) => new HttpError(413, `Request body exceeds ${maxBytes} bytes`);
 
 /**
@@ -7,9 +10,14 @@ const tooLarge = (maxBytes: number) => new HttpError(413, `Request body exceeds 
  * the limit is refused before reading; an undeclared one is read in chunks
  * and refused as soon as it passes the limit, so a large body is never held
  * in memory whole.
- * @throws {HttpError} 415 if not JSON, 413 if too large, 400 if malformed or with a key twice in one object.
+ * @throws {HttpError} 415 if not JSON, 413 if too large, 400 if malformed or with a key twice in one object,
+ * 408 (with `Connection: close`) if the body has not arrived within `deadlineMs`.
  */
-export async function readJsonBody(req: Request, maxBytes: number): Promise<unknown> {
+export async function readJsonBody(
+  req: Request,
+  maxBytes: number,
+  { deadlineMs = BODY_DEADLINE_MS }: { deadlineMs?: number } = {},
+): Promise<unknown> {
   const type = (req.headers.get("content-type") ?? "").split(";")[0]!.trim().toLowerCase();
   if (type !== "application/json" && !/^application\/[a-z0-9.+-]*\+json$/.test(type)) {
     throw new HttpError(415, `Content-Type must be application/json (got ${JSON.stringify(type || "none")})`);
@@ -22,10 +30,28 @@ export async function readJsonBody(req: Request, maxBytes: number): Promise<unkn
   // A declared length within the limit is read in one native call (the server stops at the declared length).
   // Touching `req.body` first would turn the body into a JS stream and take the slow path: ingest measured
   // 30,000 requests/s with the native read and 11,000/s through the stream.
+  // A client that sends its body a byte at a time must not hold the request (and its connection) open.
+  const reading = declared !== null
+    ? req.arrayBuffer().then((b) => new Uint8Array(b))
+    : req.body
+    ? readCapped(req.body, maxBytes)
+    : Promise.resolve(new Uint8Array());
+  reading.catch(() => {}); // when the deadline wins, the cancelled read rejects later, unobserved
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const late = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => {
+      req.body?.cancel().catch(() => {});
+      reject(
+        new HttpError(408, `The request body did not arrive within ${deadlineMs / 1000} s`, { connection: "close" }),
+      );
+    }, deadlineMs);
+  });
   let bytes: Uint8Array;
-  if (declared !== null) bytes = new Uint8Array(await req.arrayBuffer());
-  else if (req.body) bytes = await readCapped(req.body, maxBytes);
-  else bytes = new Uint8Array();
+  try {
+    bytes = await Promise.race([reading, late]);
+  } finally {
+    clearTimeout(timer);
+  }
   if (bytes.length === 0) throw new HttpError(400, "Request body is empty; expected a JSON object");
   let text: string;
   try {

@@ -22,6 +22,8 @@ export interface ApiDeps {
   intake: Intake;
   keys: ServiceKeys;
   maxBodyBytes: number;
+  /** How long a POST body may take to arrive; default 10 s (`BODY_DEADLINE_MS` in `http/body.ts`). */
+  bodyDeadlineMs?: number;
   /**
    * Prometheus metrics; `/metrics` serves `registry` (which `dev` shares with
    * the worker and relay), behind `token` as a bearer token when it is set.
@@ -81,7 +83,7 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     if (!IdempotencyKey.safeParse(key).success) {
       throw new HttpError(400, "Idempotency-Key must be 16 to 128 visible ASCII characters");
     }
-    const raw = await readJsonBody(req, deps.maxBodyBytes);
+    const raw = await readJsonBody(req, deps.maxBodyBytes, { deadlineMs: deps.bodyDeadlineMs });
     const parsed = SummaryRequest.safeParse(raw);
     if (!parsed.success) {
       deps.metrics?.api.validationErrors.inc();

@@ -19,6 +19,8 @@ Deno.test("summaries API", async (t) => {
   const scopeOf = (key: string) => ({ tenant: "acme", method: "POST", path: "/v1/summaries", key });
   const handlerWith = (intake: Intake) =>
     apiHandler({ redis: r.redis, sql: db.sql, keys }, { authMode: "api-key", intake, maxBodyBytes: 4096 });
+  const handlerWithOptions = (options: { bodyDeadlineMs: number }) =>
+    apiHandler({ redis: r.redis, sql: db.sql, keys }, { authMode: "api-key", intake, maxBodyBytes: 4096, ...options });
   const handler = handlerWith(intake);
   const apiKey = await createApiKey(db.sql, "acme");
   const otherKey = await createApiKey(db.sql, "globex");
@@ -258,6 +260,37 @@ Deno.test("summaries API", async (t) => {
         assert.equal(await streamLength(), before);
       },
     );
+
+    await t.step("408 and Connection: close for a body that does not arrive in time, enqueuing nothing", async () => {
+      const slow = handlerWithOptions({ bodyDeadlineMs: 100 });
+      const before = await streamLength();
+      let timer: ReturnType<typeof setInterval> | undefined;
+      const dribble = new ReadableStream<Uint8Array>({
+        start(controller) {
+          controller.enqueue(new TextEncoder().encode('{"text": "a'));
+          timer = setInterval(() => controller.enqueue(new TextEncoder().encode("a")), 30);
+        },
+        cancel() {
+          clearInterval(timer);
+        },
+      });
+      const res = await slow(
+        new Request("http://api/v1/summaries", {
+          method: "POST",
+          headers: {
+            authorization: `Bearer ${apiKey}`,
+            "idempotency-key": newKey(),
+            "content-type": "application/json",
+          },
+          body: dribble,
+        }),
+      );
+      clearInterval(timer);
+      assert.equal(res.status, 408);
+      assert.equal(res.headers.get("connection"), "close");
+      assert.match((await res.json()).detail, /did not arrive within 0.1 s/);
+      assert.equal(await streamLength(), before);
+    });
 
     await t.step("415 when the body is not JSON", async () => {
       const res = await post(newKey(), "text=hi", { "content-type": "application/x-www-form-urlencoded" });
