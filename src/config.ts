@@ -47,6 +47,8 @@ const schema = z.object({
   LLM_TPM: int(1).optional(),
   LLM_BREAKER_COOLDOWN_S: seconds.default(30),
   TENANT_MAX_IN_FLIGHT: int(1).optional(),
+  INTAKE_MAX_QUEUED: int(1).optional(),
+  INTAKE_MAX_QUEUED_PER_TENANT: int(1).optional(),
   RELAY_BATCH: int(1, 10000).default(20),
   RELAY_MAX_ATTEMPTS: int(1).default(10),
   MAIL_SEND_TIMEOUT_S: seconds.default(10),

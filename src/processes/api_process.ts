@@ -18,7 +18,13 @@ export async function serveApi(
     sql,
     log,
     authenticate: createAuthenticator({ sql }, { mode: config.AUTH_MODE, gatewaySecret: config.GATEWAY_SECRET }),
-    intake: createIntake({ redis, log }, { keys, resultTtlS: config.IDEMPOTENCY_RESULT_TTL_S, path: SUMMARIES }),
+    intake: createIntake({ redis, log }, {
+      maxQueued: config.INTAKE_MAX_QUEUED,
+      maxQueuedPerTenant: config.INTAKE_MAX_QUEUED_PER_TENANT,
+      keys,
+      resultTtlS: config.IDEMPOTENCY_RESULT_TTL_S,
+      path: SUMMARIES,
+    }),
     keys,
     maxBodyBytes: config.MAX_BODY_BYTES,
   });

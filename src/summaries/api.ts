@@ -8,7 +8,7 @@ import type { Logger } from "../log/logger.ts";
 import { type ApiMetrics, metricsResponse } from "../metrics/metrics.ts";
 import type { Registry } from "prom-client";
 import type { Authenticate } from "../tenants/authenticator.ts";
-import type { Intake } from "./intake.ts";
+import { type Intake, QueueFull } from "./intake.ts";
 import type { ServiceKeys } from "./keys.ts";
 import { openApiDocument, ROUTES } from "./openapi.ts";
 import { IdempotencyKey, SummaryRequest, type SummaryStatus } from "./schemas.ts";
@@ -102,6 +102,9 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
       }
       return json(response.status, response.body, headers);
     } catch (error) {
+      if (error instanceof QueueFull) {
+        throw new HttpError(503, `${error.message}; try again later`, { "retry-after": String(error.retryAfterS) });
+      }
       if (error instanceof KeyReused) {
         deps.metrics?.api.keyReuse.inc();
         throw new HttpError(422, error.message);

@@ -12,6 +12,7 @@ import { defineScript } from "../redis/script.ts";
 import { markQueuedLua } from "./job_status.ts";
 import { JOB_RECORD_TTL_S, type ServiceKeys } from "./keys.ts";
 import { announceLane } from "../queue/lanes.ts";
+import { allLanes } from "./all_lanes.ts";
 import type { Logger } from "../log/logger.ts";
 import type { SummaryRequest } from "./schemas.ts";
 
@@ -41,11 +42,13 @@ export interface Intake {
 }
 
 // KEYS: the scope's record, the job stream, the job's status record (one hash tag).
-// ARGV: job id, tenant, payload, status TTL, record, record TTL.
-// Returns the existing record, or false after enqueuing and storing ours.
+// ARGV: job id, tenant, payload, status TTL, record, record TTL, the lane's cap (0 = none).
+// Returns the existing record, 1 when the lane is full (nothing written), or false after enqueuing and storing ours.
 const INTAKE = defineScript(`
 local stored = redis.call('GET', KEYS[1])
 if stored then return stored end
+local cap = tonumber(ARGV[7])
+if cap > 0 and redis.call('XLEN', KEYS[2]) >= cap then return 1 end
 redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[1], 'tenant', ARGV[2], 'payload', ARGV[3])
 ${markQueuedLua({ key: "KEYS[3]", tenant: "ARGV[2]", ttl: "ARGV[4]" })}
 redis.call('SET', KEYS[1], ARGV[5], 'EX', ARGV[6])
@@ -53,11 +56,39 @@ return false`);
 
 type StoredRecord = { fp: string } & IntakeResponse;
 
+/** How long a client told "full" should wait before trying again. */
+const RETRY_AFTER_S = 5;
+
+/** The queue (or one tenant's lane) holds its cap of jobs; nothing was written, so the client may retry. */
+export class QueueFull extends Error {
+  constructor(message: string, readonly retryAfterS: number) {
+    super(message);
+    this.name = "QueueFull";
+  }
+}
+
 /** Creates the intake on `redis`; records live `resultTtlS` (IDEMPOTENCY_RESULT_TTL_S). */
 export function createIntake(
   { redis, log }: { redis: RedisClient; log?: Logger },
-  { keys, resultTtlS, path }: { keys: ServiceKeys; resultTtlS: number; path: string },
+  { keys, resultTtlS, path, maxQueued, maxQueuedPerTenant }: {
+    keys: ServiceKeys;
+    resultTtlS: number;
+    path: string;
+    /** INTAKE_MAX_QUEUED: above it (all lanes together), POSTs are refused with 503. */
+    maxQueued?: number;
+    /** INTAKE_MAX_QUEUED_PER_TENANT: above it (one lane), that tenant's POSTs are refused with 503. */
+    maxQueuedPerTenant?: number;
+  },
 ): Intake {
+  let total = { at: -Infinity, value: 0 };
+  const totalQueued = async () => {
+    if (performance.now() - total.at > 1_000) {
+      const lanes = await allLanes(redis, keys);
+      const lengths = await Promise.all(lanes.map((lane) => redis.xlen(lane.keys.stream)));
+      total = { at: performance.now(), value: lengths.reduce((n, x) => n + x, 0) };
+    }
+    return total.value;
+  };
   // The scope's unambiguous encoding is the key: bounded (a validated tenant name and a key of at most 128
   // visible characters) and not hashed, since every hash costs the request path several microseconds.
   const keyFor = (scope: Scope) => keys.lane(scope.tenant).idempotency(encodeScope(scope));
@@ -76,6 +107,8 @@ export function createIntake(
       };
       const record = JSON.stringify({ fp: fingerprint, ...response } satisfies StoredRecord);
       const lane = keys.lane(scope.tenant);
+      // The whole queue's size is known only across lanes (other slots), so it is read at most once a second.
+      if (maxQueued && (await totalQueued()) >= maxQueued) throw new QueueFull("the queue is full", RETRY_AFTER_S);
       const stored = await INTAKE.run(redis, [keyFor(scope), lane.stream, lane.job(jobId)], [
         jobId,
         scope.tenant,
@@ -83,7 +116,9 @@ export function createIntake(
         JOB_RECORD_TTL_S,
         record,
         resultTtlS,
-      ]) as string | null;
+        maxQueuedPerTenant ?? 0,
+      ]) as string | number | null;
+      if (stored === 1) throw new QueueFull(`tenant ${scope.tenant}'s queue is full`, RETRY_AFTER_S);
       if (stored === null) {
         // After the enqueue, never before: a worker that is just taking the lane off the active set looks
         // again after removing it, so between the two the lane cannot be lost. If this fails, the job is
@@ -93,7 +128,7 @@ export function createIntake(
         );
         return { response, replayed: false };
       }
-      const previous = JSON.parse(stored) as StoredRecord;
+      const previous = JSON.parse(stored as string) as StoredRecord;
       if (previous.fp !== fingerprint) throw new KeyReused();
       const { status, body, headers } = previous;
       return { response: { status, body, headers }, replayed: true };

@@ -80,9 +80,13 @@ export function openApiDocument(): Record<string, unknown> {
             },
             "400": problem("Missing or malformed Idempotency-Key, or malformed JSON"),
             "401": problem("Missing or bad credentials"),
+            "408": problem("The body did not arrive in time (the connection is closed)"),
             "413": problem("Body over MAX_BODY_BYTES"),
             "415": problem("Not JSON"),
             "422": problem("Body failed validation, or the key was used with another body"),
+            "503": problem("The queue, or the tenant's part of it, is over its cap", {
+              "Retry-After": { schema: { type: "string" } },
+            }),
             "500": problem("Not stored: retry with the same key"),
           },
         },

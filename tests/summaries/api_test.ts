@@ -261,6 +261,45 @@ Deno.test("summaries API", async (t) => {
       },
     );
 
+    await t.step(
+      "503 with Retry-After over a tenant's queue cap and over the whole queue's; replays still answer",
+      async () => {
+        const fresh = serviceKeys(`${r.prefix}:caps`);
+        const capped = (limits: { maxQueued?: number; maxQueuedPerTenant?: number }) =>
+          handlerWith(
+            createIntake({ redis: r.redis }, { keys: fresh, resultTtlS: 60, path: "/v1/summaries", ...limits }),
+          );
+        const send = (h: (req: Request) => Promise<Response>, key: string, auth = apiKey) =>
+          h(
+            new Request("http://api/v1/summaries", {
+              method: "POST",
+              headers: { authorization: `Bearer ${auth}`, "content-type": "application/json", "idempotency-key": key },
+              body: JSON.stringify(BODY),
+            }),
+          );
+        const perTenant = capped({ maxQueuedPerTenant: 2 });
+        const first = newKey();
+        assert.equal((await send(perTenant, first)).status, 202);
+        assert.equal((await send(perTenant, newKey())).status, 202);
+        const full = await send(perTenant, newKey());
+        assert.equal(full.status, 503);
+        assert.equal(full.headers.get("retry-after"), "5");
+        assert.match((await full.json()).detail, /tenant acme's queue is full/);
+        assert.equal(await r.redis.xlen(fresh.lane("acme").stream), 2, "nothing enqueued over the cap");
+        assert.equal(
+          (await send(perTenant, first)).headers.get("idempotent-replayed"),
+          "true",
+          "a replay is not refused",
+        );
+        assert.equal((await send(perTenant, newKey(), otherKey)).status, 202, "another tenant has room");
+        // The whole queue now holds 3 jobs; its size is read at most once a second.
+        const whole = capped({ maxQueued: 3 });
+        const over = await send(whole, newKey(), otherKey);
+        assert.equal(over.status, 503);
+        assert.match((await over.json()).detail, /the queue is full/);
+      },
+    );
+
     await t.step("408 and Connection: close for a body that does not arrive in time, enqueuing nothing", async () => {
       const slow = handlerWithOptions({ bodyDeadlineMs: 100 });
       const before = await streamLength();
