@@ -48,6 +48,7 @@ const schema = z.object({
   LLM_BREAKER_COOLDOWN_S: seconds.default(30),
   TENANT_MAX_IN_FLIGHT: int(1).optional(),
   INTAKE_MAX_QUEUED: int(1).optional(),
+  SUMMARY_RETENTION_S: int(60).optional(),
   INTAKE_MAX_QUEUED_PER_TENANT: int(1).optional(),
   RELAY_BATCH: int(1, 10000).default(20),
   RELAY_MAX_ATTEMPTS: int(1).default(10),
@@ -107,6 +108,13 @@ export function parseConfig(env: Record<string, string | undefined>): Config {
     throw new ConfigError(
       "GATEWAY_SECRET",
       "Cannot start: AUTH_MODE=trusted-header requires GATEWAY_SECRET, the secret your gateway sends as X-Gateway-Secret",
+    );
+  }
+  if (raw.SUMMARY_RETENTION_S !== undefined && raw.SUMMARY_RETENTION_S < raw.IDEMPOTENCY_RESULT_TTL_S) {
+    // A key still replaying its answer must not name a job whose summary is gone: a retry would run it again.
+    throw new ConfigError(
+      "SUMMARY_RETENTION_S",
+      `Cannot start: SUMMARY_RETENTION_S must be at least IDEMPOTENCY_RESULT_TTL_S (${raw.IDEMPOTENCY_RESULT_TTL_S})`,
     );
   }
   const llm = raw.LLM_PROVIDER ?? (raw.OPENAI_API_KEY ? "openai" : "extractive");

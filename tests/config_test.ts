@@ -110,3 +110,11 @@ Deno.test("parseConfig() refuses trusted-header mode without GATEWAY_SECRET, and
     (e: Error) => /GATEWAY_SECRET must be at least 16/.test(e.message) && !e.message.includes("short-secret"),
   );
 });
+
+Deno.test("parseConfig() keeps summaries at least as long as keys replay", () => {
+  assert.throws(
+    () => parseConfig({ SUMMARY_RETENTION_S: "3600", IDEMPOTENCY_RESULT_TTL_S: "86400" }),
+    /SUMMARY_RETENTION_S must be at least IDEMPOTENCY_RESULT_TTL_S/,
+  );
+  assert.equal(parseConfig({ SUMMARY_RETENTION_S: "2592000" }).SUMMARY_RETENTION_S, 2592000);
+});

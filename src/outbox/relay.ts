@@ -40,6 +40,8 @@ export interface RelayOptions {
   backoffCapMs?: number;
   /** Sent rows older than this are deleted. */
   retentionMs?: number;
+  /** SUMMARY_RETENTION_S in ms: summaries older than this are deleted; unset, they are kept. */
+  summaryRetentionMs?: number;
   /** How often retention runs. */
   retentionEveryMs?: number;
   random?: () => number;
@@ -169,6 +171,21 @@ export function createRelay(
       const deleted = await sql`
         DELETE FROM outbox WHERE id IN (
           SELECT id FROM outbox WHERE sent_at < now() - ${retentionMs} * interval '1 millisecond' LIMIT ${PURGE_BATCH}
+        )`;
+      total += deleted.count;
+      if (deleted.count < PURGE_BATCH) break;
+    }
+    if (options.summaryRetentionMs === undefined) return total;
+    for (;;) {
+      // Summaries whose notification is still unsent stay: the email needs them.
+      const deleted = await sql`
+        DELETE FROM summaries WHERE job_id IN (
+          SELECT s.job_id FROM summaries s
+          WHERE s.created_at < now() - ${options.summaryRetentionMs} * interval '1 millisecond'
+            AND NOT EXISTS (
+              SELECT 1 FROM outbox o WHERE o.payload->>'job_id' = s.job_id::text AND o.sent_at IS NULL
+            )
+          LIMIT ${PURGE_BATCH}
         )`;
       total += deleted.count;
       if (deleted.count < PURGE_BATCH) return total;

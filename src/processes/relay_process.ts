@@ -20,6 +20,7 @@ export async function startRelay(
     // The lease must outlast a batch's concurrent sends (each capped by the send timeout) plus the commit.
     leaseMs: 2 * sendTimeoutMs + 5_000,
     retentionMs: config.OUTBOX_RETENTION_S * 1000,
+    summaryRetentionMs: config.SUMMARY_RETENTION_S === undefined ? undefined : config.SUMMARY_RETENTION_S * 1000,
     events: relayEvents(relayMetrics(registry)),
   });
   log.info("relay_started", { mail: config.MAIL_PROVIDER, batch: config.RELAY_BATCH });

@@ -265,6 +265,26 @@ Deno.test("outbox relay", async (t) => {
         await mail.close();
       }
     });
+    await t.step("SUMMARY_RETENTION_S deletes old summaries, except those whose email is still unsent", async () => {
+      await reset();
+      const mail = startFakeMail();
+      try {
+        const [oldSent, oldUnsent, recent] = await addRows(3);
+        await sql`UPDATE summaries SET created_at = now() - interval '40 days' WHERE job_id IN (${oldSent!}, ${oldUnsent!})`;
+        await sql`UPDATE outbox SET sent_at = now() WHERE dedupe_key IN (${"summary_ready:" + oldSent}, ${
+          "summary_ready:" + recent
+        })`;
+        const relay = relayFor(mail, { summaryRetentionMs: 30 * 24 * 3600 * 1000 });
+        assert.equal(await relay.purgeSent(), 1);
+        const left = await sql<{ job_id: string }[]>`SELECT job_id::text FROM summaries`;
+        assert.deepEqual(left.map((r) => r.job_id).sort(), [oldUnsent!, recent!].sort());
+        // Unset: summaries are kept.
+        await sql`UPDATE summaries SET created_at = now() - interval '400 days'`;
+        assert.equal(await relayFor(mail).purgeSent(), 0);
+      } finally {
+        await mail.close();
+      }
+    });
   } finally {
     await db.close();
   }
