@@ -19,6 +19,12 @@ export interface OutboxRow {
 /** Turns an outbox row into the email to send. @throws for a topic it does not know (a permanent failure). */
 export type Renderer = (topic: string, payload: Record<string, unknown>) => Email;
 
+/**
+ * Completes claimed rows' payloads with what the renderer needs and the row
+ * only references (one query for the whole batch), before any is rendered.
+ */
+export type PayloadLoader = (rows: OutboxRow[]) => Promise<void>;
+
 /** Counters a relay reports; wire them to metrics. */
 export interface RelayEvents {
   sent?(row: OutboxRow, durationMs: number): void;
@@ -76,7 +82,7 @@ const PURGE_BATCH = 1_000;
  * as its Idempotency-Key, closes it.
  */
 export function createRelay(
-  { sql, mailer, render, log }: { sql: Sql; mailer: Mailer; render: Renderer; log: Logger },
+  { sql, mailer, render, load, log }: { sql: Sql; mailer: Mailer; render: Renderer; load?: PayloadLoader; log: Logger },
   options: RelayOptions,
 ): Relay {
   const random = options.random ?? Math.random;
@@ -134,6 +140,7 @@ export function createRelay(
   }
 
   async function deliver(rows: OutboxRow[]): Promise<void> {
+    await load?.(rows);
     const sent: string[] = [];
     const providerIds: string[] = [];
     await Promise.all(rows.map(async (row) => {

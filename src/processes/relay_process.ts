@@ -2,7 +2,7 @@ import type { RunContext } from "../commands.ts";
 import { createRegistry, relayMetrics } from "../metrics/metrics.ts";
 import { outboxGauges, relayEvents } from "../metrics/wire.ts";
 import { createRelay } from "../outbox/relay.ts";
-import { summaryEmailRenderer } from "../summaries/email.ts";
+import { summaryEmailRenderer, summaryPayloadLoader } from "../summaries/email.ts";
 import { buildMailer } from "./_mailer.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
 import type { ComponentDeps } from "./_deps.ts";
@@ -14,7 +14,13 @@ export async function startRelay(
 ): Promise<void> {
   outboxGauges(registry, sql);
   const sendTimeoutMs = config.MAIL_SEND_TIMEOUT_S * 1000;
-  const relay = createRelay({ sql, mailer: buildMailer(config), render: summaryEmailRenderer(config.MAIL_FROM), log }, {
+  const relay = createRelay({
+    sql,
+    mailer: buildMailer(config),
+    render: summaryEmailRenderer(config.MAIL_FROM),
+    load: summaryPayloadLoader(sql),
+    log,
+  }, {
     batch: config.RELAY_BATCH,
     maxAttempts: config.RELAY_MAX_ATTEMPTS,
     // The lease must outlast a batch's concurrent sends (each capped by the send timeout) plus the commit.

@@ -25,9 +25,8 @@ export const SUMMARY_READY_KEY_PREFIX = "summary_ready:";
  */
 export async function commitSummaries(sql: Sql, results: SummaryResult[]): Promise<Set<string>> {
   if (results.length === 0) return new Set();
-  const payloads = results.map((r) =>
-    JSON.stringify({ job_id: r.jobId, tenant: r.tenant, to: r.notify, summary: r.summary })
-  );
+  // The outbox row references the summary (by job id) instead of holding a second copy of it.
+  const payloads = results.map((r) => JSON.stringify({ job_id: r.jobId, tenant: r.tenant, to: r.notify }));
   const rows = await sql<{ job_id: string }[]>`
     WITH input AS (
       SELECT * FROM unnest(

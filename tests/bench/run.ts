@@ -10,9 +10,7 @@ import { settlesWithin, sleep } from "../../src/async/timeout.ts";
 import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import type { LLM } from "../../src/llm/llm.ts";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
-import { createRelay } from "../../src/outbox/relay.ts";
 import { commitSummaries } from "../../src/summaries/commit.ts";
-import { summaryEmailRenderer } from "../../src/summaries/email.ts";
 import { jobKeys, KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
 import { createSummaryWorker } from "../../src/summaries/worker.ts";
 import { createStreamWorker, type StreamWorker } from "../../src/queue/stream_worker.ts";
@@ -539,11 +537,9 @@ async function benchRelay() {
             })),
           );
         }
-        const relay = createRelay({
+        const relay = relayTo({
           sql: db.sql,
           mailer: createResendMailer({ apiKey: "re_bench", baseUrl: mail.url, timeoutMs: 10_000 }),
-          render: summaryEmailRenderer("bench@example.com"),
-          log: silentLogger,
         }, { batch, maxAttempts: 10, leaseMs: 30_000 });
         const started = performance.now();
         while ((await relay.runOnce()) > 0) { /* drain */ }

@@ -2,7 +2,7 @@ import assert from "node:assert/strict";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import { type RelayOptions } from "../../src/outbox/relay.ts";
 import { commitSummaries } from "../../src/summaries/commit.ts";
-import { summaryEmailRenderer } from "../../src/summaries/email.ts";
+import { summaryEmailRenderer, summaryPayloadLoader } from "../../src/summaries/email.ts";
 import { type FakeMailServer, type MailBehaviour, startFakeMail } from "../support/fake_mail_server.ts";
 import { createTestDatabase, waitFor } from "../_support.ts";
 import { relayTo } from "../support/fixtures.ts";
@@ -61,6 +61,7 @@ Deno.test("outbox relay", async (t) => {
           const a = relayFor(mail, { leaseMs: 100 });
           const claimed = await a.claim();
           assert.equal(claimed.length, 1);
+          await summaryPayloadLoader(sql)(claimed); // the row references its summary
           // Relay A delivers, then dies before recording the send.
           await createResendMailer({ apiKey: "re_test", baseUrl: mail.url, timeoutMs: 2_000 })
             .send(render(claimed[0]!.topic, claimed[0]!.payload), claimed[0]!.dedupe_key, new AbortController().signal);

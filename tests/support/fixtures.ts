@@ -14,7 +14,7 @@ import { createRelay, type Relay, type RelayOptions } from "../../src/outbox/rel
 import type { ProviderFlow } from "../../src/provider/flow_control.ts";
 import type { StreamWorker } from "../../src/queue/stream_worker.ts";
 import { type ApiDeps, createHandler, SUMMARIES } from "../../src/summaries/api.ts";
-import { summaryEmailRenderer } from "../../src/summaries/email.ts";
+import { summaryEmailRenderer, summaryPayloadLoader } from "../../src/summaries/email.ts";
 import { createIntake } from "../../src/summaries/intake.ts";
 import type { JobKeys, ServiceKeys } from "../../src/summaries/keys.ts";
 import { createSummaryWorker, type SummaryWorkerOptions } from "../../src/summaries/worker.ts";
@@ -98,6 +98,7 @@ export function relayTo(
     sql,
     mailer: mailer ?? createResendMailer({ apiKey: "re_test", baseUrl: mailUrl!, timeoutMs: 2_000 }),
     render: summaryEmailRenderer("summaries@example.com"),
+    load: summaryPayloadLoader(sql),
     log,
   }, { batch: 20, maxAttempts: 5, leaseMs: 5_000, ...overrides });
 }
