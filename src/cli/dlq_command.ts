@@ -1,7 +1,7 @@
 import type { RedisClient } from "../clients.ts";
-import { listDeadLetters, replayDeadLetter } from "../queue/dead_letter.ts";
+import { type DeadLetter, pagesOfDeadLetters, replayDeadLetter } from "../queue/dead_letter.ts";
 import type { JobKeys, ServiceKeys } from "../summaries/keys.ts";
-import { allLanes } from "../summaries/all_lanes.ts";
+import { allLanes, type LaneRef } from "../summaries/all_lanes.ts";
 import { announceLane } from "../queue/lanes.ts";
 import { markQueuedOnReplay } from "../summaries/job_status.ts";
 import { printRows } from "./table.ts";
@@ -23,33 +23,47 @@ export async function dlqCommand(
 ): Promise<number> {
   const [action, target] = args;
   const lanes = await allLanes(redis, keys);
-  const listAll = async () =>
-    (await Promise.all(
-      lanes.map(async (lane) => (await listDeadLetters(redis, lane.keys, 100_000)).map((d) => ({ ...d, lane }))),
-    )).flat().sort((a, b) => a.dead_at.localeCompare(b.dead_at));
+  /** Every dead letter, lane by lane, a page at a time (never the whole stream in memory). */
+  async function* pages() {
+    for (const lane of lanes) {
+      for await (const page of pagesOfDeadLetters(redis, lane.keys)) yield page.map((d) => ({ ...d, lane }));
+    }
+  }
   if (action === "list") {
     const json = args.includes("--json") || (!isTerminal && !args.includes("--table"));
-    const dead = await listAll();
-    printRows(
-      dead.map((d) => ({
-        id: d.id,
-        job_id: d.fields.job_id ?? "",
-        tenant: d.fields.tenant ?? "",
-        reason: d.reason,
-        deliveries: d.deliveries,
-        dead_at: d.dead_at,
-      })),
-      { json, out, empty: "The dead-letter stream is empty." },
-    );
+    let any = false;
+    for await (const page of pages()) {
+      any = true;
+      printRows(
+        page.map((d) => ({
+          id: d.id,
+          job_id: d.fields.job_id ?? "",
+          tenant: d.fields.tenant ?? "",
+          reason: d.reason,
+          deliveries: d.deliveries,
+          dead_at: d.dead_at,
+        })),
+        { json, out },
+      );
+    }
+    if (!any) printRows([], { json, out, empty: "The dead-letter stream is empty." });
     return 0;
   }
   if (action === "replay" && target) {
-    const dead = await listAll();
     const tenantAt = args.indexOf("--tenant");
     const tenant = tenantAt >= 0 ? args[tenantAt + 1] : undefined;
-    const chosen = target === "--all"
-      ? dead
-      : dead.filter((d) => d.id === target && (tenant === undefined || d.lane.tenant === tenant));
+    const chosen: (DeadLetter & { lane: LaneRef })[] = [];
+    for await (const page of pages()) {
+      chosen.push(
+        ...(target === "--all"
+          ? page
+          : page.filter((d) => d.id === target && (tenant === undefined || d.lane.tenant === tenant))),
+      );
+    }
+    if (chosen.length === 0) {
+      out(target === "--all" ? "Nothing to replay." : `No dead letter ${target} (already replayed?). Nothing done.`);
+      return 0;
+    }
     // Each lane's dead-letter stream numbers its own entries, so one id may name dead letters in two lanes.
     if (target !== "--all" && chosen.length > 1) {
       console.error(
@@ -59,10 +73,6 @@ export async function dlqCommand(
           `add --tenant T to say which. Nothing done.`,
       );
       return 2;
-    }
-    if (chosen.length === 0) {
-      out(target === "--all" ? "Nothing to replay." : `No dead letter ${target} (already replayed?). Nothing done.`);
-      return 0;
     }
     let replayed = 0;
     for (const d of chosen) {

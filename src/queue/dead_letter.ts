@@ -57,9 +57,34 @@ export interface DeadLetter {
   fields: Record<string, string>;
 }
 
+/**
+ * Dead letters, oldest first, in pages of `pageSize`: a long dead-letter
+ * stream is never loaded whole.
+ */
+export async function* pagesOfDeadLetters(
+  redis: RedisClient,
+  names: QueueNames,
+  pageSize = 500,
+): AsyncGenerator<DeadLetter[]> {
+  let after: string | undefined;
+  for (;;) {
+    const page = await listDeadLetters(redis, names, pageSize, after);
+    if (page.length === 0) return;
+    yield page;
+    if (page.length < pageSize) return;
+    after = page[page.length - 1]!.id;
+  }
+}
+
 /** Lists dead letters, oldest first. */
-export async function listDeadLetters(redis: RedisClient, names: QueueNames, count = 1000): Promise<DeadLetter[]> {
-  const entries = await redis.xrange(names.dead, "-", "+", "COUNT", count);
+export async function listDeadLetters(
+  redis: RedisClient,
+  names: QueueNames,
+  count = 1000,
+  after?: string,
+): Promise<DeadLetter[]> {
+  // `after` pages: the range starts just past the last id of the previous page.
+  const entries = await redis.xrange(names.dead, after ? `(${after}` : "-", "+", "COUNT", count);
   return entries.map(([id, flat]) => {
     const all = fieldsToObject(flat);
     const fields = { ...all };

@@ -5,7 +5,7 @@ import { providerCommand } from "../../src/cli/provider_command.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createProviderFlow, providerStateKey } from "../../src/provider/flow_control.ts";
 import { tenantCommand } from "../../src/cli/tenant_command.ts";
-import { deadLetter } from "../../src/queue/dead_letter.ts";
+import { deadLetter, pagesOfDeadLetters } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { commitSummaries } from "../../src/summaries/commit.ts";
 import { enqueueJob } from "../support/enqueue.ts";
@@ -90,6 +90,37 @@ Deno.test("operator commands", async (t) => {
       await outboxCommand(db.sql, ["retry", "--all-failed"], all.out);
       assert.match(all.lines[0]!, /^1 failed row/);
       assert.equal(await outboxCommand(db.sql, ["retry", "abc"], capture().out), 2);
+    });
+
+    await t.step("dlq list pages through a long dead-letter stream instead of loading it whole", async () => {
+      const pageKeys = jobKeys(`${r.prefix}:pages`);
+      const p = r.redis.pipeline();
+      for (let i = 0; i < 1_201; i++) {
+        p.xadd(
+          pageKeys.dead,
+          "*",
+          "job_id",
+          `j${i}`,
+          "tenant",
+          "acme",
+          "dead_reason",
+          "test",
+          "dead_deliveries",
+          "6",
+          "dead_at",
+          "t",
+          "original_id",
+          "0-1",
+        );
+      }
+      await p.exec();
+      const sizes: number[] = [];
+      for await (const page of pagesOfDeadLetters(r.redis, pageKeys)) sizes.push(page.length);
+      assert.deepEqual(sizes, [500, 500, 201]);
+      const list = capture();
+      await dlqCommand(r.redis, pageKeys, ["list", "--json"], { out: list.out });
+      assert.equal(list.lines.length, 1_201);
+      assert.equal(new Set(list.lines.map((l) => JSON.parse(l).job_id)).size, 1_201, "each once, none skipped");
     });
 
     await t.step(
