@@ -1,8 +1,10 @@
 import type { Sql } from "postgres";
 import { createApiKey, listTenants, revokeTenant, tenantExists } from "../tenants/tenant_store.ts";
 import { printRows } from "./table.ts";
+import { allowDomain } from "../tenants/mail_domains.ts";
 
-const USAGE = "Usage: deno task tenant create NAME | list [--json] | revoke NAME";
+const USAGE =
+  "Usage: deno task tenant create NAME | list [--json] | revoke NAME | allow-domain NAME DOMAIN | allow-domain NAME --any";
 
 /**
  * `tenant create NAME | list | revoke NAME`. `create` prints the new key as
@@ -40,6 +42,29 @@ export async function tenantCommand(sql: Sql, args: string[], out = console.log)
         { json, out, empty: "No tenants yet. Create one with: deno task tenant create NAME" },
       );
       return 0;
+    }
+    case "allow-domain": {
+      const domain = args[2];
+      if (!name || !domain) break;
+      if (!(await tenantExists(sql, name))) {
+        console.error(`No tenant named ${JSON.stringify(name)}`);
+        return 1;
+      }
+      try {
+        const domains = await allowDomain(sql, name, domain === "--any" ? null : domain);
+        out(
+          domains.length
+            ? `Tenant "${name}" may email only: ${domains.join(", ")} (within 10 seconds).`
+            : `Tenant "${name}" may email any domain (within 10 seconds).`,
+        );
+        return 0;
+      } catch (error) {
+        if (error instanceof TypeError) {
+          console.error(error.message);
+          return 2;
+        }
+        throw error;
+      }
     }
     case "revoke": {
       if (!name) break;

@@ -5,6 +5,7 @@ import { createHandler, SUMMARIES } from "../summaries/api.ts";
 import { createIntake } from "../summaries/intake.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
+import { createRecipientPolicy } from "../tenants/mail_domains.ts";
 
 /** Serves the API on HOST:PORT until `signal` aborts, then finishes in-flight requests. */
 export async function serveApi(
@@ -26,6 +27,7 @@ export async function serveApi(
       path: SUMMARIES,
     }),
     keys,
+    recipients: createRecipientPolicy({ sql }),
     maxBodyBytes: config.MAX_BODY_BYTES,
   });
   const server = Deno.serve({

@@ -22,6 +22,8 @@ export interface ApiDeps {
   intake: Intake;
   keys: ServiceKeys;
   maxBodyBytes: number;
+  /** Whether a tenant may email an address (its allowed domains); every address when unset. */
+  recipients?: (tenant: string, address: string) => Promise<boolean>;
   /** How long a POST body may take to arrive; default 10 s (`BODY_DEADLINE_MS` in `http/body.ts`). */
   bodyDeadlineMs?: number;
   /**
@@ -89,6 +91,12 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
       deps.metrics?.api.validationErrors.inc();
       const errors = parsed.error.issues.map((i) => ({ path: i.path.join("."), message: i.message }));
       throw new HttpError(422, "The request body failed validation", {}, { extra: { errors } });
+    }
+    if (deps.recipients && !(await deps.recipients(tenant, parsed.data.notify))) {
+      const domain = parsed.data.notify.slice(parsed.data.notify.lastIndexOf("@") + 1);
+      throw new HttpError(422, "The request body failed validation", {}, {
+        extra: { errors: [{ path: "notify", message: `this tenant may not email ${domain}` }] },
+      });
     }
     const scope = { tenant, method: "POST", path: SUMMARIES, key };
     try {

@@ -2,6 +2,8 @@ import assert from "node:assert/strict";
 import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
 import { jobIdFor } from "../../src/idempotency/scope.ts";
 import { createIntake, type Intake } from "../../src/summaries/intake.ts";
+import { createRecipientPolicy } from "../../src/tenants/mail_domains.ts";
+import { tenantCommand } from "../../src/cli/tenant_command.ts";
 import { apiHandler } from "../support/fixtures.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
@@ -297,6 +299,46 @@ Deno.test("summaries API", async (t) => {
         const over = await send(whole, newKey(), otherKey);
         assert.equal(over.status, 503);
         assert.match((await over.json()).detail, /the queue is full/);
+      },
+    );
+
+    await t.step(
+      "a tenant restricted to some domains cannot mail others (422 on notify); allow-domain --any frees it",
+      async () => {
+        const restricted = apiHandler({ redis: r.redis, sql: db.sql, keys }, {
+          authMode: "api-key",
+          intake,
+          maxBodyBytes: 4096,
+          recipients: createRecipientPolicy({ sql: db.sql }, { ttlMs: 0 }),
+        });
+        const to = (notify: string) =>
+          restricted(
+            new Request("http://api/v1/summaries", {
+              method: "POST",
+              headers: {
+                authorization: `Bearer ${apiKey}`,
+                "content-type": "application/json",
+                "idempotency-key": newKey(),
+              },
+              body: JSON.stringify({ ...BODY, notify }),
+            }),
+          );
+        assert.equal((await to("anyone@elsewhere.org")).status, 202, "no list: any domain");
+        const c = { lines: [] as string[], out: (l: string) => c.lines.push(l) };
+        assert.equal(await tenantCommand(db.sql, ["allow-domain", "acme", "Example.COM"], c.out), 0);
+        assert.match(c.lines[0]!, /may email only: example\.com/);
+        const before = await streamLength();
+        const refused = await to("victim@elsewhere.org");
+        assert.equal(refused.status, 422);
+        assert.deepEqual((await refused.json()).errors, [{
+          path: "notify",
+          message: "this tenant may not email elsewhere.org",
+        }]);
+        assert.equal(await streamLength(), before, "nothing enqueued, nothing mailed");
+        assert.equal((await to("ops@example.com")).status, 202);
+        assert.equal(await tenantCommand(db.sql, ["allow-domain", "acme", "--any"], c.out), 0);
+        assert.equal((await to("victim@elsewhere.org")).status, 202);
+        assert.equal(await tenantCommand(db.sql, ["allow-domain", "acme", "not a domain"], c.out), 2);
       },
     );
 
