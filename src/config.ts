@@ -49,6 +49,7 @@ const schema = z.object({
   TENANT_MAX_IN_FLIGHT: int(1).optional(),
   INTAKE_MAX_QUEUED: int(1).optional(),
   SUMMARY_RETENTION_S: int(60).optional(),
+  MAIL_TENANT_HOURLY_LIMIT: int(1).optional(),
   INTAKE_MAX_QUEUED_PER_TENANT: int(1).optional(),
   RELAY_BATCH: int(1, 10000).default(20),
   RELAY_MAX_ATTEMPTS: int(1).default(10),

@@ -25,6 +25,13 @@ export type Renderer = (topic: string, payload: Record<string, unknown>) => Emai
  */
 export type PayloadLoader = (rows: OutboxRow[]) => Promise<void>;
 
+/**
+ * Decides which claimed rows must wait (a rate limit): returns each such
+ * row's id with how long it waits. A deferred row is released without
+ * counting an attempt.
+ */
+export type Deferral = (rows: OutboxRow[]) => Promise<Map<string, number>>;
+
 /** Counters a relay reports; wire them to metrics. */
 export interface RelayEvents {
   sent?(row: OutboxRow, durationMs: number): void;
@@ -82,7 +89,14 @@ const PURGE_BATCH = 1_000;
  * as its Idempotency-Key, closes it.
  */
 export function createRelay(
-  { sql, mailer, render, load, log }: { sql: Sql; mailer: Mailer; render: Renderer; load?: PayloadLoader; log: Logger },
+  { sql, mailer, render, load, defer, log }: {
+    sql: Sql;
+    mailer: Mailer;
+    render: Renderer;
+    load?: PayloadLoader;
+    defer?: Deferral;
+    log: Logger;
+  },
   options: RelayOptions,
 ): Relay {
   const random = options.random ?? Math.random;
@@ -139,7 +153,18 @@ export function createRelay(
     log.info("outbox_send_retry", { ...fields, wait_ms: waitMs });
   }
 
-  async function deliver(rows: OutboxRow[]): Promise<void> {
+  async function deliver(claimed: OutboxRow[]): Promise<void> {
+    const waits = defer ? await defer(claimed) : new Map<string, number>();
+    if (waits.size > 0) {
+      for (const [id, ms] of waits) {
+        const row = claimed.find((r) => r.id === id)!;
+        await sql`
+          UPDATE outbox SET locked_until = NULL, next_attempt_at = now() + ${Math.round(ms)} * interval '1 millisecond'
+          WHERE id = ${id} AND claim_token = ${row.claim_token} AND sent_at IS NULL`;
+      }
+      log.info("outbox_deferred", { rows: waits.size });
+    }
+    const rows = claimed.filter((r) => !waits.has(r.id));
     await load?.(rows);
     const sent: string[] = [];
     const providerIds: string[] = [];

@@ -2,7 +2,7 @@ import type { RunContext } from "../commands.ts";
 import { createRegistry, relayMetrics } from "../metrics/metrics.ts";
 import { outboxGauges, relayEvents } from "../metrics/wire.ts";
 import { createRelay } from "../outbox/relay.ts";
-import { summaryEmailRenderer, summaryPayloadLoader } from "../summaries/email.ts";
+import { summaryEmailRenderer, summaryPayloadLoader, tenantHourlyLimit } from "../summaries/email.ts";
 import { buildMailer } from "./_mailer.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
 import type { ComponentDeps } from "./_deps.ts";
@@ -19,6 +19,9 @@ export async function startRelay(
     mailer: buildMailer(config),
     render: summaryEmailRenderer(config.MAIL_FROM),
     load: summaryPayloadLoader(sql),
+    defer: config.MAIL_TENANT_HOURLY_LIMIT === undefined
+      ? undefined
+      : tenantHourlyLimit(sql, config.MAIL_TENANT_HOURLY_LIMIT),
     log,
   }, {
     batch: config.RELAY_BATCH,

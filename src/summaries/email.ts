@@ -1,6 +1,6 @@
 import type { Sql } from "postgres";
 import type { Email } from "../mail/mailer.ts";
-import type { PayloadLoader, Renderer } from "../outbox/relay.ts";
+import type { Deferral, PayloadLoader, Renderer } from "../outbox/relay.ts";
 import { SUMMARY_READY_TOPIC } from "./commit.ts";
 
 /**
@@ -48,5 +48,34 @@ export function summaryPayloadLoader(sql: Sql): PayloadLoader {
       const summary = byId.get(String(row.payload.job_id));
       if (summary !== undefined) row.payload = { ...row.payload, summary };
     }
+  };
+}
+
+/**
+ * MAIL_TENANT_HOURLY_LIMIT: at most `limit` emails per tenant in any hour.
+ * Rows over it wait in the outbox (a minute at a time) without spending an
+ * attempt. Rows other relays hold right now count as sent, so relays running
+ * side by side err on the side of sending fewer, never more.
+ */
+export function tenantHourlyLimit(sql: Sql, limit: number): Deferral {
+  return async (rows) => {
+    const waits = new Map<string, number>();
+    const mine = rows[0]?.claim_token;
+    const tenants = [...new Set(rows.map((r) => String(r.payload.tenant ?? "")))];
+    if (!mine || tenants.length === 0) return waits;
+    const counts = await sql<{ tenant: string; n: number }[]>`
+      SELECT payload->>'tenant' AS tenant, count(*)::int AS n FROM outbox
+      WHERE payload->>'tenant' = ANY(${tenants})
+        AND (sent_at > now() - interval '1 hour'
+          OR (sent_at IS NULL AND locked_until > now() AND claim_token IS DISTINCT FROM ${mine}::uuid))
+      GROUP BY 1`;
+    const used = new Map(counts.map((c) => [c.tenant, c.n]));
+    for (const row of rows) {
+      const tenant = String(row.payload.tenant ?? "");
+      const n = used.get(tenant) ?? 0;
+      if (n >= limit) waits.set(row.id, 60_000);
+      else used.set(tenant, n + 1);
+    }
+    return waits;
   };
 }

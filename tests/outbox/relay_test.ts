@@ -2,7 +2,7 @@ import assert from "node:assert/strict";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import { type RelayOptions } from "../../src/outbox/relay.ts";
 import { commitSummaries } from "../../src/summaries/commit.ts";
-import { summaryEmailRenderer, summaryPayloadLoader } from "../../src/summaries/email.ts";
+import { summaryEmailRenderer, summaryPayloadLoader, tenantHourlyLimit } from "../../src/summaries/email.ts";
 import { type FakeMailServer, type MailBehaviour, startFakeMail } from "../support/fake_mail_server.ts";
 import { createTestDatabase, waitFor } from "../_support.ts";
 import { relayTo } from "../support/fixtures.ts";
@@ -286,6 +286,32 @@ Deno.test("outbox relay", async (t) => {
         await mail.close();
       }
     });
+    await t.step(
+      "MAIL_TENANT_HOURLY_LIMIT: rows over a tenant's hourly limit wait, without an attempt; others go",
+      async () => {
+        await reset();
+        const mail = startFakeMail();
+        try {
+          await addRows(5); // acme
+          const other = crypto.randomUUID();
+          await commitSummaries(sql, [{ jobId: other, tenant: "globex", summary: "S.", notify: "g@example.com" }]);
+          const relay = relayTo({ sql, mailUrl: mail.url, defer: tenantHourlyLimit(sql, 3) }, { maxAttempts: 10 });
+          assert.equal(await relay.runOnce(), 6, "all claimed");
+          assert.equal(mail.delivered.length, 4, "three of acme's and globex's one");
+          const waiting = await sql<{ attempts: number; wait: number }[]>`
+          SELECT attempts, extract(epoch FROM next_attempt_at - now())::float AS wait FROM outbox WHERE sent_at IS NULL`;
+          assert.equal(waiting.length, 2);
+          for (const w of waiting) {
+            assert.equal(w.attempts, 0, "a deferral is not an attempt");
+            assert.ok(w.wait > 50 && w.wait <= 60);
+          }
+          assert.equal(await relay.runOnce(), 0, "not due yet");
+          assert.equal(mail.requests, 4);
+        } finally {
+          await mail.close();
+        }
+      },
+    );
   } finally {
     await db.close();
   }

@@ -10,7 +10,7 @@ import { silentLogger } from "../../src/log/logger.ts";
 import type { Logger } from "../../src/log/logger.ts";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import type { Mailer } from "../../src/mail/mailer.ts";
-import { createRelay, type Relay, type RelayOptions } from "../../src/outbox/relay.ts";
+import { createRelay, type Deferral, type Relay, type RelayOptions } from "../../src/outbox/relay.ts";
 import type { ProviderFlow } from "../../src/provider/flow_control.ts";
 import type { StreamWorker } from "../../src/queue/stream_worker.ts";
 import { type ApiDeps, createHandler, SUMMARIES } from "../../src/summaries/api.ts";
@@ -91,7 +91,13 @@ export function summaryWorker(
 
 /** A relay to a Resend-compatible server at `mailUrl` (or any mailer). */
 export function relayTo(
-  { sql, mailUrl, mailer, log = silentLogger }: { sql: Sql; mailUrl?: string; mailer?: Mailer; log?: Logger },
+  { sql, mailUrl, mailer, defer, log = silentLogger }: {
+    sql: Sql;
+    mailUrl?: string;
+    mailer?: Mailer;
+    defer?: Deferral;
+    log?: Logger;
+  },
   overrides: Partial<RelayOptions> = {},
 ): Relay {
   return createRelay({
@@ -99,6 +105,7 @@ export function relayTo(
     mailer: mailer ?? createResendMailer({ apiKey: "re_test", baseUrl: mailUrl!, timeoutMs: 2_000 }),
     render: summaryEmailRenderer("summaries@example.com"),
     load: summaryPayloadLoader(sql),
+    defer,
     log,
   }, { batch: 20, maxAttempts: 5, leaseMs: 5_000, ...overrides });
 }
