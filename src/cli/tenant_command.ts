@@ -6,6 +6,17 @@ import { allowDomain } from "../tenants/mail_domains.ts";
 const USAGE =
   "Usage: deno task tenant create NAME | list [--json] | revoke NAME | allow-domain NAME DOMAIN | allow-domain NAME --any";
 
+/** Runs `command`; a bad argument (a `TypeError` from validation) is printed and exits 2. */
+async function usageErrorsAs2(command: () => Promise<number>): Promise<number> {
+  try {
+    return await command();
+  } catch (error) {
+    if (!(error instanceof TypeError)) throw error;
+    console.error(error.message);
+    return 2;
+  }
+}
+
 /**
  * `tenant create NAME | list | revoke NAME`. `create` prints the new key as
  * the last line on stdout.
@@ -17,18 +28,12 @@ export async function tenantCommand(sql: Sql, args: string[], out = console.log)
   switch (action) {
     case "create": {
       if (!name) break;
-      try {
+      return await usageErrorsAs2(async () => {
         const key = await createApiKey(sql, name);
         out(`Created an API key for tenant "${name}". Store it now; it cannot be shown again.`);
         out(key);
         return 0;
-      } catch (error) {
-        if (error instanceof TypeError) {
-          console.error(error.message);
-          return 2;
-        }
-        throw error;
-      }
+      });
     }
     case "list": {
       const rows = await listTenants(sql);
@@ -50,7 +55,7 @@ export async function tenantCommand(sql: Sql, args: string[], out = console.log)
         console.error(`No tenant named ${JSON.stringify(name)}`);
         return 1;
       }
-      try {
+      return await usageErrorsAs2(async () => {
         const domains = await allowDomain(sql, name, domain === "--any" ? null : domain);
         out(
           domains.length
@@ -58,13 +63,7 @@ export async function tenantCommand(sql: Sql, args: string[], out = console.log)
             : `Tenant "${name}" may email any domain (within 10 seconds).`,
         );
         return 0;
-      } catch (error) {
-        if (error instanceof TypeError) {
-          console.error(error.message);
-          return 2;
-        }
-        throw error;
-      }
+      });
     }
     case "revoke": {
       if (!name) break;
