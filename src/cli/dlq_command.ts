@@ -1,5 +1,5 @@
 import type { RedisClient } from "../clients.ts";
-import { type DeadLetter, pagesOfDeadLetters, replayDeadLetter } from "../queue/dead_letter.ts";
+import { type DeadLetter, DeadLetterTruncated, pagesOfDeadLetters, replayDeadLetter } from "../queue/dead_letter.ts";
 import type { JobKeys, ServiceKeys } from "../summaries/keys.ts";
 import { allLanes, type LaneRef } from "../summaries/all_lanes.ts";
 import { announceLane } from "../queue/lanes.ts";
@@ -42,6 +42,7 @@ export async function dlqCommand(
           reason: d.reason,
           deliveries: d.deliveries,
           dead_at: d.dead_at,
+          replayable: d.truncated.length === 0,
         })),
         { json, out },
       );
@@ -74,19 +75,27 @@ export async function dlqCommand(
       );
       return 2;
     }
-    let replayed = 0;
+    let replayed = 0, refused = 0;
     for (const d of chosen) {
       const jobId = d.fields.job_id;
       const lane = d.lane.keys;
-      const newId = await replayDeadLetter(redis, lane, d.id, jobId ? markQueuedOnReplay(lane, jobId) : undefined);
+      let newId: string | null;
+      try {
+        newId = await replayDeadLetter(redis, lane, d.id, jobId ? markQueuedOnReplay(lane, jobId) : undefined);
+      } catch (error) {
+        if (!(error instanceof DeadLetterTruncated)) throw error;
+        console.error(`${error.message} (job ${jobId ?? "?"}, tenant ${d.fields.tenant ?? "?"})`);
+        refused++;
+        continue;
+      }
       if (newId === null) continue; // replayed concurrently by someone else
       // Back in its lane's stream: tell the workers, as an enqueue does.
       if (d.lane.tenant !== null && "lane" in keys) await announceLane(redis, keys.registry, d.lane.tenant);
       out(`Replayed ${d.id} as ${newId} (job ${jobId ?? "?"}, tenant ${d.fields.tenant ?? "?"})`);
       replayed++;
     }
-    out(`${replayed} dead letter(s) replayed.`);
-    return 0;
+    out(`${replayed} dead letter(s) replayed.` + (refused ? ` ${refused} could not be (truncated payload).` : ""));
+    return refused ? 1 : 0;
   }
   console.error(USAGE);
   return 2;

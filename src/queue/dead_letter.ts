@@ -12,13 +12,35 @@ export type DeadLetterHook = (
 ) => void;
 
 /** Fields the dead entry carries besides the original ones. */
-const META = ["dead_reason", "dead_deliveries", "dead_at", "original_id"] as const;
+const META = ["dead_reason", "dead_deliveries", "dead_at", "original_id", "dead_truncated"] as const;
+
+/**
+ * Bounds on the dead-letter stream: at most about `maxEntries` per stream
+ * (the oldest go first, trimmed by XADD itself), and no field longer than
+ * `keptFieldChars` characters. A dead letter exists for an operator to read
+ * and replay; a 200,000-character document kept 10,000 times is what a
+ * careless or hostile client could otherwise make Redis hold forever.
+ */
+export const DEAD_LETTER_BOUNDS = { maxEntries: 10_000, keptFieldChars: 8_192 };
+
+/** A dead letter whose payload was truncated cannot run again: the job's input is gone. */
+export class DeadLetterTruncated extends Error {
+  constructor(readonly deadId: string, readonly fields: string[]) {
+    super(
+      `Dead letter ${deadId} kept only the first ${DEAD_LETTER_BOUNDS.keptFieldChars} characters of ` +
+        `${fields.join(", ")}; it cannot be replayed. The client must submit the document again.`,
+    );
+    this.name = "DeadLetterTruncated";
+  }
+}
 
 /**
  * Moves a message to the dead-letter stream: XADD to the dead stream, XACK
  * and XDEL on the job stream, in one MULTI/EXEC, so a message is never both
  * dead and pending, nor acknowledged and lost. The dead entry records the
- * reason, the delivery count and the original fields (tenant included).
+ * reason, the delivery count and the original fields (tenant included),
+ * each cut to `DEAD_LETTER_BOUNDS.keptFieldChars`; `dead_truncated` names the
+ * fields that were cut, and such an entry is listed but never replayed.
  */
 export async function deadLetter(
   redis: RedisClient,
@@ -28,16 +50,22 @@ export async function deadLetter(
   hook?: DeadLetterHook,
 ): Promise<void> {
   const entry: string[] = [];
-  for (const [k, v] of Object.entries(message.fields)) entry.push(k, v);
+  const truncated: string[] = [];
+  const keep = DEAD_LETTER_BOUNDS.keptFieldChars;
+  for (const [k, v] of Object.entries(message.fields)) {
+    if (v.length > keep) truncated.push(k);
+    entry.push(k, v.length > keep ? v.slice(0, keep) : v);
+  }
   const meta: Record<typeof META[number], string> = {
     dead_reason: reason.slice(0, 2000),
     dead_deliveries: String(message.deliveries),
     dead_at: new Date().toISOString(),
     original_id: message.id,
+    dead_truncated: truncated.join(","),
   };
   for (const k of META) entry.push(k, meta[k]);
   const multi = redis.multi()
-    .xadd(names.dead, "*", ...entry)
+    .xadd(names.dead, "MAXLEN", "~", DEAD_LETTER_BOUNDS.maxEntries, "*", ...entry)
     .xack(names.stream, names.group, message.id)
     .xdel(names.stream, message.id);
   hook?.(multi, message, reason, names);
@@ -53,7 +81,9 @@ export interface DeadLetter {
   reason: string;
   deliveries: number;
   dead_at: string;
-  /** The original fields, without the dead-letter metadata. */
+  /** Fields cut to `DEAD_LETTER_BOUNDS.keptFieldChars`; non-empty means it cannot be replayed. */
+  truncated: string[];
+  /** The original fields (some perhaps truncated), without the dead-letter metadata. */
   fields: Record<string, string>;
 }
 
@@ -95,6 +125,7 @@ export async function listDeadLetters(
       reason: all.dead_reason ?? "",
       deliveries: Number(all.dead_deliveries ?? 0),
       dead_at: all.dead_at ?? "",
+      truncated: all.dead_truncated ? all.dead_truncated.split(",") : [],
       fields,
     };
   });
@@ -116,13 +147,17 @@ export interface RecordUpdate {
 // Re-enqueue and remove the dead entry atomically, and only if it is still
 // there: replaying the same id twice enqueues once. The metadata fields are
 // the ones META names (ARGV[2]); an optional record (KEYS[3]) changes in the
-// same step, so a replayed job never reads as failed while it is queued.
+// same step, so a replayed job never reads as failed while it is queued. An
+// entry whose fields were truncated is left alone: its answer is {truncated}.
 const REPLAY = defineScript(`
 local entries = redis.call('XRANGE', KEYS[2], ARGV[1], ARGV[1])
 if #entries == 0 then return false end
 local meta = {}
 for name in string.gmatch(ARGV[2], '[^,]+') do meta[name] = true end
 local flat = entries[1][2]
+for i = 1, #flat, 2 do
+  if flat[i] == 'dead_truncated' and flat[i + 1] ~= '' then return {flat[i + 1]} end
+end
 local fields, matched = {}, false
 for i = 1, #flat, 2 do
   local k = flat[i]
@@ -146,6 +181,7 @@ return id`);
  * id) and deletes it from the dead stream, atomically, applying `record` in
  * the same step.
  * @returns the new stream entry id, or null if no such dead letter exists.
+ * @throws DeadLetterTruncated if the entry kept only part of its payload.
  */
 export async function replayDeadLetter(
   redis: RedisClient,
@@ -160,5 +196,6 @@ export async function replayDeadLetter(
     args.push(record.match.field, record.match.value, record.set.length, ...record.set, ...record.del);
   }
   const id = await REPLAY.run(redis, keys, args);
+  if (Array.isArray(id)) throw new DeadLetterTruncated(deadId, String(id[0]).split(","));
   return typeof id === "string" ? id : null;
 }

@@ -5,7 +5,7 @@ import { providerCommand } from "../../src/cli/provider_command.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createProviderFlow, providerStateKey } from "../../src/provider/flow_control.ts";
 import { tenantCommand } from "../../src/cli/tenant_command.ts";
-import { deadLetter, pagesOfDeadLetters } from "../../src/queue/dead_letter.ts";
+import { DEAD_LETTER_BOUNDS, deadLetter, pagesOfDeadLetters } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { commitSummaries } from "../../src/summaries/commit.ts";
 import { enqueueJob } from "../support/enqueue.ts";
@@ -91,6 +91,56 @@ Deno.test("operator commands", async (t) => {
       assert.match(all.lines[0]!, /^1 failed row/);
       assert.equal(await outboxCommand(db.sql, ["retry", "abc"], capture().out), 2);
     });
+
+    await t.step(
+      "the dead-letter stream is bounded: big payloads are truncated and refused on replay, old entries trimmed",
+      async () => {
+        const boundKeys = jobKeys(`${r.prefix}:bound`);
+        const big = "x".repeat(150_000);
+        const small = crypto.randomUUID();
+        await deadLetter(r.redis, boundKeys, {
+          id: "1-1",
+          fields: { job_id: "big", tenant: "acme", payload: JSON.stringify({ text: big, notify: "a@b.co" }) },
+          deliveries: 1,
+        }, "poison");
+        await deadLetter(r.redis, boundKeys, {
+          id: "1-2",
+          fields: { job_id: small, tenant: "acme", payload: JSON.stringify({ text: "short", notify: "a@b.co" }) },
+          deliveries: 6,
+        }, "exceeded 5 deliveries");
+        const [bigEntry] = await r.redis.xrange(boundKeys.dead, "-", "+", "COUNT", 1);
+        const payload = bigEntry![1][bigEntry![1].indexOf("payload") + 1]!;
+        assert.equal(payload.length, DEAD_LETTER_BOUNDS.keptFieldChars, "the payload kept is a bounded prefix");
+        const list = capture();
+        await dlqCommand(r.redis, boundKeys, ["list", "--json"], { out: list.out });
+        assert.deepEqual(list.lines.map((l) => JSON.parse(l).replayable), [false, true]);
+        const out = capture();
+        assert.equal(await dlqCommand(r.redis, boundKeys, ["replay", "--all"], { out: out.out }), 1);
+        assert.match(out.lines.at(-1)!, /1 dead letter\(s\) replayed\. 1 could not be/);
+        const queued = await r.redis.xrange(boundKeys.stream, "-", "+");
+        assert.deepEqual(queued.map(([, f]) => f[1]), [small], "only the whole entry ran again");
+        assert.equal(await r.redis.xlen(boundKeys.dead), 1, "the truncated entry stays for the operator to read");
+
+        const saved = DEAD_LETTER_BOUNDS.maxEntries;
+        DEAD_LETTER_BOUNDS.maxEntries = 100;
+        try {
+          for (let i = 0; i < 600; i++) {
+            await deadLetter(r.redis, boundKeys, {
+              id: `2-${i}`,
+              fields: { job_id: `j${i}`, tenant: "acme", payload: "{}" },
+              deliveries: 6,
+            }, "x");
+          }
+        } finally {
+          DEAD_LETTER_BOUNDS.maxEntries = saved;
+        }
+        // MAXLEN ~ trims whole stream nodes (100 entries each by default), so the bound holds within one node.
+        const length = await r.redis.xlen(boundKeys.dead);
+        assert.ok(length <= 200, `dead-letter stream trimmed to about its bound, not ${length}`);
+        const [newest] = await r.redis.xrevrange(boundKeys.dead, "+", "-", "COUNT", 1);
+        assert.equal(newest![1][1], "j599", "the newest are the ones kept");
+      },
+    );
 
     await t.step("dlq list pages through a long dead-letter stream instead of loading it whole", async () => {
       const pageKeys = jobKeys(`${r.prefix}:pages`);
