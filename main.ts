@@ -54,9 +54,14 @@ function shutdownSignal(log: Logger): AbortSignal {
   return controller.signal;
 }
 
-/** Runs `deno <args>`, forwarding SIGTERM/SIGINT, and stopping it if this launcher is orphaned. */
+/**
+ * Runs this very Deno binary (`Deno.execPath()`, never a `deno` found on
+ * PATH) with `args`, forwarding SIGTERM/SIGINT, and stopping it if this
+ * launcher is orphaned. The launch task allows running exactly that path.
+ */
 async function spawnDeno(args: string[]): Promise<number> {
-  const child = new Deno.Command("deno", { args, stdin: "inherit", stdout: "inherit", stderr: "inherit" }).spawn();
+  const child = new Deno.Command(Deno.execPath(), { args, stdin: "inherit", stdout: "inherit", stderr: "inherit" })
+    .spawn();
   const forward = (signal: Deno.Signal) => () => {
     try {
       child.kill(signal);
@@ -92,7 +97,7 @@ async function launch(command: Command, args: string[], config: Config): Promise
  * set. A standalone server, or one that does not answer, adds nothing.
  */
 async function withClusterNodes(config: Config): Promise<Config> {
-  const out = await new Deno.Command("deno", {
+  const out = await new Deno.Command(Deno.execPath(), {
     args: ["run", ...redisProbeFlags(config), SELF, "redis-nodes"],
     stdout: "piped",
     stderr: "null",

@@ -1,0 +1,93 @@
+/**
+ * The launcher (`main.ts launch`, behind every `deno task`) is the one
+ * process that may start others, so it is kept small: it loads only what
+ * parses the configuration, and it may run only the Deno binary that runs
+ * it, never a `deno` found on PATH.
+ */
+import assert from "node:assert/strict";
+import { createTestDatabase } from "./_support.ts";
+
+const ROOT = decodeURIComponent(new URL("..", import.meta.url).pathname);
+const MAIN = new URL("../main.ts", import.meta.url).href;
+const tasks = JSON.parse(await Deno.readTextFile(new URL("../deno.json", import.meta.url))).tasks as Record<
+  string,
+  string
+>;
+
+interface GraphModule {
+  specifier: string;
+  dependencies?: { code?: { specifier: string }; isDynamic?: boolean }[];
+}
+
+/** Every module `main.ts` loads before it runs a line: static, non-type imports only. */
+async function staticGraph(): Promise<Set<string>> {
+  const out = await new Deno.Command(Deno.execPath(), { args: ["info", "--json", "main.ts"], cwd: ROOT }).output();
+  assert.ok(out.success, new TextDecoder().decode(out.stderr));
+  const modules = new Map<string, GraphModule>();
+  for (const m of JSON.parse(new TextDecoder().decode(out.stdout)).modules as GraphModule[]) {
+    modules.set(m.specifier, m);
+  }
+  const seen = new Set<string>();
+  const visit = (specifier: string) => {
+    if (seen.has(specifier)) return;
+    seen.add(specifier);
+    for (const dep of modules.get(specifier)?.dependencies ?? []) {
+      if (dep.code && !dep.isDynamic) visit(dep.code.specifier);
+    }
+  };
+  visit(MAIN);
+  return seen;
+}
+
+Deno.test("the launcher loads the configuration's parser and nothing of the service", async () => {
+  const loaded = [...await staticGraph()];
+  const ours = loaded.filter((s) => s.startsWith("file:")).map((s) => s.slice(new URL(ROOT, "file:").href.length));
+  assert.deepEqual(ours.sort(), [
+    "main.ts",
+    "src/commands.ts",
+    "src/config.ts",
+    "src/log/logger.ts",
+    "src/permissions.ts",
+  ]);
+  const packages = loaded.filter((s) => s.startsWith("npm:")).map((s) => /^npm:\/?(@?[^@]+)/.exec(s)![1]);
+  assert.deepEqual([...new Set(packages)], ["zod"], "only zod, which parses the configuration");
+});
+
+Deno.test("the launcher spawns Deno.execPath(), and its permission set allows nothing else", async () => {
+  const db = await createTestDatabase({ migrate: false });
+  const decoy = await Deno.makeTempDir();
+  try {
+    // A `deno` earlier on PATH that would leave a mark if the launcher ran it.
+    await Deno.writeTextFile(`${decoy}/deno`, `#!/bin/sh\ntouch "${decoy}/ran"\nexit 3\n`, { mode: 0o755 });
+    const env = { PATH: `${decoy}:${Deno.env.get("PATH")}`, DATABASE_URL: db.url, NO_COLOR: "1" };
+    // The launch task as deno.json has it, run by this binary (so its `$(deno eval ...)` names this binary).
+    const out = await new Deno.Command(Deno.execPath(), {
+      args: ["task", "migrate"],
+      cwd: ROOT,
+      env,
+      stdout: "piped",
+      stderr: "piped",
+    }).output();
+    const stderr = new TextDecoder().decode(out.stderr);
+    assert.equal(out.code, 0, stderr);
+    await assert.rejects(Deno.stat(`${decoy}/ran`), Deno.errors.NotFound, "the PATH decoy never ran");
+    const [row] = await db.sql<{ n: number }[]>`SELECT count(*)::int AS n FROM oncely_migrations`;
+    assert.ok(row!.n > 0, "the real migrate ran");
+
+    // With the same set, a script that tries the PATH `deno` is refused by the runtime.
+    const allowRun = /--allow-run="\$\((.+)\)"/.exec(tasks.launch!)![1]!;
+    assert.match(allowRun, /Deno\.execPath\(\)/);
+    const script = `${decoy}/probe.ts`;
+    await Deno.writeTextFile(script, `await new Deno.Command("deno", { args: ["--version"] }).output();`);
+    const probe = await new Deno.Command(Deno.execPath(), {
+      args: ["run", "--no-config", `--allow-run=${Deno.execPath()}`, script],
+      env,
+      stderr: "piped",
+    }).output();
+    assert.notEqual(probe.code, 0);
+    assert.match(new TextDecoder().decode(probe.stderr), /NotCapable|Requires run access/);
+  } finally {
+    await Deno.remove(decoy, { recursive: true });
+    await db.close();
+  }
+});
