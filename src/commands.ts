@@ -22,6 +22,12 @@ export interface NetNeeds {
   listen?: boolean;
   /** Serves /metrics on METRICS_PORT when it is set. */
   metrics?: boolean;
+  /**
+   * Reaches hosts no configuration names: the tenants' webhook receivers.
+   * The code refuses private addresses (see `webhooks/addresses.ts`); the
+   * permission set still denies Redis and the cloud metadata address.
+   */
+  anyHost?: boolean;
 }
 
 /** The clients a command gets, opened before it runs and closed after. */
@@ -80,13 +86,13 @@ export const COMMAND_TABLE = {
     run: async () => (await import("./processes/worker_process.ts")).runWorker,
   }),
   relay: command({
-    net: { postgres: true, mail: true, metrics: true },
+    net: { postgres: true, mail: true, metrics: true, anyHost: true },
     clients: { sql: true },
     binary: true,
     run: async () => (await import("./processes/relay_process.ts")).runRelay,
   }),
   dev: command({
-    net: { redis: true, postgres: true, listen: true, model: true, mail: true },
+    net: { redis: true, postgres: true, listen: true, model: true, mail: true, anyHost: true },
     clients: { redis: true, sql: true },
     hostname: true,
     migrations: true,

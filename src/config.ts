@@ -7,6 +7,8 @@ const int = (min: number, max = Number.MAX_SAFE_INTEGER) =>
 const seconds = z.string().trim().regex(/^\d+(\.\d+)?$/, "must be a number of seconds")
   .transform(Number).pipe(z.number().positive("must be greater than 0"));
 
+const bool = z.enum(["true", "false"], "must be true or false").transform((v) => v === "true");
+
 const url = (protocols: string[], example: string) =>
   z.string().trim().refine((value) => {
     try {
@@ -60,6 +62,8 @@ const schema = z.object({
   METRICS_PORT: int(0, 65535).optional(),
   METRICS_TOKEN: z.string().trim().min(16, "must be at least 16 characters").optional(),
   GATEWAY_SECRET: z.string().trim().min(16, "must be at least 16 characters").optional(),
+  WEBHOOK_ALLOW_HTTP: bool.default(false),
+  WEBHOOK_ALLOW_PRIVATE: bool.default(false),
 });
 
 /** The names of every environment variable the service reads. */

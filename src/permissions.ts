@@ -64,10 +64,28 @@ export function missingNetPermissions(command: Command, config: Config): string[
 export function permissionFlags(command: Command, config: Config, migrationsDir: string): string[] {
   const spec = COMMAND_TABLE[command];
   const hosts = [...new Set(Object.values(requiredHosts(config, spec.net)))];
-  const flags = [`--allow-net=${hosts.join(",")}`, `--allow-env=${CONFIG_VARIABLES.join(",")}`, "--ignore-env"];
+  const flags = [...netFlags(config, spec.net, hosts), `--allow-env=${CONFIG_VARIABLES.join(",")}`, "--ignore-env"];
   if (spec.hostname) flags.push("--allow-sys=hostname");
   if (spec.migrations) flags.push(`--allow-read=${migrationsDir}`);
   return flags;
+}
+
+/** Cloud metadata endpoints (AWS, GCP, Azure, and AWS's IPv6 one): never a webhook receiver. */
+const METADATA_HOSTS = ["169.254.169.254", "[fd00:ec2::254]", "metadata.google.internal"];
+
+/**
+ * `--allow-net` for `hosts`; or, for a command that must reach any host
+ * (webhook receivers), every host but Redis (unless it uses Redis) and the
+ * metadata endpoints (unless WEBHOOK_ALLOW_PRIVATE), which `--deny-net`
+ * keeps out even if the code's own address check were bypassed.
+ */
+function netFlags(config: Config, needs: NetNeeds, hosts: string[]): string[] {
+  if (!needs.anyHost) return [`--allow-net=${hosts.join(",")}`];
+  const denied = [
+    ...(needs.redis ? [] : Object.values(requiredHosts(config, { redis: true }))),
+    ...(config.WEBHOOK_ALLOW_PRIVATE ? [] : METADATA_HOSTS),
+  ];
+  return denied.length ? ["--allow-net", `--deny-net=${[...new Set(denied)].join(",")}`] : ["--allow-net"];
 }
 
 /**

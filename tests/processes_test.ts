@@ -110,31 +110,32 @@ Deno.test("processes", async (t) => {
     });
 
     await t.step("run with a set that lacks a configured host, a process names it at start-up", async () => {
-      // main.ts run directly with the default hosts' set (as a compiled binary is), but a different mail host.
-      const flags = permissionFlags("relay", parseConfig({ RESEND_API_KEY: "re_test" }), MIGRATIONS);
+      // main.ts run directly with the default hosts' set (as a compiled binary is), but a different model host.
+      const flags = permissionFlags("worker", parseConfig({ OPENAI_API_KEY: "sk-test" }), MIGRATIONS);
       const out = await new Deno.Command(Deno.execPath(), {
-        args: ["run", ...flags, "main.ts", "relay"],
+        args: ["run", ...flags, "main.ts", "worker"],
         cwd: ROOT,
-        env: { ...env, RESEND_API_KEY: "re_test", RESEND_BASE_URL: mail.url },
+        env: { ...env, OPENAI_API_KEY: "sk-test", OPENAI_BASE_URL: mail.url },
         stdout: "piped",
         stderr: "piped",
       }).output();
       assert.equal(out.code, 2);
       const stderr = new TextDecoder().decode(out.stderr).trim();
-      assert.match(stderr, new RegExp(`RESEND_BASE_URL needs network access to ${new URL(mail.url).host}`));
+      assert.match(stderr, new RegExp(`OPENAI_BASE_URL needs network access to ${new URL(mail.url).host}`));
     });
 
     await t.step("each process's permission set refuses what it does not use, at the runtime level", async () => {
       const mailPort = new URL(mail.url).port;
       const config = parseConfig({ ...env, OPENAI_API_KEY: "sk", RESEND_API_KEY: "re" });
-      // Outside every set: the fake provider's port. Outside the relay's: Redis. Outside the api's: a model host.
+      // Outside the api and worker sets: the fake provider's port. Outside the api's: a model host.
       const cases: [Command, string][] = [
         ["api", `await fetch("http://127.0.0.1:${mailPort}/emails", { method: "POST" });`],
         ["api", `await fetch("https://api.openai.com/v1/models");`],
         ["worker", `await fetch("http://127.0.0.1:${mailPort}/emails", { method: "POST" });`],
         ["worker", `await fetch("https://api.resend.com/emails");`],
-        ["relay", `await fetch("http://127.0.0.1:${mailPort}/emails", { method: "POST" });`],
+        // The relay reaches any host (webhook receivers) but Redis and the cloud metadata address.
         ["relay", `await Deno.connect({ hostname: "127.0.0.1", port: 6379 });`],
+        ["relay", `await Deno.connect({ hostname: "169.254.169.254", port: 80 });`],
         ["relay", `Deno.env.get("HOME");`],
       ];
       const probe = await Deno.makeTempFile({ suffix: ".ts" });

@@ -2,9 +2,10 @@ import type { Sql } from "postgres";
 import { createApiKey, listTenants, revokeTenant, tenantExists } from "../tenants/tenant_store.ts";
 import { printRows } from "./table.ts";
 import { allowDomain } from "../tenants/mail_domains.ts";
+import { ensureWebhookSecret, rotateWebhookSecret } from "../tenants/webhook_secrets.ts";
 
-const USAGE =
-  "Usage: deno task tenant create NAME | list [--json] | revoke NAME | allow-domain NAME DOMAIN | allow-domain NAME --any";
+const USAGE = "Usage: deno task tenant create NAME | list [--json] | revoke NAME | rotate-webhook-secret NAME" +
+  " | allow-domain NAME DOMAIN | allow-domain NAME --any";
 
 /** Runs `command`; a bad argument (a `TypeError` from validation) is printed and exits 2. */
 async function usageErrorsAs2(command: () => Promise<number>): Promise<number> {
@@ -18,8 +19,9 @@ async function usageErrorsAs2(command: () => Promise<number>): Promise<number> {
 }
 
 /**
- * `tenant create NAME | list | revoke NAME`. `create` prints the new key as
- * the last line on stdout.
+ * `tenant create NAME | list | revoke NAME | rotate-webhook-secret NAME |
+ * allow-domain`. `create` prints the new key as the last line on stdout, and
+ * before it, for a new tenant, its webhook signing secret.
  * @returns the process exit code.
  */
 export async function tenantCommand(sql: Sql, args: string[], out = console.log): Promise<number> {
@@ -30,6 +32,11 @@ export async function tenantCommand(sql: Sql, args: string[], out = console.log)
       if (!name) break;
       return await usageErrorsAs2(async () => {
         const key = await createApiKey(sql, name);
+        const secret = await ensureWebhookSecret(sql, name);
+        if (secret) {
+          out(`Webhook signing secret of tenant "${name}" (receivers verify webhooks with it; shown once):`);
+          out(secret);
+        }
         out(`Created an API key for tenant "${name}". Store it now; it cannot be shown again.`);
         out(key);
         return 0;
@@ -64,6 +71,20 @@ export async function tenantCommand(sql: Sql, args: string[], out = console.log)
         );
         return 0;
       });
+    }
+    case "rotate-webhook-secret": {
+      if (!name) break;
+      if (!(await tenantExists(sql, name))) {
+        console.error(`No tenant named ${JSON.stringify(name)}`);
+        return 1;
+      }
+      const secret = await rotateWebhookSecret(sql, name);
+      out(
+        `New webhook signing secret of tenant "${name}" (shown once). For 24 hours webhooks carry signatures ` +
+          `by both the old and the new secret, so receivers can switch without missing a delivery:`,
+      );
+      out(secret);
+      return 0;
     }
     case "revoke": {
       if (!name) break;

@@ -20,6 +20,13 @@ export interface OutboxRow {
 export type Renderer = (topic: string, payload: Record<string, unknown>) => Email;
 
 /**
+ * Delivers a row of a topic that is not an email (a webhook). Throws like a
+ * mailer: a retryable error is retried with backoff, anything else fails the
+ * row. The row's dedupe key is its idempotency key at the receiver.
+ */
+export type OutboxSender = (row: OutboxRow, signal: AbortSignal) => Promise<{ providerId?: string }>;
+
+/**
  * Completes claimed rows' payloads with what the renderer needs and the row
  * only references (one query for the whole batch), before any is rendered.
  */
@@ -89,10 +96,12 @@ const PURGE_BATCH = 1_000;
  * as its Idempotency-Key, closes it.
  */
 export function createRelay(
-  { sql, mailer, render, load, defer, log }: {
+  { sql, mailer, render, senders = {}, load, defer, log }: {
     sql: Sql;
     mailer: Mailer;
     render: Renderer;
+    /** Senders by topic for rows that are not emails; every other topic goes through `render` and `mailer`. */
+    senders?: Record<string, OutboxSender>;
     load?: PayloadLoader;
     defer?: Deferral;
     log: Logger;
@@ -171,8 +180,10 @@ export function createRelay(
     await Promise.all(rows.map(async (row) => {
       const started = performance.now();
       try {
-        const email = render(row.topic, row.payload);
-        const result = await mailer.send(email, row.dedupe_key, stopping.signal);
+        const sender = senders[row.topic];
+        const result = sender
+          ? await sender(row, stopping.signal)
+          : await mailer.send(render(row.topic, row.payload), row.dedupe_key, stopping.signal);
         sent.push(row.id);
         providerIds.push(result.providerId ?? "");
         events.sent?.(row, performance.now() - started);
@@ -210,15 +221,28 @@ export function createRelay(
     if (options.summaryRetentionMs === undefined) return total;
     for (;;) {
       // Summaries whose notification is still unsent stay: the email needs them.
+      // Each job's outcome goes with its summary; a cancelled job's outcome goes at the same age.
       const deleted = await sql`
-        DELETE FROM summaries WHERE job_id IN (
-          SELECT s.job_id FROM summaries s
-          WHERE s.created_at < now() - ${options.summaryRetentionMs} * interval '1 millisecond'
-            AND NOT EXISTS (
-              SELECT 1 FROM outbox o WHERE o.payload->>'job_id' = s.job_id::text AND o.sent_at IS NULL
+        WITH gone AS (
+          DELETE FROM summaries WHERE job_id IN (
+            SELECT s.job_id FROM summaries s
+            WHERE s.created_at < now() - ${options.summaryRetentionMs} * interval '1 millisecond'
+              AND NOT EXISTS (
+                SELECT 1 FROM outbox o WHERE o.payload->>'job_id' = s.job_id::text AND o.sent_at IS NULL
+              )
+            LIMIT ${PURGE_BATCH}
+          )
+          RETURNING job_id
+        ), outcomes AS (
+          DELETE FROM job_outcomes WHERE job_id IN (SELECT job_id FROM gone)
+            OR job_id IN (
+              SELECT job_id FROM job_outcomes
+              WHERE outcome = 'cancelled'
+                AND decided_at < now() - ${options.summaryRetentionMs} * interval '1 millisecond'
+              LIMIT ${PURGE_BATCH}
             )
-          LIMIT ${PURGE_BATCH}
-        )`;
+        )
+        SELECT job_id FROM gone`;
       total += deleted.count;
       if (deleted.count < PURGE_BATCH) return total;
     }

@@ -6,6 +6,8 @@ import { createIntake } from "../summaries/intake.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
 import { createRecipientPolicy } from "../tenants/mail_domains.ts";
+import { createSecretCheck } from "../tenants/webhook_secrets.ts";
+import { createJobWaiter } from "../summaries/job_waiter.ts";
 
 /** Serves the API on HOST:PORT until `signal` aborts, then finishes in-flight requests. */
 export async function serveApi(
@@ -13,7 +15,16 @@ export async function serveApi(
   signal: AbortSignal,
 ): Promise<void> {
   const keys = serviceKeys(KEY_PREFIX);
+  // One LISTEN connection serves every `Prefer: wait` request of this process.
+  const waiter = await createJobWaiter({ sql, log });
   const handler = createHandler({
+    waiter,
+    shutdown: signal,
+    webhooks: {
+      allowHttp: config.WEBHOOK_ALLOW_HTTP,
+      allowPrivate: config.WEBHOOK_ALLOW_PRIVATE,
+      hasSecret: createSecretCheck(sql),
+    },
     metrics: { api: apiMetrics(registry), registry, token: config.METRICS_TOKEN },
     redis,
     sql,
@@ -37,6 +48,7 @@ export async function serveApi(
   }, handler);
   signal.addEventListener("abort", () => void server.shutdown(), { once: true });
   await server.finished;
+  await waiter.close();
   log.info("api_stopped");
 }
 

@@ -3,6 +3,8 @@ import { createRegistry, relayMetrics } from "../metrics/metrics.ts";
 import { outboxGauges, relayEvents } from "../metrics/wire.ts";
 import { createRelay } from "../outbox/relay.ts";
 import { summaryEmailRenderer, summaryPayloadLoader, tenantHourlyLimit } from "../summaries/email.ts";
+import { SUMMARY_WEBHOOK_TOPIC } from "../summaries/commit.ts";
+import { summaryWebhooks } from "../summaries/webhook.ts";
 import { buildMailer } from "./_mailer.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
 import type { ComponentDeps } from "./_deps.ts";
@@ -14,11 +16,21 @@ export async function startRelay(
 ): Promise<void> {
   outboxGauges(registry, sql);
   const sendTimeoutMs = config.MAIL_SEND_TIMEOUT_S * 1000;
+  const webhooks = summaryWebhooks({
+    sql,
+    policy: { allowHttp: config.WEBHOOK_ALLOW_HTTP, allowPrivate: config.WEBHOOK_ALLOW_PRIVATE },
+    timeoutMs: sendTimeoutMs,
+  });
+  const summaries = summaryPayloadLoader(sql);
   const relay = createRelay({
     sql,
     mailer: buildMailer(config),
     render: summaryEmailRenderer(config.MAIL_FROM),
-    load: summaryPayloadLoader(sql),
+    senders: { [SUMMARY_WEBHOOK_TOPIC]: webhooks.send },
+    load: async (rows) => {
+      await summaries(rows);
+      await webhooks.load(rows);
+    },
     defer: config.MAIL_TENANT_HOURLY_LIMIT === undefined
       ? undefined
       : tenantHourlyLimit(sql, config.MAIL_TENANT_HOURLY_LIMIT),

@@ -9,6 +9,10 @@ import { type ApiMetrics, metricsResponse } from "../metrics/metrics.ts";
 import type { Registry } from "prom-client";
 import type { Authenticate } from "../tenants/authenticator.ts";
 import { type Intake, QueueFull } from "./intake.ts";
+import { cancelJob } from "./commit.ts";
+import { markCancelled } from "./job_status.ts";
+import { type JobWaiter, preferredWaitS } from "./job_waiter.ts";
+import { checkWebhookUrl, WebhookRefused } from "../webhooks/addresses.ts";
 import type { ServiceKeys } from "./keys.ts";
 import { openApiDocument, ROUTES } from "./openapi.ts";
 import { IdempotencyKey, SummaryRequest, type SummaryStatus } from "./schemas.ts";
@@ -26,6 +30,15 @@ export interface ApiDeps {
   recipients?: (tenant: string, address: string) => Promise<boolean>;
   /** How long a POST body may take to arrive; default 10 s (`BODY_DEADLINE_MS` in `http/body.ts`). */
   bodyDeadlineMs?: number;
+  /** The process's listener for finished jobs; without it, `Prefer: wait` is ignored. */
+  waiter?: JobWaiter;
+  /** Aborts on shutdown: waiting requests then answer at once with the job's current status. */
+  shutdown?: AbortSignal;
+  /**
+   * Webhook targets: WEBHOOK_ALLOW_HTTP / WEBHOOK_ALLOW_PRIVATE, and whether a
+   * tenant has a signing secret. Without it, `notify: {"webhook": ...}` is refused.
+   */
+  webhooks?: { allowHttp: boolean; allowPrivate: boolean; hasSecret: (tenant: string) => Promise<boolean> };
   /**
    * Prometheus metrics; `/metrics` serves `registry` (which `dev` shares with
    * the worker and relay), behind `token` as a bearer token when it is set.
@@ -44,7 +57,9 @@ function json(status: number, body: unknown, headers: Record<string, string> = {
 }
 
 /** The methods this API serves on some path; every other method is counted as "other" in metrics. */
-const SERVED_METHODS: ReadonlySet<string> = new Set(["GET", "HEAD", "POST"]);
+const SERVED_METHODS: ReadonlySet<string> = new Set(["GET", "HEAD", "POST", "DELETE"]);
+/** Statuses after which a job never changes. */
+const FINISHED: ReadonlySet<SummaryStatus["status"]> = new Set(["done", "failed", "cancelled"]);
 /** RFC 9110's methods and PATCH. Any other token is unknown: 501, or 405 on a known path. */
 const STANDARD_METHODS: ReadonlySet<string> = new Set([
   ...SERVED_METHODS,
@@ -71,6 +86,10 @@ function methodNotAllowed(allow: string): never {
   throw new HttpError(405, `Use ${allow} on this path`, { allow });
 }
 
+function invalid(path: string, message: string): HttpError {
+  return new HttpError(422, "The request body failed validation", {}, { extra: { errors: [{ path, message }] } });
+}
+
 /**
  * Creates the HTTP API as a plain `(Request) => Promise<Response>`, so tests
  * can call it without a port and `main.ts` hands it to `Deno.serve`.
@@ -92,11 +111,25 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
       const errors = parsed.error.issues.map((i) => ({ path: i.path.join("."), message: i.message }));
       throw new HttpError(422, "The request body failed validation", {}, { extra: { errors } });
     }
-    if (deps.recipients && !(await deps.recipients(tenant, parsed.data.notify))) {
-      const domain = parsed.data.notify.slice(parsed.data.notify.lastIndexOf("@") + 1);
-      throw new HttpError(422, "The request body failed validation", {}, {
-        extra: { errors: [{ path: "notify", message: `this tenant may not email ${domain}` }] },
-      });
+    const notify = parsed.data.notify;
+    if (typeof notify === "string") {
+      if (deps.recipients && !(await deps.recipients(tenant, notify))) {
+        throw invalid("notify", `this tenant may not email ${notify.slice(notify.lastIndexOf("@") + 1)}`);
+      }
+    } else {
+      if (!deps.webhooks) throw invalid("notify.webhook", "webhooks are not enabled on this server");
+      try {
+        checkWebhookUrl(notify.webhook, deps.webhooks);
+      } catch (error) {
+        if (error instanceof WebhookRefused) throw invalid("notify.webhook", error.message);
+        throw error;
+      }
+      if (!(await deps.webhooks.hasSecret(tenant))) {
+        throw invalid(
+          "notify.webhook",
+          "this tenant has no webhook signing secret yet (deno task tenant rotate-webhook-secret NAME makes one)",
+        );
+      }
     }
     const scope = { tenant, method: "POST", path: SUMMARIES, key };
     try {
@@ -108,6 +141,8 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
       } else {
         log.info("job_enqueued", { job_id: response.body.job_id, tenant });
       }
+      const waited = await waitIfPreferred(req, tenant, response.body.job_id);
+      if (waited) return json(200, waited.document, { ...headers, "preference-applied": waited.applied });
       return json(response.status, response.body, headers);
     } catch (error) {
       if (error instanceof QueueFull) {
@@ -121,26 +156,105 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     }
   }
 
+  /** A job's document as GET shows it, and where its Redis record is; null for an unknown or another tenant's job. */
+  async function jobDocument(
+    tenant: string,
+    jobId: string,
+  ): Promise<{ document: SummaryStatus; recordKey?: string } | null> {
+    if (!UUID.test(jobId)) return null;
+    const laneKey = keys.lane(tenant).job(jobId);
+    const [rows, laneRecord] = await Promise.all([
+      sql<{ tenant: string; outcome: "done" | "cancelled"; summary: string | null }[]>`
+        SELECT coalesce(o.tenant, s.tenant) AS tenant, coalesce(o.outcome, 'done') AS outcome, s.summary
+        FROM (SELECT ${jobId}::uuid AS job_id) j
+        LEFT JOIN job_outcomes o USING (job_id) LEFT JOIN summaries s USING (job_id)
+        WHERE o.job_id IS NOT NULL OR s.job_id IS NOT NULL`,
+      redis.hgetall(laneKey),
+    ]);
+    const decided = rows[0];
+    // Another tenant's job is indistinguishable from an unknown one.
+    if (decided) {
+      if (decided.tenant !== tenant) return null;
+      if (decided.outcome === "cancelled") {
+        return { document: { job_id: jobId, status: "cancelled" }, recordKey: laneRecord.tenant ? laneKey : undefined };
+      }
+      // Done, but its summary is past SUMMARY_RETENTION_S: as if unknown.
+      if (decided.summary === null) return null;
+      return { document: { job_id: jobId, status: "done", summary: decided.summary } };
+    }
+    // A job queued before lanes has its record beside the old single stream.
+    const [record, recordKey] = laneRecord.tenant
+      ? [laneRecord, laneKey]
+      : [await redis.hgetall(keys.legacy.job(jobId)), keys.legacy.job(jobId)];
+    if (record.tenant !== tenant) return null;
+    const status = record.status === "failed" || record.status === "cancelled" ? record.status : "queued";
+    const document: SummaryStatus = { job_id: jobId, status };
+    if (status === "failed" && record.error) document.error = record.error;
+    return { document, recordKey };
+  }
+
+  /**
+   * `Prefer: wait=N`: waits up to N seconds for the job to finish, woken by
+   * its outcome's notification. @returns the finished document, or null when
+   * it did not finish in time (or waiting is not possible here).
+   */
+  async function waitIfPreferred(
+    req: Request,
+    tenant: string,
+    jobId: string,
+  ): Promise<{ document: SummaryStatus; applied: string } | null> {
+    const waitS = preferredWaitS(req.headers);
+    const waiter = deps.waiter;
+    if (waitS === undefined || !waiter?.listening || deps.shutdown?.aborted) return null;
+    const deadline = performance.now() + waitS * 1000;
+    // Subscribe before looking, so a finish between the look and the wait still wakes us.
+    const subscription = waiter.subscribe(jobId);
+    try {
+      for (;;) {
+        const found = await jobDocument(tenant, jobId);
+        if (found && FINISHED.has(found.document.status)) {
+          return { document: found.document, applied: `wait=${waitS}` };
+        }
+        const left = deadline - performance.now();
+        if (!found || left <= 0 || deps.shutdown?.aborted) return null;
+        await subscription.next(left, AbortSignal.any([req.signal, ...(deps.shutdown ? [deps.shutdown] : [])]));
+        if (req.signal.aborted) return null;
+      }
+    } finally {
+      subscription.close();
+    }
+  }
+
   async function getSummary(req: Request, jobId: string): Promise<Response> {
     const tenant = await authenticate(req);
-    const notFound = new HttpError(404, `No job ${jobId} for this tenant`);
-    if (!UUID.test(jobId)) throw notFound;
-    const [rows, laneRecord] = await Promise.all([
-      sql<{ tenant: string; summary: string }[]>`SELECT tenant, summary FROM summaries WHERE job_id = ${jobId}`,
-      redis.hgetall(keys.lane(tenant).job(jobId)),
-    ]);
-    const done = rows[0];
-    // A job queued before lanes has its record beside the old single stream.
-    const record = done || laneRecord.tenant ? laneRecord : await redis.hgetall(keys.legacy.job(jobId));
-    // Another tenant's job is indistinguishable from an unknown one.
-    if (done) {
-      if (done.tenant !== tenant) throw notFound;
-      return json(200, { job_id: jobId, status: "done", summary: done.summary } satisfies SummaryStatus);
+    const found = await jobDocument(tenant, jobId);
+    if (!found) throw new HttpError(404, `No job ${jobId} for this tenant`);
+    if (!FINISHED.has(found.document.status)) {
+      const waited = await waitIfPreferred(req, tenant, jobId);
+      if (waited) return json(200, waited.document, { "preference-applied": waited.applied });
     }
-    if (record.tenant !== tenant) throw notFound;
-    const body: SummaryStatus = { job_id: jobId, status: record.status === "failed" ? "failed" : "queued" };
-    if (body.status === "failed" && record.error) body.error = record.error;
-    return json(200, body);
+    return json(200, found.document);
+  }
+
+  /**
+   * DELETE: cancels a queued job. Postgres decides (the same primary key the
+   * commit inserts into), then the Redis record follows, so GET and the
+   * worker's pre-check both see it. Cancelling twice gives the same answer.
+   */
+  async function cancelSummary(req: Request, jobId: string): Promise<Response> {
+    const tenant = await authenticate(req);
+    const found = await jobDocument(tenant, jobId);
+    if (!found) throw new HttpError(404, `No job ${jobId} for this tenant`);
+    const { status } = found.document;
+    if (status === "done" || status === "failed") {
+      throw new HttpError(409, `Job ${jobId} is already ${status} and cannot be cancelled`);
+    }
+    if (status !== "cancelled" && (await cancelJob(sql, jobId, tenant)) === "done") {
+      throw new HttpError(409, `Job ${jobId} finished before the cancel and cannot be cancelled`);
+    }
+    if (found.recordKey) await markCancelled(redis, found.recordKey);
+    if (status !== "cancelled") log.info("job_cancel_requested", { job_id: jobId, tenant });
+    return json(200, { job_id: jobId, status: "cancelled" } satisfies SummaryStatus);
   }
 
   async function ready(): Promise<Response> {
@@ -168,7 +282,8 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     }
     const match = JOB_PATH.exec(path);
     if (match) {
-      if (req.method !== "GET" && req.method !== "HEAD") methodNotAllowed("GET");
+      if (req.method === "DELETE") return await cancelSummary(req, match[1]!);
+      if (req.method !== "GET" && req.method !== "HEAD") methodNotAllowed("GET, DELETE");
       return await getSummary(req, match[1]!);
     }
     if (routeLabel(path) !== "other" && req.method !== "GET" && req.method !== "HEAD") methodNotAllowed("GET");

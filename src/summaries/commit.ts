@@ -2,47 +2,81 @@ import type { Sql } from "postgres";
 import { createBatcher } from "../async/batcher.ts";
 import type { Logger } from "../log/logger.ts";
 
-/** A finished summary ready to commit, with what its notification email needs. */
+/** Where a job's result goes: an email address, or a webhook URL. */
+export type Notify = string | { webhook: string };
+
+/** A finished summary ready to commit, with what its notification needs. */
 export interface SummaryResult {
   jobId: string;
   tenant: string;
   summary: string;
-  notify: string;
+  notify: Notify;
 }
 
-/** The outbox topic of a summary's notification. */
+/** The outbox topic of a summary's notification email. */
 export const SUMMARY_READY_TOPIC = "email.summary_ready";
 /** Its dedupe key is this prefix plus the job id; the relay passes it to the provider as Idempotency-Key. */
 export const SUMMARY_READY_KEY_PREFIX = "summary_ready:";
+/** The outbox topic of a summary's webhook. */
+export const SUMMARY_WEBHOOK_TOPIC = "webhook.summary_ready";
+/** Its dedupe key is this prefix plus the job id, sent as `webhook-id` so a receiver can deduplicate. */
+export const SUMMARY_WEBHOOK_KEY_PREFIX = "summary_webhook:";
+
+/** The outbox row a result's notification becomes: its topic, dedupe key and payload (a reference to the summary). */
+function outboxRowFor(r: SummaryResult): { topic: string; dedupeKey: string; payload: string } {
+  if (typeof r.notify === "string") {
+    return {
+      topic: SUMMARY_READY_TOPIC,
+      dedupeKey: SUMMARY_READY_KEY_PREFIX + r.jobId,
+      payload: JSON.stringify({ job_id: r.jobId, tenant: r.tenant, to: r.notify }),
+    };
+  }
+  return {
+    topic: SUMMARY_WEBHOOK_TOPIC,
+    dedupeKey: SUMMARY_WEBHOOK_KEY_PREFIX + r.jobId,
+    payload: JSON.stringify({ job_id: r.jobId, tenant: r.tenant, webhook: r.notify.webhook }),
+  };
+}
 
 /**
  * Commits summaries and their outbox rows in one statement (so one
- * transaction). `INSERT ... ON CONFLICT (job_id) DO NOTHING RETURNING job_id`
- * is the exactly-once guard: when two deliveries of a job race, both paid for
- * the model, but only the one whose row was inserted writes an outbox row,
- * because outbox rows are written for exactly the returned ids.
- * @returns the job ids this call inserted; the others were already committed.
+ * transaction). The job's outcome row is the exactly-once guard: `INSERT
+ * INTO job_outcomes ... 'done' ON CONFLICT (job_id) DO NOTHING RETURNING`
+ * returns only jobs nobody decided before, and summaries and outbox rows are
+ * written for exactly those. When two deliveries race, both paid for the
+ * model, but one writes. When a cancel races the commit, the same primary key
+ * decides: the second INSERT waits for the first transaction and then
+ * conflicts, so a job is either done with its effects or cancelled with none.
+ * @returns the job ids this call committed; the others were already done, or cancelled.
  */
 export async function commitSummaries(sql: Sql, results: SummaryResult[]): Promise<Set<string>> {
   if (results.length === 0) return new Set();
   // The outbox row references the summary (by job id) instead of holding a second copy of it.
-  const payloads = results.map((r) => JSON.stringify({ job_id: r.jobId, tenant: r.tenant, to: r.notify }));
+  const outbox = results.map(outboxRowFor);
   const rows = await sql<{ job_id: string }[]>`
     WITH input AS (
       SELECT * FROM unnest(
         ${results.map((r) => r.jobId)}::uuid[],
         ${results.map((r) => r.tenant)}::text[],
         ${results.map((r) => r.summary)}::text[],
-        ${payloads}::text[]
-      ) AS t(job_id, tenant, summary, payload)
+        ${outbox.map((o) => o.topic)}::text[],
+        ${outbox.map((o) => o.dedupeKey)}::text[],
+        ${outbox.map((o) => o.payload)}::text[]
+      ) AS t(job_id, tenant, summary, topic, dedupe_key, payload)
+    ), decided AS (
+      INSERT INTO job_outcomes (job_id, tenant, outcome)
+      SELECT job_id, tenant, 'done' FROM input
+      ON CONFLICT (job_id) DO NOTHING
+      RETURNING job_id
     ), inserted AS (
+      -- A worker of the release before job_outcomes may have committed it meanwhile: the conflict catches that.
       INSERT INTO summaries (job_id, tenant, summary)
-      SELECT job_id, tenant, summary FROM input
+      SELECT job_id, tenant, summary FROM input JOIN decided USING (job_id)
       ON CONFLICT (job_id) DO NOTHING
       RETURNING job_id
     ), outbox_rows AS (
       INSERT INTO outbox (topic, dedupe_key, payload)
-      SELECT ${SUMMARY_READY_TOPIC}, ${SUMMARY_READY_KEY_PREFIX} || input.job_id, input.payload::jsonb
+      SELECT input.topic, input.dedupe_key, input.payload::jsonb
       FROM input JOIN inserted USING (job_id)
       ON CONFLICT (dedupe_key) DO NOTHING
     )
@@ -50,10 +84,44 @@ export async function commitSummaries(sql: Sql, results: SummaryResult[]): Promi
   return new Set(rows.map((r) => r.job_id));
 }
 
+/**
+ * The outcomes decided for `jobIds` (a new statement, so it sees outcomes
+ * committed while an earlier statement waited). Jobs with no row are absent.
+ */
+export async function jobOutcomes(sql: Sql, jobIds: string[]): Promise<Map<string, "done" | "cancelled">> {
+  const rows = await sql<{ job_id: string; outcome: "done" | "cancelled" }[]>`
+    SELECT job_id::text, outcome FROM job_outcomes WHERE job_id = ANY(${jobIds}::uuid[])`;
+  return new Map(rows.map((r) => [r.job_id, r.outcome]));
+}
+
+/** What cancelling a job came to. */
+export type CancelOutcome = "cancelled" | "already_cancelled" | "done";
+
+/**
+ * Cancels a job unless it is done, in one statement that races the commit
+ * on `job_outcomes`' primary key: exactly one of them wins. A summary
+ * without an outcome (committed by a worker of the previous release during
+ * an upgrade) also counts as done.
+ */
+export async function cancelJob(sql: Sql, jobId: string, tenant: string): Promise<CancelOutcome> {
+  const inserted = await sql`
+    INSERT INTO job_outcomes (job_id, tenant, outcome)
+    SELECT ${jobId}::uuid, ${tenant}, 'cancelled'
+    WHERE NOT EXISTS (SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid)
+    ON CONFLICT (job_id) DO NOTHING
+    RETURNING job_id`;
+  if (inserted.length > 0) return "cancelled";
+  const outcome = (await jobOutcomes(sql, [jobId])).get(jobId);
+  return outcome === "cancelled" ? "already_cancelled" : "done";
+}
+
 /** Commits one summary at a time as jobs finish, grouping those that finish together. */
 export interface GroupCommitter {
-  /** @returns "done" if this call committed the job, "duplicate" if it was already committed. */
-  commit(result: SummaryResult): Promise<"done" | "duplicate">;
+  /**
+   * @returns "done" if this call committed the job, "duplicate" if it was
+   * already committed, "cancelled" if a cancel won (nothing was written).
+   */
+  commit(result: SummaryResult): Promise<"done" | "duplicate" | "cancelled">;
 }
 
 /**
@@ -67,10 +135,11 @@ export function createGroupCommitter(
   { sql, log }: { sql: Sql; log: Logger },
   options: { maxBatch?: number; inFlight?: number } = {},
 ): GroupCommitter {
-  type Outcome = "done" | "duplicate" | { error: unknown };
+  type Outcome = "done" | "duplicate" | "cancelled" | { error: unknown };
   const commitOne = async (r: SummaryResult): Promise<Outcome> => {
     try {
-      return (await commitSummaries(sql, [r])).has(r.jobId) ? "done" : "duplicate";
+      if ((await commitSummaries(sql, [r])).has(r.jobId)) return "done";
+      return (await jobOutcomes(sql, [r.jobId])).get(r.jobId) === "cancelled" ? "cancelled" : "duplicate";
     } catch (error) {
       return { error };
     }
@@ -83,7 +152,15 @@ export function createGroupCommitter(
     let outcomes: Map<string, Outcome>;
     try {
       const inserted = await commitSummaries(sql, unique);
-      outcomes = new Map(unique.map((r) => [r.jobId, inserted.has(r.jobId) ? "done" : "duplicate"]));
+      const lost = unique.filter((r) => !inserted.has(r.jobId)).map((r) => r.jobId);
+      // Rare: a redelivery of a committed job, or a cancel that won. Which one is in job_outcomes.
+      const decided = lost.length > 0 ? await jobOutcomes(sql, lost) : new Map();
+      outcomes = new Map(
+        unique.map((r) => [
+          r.jobId,
+          inserted.has(r.jobId) ? "done" : decided.get(r.jobId) === "cancelled" ? "cancelled" : "duplicate",
+        ]),
+      );
     } catch (error) {
       if (unique.length > 1) log.warn("group_commit_failed", { jobs: unique.length, error });
       const each = unique.length > 1 ? await Promise.all(unique.map(commitOne)) : [{ error }];
@@ -104,14 +181,16 @@ export function createGroupCommitter(
 }
 
 /**
- * Whether jobs are already committed, with concurrent checks coalesced into
- * one `= ANY(...)` query, so a wave of new deliveries costs one round trip.
+ * Whether jobs are already decided (done or cancelled), with concurrent
+ * checks coalesced into one `= ANY(...)` query, so a wave of new deliveries
+ * costs one round trip. (The migration that made job_outcomes gave every
+ * job already done its row.)
  */
-export function createCommittedCheck(sql: Sql): (jobId: string) => Promise<boolean> {
-  return createBatcher<string, boolean>(async (ids) => {
-    const rows = await sql<{ job_id: string }[]>`
-      SELECT job_id::text FROM summaries WHERE job_id = ANY(${ids}::uuid[])`;
-    const found = new Set(rows.map((r) => r.job_id));
-    return ids.map((id) => found.has(id));
+export function createDecidedCheck(sql: Sql): (jobId: string) => Promise<"done" | "cancelled" | undefined> {
+  return createBatcher<string, "done" | "cancelled" | undefined>(async (ids) => {
+    const rows = await sql<{ job_id: string; outcome: "done" | "cancelled" }[]>`
+      SELECT job_id::text, outcome FROM job_outcomes WHERE job_id = ANY(${ids}::uuid[])`;
+    const found = new Map(rows.map((r) => [r.job_id, r.outcome]));
+    return ids.map((id) => found.get(id));
   }, { maxBatch: 1000, maxInFlight: 2 });
 }

@@ -1,7 +1,7 @@
 import type { Sql } from "postgres";
 import type { Email } from "../mail/mailer.ts";
 import type { Deferral, PayloadLoader, Renderer } from "../outbox/relay.ts";
-import { SUMMARY_READY_TOPIC } from "./commit.ts";
+import { SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "./commit.ts";
 
 /**
  * The most characters of a summary an email carries. A summary is short,
@@ -32,12 +32,14 @@ export function summaryEmailRenderer(from: string): Renderer {
 }
 
 /**
- * Loads the summaries that a batch of summary-ready rows reference, in one
- * query. Rows written before payloads became references keep their copy.
+ * Loads the summaries that a batch of summary-ready rows (emails and
+ * webhooks) reference, in one query. Rows written before payloads became
+ * references keep their copy.
  */
 export function summaryPayloadLoader(sql: Sql): PayloadLoader {
+  const topics = new Set([SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC]);
   return async (rows) => {
-    const wanted = rows.filter((r) => r.topic === SUMMARY_READY_TOPIC && typeof r.payload.summary !== "string");
+    const wanted = rows.filter((r) => topics.has(r.topic) && typeof r.payload.summary !== "string");
     if (wanted.length === 0) return;
     const found = await sql<{ job_id: string; summary: string }[]>`
       SELECT job_id::text, summary FROM summaries WHERE job_id = ANY(${
@@ -55,17 +57,19 @@ export function summaryPayloadLoader(sql: Sql): PayloadLoader {
  * MAIL_TENANT_HOURLY_LIMIT: at most `limit` emails per tenant in any hour.
  * Rows over it wait in the outbox (a minute at a time) without spending an
  * attempt. Rows other relays hold right now count as sent, so relays running
- * side by side err on the side of sending fewer, never more.
+ * side by side err on the side of sending fewer, never more. Webhooks go to
+ * the tenant's own system and are not counted.
  */
 export function tenantHourlyLimit(sql: Sql, limit: number): Deferral {
-  return async (rows) => {
+  return async (claimed) => {
     const waits = new Map<string, number>();
+    const rows = claimed.filter((r) => r.topic === SUMMARY_READY_TOPIC);
     const mine = rows[0]?.claim_token;
     const tenants = [...new Set(rows.map((r) => String(r.payload.tenant ?? "")))];
     if (!mine || tenants.length === 0) return waits;
     const counts = await sql<{ tenant: string; n: number }[]>`
       SELECT payload->>'tenant' AS tenant, count(*)::int AS n FROM outbox
-      WHERE payload->>'tenant' = ANY(${tenants})
+      WHERE payload->>'tenant' = ANY(${tenants}) AND topic = ${SUMMARY_READY_TOPIC}
         AND (sent_at > now() - interval '1 hour'
           OR (sent_at IS NULL AND locked_until > now() AND claim_token IS DISTINCT FROM ${mine}::uuid))
       GROUP BY 1`;

@@ -3,9 +3,12 @@
  * `GET /v1/summaries/{id}` reads before the summary exists. This module is
  * its only writer: every change is one of the operations below, each inside
  * the atomic step that causes it (the enqueue script, the dead-letter MULTI,
- * the replay script).
+ * the replay script), except a cancel, which Postgres decides and this
+ * records right after.
  */
+import type { RedisClient } from "../clients.ts";
 import type { DeadLetterHook, RecordUpdate } from "../queue/dead_letter.ts";
+import { defineScript } from "../redis/script.ts";
 import { JOB_RECORD_TTL_S, jobKeyBeside, type JobKeys } from "./keys.ts";
 
 /** Lua for the enqueue script: KEYS[k] becomes queued for tenant ARGV[tenant], expiring after ARGV[ttl] s. */
@@ -27,4 +30,16 @@ export const markFailedHook: DeadLetterHook = (multi, message, reason, lane) => 
 /** What a replay does to the job's record, inside the replay script: queued again, its error gone. */
 export function markQueuedOnReplay(keys: JobKeys, jobId: string): RecordUpdate {
   return { key: keys.job(jobId), match: { field: "job_id", value: jobId }, set: ["status", "queued"], del: ["error"] };
+}
+
+// Only an existing record changes: a cancel never creates one for a job Redis no longer knows.
+const MARK_CANCELLED = defineScript(`
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'cancelled')
+redis.call('HDEL', KEYS[1], 'error')
+return 1`);
+
+/** Records a cancel that Postgres decided (`cancelJob`) in the job's record at `key`. */
+export async function markCancelled(redis: RedisClient, key: string): Promise<void> {
+  await MARK_CANCELLED.run(redis, [key], []);
 }

@@ -1,5 +1,6 @@
 import { z } from "zod";
-import { IdempotencyKey, SummaryAccepted, SummaryRequest, SummaryStatus } from "./schemas.ts";
+import { IdempotencyKey, SummaryAccepted, SummaryRequest, SummaryStatus, SummaryWebhook } from "./schemas.ts";
+import { MAX_WAIT_S } from "./job_waiter.ts";
 
 /** An RFC 9457 problem document. */
 export const Problem = z.object({
@@ -14,6 +15,7 @@ export const Problem = z.object({
 export const ROUTES = [
   { method: "post", path: "/v1/summaries" },
   { method: "get", path: "/v1/summaries/{job_id}" },
+  { method: "delete", path: "/v1/summaries/{job_id}" },
   { method: "get", path: "/healthz" },
   { method: "get", path: "/readyz" },
   { method: "get", path: "/metrics" },
@@ -30,6 +32,18 @@ const problem = (description: string, headers?: Record<string, unknown>) => ({
   ...(headers ? { headers } : {}),
   content: { "application/problem+json": { schema: { $ref: "#/components/schemas/Problem" } } },
 });
+
+/** `Prefer: wait=N` (RFC 7240), on POST and GET. */
+const PREFER = {
+  name: "Prefer",
+  in: "header",
+  required: false,
+  schema: { type: "string", examples: ["wait=10"] },
+  description: `wait=N (N at most ${MAX_WAIT_S}): answer 200 with the finished job's document if it finishes ` +
+    "within N seconds, with Preference-Applied: wait=N; otherwise the usual answer",
+};
+const APPLIED = { "Preference-Applied": { schema: { type: "string" }, description: "wait=N when the answer waited" } };
+const JOB_ID = { name: "job_id", in: "path", required: true, schema: { type: "string", format: "uuid" } };
 
 /**
  * The OpenAPI 3.1 document of the HTTP API, generated from the same zod
@@ -52,10 +66,30 @@ export function openApiDocument(): Record<string, unknown> {
         SummaryRequest: schema(SummaryRequest),
         SummaryAccepted: schema(SummaryAccepted),
         SummaryStatus: schema(SummaryStatus),
+        SummaryWebhook: schema(SummaryWebhook),
         Problem: schema(Problem),
       },
     },
     security: [{ apiKey: [] }],
+    webhooks: {
+      "summary.ready": {
+        post: {
+          summary: 'A job with notify {"webhook": URL} finished: sent to URL per Standard Webhooks',
+          description: "Signed with the tenant's secret (whsec_...): webhook-signature is `v1,` + base64 " +
+            "HMAC-SHA256 of `webhook-id.webhook-timestamp.body`; during a rotation two signatures, space-separated. " +
+            "2xx is delivered; 408, 429 and 5xx are retried (Retry-After honoured) with the same webhook-id; " +
+            "redirects are not followed; any other 4xx fails the delivery.",
+          security: [],
+          parameters: [
+            { name: "webhook-id", in: "header", required: true, schema: { type: "string" } },
+            { name: "webhook-timestamp", in: "header", required: true, schema: { type: "string" } },
+            { name: "webhook-signature", in: "header", required: true, schema: { type: "string" } },
+          ],
+          requestBody: { required: true, content: json("SummaryWebhook") },
+          responses: { "2XX": { description: "Delivered" } },
+        },
+      },
+    },
     paths: {
       "/v1/summaries": {
         post: {
@@ -67,9 +101,14 @@ export function openApiDocument(): Record<string, unknown> {
             required: true,
             schema: schema(IdempotencyKey),
             description: "16 to 128 visible ASCII characters; scoped to your tenant, method and path",
-          }],
+          }, PREFER],
           requestBody: { required: true, content: json("SummaryRequest") },
           responses: {
+            "200": {
+              description: "Prefer: wait=N and the job finished in time: its document, as GET returns it",
+              headers: { ...APPLIED, "Idempotent-Replayed": { schema: { type: "string", enum: ["true"] } } },
+              content: json("SummaryStatus"),
+            },
             "202": {
               description: "Accepted (or a replay of the first response, with Idempotent-Replayed: true)",
               headers: {
@@ -83,7 +122,10 @@ export function openApiDocument(): Record<string, unknown> {
             "408": problem("The body did not arrive in time (the connection is closed)"),
             "413": problem("Body over MAX_BODY_BYTES"),
             "415": problem("Not JSON"),
-            "422": problem("Body failed validation, or the key was used with another body"),
+            "422": problem(
+              "Body failed validation, the key was used with another body, or the webhook URL was refused " +
+                "(not https, a private address, credentials) or the tenant has no signing secret",
+            ),
             "503": problem("The queue, or the tenant's part of it, is over its cap", {
               "Retry-After": { schema: { type: "string" } },
             }),
@@ -94,11 +136,22 @@ export function openApiDocument(): Record<string, unknown> {
       "/v1/summaries/{job_id}": {
         get: {
           operationId: "getSummary",
-          parameters: [{ name: "job_id", in: "path", required: true, schema: { type: "string", format: "uuid" } }],
+          parameters: [JOB_ID, PREFER],
           responses: {
-            "200": { description: "The job's status", content: json("SummaryStatus") },
+            "200": { description: "The job's status", headers: APPLIED, content: json("SummaryStatus") },
             "401": problem("Missing or bad credentials"),
             "404": problem("Unknown job, or another tenant's"),
+          },
+        },
+        delete: {
+          operationId: "cancelSummary",
+          summary: "Cancel a job that has not finished: it then makes no model call and has no effects",
+          parameters: [JOB_ID],
+          responses: {
+            "200": { description: "Cancelled (also when it already was)", content: json("SummaryStatus") },
+            "401": problem("Missing or bad credentials"),
+            "404": problem("Unknown job, or another tenant's"),
+            "409": problem("The job is already done or failed"),
           },
         },
       },

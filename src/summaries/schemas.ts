@@ -10,10 +10,20 @@ const storableText = (field: string) =>
     message: `${field} must not contain NUL characters or unpaired surrogates (the database cannot store them)`,
   });
 
+/** Where a webhook goes; the API also checks its scheme and address (see `webhooks/addresses.ts`). */
+export const WebhookTarget = z.strictObject({
+  webhook: z.url().max(2048).describe(
+    "An https URL (http only with WEBHOOK_ALLOW_HTTP) that receives the result as a signed Standard Webhook",
+  ),
+});
+
 /** Body of `POST /v1/summaries`. Unknown fields are rejected. */
 export const SummaryRequest = z.strictObject({
   text: storableText("text").min(1).max(200_000).describe("The document to summarise, 1 to 200,000 characters"),
-  notify: z.email().max(320).describe("Where to email the summary when it is ready"),
+  notify: z.union([
+    z.email().max(320).describe("An address to email the summary to when it is ready"),
+    WebhookTarget,
+  ]).describe('Where the result goes: an email address, or {"webhook": URL}'),
 });
 export type SummaryRequest = z.infer<typeof SummaryRequest>;
 
@@ -23,10 +33,10 @@ export const SummaryAccepted = z.object({
   status: z.literal("queued"),
 });
 
-/** Body of `GET /v1/summaries/{job_id}`. */
+/** Body of `GET /v1/summaries/{job_id}` (and of a finished `Prefer: wait`, and of `DELETE`). */
 export const SummaryStatus = z.object({
   job_id: z.uuid(),
-  status: z.enum(["queued", "done", "failed"]),
+  status: z.enum(["queued", "done", "failed", "cancelled"]),
   summary: z.string().optional(),
   error: z.string().optional(),
 });
@@ -34,3 +44,12 @@ export type SummaryStatus = z.infer<typeof SummaryStatus>;
 
 /** `Idempotency-Key`: 16 to 128 visible ASCII characters. */
 export const IdempotencyKey = z.string().regex(/^[\x21-\x7e]{16,128}$/);
+
+/** The body of a `summary.ready` webhook (Standard Webhooks' `type`, then the finished job's document). */
+export const SummaryWebhook = z.object({
+  type: z.literal("summary.ready"),
+  job_id: z.uuid(),
+  status: z.literal("done"),
+  summary: z.string(),
+});
+export type SummaryWebhook = z.infer<typeof SummaryWebhook>;

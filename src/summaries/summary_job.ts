@@ -10,7 +10,7 @@ import { Deadline } from "../retry/deadline.ts";
 import { DeadlineExceeded, GateUnavailable } from "../retry/errors.ts";
 import type { ProviderFlow } from "../provider/flow_control.ts";
 import { type AttemptReport, callWithRetries } from "../retry/retry_policy.ts";
-import { createCommittedCheck, type GroupCommitter } from "./commit.ts";
+import { createDecidedCheck, type GroupCommitter } from "./commit.ts";
 import { SummaryRequest } from "./schemas.ts";
 
 /** Options for {@linkcode createSummaryJob}. */
@@ -39,8 +39,11 @@ const Fields = z.object({ job_id: z.uuid(), tenant: z.string().min(1), payload: 
 /**
  * The summary job: model call, then summary + outbox row in one transaction.
  * Safe under redelivery: a committed job skips the model, and a racing
- * delivery that loses the insert writes no outbox row.
- * @returns "done" when this delivery committed the job, "duplicate" otherwise.
+ * delivery that loses the insert writes no outbox row. A cancelled job skips
+ * the model too, and a cancel that wins the race with the commit leaves
+ * nothing written.
+ * @returns "done" when this delivery committed the job, "cancelled" when it
+ * was cancelled, "duplicate" otherwise.
  * @throws {PermanentJobError} for a malformed message or a model error no retry can fix.
  * @throws the retryable error, or {@linkcode DeadlineExceeded}, to leave the message pending.
  */
@@ -54,8 +57,8 @@ export function createSummaryJob(
     flow?: ProviderFlow;
   },
   options: SummaryJobOptions,
-): (message: StreamMessage, signal: AbortSignal) => Promise<"done" | "duplicate"> {
-  const isCommitted = createCommittedCheck(sql);
+): (message: StreamMessage, signal: AbortSignal) => Promise<"done" | "duplicate" | "cancelled"> {
+  const decided = createDecidedCheck(sql);
   return async (message, signal) => {
     const fields = Fields.safeParse(message.fields);
     if (!fields.success) throw new PermanentJobError(`malformed job message: ${fields.error.issues[0]?.message}`);
@@ -76,22 +79,24 @@ export function createSummaryJob(
     first?.catch(() => {}); // observed below; never an unhandled rejection while the pre-check runs
 
     // Cheap pre-check: a redelivery of a committed job (crash between commit
-    // and XACK) skips the model call. The guarantee is the primary key below.
+    // and XACK), or a cancelled job, skips the model call. The guarantee is
+    // the outcome's primary key at the commit.
     const releaseFirst = async (why: string) => {
       early.abort(new Error(why));
       await first?.then((permit) => permit.settle({ aborted: true }), () => {}).catch(() => {});
     };
-    let committed: boolean;
+    let outcome: "done" | "cancelled" | undefined;
     try {
-      committed = await isCommitted(job_id);
+      outcome = await decided(job_id);
     } catch (error) {
       await releaseFirst("pre-check failed");
       throw error;
     }
-    if (committed) {
-      await releaseFirst("job already committed");
-      jobLog.info("job_duplicate", { stage: "pre_check", deliveries: message.deliveries });
-      return "duplicate";
+    if (outcome) {
+      await releaseFirst(`job already ${outcome}`);
+      const event = outcome === "done" ? "job_duplicate" : "job_cancelled";
+      jobLog.info(event, { stage: "pre_check", deliveries: message.deliveries });
+      return outcome === "done" ? "duplicate" : "cancelled";
     }
 
     let summary: string;
@@ -128,9 +133,9 @@ export function createSummaryJob(
       });
     }
 
-    let outcome: "done" | "duplicate";
+    let committed: "done" | "duplicate" | "cancelled";
     try {
-      outcome = await committer.commit({ jobId: job_id, tenant, summary, notify: request.notify });
+      committed = await committer.commit({ jobId: job_id, tenant, summary, notify: request.notify });
     } catch (error) {
       // A data exception (SQLSTATE class 22: bad encoding, a NUL, a value out of range) fails the same way on
       // every delivery: dead-letter the job now instead of paying for the model again and again.
@@ -139,7 +144,8 @@ export function createSummaryJob(
       }
       throw error;
     }
-    jobLog.info(outcome === "done" ? "job_done" : "job_duplicate", { stage: "commit", deliveries: message.deliveries });
-    return outcome;
+    const event = { done: "job_done", duplicate: "job_duplicate", cancelled: "job_cancelled" }[committed];
+    jobLog.info(event, { stage: "commit", deliveries: message.deliveries });
+    return committed;
   };
 }

@@ -8,6 +8,7 @@ import { createGroupCommitter } from "./commit.ts";
 import type { JobKeys, ServiceKeys } from "./keys.ts";
 import { createLaneRegistry } from "../queue/lanes.ts";
 import { markFailedHook } from "./job_status.ts";
+import { notifyJob } from "./job_waiter.ts";
 import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
 
 /** Options for {@linkcode createSummaryWorker}. */
@@ -57,7 +58,17 @@ export function createSummaryWorker(
     graceMs: options.graceMs,
     heartbeatMs: options.heartbeatMs,
     onDeadLetter: markFailedHook,
-    events: options.events,
+    events: {
+      ...options.events,
+      deadLettered(message, reason) {
+        options.events?.deadLettered?.(message, reason);
+        // A failed job is finished: wake requests waiting for it (a hint; they read the status themselves).
+        const jobId = message.fields.job_id;
+        if (jobId) {
+          notifyJob(deps.sql, jobId).catch((error) => deps.log.warn("job_notify_failed", { job_id: jobId, error }));
+        }
+      },
+    },
     // With a shared provider limit, jobs wait in the stream until a permit is near, not in this process.
     gate: deps.flow?.ready,
   }, job);

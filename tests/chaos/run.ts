@@ -33,7 +33,9 @@ import { parseConfig } from "../../src/config.ts";
 import type { Command } from "../../src/commands.ts";
 import { permissionFlags } from "../../src/permissions.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
-import { SUMMARY_READY_KEY_PREFIX } from "../../src/summaries/commit.ts";
+import { SUMMARY_READY_KEY_PREFIX, SUMMARY_WEBHOOK_KEY_PREFIX } from "../../src/summaries/commit.ts";
+import { ensureWebhookSecret } from "../../src/tenants/webhook_secrets.ts";
+import { startFakeWebhookReceiver } from "../support/fake_webhook_receiver.ts";
 import { KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
 import { allLanes } from "../../src/summaries/all_lanes.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
@@ -150,6 +152,12 @@ const apiPort = freePort();
 // Four tenants, so four lanes: on a cluster they spread over the masters.
 const TENANTS = ["chaos-a", "chaos-b", "chaos-c", "chaos-d"];
 const apiKeys = await Promise.all(TENANTS.map((tenant) => createApiKey(db.sql, tenant)));
+// Every fourth job asks for a webhook: a receiver that verifies signatures, dedupes webhook-ids, fails 10%.
+const secrets = new Map(
+  await Promise.all(TENANTS.map(async (t) => [t, (await ensureWebhookSecret(db.sql, t))!] as const)),
+);
+const receiver = startFakeWebhookReceiver(secrets, () => random() < 0.1);
+const wantsWebhook = (i: number) => i % 4 === 3;
 const env: Record<string, string> = {
   DATABASE_URL: db.url,
   REDIS_URL: redisUrl,
@@ -166,6 +174,9 @@ const env: Record<string, string> = {
   LLM_CALL_TIMEOUT_S: "1",
   RELAY_BATCH: "10",
   RELAY_MAX_ATTEMPTS: "1000",
+  // The webhook receiver is on loopback, over http.
+  WEBHOOK_ALLOW_HTTP: "true",
+  WEBHOOK_ALLOW_PRIVATE: "true",
   MAIL_SEND_TIMEOUT_S: "1",
   LOG_LEVEL: "info",
   NO_COLOR: "1",
@@ -264,11 +275,17 @@ async function postOnce(key: string, body: string, apiKey: string): Promise<stri
   }
 }
 
+/** Jobs whose result goes to the webhook receiver instead of an email. */
+const webhookJobs = new Set<string>();
+
 /** One logical request: sent, then retried 1-3 times (sometimes concurrently), then until it gets a 202. */
 async function submit(i: number) {
   const key = `chaos-${SEED}-${String(i).padStart(6, "0")}`;
-  const body = JSON.stringify({ text: document(i), notify: `user${i}@example.com` });
   const apiKey = apiKeys[i % apiKeys.length]!;
+  const notify = wantsWebhook(i)
+    ? { webhook: `${receiver.url}/${TENANTS[i % TENANTS.length]}` }
+    : `user${i}@example.com`;
+  const body = JSON.stringify({ text: document(i), notify });
   const copies = 2 + Math.floor(random() * 3); // the first send and 1-3 retries
   const concurrent = random() < 0.3;
   const ids: (string | null)[] = [];
@@ -282,6 +299,7 @@ async function submit(i: number) {
   }
   if (jobId === null) throw new Error(`POST for ${key} never got a 202 in 120 s`);
   accepted.set(key, jobId);
+  if (wantsWebhook(i)) webhookJobs.add(jobId);
   submitted++;
 }
 
@@ -406,8 +424,10 @@ try {
     const expected = new Set(accepted.values());
     while (performance.now() < end) {
       done = await countDone();
-      const keys = new Set(mail.delivered.map((d) => d.idempotencyKey));
-      if (done >= expected.size && [...expected].every((id) => keys.has(`${SUMMARY_READY_KEY_PREFIX}${id}`))) break;
+      const keys = new Set([...mail.delivered.map((d) => d.idempotencyKey), ...receiver.processed.keys()]);
+      const notified = (id: string) =>
+        keys.has(`${webhookJobs.has(id) ? SUMMARY_WEBHOOK_KEY_PREFIX : SUMMARY_READY_KEY_PREFIX}${id}`);
+      if (done >= expected.size && [...expected].every(notified)) break;
       await sleep(200);
     }
     drainSeconds = (performance.now() - drainStart) / 1000;
@@ -432,6 +452,9 @@ const unexpected = summaries.filter((r) => !jobIds.includes(r.job_id)).length;
 const deliveredKeys = mail.delivered.map((d) => d.idempotencyKey);
 const distinctEmails = new Set(deliveredKeys).size;
 const dupEmails = deliveredKeys.length - distinctEmails;
+const emailJobs = jobIds.filter((id) => !webhookJobs.has(id)).length;
+const webhookIds = [...receiver.processed.keys()];
+const webhooksRight = webhookIds.filter((id) => webhookJobs.has(receiver.processed.get(id)!)).length;
 const dead = await allLanes(redisAdmin, serviceKeys(KEY_PREFIX))
   .then(async (lanes) => (await Promise.all(lanes.map((l) => redisAdmin.xlen(l.keys.dead)))).reduce((n, x) => n + x, 0))
   .catch(() => -1);
@@ -454,8 +477,11 @@ const rows: [string, string][] = [
   ["duplicate summaries", String(dupSummaries)],
   ["duplicate outbox rows", String(dupOutbox)],
   ["summaries for jobs never accepted", String(unexpected)],
-  ["distinct emails delivered / expected", `${distinctEmails} / ${jobIds.length}`],
+  ["distinct emails delivered / expected", `${distinctEmails} / ${emailJobs}`],
   ["emails delivered twice", String(dupEmails)],
+  ["distinct webhooks processed / expected", `${webhooksRight} / ${webhookJobs.size}`],
+  ["webhook requests / redeliveries the receiver deduplicated", `${receiver.requests} / ${receiver.redelivered}`],
+  ["webhooks failing signature verification", String(receiver.badSignatures)],
   ["send requests / duplicates the provider absorbed", `${mail.requests} / ${mail.deduplicated}`],
   ["model calls per job", jobIds.length ? (modelCalls / jobIds.length).toFixed(2) : "n/a"],
   ...(limited
@@ -479,6 +505,7 @@ await Promise.all(procs.map((p) => p.child.status));
 for (const p of procs) p.log.close();
 await model.close();
 await mail.close();
+await receiver.close();
 if (!CLUSTER) await (redisAdmin as Redis).flushdb().catch(() => {});
 await redisAdmin.quit().catch(() => redisAdmin.disconnect());
 await cluster?.stop();
@@ -490,8 +517,8 @@ if (ownRedis) {
 await db.close();
 
 const ok = !failure && stoppedCleanly && lost === 0 && dupSummaries === 0 && dupOutbox === 0 && unexpected === 0 &&
-  dupEmails === 0 &&
-  distinctEmails === jobIds.length && jobIds.length === JOBS;
+  dupEmails === 0 && distinctEmails === emailJobs && jobIds.length === JOBS &&
+  webhooksRight === webhookJobs.size && webhookIds.length === webhookJobs.size && receiver.badSignatures === 0;
 if (failure) console.error(`chaos run failed: ${failure instanceof Error ? failure.message : failure}`);
 if (!ok) {
   console.error(`FAILED: the process logs are in ${logDir}`);

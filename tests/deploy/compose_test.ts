@@ -83,7 +83,13 @@ Deno.test("each compose service's permission set is derived from its configured 
     (/--allow-net=(\S+)/.exec(permissionFlags(name, envOf(name), "/app/migrations").join(" "))?.[1] ?? "").split(",");
   assert.deepEqual(net("api").sort(), ["0.0.0.0:8000", "postgres:5432", "redis:6379"]);
   assert.deepEqual(net("worker").sort(), ["0.0.0.0:9464", "postgres:5432", "redis:6379"]);
-  assert.deepEqual(net("relay").sort(), ["0.0.0.0:9464", "postgres:5432"]);
+  // The relay delivers webhooks to hosts nobody configures: any host, but never Redis or a metadata address.
+  const relay = permissionFlags("relay", envOf("relay"), "/app/migrations");
+  assert.ok(relay.includes("--allow-net"));
+  assert.deepEqual(
+    relay.find((f) => f.startsWith("--deny-net="))!.slice("--deny-net=".length).split(",").sort(),
+    ["169.254.169.254", "[fd00:ec2::254]", "metadata.google.internal", "redis:6379"].sort(),
+  );
   for (const name of ["api", "worker", "relay", "migrate"]) {
     assert.equal(tasks[name], `deno task launch ${name}`, `deno task ${name} derives its set when it starts`);
   }

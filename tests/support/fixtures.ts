@@ -19,6 +19,13 @@ import { createIntake } from "../../src/summaries/intake.ts";
 import type { JobKeys, ServiceKeys } from "../../src/summaries/keys.ts";
 import { createSummaryWorker, type SummaryWorkerOptions } from "../../src/summaries/worker.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
+import { createSecretCheck } from "../../src/tenants/webhook_secrets.ts";
+import { SUMMARY_WEBHOOK_TOPIC } from "../../src/summaries/commit.ts";
+import { summaryWebhooks } from "../../src/summaries/webhook.ts";
+import type { WebhookUrlPolicy } from "../../src/webhooks/addresses.ts";
+
+/** Tests deliver webhooks to receivers on loopback over http, which production refuses by default. */
+export const LOCAL_WEBHOOKS: WebhookUrlPolicy = { allowHttp: true, allowPrivate: true };
 
 /** The API handler on `redis` and `sql`; trusted-header auth unless `authMode` says otherwise. */
 export function apiHandler(
@@ -43,6 +50,7 @@ export function apiHandler(
     intake: createIntake({ redis }, { keys, resultTtlS, path: SUMMARIES }),
     keys,
     maxBodyBytes: 1 << 20,
+    webhooks: { ...LOCAL_WEBHOOKS, hasSecret: createSecretCheck(sql) },
     ...deps,
   });
   if (authMode === "api-key") return handler;
@@ -89,22 +97,30 @@ export function summaryWorker(
   });
 }
 
-/** A relay to a Resend-compatible server at `mailUrl` (or any mailer). */
+/** A relay to a Resend-compatible server at `mailUrl` (or any mailer), and to webhook receivers under `webhookPolicy`. */
 export function relayTo(
-  { sql, mailUrl, mailer, defer, log = silentLogger }: {
+  { sql, mailUrl, mailer, defer, webhookPolicy = LOCAL_WEBHOOKS, log = silentLogger }: {
     sql: Sql;
     mailUrl?: string;
     mailer?: Mailer;
     defer?: Deferral;
+    webhookPolicy?: WebhookUrlPolicy;
     log?: Logger;
   },
   overrides: Partial<RelayOptions> = {},
 ): Relay {
+  const webhooks = summaryWebhooks({ sql, policy: webhookPolicy, timeoutMs: 2_000 });
+  const summaries = summaryPayloadLoader(sql);
   return createRelay({
     sql,
-    mailer: mailer ?? createResendMailer({ apiKey: "re_test", baseUrl: mailUrl!, timeoutMs: 2_000 }),
+    mailer: mailer ??
+      createResendMailer({ apiKey: "re_test", baseUrl: mailUrl ?? "http://127.0.0.1:9", timeoutMs: 2_000 }),
     render: summaryEmailRenderer("summaries@example.com"),
-    load: summaryPayloadLoader(sql),
+    senders: { [SUMMARY_WEBHOOK_TOPIC]: webhooks.send },
+    load: async (rows) => {
+      await summaries(rows);
+      await webhooks.load(rows);
+    },
     defer,
     log,
   }, { batch: 20, maxAttempts: 5, leaseMs: 5_000, ...overrides });

@@ -1,0 +1,60 @@
+/**
+ * Webhook delivery of finished summaries: the `webhook.summary_ready`
+ * outbox topic, sent by the relay as a Standard Webhook signed with the
+ * tenant's secret(s). The outbox row references the summary and the
+ * tenant; both are loaded for a whole batch in two queries.
+ */
+import type { Sql } from "postgres";
+import type { OutboxRow, OutboxSender, PayloadLoader } from "../outbox/relay.ts";
+import { signingSecrets } from "../tenants/webhook_secrets.ts";
+import { type ResolveHost, WebhookRefused, type WebhookUrlPolicy } from "../webhooks/addresses.ts";
+import { sendWebhook } from "../webhooks/http_post.ts";
+import { SUMMARY_WEBHOOK_TOPIC } from "./commit.ts";
+import type { SummaryWebhook } from "./schemas.ts";
+
+/** Loads what a batch's webhook rows need, and sends them. */
+export function summaryWebhooks(
+  { sql, policy, timeoutMs, resolve, caCerts }: {
+    sql: Sql;
+    policy: WebhookUrlPolicy;
+    /** Caps one delivery: DNS, connect, TLS and the receiver's answer (MAIL_SEND_TIMEOUT_S). */
+    timeoutMs: number;
+    resolve?: ResolveHost;
+    caCerts?: string[];
+  },
+): { load: PayloadLoader; send: OutboxSender } {
+  // Secrets stay out of the row's payload (which error paths may describe): they live here, per claimed row.
+  const secrets = new WeakMap<OutboxRow, string[]>();
+  return {
+    async load(rows) {
+      const webhooks = rows.filter((r) => r.topic === SUMMARY_WEBHOOK_TOPIC);
+      if (webhooks.length === 0) return;
+      const byTenant = await signingSecrets(sql, [...new Set(webhooks.map((r) => String(r.payload.tenant)))]);
+      for (const row of webhooks) {
+        const found = byTenant.get(String(row.payload.tenant));
+        if (found) secrets.set(row, found);
+      }
+    },
+    async send(row, signal) {
+      const { job_id, webhook, summary } = row.payload as { job_id?: string; webhook?: string; summary?: string };
+      if (!job_id || !webhook || typeof summary !== "string") {
+        throw new WebhookRefused(`outbox row ${row.id} lacks its job id, webhook URL or summary`);
+      }
+      const keys = secrets.get(row);
+      if (!keys) throw new WebhookRefused(`tenant ${String(row.payload.tenant)} has no webhook signing secret`);
+      const body: SummaryWebhook = { type: "summary.ready", job_id, status: "done", summary };
+      await sendWebhook({
+        url: webhook,
+        policy,
+        secrets: keys,
+        id: row.dedupe_key,
+        body: JSON.stringify(body),
+        timeoutMs,
+        signal,
+        resolve,
+        caCerts,
+      });
+      return {};
+    },
+  };
+}

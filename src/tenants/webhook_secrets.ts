@@ -1,0 +1,59 @@
+/**
+ * Each tenant's Standard Webhooks signing secret (`whsec_` + base64). It is
+ * shown once, when made, and stored in Postgres because the relay must sign
+ * with it (an HMAC needs the secret itself, unlike an API key's hash). After a
+ * rotation the previous secret keeps signing beside the new one for a day, so
+ * a receiver can move to the new secret without rejecting a delivery.
+ */
+import type { Sql } from "postgres";
+import { newWebhookSecret } from "../webhooks/signature.ts";
+
+/** How long a rotated-out secret still signs. */
+export const PREVIOUS_SECRET_GRACE_S = 24 * 3600;
+const CACHE_MS = 10_000;
+
+/** Gives the tenant a secret if it has none. @returns the new secret, or null if it already had one. */
+export async function ensureWebhookSecret(sql: Sql, tenant: string): Promise<string | null> {
+  const secret = newWebhookSecret();
+  const rows = await sql`
+    UPDATE tenants SET webhook_secret = ${secret} WHERE name = ${tenant} AND webhook_secret IS NULL RETURNING name`;
+  return rows.length > 0 ? secret : null;
+}
+
+/** A new secret for the tenant; the old one keeps signing for {@linkcode PREVIOUS_SECRET_GRACE_S}. */
+export async function rotateWebhookSecret(sql: Sql, tenant: string): Promise<string> {
+  const secret = newWebhookSecret();
+  const rows = await sql`
+    UPDATE tenants SET webhook_secret_previous = webhook_secret, webhook_secret = ${secret},
+      webhook_secret_rotated_at = now()
+    WHERE name = ${tenant} RETURNING name`;
+  if (rows.length === 0) throw new TypeError(`No tenant named ${JSON.stringify(tenant)}`);
+  return secret;
+}
+
+/** The secrets each tenant signs with now: its current one, and its previous one within the grace. */
+export async function signingSecrets(sql: Sql, tenants: string[]): Promise<Map<string, string[]>> {
+  const rows = await sql<{ name: string; current: string | null; previous: string | null }[]>`
+    SELECT name, webhook_secret AS current,
+      CASE WHEN webhook_secret_rotated_at > now() - ${PREVIOUS_SECRET_GRACE_S} * interval '1 second'
+        THEN webhook_secret_previous END AS previous
+    FROM tenants WHERE name = ANY(${tenants})`;
+  return new Map(
+    rows.filter((r) => r.current).map((r) => [r.name, [r.current!, ...(r.previous ? [r.previous] : [])]]),
+  );
+}
+
+/** Whether a tenant has a secret, cached per tenant for 10 s (the API asks on every webhook POST). */
+export function createSecretCheck(sql: Sql): (tenant: string) => Promise<boolean> {
+  const cache = new Map<string, { has: boolean; expires: number }>();
+  return async (tenant) => {
+    const hit = cache.get(tenant);
+    if (hit && hit.expires > performance.now()) return hit.has;
+    const [row] = await sql<{ has: boolean }[]>`
+      SELECT webhook_secret IS NOT NULL AS has FROM tenants WHERE name = ${tenant}`;
+    if (cache.size >= 10_000) cache.delete(cache.keys().next().value!);
+    const has = row?.has ?? false;
+    cache.set(tenant, { has, expires: performance.now() + CACHE_MS });
+    return has;
+  };
+}
