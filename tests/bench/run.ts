@@ -26,7 +26,8 @@ import { type HttpLoad, postLoad } from "./wrk.ts";
 import { VARIANTS } from "./ingest_variants.ts";
 import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
 import { SUMMARY_READY_KEY_PREFIX } from "../../src/summaries/commit.ts";
-import { cpuMs, sdkCeiling, startModelProcess, startWorkerProcess } from "./worker_process.ts";
+import { cpuMs, sdkCeiling, startModelProcess, startServiceProcess, startWorkerProcess } from "./worker_process.ts";
+import { completionBody } from "../support/fake_model_server.ts";
 import { Redis } from "ioredis";
 import { enqueueJob, enqueueToLane } from "../support/enqueue.ts";
 import { freePort } from "../support/free_port.ts";
@@ -840,6 +841,93 @@ async function benchProvider() {
   }
 }
 
+/**
+ * `Prefer: wait`: the real API and worker processes, the real SDK over HTTP
+ * to a model that answers in 300 ms. What the client waits beyond the model's
+ * answer (commit, NOTIFY, wake-up, the answer) against a client polling GET
+ * every 100 ms.
+ */
+async function benchWait() {
+  const jobs = smoke ? 5 : 40;
+  const modelMs = 300;
+  progress(`wait: ${jobs} sequential jobs with Prefer: wait=10, then ${jobs} polled, ${modelMs} ms model`);
+  const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
+  const url = await emptyRedisDatabase(REDIS_URL);
+  // When the model finished answering each document (the body is small: written at once).
+  const answeredAt = new Map<string, number>();
+  const model = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen() {} }, async (req) => {
+    const body = await req.json() as { messages: { content: string }[] };
+    const prompt = body.messages.at(-1)!.content;
+    await sleep(modelMs);
+    const id = /Wait bench (\d+)/.exec(prompt)?.[0] ?? "";
+    queueMicrotask(() => answeredAt.set(id, performance.now()));
+    return Response.json(completionBody("Revenue rose."));
+  });
+  const apiPort = freePort();
+  const env = {
+    DATABASE_URL: db.url,
+    REDIS_URL: url,
+    PORT: String(apiPort),
+    OPENAI_API_KEY: "sk-bench",
+    OPENAI_BASE_URL: `http://127.0.0.1:${model.addr.port}/v1`,
+    LOG_LEVEL: "warn",
+  };
+  const key = await createApiKey(db.sql, "bench");
+  const api = await startServiceProcess("api", { ...env, LOG_LEVEL: "info" }, "api_listening");
+  const worker = await startWorkerProcess({ ...env, LOG_LEVEL: "info" });
+  const post = (i: number, prefer?: string) =>
+    fetch(`http://127.0.0.1:${apiPort}/v1/summaries`, {
+      method: "POST",
+      headers: {
+        authorization: `Bearer ${key}`,
+        "content-type": "application/json",
+        "idempotency-key": `wait-bench-${crypto.randomUUID()}`,
+        ...(prefer ? { prefer } : {}),
+      },
+      body: JSON.stringify({ text: `Wait bench ${i}. Revenue rose. Costs fell.`, notify: "ops@example.com" }),
+    });
+  try {
+    const waited: number[] = [];
+    for (let i = 0; i < jobs; i++) {
+      const res = await post(i, "wait=10");
+      const t = performance.now();
+      if (res.status !== 200) throw new Error(`wait: POST answered ${res.status}, not 200`);
+      await res.body?.cancel();
+      waited.push(t - answeredAt.get(`Wait bench ${i}`)!);
+    }
+    const polled: number[] = [];
+    for (let i = jobs; i < 2 * jobs; i++) {
+      const { job_id } = await (await post(i)).json();
+      // A random phase, as real clients have: without it every poll lands just after the 300 ms model.
+      await sleep(Math.random() * 100);
+      for (;;) {
+        await sleep(100);
+        const doc = await (await fetch(`http://127.0.0.1:${apiPort}/v1/summaries/${job_id}`, {
+          headers: { authorization: `Bearer ${key}` },
+        })).json();
+        if (doc.status === "done") break;
+      }
+      polled.push(performance.now() - answeredAt.get(`Wait bench ${i}`)!);
+    }
+    const p50 = quantile(waited, 0.5), p99 = quantile(waited, 0.99), polledP50 = quantile(polled, 0.5);
+    rows.push({
+      benchmark: `Prefer: wait=10, real API and worker processes, ${modelMs} ms model: ` +
+        "from the model's answer to the client's 200",
+      result: `p50 ${fmt(p50, 1)} ms, p99 ${fmt(p99, 1)} ms`,
+      baseline: `polling GET every 100 ms: p50 ${fmt(polledP50, 1)} ms`,
+      ratio: `${fmt(p50 / polledP50, 2)}x`,
+      goal: `< 50 ms ${p99 < 50 ? "(met)" : "(NOT met)"}`,
+      value: p50,
+      baselineValue: polledP50,
+    });
+  } finally {
+    await worker.stop();
+    await api.stop();
+    await model.shutdown();
+    await db.close();
+  }
+}
+
 const sections: Record<string, () => Promise<void>> = {
   // Memory first: its baseline is then the RSS of a fresh process.
   memory: benchMemory,
@@ -851,6 +939,7 @@ const sections: Record<string, () => Promise<void>> = {
   fairness: benchFairness,
   relay: benchRelay,
   e2e: benchEndToEnd,
+  wait: benchWait,
   provider: benchProvider,
 };
 

@@ -16,16 +16,28 @@ export async function cpuMs(pid: number): Promise<number> {
   return (Number(fields[11]) + Number(fields[12])) * TICK_MS;
 }
 
-/** A running worker process. */
+/** A running service process. */
 export interface WorkerProcess {
   pid: number;
   stop(): Promise<void>;
 }
 
 /** Starts a worker with `env` and resolves once it has logged `worker_started`. */
-export async function startWorkerProcess(env: Record<string, string>): Promise<WorkerProcess> {
+export function startWorkerProcess(env: Record<string, string>): Promise<WorkerProcess> {
+  return startServiceProcess("worker", env, "worker_started");
+}
+
+/**
+ * Starts `main.ts <command>` with the permission set its task derives from
+ * `env`, and resolves once it has logged `readyEvent`.
+ */
+export async function startServiceProcess(
+  command: "api" | "worker" | "relay",
+  env: Record<string, string>,
+  readyEvent: string,
+): Promise<WorkerProcess> {
   const child = new Deno.Command(Deno.execPath(), {
-    args: ["run", ...permissionFlags("worker", parseConfig(env), MIGRATIONS), MAIN, "worker"],
+    args: ["run", ...permissionFlags(command, parseConfig(env), MIGRATIONS), MAIN, command],
     env: { ...env, NO_COLOR: "1" },
     stdout: "null",
     stderr: "piped",
@@ -33,12 +45,12 @@ export async function startWorkerProcess(env: Record<string, string>): Promise<W
   const lines = child.stderr.pipeThrough(new TextDecoderStream()).getReader();
   let buffered = "";
   const end = performance.now() + 30_000;
-  while (!buffered.includes('"worker_started"')) {
+  while (!buffered.includes(`"${readyEvent}"`)) {
     const { value, done } = await lines.read();
-    if (done || performance.now() > end) throw new Error(`worker did not start: ${buffered.slice(-500)}`);
+    if (done || performance.now() > end) throw new Error(`${command} did not start: ${buffered.slice(-500)}`);
     buffered += value;
   }
-  // Keep reading, or a full pipe would stall the worker.
+  // Keep reading, or a full pipe would stall the process.
   const drained = (async () => {
     while (!(await lines.read()).done) { /* discard */ }
   })().catch(() => {});
