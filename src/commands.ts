@@ -124,6 +124,11 @@ export const COMMAND_TABLE = {
     clients: { redis: true },
     run: async () => (await import("./processes/admin_commands.ts")).runProvider,
   }),
+  usage: command({
+    net: { postgres: true },
+    clients: { sql: true },
+    run: async () => (await import("./processes/admin_commands.ts")).runUsage,
+  }),
 };
 
 /** A command's name. */

@@ -62,6 +62,12 @@ const schema = z.object({
   METRICS_PORT: int(0, 65535).optional(),
   METRICS_TOKEN: z.string().trim().min(16, "must be at least 16 characters").optional(),
   GATEWAY_SECRET: z.string().trim().min(16, "must be at least 16 characters").optional(),
+  MODEL_ATTEMPTS_RETENTION_S: int(60).default(30 * 24 * 3600),
+  LLM_PRICE_IN_PER_MTOK: z.string().trim().regex(/^\d+(\.\d+)?$/, "must be a price, such as 0.40")
+    .transform(Number).optional(),
+  LLM_PRICE_OUT_PER_MTOK: z.string().trim().regex(/^\d+(\.\d+)?$/, "must be a price, such as 1.60")
+    .transform(Number).optional(),
+  ADMIN_TOKEN: z.string().trim().min(16, "must be at least 16 characters").optional(),
   WEBHOOK_ALLOW_HTTP: bool.default(false),
   WEBHOOK_ALLOW_PRIVATE: bool.default(false),
 });
@@ -85,7 +91,7 @@ export class ConfigError extends Error {
   }
 }
 
-const SECRETS = new Set(["OPENAI_API_KEY", "RESEND_API_KEY", "METRICS_TOKEN", "GATEWAY_SECRET"]);
+const SECRETS = new Set(["OPENAI_API_KEY", "RESEND_API_KEY", "METRICS_TOKEN", "GATEWAY_SECRET", "ADMIN_TOKEN"]);
 
 /**
  * Parses the service configuration from an environment record.

@@ -12,6 +12,10 @@ export interface Completion {
   usage?: Usage;
   /** Response headers (rate-limit state), for a provider reached over HTTP. */
   headers?: Headers;
+  /** The model that answered, as the provider names it. */
+  model?: string;
+  /** The provider's id of the request (`x-request-id`), for its support. */
+  requestId?: string;
 }
 
 /** A text-completion model. */

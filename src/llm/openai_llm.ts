@@ -51,7 +51,13 @@ export function createOpenAiLlm(options: OpenAiOptions): LLM {
           total_tokens: data.usage.total_tokens,
         }
         : undefined;
-      return { text: text.trim(), usage, headers: response.headers };
+      return {
+        text: text.trim(),
+        usage,
+        headers: response.headers,
+        model: data.model,
+        requestId: response.headers.get("x-request-id") ?? undefined,
+      };
     },
   };
 }

@@ -5,6 +5,7 @@ import type { Email, Mailer } from "../mail/mailer.ts";
 import { PermanentMailError } from "../mail/mailer.ts";
 import { isRetryable, reasonOf } from "../retry/classify.ts";
 import { backoffMs } from "../retry/retry_policy.ts";
+import { contextFrom, inSpan } from "../tracing.ts";
 
 /** An outbox row claimed by this relay. */
 export interface OutboxRow {
@@ -62,6 +63,8 @@ export interface RelayOptions {
   retentionMs?: number;
   /** SUMMARY_RETENTION_S in ms: summaries older than this are deleted; unset, they are kept. */
   summaryRetentionMs?: number;
+  /** MODEL_ATTEMPTS_RETENTION_S in ms: the record of model attempts older than this is deleted. */
+  attemptRetentionMs?: number;
   /** How often retention runs. */
   retentionEveryMs?: number;
   random?: () => number;
@@ -181,9 +184,17 @@ export function createRelay(
       const started = performance.now();
       try {
         const sender = senders[row.topic];
-        const result = sender
-          ? await sender(row, stopping.signal)
-          : await mailer.send(render(row.topic, row.payload), row.dedupe_key, stopping.signal);
+        // The send joins the job's trace: the outbox row carries the committing delivery's context.
+        const traceparent = typeof row.payload.traceparent === "string" ? row.payload.traceparent : undefined;
+        const result = await inSpan(
+          "outbox.send",
+          { "outbox.id": row.id, "outbox.topic": row.topic, "job.id": String(row.payload.job_id ?? "") },
+          () =>
+            sender
+              ? sender(row, stopping.signal)
+              : mailer.send(render(row.topic, row.payload), row.dedupe_key, stopping.signal),
+          contextFrom(traceparent),
+        );
         sent.push(row.id);
         providerIds.push(result.providerId ?? "");
         events.sent?.(row, performance.now() - started);
@@ -218,6 +229,7 @@ export function createRelay(
       total += deleted.count;
       if (deleted.count < PURGE_BATCH) break;
     }
+    if (options.attemptRetentionMs !== undefined) total += await purgeAttempts(options.attemptRetentionMs);
     if (options.summaryRetentionMs === undefined) return total;
     for (;;) {
       // Summaries whose notification is still unsent stay: the email needs them.
@@ -243,6 +255,19 @@ export function createRelay(
             )
         )
         SELECT job_id FROM gone`;
+      total += deleted.count;
+      if (deleted.count < PURGE_BATCH) return total;
+    }
+  }
+
+  async function purgeAttempts(ageMs: number): Promise<number> {
+    let total = 0;
+    for (;;) {
+      const deleted = await sql`
+        DELETE FROM model_attempts WHERE id IN (
+          SELECT id FROM model_attempts WHERE started_at < now() - ${ageMs} * interval '1 millisecond'
+          LIMIT ${PURGE_BATCH}
+        )`;
       total += deleted.count;
       if (deleted.count < PURGE_BATCH) return total;
     }

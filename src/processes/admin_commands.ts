@@ -4,6 +4,7 @@ import { dlqCommand } from "../cli/dlq_command.ts";
 import { outboxCommand } from "../cli/outbox_command.ts";
 import { providerCommand } from "../cli/provider_command.ts";
 import { tenantCommand } from "../cli/tenant_command.ts";
+import { usageCommand } from "../cli/usage_command.ts";
 import { migrate, readMigrations } from "../db/migrate.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { buildFlow, providerLabel } from "./_model.ts";
@@ -33,4 +34,11 @@ export function runOutbox({ clients, args }: RunContext<{ sql: true }>): Promise
 /** `deno task provider status [--json]`. */
 export function runProvider({ config, clients, args, log }: RunContext<{ redis: true }>): Promise<number> {
   return providerCommand(buildFlow(config, clients.redis, log), providerLabel(config), args);
+}
+
+/** `deno task usage [--tenant T] [--since 24h] [--json]`. */
+export function runUsage({ config, clients, args }: RunContext<{ sql: true }>): Promise<number> {
+  return usageCommand(clients.sql, args, {
+    prices: { inPerMTok: config.LLM_PRICE_IN_PER_MTOK, outPerMTok: config.LLM_PRICE_OUT_PER_MTOK },
+  });
 }

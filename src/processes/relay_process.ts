@@ -42,6 +42,7 @@ export async function startRelay(
     leaseMs: 2 * sendTimeoutMs + 5_000,
     retentionMs: config.OUTBOX_RETENTION_S * 1000,
     summaryRetentionMs: config.SUMMARY_RETENTION_S === undefined ? undefined : config.SUMMARY_RETENTION_S * 1000,
+    attemptRetentionMs: config.MODEL_ATTEMPTS_RETENTION_S * 1000,
     events: relayEvents(relayMetrics(registry)),
   });
   log.info("relay_started", { mail: config.MAIL_PROVIDER, batch: config.RELAY_BATCH });

@@ -32,6 +32,7 @@ export async function startWorker(
       perCallTimeoutMs: config.LLM_CALL_TIMEOUT_S * 1000,
       maxAttempts: config.LLM_MAX_ATTEMPTS,
       onAttempt: attemptObserver(metrics),
+      model: config.LLM_PROVIDER === "openai" ? config.OPENAI_MODEL : "extractive",
     },
   });
   log.info("worker_started", {

@@ -17,6 +17,19 @@ export interface AttemptReport {
   duration_ms: number;
   /** Time spent waiting for the gate's permit before this attempt, in ms. */
   permit_wait_ms?: number;
+  /** When the call started (epoch ms); absent for an attempt never started. */
+  started_at_ms?: number;
+  /** What `describe` read from the attempt's value or error (tokens, request id, model, error class). */
+  details?: AttemptDetails;
+}
+
+/** What an attempt's result says about it, for the record of model attempts. */
+export interface AttemptDetails {
+  prompt_tokens?: number;
+  completion_tokens?: number;
+  request_id?: string;
+  model?: string;
+  error_class?: string;
 }
 
 /**
@@ -49,6 +62,8 @@ export interface RetryOptions<T = unknown> {
   /** Aborts the whole call (shutdown); not retried. */
   signal?: AbortSignal;
   onAttempt?: (report: AttemptReport) => void;
+  /** Reads an attempt's details (tokens, request id) from its value or error, for `onAttempt`. */
+  describe?: (outcome: { value?: T; error?: unknown }) => AttemptDetails;
   /** Flow control shared with other callers; its waits are not charged to `deadline`. */
   gate?: AttemptGate<T>;
 }
@@ -111,6 +126,7 @@ export async function callWithRetries<T>(
     if (permit) deadline.extend(permit.waitedMs);
     const budget = Math.min(options.perCallTimeoutMs, deadline.remaining());
     const started = clock.now();
+    const started_at_ms = clock.epochNow();
     const timer = clock.timer(budget);
     const signal = options.signal ? AbortSignal.any([timer.signal, options.signal]) : timer.signal;
     let onTimeout!: () => void;
@@ -134,6 +150,8 @@ export async function callWithRetries<T>(
         status: typeof status === "number" ? status : undefined,
         duration_ms,
         permit_wait_ms: permit?.waitedMs,
+        started_at_ms,
+        details: options.describe?.({ error }),
       };
       if (options.signal?.aborted) {
         await permit?.settle({ aborted: true }).catch(() => {});
@@ -159,6 +177,8 @@ export async function callWithRetries<T>(
       remaining_ms: deadline.remaining(),
       duration_ms: clock.now() - started,
       permit_wait_ms: permit?.waitedMs,
+      started_at_ms,
+      details: options.describe?.({ value: result }),
     });
     return result;
   }

@@ -13,6 +13,7 @@ import { cancelJob } from "./commit.ts";
 import { markCancelled } from "./job_status.ts";
 import { type JobWaiter, preferredWaitS } from "./job_waiter.ts";
 import { checkWebhookUrl, WebhookRefused } from "../webhooks/addresses.ts";
+import { currentTraceparent } from "../tracing.ts";
 import type { ServiceKeys } from "./keys.ts";
 import { openApiDocument, ROUTES } from "./openapi.ts";
 import { IdempotencyKey, SummaryRequest, type SummaryStatus } from "./schemas.ts";
@@ -133,7 +134,12 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     }
     const scope = { tenant, method: "POST", path: SUMMARIES, key };
     try {
-      const { response, replayed } = await intake.submit({ scope, request: parsed.data });
+      // With tracing on, the job's trace continues from this request's span (Deno.serve's) in the worker.
+      const { response, replayed } = await intake.submit({
+        scope,
+        request: parsed.data,
+        traceparent: currentTraceparent(),
+      });
       const headers: Record<string, string> = { ...response.headers };
       if (replayed) {
         headers["idempotent-replayed"] = "true";
@@ -163,24 +169,41 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
   ): Promise<{ document: SummaryStatus; recordKey?: string } | null> {
     if (!UUID.test(jobId)) return null;
     const laneKey = keys.lane(tenant).job(jobId);
+    type Row = {
+      tenant: string | null;
+      outcome: "done" | "cancelled" | null;
+      summary: string | null;
+      attempts: number;
+      tokens: number | null;
+    };
     const [rows, laneRecord] = await Promise.all([
-      sql<{ tenant: string; outcome: "done" | "cancelled"; summary: string | null }[]>`
-        SELECT coalesce(o.tenant, s.tenant) AS tenant, coalesce(o.outcome, 'done') AS outcome, s.summary
+      // The outcome, the summary, and the totals of the job's model attempts (those of this tenant only).
+      sql<Row[]>`
+        SELECT coalesce(o.tenant, s.tenant) AS tenant, coalesce(o.outcome, CASE WHEN s.job_id IS NOT NULL THEN 'done' END)
+            AS outcome, s.summary, a.attempts, a.tokens
         FROM (SELECT ${jobId}::uuid AS job_id) j
         LEFT JOIN job_outcomes o USING (job_id) LEFT JOIN summaries s USING (job_id)
-        WHERE o.job_id IS NOT NULL OR s.job_id IS NOT NULL`,
+        CROSS JOIN LATERAL (
+          SELECT count(*)::int AS attempts,
+            (sum(coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)))::int AS tokens
+          FROM model_attempts m WHERE m.job_id = j.job_id AND m.tenant = ${tenant}
+        ) a`,
       redis.hgetall(laneKey),
     ]);
-    const decided = rows[0];
+    const decided = rows[0]!;
+    const usage = decided.attempts > 0 ? { attempts: decided.attempts, tokens: decided.tokens ?? 0 } : {};
     // Another tenant's job is indistinguishable from an unknown one.
-    if (decided) {
+    if (decided.outcome) {
       if (decided.tenant !== tenant) return null;
       if (decided.outcome === "cancelled") {
-        return { document: { job_id: jobId, status: "cancelled" }, recordKey: laneRecord.tenant ? laneKey : undefined };
+        return {
+          document: { job_id: jobId, status: "cancelled", ...usage },
+          recordKey: laneRecord.tenant ? laneKey : undefined,
+        };
       }
       // Done, but its summary is past SUMMARY_RETENTION_S: as if unknown.
       if (decided.summary === null) return null;
-      return { document: { job_id: jobId, status: "done", summary: decided.summary } };
+      return { document: { job_id: jobId, status: "done", summary: decided.summary, ...usage } };
     }
     // A job queued before lanes has its record beside the old single stream.
     const [record, recordKey] = laneRecord.tenant
@@ -188,7 +211,7 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
       : [await redis.hgetall(keys.legacy.job(jobId)), keys.legacy.job(jobId)];
     if (record.tenant !== tenant) return null;
     const status = record.status === "failed" || record.status === "cancelled" ? record.status : "queued";
-    const document: SummaryStatus = { job_id: jobId, status };
+    const document: SummaryStatus = { job_id: jobId, status, ...usage };
     if (status === "failed" && record.error) document.error = record.error;
     return { document, recordKey };
   }

@@ -11,6 +11,8 @@ export interface SummaryResult {
   tenant: string;
   summary: string;
   notify: Notify;
+  /** The committing delivery's trace context: the relay's send continues that trace. */
+  traceparent?: string;
 }
 
 /** The outbox topic of a summary's notification email. */
@@ -28,7 +30,7 @@ function outboxRowFor(r: SummaryResult): { topic: string; dedupeKey: string; pay
     return {
       topic: SUMMARY_READY_TOPIC,
       dedupeKey: SUMMARY_READY_KEY_PREFIX + r.jobId,
-      payload: JSON.stringify({ job_id: r.jobId, tenant: r.tenant, to: r.notify }),
+      payload: JSON.stringify({ job_id: r.jobId, tenant: r.tenant, to: r.notify, traceparent: r.traceparent }),
     };
   }
   return {

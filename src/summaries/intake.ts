@@ -36,20 +36,25 @@ export interface Intake {
    * Enqueues the job unless the scope already has a record.
    * @throws {KeyReused} when the scope's record is for another body.
    */
-  submit(input: { scope: Scope; request: SummaryRequest }): Promise<IntakeResult>;
+  submit(input: { scope: Scope; request: SummaryRequest; traceparent?: string }): Promise<IntakeResult>;
   /** The Redis key of a scope's record. */
   keyFor(scope: Scope): string;
 }
 
 // KEYS: the scope's record, the job stream, the job's status record (one hash tag).
-// ARGV: job id, tenant, payload, status TTL, record, record TTL, the lane's cap (0 = none).
+// ARGV: job id, tenant, payload, status TTL, record, record TTL, the lane's cap (0 = none), and the POST's
+// traceparent ('' when not tracing: the message then has no such field).
 // Returns the existing record, 1 when the lane is full (nothing written), or false after enqueuing and storing ours.
 const INTAKE = defineScript(`
 local stored = redis.call('GET', KEYS[1])
 if stored then return stored end
 local cap = tonumber(ARGV[7])
 if cap > 0 and redis.call('XLEN', KEYS[2]) >= cap then return 1 end
-redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[1], 'tenant', ARGV[2], 'payload', ARGV[3])
+if ARGV[8] ~= '' then
+  redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[1], 'tenant', ARGV[2], 'payload', ARGV[3], 'traceparent', ARGV[8])
+else
+  redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[1], 'tenant', ARGV[2], 'payload', ARGV[3])
+end
 ${markQueuedLua({ key: "KEYS[3]", tenant: "ARGV[2]", ttl: "ARGV[4]" })}
 redis.call('SET', KEYS[1], ARGV[5], 'EX', ARGV[6])
 return false`);
@@ -94,7 +99,7 @@ export function createIntake(
   const keyFor = (scope: Scope) => keys.lane(scope.tenant).idempotency(encodeScope(scope));
   return {
     keyFor,
-    async submit({ scope, request }) {
+    async submit({ scope, request, traceparent }) {
       // One hash covers the scope and the body's canonical JSON: the job id. A key reused with another body
       // after its record expired therefore names a new job, never the old job's result, and the job id is
       // the body's fingerprint in the stored record.
@@ -117,6 +122,7 @@ export function createIntake(
         record,
         resultTtlS,
         maxQueuedPerTenant ?? 0,
+        traceparent ?? "",
       ]) as string | number | null;
       if (stored === 1) throw new QueueFull(`tenant ${scope.tenant}'s queue is full`, RETRY_AFTER_S);
       if (stored === null) {

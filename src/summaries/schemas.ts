@@ -39,6 +39,8 @@ export const SummaryStatus = z.object({
   status: z.enum(["queued", "done", "failed", "cancelled"]),
   summary: z.string().optional(),
   error: z.string().optional(),
+  attempts: z.number().int().optional().describe("Model calls made for this job so far (recorded within a second)"),
+  tokens: z.number().int().optional().describe("Prompt and completion tokens of those calls, as the provider counted"),
 });
 export type SummaryStatus = z.infer<typeof SummaryStatus>;
 

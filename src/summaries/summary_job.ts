@@ -9,8 +9,11 @@ import type { Clock } from "../retry/clock.ts";
 import { Deadline } from "../retry/deadline.ts";
 import { DeadlineExceeded, GateUnavailable } from "../retry/errors.ts";
 import type { ProviderFlow } from "../provider/flow_control.ts";
-import { type AttemptReport, callWithRetries } from "../retry/retry_policy.ts";
+import { type AttemptDetails, type AttemptReport, callWithRetries } from "../retry/retry_policy.ts";
+import type { Completion } from "../llm/llm.ts";
+import { type AttemptLog, attemptRow } from "./attempt_log.ts";
 import { createDecidedCheck, type GroupCommitter } from "./commit.ts";
+import { contextFrom, currentTraceparent, inSpan, recordSpan } from "../tracing.ts";
 import { SummaryRequest } from "./schemas.ts";
 
 /** Options for {@linkcode createSummaryJob}. */
@@ -24,6 +27,25 @@ export interface SummaryJobOptions {
   backoffBaseMs?: number;
   backoffCapMs?: number;
   onAttempt?: (report: AttemptReport & { job_id: string }) => void;
+  /** The configured model's name, recorded for attempts whose answer does not name one. */
+  model?: string;
+}
+
+/** An attempt's tokens, request id and model from the completion, or its error's class and request id. */
+function describeAttempt({ value, error }: { value?: Completion; error?: unknown }): AttemptDetails {
+  if (value) {
+    return {
+      prompt_tokens: value.usage?.prompt_tokens,
+      completion_tokens: value.usage?.completion_tokens,
+      request_id: value.requestId,
+      model: value.model,
+    };
+  }
+  const headers = (error as { headers?: unknown })?.headers;
+  return {
+    error_class: error instanceof Error ? error.name : "Error",
+    request_id: headers instanceof Headers ? headers.get("x-request-id") ?? undefined : undefined,
+  };
 }
 
 /** SQLSTATE class 22, "data exception": the value itself is wrong, so a retry fails the same way. */
@@ -48,18 +70,32 @@ const Fields = z.object({ job_id: z.uuid(), tenant: z.string().min(1), payload: 
  * @throws the retryable error, or {@linkcode DeadlineExceeded}, to leave the message pending.
  */
 export function createSummaryJob(
-  { sql, llm, log, committer, flow }: {
+  { sql, llm, log, committer, flow, attempts }: {
     sql: Sql;
     llm: LLM;
     log: Logger;
     committer: GroupCommitter;
+    /** The record of model attempts (`model_attempts`); none when unset. */
+    attempts?: AttemptLog;
     /** The provider's shared limiter and breaker; every attempt waits for its permit. */
     flow?: ProviderFlow;
   },
   options: SummaryJobOptions,
 ): (message: StreamMessage, signal: AbortSignal) => Promise<"done" | "duplicate" | "cancelled"> {
   const decided = createDecidedCheck(sql);
-  return async (message, signal) => {
+  const modelName = options.model ?? "unknown";
+  // Each delivery is a span of the job's trace (continued from the POST's), after its time in the queue.
+  return (message, signal) => {
+    const parent = contextFrom(message.fields.traceparent);
+    const attributes = { "job.id": message.fields.job_id, tenant: message.fields.tenant, delivery: message.deliveries };
+    const enqueuedMs = Number(message.id.split("-")[0]);
+    if (message.deliveries === 1 && message.fields.traceparent && Number.isFinite(enqueuedMs)) {
+      recordSpan("job.queued", { startMs: enqueuedMs, endMs: Date.now(), attributes, parent });
+    }
+    return inSpan("job.delivery", attributes, () => deliver(message, signal), parent);
+  };
+
+  async function deliver(message: StreamMessage, signal: AbortSignal): Promise<"done" | "duplicate" | "cancelled"> {
     const fields = Fields.safeParse(message.fields);
     if (!fields.success) throw new PermanentJobError(`malformed job message: ${fields.error.issues[0]?.message}`);
     const { job_id, tenant } = fields.data;
@@ -117,9 +153,30 @@ export function createSummaryJob(
         clock: options.clock,
         random: options.random,
         signal,
+        describe: describeAttempt,
         onAttempt: (report) => {
-          jobLog[report.outcome === "ok" ? "debug" : "info"]("model_attempt", { ...report });
+          if (report.started_at_ms !== undefined) {
+            recordSpan("model.attempt", {
+              startMs: report.started_at_ms,
+              endMs: report.started_at_ms + report.duration_ms,
+              failed: report.outcome !== "ok",
+              attributes: {
+                attempt: report.attempt,
+                outcome: report.outcome,
+                "http.response.status_code": report.status,
+                "permit.wait_ms": report.permit_wait_ms,
+                "retry.wait_ms": report.wait_ms,
+                "gen_ai.usage.input_tokens": report.details?.prompt_tokens,
+                "gen_ai.usage.output_tokens": report.details?.completion_tokens,
+                "gen_ai.response.model": report.details?.model,
+              },
+            });
+          }
+          const { details, ...logged } = report;
+          jobLog[report.outcome === "ok" ? "debug" : "info"]("model_attempt", { ...logged, ...details });
           options.onAttempt?.({ ...report, job_id });
+          const row = attemptRow(report, { job_id, tenant, delivery: message.deliveries, model: modelName });
+          if (row) attempts?.record(row);
         },
       });
       summary = completion.text;
@@ -135,7 +192,19 @@ export function createSummaryJob(
 
     let committed: "done" | "duplicate" | "cancelled";
     try {
-      committed = await committer.commit({ jobId: job_id, tenant, summary, notify: request.notify });
+      committed = await inSpan(
+        "job.commit",
+        { "job.id": job_id },
+        // The outbox row carries this delivery's context, so the relay's send joins the job's trace.
+        () =>
+          committer.commit({
+            jobId: job_id,
+            tenant,
+            summary,
+            notify: request.notify,
+            traceparent: currentTraceparent(),
+          }),
+      );
     } catch (error) {
       // A data exception (SQLSTATE class 22: bad encoding, a NUL, a value out of range) fails the same way on
       // every delivery: dead-letter the job now instead of paying for the model again and again.
@@ -147,5 +216,5 @@ export function createSummaryJob(
     const event = { done: "job_done", duplicate: "job_duplicate", cancelled: "job_cancelled" }[committed];
     jobLog.info(event, { stage: "commit", deliveries: message.deliveries });
     return committed;
-  };
+  }
 }

@@ -10,6 +10,7 @@ import { createLaneRegistry } from "../queue/lanes.ts";
 import { markFailedHook } from "./job_status.ts";
 import { notifyJob } from "./job_waiter.ts";
 import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
+import { createAttemptLog } from "./attempt_log.ts";
 
 /** Options for {@linkcode createSummaryWorker}. */
 export interface SummaryWorkerOptions {
@@ -34,7 +35,9 @@ export function createSummaryWorker(
   options: SummaryWorkerOptions,
 ): StreamWorker {
   const committer = createGroupCommitter({ sql: deps.sql, log: deps.log });
-  const job = createSummaryJob({ ...deps, committer }, options.job);
+  // Every model attempt is recorded, in batches, off the commit path.
+  const attempts = createAttemptLog({ sql: deps.sql, log: deps.log });
+  const job = createSummaryJob({ ...deps, committer, attempts }, options.job);
   const keys = options.keys;
   const lanes = "lane" in keys
     ? createLaneRegistry({ redis: deps.redis, log: deps.log }, {
@@ -80,6 +83,7 @@ export function createSummaryWorker(
     async close() {
       await worker.close();
       await lanes?.close();
+      await attempts.close();
     },
   };
 }

@@ -8,7 +8,13 @@ import { SUMMARY_INSTRUCTION } from "../../src/llm/llm.ts";
 
 /** What the server does with one request. */
 export type ModelBehaviour =
-  | { kind: "ok"; delayMs?: number; headers?: Record<string, string> }
+  | {
+    kind: "ok";
+    delayMs?: number;
+    headers?: Record<string, string>;
+    /** The token counts the answer reports (default 1 and 1). */
+    usage?: { prompt_tokens: number; completion_tokens: number };
+  }
   | { kind: "status"; status: number; headers?: Record<string, string>; body?: unknown }
   | { kind: "hang" }
   | { kind: "drip"; intervalMs: number };
@@ -25,7 +31,11 @@ export interface FakeModelServer {
 }
 
 /** A chat completion body with `content`. */
-export function completionBody(content: string, model = "fake-model") {
+export function completionBody(
+  content: string,
+  model = "fake-model",
+  usage: { prompt_tokens: number; completion_tokens: number } = { prompt_tokens: 1, completion_tokens: 1 },
+) {
   return {
     id: `chatcmpl-${crypto.randomUUID()}`,
     object: "chat.completion",
@@ -37,7 +47,7 @@ export function completionBody(content: string, model = "fake-model") {
       finish_reason: "stop",
       logprobs: null,
     }],
-    usage: { prompt_tokens: 1, completion_tokens: 1, total_tokens: 2 },
+    usage: { ...usage, total_tokens: usage.prompt_tokens + usage.completion_tokens },
   };
 }
 
@@ -63,9 +73,10 @@ export function startFakeModel(
       case "ok": {
         if (behaviour.delayMs) await new Promise((r) => setTimeout(r, behaviour.delayMs));
         const text = prompt.startsWith(SUMMARY_INSTRUCTION) ? prompt.slice(SUMMARY_INSTRUCTION.length) : prompt;
-        return Response.json(completionBody(summariseExtractively(text.trim()) || "(empty)", body.model), {
-          headers: behaviour.headers,
-        });
+        return Response.json(
+          completionBody(summariseExtractively(text.trim()) || "(empty)", body.model, behaviour.usage),
+          { headers: { "x-request-id": `req_${n}`, ...behaviour.headers } },
+        );
       }
       case "status":
         return Response.json(behaviour.body ?? errorBody(`scripted ${behaviour.status}`, "server_error"), {

@@ -1,0 +1,134 @@
+/**
+ * The record of model attempts: a real worker calls a fake provider that
+ * reports known token counts (and fails some calls), and `deno task usage`
+ * and GET report exactly those totals.
+ */
+import assert from "node:assert/strict";
+import { parseSince, usageCommand, usageReport } from "../../src/cli/usage_command.ts";
+import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
+import { serviceKeys } from "../../src/summaries/keys.ts";
+import { createApiKey } from "../../src/tenants/tenant_store.ts";
+import { startFakeModel } from "../support/fake_model_server.ts";
+import { apiHandler, summaryWorker } from "../support/fixtures.ts";
+import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
+
+Deno.test("--since parses seconds, minutes, hours and days, and names a mistake", () => {
+  assert.equal(parseSince("90s"), 90);
+  assert.equal(parseSince("30m"), 1800);
+  assert.equal(parseSince("24h"), 86_400);
+  assert.equal(parseSince("7d"), 604_800);
+  assert.throws(() => parseSince("yesterday"), /--since takes a number and a unit/);
+});
+
+Deno.test("usage and GET report the provider's exact token counts, failures and retries", async () => {
+  const db = await createTestDatabase();
+  const r = await createTestRedis();
+  const keys = serviceKeys(r.prefix);
+  // Each document asks for its own token counts; "FLAKY" ones get a 503 on their first call.
+  const seenFlaky = new Set<string>();
+  const model = startFakeModel((_, prompt) => {
+    const [, p, c] = /tokens (\d+)\/(\d+)/.exec(prompt) ?? [];
+    if (prompt.includes("FLAKY") && !seenFlaky.has(prompt)) {
+      seenFlaky.add(prompt);
+      return { kind: "status", status: 503 };
+    }
+    return { kind: "ok", usage: { prompt_tokens: Number(p), completion_tokens: Number(c) } };
+  });
+  const stop = new AbortController();
+  const worker = summaryWorker({
+    redis: r.redis,
+    sql: db.sql,
+    llm: createOpenAiLlm({ apiKey: "k", model: "gpt-test", baseURL: model.url }),
+    keys,
+  }, {
+    job: {
+      budgetMs: 10_000,
+      perCallTimeoutMs: 5_000,
+      maxAttempts: 3,
+      backoffBaseMs: 1,
+      backoffCapMs: 5,
+      model: "gpt-test",
+    },
+  });
+  const running = worker.run(stop.signal);
+  const handler = apiHandler({ redis: r.redis, sql: db.sql, keys }, { authMode: "api-key" });
+  const keysByTenant = { acme: await createApiKey(db.sql, "acme"), globex: await createApiKey(db.sql, "globex") };
+  const jobs: { tenant: "acme" | "globex"; prompt: number; completion: number; flaky: boolean }[] = [
+    { tenant: "acme", prompt: 120, completion: 30, flaky: false },
+    { tenant: "acme", prompt: 1_000, completion: 250, flaky: true },
+    { tenant: "acme", prompt: 7, completion: 3, flaky: false },
+    { tenant: "globex", prompt: 55, completion: 45, flaky: true },
+  ];
+  try {
+    const ids = await Promise.all(jobs.map(async (job, i) => {
+      const res = await handler(
+        new Request("http://api/v1/summaries", {
+          method: "POST",
+          headers: {
+            authorization: `Bearer ${keysByTenant[job.tenant]}`,
+            "content-type": "application/json",
+            "idempotency-key": `usage-key-${String(i).padStart(8, "0")}`,
+          },
+          body: JSON.stringify({
+            text: `Job ${i} wants tokens ${job.prompt}/${job.completion}.${job.flaky ? " FLAKY" : ""} Done.`,
+            notify: "ops@example.com",
+          }),
+        }),
+      );
+      return (await res.json()).job_id as string;
+    }));
+    // Done, and every attempt recorded (the record is written in batches, within a second).
+    await waitFor("every attempt recorded", async () => {
+      const [row] = await db.sql<{ n: number }[]>`SELECT count(*)::int AS n FROM model_attempts`;
+      return row!.n === jobs.length + jobs.filter((j) => j.flaky).length;
+    }, 10_000);
+
+    const report = await usageReport(db.sql, { sinceS: 3600, prices: { inPerMTok: 0.4, outPerMTok: 1.6 } });
+    const acme = jobs.filter((j) => j.tenant === "acme");
+    const sum = (xs: number[]) => xs.reduce((a, b) => a + b, 0);
+    assert.deepEqual(report.map((row) => [row.tenant, row.model]), [["acme", "gpt-test"], ["globex", "gpt-test"]]);
+    const [a, g] = report;
+    assert.equal(a!.prompt_tokens, sum(acme.map((j) => j.prompt)));
+    assert.equal(a!.completion_tokens, sum(acme.map((j) => j.completion)));
+    assert.equal(a!.calls, 4, "three jobs, one of them called twice");
+    assert.equal(a!.jobs, 3);
+    assert.equal(a!.failures, 1);
+    assert.equal(a!.retries, 1);
+    assert.ok(a!.p50_ms > 0 && a!.p99_ms >= a!.p50_ms);
+    assert.equal(a!.cost, (1_127 * 0.4 + 283 * 1.6) / 1e6);
+    assert.deepEqual([g!.prompt_tokens, g!.completion_tokens, g!.calls, g!.failures, g!.retries], [55, 45, 2, 1, 1]);
+
+    // The record itself: request ids, statuses, error classes.
+    const rows = await db.sql<{ outcome: string; status: number | null; error: string | null; req: string | null }[]>`
+      SELECT outcome, status, error, provider_request_id AS req FROM model_attempts ORDER BY started_at`;
+    assert.ok(rows.filter((x) => x.outcome === "ok").every((x) => x.req?.startsWith("req_") && x.error === null));
+    assert.ok(rows.filter((x) => x.outcome === "retry").every((x) => x.status === 503 && x.error));
+
+    // The CLI: JSON lines, one tenant, and no cost without prices.
+    const lines: string[] = [];
+    assert.equal(
+      await usageCommand(db.sql, ["--tenant", "globex", "--since", "1h", "--json"], {
+        out: (l) => lines.push(l),
+      }),
+      0,
+    );
+    assert.equal(lines.length, 1);
+    const only = JSON.parse(lines[0]!);
+    assert.equal(only.tenant, "globex");
+    assert.equal(only.cost, undefined);
+    assert.equal(await usageCommand(db.sql, ["--since", "yesterday"], { out: () => {} }), 2);
+
+    // GET carries the job's attempts and tokens.
+    const doc = await (await handler(
+      new Request(`http://api/v1/summaries/${ids[1]}`, { headers: { authorization: `Bearer ${keysByTenant.acme}` } }),
+    )).json();
+    assert.deepEqual([doc.status, doc.attempts, doc.tokens], ["done", 2, 1_250]);
+  } finally {
+    stop.abort();
+    await running;
+    await worker.close();
+    await model.close();
+    await r.close();
+    await db.close();
+  }
+});
