@@ -8,6 +8,7 @@ import { createAuthenticator } from "../tenants/authenticator.ts";
 import { createRecipientPolicy } from "../tenants/mail_domains.ts";
 import { createSecretCheck } from "../tenants/webhook_secrets.ts";
 import { createJobWaiter } from "../summaries/job_waiter.ts";
+import { buildFlow, providerLabel } from "./_model.ts";
 
 /** Serves the API on HOST:PORT until `signal` aborts, then finishes in-flight requests. */
 export async function serveApi(
@@ -17,7 +18,23 @@ export async function serveApi(
   const keys = serviceKeys(KEY_PREFIX);
   // One LISTEN connection serves every `Prefer: wait` request of this process.
   const waiter = await createJobWaiter({ sql, log });
+  const flow = buildFlow(config, redis, log);
+  const operatorConsole = config.ADMIN_TOKEN
+    ? await (await import("../console/console.ts")).createConsole({
+      redis,
+      sql,
+      keys,
+      log,
+      token: config.ADMIN_TOKEN,
+      providerStatus: flow &&
+        (async () => {
+          const { formatProviderStatus } = await import("../cli/provider_command.ts");
+          return formatProviderStatus(await flow.status(), providerLabel(config));
+        }),
+    })
+    : undefined;
   const handler = createHandler({
+    console: operatorConsole,
     waiter,
     shutdown: signal,
     webhooks: {

@@ -33,6 +33,8 @@ export interface ApiDeps {
   bodyDeadlineMs?: number;
   /** The process's listener for finished jobs; without it, `Prefer: wait` is ignored. */
   waiter?: JobWaiter;
+  /** The operator console (`/console`, ADMIN_TOKEN); without it, `/console` answers 404. */
+  console?: (req: Request, path: string) => Promise<Response>;
   /** Aborts on shutdown: waiting requests then answer at once with the job's current status. */
   shutdown?: AbortSignal;
   /**
@@ -75,7 +77,12 @@ const STANDARD_METHODS: ReadonlySet<string> = new Set([
 /** A bounded label for a path: the route template, or "other". */
 function routeLabel(path: string): string {
   if (JOB_PATH.test(path)) return "/v1/summaries/{job_id}";
+  if (isConsolePath(path)) return "/console";
   return ROUTES.some((r) => r.path === path) ? path : "other";
+}
+
+function isConsolePath(path: string): boolean {
+  return path === "/console" || path.startsWith("/console/");
 }
 
 /** A bounded label for a method: a client may send any token as its method, so only served ones are kept. */
@@ -296,6 +303,11 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
   }
 
   async function route(req: Request, path: string): Promise<Response> {
+    if (isConsolePath(path)) {
+      // Off (no ADMIN_TOKEN): indistinguishable from any unknown path.
+      if (!deps.console) return problem(404, `No route for ${req.method} ${path}`);
+      return await deps.console(req, path);
+    }
     if (!STANDARD_METHODS.has(req.method) && routeLabel(path) === "other") {
       throw new HttpError(501, "This server does not implement that method");
     }

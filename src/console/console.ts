@@ -1,0 +1,522 @@
+/**
+ * The operator console: server-rendered HTML under `/console`, no build step,
+ * working without JavaScript (a small script only refreshes the numbers).
+ * It is behind ADMIN_TOKEN: a bearer header, or a login form that sets an
+ * HttpOnly, SameSite=Strict cookie holding an HMAC of the token (never the
+ * token). Every action is a POST carrying a CSRF token. Every value from data
+ * is escaped by the `html` tag, and the pages never show keys or secrets.
+ */
+import type { Sql } from "postgres";
+import type { RedisClient } from "../clients.ts";
+import type { Logger } from "../log/logger.ts";
+import { dlqCommand } from "../cli/dlq_command.ts";
+import { listOutbox, outboxBacklog, retryFailed } from "../outbox/outbox_admin.ts";
+import { pagesOfDeadLetters } from "../queue/dead_letter.ts";
+import { allLanes } from "../summaries/all_lanes.ts";
+import type { ServiceKeys } from "../summaries/keys.ts";
+import { traceIdOf } from "../tracing.ts";
+import { Html, html, raw } from "./html.ts";
+
+/** What the console reads and acts on. */
+export interface ConsoleDeps {
+  redis: RedisClient;
+  sql: Sql;
+  keys: ServiceKeys;
+  log: Logger;
+  /** ADMIN_TOKEN. */
+  token: string;
+  /** The shared limiter and breaker, as `deno task provider status` prints it; absent without one. */
+  providerStatus?: () => Promise<string[]>;
+}
+
+const COOKIE = "oncely_console";
+const PAGE_ROWS = 200;
+const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
+const HEADERS = {
+  "content-type": "text/html; charset=utf-8",
+  "cache-control": "no-store",
+  "x-content-type-options": "nosniff",
+  "referrer-policy": "no-referrer",
+  "x-frame-options": "DENY",
+  // A second line behind escaping: no inline script runs, nothing loads from elsewhere.
+  "content-security-policy": "default-src 'none'; style-src 'self'; script-src 'self'; img-src 'self'; " +
+    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+};
+
+const encoder = new TextEncoder();
+const base64url = (bytes: ArrayBuffer) =>
+  btoa(String.fromCharCode(...new Uint8Array(bytes))).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+
+/** Compares without leaking where two strings first differ. */
+function sameText(a: string, b: string): boolean {
+  const x = encoder.encode(a), y = encoder.encode(b);
+  let diff = x.length ^ y.length;
+  for (let i = 0; i < Math.max(x.length, y.length); i++) diff |= (x[i] ?? 0) ^ (y[i] ?? 0);
+  return diff === 0;
+}
+
+/** Creates the console's handler for requests whose path starts with `/console`. */
+export async function createConsole(deps: ConsoleDeps): Promise<(req: Request, path: string) => Promise<Response>> {
+  const { redis, sql, keys, token } = deps;
+  const key = await crypto.subtle.importKey("raw", encoder.encode(token), { name: "HMAC", hash: "SHA-256" }, false, [
+    "sign",
+  ]);
+  const mac = async (what: string) => base64url(await crypto.subtle.sign("HMAC", key, encoder.encode(what)));
+  // The cookie proves a login without being the token; the CSRF token is bound to it.
+  const session = await mac("oncely-console-session-v1");
+  const csrf = await mac(`oncely-console-csrf-v1:${session}`);
+
+  function signedIn(req: Request): boolean {
+    const auth = req.headers.get("authorization");
+    if (auth?.startsWith("Bearer ") && sameText(auth.slice(7), token)) return true;
+    const cookie = (req.headers.get("cookie") ?? "").split(/;\s*/).find((c) => c.startsWith(`${COOKIE}=`));
+    return cookie !== undefined && sameText(cookie.slice(COOKIE.length + 1), session);
+  }
+
+  const page = (title: string, body: Html, { status = 200, note }: { status?: number; note?: string } = {}) =>
+    new Response(
+      html`
+        <!doctype html>
+        <html lang="en">
+          <head>
+            <meta charset="utf-8">
+            <meta name="viewport" content="width=device-width, initial-scale=1">
+            <title>${title} · Oncely console</title>
+            <link rel="stylesheet" href="/console/app.css">
+          </head>
+          <body data-refresh="5">
+            <header><strong>Oncely</strong>
+        <nav><a href="/console">Queues</a> <a href="/console/workers">Workers</a> <a href="/console/dead-letters">Dead letters</a>
+        <a href="/console/outbox">Outbox</a> <a href="/console/provider">Provider</a></nav>
+        <form method="get" action="/console/jobs"><input name="id" placeholder="job id" aria-label="job id" size="38">
+        <button>Find job</button></form>
+        <form method="post" action="/console/logout"><input type="hidden" name="csrf" value="${csrf}"><button>Sign out</button></form>
+        <label><input type="checkbox" id="auto-refresh"> refresh every 5 s</label></header>
+            <main><h1>${title}</h1>${note ? html`<p class="note" role="status">${note}</p>` : ""}${body}</main>
+            <script src="/console/app.js"></script>
+          </body>
+        </html>
+      `.text,
+      { status, headers: HEADERS },
+    );
+
+  const actionButton = (action: string, label: string, fields: Record<string, string> = {}, disabled = false) =>
+    html`
+      <form method="post" action="${action}"
+        class="inline"><input type="hidden" name="csrf" value="${csrf}">${Object.entries(fields).map(([k, v]) =>
+          html`<input type="hidden" name="${k}" value="${v}">`
+        )}<button${disabled ? raw(" disabled") : ""}>${label}</button></form>
+    `;
+
+  const table = (columns: string[], rows: Html[][], empty: string) =>
+    rows.length === 0 ? html`<p class="empty">${empty}</p>` : html`
+      <table>
+        <thead>
+          <tr>${columns.map((c) => html`<th>${c}</th>`)}</tr>
+        </thead>
+        <tbody>${rows.map((r) => html`<tr>${r.map((cell) => html`<td>${cell}</td>`)}</tr>`)}</tbody>
+      </table>
+    `;
+
+  const ago = (
+    ms: number,
+  ) => (ms < 1_000
+    ? `${Math.round(ms)} ms`
+    : ms < 120_000
+    ? `${(ms / 1000).toFixed(1)} s`
+    : `${(ms / 60_000).toFixed(1)} min`);
+  const jobLink = (
+    id: string | undefined,
+  ) => (id ? html`<a href="/console/jobs/${id}"><code>${id}</code></a>` : html``);
+
+  async function queuesPage(note?: string): Promise<Response> {
+    const lanes = await allLanes(redis, keys);
+    const donePerMinute = new Map(
+      (await sql<{ tenant: string; n: number }[]>`
+        SELECT tenant, count(*)::int AS n FROM job_outcomes
+        WHERE outcome = 'done' AND decided_at > now() - interval '1 minute' GROUP BY tenant`).map((
+        r,
+      ) => [r.tenant, r.n]),
+    );
+    const rows = await Promise.all(lanes.map(async (lane) => {
+      const [depth, pending, oldest] = await Promise.all([
+        redis.xlen(lane.keys.stream),
+        redis.xpending(lane.keys.stream, lane.keys.group).then((s) => Number((s as [number])[0] ?? 0), () => 0),
+        redis.xrange(lane.keys.stream, "-", "+", "COUNT", 1),
+      ]);
+      const oldestMs = oldest[0] ? Date.now() - Number(oldest[0][0].split("-")[0]) : undefined;
+      return [
+        html`${lane.tenant ?? "(before lanes)"}`,
+        html`${depth}`,
+        html`${pending}`,
+        html`${lane.tenant === null ? "" : donePerMinute.get(lane.tenant) ?? 0}`,
+        html`${oldestMs === undefined ? "" : ago(oldestMs)}`,
+      ];
+    }));
+    return page(
+      "Queues",
+      table(
+        ["tenant", "queued (in the stream)", "in flight", "done in the last minute", "oldest waiting"],
+        rows,
+        "No lanes yet.",
+      ),
+      { note },
+    );
+  }
+
+  async function workersPage(): Promise<Response> {
+    const byName = new Map<string, { lanes: number; pending: number; idle: number }>();
+    for (const lane of await allLanes(redis, keys)) {
+      const consumers =
+        await (redis.call("XINFO", "CONSUMERS", lane.keys.stream, lane.keys.group) as Promise<unknown[][]>)
+          .catch(() => []);
+      for (const c of consumers) {
+        const f = new Map<string, unknown>();
+        for (let i = 0; i + 1 < c.length; i += 2) f.set(String(c[i]), c[i + 1]);
+        const name = String(f.get("name"));
+        const entry = byName.get(name) ?? { lanes: 0, pending: 0, idle: Infinity };
+        entry.lanes++;
+        entry.pending += Number(f.get("pending") ?? 0);
+        entry.idle = Math.min(entry.idle, Number(f.get("idle") ?? 0));
+        byName.set(name, entry);
+      }
+    }
+    const rows = [...byName].sort(([a], [b]) => a.localeCompare(b)).map(([name, w]) => [
+      html`<code>${name}</code>`,
+      html`${w.lanes}`,
+      html`${w.pending}`,
+      html`${ago(w.idle)}`,
+    ]);
+    return page("Workers", table(["consumer", "lanes", "pending", "idle"], rows, "No worker has read a lane yet."));
+  }
+
+  async function deadLettersPage(note?: string): Promise<Response> {
+    const rows: Html[][] = [];
+    let total = 0;
+    for (const lane of await allLanes(redis, keys)) {
+      total += await redis.xlen(lane.keys.dead);
+      for await (const batch of pagesOfDeadLetters(redis, lane.keys, PAGE_ROWS)) {
+        for (const d of batch) {
+          if (rows.length >= PAGE_ROWS) break;
+          let excerpt = "";
+          try {
+            excerpt = String((JSON.parse(d.fields.payload ?? "{}") as { text?: unknown }).text ?? "").slice(0, 160);
+          } catch {
+            /* a truncated payload is not JSON: the raw prefix is shown */
+            excerpt = (d.fields.payload ?? "").slice(0, 160);
+          }
+          const fields: Record<string, string> = { id: d.id };
+          if (lane.tenant !== null) fields.tenant = lane.tenant;
+          rows.push([
+            html`${d.fields.tenant ?? ""}`,
+            jobLink(d.fields.job_id),
+            html`<span class="reason">${d.reason}</span>`,
+            html`${d.deliveries}`,
+            html`${d.dead_at}`,
+            html`<span class="excerpt">${excerpt}</span>`,
+            d.truncated.length
+              ? html`<span title="payload truncated: the client must resubmit">not replayable</span>`
+              : actionButton("/console/dead-letters/replay", "Replay", fields),
+          ]);
+        }
+        if (rows.length >= PAGE_ROWS) break;
+      }
+    }
+    const body = html`<p>${total} dead letter(s)${total > rows.length ? ` (the oldest ${rows.length} shown)` : ""}.</p>
+${total ? actionButton("/console/dead-letters/replay", "Replay all", { all: "1" }) : ""}
+${
+      table(
+        ["tenant", "job", "reason", "deliveries", "dead at", "document (start)", ""],
+        rows,
+        "The dead-letter streams are empty.",
+      )
+    }`;
+    return page("Dead letters", body, { note });
+  }
+
+  async function outboxPage(note?: string): Promise<Response> {
+    const [backlog, failed] = await Promise.all([
+      outboxBacklog(sql),
+      listOutbox(sql, { failed: true, limit: PAGE_ROWS }),
+    ]);
+    const rows = failed.map((r) => [
+      html`${r.id}`,
+      html`${r.topic}`,
+      html`<code>${r.dedupe_key}</code>`,
+      html`${r.attempts}`,
+      html`<span class="reason">${r.last_error ?? ""}</span>`,
+      actionButton("/console/outbox/retry", "Retry", { id: r.id }),
+    ]);
+    const body = html`
+      <dl class="figures">
+        <dt>unsent</dt>
+        <dd>${backlog.unsent}</dd>
+        <dt>failed</dt>
+        <dd>${backlog.failed}</dd>
+        <dt>oldest unsent</dt>
+        <dd>${backlog.unsent ? ago(backlog.oldest_unsent_s * 1000) : "none"}</dd>
+      </dl>
+      ${backlog.failed ? actionButton("/console/outbox/retry", "Retry all failed", { all: "1" }) : ""}
+      <h2>Failed rows</h2>${table(["id", "topic", "dedupe key", "attempts", "last error", ""], rows, "No failed rows.")}
+    `;
+    return page("Outbox", body, { note });
+  }
+
+  async function providerPage(): Promise<Response> {
+    if (!deps.providerStatus) {
+      return page(
+        "Provider",
+        html`<p class="empty">No shared limiter or breaker: the model is the local extractive one.</p>`,
+      );
+    }
+    return page("Provider", html`<pre>${(await deps.providerStatus()).join("\n")}</pre>`);
+  }
+
+  async function jobPage(jobId: string): Promise<Response> {
+    if (!UUID.test(jobId)) return page("Job", html`<p>Not a job id: <code>${jobId}</code></p>`, { status: 404 });
+    const [decided] = await sql<{ tenant: string; outcome: string; decided_at: Date; summary: string | null }[]>`
+      SELECT o.tenant, o.outcome, o.decided_at, s.summary
+      FROM job_outcomes o LEFT JOIN summaries s USING (job_id) WHERE o.job_id = ${jobId}`;
+    let state: { tenant: string; status: string; error?: string } | undefined = decided
+      ? { tenant: decided.tenant, status: decided.outcome }
+      : undefined;
+    if (!state) {
+      for (const lane of await allLanes(redis, keys)) {
+        const record = await redis.hgetall(lane.keys.job(jobId));
+        if (record.tenant) {
+          state = { tenant: record.tenant, status: record.status ?? "queued", error: record.error };
+          break;
+        }
+      }
+    }
+    if (!state) return page("Job", html`<p>No job <code>${jobId}</code>.</p>`, { status: 404 });
+    const [attempts, outbox] = await Promise.all([
+      sql<
+        {
+          delivery: number;
+          attempt: number;
+          started_at: Date;
+          duration_ms: number;
+          outcome: string;
+          status: number | null;
+          prompt_tokens: number | null;
+          completion_tokens: number | null;
+          provider_request_id: string | null;
+          model: string;
+          error: string | null;
+        }[]
+      >`SELECT delivery, attempt, started_at, duration_ms, outcome, status, prompt_tokens, completion_tokens,
+          provider_request_id, model, error
+        FROM model_attempts WHERE job_id = ${jobId} ORDER BY started_at`,
+      sql<{ topic: string; traceparent: string | null; sent: boolean; failed: boolean }[]>`
+        SELECT topic, payload->>'traceparent' AS traceparent, sent_at IS NOT NULL AS sent, failed_at IS NOT NULL AS failed
+        FROM outbox WHERE payload->>'job_id' = ${jobId}`,
+    ]);
+    const traceId = traceIdOf(outbox[0]?.traceparent ?? undefined);
+    const rows = attempts.map((a) => [
+      html`${a.delivery}`,
+      html`${a.attempt}`,
+      html`${a.started_at.toISOString()}`,
+      html`${Math.round(a.duration_ms)} ms`,
+      html`${a.outcome}`,
+      html`${a.status ?? ""}`,
+      html`${a.prompt_tokens ?? ""} / ${a.completion_tokens ?? ""}`,
+      html`${a.model}`,
+      html`<code>${a.provider_request_id ?? ""}</code>`,
+      html`${a.error ?? ""}`,
+    ]);
+    const body = html`<dl class="figures"><dt>job</dt><dd><code id="job-id">${jobId}</code></dd>
+<dt>tenant</dt><dd>${state.tenant}</dd><dt>status</dt><dd id="job-status">${state.status}</dd>
+${
+      state.error
+        ? html`
+          <dt>error</dt>
+          <dd class="reason">${state.error}</dd>
+        `
+        : ""
+    }
+<dt>notification</dt><dd>${
+      outbox[0]
+        ? `${outbox[0].topic}: ${outbox[0].sent ? "sent" : outbox[0].failed ? "failed" : "pending"}`
+        : "none yet"
+    }</dd>
+<dt>trace</dt><dd>${
+      traceId
+        ? html`<a href="#trace" id="trace-id" data-trace-id="${traceId}"><code>${traceId}</code></a>`
+        : "not traced"
+    }</dd></dl>
+${
+      decided?.summary
+        ? html`
+          <h2>Summary</h2>
+          <pre class="summary">${decided.summary}</pre>
+        `
+        : ""
+    }
+<h2>Model attempts</h2>${
+      table(
+        [
+          "delivery",
+          "attempt",
+          "started",
+          "took",
+          "outcome",
+          "status",
+          "tokens in / out",
+          "model",
+          "request id",
+          "error",
+        ],
+        rows,
+        "No model call yet.",
+      )
+    }`;
+    return page("Job", body);
+  }
+
+  async function form(req: Request): Promise<URLSearchParams | null> {
+    const type = req.headers.get("content-type") ?? "";
+    if (!type.startsWith("application/x-www-form-urlencoded")) return null;
+    const text = await req.text();
+    return text.length > 10_000 ? null : new URLSearchParams(text);
+  }
+
+  const back = (to: string, note: string) =>
+    new Response(null, { status: 303, headers: { location: `${to}?note=${encodeURIComponent(note)}` } });
+
+  async function act(req: Request, path: string): Promise<Response> {
+    const fields = await form(req);
+    if (!fields || !sameText(fields.get("csrf") ?? "", csrf)) {
+      return page(
+        "Refused",
+        html`<p>This form has expired or did not come from the console. Go back and try again.</p>`,
+        {
+          status: 403,
+        },
+      );
+    }
+    if (path === "/console/logout") {
+      return new Response(null, {
+        status: 303,
+        headers: {
+          location: "/console/login",
+          "set-cookie": `${COOKIE}=; Path=/console; Max-Age=0; HttpOnly; SameSite=Strict`,
+        },
+      });
+    }
+    if (path === "/console/dead-letters/replay") {
+      const lines: string[] = [];
+      const id = fields.get("id"), tenant = fields.get("tenant");
+      const args = fields.get("all")
+        ? ["replay", "--all"]
+        : ["replay", id ?? "", ...(tenant ? ["--tenant", tenant] : [])];
+      await dlqCommand(redis, keys, args, { out: (line) => lines.push(line) });
+      deps.log.info("console_dead_letters_replayed", { all: Boolean(fields.get("all")), id, tenant });
+      return back("/console/dead-letters", lines.at(-1) ?? "Done.");
+    }
+    if (path === "/console/outbox/retry") {
+      const id = fields.get("id");
+      const n = await retryFailed(sql, fields.get("all") ? "all" : /^\d+$/.test(id ?? "") ? [id!] : []);
+      deps.log.info("console_outbox_retried", { all: Boolean(fields.get("all")), id, rows: n });
+      return back("/console/outbox", `${n} row(s) made due again.`);
+    }
+    return page("Not found", html`<p>No such action.</p>`, { status: 404 });
+  }
+
+  function loginPage(status = 200, failed = false): Response {
+    return new Response(
+      html`
+        <!doctype html>
+        <html lang="en">
+          <head>
+            <meta charset="utf-8">
+            <title>Sign in · Oncely console</title>
+            <link rel="stylesheet" href="/console/app.css">
+          </head>
+          <body>
+            <main class="login"><h1>Oncely console</h1>
+        ${failed ? html`<p class="note" role="alert">That is not the admin token.</p>` : ""}
+        <form method="post" action="/console/login"><label>Admin token <input type="password" name="token" autocomplete="current-password" required></label>
+        <button>Sign in</button></form></main>
+          </body>
+        </html>
+      `.text,
+      { status, headers: HEADERS },
+    );
+  }
+
+  async function login(req: Request): Promise<Response> {
+    const fields = await form(req);
+    if (!fields || !sameText(fields.get("token") ?? "", token)) {
+      deps.log.warn("console_login_failed");
+      // Slow down guessing.
+      await new Promise((resolve) => setTimeout(resolve, 250));
+      return loginPage(401, true);
+    }
+    const secure = new URL(req.url).protocol === "https:" || req.headers.get("x-forwarded-proto") === "https";
+    return new Response(null, {
+      status: 303,
+      headers: {
+        location: "/console",
+        "set-cookie": `${COOKIE}=${session}; Path=/console; Max-Age=43200; HttpOnly; SameSite=Strict${
+          secure ? "; Secure" : ""
+        }`,
+      },
+    });
+  }
+
+  return async (req, path) => {
+    if (path === "/console/app.css") {
+      return new Response(CSS, { headers: { "content-type": "text/css", "cache-control": "max-age=300" } });
+    }
+    if (path === "/console/app.js") {
+      return new Response(JS, { headers: { "content-type": "text/javascript", "cache-control": "max-age=300" } });
+    }
+    if (path === "/console/login") return req.method === "POST" ? await login(req) : loginPage();
+    if (!signedIn(req)) {
+      if (req.method === "GET" || req.method === "HEAD") {
+        return new Response(null, { status: 303, headers: { location: "/console/login" } });
+      }
+      return page("Sign in first", html`<p><a href="/console/login">Sign in</a>.</p>`, { status: 401 });
+    }
+    if (req.method === "POST") return await act(req, path);
+    if (req.method !== "GET" && req.method !== "HEAD") {
+      return new Response(null, { status: 405, headers: { allow: "GET, POST" } });
+    }
+    const note = new URL(req.url).searchParams.get("note")?.slice(0, 300) ?? undefined;
+    if (path === "/console" || path === "/console/") return await queuesPage(note);
+    if (path === "/console/workers") return await workersPage();
+    if (path === "/console/dead-letters") return await deadLettersPage(note);
+    if (path === "/console/outbox") return await outboxPage(note);
+    if (path === "/console/provider") return await providerPage();
+    if (path === "/console/jobs") {
+      const id = new URL(req.url).searchParams.get("id")?.trim() ?? "";
+      return new Response(null, { status: 303, headers: { location: `/console/jobs/${encodeURIComponent(id)}` } });
+    }
+    const job = /^\/console\/jobs\/([^/]+)$/.exec(path);
+    if (job) return await jobPage(decodeURIComponent(job[1]!));
+    return page("Not found", html`<p>No console page at <code>${path}</code>.</p>`, { status: 404 });
+  };
+}
+
+const CSS = `
+body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#1b1f24;background:#f6f7f9}
+header{display:flex;gap:1rem;align-items:center;flex-wrap:wrap;padding:.6rem 1rem;background:#1b2a41;color:#fff}
+header a{color:#cfe0ff;margin-right:.6rem} header form{display:inline} main{padding:1rem 1.5rem}
+table{border-collapse:collapse;background:#fff;width:100%} th,td{border-bottom:1px solid #e3e6ea;padding:.35rem .5rem;text-align:left;vertical-align:top}
+th{background:#eef1f5} .reason,.excerpt{font-family:ui-monospace,monospace;font-size:12px;word-break:break-all}
+.note{background:#fff7d6;border:1px solid #e8d48a;padding:.4rem .6rem} .empty{color:#667}
+.figures{display:grid;grid-template-columns:max-content 1fr;gap:.2rem 1rem} .figures dt{color:#556}
+form.inline{display:inline} pre{background:#fff;border:1px solid #e3e6ea;padding:.6rem;white-space:pre-wrap}
+.login{max-width:24rem;margin:4rem auto}
+`;
+
+const JS = `
+// Optional: reload the page every 5 s while the box is ticked (remembered in this browser).
+const box = document.getElementById("auto-refresh");
+if (box) {
+  box.checked = localStorage.getItem("oncely-console-refresh") === "1";
+  box.addEventListener("change", () => localStorage.setItem("oncely-console-refresh", box.checked ? "1" : "0"));
+  setInterval(() => { if (box.checked) location.reload(); }, 5000);
+}
+`;
