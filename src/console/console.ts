@@ -16,6 +16,7 @@ import { allLanes } from "../summaries/all_lanes.ts";
 import type { ServiceKeys } from "../summaries/keys.ts";
 import { traceIdOf } from "../tracing.ts";
 import { Html, html, raw } from "./html.ts";
+import { AsyncLocalStorage } from "node:async_hooks";
 
 /** What the console reads and acts on. */
 export interface ConsoleDeps {
@@ -30,6 +31,8 @@ export interface ConsoleDeps {
 }
 
 const COOKIE = "oncely_console";
+/** How long a sign-in lasts, checked on every request (the cookie's Max-Age is only the browser's hint). */
+const SESSION_S = 12 * 3600;
 const PAGE_ROWS = 200;
 const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
 const HEADERS = {
@@ -62,16 +65,27 @@ export async function createConsole(deps: ConsoleDeps): Promise<(req: Request, p
     "sign",
   ]);
   const mac = async (what: string) => base64url(await crypto.subtle.sign("HMAC", key, encoder.encode(what)));
-  // The cookie proves a login without being the token; the CSRF token is bound to it.
-  const session = await mac("oncely-console-session-v1");
-  const csrf = await mac(`oncely-console-csrf-v1:${session}`);
+  // The cookie proves a sign-in at a time, without being the token: `<issued at>.<HMAC of it>`. It expires
+  // after SESSION_S whatever the browser does, and changing ADMIN_TOKEN signs everyone out.
+  const newSession = async () => {
+    const issued = String(Math.floor(Date.now() / 1000));
+    return `${issued}.${await mac(`oncely-console-session-v1:${issued}`)}`;
+  };
+  // The CSRF token of the request being handled: bound to its session.
+  const requestCsrf = new AsyncLocalStorage<string>();
 
-  function signedIn(req: Request): boolean {
+  /** The request's session (its cookie value, or "bearer"), or null when it is not signed in. */
+  async function sessionOf(req: Request): Promise<string | null> {
     const auth = req.headers.get("authorization");
-    if (auth?.startsWith("Bearer ") && sameText(auth.slice(7), token)) return true;
+    if (auth?.startsWith("Bearer ") && sameText(auth.slice(7), token)) return "bearer";
     const cookie = (req.headers.get("cookie") ?? "").split(/;\s*/).find((c) => c.startsWith(`${COOKIE}=`));
-    return cookie !== undefined && sameText(cookie.slice(COOKIE.length + 1), session);
+    const [issued, proof] = (cookie?.slice(COOKIE.length + 1) ?? "").split(".");
+    if (!issued || !proof || !/^\d{1,12}$/.test(issued)) return null;
+    const age = Date.now() / 1000 - Number(issued);
+    if (age < -60 || age > SESSION_S) return null;
+    return sameText(proof, await mac(`oncely-console-session-v1:${issued}`)) ? `${issued}.${proof}` : null;
   }
+  const csrfFor = (session: string) => mac(`oncely-console-csrf-v1:${session}`);
 
   const page = (title: string, body: Html, { status = 200, note }: { status?: number; note?: string } = {}) =>
     new Response(
@@ -90,7 +104,8 @@ export async function createConsole(deps: ConsoleDeps): Promise<(req: Request, p
         <a href="/console/outbox">Outbox</a> <a href="/console/provider">Provider</a></nav>
         <form method="get" action="/console/jobs"><input name="id" placeholder="job id" aria-label="job id" size="38">
         <button>Find job</button></form>
-        <form method="post" action="/console/logout"><input type="hidden" name="csrf" value="${csrf}"><button>Sign out</button></form>
+        <form method="post" action="/console/logout"><input type="hidden" name="csrf" value="${requestCsrf.getStore() ??
+          ""}"><button>Sign out</button></form>
         <label><input type="checkbox" id="auto-refresh"> refresh every 5 s</label></header>
             <main><h1>${title}</h1>${note ? html`<p class="note" role="status">${note}</p>` : ""}${body}</main>
             <script src="/console/app.js"></script>
@@ -103,9 +118,10 @@ export async function createConsole(deps: ConsoleDeps): Promise<(req: Request, p
   const actionButton = (action: string, label: string, fields: Record<string, string> = {}, disabled = false) =>
     html`
       <form method="post" action="${action}"
-        class="inline"><input type="hidden" name="csrf" value="${csrf}">${Object.entries(fields).map(([k, v]) =>
-          html`<input type="hidden" name="${k}" value="${v}">`
-        )}<button${disabled ? raw(" disabled") : ""}>${label}</button></form>
+        class="inline"><input type="hidden" name="csrf" value="${requestCsrf.getStore() ?? ""}">${Object.entries(fields)
+          .map(([k, v]) => html`<input type="hidden" name="${k}" value="${v}">`)}<button${disabled
+          ? raw(" disabled")
+          : ""}>${label}</button></form>
     `;
 
   const table = (columns: string[], rows: Html[][], empty: string) =>
@@ -386,7 +402,7 @@ ${
 
   async function act(req: Request, path: string): Promise<Response> {
     const fields = await form(req);
-    if (!fields || !sameText(fields.get("csrf") ?? "", csrf)) {
+    if (!fields || !sameText(fields.get("csrf") ?? "", requestCsrf.getStore() ?? "")) {
       return page(
         "Refused",
         html`<p>This form has expired or did not come from the console. Go back and try again.</p>`,
@@ -458,7 +474,7 @@ ${
       status: 303,
       headers: {
         location: "/console",
-        "set-cookie": `${COOKIE}=${session}; Path=/console; Max-Age=43200; HttpOnly; SameSite=Strict${
+        "set-cookie": `${COOKIE}=${await newSession()}; Path=/console; Max-Age=${SESSION_S}; HttpOnly; SameSite=Strict${
           secure ? "; Secure" : ""
         }`,
       },
@@ -473,12 +489,17 @@ ${
       return new Response(JS, { headers: { "content-type": "text/javascript", "cache-control": "max-age=300" } });
     }
     if (path === "/console/login") return req.method === "POST" ? await login(req) : loginPage();
-    if (!signedIn(req)) {
+    const session = await sessionOf(req);
+    if (!session) {
       if (req.method === "GET" || req.method === "HEAD") {
         return new Response(null, { status: 303, headers: { location: "/console/login" } });
       }
       return page("Sign in first", html`<p><a href="/console/login">Sign in</a>.</p>`, { status: 401 });
     }
+    return await requestCsrf.run(await csrfFor(session), () => signedInRoute(req, path));
+  };
+
+  async function signedInRoute(req: Request, path: string): Promise<Response> {
     if (req.method === "POST") return await act(req, path);
     if (req.method !== "GET" && req.method !== "HEAD") {
       return new Response(null, { status: 405, headers: { allow: "GET, POST" } });
@@ -494,9 +515,17 @@ ${
       return new Response(null, { status: 303, headers: { location: `/console/jobs/${encodeURIComponent(id)}` } });
     }
     const job = /^\/console\/jobs\/([^/]+)$/.exec(path);
-    if (job) return await jobPage(decodeURIComponent(job[1]!));
+    if (job) {
+      let id: string;
+      try {
+        id = decodeURIComponent(job[1]!);
+      } catch {
+        id = job[1]!;
+      }
+      return await jobPage(id);
+    }
     return page("Not found", html`<p>No console page at <code>${path}</code>.</p>`, { status: 404 });
-  };
+  }
 }
 
 const CSS = `

@@ -1,5 +1,5 @@
 import type { Sql } from "postgres";
-import { settlesWithin, sleep } from "../async/timeout.ts";
+import { sleep } from "../async/timeout.ts";
 import type { Logger } from "../log/logger.ts";
 import type { Email, Mailer } from "../mail/mailer.ts";
 import { PermanentMailError } from "../mail/mailer.ts";
@@ -88,6 +88,8 @@ export interface Relay {
 /** The NOTIFY channel a trigger on outbox inserts signals (see migrations). */
 export const OUTBOX_CHANNEL = "oncely_outbox";
 const PURGE_BATCH = 1_000;
+/** How long a stopping relay lets its current batch run before aborting its sends (the process exits within 10 s). */
+const SHUTDOWN_GRACE_MS = 5_000;
 
 /**
  * Creates the outbox relay. No transaction is held across a network call:
@@ -199,6 +201,9 @@ export function createRelay(
         providerIds.push(result.providerId ?? "");
         events.sent?.(row, performance.now() - started);
       } catch (error) {
+        // Cut off by our own shutdown: not the receiver's failure. The row keeps its lease and is sent again
+        // when the lease runs out, by this relay's successor or another one.
+        if (stopping.signal.aborted) return;
         await recordFailure(row, error).catch((e) =>
           log.error("outbox_record_failed", { outbox_id: row.id, error: e })
         );
@@ -233,28 +238,17 @@ export function createRelay(
     if (options.summaryRetentionMs === undefined) return total;
     for (;;) {
       // Summaries whose notification is still unsent stay: the email needs them.
-      // Each job's outcome goes with its summary; a cancelled job's outcome goes at the same age.
+      // The job's outcome row stays (a few dozen bytes): it is what keeps a finished job finished, so a late
+      // DELETE still gets 409 and a replayed message still skips the model, after the summary is gone.
       const deleted = await sql`
-        WITH gone AS (
-          DELETE FROM summaries WHERE job_id IN (
-            SELECT s.job_id FROM summaries s
-            WHERE s.created_at < now() - ${options.summaryRetentionMs} * interval '1 millisecond'
-              AND NOT EXISTS (
-                SELECT 1 FROM outbox o WHERE o.payload->>'job_id' = s.job_id::text AND o.sent_at IS NULL
-              )
-            LIMIT ${PURGE_BATCH}
-          )
-          RETURNING job_id
-        ), outcomes AS (
-          DELETE FROM job_outcomes WHERE job_id IN (SELECT job_id FROM gone)
-            OR job_id IN (
-              SELECT job_id FROM job_outcomes
-              WHERE outcome = 'cancelled'
-                AND decided_at < now() - ${options.summaryRetentionMs} * interval '1 millisecond'
-              LIMIT ${PURGE_BATCH}
+        DELETE FROM summaries WHERE job_id IN (
+          SELECT s.job_id FROM summaries s
+          WHERE s.created_at < now() - ${options.summaryRetentionMs} * interval '1 millisecond'
+            AND NOT EXISTS (
+              SELECT 1 FROM outbox o WHERE o.payload->>'job_id' = s.job_id::text AND o.sent_at IS NULL
             )
-        )
-        SELECT job_id FROM gone`;
+          LIMIT ${PURGE_BATCH}
+        )`;
       total += deleted.count;
       if (deleted.count < PURGE_BATCH) return total;
     }
@@ -280,7 +274,13 @@ export function createRelay(
       notified = true;
       wake?.();
     });
-    const onAbort = () => wake?.();
+    // On stop, the current batch gets a grace period to finish; then its sends are aborted (their rows keep
+    // the lease and go again when it runs out). The timer starts at the stop, not when the loop notices it.
+    let grace: ReturnType<typeof setTimeout> | undefined;
+    const onAbort = () => {
+      wake?.();
+      grace = setTimeout(() => stopping.abort(new Error("relay stopping")), SHUTDOWN_GRACE_MS);
+    };
     signal.addEventListener("abort", onAbort);
     let nextPurge = performance.now() + 5_000;
     let current: Promise<unknown> = Promise.resolve();
@@ -315,8 +315,8 @@ export function createRelay(
       }
     } finally {
       signal.removeEventListener("abort", onAbort);
-      // Finish the current batch; past the grace, abort sends (their rows keep the lease and are retried).
-      if (!(await settlesWithin(current, 5_000))) stopping.abort(new Error("relay stopping"));
+      await current.catch(() => {});
+      clearTimeout(grace);
       await listener.unlisten();
     }
   }

@@ -7,7 +7,7 @@ import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
 import { createRecipientPolicy } from "../tenants/mail_domains.ts";
 import { createSecretCheck } from "../tenants/webhook_secrets.ts";
-import { createJobWaiter } from "../summaries/job_waiter.ts";
+import { startJobWaiter } from "../summaries/job_waiter.ts";
 import { buildFlow, providerLabel } from "./_model.ts";
 
 /** Serves the API on HOST:PORT until `signal` aborts, then finishes in-flight requests. */
@@ -17,7 +17,7 @@ export async function serveApi(
 ): Promise<void> {
   const keys = serviceKeys(KEY_PREFIX);
   // One LISTEN connection serves every `Prefer: wait` request of this process.
-  const waiter = await createJobWaiter({ sql, log });
+  const waiter = startJobWaiter({ sql, log }, signal);
   const flow = buildFlow(config, redis, log);
   const operatorConsole = config.ADMIN_TOKEN
     ? await (await import("../console/console.ts")).createConsole({

@@ -62,6 +62,11 @@ export interface RetryOptions<T = unknown> {
   /** Aborts the whole call (shutdown); not retried. */
   signal?: AbortSignal;
   onAttempt?: (report: AttemptReport) => void;
+  /**
+   * Runs before every attempt but the first; what it throws ends the call
+   * as is (a job cancelled meanwhile must not call again).
+   */
+  beforeRetry?: () => Promise<void>;
   /** Reads an attempt's details (tokens, request id) from its value or error, for `onAttempt`. */
   describe?: (outcome: { value?: T; error?: unknown }) => AttemptDetails;
   /** Flow control shared with other callers; its waits are not charged to `deadline`. */
@@ -108,8 +113,9 @@ export async function callWithRetries<T>(
   const { deadline, onAttempt } = options;
 
   let lastError: unknown;
-  for (let attempt = 1;; attempt++) {
+  for (let attempt = 1, first = true;; attempt++, first = false) {
     options.signal?.throwIfAborted();
+    if (!first) await options.beforeRetry?.();
     if (deadline.remaining() < minAttemptMs) {
       onAttempt?.({ attempt, outcome: "deadline", remaining_ms: deadline.remaining(), duration_ms: 0 });
       throw new DeadlineExceeded(`${Math.round(deadline.remaining())} ms of budget left, need ${minAttemptMs}`, {

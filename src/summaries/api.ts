@@ -236,6 +236,22 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     const waitS = preferredWaitS(req.headers);
     const waiter = deps.waiter;
     if (waitS === undefined || !waiter?.listening || deps.shutdown?.aborted) return null;
+    try {
+      return await waitFor(req, tenant, jobId, waiter, waitS);
+    } catch (error) {
+      // The job is accepted (or known) all the same: a failed wait falls back to the usual answer, never a 5xx.
+      log.warn("wait_failed", { job_id: jobId, tenant, error });
+      return null;
+    }
+  }
+
+  async function waitFor(
+    req: Request,
+    tenant: string,
+    jobId: string,
+    waiter: JobWaiter,
+    waitS: number,
+  ): Promise<{ document: SummaryStatus; applied: string } | null> {
     const deadline = performance.now() + waitS * 1000;
     // Subscribe before looking, so a finish between the look and the wait still wakes us.
     const subscription = waiter.subscribe(jobId);

@@ -36,7 +36,12 @@ function outboxRowFor(r: SummaryResult): { topic: string; dedupeKey: string; pay
   return {
     topic: SUMMARY_WEBHOOK_TOPIC,
     dedupeKey: SUMMARY_WEBHOOK_KEY_PREFIX + r.jobId,
-    payload: JSON.stringify({ job_id: r.jobId, tenant: r.tenant, webhook: r.notify.webhook }),
+    payload: JSON.stringify({
+      job_id: r.jobId,
+      tenant: r.tenant,
+      webhook: r.notify.webhook,
+      traceparent: r.traceparent,
+    }),
   };
 }
 

@@ -7,6 +7,7 @@
  */
 import type { Sql } from "postgres";
 import type { Logger } from "../log/logger.ts";
+import { sleep } from "../async/timeout.ts";
 
 /** The channel job outcomes are announced on (see migrations/004). */
 export const JOBS_CHANNEL = "oncely_jobs";
@@ -102,6 +103,39 @@ export async function createJobWaiter({ sql, log }: { sql: Sql; log: Logger }): 
       listening = false;
       wakeAll();
       await listener.unlisten();
+    },
+  };
+}
+
+/**
+ * A waiter that connects in the background and keeps trying every 5 s until
+ * it listens (or `signal` aborts): an API started while Postgres is down
+ * serves at once, and offers waits once the listener is up.
+ */
+export function startJobWaiter({ sql, log }: { sql: Sql; log: Logger }, signal: AbortSignal): JobWaiter {
+  let inner: JobWaiter | undefined;
+  const connecting = (async () => {
+    while (!signal.aborted) {
+      try {
+        inner = await createJobWaiter({ sql, log });
+        return;
+      } catch (error) {
+        log.warn("job_listener_unavailable", { error, retry_in_ms: 5_000 });
+        await sleep(5_000, signal).catch(() => {});
+      }
+    }
+  })();
+  return {
+    get listening() {
+      return inner?.listening ?? false;
+    },
+    subscribe(jobId) {
+      if (!inner) throw new Error("the job listener is not connected");
+      return inner.subscribe(jobId);
+    },
+    async close() {
+      await connecting;
+      await inner?.close();
     },
   };
 }

@@ -48,6 +48,14 @@ function describeAttempt({ value, error }: { value?: Completion; error?: unknown
   };
 }
 
+/** The job was cancelled while it ran: it ends without another model call, and its message is acknowledged. */
+class JobCancelled extends Error {
+  constructor(jobId: string) {
+    super(`job ${jobId} was cancelled`);
+    this.name = "JobCancelled";
+  }
+}
+
 /** SQLSTATE class 22, "data exception": the value itself is wrong, so a retry fails the same way. */
 const DATA_EXCEPTION_CLASS = "22";
 
@@ -154,6 +162,10 @@ export function createSummaryJob(
         random: options.random,
         signal,
         describe: describeAttempt,
+        // A cancel that committed during an attempt stops the job before its next call.
+        beforeRetry: async () => {
+          if ((await decided(job_id)) === "cancelled") throw new JobCancelled(job_id);
+        },
         onAttempt: (report) => {
           if (report.started_at_ms !== undefined) {
             recordSpan("model.attempt", {
@@ -181,6 +193,10 @@ export function createSummaryJob(
       });
       summary = completion.text;
     } catch (error) {
+      if (error instanceof JobCancelled) {
+        jobLog.info("job_cancelled", { stage: "between_attempts", deliveries: message.deliveries });
+        return "cancelled";
+      }
       // Transient: leave the message pending; redelivery brings a fresh budget.
       if (signal.aborted || error instanceof DeadlineExceeded || error instanceof GateUnavailable) throw error;
       if (isRetryable(error)) throw error;

@@ -43,7 +43,11 @@ export async function signingSecrets(sql: Sql, tenants: string[]): Promise<Map<s
   );
 }
 
-/** Whether a tenant has a secret, cached per tenant for 10 s (the API asks on every webhook POST). */
+/**
+ * Whether a tenant has a secret, cached per tenant for 10 s once it has one
+ * (the API asks on every webhook POST). "No secret" is not cached, so a
+ * webhook POST works as soon as `rotate-webhook-secret` has run.
+ */
 export function createSecretCheck(sql: Sql): (tenant: string) => Promise<boolean> {
   const cache = new Map<string, { has: boolean; expires: number }>();
   return async (tenant) => {
@@ -51,8 +55,9 @@ export function createSecretCheck(sql: Sql): (tenant: string) => Promise<boolean
     if (hit && hit.expires > performance.now()) return hit.has;
     const [row] = await sql<{ has: boolean }[]>`
       SELECT webhook_secret IS NOT NULL AS has FROM tenants WHERE name = ${tenant}`;
-    if (cache.size >= 10_000) cache.delete(cache.keys().next().value!);
     const has = row?.has ?? false;
+    if (!has) return false;
+    if (cache.size >= 10_000) cache.delete(cache.keys().next().value!);
     cache.set(tenant, { has, expires: performance.now() + CACHE_MS });
     return has;
   };

@@ -203,7 +203,7 @@ Deno.test("the console in headless Chromium: sign in, see a dead letter, replay 
       await browser.screenshot(`${shots}/job.png`);
     });
 
-    await t.step("actions need the CSRF token; the bearer header works for scripts", async () => {
+    await t.step("actions need the CSRF token; sessions expire; the bearer header works for scripts", async () => {
       const bearer = { authorization: `Bearer ${TOKEN}` };
       const page = await fetch(`${base}/console/dead-letters`, { headers: bearer });
       assert.equal(page.status, 200);
@@ -216,6 +216,34 @@ Deno.test("the console in headless Chromium: sign in, see a dead letter, replay 
       });
       assert.equal(forged.status, 403);
       await forged.body?.cancel();
+      // A correctly signed session from 13 hours ago has expired, whatever the browser kept.
+      const key = await crypto.subtle.importKey(
+        "raw",
+        new TextEncoder().encode(TOKEN),
+        { name: "HMAC", hash: "SHA-256" },
+        false,
+        ["sign"],
+      );
+      const sign = async (issued: number) => {
+        const mac = await crypto.subtle.sign(
+          "HMAC",
+          key,
+          new TextEncoder().encode(`oncely-console-session-v1:${issued}`),
+        );
+        const b64 = btoa(String.fromCharCode(...new Uint8Array(mac))).replace(/\+/g, "-").replace(/\//g, "_")
+          .replace(/=+$/, "");
+        return `oncely_console=${issued}.${b64}`;
+      };
+      const now = Math.floor(Date.now() / 1000);
+      const fresh = await fetch(`${base}/console/outbox`, { headers: { cookie: await sign(now) }, redirect: "manual" });
+      assert.equal(fresh.status, 200, "a fresh session is accepted (the check is real)");
+      await fresh.body?.cancel();
+      const stale = await fetch(`${base}/console/outbox`, {
+        headers: { cookie: await sign(now - 13 * 3600) },
+        redirect: "manual",
+      });
+      assert.equal(stale.status, 303);
+      await stale.body?.cancel();
       const anonymous = await fetch(`${base}/console/outbox`, { redirect: "manual" });
       assert.equal(anonymous.status, 303);
       assert.equal(anonymous.headers.get("location"), "/console/login");

@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import { type RelayOptions } from "../../src/outbox/relay.ts";
-import { commitSummaries } from "../../src/summaries/commit.ts";
+import { cancelJob, commitSummaries } from "../../src/summaries/commit.ts";
 import { summaryEmailRenderer, summaryPayloadLoader, tenantHourlyLimit } from "../../src/summaries/email.ts";
 import { type FakeMailServer, type MailBehaviour, startFakeMail } from "../support/fake_mail_server.ts";
 import { createTestDatabase, waitFor } from "../_support.ts";
@@ -21,7 +21,7 @@ Deno.test("outbox relay", async (t) => {
     );
     return ids;
   };
-  const reset = () => sql`TRUNCATE summaries, outbox`;
+  const reset = () => sql`TRUNCATE summaries, outbox, job_outcomes`;
   const row = async (jobId: string) =>
     (await sql`SELECT * FROM outbox WHERE dedupe_key = ${"summary_ready:" + jobId}`)[0]!;
 
@@ -279,6 +279,10 @@ Deno.test("outbox relay", async (t) => {
         assert.equal(await relay.purgeSent(), 1);
         const left = await sql<{ job_id: string }[]>`SELECT job_id::text FROM summaries`;
         assert.deepEqual(left.map((r) => r.job_id).sort(), [oldUnsent!, recent!].sort());
+        // The purged job stays finished: its outcome row is kept, so a late cancel cannot "cancel" it.
+        assert.equal(await cancelJob(sql, oldSent!, "acme"), "done");
+        const [outcome] = await sql`SELECT outcome FROM job_outcomes WHERE job_id = ${oldSent!}`;
+        assert.equal(outcome!.outcome, "done");
         // Unset: summaries are kept.
         await sql`UPDATE summaries SET created_at = now() - interval '400 days'`;
         assert.equal(await relayFor(mail).purgeSent(), 0);
@@ -286,6 +290,41 @@ Deno.test("outbox relay", async (t) => {
         await mail.close();
       }
     });
+    await t.step("a send cut off by the relay's own shutdown is neither failed nor charged an attempt", async () => {
+      await reset();
+      // A receiver that accepts the connection and never answers: the send outlasts the 5 s shutdown grace.
+      const hanging = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+      const held: Deno.Conn[] = [];
+      (async () => {
+        for await (const conn of hanging) held.push(conn);
+      })().catch(() => {});
+      try {
+        const jobId = crypto.randomUUID();
+        await commitSummaries(sql, [{
+          jobId,
+          tenant: "acme",
+          summary: "S.",
+          notify: { webhook: `http://127.0.0.1:${hanging.addr.port}/hook` },
+        }]);
+        await sql`INSERT INTO tenants (name, webhook_secret) VALUES ('acme', ${"whsec_" + btoa("a".repeat(24))})
+          ON CONFLICT (name) DO UPDATE SET webhook_secret = EXCLUDED.webhook_secret`;
+        // The send may take 30 s: longer than the relay's 5 s shutdown grace.
+        const relay = relayTo({ sql, webhookTimeoutMs: 30_000 }, { leaseMs: 60_000 });
+        const stop = new AbortController();
+        const running = relay.run(stop.signal);
+        await waitFor("the send to start", () => held.length > 0, 5_000);
+        stop.abort();
+        await running;
+        const [row] = await sql`SELECT attempts, failed_at, sent_at FROM outbox WHERE payload->>'job_id' = ${jobId}`;
+        assert.equal(row!.failed_at, null, "not failed by our own shutdown");
+        assert.equal(row!.attempts, 0, "and not charged an attempt: the lease runs out and it goes again");
+        assert.equal(row!.sent_at, null);
+      } finally {
+        hanging.close();
+        for (const conn of held) conn.close();
+      }
+    });
+
     await t.step(
       "MAIL_TENANT_HOURLY_LIMIT: rows over a tenant's hourly limit wait, without an attempt; others go",
       async () => {

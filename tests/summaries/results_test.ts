@@ -221,6 +221,35 @@ Deno.test("results: wait for the finished job, cancel a queued one", async (t) =
       }
     });
 
+    await t.step("a cancel during a failing model call stops the job before its next attempt", async () => {
+      // Each call for this document takes 400 ms and fails with a 503: without the cancel, it would be retried.
+      const flaky = startFakeModel(() => ({ kind: "status", status: 503 }));
+      let calls = 0;
+      const slowFlaky: LLM = {
+        complete: async (prompt, options) => {
+          calls++;
+          await new Promise((resolve) => setTimeout(resolve, 400));
+          return await createOpenAiLlm({ apiKey: "k", model: "m", baseURL: flaky.url }).complete(prompt, options);
+        },
+      };
+      const worker = startWorker(slowFlaky);
+      try {
+        const { job_id } = await (await post("Cancel me mid-flight. Please.")).json();
+        await waitFor("the first call to start", () => calls === 1, 5_000);
+        assert.equal((await request("DELETE", job_id)).status, 200);
+        await waitFor("the message to be acknowledged", async () => {
+          const entries = await r.redis.xrange(keys.lane("acme").stream, "-", "+");
+          return !entries.some(([, fields]) => fields.includes(job_id));
+        }, 10_000);
+        assert.equal(calls, 1, "no model call after the cancel was seen");
+        assert.equal(flaky.requests, 1);
+        assert.deepEqual(await rowsOf(job_id), { summaries: 0, outbox: 0 });
+      } finally {
+        await worker.close();
+        await flaky.close();
+      }
+    });
+
     await t.step("cancel racing commit, 300 times: exactly one outcome, with all its effects or none", async () => {
       const random = seededRandom(13);
       const jittered = async <T>(f: () => Promise<T>) => {

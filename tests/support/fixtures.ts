@@ -99,17 +99,18 @@ export function summaryWorker(
 
 /** A relay to a Resend-compatible server at `mailUrl` (or any mailer), and to webhook receivers under `webhookPolicy`. */
 export function relayTo(
-  { sql, mailUrl, mailer, defer, webhookPolicy = LOCAL_WEBHOOKS, log = silentLogger }: {
+  { sql, mailUrl, mailer, defer, webhookPolicy = LOCAL_WEBHOOKS, webhookTimeoutMs = 2_000, log = silentLogger }: {
     sql: Sql;
     mailUrl?: string;
     mailer?: Mailer;
     defer?: Deferral;
     webhookPolicy?: WebhookUrlPolicy;
+    webhookTimeoutMs?: number;
     log?: Logger;
   },
   overrides: Partial<RelayOptions> = {},
 ): Relay {
-  const webhooks = summaryWebhooks({ sql, policy: webhookPolicy, timeoutMs: 2_000 });
+  const webhooks = summaryWebhooks({ sql, policy: webhookPolicy, timeoutMs: webhookTimeoutMs });
   const summaries = summaryPayloadLoader(sql);
   return createRelay({
     sql,
