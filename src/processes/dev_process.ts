@@ -4,6 +4,7 @@ import type { Config } from "../config.ts";
 import { migrate, readMigrations } from "../db/migrate.ts";
 import { createRegistry } from "../metrics/metrics.ts";
 import { createApiKey, tenantExists } from "../tenants/tenant_store.ts";
+import { ensureWebhookSecret } from "../tenants/webhook_secrets.ts";
 import { serveApi } from "./api_process.ts";
 import { startRelay } from "./relay_process.ts";
 import { startWorker } from "./worker_process.ts";
@@ -14,10 +15,12 @@ async function ensureDevTenant(sql: Sql, config: Config): Promise<void> {
     return;
   }
   const key = await createApiKey(sql, "dev");
+  const secret = await ensureWebhookSecret(sql, "dev");
   const demoKey = `demo-${crypto.randomUUID().slice(0, 13)}`;
   const base = `http://${config.HOST.includes(":") ? `[${config.HOST}]` : config.HOST}:${config.PORT}`;
   console.log(`
 Created tenant "dev". Its API key (shown once): ${key}
+Its webhook signing secret (shown once): ${secret}
 
 Submit a job:
   curl -i ${base}/v1/summaries \\
@@ -26,7 +29,8 @@ Submit a job:
     -H 'Content-Type: application/json' \\
     -d '{"text": "Oncely accepts each job once. Workers call the model and commit the summary with an outbox row. A relay emails it.", "notify": "you@example.com"}'
 
-Run it twice: the second answer carries Idempotent-Replayed: true.
+Run it twice: the second answer carries Idempotent-Replayed: true. Add -H 'Prefer: wait=10' to get the
+summary in the answer, or send "notify": {"webhook": "https://..."} to have it POSTed to you, signed.
 `);
 }
 
