@@ -15,6 +15,7 @@ import { pagesOfDeadLetters } from "../queue/dead_letter.ts";
 import { allLanes } from "../summaries/all_lanes.ts";
 import type { ServiceKeys } from "../summaries/keys.ts";
 import { traceIdOf } from "../tracing.ts";
+import type { AttemptRow } from "../summaries/attempt_log.ts";
 import { Html, html, raw } from "./html.ts";
 import { AsyncLocalStorage } from "node:async_hooks";
 
@@ -308,19 +309,7 @@ ${
     if (!state) return page("Job", html`<p>No job <code>${jobId}</code>.</p>`, { status: 404 });
     const [attempts, outbox] = await Promise.all([
       sql<
-        {
-          delivery: number;
-          attempt: number;
-          started_at: Date;
-          duration_ms: number;
-          outcome: string;
-          status: number | null;
-          prompt_tokens: number | null;
-          completion_tokens: number | null;
-          provider_request_id: string | null;
-          model: string;
-          error: string | null;
-        }[]
+        Omit<AttemptRow, "job_id" | "tenant">[]
       >`SELECT delivery, attempt, started_at, duration_ms, outcome, status, prompt_tokens, completion_tokens,
           provider_request_id, model, error
         FROM model_attempts WHERE job_id = ${jobId} ORDER BY started_at`,

@@ -90,6 +90,8 @@ export const OUTBOX_CHANNEL = "oncely_outbox";
 const PURGE_BATCH = 1_000;
 /** How long a stopping relay lets its current batch run before aborting its sends (the process exits within 10 s). */
 const SHUTDOWN_GRACE_MS = 5_000;
+/** A job's outcome row is kept at least this long (its Redis status record lives 7 days), plus a day. */
+const OUTCOME_MIN_AGE_MS = 8 * 24 * 3600 * 1000;
 
 /**
  * Creates the outbox relay. No transaction is held across a network call:
@@ -238,8 +240,8 @@ export function createRelay(
     if (options.summaryRetentionMs === undefined) return total;
     for (;;) {
       // Summaries whose notification is still unsent stay: the email needs them.
-      // The job's outcome row stays (a few dozen bytes): it is what keeps a finished job finished, so a late
-      // DELETE still gets 409 and a replayed message still skips the model, after the summary is gone.
+      // The job's outcome row stays longer (below): it keeps a finished job finished, so a late DELETE
+      // still gets 409 and a replayed message still skips the model, after the summary is gone.
       const deleted = await sql`
         DELETE FROM summaries WHERE job_id IN (
           SELECT s.job_id FROM summaries s
@@ -247,6 +249,20 @@ export function createRelay(
             AND NOT EXISTS (
               SELECT 1 FROM outbox o WHERE o.payload->>'job_id' = s.job_id::text AND o.sent_at IS NULL
             )
+          LIMIT ${PURGE_BATCH}
+        )`;
+      total += deleted.count;
+      if (deleted.count < PURGE_BATCH) break;
+    }
+    // Outcome rows outlive their summaries until nothing can ask about the job any more: the job's Redis
+    // record (7 days) and its idempotency record (at most SUMMARY_RETENTION_S) are gone by then.
+    const outcomeAgeMs = Math.max(options.summaryRetentionMs, OUTCOME_MIN_AGE_MS);
+    for (;;) {
+      const deleted = await sql`
+        DELETE FROM job_outcomes WHERE job_id IN (
+          SELECT o.job_id FROM job_outcomes o
+          WHERE o.decided_at < now() - ${outcomeAgeMs} * interval '1 millisecond'
+            AND NOT EXISTS (SELECT 1 FROM summaries s WHERE s.job_id = o.job_id)
           LIMIT ${PURGE_BATCH}
         )`;
       total += deleted.count;

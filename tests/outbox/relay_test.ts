@@ -283,6 +283,11 @@ Deno.test("outbox relay", async (t) => {
         assert.equal(await cancelJob(sql, oldSent!, "acme"), "done");
         const [outcome] = await sql`SELECT outcome FROM job_outcomes WHERE job_id = ${oldSent!}`;
         assert.equal(outcome!.outcome, "done");
+        // Once nothing can ask about it any more (8 days, and past SUMMARY_RETENTION_S), the outcome goes too.
+        await sql`UPDATE job_outcomes SET decided_at = now() - interval '40 days' WHERE job_id = ${oldSent!}`;
+        assert.equal(await relay.purgeSent(), 1);
+        assert.equal((await sql`SELECT 1 FROM job_outcomes WHERE job_id = ${oldSent!}`).length, 0);
+        assert.equal((await sql`SELECT 1 FROM job_outcomes`).length, 3 - 1, "the others' outcomes stay");
         // Unset: summaries are kept.
         await sql`UPDATE summaries SET created_at = now() - interval '400 days'`;
         assert.equal(await relayFor(mail).purgeSent(), 0);
