@@ -128,6 +128,14 @@ export function parseConfig(env: Record<string, string | undefined>): Config {
       `Cannot start: SUMMARY_RETENTION_S must be at least IDEMPOTENCY_RESULT_TTL_S (${raw.IDEMPOTENCY_RESULT_TTL_S})`,
     );
   }
+  if (raw.MAIL_TENANT_HOURLY_LIMIT !== undefined && raw.OUTBOX_RETENTION_S < 3600) {
+    // The hourly cap counts the sent rows still in the outbox: rows deleted within the hour would not count.
+    throw new ConfigError(
+      "OUTBOX_RETENTION_S",
+      "Cannot start: MAIL_TENANT_HOURLY_LIMIT counts the last hour's sent outbox rows, so OUTBOX_RETENTION_S " +
+        `must be at least 3600 while it is set (got ${raw.OUTBOX_RETENTION_S})`,
+    );
+  }
   const llm = raw.LLM_PROVIDER ?? (raw.OPENAI_API_KEY ? "openai" : "extractive");
   if (llm === "openai" && !raw.OPENAI_API_KEY) {
     throw new ConfigError("OPENAI_API_KEY", "Cannot start: OPENAI_API_KEY must be set when LLM_PROVIDER=openai");

@@ -118,3 +118,45 @@ Deno.test("parseConfig() keeps summaries at least as long as keys replay", () =>
   );
   assert.equal(parseConfig({ SUMMARY_RETENTION_S: "2592000" }).SUMMARY_RETENTION_S, 2592000);
 });
+
+Deno.test("parseConfig() refuses MAIL_TENANT_HOURLY_LIMIT when OUTBOX_RETENTION_S is under an hour, naming both", () => {
+  assert.throws(
+    () => parseConfig({ MAIL_TENANT_HOURLY_LIMIT: "100", OUTBOX_RETENTION_S: "1800" }),
+    (e: unknown) => {
+      assert.ok(e instanceof ConfigError);
+      assert.equal(e.variable, "OUTBOX_RETENTION_S");
+      assert.match(e.message, /^Cannot start: .*MAIL_TENANT_HOURLY_LIMIT/);
+      assert.match(e.message, /OUTBOX_RETENTION_S must be at least 3600/);
+      assert.match(e.message, /\(got 1800\)/);
+      assert.ok(!e.message.includes("\n"), "one line");
+      return true;
+    },
+  );
+  // Either alone is fine, and so is an hour's retention with the cap.
+  assert.equal(parseConfig({ OUTBOX_RETENTION_S: "1800" }).OUTBOX_RETENTION_S, 1800);
+  assert.equal(parseConfig({ MAIL_TENANT_HOURLY_LIMIT: "100" }).MAIL_TENANT_HOURLY_LIMIT, 100);
+  const both = parseConfig({ MAIL_TENANT_HOURLY_LIMIT: "100", OUTBOX_RETENTION_S: "3600" });
+  assert.deepEqual([both.MAIL_TENANT_HOURLY_LIMIT, both.OUTBOX_RETENTION_S], [100, 3600]);
+});
+
+Deno.test("main.ts refuses MAIL_TENANT_HOURLY_LIMIT with OUTBOX_RETENTION_S under an hour, in one line", async () => {
+  const out = await new Deno.Command(Deno.execPath(), {
+    args: ["run", "--allow-env", "--allow-read", "--allow-net", "--allow-sys", "main.ts", "relay"],
+    // Servers nobody answers on: were the configuration accepted, the relay would exit 1 without touching any data.
+    env: {
+      MAIL_TENANT_HOURLY_LIMIT: "100",
+      OUTBOX_RETENTION_S: "600",
+      REDIS_URL: "redis://127.0.0.1:1/0",
+      DATABASE_URL: "postgres://postgres@127.0.0.1:1/postgres",
+    },
+    stdout: "piped",
+    stderr: "piped",
+  }).output();
+  assert.equal(out.code, 2);
+  const stderr = new TextDecoder().decode(out.stderr).trim();
+  assert.equal(stderr.split("\n").length, 1, stderr);
+  assert.match(
+    stderr,
+    /^Cannot start: MAIL_TENANT_HOURLY_LIMIT .* OUTBOX_RETENTION_S must be at least 3600 .*\(got 600\)$/,
+  );
+});

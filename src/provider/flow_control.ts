@@ -32,6 +32,11 @@ export const FLOW_DEFAULTS = {
   horizonMs: 1_000,
   /** The shortest shared pause on a 429, whatever its Retry-After says, so a zero cannot make a busy loop. */
   minPauseMs: 100,
+  /**
+   * The longest shared pause, whatever Retry-After or a reset header says: one bad header must not stop every
+   * model call for days. A provider still limiting when it ends answers the next call with a 429, which pauses again.
+   */
+  maxPauseMs: 5 * 60_000,
   /** How long an idle provider's state is kept. */
   stateTtlMs: 7 * 24 * 3600 * 1000,
 } as const;
@@ -214,8 +219,9 @@ return {1, math.ceil(wait), 'permit'}
 
 // ARGV: kind, estimated, actual tokens, probe id ('' = not a probe), retry-after ms, limit req, limit tok,
 // remaining req, remaining tok, reset req ms, reset tok ms (-1 = absent), threshold, base cooldown, max cooldown,
-// growth, margin, cfg_tpm, min pause ms.
-// Returns {absorbed, state before, state after, reason}.
+// growth, margin, cfg_tpm, min pause ms, max pause ms.
+// Returns {absorbed, state before, state after, reason, asked ms, pause reason}: asked ms is the pause the headers
+// asked for when it was cut to max pause ms, else 0.
 const SETTLE = defineScript(
   PRELUDE + `
 local kind = ARGV[1]
@@ -223,7 +229,8 @@ local est, actual, probe_id, retry_after = tonumber(ARGV[2]), tonumber(ARGV[3]),
 local lim_req, lim_tok, rem_req, rem_tok = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local reset_req, reset_tok = tonumber(ARGV[10]), tonumber(ARGV[11])
 local threshold, base, maxc, growth = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
-local margin, cfg_tpm, min_pause = tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18])
+local margin, cfg_tpm, min_pause, max_pause = tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18]),
+  tonumber(ARGV[19])
 local h = redis.call('HMGET', key, 'state', 'failures', 'cooldown_ms', 'tat_tok', 'hdr_tpm', 'pause_until', 'open_until',
   'probe_id')
 -- Only the current probe speaks for the provider while the breaker is open or half-open: a call that started
@@ -305,11 +312,19 @@ elseif kind == 'ok' or kind == 'request' then
   close()
 end
 if probe then set('probe_until', 0); set('probe_id', '') end
+-- The pause stops every worker: one bad Retry-After or reset header must not stop them for days.
+local asked = 0
+if pause_to - now > max_pause then asked, pause_to = pause_to - now, now + max_pause end
 if pause_to > n(h[6]) then set('pause_until', pause_to); set('pause_reason', why) end
 if #f > 0 then redis.call('HSET', key, unpack(f)) end
-return {absorbed, before, state, reason}
+return {absorbed, before, state, reason, asked, why}
 `,
 );
+
+/** A header's wait for the script, in whole ms; -1 when absent. A value of ages stays a finite integer for Lua. */
+function durationArg(ms: number | undefined): number {
+  return ms === undefined ? -1 : Math.round(Math.min(ms, Number.MAX_SAFE_INTEGER));
+}
 
 const STATUS = defineScript(
   PRELUDE + `
@@ -358,19 +373,19 @@ export function createProviderFlow(
     const usage = outcome.value?.usage;
     if (usage) events.tokens?.(usage);
     if (kind === "rate_limited" || kind === "quota") events.limited?.(kind);
-    const [absorbed, from, to, reason] = await SETTLE.run(redis, [options.key], [
+    const [absorbed, from, to, reason, askedMs, pauseReason] = await SETTLE.run(redis, [options.key], [
       kind,
       estimated,
       // A call the provider refused or never got costs no tokens; a timed-out one may have run, so it keeps them.
       usage?.total_tokens ?? (kind === "ok" || (kind === "provider" && reasonOf(outcome.error) === "timeout") ? -1 : 0),
       probeId,
-      outcome.error === undefined ? -1 : Math.round(retryAfterMs(outcome.error) ?? -1),
+      outcome.error === undefined ? -1 : durationArg(retryAfterMs(outcome.error)),
       h.limitRequests ?? -1,
       h.limitTokens ?? -1,
       h.remainingRequests ?? -1,
       h.remainingTokens ?? -1,
-      Math.round(h.resetRequestsMs ?? -1),
-      Math.round(h.resetTokensMs ?? -1),
+      durationArg(h.resetRequestsMs),
+      durationArg(h.resetTokensMs),
       threshold,
       options.cooldownMs,
       options.cooldownMs * FLOW_DEFAULTS.maxCooldownFactor,
@@ -378,7 +393,15 @@ export function createProviderFlow(
       margin,
       cfgTpm,
       FLOW_DEFAULTS.minPauseMs,
-    ]) as [number, BreakerState, BreakerState, string];
+      FLOW_DEFAULTS.maxPauseMs,
+    ]) as [number, BreakerState, BreakerState, string, number, string];
+    if (askedMs > 0) {
+      log.warn("provider_pause_capped", {
+        reason: pauseReason,
+        asked_ms: askedMs,
+        applied_ms: FLOW_DEFAULTS.maxPauseMs,
+      });
+    }
     if (from !== to) {
       events.breaker?.(from, to, reason);
       if (to === "open") {

@@ -4,6 +4,7 @@ import { createLogger } from "../../src/log/logger.ts";
 import { fromOpenAiError } from "../../src/llm/openai_errors.ts";
 import {
   createProviderFlow,
+  FLOW_DEFAULTS,
   type Permit,
   type ProviderFlowOptions,
   providerStateKey,
@@ -122,6 +123,76 @@ Deno.test("provider flow control", async (t) => {
       await flow.acquire(10);
       assert.ok(performance.now() - started >= 350, "the next permit waited for the pause");
       assert.equal(status.breaker.state, "closed");
+    });
+
+    await t.step("a 429 asking for days pauses everyone for at most the cap, and says so", async () => {
+      const cap = FLOW_DEFAULTS.maxPauseMs;
+      const cases: [string, Record<string, string>, string, number][] = [
+        ["retry-after", { "retry-after": "999999999" }, "rate_limited", 999_999_999_000],
+        ["retry-after-ms", { "retry-after-ms": "864000000" }, "rate_limited", 864_000_000],
+        // Too large for a number: it reaches the script as the largest safe integer, not as "Infinity".
+        ["a retry-after of 400 digits", { "retry-after": "9".repeat(400) }, "rate_limited", Number.MAX_SAFE_INTEGER],
+        // No Retry-After: the spent budget's reset sets the pause.
+        [
+          "a reset of days",
+          { ...rateLimitHeaders(1, 0), "x-ratelimit-reset-requests": "72h" },
+          "requests_exhausted",
+          259_200_000,
+        ],
+      ];
+      for (const [name, headers, reason, asked] of cases) {
+        const lines = recordingLogger();
+        const flow = flowFor({ rpm: 60_000 }, createLogger({ write: lines.write }));
+        assert.equal(
+          await (await flow.acquire(10)).settle({ error: apiError(429, "rate_limit_exceeded", headers) }),
+          true,
+        );
+        const status = await flow.status();
+        const pause = status.pause.until! - status.now;
+        assert.ok(pause <= cap && pause > cap - 5_000, `${name}: paused ${pause} ms`);
+        const warned = lines.lines.filter((l) => l.event === "provider_pause_capped");
+        assert.equal(warned.length, 1, name);
+        assert.equal(warned[0]!.level, "warn");
+        assert.equal(warned[0]!.reason, reason, name);
+        assert.ok(Math.abs((warned[0]!.asked_ms as number) - asked) <= 5_000, `${name}: asked ${warned[0]!.asked_ms}`);
+        assert.equal(warned[0]!.applied_ms, cap);
+      }
+    });
+
+    await t.step("a spent budget whose reset header says days pauses for at most the cap, and says so", async () => {
+      const lines = recordingLogger();
+      const flow = flowFor({}, createLogger({ write: lines.write }));
+      await (await flow.acquire(10)).settle({
+        value: {
+          text: "ok",
+          headers: new Headers({
+            ...rateLimitHeaders(600, 600),
+            // The whole budget is one call's worth, so one call waits for the whole reset.
+            "x-ratelimit-limit-tokens": "10",
+            "x-ratelimit-remaining-tokens": "0",
+            "x-ratelimit-reset-tokens": "240h",
+          }),
+        },
+      });
+      const status = await flow.status();
+      assert.equal(status.pause.reason, "tokens_exhausted");
+      const pause = status.pause.until! - status.now;
+      assert.ok(pause <= FLOW_DEFAULTS.maxPauseMs && pause > FLOW_DEFAULTS.maxPauseMs - 5_000, `paused ${pause} ms`);
+      const warned = lines.lines.find((l) => l.event === "provider_pause_capped");
+      assert.equal(warned?.level, "warn");
+      assert.equal(warned?.reason, "tokens_exhausted");
+      assert.ok(Math.abs((warned?.asked_ms as number) - 864_000_000) <= 5_000, `asked ${warned?.asked_ms}`);
+      assert.equal(warned?.applied_ms, FLOW_DEFAULTS.maxPauseMs);
+    });
+
+    await t.step("a pause within the cap is taken as asked, without a warning", async () => {
+      const lines = recordingLogger();
+      const flow = flowFor({ rpm: 60_000 }, createLogger({ write: lines.write }));
+      await (await flow.acquire(10)).settle({ error: apiError(429, "rate_limit_exceeded", { "retry-after": "120" }) });
+      const status = await flow.status();
+      const pause = status.pause.until! - status.now;
+      assert.ok(pause > 115_000 && pause <= 120_000, `paused ${pause} ms`);
+      assert.equal(lines.lines.filter((l) => l.event === "provider_pause_capped").length, 0);
     });
 
     await t.step("a spent request budget in the headers pauses until one request is back", async () => {
