@@ -110,8 +110,8 @@ export const COMMAND_TABLE = {
     run: async () => (await import("./processes/admin_commands.ts")).runTenant,
   }),
   dlq: command({
-    net: { redis: true },
-    clients: { redis: true },
+    net: { redis: true, postgres: true },
+    clients: { redis: true, sql: true },
     run: async () => (await import("./processes/admin_commands.ts")).runDlq,
   }),
   outbox: command({

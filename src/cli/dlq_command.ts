@@ -1,25 +1,42 @@
+import type { Sql } from "postgres";
 import type { RedisClient } from "../clients.ts";
-import { type DeadLetter, DeadLetterTruncated, pagesOfDeadLetters, replayDeadLetter } from "../queue/dead_letter.ts";
+import {
+  type DeadLetter,
+  DeadLetterExpired,
+  DeadLetterTruncated,
+  droppedDeadLetters,
+  pagesOfDeadLetters,
+  replayDeadLetter,
+} from "../queue/dead_letter.ts";
+import { reopenFailedJob } from "../summaries/commit.ts";
 import type { JobKeys, ServiceKeys } from "../summaries/keys.ts";
 import { allLanes, type LaneRef } from "../summaries/all_lanes.ts";
 import { announceLane } from "../queue/lanes.ts";
 import { markQueuedOnReplay } from "../summaries/job_status.ts";
 import { printRows } from "./table.ts";
 
+const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
 const USAGE = "Usage: deno task dlq list [--json|--table] | replay ID [--tenant T] | replay --all";
 
 /**
  * `dlq list | replay ID | replay --all`. `list` prints JSON lines (id,
  * job_id, tenant, reason, deliveries) when piped or with `--json`, and a
- * table on a terminal or with `--table`. Replay re-enqueues with the original
- * job id and removes the dead entry; replaying twice is harmless.
+ * table on a terminal or with `--table`, then (on `err`) how many dead
+ * letters the caps dropped. Replay re-enqueues with the original job id and
+ * removes the dead entry; replaying twice is harmless. It refuses, by name,
+ * a dead letter whose job is already done or cancelled (a summary, an outbox
+ * row or such an outcome in Postgres), or that is truncated or too old.
  * @returns the process exit code.
  */
 export async function dlqCommand(
-  redis: RedisClient,
+  { redis, sql }: { redis: RedisClient; sql: Sql },
   keys: ServiceKeys | JobKeys,
   args: string[],
-  { out = console.log, isTerminal = false }: { out?: (line: string) => void; isTerminal?: boolean } = {},
+  { out = console.log, err = console.error, isTerminal = false }: {
+    out?: (line: string) => void;
+    err?: (line: string) => void;
+    isTerminal?: boolean;
+  } = {},
 ): Promise<number> {
   const [action, target] = args;
   const lanes = await allLanes(redis, keys);
@@ -42,12 +59,22 @@ export async function dlqCommand(
           reason: d.reason,
           deliveries: d.deliveries,
           dead_at: d.dead_at,
-          replayable: d.truncated.length === 0,
+          replayable: d.truncated.length === 0 && !d.expired,
         })),
         { json, out },
       );
     }
     if (!any) printRows([], { json, out, empty: "The dead-letter stream is empty." });
+    // Said apart from the rows (stderr), so a program reading the JSON lines is not handed a sentence.
+    const dropped = await Promise.all(
+      lanes.map(async (lane) => ({ lane, n: await droppedDeadLetters(redis, lane.keys) })),
+    );
+    for (const { lane, n } of dropped.filter((d) => d.n > 0)) {
+      err(
+        `${n} older dead letter(s) of ${lane.tenant ?? "the stream before lanes"} were dropped by the caps ` +
+          `(about 10,000 a lane, 7 days each); the worker logs each drop as dead_letters_trimmed.`,
+      );
+    }
     return 0;
   }
   if (action === "replay" && target) {
@@ -79,12 +106,24 @@ export async function dlqCommand(
     for (const d of chosen) {
       const jobId = d.fields.job_id;
       const lane = d.lane.keys;
+      const named = `(job ${jobId ?? "?"}, tenant ${d.fields.tenant ?? "?"})`;
       let newId: string | null;
       try {
+        if (d.truncated.length > 0) throw new DeadLetterTruncated(d.id, d.truncated);
+        if (d.expired) throw new DeadLetterExpired(d.id);
+        // Postgres first: a job that already had its effects (or was cancelled) never runs again, and a
+        // failed one is made undecided before it is queued again. A crash between the two leaves it
+        // undecided and still dead-lettered: replaying again finishes the job.
+        const already = jobId && UUID.test(jobId) ? await reopenFailedJob(sql, jobId) : null;
+        if (already) {
+          err(`Dead letter ${d.id} ${named} is not replayed: its job is already ${already}. Nothing done.`);
+          refused++;
+          continue;
+        }
         newId = await replayDeadLetter(redis, lane, d.id, jobId ? markQueuedOnReplay(lane, jobId) : undefined);
       } catch (error) {
-        if (!(error instanceof DeadLetterTruncated)) throw error;
-        console.error(`${error.message} (job ${jobId ?? "?"}, tenant ${d.fields.tenant ?? "?"})`);
+        if (!(error instanceof DeadLetterTruncated) && !(error instanceof DeadLetterExpired)) throw error;
+        err(`${error.message} ${named}`);
         refused++;
         continue;
       }
@@ -94,7 +133,7 @@ export async function dlqCommand(
       out(`Replayed ${d.id} as ${newId} (job ${jobId ?? "?"}, tenant ${d.fields.tenant ?? "?"})`);
       replayed++;
     }
-    out(`${replayed} dead letter(s) replayed.` + (refused ? ` ${refused} could not be (truncated payload).` : ""));
+    out(`${replayed} dead letter(s) replayed.` + (refused ? ` ${refused} could not be (see above).` : ""));
     return refused ? 1 : 0;
   }
   console.error(USAGE);

@@ -231,8 +231,10 @@ export async function createConsole(deps: ConsoleDeps): Promise<(req: Request, p
             html`${d.deliveries}`,
             html`${d.dead_at}`,
             html`<span class="excerpt">${excerpt}</span>`,
-            d.truncated.length
-              ? html`<span title="payload truncated: the client must resubmit">not replayable</span>`
+            d.truncated.length || d.expired
+              ? html`<span title="${
+                d.truncated.length ? "payload truncated" : "older than 7 days"
+              }: the client must resubmit">not replayable</span>`
               : actionButton("/console/dead-letters/replay", "Replay", fields),
           ]);
         }
@@ -415,7 +417,10 @@ ${
       const args = fields.get("all")
         ? ["replay", "--all"]
         : ["replay", id ?? "", ...(tenant ? ["--tenant", tenant] : [])];
-      await dlqCommand(redis, keys, args, { out: (line) => lines.push(line) });
+      await dlqCommand({ redis, sql }, keys, args, {
+        out: (line) => lines.push(line),
+        err: (line) => lines.push(line),
+      });
       deps.log.info("console_dead_letters_replayed", { all: Boolean(fields.get("all")), id, tenant });
       return back("/console/dead-letters", lines.at(-1) ?? "Done.");
     }

@@ -17,6 +17,7 @@ export interface WorkerMetrics {
   acked: Counter;
   failures: Counter;
   deadLetters: Counter;
+  deadLettersDropped: Counter;
   inFlight: Gauge;
   modelAttempts: Counter<"outcome">;
   modelRetries: Counter<"reason">;
@@ -94,6 +95,11 @@ export function workerMetrics(registry: Registry): WorkerMetrics {
     deadLetters: new Counter({
       name: "oncely_worker_dead_letters_total",
       help: "Messages moved to the dead-letter stream.",
+      registers,
+    }),
+    deadLettersDropped: new Counter({
+      name: "oncely_dead_letters_dropped_total",
+      help: "Older dead letters dropped by the dead-letter stream's caps (about 10,000 a lane, 7 days).",
       registers,
     }),
     inFlight: new Gauge({ name: "oncely_worker_jobs_in_flight", help: "Handlers running now.", registers }),

@@ -17,6 +17,7 @@ export function workerEvents(m: WorkerMetrics): WorkerEvents {
     acked: () => m.acked.inc(),
     failed: () => m.failures.inc(),
     deadLettered: () => m.deadLetters.inc(),
+    deadLettersTrimmed: (n) => m.deadLettersDropped.inc(n),
     inFlight: (n) => m.inFlight.set(n),
   };
 }

@@ -5,6 +5,8 @@ import type { Email, Mailer } from "../mail/mailer.ts";
 import { PermanentMailError } from "../mail/mailer.ts";
 import { isRetryable, reasonOf } from "../retry/classify.ts";
 import { backoffMs } from "../retry/retry_policy.ts";
+import { DEAD_LETTER_BOUNDS } from "../queue/dead_letter.ts";
+import { JOB_RECORD_TTL_S } from "../summaries/keys.ts";
 import { contextFrom, inSpan } from "../tracing.ts";
 
 /** An outbox row claimed by this relay. */
@@ -90,8 +92,13 @@ export const OUTBOX_CHANNEL = "oncely_outbox";
 const PURGE_BATCH = 1_000;
 /** How long a stopping relay lets its current batch run before aborting its sends (the process exits within 10 s). */
 const SHUTDOWN_GRACE_MS = 5_000;
-/** A job's outcome row is kept at least this long (its Redis status record lives 7 days), plus a day. */
-const OUTCOME_MIN_AGE_MS = 8 * 24 * 3600 * 1000;
+/**
+ * A job's outcome row is kept at least as long as anything may still ask about the job, plus a day: its
+ * Redis status record and its dead letters (both 7 days). A dead letter's replay reads it to refuse a job
+ * that already had its effects, and a job is decided (failed) before it is dead-lettered, so its outcome
+ * always outlives its dead letters.
+ */
+const OUTCOME_MIN_AGE_MS = (Math.max(JOB_RECORD_TTL_S, DEAD_LETTER_BOUNDS.maxAgeS) + 24 * 3600) * 1000;
 
 /**
  * Creates the outbox relay. No transaction is held across a network call:

@@ -22,8 +22,8 @@ export function runTenant({ clients, args }: RunContext<{ sql: true }>): Promise
 }
 
 /** `deno task dlq ...`. */
-export function runDlq({ clients, args }: RunContext<{ redis: true }>): Promise<number> {
-  return dlqCommand(clients.redis, serviceKeys(KEY_PREFIX), args, { isTerminal: Deno.stdout.isTerminal() });
+export function runDlq({ clients, args }: RunContext<{ redis: true; sql: true }>): Promise<number> {
+  return dlqCommand(clients, serviceKeys(KEY_PREFIX), args, { isTerminal: Deno.stdout.isTerminal() });
 }
 
 /** `deno task outbox ...`. */

@@ -16,12 +16,39 @@ const META = ["dead_reason", "dead_deliveries", "dead_at", "original_id", "dead_
 
 /**
  * Bounds on the dead-letter stream: at most about `maxEntries` per stream
- * (the oldest go first, trimmed by XADD itself), and no field longer than
+ * and none older than `maxAgeS` (the oldest go first, trimmed as each new
+ * one is added, counted and logged), and no field longer than
  * `keptFieldChars` characters. A dead letter exists for an operator to read
  * and replay; a 200,000-character document kept 10,000 times is what a
  * careless or hostile client could otherwise make Redis hold forever.
+ *
+ * The age bound is the job status record's lifetime (7 days): past it the
+ * job is unknown to `GET`, and the service's retention no longer promises
+ * the rows that say whether the job already had its effects, so an older
+ * dead letter is listed as not replayable, and replay refuses it.
  */
-export const DEAD_LETTER_BOUNDS = { maxEntries: 10_000, keptFieldChars: 8_192 };
+export const DEAD_LETTER_BOUNDS = { maxEntries: 10_000, keptFieldChars: 8_192, maxAgeS: 7 * 24 * 3600 };
+
+/** The key counting the dead letters the caps dropped from `names.dead` (same hash tag). */
+export function droppedKey(names: QueueNames): string {
+  return `${names.dead}:dropped`;
+}
+
+/** A dead letter past `DEAD_LETTER_BOUNDS.maxAgeS` cannot run again. */
+export class DeadLetterExpired extends Error {
+  constructor(readonly deadId: string) {
+    super(
+      `Dead letter ${deadId} is older than ${DEAD_LETTER_BOUNDS.maxAgeS / 86_400} days; it cannot be replayed. ` +
+        `The client must submit the document again.`,
+    );
+    this.name = "DeadLetterExpired";
+  }
+}
+
+/** Whether the dead letter with stream id `id` is past the age bound at `nowMs`. */
+export function isExpired(id: string, nowMs = Date.now()): boolean {
+  return Number(id.split("-")[0]) < nowMs - DEAD_LETTER_BOUNDS.maxAgeS * 1000;
+}
 
 /** A dead letter whose payload was truncated cannot run again: the job's input is gone. */
 export class DeadLetterTruncated extends Error {
@@ -34,6 +61,13 @@ export class DeadLetterTruncated extends Error {
   }
 }
 
+// Trims the dead-letter stream KEYS[1] to about ARGV[1] entries and drops those older than id ARGV[2],
+// counting what went in KEYS[2]. @returns how many entries were dropped.
+const TRIM_LUA = `
+local n = redis.call('XTRIM', KEYS[1], 'MAXLEN', '~', ARGV[1]) + redis.call('XTRIM', KEYS[1], 'MINID', '~', ARGV[2])
+if n > 0 then redis.call('INCRBY', KEYS[2], n) end
+return n`;
+
 /**
  * Moves a message to the dead-letter stream: XADD to the dead stream, XACK
  * and XDEL on the job stream, in one MULTI/EXEC, so a message is never both
@@ -41,6 +75,8 @@ export class DeadLetterTruncated extends Error {
  * reason, the delivery count and the original fields (tenant included),
  * each cut to `DEAD_LETTER_BOUNDS.keptFieldChars`; `dead_truncated` names the
  * fields that were cut, and such an entry is listed but never replayed.
+ * The same step trims the dead-letter stream to its bounds and counts what
+ * that dropped. @returns how many older dead letters were dropped.
  */
 export async function deadLetter(
   redis: RedisClient,
@@ -48,7 +84,7 @@ export async function deadLetter(
   message: StreamMessage,
   reason: string,
   hook?: DeadLetterHook,
-): Promise<void> {
+): Promise<number> {
   const entry: string[] = [];
   const truncated: string[] = [];
   const keep = DEAD_LETTER_BOUNDS.keptFieldChars;
@@ -64,14 +100,22 @@ export async function deadLetter(
     dead_truncated: truncated.join(","),
   };
   for (const k of META) entry.push(k, meta[k]);
+  const minId = `${Date.now() - DEAD_LETTER_BOUNDS.maxAgeS * 1000}-0`;
   const multi = redis.multi()
-    .xadd(names.dead, "MAXLEN", "~", DEAD_LETTER_BOUNDS.maxEntries, "*", ...entry)
+    .xadd(names.dead, "*", ...entry)
     .xack(names.stream, names.group, message.id)
-    .xdel(names.stream, message.id);
+    .xdel(names.stream, message.id)
+    .eval(TRIM_LUA, 2, names.dead, droppedKey(names), DEAD_LETTER_BOUNDS.maxEntries, minId);
   hook?.(multi, message, reason, names);
   const results = await multi.exec();
   if (!results) throw new Error("Dead-letter transaction was aborted");
   for (const [error] of results) if (error) throw error;
+  return Number(results[3]![1]);
+}
+
+/** How many dead letters the caps have dropped from `names.dead`, ever. */
+export async function droppedDeadLetters(redis: RedisClient, names: QueueNames): Promise<number> {
+  return Number(await redis.get(droppedKey(names)) ?? 0);
 }
 
 /** A dead-lettered message as `dlq list` shows it. */
@@ -83,6 +127,8 @@ export interface DeadLetter {
   dead_at: string;
   /** Fields cut to `DEAD_LETTER_BOUNDS.keptFieldChars`; non-empty means it cannot be replayed. */
   truncated: string[];
+  /** Older than `DEAD_LETTER_BOUNDS.maxAgeS`: it cannot be replayed. */
+  expired: boolean;
   /** The original fields (some perhaps truncated), without the dead-letter metadata. */
   fields: Record<string, string>;
 }
@@ -126,6 +172,7 @@ export async function listDeadLetters(
       deliveries: Number(all.dead_deliveries ?? 0),
       dead_at: all.dead_at ?? "",
       truncated: all.dead_truncated ? all.dead_truncated.split(",") : [],
+      expired: isExpired(id),
       fields,
     };
   });
@@ -182,6 +229,7 @@ return id`);
  * the same step.
  * @returns the new stream entry id, or null if no such dead letter exists.
  * @throws DeadLetterTruncated if the entry kept only part of its payload.
+ * @throws DeadLetterExpired if it is older than `DEAD_LETTER_BOUNDS.maxAgeS`.
  */
 export async function replayDeadLetter(
   redis: RedisClient,
@@ -189,6 +237,7 @@ export async function replayDeadLetter(
   deadId: string,
   record?: RecordUpdate,
 ): Promise<string | null> {
+  if (isExpired(deadId)) throw new DeadLetterExpired(deadId);
   const keys = [names.stream, names.dead];
   const args: (string | number)[] = [deadId, META.join(",")];
   if (record) {

@@ -10,7 +10,14 @@
  * empty removes it and *then* looks again, re-adding it if work arrived in
  * between. A periodic sweep repairs what a crash between enqueue and add
  * left behind.
+ *
+ * No crash can hide a lane from that sweep: the enqueue script itself adds
+ * the lane to a set no second command is needed for. On one Redis server
+ * that is the registry's `all` set (a script may touch any key there); on a
+ * Redis Cluster it is the lane's *home*, a set in the lane's own slot (one
+ * per slot), which the sweep reads and folds into `all`.
  */
+import calculateSlot from "cluster-key-slot";
 import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
 import { defineScript } from "../redis/script.ts";
@@ -36,12 +43,90 @@ export interface LaneRegistryKeys {
   all: string;
   /** Pub/sub channel a producer publishes a lane id on after enqueuing. */
   wake: string;
+  /** On a Redis Cluster: the set of lane ids in the slot of `laneKey` (any key of the lane), its home. */
+  home(laneKey: string): string;
+  /** Every home there is, one per cluster slot. */
+  homes(): string[];
+}
+
+const SLOTS = 16_384;
+let slotTagTable: string[] | undefined;
+
+/** A hash tag for each of the cluster's slots: `calculateSlot(table[s]) === s` (about 160,000 CRC16s, once). */
+function slotTags(): string[] {
+  if (slotTagTable) return slotTagTable;
+  const table = new Array<string>(SLOTS);
+  let filled = 0;
+  for (let i = 0; filled < SLOTS; i++) {
+    const tag = i.toString(36);
+    const slot = calculateSlot(tag);
+    if (table[slot] === undefined) {
+      table[slot] = tag;
+      filled++;
+    }
+  }
+  return (slotTagTable = table);
 }
 
 /** The registry's keys under `prefix`, in their own slot. */
 export function laneRegistryKeys(prefix: string): LaneRegistryKeys {
   const tag = `${prefix}:{lanes}`;
-  return { active: `${tag}:active`, all: `${tag}:all`, wake: `${prefix}:lanes:wake` };
+  const homeKey = (slotTag: string) => `${prefix}:lanes:home:{${slotTag}}`;
+  return {
+    active: `${tag}:active`,
+    all: `${tag}:all`,
+    wake: `${prefix}:lanes:wake`,
+    home: (laneKey) => homeKey(slotTags()[calculateSlot(laneKey)]!),
+    homes: () => slotTags().map(homeKey),
+  };
+}
+
+/**
+ * The keys and arguments an enqueue script needs to make lane `id` known in
+ * the same step as its enqueue (see the module comment): KEYS `[set]` and
+ * ARGV `[id]` on a cluster (the lane's home), KEYS `[all, active]` and ARGV
+ * `[id, wake channel]` on one server, where the script announces the lane
+ * fully and nothing is left to do after it. Run {@linkcode LANE_KNOWN_LUA} with them.
+ */
+export function laneKnownArgs(
+  redis: RedisClient,
+  keys: LaneRegistryKeys,
+  id: string,
+  laneKey: string,
+): { keys: string[]; args: string[]; announced: boolean } {
+  if (redis.isCluster) return { keys: [keys.home(laneKey)], args: [id], announced: false };
+  return { keys: [keys.all, keys.active], args: [id, keys.wake], announced: true };
+}
+
+/**
+ * Lua for an enqueue script, given the registry keys at KEYS[k], KEYS[k+1]
+ * and the arguments at ARGV[a], ARGV[a+1] that {@linkcode laneKnownArgs} returns.
+ */
+export function laneKnownLua(k: number, a: number): string {
+  return `
+redis.call('SADD', KEYS[${k}], ARGV[${a}])
+if KEYS[${k + 1}] then
+  redis.call('SADD', KEYS[${k + 1}], ARGV[${a}])
+  redis.call('PUBLISH', ARGV[${a + 1}], ARGV[${a}])
+end`;
+}
+
+/**
+ * Folds every lane home (Redis Cluster) into the registry's `all` set, so
+ * a lane whose announce never ran is known. @returns the lanes added.
+ */
+export async function foldLaneHomes(redis: RedisClient, keys: LaneRegistryKeys): Promise<string[]> {
+  if (!redis.isCluster) return [];
+  const known = new Set(await redis.smembers(keys.all));
+  const found = new Set<string>();
+  const homes = keys.homes();
+  // In pieces, so one sweep never queues 16,384 commands at once.
+  for (let i = 0; i < homes.length; i += 1_024) {
+    const members = await Promise.all(homes.slice(i, i + 1_024).map((home) => redis.smembers(home)));
+    for (const list of members) for (const id of list) if (!known.has(id)) found.add(id);
+  }
+  if (found.size > 0) await redis.sadd(keys.all, ...found);
+  return [...found];
 }
 
 /** Whether a lane's stream holds messages not yet delivered to its group. */
@@ -112,6 +197,8 @@ export function createLaneRegistry(
 
   async function sweep(): Promise<number> {
     let repaired = 0;
+    const found = await foldLaneHomes(redis, keys);
+    if (found.length) log.warn("lanes_found_unannounced", { lanes: found });
     for (const id of await redis.smembers(keys.all)) {
       const lane = toLane(id);
       if (await hasUndelivered(redis, lane) && (await redis.sadd(keys.active, id)) === 1) repaired++;
@@ -122,9 +209,11 @@ export function createLaneRegistry(
     if (repaired) log.info("lanes_repaired", { lanes: repaired });
     return repaired;
   }
-  const sweeper = setInterval(() => {
-    sweep().catch((error) => log.warn("lane_sweep_failed", { error }));
-  }, options.sweepMs ?? 30_000);
+  const sweepNow = () => sweep().catch((error) => log.warn("lane_sweep_failed", { error }));
+  // Once at start (a restarted worker finds what a crash hid at once), then every `sweepMs`.
+  const first = setTimeout(sweepNow, 0);
+  const sweeper = setInterval(sweepNow, options.sweepMs ?? 30_000);
+  Deno.unrefTimer(first);
   Deno.unrefTimer(sweeper);
 
   return {
@@ -174,6 +263,7 @@ export function createLaneRegistry(
     },
     sweep,
     async close() {
+      clearTimeout(first);
       clearInterval(sweeper);
       wakeAll();
       await subscriber.quit().catch(() => subscriber.disconnect());

@@ -17,6 +17,8 @@ export interface WorkerEvents {
   acked?(message: StreamMessage, durationMs: number): void;
   failed?(message: StreamMessage, error: unknown): void;
   deadLettered?(message: StreamMessage, reason: string): void;
+  /** The dead-letter stream's caps (length, age) dropped `count` older entries. */
+  deadLettersTrimmed?(count: number): void;
   inFlight?(count: number): void;
 }
 
@@ -42,6 +44,13 @@ export interface StreamWorkerOptions extends QueueNames {
    */
   pruneIdleMs?: number;
   onDeadLetter?: DeadLetterHook;
+  /**
+   * Asked before a message is dead-lettered (the application decides there
+   * that the job failed). `false`: the job was already decided otherwise
+   * (done, cancelled), so the message is acknowledged instead. Throwing
+   * leaves the message pending, to be decided on a later delivery.
+   */
+  beforeDeadLetter?: (message: StreamMessage, reason: string) => Promise<boolean>;
   events?: WorkerEvents;
   /**
    * Asked before each read: how many messages the downstream can start soon.
@@ -57,6 +66,14 @@ export interface StreamWorkerOptions extends QueueNames {
   lanes?: LaneSource;
   /** With lanes: the most messages of one lane pending across all consumers (TENANT_MAX_IN_FLIGHT). */
   laneMaxInFlight?: number;
+}
+
+/** Test seams: each runs at its point, and may throw or wait to stand in for a crash or a stall there. */
+export interface StreamWorkerFaults {
+  /** After the job was decided failed, before the dead-letter step. */
+  beforeDeadLetter?(message: StreamMessage): Promise<void>;
+  /** In `pruneConsumers`, after `XINFO CONSUMERS` named `consumer` as idle, before it is removed. */
+  beforePrune?(consumer: string): Promise<void>;
 }
 
 /** A running consumer. */
@@ -109,6 +126,21 @@ local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count
 if not reply then return {0, {}} end
 return {0, reply[1][2]}`);
 
+// Removes consumer ARGV[2] from group ARGV[1] of stream KEYS[1] only if it still holds nothing and has been
+// idle at least ARGV[3] ms, checked and done in one step: a consumer that read or reclaimed a message since
+// the caller's look is left alone (XGROUP DELCONSUMER would drop its pending messages for good).
+const PRUNE = defineScript(`
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local f = {}
+  for i = 1, #c, 2 do f[c[i]] = c[i + 1] end
+  if f['name'] == ARGV[2] then
+    if tonumber(f['pending']) ~= 0 or tonumber(f['idle']) < tonumber(ARGV[3]) then return 0 end
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+    return 1
+  end
+end
+return 0`);
+
 type RawEntry = [id: string, fields: string[] | null];
 
 /** Ensures the consumer group exists (creating the stream if needed). */
@@ -130,7 +162,7 @@ export async function ensureGroup(redis: RedisClient, names: QueueNames): Promis
  * the lanes with work in turn.
  */
 export function createStreamWorker(
-  { redis, log }: { redis: RedisClient; log: Logger },
+  { redis, log, faults }: { redis: RedisClient; log: Logger; faults?: StreamWorkerFaults },
   options: StreamWorkerOptions,
   handler: MessageHandler,
 ): StreamWorker {
@@ -184,24 +216,36 @@ export function createStreamWorker(
     inFlight.delete(key);
   };
 
+  /** Dead-letters `message`, unless its job turns out to be decided already: then acks it. */
+  async function bury(lane: QueueNames, message: StreamMessage, reason: string, msgLog: Logger): Promise<void> {
+    if (options.beforeDeadLetter && !(await options.beforeDeadLetter(message, reason))) {
+      msgLog.info("message_already_decided", { reason, deliveries: message.deliveries });
+      release(tag(lane, message.id));
+      await ack({ lane, id: message.id });
+      return;
+    }
+    await faults?.beforeDeadLetter?.(message);
+    const trimmed = await deadLetter(redis, lane, message, reason, options.onDeadLetter);
+    events.deadLettered?.(message, reason);
+    msgLog.warn("message_dead_lettered", { reason, deliveries: message.deliveries });
+    if (trimmed > 0) {
+      events.deadLettersTrimmed?.(trimmed);
+      log.warn("dead_letters_trimmed", { stream: lane.dead, entries: trimmed });
+    }
+  }
+
   async function process(lane: QueueNames, message: StreamMessage): Promise<void> {
     const started = performance.now();
     const msgLog = log.child({ msg_id: message.id, job_id: message.fields.job_id, tenant: message.fields.tenant });
     if (message.deliveries > options.maxDeliveries) {
-      const reason = `exceeded ${options.maxDeliveries} deliveries`;
-      await deadLetter(redis, lane, message, reason, options.onDeadLetter);
-      events.deadLettered?.(message, reason);
-      msgLog.warn("message_dead_lettered", { reason, deliveries: message.deliveries });
+      await bury(lane, message, `exceeded ${options.maxDeliveries} deliveries`, msgLog);
       return;
     }
     try {
       await handler(message, handlerAbort.signal);
     } catch (error) {
       if (error instanceof PermanentJobError) {
-        const reason = `permanent: ${error.message}`;
-        await deadLetter(redis, lane, message, reason, options.onDeadLetter);
-        events.deadLettered?.(message, reason);
-        msgLog.warn("message_dead_lettered", { reason, deliveries: message.deliveries });
+        await bury(lane, message, `permanent: ${error.message}`, msgLog);
         return;
       }
       // Leave it pending: XAUTOCLAIM redelivers it after claimIdleMs, which
@@ -426,8 +470,8 @@ export function createStreamWorker(
         if (name === options.consumer || Number(f.get("pending")) !== 0 || Number(f.get("idle")) < pruneIdleMs) {
           continue;
         }
-        await redis.xgroup("DELCONSUMER", lane.stream, lane.group, name);
-        removed.push(name);
+        await faults?.beforePrune?.(name);
+        if ((await PRUNE.run(redis, [lane.stream], [lane.group, name, pruneIdleMs])) === 1) removed.push(name);
       }
     }
     if (removed.length) log.info("consumers_pruned", { consumers: removed });

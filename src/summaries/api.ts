@@ -9,7 +9,7 @@ import { type ApiMetrics, metricsResponse } from "../metrics/metrics.ts";
 import type { Registry } from "prom-client";
 import type { Authenticate } from "../tenants/authenticator.ts";
 import { type Intake, QueueFull } from "./intake.ts";
-import { cancelJob } from "./commit.ts";
+import { cancelJob, type Outcome } from "./commit.ts";
 import { markCancelled } from "./job_status.ts";
 import { type JobWaiter, preferredWaitS } from "./job_waiter.ts";
 import { checkWebhookUrl, WebhookRefused } from "../webhooks/addresses.ts";
@@ -178,7 +178,8 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     const laneKey = keys.lane(tenant).job(jobId);
     type Row = {
       tenant: string | null;
-      outcome: "done" | "cancelled" | null;
+      outcome: Outcome | null;
+      error: string | null;
       summary: string | null;
       attempts: number;
       tokens: number | null;
@@ -187,7 +188,7 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
       // The outcome, the summary, and the totals of the job's model attempts (those of this tenant only).
       sql<Row[]>`
         SELECT coalesce(o.tenant, s.tenant) AS tenant, coalesce(o.outcome, CASE WHEN s.job_id IS NOT NULL THEN 'done' END)
-            AS outcome, s.summary, a.attempts, a.tokens
+            AS outcome, o.error, s.summary, a.attempts, a.tokens
         FROM (SELECT ${jobId}::uuid AS job_id) j
         LEFT JOIN job_outcomes o USING (job_id) LEFT JOIN summaries s USING (job_id)
         CROSS JOIN LATERAL (
@@ -202,11 +203,10 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     // Another tenant's job is indistinguishable from an unknown one.
     if (decided.outcome) {
       if (decided.tenant !== tenant) return null;
-      if (decided.outcome === "cancelled") {
-        return {
-          document: { job_id: jobId, status: "cancelled", ...usage },
-          recordKey: laneRecord.tenant ? laneKey : undefined,
-        };
+      if (decided.outcome === "cancelled" || decided.outcome === "failed") {
+        const document: SummaryStatus = { job_id: jobId, status: decided.outcome, ...usage };
+        if (decided.outcome === "failed") document.error = decided.error ?? laneRecord.error ?? "failed";
+        return { document, recordKey: laneRecord.tenant ? laneKey : undefined };
       }
       // Done, but its summary is past SUMMARY_RETENTION_S: as if unknown.
       if (decided.summary === null) return null;
@@ -295,8 +295,9 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     if (status === "done" || status === "failed") {
       throw new HttpError(409, `Job ${jobId} is already ${status} and cannot be cancelled`);
     }
-    if (status !== "cancelled" && (await cancelJob(sql, jobId, tenant)) === "done") {
-      throw new HttpError(409, `Job ${jobId} finished before the cancel and cannot be cancelled`);
+    const cancelled = status === "cancelled" ? "already_cancelled" : await cancelJob(sql, jobId, tenant);
+    if (cancelled === "done" || cancelled === "failed") {
+      throw new HttpError(409, `Job ${jobId} is already ${cancelled} and cannot be cancelled`);
     }
     if (found.recordKey) await markCancelled(redis, found.recordKey);
     if (status !== "cancelled") log.info("job_cancel_requested", { job_id: jobId, tenant });

@@ -91,18 +91,21 @@ export async function commitSummaries(sql: Sql, results: SummaryResult[]): Promi
   return new Set(rows.map((r) => r.job_id));
 }
 
+/** How a job ended: its row in `job_outcomes`, decided once. */
+export type Outcome = "done" | "cancelled" | "failed";
+
 /**
  * The outcomes decided for `jobIds` (a new statement, so it sees outcomes
  * committed while an earlier statement waited). Jobs with no row are absent.
  */
-export async function jobOutcomes(sql: Sql, jobIds: string[]): Promise<Map<string, "done" | "cancelled">> {
-  const rows = await sql<{ job_id: string; outcome: "done" | "cancelled" }[]>`
+export async function jobOutcomes(sql: Sql, jobIds: string[]): Promise<Map<string, Outcome>> {
+  const rows = await sql<{ job_id: string; outcome: Outcome }[]>`
     SELECT job_id::text, outcome FROM job_outcomes WHERE job_id = ANY(${jobIds}::uuid[])`;
   return new Map(rows.map((r) => [r.job_id, r.outcome]));
 }
 
 /** What cancelling a job came to. */
-export type CancelOutcome = "cancelled" | "already_cancelled" | "done";
+export type CancelOutcome = "cancelled" | "already_cancelled" | "done" | "failed";
 
 /**
  * Cancels a job unless it is done, in one statement that races the commit
@@ -119,16 +122,56 @@ export async function cancelJob(sql: Sql, jobId: string, tenant: string): Promis
     RETURNING job_id`;
   if (inserted.length > 0) return "cancelled";
   const outcome = (await jobOutcomes(sql, [jobId])).get(jobId);
-  return outcome === "cancelled" ? "already_cancelled" : "done";
+  return outcome === "cancelled" ? "already_cancelled" : outcome === "failed" ? "failed" : "done";
 }
+
+/**
+ * Decides that a job failed (it is about to be dead-lettered), unless it is
+ * already decided: the same primary key as the commit and a cancel, so a
+ * delivery still running elsewhere can no longer commit it.
+ * @returns "failed" when the job is (now, or already) failed: dead-letter it;
+ * "done" or "cancelled" when it was decided otherwise: acknowledge it instead.
+ */
+export async function failJob(sql: Sql, jobId: string, tenant: string, error: string): Promise<Outcome> {
+  const inserted = await sql`
+    INSERT INTO job_outcomes (job_id, tenant, outcome, error)
+    SELECT ${jobId}::uuid, ${tenant}, 'failed', ${error.slice(0, 500)}
+    WHERE NOT EXISTS (SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid)
+    ON CONFLICT (job_id) DO NOTHING
+    RETURNING job_id`;
+  if (inserted.length > 0) return "failed";
+  return (await jobOutcomes(sql, [jobId])).get(jobId) ?? "done";
+}
+
+/**
+ * Whether a dead letter of `jobId` may run again, and if so, makes it
+ * undecided: deletes its 'failed' outcome (a replay is the one step that
+ * takes a decision back, and only that kind). A job with any other outcome,
+ * a summary or an outbox row has had its effects (or a cancel) already.
+ * @returns null when the replay may go ahead, else what the job already is.
+ */
+export async function reopenFailedJob(sql: Sql, jobId: string): Promise<"done" | "cancelled" | null> {
+  const [row] = await sql<{ outcome: Outcome | null; effects: boolean }[]>`
+    SELECT (SELECT outcome FROM job_outcomes WHERE job_id = ${jobId}::uuid) AS outcome,
+      EXISTS (SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid)
+        OR EXISTS (SELECT 1 FROM outbox WHERE dedupe_key IN (
+          ${SUMMARY_READY_KEY_PREFIX + jobId}, ${SUMMARY_WEBHOOK_KEY_PREFIX + jobId})) AS effects`;
+  if (row!.outcome === "cancelled") return "cancelled";
+  if (row!.outcome === "done" || row!.effects) return "done";
+  await sql`DELETE FROM job_outcomes WHERE job_id = ${jobId}::uuid AND outcome = 'failed'`;
+  return null;
+}
+
+/**
+ * What one commit came to: "done" if it committed the job, "duplicate" if the
+ * job was already done, "cancelled" or "failed" if a cancel or a dead letter
+ * decided it first (nothing was written).
+ */
+export type Committed = "done" | "duplicate" | "cancelled" | "failed";
 
 /** Commits one summary at a time as jobs finish, grouping those that finish together. */
 export interface GroupCommitter {
-  /**
-   * @returns "done" if this call committed the job, "duplicate" if it was
-   * already committed, "cancelled" if a cancel won (nothing was written).
-   */
-  commit(result: SummaryResult): Promise<"done" | "duplicate" | "cancelled">;
+  commit(result: SummaryResult): Promise<Committed>;
 }
 
 /**
@@ -142,32 +185,29 @@ export function createGroupCommitter(
   { sql, log }: { sql: Sql; log: Logger },
   options: { maxBatch?: number; inFlight?: number } = {},
 ): GroupCommitter {
-  type Outcome = "done" | "duplicate" | "cancelled" | { error: unknown };
-  const commitOne = async (r: SummaryResult): Promise<Outcome> => {
+  type Result = Committed | { error: unknown };
+  const lostTo = (outcome: Outcome | undefined): Committed =>
+    outcome === "cancelled" || outcome === "failed" ? outcome : "duplicate";
+  const commitOne = async (r: SummaryResult): Promise<Result> => {
     try {
       if ((await commitSummaries(sql, [r])).has(r.jobId)) return "done";
-      return (await jobOutcomes(sql, [r.jobId])).get(r.jobId) === "cancelled" ? "cancelled" : "duplicate";
+      return lostTo((await jobOutcomes(sql, [r.jobId])).get(r.jobId));
     } catch (error) {
       return { error };
     }
   };
-  const commit = createBatcher<SummaryResult, Outcome>(async (results) => {
+  const commit = createBatcher<SummaryResult, Result>(async (results) => {
     // Two deliveries of one job in the same batch: the first decides, the others are duplicates.
     const firstIndex = new Map<string, number>();
     results.forEach((r, i) => firstIndex.has(r.jobId) || firstIndex.set(r.jobId, i));
     const unique = [...firstIndex.values()].map((i) => results[i]!);
-    let outcomes: Map<string, Outcome>;
+    let outcomes: Map<string, Result>;
     try {
       const inserted = await commitSummaries(sql, unique);
       const lost = unique.filter((r) => !inserted.has(r.jobId)).map((r) => r.jobId);
-      // Rare: a redelivery of a committed job, or a cancel that won. Which one is in job_outcomes.
-      const decided = lost.length > 0 ? await jobOutcomes(sql, lost) : new Map();
-      outcomes = new Map(
-        unique.map((r) => [
-          r.jobId,
-          inserted.has(r.jobId) ? "done" : decided.get(r.jobId) === "cancelled" ? "cancelled" : "duplicate",
-        ]),
-      );
+      // Rare: a redelivery of a committed job, or a cancel or dead letter that won. job_outcomes says which.
+      const decided = lost.length > 0 ? await jobOutcomes(sql, lost) : new Map<string, Outcome>();
+      outcomes = new Map(unique.map((r) => [r.jobId, inserted.has(r.jobId) ? "done" : lostTo(decided.get(r.jobId))]));
     } catch (error) {
       if (unique.length > 1) log.warn("group_commit_failed", { jobs: unique.length, error });
       const each = unique.length > 1 ? await Promise.all(unique.map(commitOne)) : [{ error }];
@@ -193,9 +233,9 @@ export function createGroupCommitter(
  * costs one round trip. (The migration that made job_outcomes gave every
  * job already done its row.)
  */
-export function createDecidedCheck(sql: Sql): (jobId: string) => Promise<"done" | "cancelled" | undefined> {
-  return createBatcher<string, "done" | "cancelled" | undefined>(async (ids) => {
-    const rows = await sql<{ job_id: string; outcome: "done" | "cancelled" }[]>`
+export function createDecidedCheck(sql: Sql): (jobId: string) => Promise<Outcome | undefined> {
+  return createBatcher<string, Outcome | undefined>(async (ids) => {
+    const rows = await sql<{ job_id: string; outcome: Outcome }[]>`
       SELECT job_id::text, outcome FROM job_outcomes WHERE job_id = ANY(${ids}::uuid[])`;
     const found = new Map(rows.map((r) => [r.job_id, r.outcome]));
     return ids.map((id) => found.get(id));

@@ -11,7 +11,7 @@ import { encodeScope, jobIdFor, type Scope } from "../idempotency/scope.ts";
 import { defineScript } from "../redis/script.ts";
 import { markQueuedLua } from "./job_status.ts";
 import { JOB_RECORD_TTL_S, type ServiceKeys } from "./keys.ts";
-import { announceLane } from "../queue/lanes.ts";
+import { announceLane, laneKnownArgs, laneKnownLua } from "../queue/lanes.ts";
 import { allLanes } from "./all_lanes.ts";
 import type { Logger } from "../log/logger.ts";
 import type { SummaryRequest } from "./schemas.ts";
@@ -41,13 +41,20 @@ export interface Intake {
   keyFor(scope: Scope): string;
 }
 
-// KEYS: the scope's record, the job stream, the job's status record (one hash tag).
-// ARGV: job id, tenant, payload, status TTL, record, record TTL, the lane's cap (0 = none), and the POST's
-// traceparent ('' when not tracing: the message then has no such field).
-// Returns the existing record, 1 when the lane is full (nothing written), or false after enqueuing and storing ours.
+// KEYS: the scope's record, the job stream, the job's status record (one hash tag), then the registry keys
+// that make the lane known (`laneKnownArgs`).
+// ARGV: job id, tenant, payload, status TTL, record, record TTL, the lane's cap (0 = none), the POST's
+// traceparent ('' when not tracing: the message then has no such field), then the registry arguments.
+// Returns the existing record (or ours, stored again, when the key's record expired but the job is still
+// known: it is not enqueued twice and its status is left alone), 1 when the lane is full (nothing written),
+// or false after enqueuing, making the lane known and storing ours.
 const INTAKE = defineScript(`
 local stored = redis.call('GET', KEYS[1])
 if stored then return stored end
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('SET', KEYS[1], ARGV[5], 'EX', ARGV[6])
+  return ARGV[5]
+end
 local cap = tonumber(ARGV[7])
 if cap > 0 and redis.call('XLEN', KEYS[2]) >= cap then return 1 end
 if ARGV[8] ~= '' then
@@ -56,6 +63,7 @@ else
   redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[1], 'tenant', ARGV[2], 'payload', ARGV[3])
 end
 ${markQueuedLua({ key: "KEYS[3]", tenant: "ARGV[2]", ttl: "ARGV[4]" })}
+${laneKnownLua(4, 9)}
 redis.call('SET', KEYS[1], ARGV[5], 'EX', ARGV[6])
 return false`);
 
@@ -72,9 +80,15 @@ export class QueueFull extends Error {
   }
 }
 
+/** Test seams: each runs at its point of `submit`, and may throw to stand in for a crash there. */
+export interface IntakeFaults {
+  /** After the intake script, before the announce. */
+  afterScript?(): Promise<void>;
+}
+
 /** Creates the intake on `redis`; records live `resultTtlS` (IDEMPOTENCY_RESULT_TTL_S). */
 export function createIntake(
-  { redis, log }: { redis: RedisClient; log?: Logger },
+  { redis, log, faults }: { redis: RedisClient; log?: Logger; faults?: IntakeFaults },
   { keys, resultTtlS, path, maxQueued, maxQueuedPerTenant }: {
     keys: ServiceKeys;
     resultTtlS: number;
@@ -114,7 +128,8 @@ export function createIntake(
       const lane = keys.lane(scope.tenant);
       // The whole queue's size is known only across lanes (other slots), so it is read at most once a second.
       if (maxQueued && (await totalQueued()) >= maxQueued) throw new QueueFull("the queue is full", RETRY_AFTER_S);
-      const stored = await INTAKE.run(redis, [keyFor(scope), lane.stream, lane.job(jobId)], [
+      const known = laneKnownArgs(redis, keys.registry, scope.tenant, lane.stream);
+      const stored = await INTAKE.run(redis, [keyFor(scope), lane.stream, lane.job(jobId), ...known.keys], [
         jobId,
         scope.tenant,
         JSON.stringify(request),
@@ -123,17 +138,20 @@ export function createIntake(
         resultTtlS,
         maxQueuedPerTenant ?? 0,
         traceparent ?? "",
+        ...known.args,
       ]) as string | number | null;
       if (stored === 1) throw new QueueFull(`tenant ${scope.tenant}'s queue is full`, RETRY_AFTER_S);
-      if (stored === null) {
-        // After the enqueue, never before: a worker that is just taking the lane off the active set looks
-        // again after removing it, so between the two the lane cannot be lost. If this fails, the job is
-        // queued all the same, and the workers' periodic sweep finds the lane.
+      // The script made the lane known (on one server it announced it too), so no crash from here on can
+      // hide the job from the workers' sweep. The announce only wakes them now rather than at the sweep:
+      // after the enqueue, never before (a worker taking the lane off the active set looks again after).
+      // A replay announces too: the client's retry may be all that follows a crash right here.
+      await faults?.afterScript?.();
+      if (!known.announced || stored !== null) {
         announceLane(redis, keys.registry, scope.tenant).catch((error) =>
           log?.warn("lane_announce_failed", { tenant: scope.tenant, error })
         );
-        return { response, replayed: false };
       }
+      if (stored === null) return { response, replayed: false };
       const previous = JSON.parse(stored as string) as StoredRecord;
       if (previous.fp !== fingerprint) throw new KeyReused();
       const { status, body, headers } = previous;

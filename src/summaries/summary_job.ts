@@ -12,7 +12,7 @@ import type { ProviderFlow } from "../provider/flow_control.ts";
 import { type AttemptDetails, type AttemptReport, callWithRetries } from "../retry/retry_policy.ts";
 import type { Completion } from "../llm/llm.ts";
 import { type AttemptLog, attemptRow } from "./attempt_log.ts";
-import { createDecidedCheck, type GroupCommitter } from "./commit.ts";
+import { type Committed, createDecidedCheck, type GroupCommitter, type Outcome } from "./commit.ts";
 import { contextFrom, currentTraceparent, inSpan, recordSpan } from "../tracing.ts";
 import { SummaryRequest } from "./schemas.ts";
 
@@ -48,11 +48,11 @@ function describeAttempt({ value, error }: { value?: Completion; error?: unknown
   };
 }
 
-/** The job was cancelled while it ran: it ends without another model call, and its message is acknowledged. */
-class JobCancelled extends Error {
-  constructor(jobId: string) {
-    super(`job ${jobId} was cancelled`);
-    this.name = "JobCancelled";
+/** The job was decided (cancelled, or done or failed by another delivery) while it ran: no more model calls. */
+class JobDecided extends Error {
+  constructor(jobId: string, readonly outcome: Outcome) {
+    super(`job ${jobId} was ${outcome} meanwhile`);
+    this.name = "JobDecided";
   }
 }
 
@@ -73,7 +73,8 @@ const Fields = z.object({ job_id: z.uuid(), tenant: z.string().min(1), payload: 
  * the model too, and a cancel that wins the race with the commit leaves
  * nothing written.
  * @returns "done" when this delivery committed the job, "cancelled" when it
- * was cancelled, "duplicate" otherwise.
+ * was cancelled, "failed" when another delivery dead-lettered it first,
+ * "duplicate" when it was already done.
  * @throws {PermanentJobError} for a malformed message or a model error no retry can fix.
  * @throws the retryable error, or {@linkcode DeadlineExceeded}, to leave the message pending.
  */
@@ -89,7 +90,7 @@ export function createSummaryJob(
     flow?: ProviderFlow;
   },
   options: SummaryJobOptions,
-): (message: StreamMessage, signal: AbortSignal) => Promise<"done" | "duplicate" | "cancelled"> {
+): (message: StreamMessage, signal: AbortSignal) => Promise<Committed> {
   const decided = createDecidedCheck(sql);
   const modelName = options.model ?? "unknown";
   // Each delivery is a span of the job's trace (continued from the POST's), after its time in the queue.
@@ -103,7 +104,7 @@ export function createSummaryJob(
     return inSpan("job.delivery", attributes, () => deliver(message, signal), parent);
   };
 
-  async function deliver(message: StreamMessage, signal: AbortSignal): Promise<"done" | "duplicate" | "cancelled"> {
+  async function deliver(message: StreamMessage, signal: AbortSignal): Promise<Committed> {
     const fields = Fields.safeParse(message.fields);
     if (!fields.success) throw new PermanentJobError(`malformed job message: ${fields.error.issues[0]?.message}`);
     const { job_id, tenant } = fields.data;
@@ -129,12 +130,17 @@ export function createSummaryJob(
       early.abort(new Error(why));
       await first?.then((permit) => permit.settle({ aborted: true }), () => {}).catch(() => {});
     };
-    let outcome: "done" | "cancelled" | undefined;
+    let outcome: Outcome | undefined;
     try {
       outcome = await decided(job_id);
     } catch (error) {
       await releaseFirst("pre-check failed");
       throw error;
+    }
+    if (outcome === "failed") {
+      // Decided failed, but its message is still here: the dead-letter step stopped between its two stores.
+      await releaseFirst("job already failed");
+      throw new PermanentJobError("the job had already failed (dead-lettered by an earlier delivery)");
     }
     if (outcome) {
       await releaseFirst(`job already ${outcome}`);
@@ -162,9 +168,10 @@ export function createSummaryJob(
         random: options.random,
         signal,
         describe: describeAttempt,
-        // A cancel that committed during an attempt stops the job before its next call.
+        // A cancel (or another delivery's commit or dead letter) during an attempt stops the job before its next call.
         beforeRetry: async () => {
-          if ((await decided(job_id)) === "cancelled") throw new JobCancelled(job_id);
+          const now = await decided(job_id);
+          if (now) throw new JobDecided(job_id, now);
         },
         onAttempt: (report) => {
           if (report.started_at_ms !== undefined) {
@@ -193,9 +200,11 @@ export function createSummaryJob(
       });
       summary = completion.text;
     } catch (error) {
-      if (error instanceof JobCancelled) {
-        jobLog.info("job_cancelled", { stage: "between_attempts", deliveries: message.deliveries });
-        return "cancelled";
+      if (error instanceof JobDecided) {
+        const event =
+          { done: "job_duplicate", cancelled: "job_cancelled", failed: "job_failed_elsewhere" }[error.outcome];
+        jobLog.info(event, { stage: "between_attempts", deliveries: message.deliveries });
+        return error.outcome === "done" ? "duplicate" : error.outcome;
       }
       // Transient: leave the message pending; redelivery brings a fresh budget.
       if (signal.aborted || error instanceof DeadlineExceeded || error instanceof GateUnavailable) throw error;
@@ -206,7 +215,7 @@ export function createSummaryJob(
       });
     }
 
-    let committed: "done" | "duplicate" | "cancelled";
+    let committed: Committed;
     try {
       committed = await inSpan(
         "job.commit",
@@ -229,7 +238,12 @@ export function createSummaryJob(
       }
       throw error;
     }
-    const event = { done: "job_done", duplicate: "job_duplicate", cancelled: "job_cancelled" }[committed];
+    const event = {
+      done: "job_done",
+      duplicate: "job_duplicate",
+      cancelled: "job_cancelled",
+      failed: "job_failed_elsewhere",
+    }[committed];
     jobLog.info(event, { stage: "commit", deliveries: message.deliveries });
     return committed;
   }

@@ -4,7 +4,7 @@ import type { LLM } from "../llm/llm.ts";
 import type { ProviderFlow } from "../provider/flow_control.ts";
 import type { Logger } from "../log/logger.ts";
 import { createStreamWorker, type StreamWorker, type WorkerEvents } from "../queue/stream_worker.ts";
-import { createGroupCommitter } from "./commit.ts";
+import { createGroupCommitter, failJob } from "./commit.ts";
 import type { JobKeys, ServiceKeys } from "./keys.ts";
 import { createLaneRegistry } from "../queue/lanes.ts";
 import { markFailedHook } from "./job_status.ts";
@@ -12,12 +12,16 @@ import { notifyJob } from "./job_waiter.ts";
 import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
 import { createAttemptLog } from "./attempt_log.ts";
 
+const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
+
 /** Options for {@linkcode createSummaryWorker}. */
 export interface SummaryWorkerOptions {
   /** The service's keys (a lane per tenant, and the old single stream until it is empty), or one stream. */
   keys: ServiceKeys | JobKeys;
   /** The most jobs of one tenant in flight across all workers (TENANT_MAX_IN_FLIGHT). */
   tenantMaxInFlight?: number;
+  /** How often the lane registry's sweep finds lanes with work the workers were not told about; default 30 s. */
+  laneSweepMs?: number;
   consumer: string;
   claimIdleMs: number;
   maxDeliveries: number;
@@ -44,6 +48,7 @@ export function createSummaryWorker(
       keys: keys.registry,
       lane: (tenant) => keys.lane(tenant),
       extra: [keys.legacy],
+      sweepMs: options.laneSweepMs,
     })
     : undefined;
   const one = "lane" in keys ? keys.legacy : keys;
@@ -61,6 +66,13 @@ export function createSummaryWorker(
     graceMs: options.graceMs,
     heartbeatMs: options.heartbeatMs,
     onDeadLetter: markFailedHook,
+    // Postgres decides first: a job done or cancelled meanwhile is acknowledged, never dead-lettered, and a
+    // failed one can no longer be committed by a delivery still running elsewhere.
+    beforeDeadLetter: async (message, reason) => {
+      const { job_id: jobId, tenant } = message.fields;
+      if (!jobId || !UUID.test(jobId) || !tenant) return true;
+      return (await failJob(deps.sql, jobId, tenant, reason)) === "failed";
+    },
     events: {
       ...options.events,
       deadLettered(message, reason) {

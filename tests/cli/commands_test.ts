@@ -5,7 +5,7 @@ import { providerCommand } from "../../src/cli/provider_command.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createProviderFlow, providerStateKey } from "../../src/provider/flow_control.ts";
 import { tenantCommand } from "../../src/cli/tenant_command.ts";
-import { DEAD_LETTER_BOUNDS, deadLetter, pagesOfDeadLetters } from "../../src/queue/dead_letter.ts";
+import { DEAD_LETTER_BOUNDS, deadLetter, droppedDeadLetters, pagesOfDeadLetters } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { commitSummaries } from "../../src/summaries/commit.ts";
 import { enqueueJob } from "../support/enqueue.ts";
@@ -55,7 +55,7 @@ Deno.test("operator commands", async (t) => {
         await deadLetter(r.redis, keys, { id, fields, deliveries: 6 }, "exceeded 5 deliveries", markFailedHook);
         assert.equal(await r.redis.hget(keys.job(jobId), "status"), "failed");
         const list = capture();
-        await dlqCommand(r.redis, keys, ["list"], { out: list.out });
+        await dlqCommand({ redis: r.redis, sql: db.sql }, keys, ["list"], { out: list.out });
         const row = JSON.parse(list.lines[0]!);
         assert.deepEqual(Object.keys(row).slice(0, 5), ["id", "job_id", "tenant", "reason", "deliveries"]);
         assert.deepEqual([row.job_id, row.tenant, row.reason, row.deliveries], [
@@ -65,8 +65,14 @@ Deno.test("operator commands", async (t) => {
           6,
         ]);
         const before = await r.redis.xlen(keys.stream);
-        assert.equal(await dlqCommand(r.redis, keys, ["replay", row.id], { out: capture().out }), 0);
-        assert.equal(await dlqCommand(r.redis, keys, ["replay", row.id], { out: capture().out }), 0);
+        assert.equal(
+          await dlqCommand({ redis: r.redis, sql: db.sql }, keys, ["replay", row.id], { out: capture().out }),
+          0,
+        );
+        assert.equal(
+          await dlqCommand({ redis: r.redis, sql: db.sql }, keys, ["replay", row.id], { out: capture().out }),
+          0,
+        );
         assert.equal(await r.redis.xlen(keys.stream), before + 1, "enqueued once");
         assert.equal(await r.redis.hget(keys.job(jobId), "status"), "queued");
         const [entry] = await r.redis.xrevrange(keys.stream, "+", "-", "COUNT", 1);
@@ -112,10 +118,13 @@ Deno.test("operator commands", async (t) => {
         const payload = bigEntry![1][bigEntry![1].indexOf("payload") + 1]!;
         assert.equal(payload.length, DEAD_LETTER_BOUNDS.keptFieldChars, "the payload kept is a bounded prefix");
         const list = capture();
-        await dlqCommand(r.redis, boundKeys, ["list", "--json"], { out: list.out });
+        await dlqCommand({ redis: r.redis, sql: db.sql }, boundKeys, ["list", "--json"], { out: list.out });
         assert.deepEqual(list.lines.map((l) => JSON.parse(l).replayable), [false, true]);
         const out = capture();
-        assert.equal(await dlqCommand(r.redis, boundKeys, ["replay", "--all"], { out: out.out }), 1);
+        assert.equal(
+          await dlqCommand({ redis: r.redis, sql: db.sql }, boundKeys, ["replay", "--all"], { out: out.out }),
+          1,
+        );
         assert.match(out.lines.at(-1)!, /1 dead letter\(s\) replayed\. 1 could not be/);
         const queued = await r.redis.xrange(boundKeys.stream, "-", "+");
         assert.deepEqual(queued.map(([, f]) => f[1]), [small], "only the whole entry ran again");
@@ -123,9 +132,10 @@ Deno.test("operator commands", async (t) => {
 
         const saved = DEAD_LETTER_BOUNDS.maxEntries;
         DEAD_LETTER_BOUNDS.maxEntries = 100;
+        let dropped = 0;
         try {
           for (let i = 0; i < 600; i++) {
-            await deadLetter(r.redis, boundKeys, {
+            dropped += await deadLetter(r.redis, boundKeys, {
               id: `2-${i}`,
               fields: { job_id: `j${i}`, tenant: "acme", payload: "{}" },
               deliveries: 6,
@@ -139,6 +149,17 @@ Deno.test("operator commands", async (t) => {
         assert.ok(length <= 200, `dead-letter stream trimmed to about its bound, not ${length}`);
         const [newest] = await r.redis.xrevrange(boundKeys.dead, "+", "-", "COUNT", 1);
         assert.equal(newest![1][1], "j599", "the newest are the ones kept");
+        // Every drop is counted, and `dlq list` says how many (apart from its JSON lines).
+        assert.equal(dropped, 601 - length, "each dead-letter step reports what its trim dropped");
+        assert.equal(await droppedDeadLetters(r.redis, boundKeys), dropped);
+        const listed = capture();
+        const notes = capture();
+        await dlqCommand({ redis: r.redis, sql: db.sql }, boundKeys, ["list", "--json"], {
+          out: listed.out,
+          err: notes.out,
+        });
+        assert.equal(listed.lines.length, length, "stdout holds only the JSON lines");
+        assert.match(notes.lines.join("\n"), new RegExp(`^${dropped} older dead letter\\(s\\) .* were dropped`));
       },
     );
 
@@ -168,7 +189,7 @@ Deno.test("operator commands", async (t) => {
       for await (const page of pagesOfDeadLetters(r.redis, pageKeys)) sizes.push(page.length);
       assert.deepEqual(sizes, [500, 500, 201]);
       const list = capture();
-      await dlqCommand(r.redis, pageKeys, ["list", "--json"], { out: list.out });
+      await dlqCommand({ redis: r.redis, sql: db.sql }, pageKeys, ["list", "--json"], { out: list.out });
       assert.equal(list.lines.length, 1_201);
       assert.equal(new Set(list.lines.map((l) => JSON.parse(l).job_id)).size, 1_201, "each once, none skipped");
     });

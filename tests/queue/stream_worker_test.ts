@@ -290,6 +290,42 @@ Deno.test("stream worker", async (t) => {
       }
     });
 
+    await t.step(
+      "a read between the pruner's look and its delete: the consumer stays, its message is not lost",
+      async () => {
+        await reset();
+        await r.redis.xgroup("CREATECONSUMER", n.stream, n.group, "sleeper");
+        const id = await add();
+        const w = createStreamWorker(
+          {
+            redis: r.redis,
+            log: silentLogger,
+            faults: {
+              // The pruner has seen "sleeper" idle with nothing pending; now it wakes and reads.
+              async beforePrune(consumer) {
+                if (consumer !== "sleeper") return;
+                await r.redis.xreadgroup("GROUP", n.group, "sleeper", "COUNT", 1, "STREAMS", n.stream, ">");
+              },
+            },
+          },
+          { ...n, consumer: "self", claimIdleMs: 60_000, maxDeliveries: 5, concurrency: 1, pruneIdleMs: 50 },
+          () => Promise.resolve(),
+        );
+        try {
+          await new Promise((res) => setTimeout(res, 100));
+          assert.deepEqual(await w.pruneConsumers(), [], "nothing pruned");
+          const pending = await pendingOf(r);
+          assert.deepEqual(
+            pending.map(([pid, owner]) => [pid, owner]),
+            [[id, "sleeper"]],
+            "still pending, for reclaim",
+          );
+        } finally {
+          await w.close();
+        }
+      },
+    );
+
     await t.step("graceful stop: in-flight handlers finish; those past the grace period stay pending", async () => {
       await reset();
       await add({ job_id: "quick", tenant: "acme" });
