@@ -1,3 +1,4 @@
+import { JOB_ID } from "../summaries/schemas.ts";
 import type { Sql } from "postgres";
 import type { RedisClient } from "../clients.ts";
 import {
@@ -15,7 +16,6 @@ import { announceLane } from "../queue/lanes.ts";
 import { markQueuedOnReplay } from "../summaries/job_status.ts";
 import { printRows } from "./table.ts";
 
-const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
 const USAGE = "Usage: deno task dlq list [--json|--table] | replay ID [--tenant T] | replay --all";
 
 /**
@@ -114,7 +114,7 @@ export async function dlqCommand(
         // Postgres first: a job that already had its effects (or was cancelled) never runs again, and a
         // failed one is made undecided before it is queued again. A crash between the two leaves it
         // undecided and still dead-lettered: replaying again finishes the job.
-        const already = jobId && UUID.test(jobId) ? await reopenFailedJob(sql, jobId) : null;
+        const already = jobId && JOB_ID.test(jobId) ? await reopenFailedJob(sql, jobId) : null;
         if (already) {
           err(`Dead letter ${d.id} ${named} is not replayed: its job is already ${already}. Nothing done.`);
           refused++;

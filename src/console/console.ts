@@ -6,6 +6,7 @@
  * token). Every action is a POST carrying a CSRF token. Every value from data
  * is escaped by the `html` tag, and the pages never show keys or secrets.
  */
+import { JOB_ID } from "../summaries/schemas.ts";
 import type { Sql } from "postgres";
 import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
@@ -35,7 +36,6 @@ const COOKIE = "oncely_console";
 /** How long a sign-in lasts, checked on every request (the cookie's Max-Age is only the browser's hint). */
 const SESSION_S = 12 * 3600;
 const PAGE_ROWS = 200;
-const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
 const HEADERS = {
   "content-type": "text/html; charset=utf-8",
   "cache-control": "no-store",
@@ -292,7 +292,7 @@ ${
   }
 
   async function jobPage(jobId: string): Promise<Response> {
-    if (!UUID.test(jobId)) return page("Job", html`<p>Not a job id: <code>${jobId}</code></p>`, { status: 404 });
+    if (!JOB_ID.test(jobId)) return page("Job", html`<p>Not a job id: <code>${jobId}</code></p>`, { status: 404 });
     const [decided] = await sql<{ tenant: string; outcome: string; decided_at: Date; summary: string | null }[]>`
       SELECT o.tenant, o.outcome, o.decided_at, s.summary
       FROM job_outcomes o LEFT JOIN summaries s USING (job_id) WHERE o.job_id = ${jobId}`;

@@ -210,15 +210,15 @@ export function createLaneRegistry(
     return repaired;
   }
   const sweepNow = () => sweep().catch((error) => log.warn("lane_sweep_failed", { error }));
-  // Once at start (a restarted worker finds what a crash hid at once), then every `sweepMs`.
-  const first = setTimeout(sweepNow, 0);
+  // Before the first read (a restarted worker finds at once what a crash hid), then every `sweepMs`.
+  let firstSweep: Promise<unknown> | undefined;
   const sweeper = setInterval(sweepNow, options.sweepMs ?? 30_000);
-  Deno.unrefTimer(first);
   Deno.unrefTimer(sweeper);
 
   return {
     async active() {
       await subscribed;
+      await (firstSweep ??= sweepNow());
       wakesSeen = wakes;
       // A drained lane outside the registry is looked at again every second: a replayed dead letter, or an
       // older API still writing there during a rolling upgrade, is not left for the sweep.
@@ -263,7 +263,6 @@ export function createLaneRegistry(
     },
     sweep,
     async close() {
-      clearTimeout(first);
       clearInterval(sweeper);
       wakeAll();
       await subscriber.quit().catch(() => subscriber.disconnect());

@@ -16,7 +16,7 @@ import { checkWebhookUrl, WebhookRefused } from "../webhooks/addresses.ts";
 import { currentTraceparent } from "../tracing.ts";
 import type { ServiceKeys } from "./keys.ts";
 import { openApiDocument, ROUTES } from "./openapi.ts";
-import { IdempotencyKey, SummaryRequest, type SummaryStatus } from "./schemas.ts";
+import { IdempotencyKey, JOB_ID, SummaryRequest, type SummaryStatus } from "./schemas.ts";
 
 /** What the API handler needs. */
 export interface ApiDeps {
@@ -52,7 +52,6 @@ export interface ApiDeps {
 /** The collection path: POSTs are scoped to it, and job documents live below it. */
 export const SUMMARIES = "/v1/summaries";
 const JOB_PATH = /^\/v1\/summaries\/([^/]+)$/;
-const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
 const READY_TIMEOUT_MS = 1_000;
 
 function json(status: number, body: unknown, headers: Record<string, string> = {}): Response {
@@ -174,7 +173,7 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     tenant: string,
     jobId: string,
   ): Promise<{ document: SummaryStatus; recordKey?: string } | null> {
-    if (!UUID.test(jobId)) return null;
+    if (!JOB_ID.test(jobId)) return null;
     const laneKey = keys.lane(tenant).job(jobId);
     type Row = {
       tenant: string | null;

@@ -1,5 +1,8 @@
 import { z } from "zod";
 
+/** A job id as the API writes it: a lowercase UUID. Anything else names no job (and would fail a uuid cast). */
+export const JOB_ID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
+
 /**
  * Text Postgres can store: no NUL character and no unpaired UTF-16
  * surrogate. Either passes JSON parsing and would only fail at the commit,

@@ -1,3 +1,4 @@
+import { JOB_ID } from "./schemas.ts";
 import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
 import type { LLM } from "../llm/llm.ts";
@@ -11,8 +12,6 @@ import { markFailedHook } from "./job_status.ts";
 import { notifyJob } from "./job_waiter.ts";
 import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
 import { createAttemptLog } from "./attempt_log.ts";
-
-const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
 
 /** Options for {@linkcode createSummaryWorker}. */
 export interface SummaryWorkerOptions {
@@ -70,7 +69,7 @@ export function createSummaryWorker(
     // failed one can no longer be committed by a delivery still running elsewhere.
     beforeDeadLetter: async (message, reason) => {
       const { job_id: jobId, tenant } = message.fields;
-      if (!jobId || !UUID.test(jobId) || !tenant) return true;
+      if (!jobId || !JOB_ID.test(jobId) || !tenant) return true;
       return (await failJob(deps.sql, jobId, tenant, reason)) === "failed";
     },
     events: {
