@@ -9,7 +9,7 @@ import {
   pagesOfDeadLetters,
   replayDeadLetter,
 } from "../queue/dead_letter.ts";
-import { reopenFailedJob } from "../summaries/commit.ts";
+import { failJob, reopenFailedJob } from "../summaries/commit.ts";
 import type { JobKeys, ServiceKeys } from "../summaries/keys.ts";
 import { allLanes, type LaneRef } from "../summaries/all_lanes.ts";
 import { announceLane } from "../queue/lanes.ts";
@@ -127,7 +127,11 @@ export async function dlqCommand(
         refused++;
         continue;
       }
-      if (newId === null) continue; // replayed concurrently by someone else
+      if (newId === null) {
+        // Gone meanwhile (replayed by someone else, or trimmed): put the decision back unless the job moved on.
+        if (jobId && JOB_ID.test(jobId) && d.fields.tenant) await failJob(sql, jobId, d.fields.tenant, d.reason);
+        continue;
+      }
       // Back in its lane's stream: tell the workers, as an enqueue does.
       if (d.lane.tenant !== null && "lane" in keys) await announceLane(redis, keys.registry, d.lane.tenant);
       out(`Replayed ${d.id} as ${newId} (job ${jobId ?? "?"}, tenant ${d.fields.tenant ?? "?"})`);

@@ -122,7 +122,8 @@ export async function foldLaneHomes(redis: RedisClient, keys: LaneRegistryKeys):
   const homes = keys.homes();
   // In pieces, so one sweep never queues 16,384 commands at once.
   for (let i = 0; i < homes.length; i += 1_024) {
-    const members = await Promise.all(homes.slice(i, i + 1_024).map((home) => redis.smembers(home)));
+    // One home on a node that is failing over must not stop the sweep: it is read again next time.
+    const members = await Promise.all(homes.slice(i, i + 1_024).map((home) => redis.smembers(home).catch(() => [])));
     for (const list of members) for (const id of list) if (!known.has(id)) found.add(id);
   }
   if (found.size > 0) await redis.sadd(keys.all, ...found);

@@ -140,7 +140,13 @@ export async function failJob(sql: Sql, jobId: string, tenant: string, error: st
     ON CONFLICT (job_id) DO NOTHING
     RETURNING job_id`;
   if (inserted.length > 0) return "failed";
-  return (await jobOutcomes(sql, [jobId])).get(jobId) ?? "done";
+  const outcome = (await jobOutcomes(sql, [jobId])).get(jobId);
+  if (outcome) return outcome;
+  // No row, yet the insert wrote none: a summary from before job_outcomes, or a row deleted meanwhile (a
+  // replay, retention). Only a summary means done; otherwise decide nothing now and let a later delivery look.
+  const [summary] = await sql`SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid`;
+  if (summary) return "done";
+  throw new Error(`job ${jobId}'s outcome changed while it was being decided failed`);
 }
 
 /**

@@ -48,6 +48,19 @@ function describeAttempt({ value, error }: { value?: Completion; error?: unknown
   };
 }
 
+/**
+ * Another delivery decided this job failed, but may not have moved its message to the dead letters yet
+ * (it may have died in between). Thrown, not returned: the message must stay pending rather than be
+ * acknowledged, so that, if it is still there, a later delivery dead-letters it (the pre-check), and if the
+ * other delivery finished, nothing is left to do.
+ */
+export class JobFailedElsewhere extends Error {
+  constructor(jobId: string) {
+    super(`job ${jobId} was decided failed by another delivery`);
+    this.name = "JobFailedElsewhere";
+  }
+}
+
 /** The job was decided (cancelled, or done or failed by another delivery) while it ran: no more model calls. */
 class JobDecided extends Error {
   constructor(jobId: string, readonly outcome: Outcome) {
@@ -73,8 +86,9 @@ const Fields = z.object({ job_id: z.uuid(), tenant: z.string().min(1), payload: 
  * the model too, and a cancel that wins the race with the commit leaves
  * nothing written.
  * @returns "done" when this delivery committed the job, "cancelled" when it
- * was cancelled, "failed" when another delivery dead-lettered it first,
- * "duplicate" when it was already done.
+ * was cancelled, "duplicate" when it was already done.
+ * @throws {JobFailedElsewhere} when another delivery decided it failed first
+ * (its commit wrote nothing), to leave the message pending.
  * @throws {PermanentJobError} for a malformed message or a model error no retry can fix.
  * @throws the retryable error, or {@linkcode DeadlineExceeded}, to leave the message pending.
  */
@@ -204,6 +218,7 @@ export function createSummaryJob(
         const event =
           { done: "job_duplicate", cancelled: "job_cancelled", failed: "job_failed_elsewhere" }[error.outcome];
         jobLog.info(event, { stage: "between_attempts", deliveries: message.deliveries });
+        if (error.outcome === "failed") throw new JobFailedElsewhere(job_id);
         return error.outcome === "done" ? "duplicate" : error.outcome;
       }
       // Transient: leave the message pending; redelivery brings a fresh budget.
@@ -245,6 +260,7 @@ export function createSummaryJob(
       failed: "job_failed_elsewhere",
     }[committed];
     jobLog.info(event, { stage: "commit", deliveries: message.deliveries });
+    if (committed === "failed") throw new JobFailedElsewhere(job_id);
     return committed;
   }
 }

@@ -14,12 +14,13 @@ import { createExtractiveLlm } from "../../src/llm/extractive.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { DEAD_LETTER_BOUNDS, deadLetter, listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { createStreamWorker, ensureGroup } from "../../src/queue/stream_worker.ts";
+import { PermanentJobError } from "../../src/queue/errors.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";
 import { commitSummaries, createGroupCommitter, failJob } from "../../src/summaries/commit.ts";
 import { createIntake } from "../../src/summaries/intake.ts";
 import { markFailedHook } from "../../src/summaries/job_status.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
-import { createSummaryJob } from "../../src/summaries/summary_job.ts";
+import { createSummaryJob, JobFailedElsewhere } from "../../src/summaries/summary_job.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
@@ -257,9 +258,12 @@ Deno.test("nothing accepted is stranded", async (t) => {
         assert.equal(failed.status, "failed");
         assert.equal(failed.error, "exceeded 1 deliveries");
         release();
-        assert.equal(await result, "failed", "the late commit lost to the dead letter");
+        // The late commit loses to the dead letter and writes nothing; its message is left alone, not acked
+        // (had the dead-lettering worker died before its MULTI, a later delivery would dead-letter it).
+        await assert.rejects(result!, JobFailedElsewhere);
         await stalled.drain();
         await stalled.close();
+        assert.equal((await listDeadLetters(r.redis, lane)).length, 1, "one dead letter, not two");
         assert.deepEqual(await effects(job_id), [0, 0], "no summary, no email");
         assert.equal((await (await request("GET", apiKey, job_id)).json()).status, "failed", "still failed");
         assert.equal((await request("DELETE", apiKey, job_id)).status, 409);
@@ -276,6 +280,41 @@ Deno.test("nothing accepted is stranded", async (t) => {
         }
         assert.deepEqual(await effects(job_id), [1, 1]);
         assert.equal((await (await request("GET", apiKey, job_id)).json()).status, "done");
+      },
+    );
+
+    await t.step(
+      "a worker dies between deciding a job failed and its dead-letter step: the next delivery dead-letters it",
+      async () => {
+        const apiKey = await createApiKey(db.sql, "halfburied");
+        const lane = keys.lane("halfburied");
+        const { job_id } = await (await post(api(), apiKey, newKey())).json();
+        await ensureGroup(r.redis, lane);
+        const dying = createStreamWorker({ redis: r.redis, log: silentLogger, faults: { beforeDeadLetter: crash } }, {
+          ...lane,
+          consumer: "dying",
+          claimIdleMs: 60_000,
+          maxDeliveries: 5,
+          concurrency: 1,
+          blockMs: 10,
+          beforeDeadLetter: async (m, reason) =>
+            (await failJob(db.sql, m.fields.job_id!, m.fields.tenant!, reason)) === "failed",
+        }, () => Promise.reject(new PermanentJobError("the model refused this document")));
+        assert.equal(await dying.runOnce(10), 1);
+        await dying.drain();
+        await dying.close();
+        assert.equal((await listDeadLetters(r.redis, lane)).length, 0, "it died before the dead-letter step");
+        assert.equal((await (await request("GET", apiKey, job_id)).json()).status, "failed", "already final");
+        const worker = startWorker({ claimIdleMs: 50 });
+        try {
+          await waitFor("dead-lettered", async () => (await listDeadLetters(r.redis, lane)).length === 1, 5_000);
+        } finally {
+          await worker.stop();
+        }
+        assert.equal(await r.redis.xlen(lane.stream), 0);
+        assert.deepEqual(await effects(job_id), [0, 0], "no model call committed");
+        const doc = await (await request("GET", apiKey, job_id)).json();
+        assert.deepEqual([doc.status, doc.error], ["failed", "permanent: the model refused this document"]);
       },
     );
 
