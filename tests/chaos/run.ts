@@ -10,7 +10,7 @@
  * and counts effects. Exits non-zero unless nothing was lost or duplicated.
  *
  *   deno task chaos [--jobs N] [--duration S] [--redis-restart] [--pg-terminate] [--no-kills] [--seed N]
- *                   [--provider-limit RPS] [--cluster]
+ *                   [--provider-limit RPS] [--cluster] [--new-tenants] [--drain-timeout S]
  *
  * With --cluster, Redis is a local three-master Redis Cluster with AOF on
  * (fsync always) in a temporary directory, REDIS_URL lists its nodes, and one
@@ -21,6 +21,18 @@
  * workers learn the limit from them), and goes down twice during the kill
  * period: insufficient_quota for 10% of it, then 503 for 10% of it, with a
  * 1 s breaker cooldown.
+ *
+ * With --new-tenants, 90% of the jobs come from tenants created for this run
+ * that have never posted (most post one job, some two or three), submitted in
+ * one wave a second, and half the kills go to the API, each aimed a few
+ * milliseconds after a wave has left, so some land between a new tenant's
+ * intake script and its lane announce. A quarter of the new tenants' clients
+ * give up after a connection error instead of retrying. Afterwards every
+ * submitted key is checked by its job id: an accepted (202) job, or one whose
+ * intake ran though its POST was never answered, must be done exactly once; an
+ * unanswered one whose intake never ran must have left nothing. A job queued
+ * but never done is reported as stranded, with its tenant and lane. The drain
+ * timeout defaults to 60 s in this mode (past the workers' 30 s lane sweep).
  *
  * It uses a fresh Postgres database and an empty Redis database index (or,
  * with --redis-restart, its own redis-server with AOF on in a temporary
@@ -37,6 +49,9 @@ import { SUMMARY_READY_KEY_PREFIX, SUMMARY_WEBHOOK_KEY_PREFIX } from "../../src/
 import { ensureWebhookSecret } from "../../src/tenants/webhook_secrets.ts";
 import { startFakeWebhookReceiver } from "../support/fake_webhook_receiver.ts";
 import { KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
+import { SUMMARIES } from "../../src/summaries/api.ts";
+import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
+import { jobIdFor } from "../../src/idempotency/scope.ts";
 import { allLanes } from "../../src/summaries/all_lanes.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { limitedProvider, startFakeModel } from "../support/fake_model_server.ts";
@@ -57,9 +72,10 @@ const option = (name: string, fallback: number) => {
   }
   return value;
 };
+const NEW_TENANTS = flag("new-tenants");
 const JOBS = option("jobs", 500);
 const DURATION_S = option("duration", 30);
-const DRAIN_TIMEOUT_S = option("drain-timeout", 180);
+const DRAIN_TIMEOUT_S = option("drain-timeout", NEW_TENANTS ? 60 : 180);
 const REDIS_RESTART = flag("redis-restart");
 const CLUSTER = flag("cluster");
 const PG_TERMINATE = flag("pg-terminate");
@@ -151,11 +167,57 @@ redisAdmin.on("error", () => {});
 const apiPort = freePort();
 // Four tenants, so four lanes: on a cluster they spread over the masters.
 const TENANTS = ["chaos-a", "chaos-b", "chaos-c", "chaos-d"];
-const apiKeys = await Promise.all(TENANTS.map((tenant) => createApiKey(db.sql, tenant)));
+
+/** Who sends job i, and how its client behaves. */
+interface JobPlan {
+  tenant: string;
+  /** The tenant was created for this run and had never posted before its first job here. */
+  fresh: boolean;
+  /** The tenant's first job in this run. */
+  first: boolean;
+  /** The client retries a POST that got no answer (with --new-tenants, a quarter of new tenants' clients do not). */
+  retries: boolean;
+}
+/** With --new-tenants: the share of jobs from new tenants, and of their clients that give up on a connection error. */
+const FRESH_SHARE = 0.9, GIVE_UP_SHARE = 0.25;
+const plans: JobPlan[] = [];
+{
+  const seen = new Set<string>();
+  let fresh = 0, left = 0;
+  for (let i = 0; i < JOBS; i++) {
+    // Outside --new-tenants, no random number is drawn here, so a seed repeats the runs it always did.
+    if (!NEW_TENANTS || random() >= FRESH_SHARE) {
+      const tenant = TENANTS[i % TENANTS.length]!;
+      plans.push({ tenant, fresh: false, first: !seen.has(tenant), retries: true });
+      seen.add(tenant);
+      continue;
+    }
+    if (left === 0) {
+      // Most new tenants post one job; some two or three, submitted close together.
+      const r = random();
+      left = r < 0.7 ? 1 : r < 0.9 ? 2 : 3;
+      fresh++;
+    }
+    left--;
+    const tenant = `fresh-${String(fresh).padStart(4, "0")}`;
+    plans.push({ tenant, fresh: true, first: !seen.has(tenant), retries: random() >= GIVE_UP_SHARE });
+    seen.add(tenant);
+  }
+}
+const freshTenants = [...new Set(plans.filter((p) => p.fresh).map((p) => p.tenant))];
+const tenantsStarted = performance.now();
+// New tenants are made the way the old ones are (the tenant store's own functions), before any process starts:
+// a tenant row and an API key are all the service sees of them until their first POST.
+const apiKeys = new Map(
+  await Promise.all([...TENANTS, ...freshTenants].map(async (t) => [t, await createApiKey(db.sql, t)] as const)),
+);
 // Every fourth job asks for a webhook: a receiver that verifies signatures, dedupes webhook-ids, fails 10%.
 const secrets = new Map(
-  await Promise.all(TENANTS.map(async (t) => [t, (await ensureWebhookSecret(db.sql, t))!] as const)),
+  await Promise.all(
+    [...TENANTS, ...freshTenants].map(async (t) => [t, (await ensureWebhookSecret(db.sql, t))!] as const),
+  ),
 );
+const tenantSetupS = (performance.now() - tenantsStarted) / 1000;
 const receiver = startFakeWebhookReceiver(secrets, () => random() < 0.1);
 const wantsWebhook = (i: number) => i % 4 === 3;
 const env: Record<string, string> = {
@@ -199,7 +261,8 @@ interface Proc {
   name: string;
   task: Command;
   child: Deno.ChildProcess;
-  log: Deno.FsFile;
+  /** Settles once both pipes are drained into the log file and its handles closed (and so flushed). */
+  logged: Promise<unknown>;
 }
 const procs: Proc[] = [];
 /** Processes that exited without being killed by us: each must survive Redis and Postgres restarts. */
@@ -207,16 +270,22 @@ const selfExits: string[] = [];
 const killedByUs = new Set<Deno.ChildProcess>();
 
 async function spawn(name: string, task: Command): Promise<Proc> {
-  const log = await Deno.open(`${logDir}/${name}.log`, { append: true, create: true });
+  const open = () => Deno.open(`${logDir}/${name}.log`, { append: true, create: true });
+  const [out, err] = [await open(), await open()];
   const child = new Deno.Command(Deno.execPath(), { args: taskArgs(task), env, stdout: "piped", stderr: "piped" })
     .spawn();
-  // Keep the pipes drained into the log file (a full pipe would stall the process).
-  child.stdout.pipeTo(log.writable, { preventClose: true }).catch(() => {});
-  child.stderr.pipeTo(log.writable, { preventClose: true }).catch(() => {});
+  // Keep the pipes drained into the log file (a full pipe would stall the process). One handle per pipe: a
+  // handle's writable takes one writer, so a second pipeTo onto it fails at once and leaves that pipe undrained,
+  // and the service logs to stderr: after 64 KiB its next line blocks it for good, deaf even to SIGTERM. Each pipe
+  // closes its handle when the process is gone; the writable buffers, and only that close writes out the rest.
+  const logged = Promise.all([
+    child.stdout.pipeTo(out.writable).catch(() => {}),
+    child.stderr.pipeTo(err.writable).catch(() => {}),
+  ]);
   child.status.then((status) => {
     if (!killedByUs.has(child)) selfExits.push(`${name} (exit ${status.code})`);
   });
-  return { name, task, child, log };
+  return { name, task, child, logged };
 }
 
 for (
@@ -256,8 +325,15 @@ function document(i: number): string {
   ).join(" ");
 }
 
-async function postOnce(key: string, body: string, apiKey: string): Promise<string | null> {
+/** A 202's job id, or null and whether the API answered at all (a 409 or 5xx) or not (refused, reset, timed out). */
+type PostResult = { jobId: string } | { jobId: null; answered: boolean };
+
+/** POSTs from new tenants in flight now (sent, not yet answered): what an aimed API kill cuts off. */
+let freshInFlight = 0;
+
+async function postOnce(key: string, body: string, apiKey: string, fresh = false): Promise<PostResult> {
   postRequests++;
+  if (fresh) freshInFlight++;
   try {
     const res = await fetch(`http://127.0.0.1:${apiPort}/v1/summaries`, {
       method: "POST",
@@ -266,38 +342,73 @@ async function postOnce(key: string, body: string, apiKey: string): Promise<stri
       signal: AbortSignal.timeout(5_000),
     });
     const text = await res.text();
-    if (res.status === 202) return (JSON.parse(text) as { job_id: string }).job_id;
-    if (res.status === 409 || res.status >= 500) return null; // retry later, as clients do
+    if (res.status === 202) return { jobId: (JSON.parse(text) as { job_id: string }).job_id };
+    if (res.status === 409 || res.status >= 500) return { jobId: null, answered: true }; // retry later, as clients do
     throw new Error(`POST answered ${res.status}: ${text}`);
   } catch (error) {
     if (error instanceof Error && error.message.startsWith("POST answered")) throw error;
-    return null; // connection refused or reset: the API is restarting
+    return { jobId: null, answered: false }; // connection refused or reset: the API is restarting
+  } finally {
+    if (fresh) freshInFlight--;
   }
 }
 
 /** Jobs whose result goes to the webhook receiver instead of an email. */
 const webhookJobs = new Set<string>();
 
-/** One logical request: sent, then retried 1-3 times (sometimes concurrently), then until it gets a 202. */
+/** One submitted key: its job id as the service derives it (a UUIDv5 of the scope and the body), and its plan. */
+interface Submission {
+  i: number;
+  key: string;
+  jobId: string;
+  webhook: boolean;
+  plan: JobPlan;
+}
+const submissions: Submission[] = [];
+/** Keys whose client gave up: the only POST got no answer and was never retried (--new-tenants only). */
+const abandoned = new Map<string, Submission>();
+/** Keys whose 202 named another job than the one the harness derived (the harness's own mistake). */
+const misnamed: string[] = [];
+
+/**
+ * One logical request: sent, then retried 1-3 times (sometimes concurrently), then until it gets a 202. A client
+ * that gives up (--new-tenants) sends once and stops there if that POST got no answer.
+ */
 async function submit(i: number) {
-  const key = `chaos-${SEED}-${String(i).padStart(6, "0")}`;
-  const apiKey = apiKeys[i % apiKeys.length]!;
-  const notify = wantsWebhook(i)
-    ? { webhook: `${receiver.url}/${TENANTS[i % TENANTS.length]}` }
-    : `user${i}@example.com`;
-  const body = JSON.stringify({ text: document(i), notify });
-  const copies = 2 + Math.floor(random() * 3); // the first send and 1-3 retries
-  const concurrent = random() < 0.3;
+  const plan = plans[i]!;
+  // Padded so that a small --seed still makes a key of the 16 characters the API asks for at least.
+  const key = `chaos-${String(SEED).padStart(6, "0")}-${String(i).padStart(6, "0")}`;
+  const apiKey = apiKeys.get(plan.tenant)!;
+  const notify = wantsWebhook(i) ? { webhook: `${receiver.url}/${plan.tenant}` } : `user${i}@example.com`;
+  const request = { text: document(i), notify };
+  const body = JSON.stringify(request);
+  const jobIdOf = jobIdFor({ tenant: plan.tenant, method: "POST", path: SUMMARIES, key }, canonicalJson(request));
+  const submission = { i, key, jobId: jobIdOf, webhook: wantsWebhook(i), plan };
+  submissions.push(submission);
+  const post = () => postOnce(key, body, apiKey, plan.fresh);
   const ids: (string | null)[] = [];
-  if (concurrent) ids.push(...await Promise.all(Array.from({ length: copies }, () => postOnce(key, body, apiKey))));
-  else for (let c = 0; c < copies; c++) ids.push(await postOnce(key, body, apiKey));
+  if (!plan.retries) {
+    const only = await post();
+    if (only.jobId === null && !only.answered) {
+      abandoned.set(key, submission);
+      submitted++;
+      return;
+    }
+    ids.push(only.jobId); // answered 409 or 5xx: the client knows it was refused, and tries again below
+  } else {
+    const copies = 2 + Math.floor(random() * 3); // the first send and 1-3 retries
+    const concurrent = random() < 0.3;
+    if (concurrent) ids.push(...(await Promise.all(Array.from({ length: copies }, post))).map((r) => r.jobId));
+    else for (let c = 0; c < copies; c++) ids.push((await post()).jobId);
+  }
   let jobId = ids.find((id) => id !== null) ?? null;
   const end = performance.now() + 120_000;
   for (let delay = 100; jobId === null && performance.now() < end; delay = Math.min(delay * 2, 1_000)) {
     await sleep(delay + random() * 100);
-    jobId = await postOnce(key, body, apiKey);
+    jobId = (await post()).jobId;
   }
   if (jobId === null) throw new Error(`POST for ${key} never got a 202 in 120 s`);
+  if (jobId !== jobIdOf) misnamed.push(key);
   accepted.set(key, jobId);
   if (wantsWebhook(i)) webhookJobs.add(jobId);
   submitted++;
@@ -305,6 +416,26 @@ async function submit(i: number) {
 
 // ---------------------------------------------------------------- chaos
 let kills = 0;
+/** --new-tenants: API kills, those that cut off new tenants' POSTs in flight, and how many POSTs they cut off. */
+let apiKills = 0, apiKillsMidIntake = 0, postsCutOff = 0;
+/** How long after a wave of POSTs leaves an aimed API kill may land (uniformly at random). */
+const AIM_SPREAD_MS = 40;
+/** Resolvers waiting for the next wave of POSTs to leave (--new-tenants). */
+const waveWaiters: (() => void)[] = [];
+const nextWave = () => new Promise<void>((resolve) => waveWaiters.push(resolve));
+
+/**
+ * Waits until the API answers and the next wave of POSTs has left, then up to {@linkcode AIM_SPREAD_MS} more:
+ * a kill then lands while many new tenants' first POSTs are being taken in, some of them between the intake
+ * script and the lane announce. Bounded, since the waves end before the kill period does.
+ */
+async function aimAtIntake() {
+  await apiUp(10_000).catch(() => {});
+  const bound = new AbortController();
+  await Promise.race([nextWave(), sleep(3_000, bound.signal).catch(() => {})]);
+  bound.abort();
+  await sleep(random() * AIM_SPREAD_MS);
+}
 const events: string[] = [];
 /** Switches the limited provider's outages on and off on schedule, until the kill period ends. */
 async function outageLoop(end: number) {
@@ -362,14 +493,22 @@ async function killLoop() {
       continue;
     }
     if (NO_KILLS) continue;
-    const victim = pick(procs);
+    // With --new-tenants, half the kills are aimed at the API while a wave of POSTs is being taken in.
+    const aimed = NEW_TENANTS && random() < 0.5;
+    if (aimed) await aimAtIntake();
+    const victim = aimed ? procs.find((p) => p.task === "api")! : pick(procs);
+    if (victim.task === "api") {
+      apiKills++;
+      if (freshInFlight > 0) apiKillsMidIntake++;
+      postsCutOff += freshInFlight;
+    }
     killedByUs.add(victim.child);
     victim.child.kill("SIGKILL");
     await victim.child.status;
+    await victim.logged; // its last lines before the replacement's first
     kills++;
     const replacement = await spawn(victim.name, victim.task);
     procs[procs.indexOf(victim)] = replacement;
-    victim.log.close();
   }
   await outages;
   killing = false;
@@ -398,6 +537,36 @@ function drawProgress(final = false) {
   }
 }
 
+/**
+ * --new-tenants: one wave of jobs a second over most of the kill period, every job of a wave submitted at once,
+ * so an API kill aimed just after a wave leaves finds many new tenants' first POSTs in flight.
+ */
+async function submitInWaves() {
+  const waves = Math.max(1, Math.floor(DURATION_S * 0.8));
+  const perWave = Math.ceil(JOBS / waves);
+  await Promise.all(Array.from({ length: waves }, async (_, w) => {
+    const due = started + w * 1_000;
+    if (due > performance.now()) await sleep(due - performance.now());
+    const wave = [];
+    for (let i = w * perWave; i < Math.min(JOBS, (w + 1) * perWave); i++) wave.push(submit(i));
+    for (const resolve of waveWaiters.splice(0)) resolve();
+    await Promise.all(wave);
+  }));
+}
+
+const redisKeys = serviceKeys(KEY_PREFIX);
+/** The submissions among `list` whose intake script ran (the job's status record exists) or whose job is done. */
+async function intakeRanFor(list: Submission[]): Promise<Submission[]> {
+  if (list.length === 0) return [];
+  const summaries = new Set(
+    (await db.sql<{ job_id: string }[]>`
+      SELECT job_id::text FROM summaries WHERE job_id = ANY(${list.map((s) => s.jobId)}::uuid[])`)
+      .map((r) => r.job_id),
+  );
+  const records = await Promise.all(list.map((s) => redisAdmin.exists(redisKeys.lane(s.plan.tenant).job(s.jobId))));
+  return list.filter((s, n) => summaries.has(s.jobId) || records[n]! > 0);
+}
+
 let failure: unknown;
 let drainSeconds = NaN;
 try {
@@ -407,22 +576,29 @@ try {
     drawProgress();
   }, 250);
   try {
-    // Submit with 16 clients in parallel, spread over most of the kill period.
-    const spacingMs = (DURATION_S * 800) / Math.max(1, JOBS);
-    let next = 0;
-    await Promise.all(Array.from({ length: 16 }, async () => {
-      while (next < JOBS) {
-        const i = next++;
-        const due = started + i * spacingMs;
-        if (due > performance.now()) await sleep(due - performance.now());
-        await submit(i);
-      }
-    }));
+    if (NEW_TENANTS) await submitInWaves();
+    else {
+      // Submit with 16 clients in parallel, spread over most of the kill period.
+      const spacingMs = (DURATION_S * 800) / Math.max(1, JOBS);
+      let next = 0;
+      await Promise.all(Array.from({ length: 16 }, async () => {
+        while (next < JOBS) {
+          const i = next++;
+          const due = started + i * spacingMs;
+          if (due > performance.now()) await sleep(due - performance.now());
+          await submit(i);
+        }
+      }));
+    }
     await chaos;
     const drainStart = performance.now();
     const end = drainStart + DRAIN_TIMEOUT_S * 1000;
     const expected = new Set(accepted.values());
     while (performance.now() < end) {
+      for (const s of await intakeRanFor([...abandoned.values()])) {
+        expected.add(s.jobId);
+        if (s.webhook) webhookJobs.add(s.jobId);
+      }
       done = await countDone();
       const keys = new Set([...mail.delivered.map((d) => d.idempotencyKey), ...receiver.processed.keys()]);
       const notified = (id: string) =>
@@ -441,11 +617,27 @@ try {
 }
 
 // ---------------------------------------------------------------- results
-const jobIds = [...new Set(accepted.values())];
+// A key whose only POST got no answer names a job the service may or may not have taken on: if its intake ran,
+// the job must be done exactly once, like an accepted one; if not, it must have left nothing at all.
+const abandonedRan = await intakeRanFor([...abandoned.values()]).catch((): Submission[] => []);
+for (const s of abandonedRan) if (s.webhook) webhookJobs.add(s.jobId);
+const acceptedCount = new Set(accepted.values()).size;
+const jobIds = [...new Set([...accepted.values(), ...abandonedRan.map((s) => s.jobId)])];
 const summaries = await db.sql<{ job_id: string }[]>`SELECT job_id::text FROM summaries`;
 const outbox = await db.sql<{ job_id: string }[]>`SELECT payload->>'job_id' AS job_id FROM outbox`;
 const summaryIds = new Set(summaries.map((r) => r.job_id));
-const lost = jobIds.filter((id) => !summaryIds.has(id)).length;
+const lost = [...new Set(accepted.values())].filter((id) => !summaryIds.has(id)).length;
+// Every job the service took on and never finished, with where it sits: the failure report names each one.
+const idOf = (s: Submission) => accepted.get(s.key) ?? s.jobId;
+const taken = new Set(jobIds);
+const stranded = submissions.filter((s) => taken.has(idOf(s)) && !summaryIds.has(idOf(s)));
+const strandedReport = await Promise.all(stranded.map(describeStranded)).catch((error) => [`  (${error})`]);
+const outboxRows = new Map<string, number>();
+for (const r of outbox) outboxRows.set(r.job_id, (outboxRows.get(r.job_id) ?? 0) + 1);
+const doneWithoutOutbox = jobIds.filter((id) => summaryIds.has(id) && !outboxRows.has(id)).length;
+const outboxUnknown = [...outboxRows.keys()].filter((id) => !taken.has(id)).length;
+const abandonedDone = abandonedRan.filter((s) => summaryIds.has(s.jobId)).length;
+const abandonedAbsent = abandoned.size - abandonedRan.length;
 const dupSummaries = summaries.length - summaryIds.size;
 const dupOutbox = outbox.length - new Set(outbox.map((r) => r.job_id)).size;
 const unexpected = summaries.filter((r) => !jobIds.includes(r.job_id)).length;
@@ -463,11 +655,17 @@ const rows: [string, string][] = [
   ["seed", String(SEED)],
   [
     "mode",
-    [CLUSTER && "redis cluster", REDIS_RESTART && "redis restart", PG_TERMINATE && "pg_terminate_backend"]
+    [
+      NEW_TENANTS && "new tenants",
+      CLUSTER && "redis cluster",
+      REDIS_RESTART && "redis restart",
+      PG_TERMINATE && "pg_terminate_backend",
+    ]
       .filter(Boolean).join(", ") ||
     "process kills",
   ],
-  ["jobs accepted", String(jobIds.length)],
+  ["jobs accepted", String(acceptedCount)],
+  ...(NEW_TENANTS ? newTenantRows() : []),
   ["POST requests sent (with client retries)", String(postRequests)],
   ["processes killed (SIGKILL)", String(kills)],
   ["processes that exited on their own", selfExits.length ? selfExits.join(", ") : "0"],
@@ -495,14 +693,62 @@ const rows: [string, string][] = [
 console.log("\n| chaos run | result |\n| --- | --- |");
 for (const [k, v] of rows) console.log(`| ${k} | ${v} |`);
 
+function newTenantRows(): [string, string][] {
+  const freshJobs = plans.filter((p) => p.fresh).length;
+  return [
+    ["tenants never seen before / their jobs", `${freshTenants.length} / ${freshJobs}`],
+    ["time to create every tenant", `${tenantSetupS.toFixed(1)} s`],
+    [
+      "API kills (SIGKILL) / with new tenants' POSTs in flight (POSTs cut off)",
+      `${apiKills} / ${apiKillsMidIntake} (${postsCutOff})`,
+    ],
+    [
+      "POSTs never answered and never retried: done / absent / stranded",
+      `${abandonedDone} / ${abandonedAbsent} / ${abandonedRan.length - abandonedDone}`,
+    ],
+    ["jobs stranded (taken on, never done)", String(stranded.length)],
+    ["done jobs without an outbox row", String(doneWithoutOutbox)],
+    ["outbox rows for jobs never taken on", String(outboxUnknown)],
+  ];
+}
+
+/** One stranded job: its tenant, how its POST went, its status record, and whether its lane can be found. */
+async function describeStranded(s: Submission): Promise<string> {
+  const lane = redisKeys.lane(s.plan.tenant);
+  const [status, known, active, length] = await Promise.all([
+    redisAdmin.hget(lane.job(idOf(s)), "status"),
+    redisAdmin.sismember(redisKeys.registry.all, s.plan.tenant),
+    redisAdmin.sismember(redisKeys.registry.active, s.plan.tenant),
+    redisAdmin.xlen(lane.stream),
+  ]);
+  return `  job ${idOf(s)} of tenant ${s.plan.tenant} (${s.plan.fresh ? "new" : "existing"} tenant, ${
+    s.plan.first ? "its first job" : "not its first job"
+  }), key ${s.key}: ${accepted.has(s.key) ? "202 received" : "POST never answered, not retried"}; status ${
+    status ?? "(no record)"
+  }; lane ${known ? "in" : "NOT in"} the registry${active ? " (active)" : ""}, stream length ${length}`;
+}
+
 // ---------------------------------------------------------------- clean up
 const stoppedCleanly = selfExits.length === 0;
 for (const p of procs) {
   killedByUs.add(p.child);
   p.child.kill("SIGTERM");
 }
-await Promise.all(procs.map((p) => p.child.status));
-for (const p of procs) p.log.close();
+// Each process promises to exit within 10 s of SIGTERM: one that has not after 15 s is SIGKILLed, and fails the run.
+const stuck: string[] = [];
+await Promise.all(procs.map(async (p) => {
+  const bound = new AbortController();
+  const stopped = await Promise.race([
+    p.child.status.then(() => true),
+    sleep(15_000, bound.signal).then(() => false, () => true),
+  ]);
+  bound.abort();
+  if (stopped) return;
+  stuck.push(p.name);
+  p.child.kill("SIGKILL");
+  await p.child.status;
+}));
+await Promise.all(procs.map((p) => p.logged));
 await model.close();
 await mail.close();
 await receiver.close();
@@ -516,10 +762,29 @@ if (ownRedis) {
 }
 await db.close();
 
-const ok = !failure && stoppedCleanly && lost === 0 && dupSummaries === 0 && dupOutbox === 0 && unexpected === 0 &&
-  dupEmails === 0 && distinctEmails === emailJobs && jobIds.length === JOBS &&
-  webhooksRight === webhookJobs.size && webhookIds.length === webhookJobs.size && receiver.badSignatures === 0;
+const ok = !failure && stoppedCleanly && stuck.length === 0 && lost === 0 && dupSummaries === 0 && dupOutbox === 0 &&
+  unexpected === 0 &&
+  dupEmails === 0 && distinctEmails === emailJobs && acceptedCount + abandoned.size === JOBS &&
+  webhooksRight === webhookJobs.size && webhookIds.length === webhookJobs.size && receiver.badSignatures === 0 &&
+  stranded.length === 0 &&
+  (!NEW_TENANTS || (doneWithoutOutbox === 0 && outboxUnknown === 0 && misnamed.length === 0));
 if (failure) console.error(`chaos run failed: ${failure instanceof Error ? failure.message : failure}`);
+if (stuck.length > 0) console.error(`did not exit within 15 s of SIGTERM (then SIGKILLed): ${stuck.join(", ")}`);
+if (stranded.length > 0) {
+  const tenants = [...new Set(stranded.map((s) => s.plan.tenant))];
+  console.error(
+    `STRANDED: ${stranded.length} job(s) taken on and never done, from ${tenants.length} tenant(s) (${
+      tenants.join(", ")
+    }):\n${strandedReport.join("\n")}`,
+  );
+}
+if (misnamed.length > 0) {
+  console.error(
+    `the harness derived other job ids than the API answered for ${misnamed.length} key(s), e.g. ${
+      misnamed[0]
+    }: its checks of unanswered keys cannot be trusted`,
+  );
+}
 if (!ok) {
   console.error(`FAILED: the process logs are in ${logDir}`);
   Deno.exit(1);
