@@ -28,10 +28,14 @@ export function formatProviderStatus(s: ProviderStatus, provider: string): strin
     `next permit     ${s.next_permit_at <= s.now ? "now" : when(s.next_permit_at, s.now)}`,
     `pause           ${s.pause.until === null ? "none" : `${s.pause.reason} until ${when(s.pause.until, s.now)}`}`,
     `breaker         ${s.breaker.state}${s.breaker.reason ? ` (${s.breaker.reason})` : ""}` +
-    `, consecutive failures ${s.breaker.failures}, cooldown ${(s.breaker.cooldown_ms / 1000).toFixed(1)} s`,
+    `, jobs failing since the last success ${s.breaker.failures}, cooldown ${
+      (s.breaker.cooldown_ms / 1000).toFixed(1)
+    } s`,
     ...(s.breaker.state === "closed"
       ? []
       : [`                opened ${when(s.breaker.opened_at, s.now)}, probe ${when(s.breaker.probe_at, s.now)}`]),
+    `failures        ${s.recent_failures.provider} charged to the provider, ${s.recent_failures.job} to their jobs` +
+    (s.recent_failures.since === null ? " (none recently)" : ` (since ${when(s.recent_failures.since, s.now)})`),
   ];
 }
 

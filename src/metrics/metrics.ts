@@ -26,6 +26,7 @@ export interface WorkerMetrics {
   permits: Counter<"kind">;
   permitWait: Histogram;
   rateLimited: Counter<"kind">;
+  modelFailures: Counter<"attribution" | "reason">;
   tokens: Counter<"kind">;
   breakerTransitions: Counter<"to">;
 }
@@ -155,6 +156,13 @@ export function workerMetrics(registry: Registry): WorkerMetrics {
       name: "oncely_llm_breaker_transitions_total",
       help: "Breaker state changes this process caused, by new state.",
       labelNames: ["to"] as const,
+      registers,
+    }),
+    modelFailures: new Counter({
+      name: "oncely_model_failures_total",
+      help: "Failed model calls by whom they were charged to (provider: the breaker or a pause took it; " +
+        "job: the job's attempt), and reason.",
+      labelNames: ["attribution", "reason"] as const,
       registers,
     }),
   };

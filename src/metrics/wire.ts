@@ -129,6 +129,8 @@ export function flowEvents(m: WorkerMetrics): FlowEvents {
       m.tokens.inc({ kind: "completion" }, usage.completion_tokens);
     },
     breaker: (_from, to) => m.breakerTransitions.inc({ to }),
+    // Reasons are the classifier's bounded labels (timeout, connection, http_NNN, ...).
+    failed: (attribution, reason) => m.modelFailures.inc({ attribution, reason }),
   };
 }
 

@@ -18,8 +18,20 @@ import { parseRateLimitHeaders } from "./rate_limit_headers.ts";
 
 /** Defaults, in one place. */
 export const FLOW_DEFAULTS = {
-  /** Consecutive provider-wide failures that open the breaker. */
+  /**
+   * Distinct jobs whose calls failed (timeouts, connection errors, 5xx) with no success between them that
+   * open the breaker. From two on, the limiter lets one call through at a time. One job failing again and
+   * again is that job's failure, not the provider's: it counts once.
+   */
   failureThreshold: 3,
+  /**
+   * While the limiter lets one call at a time through (a suspect or half-open provider), a job whose own
+   * call just failed may take that call only after this long without another caller: the probe goes to
+   * a job that has not just failed, when there is one.
+   */
+  suspectProbeDelayMs: 500,
+  /** Failures by attribution are counted over windows of this length, for `provider status`. */
+  recentWindowMs: 5 * 60_000,
   /** A failed probe multiplies the cooldown by this... */
   cooldownGrowth: 1.5,
   /** ...up to this multiple of the configured cooldown, so a recovered provider is found within one period. */
@@ -44,9 +56,14 @@ export const FLOW_DEFAULTS = {
 /** Breaker states: `closed` calls freely, `open` calls nothing, `half_open` lets one probe through. */
 export type BreakerState = "closed" | "open" | "half_open";
 
+/** Whom a failed call was charged to: the provider (the breaker, a pause) or the job (its attempt). */
+export type Attribution = "provider" | "job";
+
 /** What the flow control reports, for metrics and logs. */
 export interface FlowEvents {
   granted?(waitMs: number, probe: boolean): void;
+  /** A call failed, charged to `attribution`, for `reason` (`timeout`, `http_500`, `http_401`, ...). */
+  failed?(attribution: Attribution, reason: string): void;
   /** A 429 by kind (`rate_limited` or `quota`). */
   limited?(kind: "rate_limited" | "quota"): void;
   tokens?(usage: Usage): void;
@@ -112,8 +129,11 @@ export interface ProviderStatus {
   /** When the next permit is free (epoch ms); now or earlier means at once. */
   next_permit_at: number;
   pause: { until: number | null; reason: string | null };
+  /** Failed calls in the current window (`recentWindowMs`, since `since`), by whom they were charged to. */
+  recent_failures: { provider: number; job: number; since: number | null };
   breaker: {
     state: BreakerState;
+    /** Distinct jobs whose calls failed since the last success. */
     failures: number;
     reason: string | null;
     opened_at: number | null;
@@ -125,11 +145,12 @@ export interface ProviderStatus {
 /** A running flow control for one provider. */
 export interface ProviderFlow {
   /**
-   * Waits until a call of `estimatedTokens` may go out: the breaker lets it,
-   * no pause is in force, and the paced limiter has a permit.
+   * Waits until a call of `estimatedTokens` for job `jobId` may go out: the
+   * breaker lets it, no pause is in force, and the paced limiter has a
+   * permit. The job id tells one job's failures from the provider's.
    * @throws the signal's reason when it aborts while waiting.
    */
-  acquire(estimatedTokens: number, signal?: AbortSignal): Promise<Permit>;
+  acquire(estimatedTokens: number, signal?: AbortSignal, jobId?: string): Promise<Permit>;
   /**
    * Whether a worker should take jobs now: `permits` that can be granted
    * within about a second (less what this process is already waiting for),
@@ -158,7 +179,8 @@ local function n(v) return tonumber(v) or 0 end
 local function lower(a, b) if a > 0 and b > 0 then return math.min(a, b) end return math.max(a, b) end
 `;
 
-// ARGV: cfg_rpm, cfg_tpm, estimated tokens, max ahead ms, probe lease ms, margin, mode, horizon ms, probe id.
+// ARGV: cfg_rpm, cfg_tpm, estimated tokens, max ahead ms, probe lease ms, margin, mode, horizon ms, probe id,
+// job id ('' = unknown), suspect probe delay ms.
 // Returns {code, ms, detail}. Mode take: code 1 = permit booked ms from now, 2 = probe permit (lease held by the
 // probe id), 0 = ask again in ms, -1 = this call can never fit the token limit. Mode peek: code = permits within
 // the horizon, ms = wait before asking again. Mode confirm / confirm_probe: a booked slot has come; code 1 = go,
@@ -167,10 +189,10 @@ const ACQUIRE = defineScript(
   PRELUDE + `
 local cfg_rpm, cfg_tpm, est = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_ahead, lease, margin = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local mode, horizon, probe_id = ARGV[7], tonumber(ARGV[8]), ARGV[9]
+local mode, horizon, probe_id, job, suspect_delay = ARGV[7], tonumber(ARGV[8]), ARGV[9], ARGV[10], tonumber(ARGV[11])
 local peek, confirm = mode == 'peek', mode == 'confirm' or mode == 'confirm_probe'
 local h = redis.call('HMGET', key, 'state', 'open_until', 'probe_until', 'pause_until', 'tat_req', 'tat_tok',
-  'hdr_rpm', 'hdr_tpm', 'learned', 'failures')
+  'hdr_rpm', 'hdr_tpm', 'learned', 'failures', 'fail_jobs', 'suspect_at')
 local state = h[1] or 'closed'
 local open_until, probe_until, pause_until = n(h[2]), n(h[3]), n(h[4])
 local tat_req, tat_tok = n(h[5]), n(h[6])
@@ -182,9 +204,16 @@ if state == 'open' then
 end
 if pause_until > now then return {0, pause_until - now, 'paused'} end
 if mode == 'confirm_probe' then return {1, 0, 'probe'} end
--- One call at a time while probing a suspect or half-open provider, or while the limits are unknown.
-local single = state == 'half_open' or n(h[10]) > 0 or (rpm == 0 and tpm == 0 and h[9] ~= '1')
+-- One call at a time while probing a suspect (two jobs failed in a row) or half-open provider, or while the
+-- limits are unknown. That call goes to a job that has not just failed, unless none asked for a while.
+local suspect = state == 'half_open' or n(h[10]) >= 2
+local single = suspect or (rpm == 0 and tpm == 0 and h[9] ~= '1')
 if single and probe_until > now then return {0, math.min(probe_until - now, 100), 'probing'} end
+if suspect and not peek and mode ~= 'confirm' and job ~= '' and string.find(',' .. (h[11] or '') .. ',', ',' .. job .. ',', 1, true) then
+  local since = n(h[12])
+  if state == 'half_open' then since = math.max(since, open_until) end
+  if now - since < suspect_delay then return {0, since + suspect_delay - now, 'probing'} end
+end
 if confirm then
   if single then return {0, 0, 'probing'} end
   return {1, 0, 'permit'}
@@ -219,7 +248,7 @@ return {1, math.ceil(wait), 'permit'}
 
 // ARGV: kind, estimated, actual tokens, probe id ('' = not a probe), retry-after ms, limit req, limit tok,
 // remaining req, remaining tok, reset req ms, reset tok ms (-1 = absent), threshold, base cooldown, max cooldown,
-// growth, margin, cfg_tpm, min pause ms, max pause ms.
+// growth, margin, cfg_tpm, min pause ms, max pause ms, job id ('' = unknown), recent window ms.
 // Returns {absorbed, state before, state after, reason, asked ms, pause reason}: asked ms is the pause the headers
 // asked for when it was cut to max pause ms, else 0.
 const SETTLE = defineScript(
@@ -231,8 +260,9 @@ local reset_req, reset_tok = tonumber(ARGV[10]), tonumber(ARGV[11])
 local threshold, base, maxc, growth = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
 local margin, cfg_tpm, min_pause, max_pause = tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18]),
   tonumber(ARGV[19])
+local job, window = ARGV[20], tonumber(ARGV[21])
 local h = redis.call('HMGET', key, 'state', 'failures', 'cooldown_ms', 'tat_tok', 'hdr_tpm', 'pause_until', 'open_until',
-  'probe_id')
+  'probe_id', 'fail_jobs', 'recent_at', 'recent_provider', 'recent_job')
 -- Only the current probe speaks for the provider while the breaker is open or half-open: a call that started
 -- before it opened, or a probe whose lease ran out and was replaced, must not move it.
 local probe = probe_id ~= '' and h[8] == probe_id
@@ -278,13 +308,27 @@ local function open(r)
   if before == 'half_open' then cooldown = math.min(cooldown * growth, maxc) else cooldown = base end
   state, reason = 'open', r
   set('state', 'open'); set('open_until', now + cooldown); set('cooldown_ms', cooldown)
-  set('opened_reason', r); set('opened_at', now); set('failures', 0)
+  set('opened_reason', r); set('opened_at', now)
 end
 local speaks = probe or before == 'closed'
 local function close()
   if speaks and (before ~= 'closed' or failures > 0) then
     state = 'closed'
-    set('state', 'closed'); set('failures', 0); set('cooldown_ms', base); set('opened_reason', '')
+    set('state', 'closed'); set('failures', 0); set('fail_jobs', ''); set('cooldown_ms', base); set('opened_reason', '')
+  end
+end
+-- Jobs whose calls failed since the last success: the provider is failing only when several distinct jobs
+-- are (a job that fails again and again counts once). A job that failed is a suspect for the next probe.
+local fail_jobs = h[9] or ''
+local function failed_job()
+  if job ~= '' and not string.find(',' .. fail_jobs .. ',', ',' .. job .. ',', 1, true) then
+    if fail_jobs == '' then fail_jobs = job else fail_jobs = fail_jobs .. ',' .. job end
+    failures = failures + 1
+    set('fail_jobs', fail_jobs); set('failures', failures)
+    if failures == 2 then set('suspect_at', now) end
+  elseif job == '' then
+    failures = failures + 1
+    set('failures', failures)
   end
 end
 if kind == 'rate_limited' then
@@ -295,29 +339,41 @@ if kind == 'rate_limited' then
   if now + p > pause_to then pause_to, why = now + p, 'rate_limited' end
   close()
   absorbed = 1
-elseif kind == 'quota' then
-  if before == 'closed' or (before == 'half_open' and probe) then open('insufficient_quota') end
+elseif kind == 'quota' or kind == 'unauthorized' then
+  -- Every call would fail the same way until someone pays or fixes the key: the provider is unusable.
+  local r = 'insufficient_quota'
+  if kind == 'unauthorized' then r = 'unauthorized' end
+  if before == 'closed' or (before == 'half_open' and probe) then open(r) end
   absorbed = 1
 elseif kind == 'provider' then
   if before == 'open' then absorbed = 1
   elseif before == 'half_open' then
-    if probe then open('probe_failed') end
+    if probe then failed_job(); open('probe_failed') end
     absorbed = 1
   else
-    failures = failures + 1
-    set('failures', failures)
+    failed_job()
     if failures >= threshold then open('consecutive_failures'); absorbed = 1 end
   end
 elseif kind == 'ok' or kind == 'request' then
   close()
 end
 if probe then set('probe_until', 0); set('probe_id', '') end
+-- Recent failures by attribution, for provider status.
+local attribution = ''
+if kind ~= 'ok' and kind ~= 'aborted' then
+  if absorbed == 1 then attribution = 'provider' else attribution = 'job' end
+  local at = n(h[10])
+  local rp, rj = n(h[11]), n(h[12])
+  if now - at > window then at, rp, rj = now, 0, 0; set('recent_at', now) end
+  if absorbed == 1 then rp = rp + 1 else rj = rj + 1 end
+  set('recent_provider', rp); set('recent_job', rj)
+end
 -- The pause stops every worker: one bad Retry-After or reset header must not stop them for days.
 local asked = 0
 if pause_to - now > max_pause then asked, pause_to = pause_to - now, now + max_pause end
 if pause_to > n(h[6]) then set('pause_until', pause_to); set('pause_reason', why) end
 if #f > 0 then redis.call('HSET', key, unpack(f)) end
-return {absorbed, before, state, reason, asked, why}
+return {absorbed, before, state, reason, asked, why, attribution}
 `,
 );
 
@@ -349,7 +405,12 @@ export function createProviderFlow(
   const cfgTpm = options.tpm ?? 0;
   let waiting = 0;
 
-  const ask = (estimated: number, mode: "take" | "peek" | "confirm" | "confirm_probe", probeId = "") =>
+  const ask = (
+    estimated: number,
+    mode: "take" | "peek" | "confirm" | "confirm_probe",
+    probeId = "",
+    jobId = "",
+  ) =>
     ACQUIRE.run(redis, [options.key], [
       cfgRpm,
       cfgTpm,
@@ -360,9 +421,11 @@ export function createProviderFlow(
       mode,
       FLOW_DEFAULTS.horizonMs,
       probeId,
+      jobId,
+      FLOW_DEFAULTS.suspectProbeDelayMs,
     ]) as Promise<[number, number, string]>;
 
-  async function settle(estimated: number, probeId: string, outcome: PermitOutcome): Promise<boolean> {
+  async function settle(estimated: number, probeId: string, outcome: PermitOutcome, jobId = ""): Promise<boolean> {
     const kind: FailureKind | "ok" | "aborted" = outcome.aborted
       ? "aborted"
       : outcome.error === undefined
@@ -373,7 +436,7 @@ export function createProviderFlow(
     const usage = outcome.value?.usage;
     if (usage) events.tokens?.(usage);
     if (kind === "rate_limited" || kind === "quota") events.limited?.(kind);
-    const [absorbed, from, to, reason, askedMs, pauseReason] = await SETTLE.run(redis, [options.key], [
+    const [absorbed, from, to, reason, askedMs, pauseReason, attribution] = await SETTLE.run(redis, [options.key], [
       kind,
       estimated,
       // A call the provider refused or never got costs no tokens; a timed-out one may have run, so it keeps them.
@@ -394,7 +457,10 @@ export function createProviderFlow(
       cfgTpm,
       FLOW_DEFAULTS.minPauseMs,
       FLOW_DEFAULTS.maxPauseMs,
-    ]) as [number, BreakerState, BreakerState, string, number, string];
+      jobId,
+      FLOW_DEFAULTS.recentWindowMs,
+    ]) as [number, BreakerState, BreakerState, string, number, string, Attribution | ""];
+    if (attribution) events.failed?.(attribution, reasonOf(outcome.error));
     if (askedMs > 0) {
       log.warn("provider_pause_capped", {
         reason: pauseReason,
@@ -406,7 +472,10 @@ export function createProviderFlow(
       events.breaker?.(from, to, reason);
       if (to === "open") {
         // Loud: nothing will be called until a probe succeeds, and an exhausted quota needs a person.
-        log.error(reason === "insufficient_quota" ? "provider_quota_exhausted" : "provider_breaker_opened", {
+        const event = { insufficient_quota: "provider_quota_exhausted", unauthorized: "provider_unauthorized" }[
+          reason as "insufficient_quota" | "unauthorized"
+        ] ?? "provider_breaker_opened";
+        log.error(event, {
           reason,
           cooldown_s: options.cooldownMs / 1000,
           error: outcome.error,
@@ -421,7 +490,7 @@ export function createProviderFlow(
       return waiting;
     },
 
-    async acquire(estimatedTokens, signal) {
+    async acquire(estimatedTokens, signal, jobId = "") {
       const started = performance.now();
       waiting++;
       let booked = false;
@@ -429,7 +498,7 @@ export function createProviderFlow(
         for (;;) {
           signal?.throwIfAborted();
           const id = crypto.randomUUID();
-          const [code, ms] = await ask(estimatedTokens, "take", id);
+          const [code, ms] = await ask(estimatedTokens, "take", id, jobId);
           if (code === -1) {
             throw new GateRefused(
               `the call's ${estimatedTokens} estimated tokens exceed the provider's tokens-per-minute limit`,
@@ -443,7 +512,7 @@ export function createProviderFlow(
             try {
               if (ms > 0) await sleep(ms, signal);
             } catch (error) {
-              if (probe) await settle(estimatedTokens, probeId, { aborted: true }).catch(() => {});
+              if (probe) await settle(estimatedTokens, probeId, { aborted: true }, jobId).catch(() => {});
               throw error;
             }
             // A slot booked ahead is checked again when it comes: the breaker may have opened, or a 429
@@ -451,7 +520,7 @@ export function createProviderFlow(
             if (ms > 0) {
               const [go, again] = await ask(estimatedTokens, probe ? "confirm_probe" : "confirm");
               if (go !== 1) {
-                if (probe) await settle(estimatedTokens, probeId, { aborted: true });
+                if (probe) await settle(estimatedTokens, probeId, { aborted: true }, jobId);
                 waiting++;
                 booked = false;
                 await sleep(again + random() * 20, signal);
@@ -460,7 +529,7 @@ export function createProviderFlow(
             }
             const waitedMs = performance.now() - started;
             events.granted?.(waitedMs, probe);
-            return { waitedMs, probe, settle: (outcome) => settle(estimatedTokens, probeId, outcome) };
+            return { waitedMs, probe, settle: (outcome) => settle(estimatedTokens, probeId, outcome, jobId) };
           }
           // Spread the callers a pause or an open breaker releases at the same instant.
           await sleep(ms + random() * Math.min(100, ms * 0.1 + 10), signal);
@@ -506,6 +575,13 @@ export function createProviderFlow(
         remaining: { requests: num("hdr_rem_req"), tokens: num("hdr_rem_tok"), headers_at: num("hdr_at") },
         reset: { requests_at: num("hdr_reset_req_at"), tokens_at: num("hdr_reset_tok_at") },
         next_permit_at: Math.max(now, rpm.limit ? num("tat_req") ?? 0 : 0, tpm.limit ? num("tat_tok") ?? 0 : 0),
+        recent_failures: (() => {
+          const since = num("recent_at");
+          const current = since !== null && now - since <= FLOW_DEFAULTS.recentWindowMs;
+          return current
+            ? { provider: num("recent_provider") ?? 0, job: num("recent_job") ?? 0, since }
+            : { provider: 0, job: 0, since: null };
+        })(),
         pause: pauseUntil !== null && pauseUntil > now
           ? { until: pauseUntil, reason: f.get("pause_reason") ?? null }
           : { until: null, reason: null },

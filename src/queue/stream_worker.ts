@@ -47,10 +47,11 @@ export interface StreamWorkerOptions extends QueueNames {
   /**
    * Asked before a message is dead-lettered (the application decides there
    * that the job failed). `false`: the job was already decided otherwise
-   * (done, cancelled), so the message is acknowledged instead. Throwing
-   * leaves the message pending, to be decided on a later delivery.
+   * (done, cancelled), so the message is acknowledged instead; a string: the
+   * reason to record instead (what the application knows of the failure).
+   * Throwing leaves the message pending, to be decided on a later delivery.
    */
-  beforeDeadLetter?: (message: StreamMessage, reason: string) => Promise<boolean>;
+  beforeDeadLetter?: (message: StreamMessage, reason: string) => Promise<boolean | string>;
   events?: WorkerEvents;
   /**
    * Asked before each read: how many messages the downstream can start soon.
@@ -217,8 +218,10 @@ export function createStreamWorker(
   };
 
   /** Dead-letters `message`, unless its job turns out to be decided already: then acks it. */
-  async function bury(lane: QueueNames, message: StreamMessage, reason: string, msgLog: Logger): Promise<void> {
-    if (options.beforeDeadLetter && !(await options.beforeDeadLetter(message, reason))) {
+  async function bury(lane: QueueNames, message: StreamMessage, given: string, msgLog: Logger): Promise<void> {
+    const verdict = options.beforeDeadLetter ? await options.beforeDeadLetter(message, given) : true;
+    const reason = typeof verdict === "string" ? verdict : given;
+    if (verdict === false) {
       msgLog.info("message_already_decided", { reason, deliveries: message.deliveries });
       release(tag(lane, message.id));
       await ack({ lane, id: message.id });

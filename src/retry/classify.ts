@@ -80,15 +80,18 @@ export function retryAfterMs(error: unknown, nowEpochMs: number = Date.now()): n
  * Whom a failed model call says something about, for the shared flow control:
  * - `rate_limited`: a 429 that is not about quota; every worker pauses until the provider's reset.
  * - `quota`: `insufficient_quota`; the provider is unusable until someone pays, so the breaker opens.
- * - `provider`: timeouts, connection errors, 408 and 5xx; a run of them opens the breaker.
+ * - `unauthorized`: 401 or 403 (a wrong or revoked key, no access to the model): unusable for everyone
+ *   until someone fixes the key, so the breaker opens as for `quota`.
+ * - `provider`: timeouts, connection errors, 408 and 5xx; a run of them from several jobs opens the breaker.
  * - `request`: anything else (400 context too long, 409, a bug): about this call alone.
  */
-export type FailureKind = "rate_limited" | "quota" | "provider" | "request";
+export type FailureKind = "rate_limited" | "quota" | "unauthorized" | "provider" | "request";
 
 /** Classifies a failed model call; see {@linkcode FailureKind}. */
 export function failureKindOf(error: unknown): FailureKind {
   const status = statusOf(error);
   if (status === 429) return isQuotaExhausted(error) ? "quota" : isRequestTooLarge(error) ? "request" : "rate_limited";
+  if (status === 401 || status === 403) return "unauthorized";
   if (status !== undefined) return status === 408 || status >= 500 ? "provider" : "request";
   return reasonOf(error) === "timeout" || reasonOf(error) === "connection" ? "provider" : "request";
 }

@@ -105,3 +105,26 @@ export function createAttemptLog(
     },
   };
 }
+
+/**
+ * What a job's recorded attempts say about its failure, for a dead letter's
+ * reason: how many calls failed and how, and whether the provider served
+ * other jobs meanwhile (then the failure is the job's own, a poison
+ * document). Null when nothing was recorded.
+ */
+export async function describeFailures(sql: Sql, jobId: string): Promise<string | null> {
+  const [row] = await sql<{ failed: number; how: string | null; others_ok: boolean }[]>`
+    WITH mine AS (SELECT * FROM model_attempts WHERE job_id = ${jobId}::uuid AND outcome <> 'ok')
+    SELECT (SELECT count(*) FROM mine)::int AS failed,
+      (SELECT string_agg(label || ' ×' || n, ', ' ORDER BY n DESC) FROM (
+        SELECT coalesce('http_' || status, error, 'unknown') AS label, count(*) AS n FROM mine GROUP BY 1
+      ) k) AS how,
+      EXISTS (
+        SELECT 1 FROM model_attempts o
+        WHERE o.outcome = 'ok' AND o.job_id <> ${jobId}::uuid
+          AND o.started_at BETWEEN (SELECT min(started_at) FROM mine) AND (SELECT max(started_at) FROM mine)
+      ) AS others_ok`;
+  if (!row || row.failed === 0) return null;
+  const calls = `${row.failed} model call${row.failed === 1 ? "" : "s"} failed (${row.how})`;
+  return row.others_ok ? `${calls}, while the provider served other jobs` : calls;
+}

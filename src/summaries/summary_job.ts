@@ -134,7 +134,7 @@ export function createSummaryJob(
     // Ask for the first permit now, in the same tick the worker started this job: the worker's next look at
     // the gate then counts this job as waiting, so it does not read more jobs than permits are coming.
     const early = new AbortController();
-    let first = flow?.acquire(estimated, AbortSignal.any([signal, early.signal]));
+    let first = flow?.acquire(estimated, AbortSignal.any([signal, early.signal]), job_id);
     first?.catch(() => {}); // observed below; never an unhandled rejection while the pre-check runs
 
     // Cheap pre-check: a redelivery of a committed job (crash between commit
@@ -168,7 +168,7 @@ export function createSummaryJob(
       const completion = await callWithRetries((s) => llm.complete(prompt, { signal: s }), {
         gate: flow && {
           acquire: (s) => {
-            const permit = first ?? flow.acquire(estimated, s);
+            const permit = first ?? flow.acquire(estimated, s, job_id);
             first = undefined;
             return permit;
           },
