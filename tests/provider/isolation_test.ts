@@ -28,7 +28,7 @@ Deno.test("isolation: a poison document or a bad key", async (t) => {
    * A worker at concurrency 40 with the issue's settings (LLM_CALL_TIMEOUT_S=2, LLM_MAX_ATTEMPTS=2,
    * MAX_DELIVERIES=3), CLAIM_IDLE_MS=1500 so that redeliveries show within the test.
    */
-  async function setup(respond: (prompt: string) => ModelBehaviour, cooldownMs = 2_000) {
+  function setup(respond: (prompt: string) => ModelBehaviour, cooldownMs = 2_000) {
     const keys = serviceKeys(`${r.prefix}:run${run++}`);
     const model = startFakeModel((_, prompt) => respond(prompt));
     const flow = createProviderFlow({ redis: r.redis, log: silentLogger }, {
@@ -91,7 +91,7 @@ Deno.test("isolation: a poison document or a bad key", async (t) => {
       await t.step(
         `two ${poison} documents beside 36 healthy one-second jobs: each healthy job within 5 s, both dead-lettered`,
         async () => {
-          const env = await setup((prompt) =>
+          const env = setup((prompt) =>
             prompt.includes("HANG-ME")
               ? { kind: "hang" }
               : prompt.includes("FAIL-ME")
@@ -129,9 +129,7 @@ Deno.test("isolation: a poison document or a bad key", async (t) => {
     }
 
     await t.step("after a hanging document, 40 one-second jobs finish within 8 s", async () => {
-      const env = await setup((prompt) =>
-        prompt.includes("HANG-ME") ? { kind: "hang" } : { kind: "ok", delayMs: 1_000 }
-      );
+      const env = setup((prompt) => prompt.includes("HANG-ME") ? { kind: "hang" } : { kind: "ok", delayMs: 1_000 });
       try {
         await env.post("bad", "HANG-ME-3 alone.");
         // Its first call has timed out, so the provider has seen one failure.
@@ -152,7 +150,7 @@ Deno.test("isolation: a poison document or a bad key", async (t) => {
       async () => {
         let unauthorized = true;
         let refused = 0;
-        const env = await setup(() => {
+        const env = setup(() => {
           if (!unauthorized) return { kind: "ok", delayMs: 200 };
           refused++;
           return {
