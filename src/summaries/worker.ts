@@ -1,12 +1,10 @@
 import { JOB_ID } from "./schemas.ts";
 import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
-import { estimateTokens, type LLM, summaryPrompt } from "../llm/llm.ts";
+import type { LLM } from "../llm/llm.ts";
 import type { ProviderFlow } from "../provider/flow_control.ts";
 import type { Logger } from "../log/logger.ts";
 import { createStreamWorker, type StreamWorker, type WorkerEvents } from "../queue/stream_worker.ts";
-import type { QueueNames, StreamMessage } from "../queue/message.ts";
-import { createTenantWeights, TENANT_WEIGHT } from "../tenants/tenant_weights.ts";
 import { createGroupCommitter, failJob } from "./commit.ts";
 import type { JobKeys, ServiceKeys } from "./keys.ts";
 import { createLaneRegistry } from "../queue/lanes.ts";
@@ -23,8 +21,6 @@ export interface SummaryWorkerOptions {
   tenantMaxInFlight?: number;
   /** How often the lane registry's sweep finds lanes with work the workers were not told about; default 30 s. */
   laneSweepMs?: number;
-  /** How long tenant weights are used before they are read again; default 10 s. */
-  weightsTtlMs?: number;
   consumer: string;
   claimIdleMs: number;
   maxDeliveries: number;
@@ -44,13 +40,12 @@ export function createSummaryWorker(
   const committer = createGroupCommitter({ sql: deps.sql, log: deps.log });
   // Every model attempt is recorded, in batches, off the commit path.
   const attempts = createAttemptLog({ sql: deps.sql, log: deps.log });
-  const share = tokenShare(deps, options);
-  const job = createSummaryJob({ ...deps, committer, attempts }, { ...options.job, onAttempt: share.onAttempt });
+  const job = createSummaryJob({ ...deps, committer, attempts }, options.job);
   const keys = options.keys;
   const lanes = "lane" in keys
     ? createLaneRegistry({ redis: deps.redis, log: deps.log }, {
       keys: keys.registry,
-      lane: share.laneOf((tenant) => keys.lane(tenant)),
+      lane: (tenant) => keys.lane(tenant),
       extra: [keys.legacy],
       sweepMs: options.laneSweepMs,
     })
@@ -62,10 +57,6 @@ export function createSummaryWorker(
     group: one.group,
     lanes,
     laneMaxInFlight: options.tenantMaxInFlight,
-    // Tenants share the provider by tokens and weight, not by job count.
-    cost: share.cost,
-    spent: share.spent,
-    weights: share.weights,
     consumer: options.consumer,
     claimIdleMs: options.claimIdleMs,
     maxDeliveries: options.maxDeliveries,
@@ -108,57 +99,6 @@ export function createSummaryWorker(
       await worker.close();
       await lanes?.close();
       await attempts.close();
-    },
-  };
-}
-
-/**
- * What the lanes are shared by: each job's estimated tokens (what the provider limiter reserves for it),
- * corrected to the tokens the provider reported once it is done, divided by its tenant's weight.
- */
-function tokenShare(deps: { sql: Sql; log: Logger }, options: SummaryWorkerOptions) {
-  const tenantWeights = createTenantWeights(deps, { ttlMs: options.weightsTtlMs });
-  // Lane stream -> tenant, filled as the registry names lanes.
-  const tenants = new Map<string, string>();
-  // Job id -> tokens the provider reported for this delivery's attempts so far.
-  const used = new Map<string, number>();
-  return {
-    laneOf(lane: (tenant: string) => JobKeys) {
-      return (tenant: string) => {
-        const keys = lane(tenant);
-        if (tenants.size >= 100_000) tenants.clear();
-        tenants.set(keys.stream, tenant);
-        return keys;
-      };
-    },
-    cost(message: StreamMessage): number {
-      let text = "";
-      try {
-        const payload = JSON.parse(message.fields.payload ?? "");
-        if (typeof payload?.text === "string") text = payload.text;
-      } catch {
-        // A malformed payload is dead-lettered by the job without a model call: it costs the least.
-      }
-      return estimateTokens(summaryPrompt(text));
-    },
-    spent(message: StreamMessage): number | undefined {
-      const jobId = message.fields.job_id ?? "";
-      const tokens = used.get(jobId);
-      used.delete(jobId);
-      return tokens;
-    },
-    onAttempt: ((report) => {
-      const { prompt_tokens: prompt, completion_tokens: completion } = report.details ?? {};
-      if (prompt !== undefined || completion !== undefined) {
-        // Bounded: entries are taken by `spent` when the delivery ends; only abandoned ones could pile up.
-        if (used.size >= 100_000) used.clear();
-        used.set(report.job_id, (used.get(report.job_id) ?? 0) + (prompt ?? 0) + (completion ?? 0));
-      }
-      options.job.onAttempt?.(report);
-    }) satisfies SummaryJobOptions["onAttempt"],
-    async weights(): Promise<(lane: QueueNames) => number> {
-      const byTenant = await tenantWeights.current();
-      return (lane) => byTenant.get(tenants.get(lane.stream) ?? "") ?? TENANT_WEIGHT.default;
     },
   };
 }
