@@ -177,6 +177,8 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function n(v) return tonumber(v) or 0 end
 local function lower(a, b) if a > 0 and b > 0 then return math.min(a, b) end return math.max(a, b) end
+-- Lists of job ids, comma-separated.
+local function has(list, id) return id ~= '' and string.find(',' .. (list or '') .. ',', ',' .. id .. ',', 1, true) ~= nil end
 `;
 
 // ARGV: cfg_rpm, cfg_tpm, estimated tokens, max ahead ms, probe lease ms, margin, mode, horizon ms, probe id,
@@ -192,7 +194,7 @@ local max_ahead, lease, margin = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(
 local mode, horizon, probe_id, job, suspect_delay = ARGV[7], tonumber(ARGV[8]), ARGV[9], ARGV[10], tonumber(ARGV[11])
 local peek, confirm = mode == 'peek', mode == 'confirm' or mode == 'confirm_probe'
 local h = redis.call('HMGET', key, 'state', 'open_until', 'probe_until', 'pause_until', 'tat_req', 'tat_tok',
-  'hdr_rpm', 'hdr_tpm', 'learned', 'failures', 'fail_jobs', 'suspect_at')
+  'hdr_rpm', 'hdr_tpm', 'learned', 'failures', 'fail_jobs', 'suspect_at', 'bad_jobs')
 local state = h[1] or 'closed'
 local open_until, probe_until, pause_until = n(h[2]), n(h[3]), n(h[4])
 local tat_req, tat_tok = n(h[5]), n(h[6])
@@ -209,10 +211,10 @@ if mode == 'confirm_probe' then return {1, 0, 'probe'} end
 local suspect = state == 'half_open' or n(h[10]) >= 2
 local single = suspect or (rpm == 0 and tpm == 0 and h[9] ~= '1')
 if single and probe_until > now then return {0, math.min(probe_until - now, 100), 'probing'} end
-if suspect and not peek and mode ~= 'confirm' and job ~= '' and string.find(',' .. (h[11] or '') .. ',', ',' .. job .. ',', 1, true) then
+if suspect and not peek and mode ~= 'confirm' and (has(h[11], job) or has(h[13], job)) then
   local since = n(h[12])
   if state == 'half_open' then since = math.max(since, open_until) end
-  if now - since < suspect_delay then return {0, since + suspect_delay - now, 'probing'} end
+  if now - since < suspect_delay then return {0, since + suspect_delay - now, 'suspect'} end
 end
 if confirm then
   if single then return {0, 0, 'probing'} end
@@ -262,7 +264,7 @@ local margin, cfg_tpm, min_pause, max_pause = tonumber(ARGV[16]), tonumber(ARGV[
   tonumber(ARGV[19])
 local job, window = ARGV[20], tonumber(ARGV[21])
 local h = redis.call('HMGET', key, 'state', 'failures', 'cooldown_ms', 'tat_tok', 'hdr_tpm', 'pause_until', 'open_until',
-  'probe_id', 'fail_jobs', 'recent_at', 'recent_provider', 'recent_job')
+  'probe_id', 'fail_jobs', 'recent_at', 'recent_provider', 'recent_job', 'bad_jobs')
 -- Only the current probe speaks for the provider while the breaker is open or half-open: a call that started
 -- before it opened, or a probe whose lease ran out and was replaced, must not move it.
 local probe = probe_id ~= '' and h[8] == probe_id
@@ -311,17 +313,27 @@ local function open(r)
   set('opened_reason', r); set('opened_at', now)
 end
 local speaks = probe or before == 'closed'
-local function close()
-  if speaks and (before ~= 'closed' or failures > 0) then
-    state = 'closed'
-    set('state', 'closed'); set('failures', 0); set('fail_jobs', ''); set('cooldown_ms', base); set('opened_reason', '')
-  end
-end
 -- Jobs whose calls failed since the last success: the provider is failing only when several distinct jobs
 -- are (a job that fails again and again counts once). A job that failed is a suspect for the next probe.
 local fail_jobs = h[9] or ''
+-- Jobs whose calls failed while the provider served others (a success came after): bad documents, by the
+-- evidence. Their failures are theirs alone, even as a probe; the last 32 are kept.
+local bad_jobs = h[13] or ''
+local function close()
+  if speaks and (before ~= 'closed' or failures > 0) then
+    state = 'closed'
+    if fail_jobs ~= '' then
+      local kept = {}
+      for id in string.gmatch(bad_jobs .. ',' .. fail_jobs, '[^,]+') do kept[#kept + 1] = id end
+      bad_jobs = table.concat(kept, ',', math.max(1, #kept - 31))
+      set('bad_jobs', bad_jobs)
+    end
+    set('state', 'closed'); set('failures', 0); set('fail_jobs', ''); set('cooldown_ms', base); set('opened_reason', '')
+  end
+end
 local function failed_job()
-  if job ~= '' and not string.find(',' .. fail_jobs .. ',', ',' .. job .. ',', 1, true) then
+  if has(bad_jobs, job) then return end
+  if job ~= '' and not has(fail_jobs, job) then
     if fail_jobs == '' then fail_jobs = job else fail_jobs = fail_jobs .. ',' .. job end
     failures = failures + 1
     set('fail_jobs', fail_jobs); set('failures', failures)
@@ -348,8 +360,15 @@ elseif kind == 'quota' or kind == 'unauthorized' then
 elseif kind == 'provider' then
   if before == 'open' then absorbed = 1
   elseif before == 'half_open' then
-    if probe then failed_job(); open('probe_failed') end
+    -- A probe by a known bad document (no other job asked to probe) is charged to it: it must not probe and
+    -- be absorbed for ever.
     absorbed = 1
+    if probe then
+      if has(bad_jobs, job) then absorbed = 0 end
+      failed_job(); open('probe_failed')
+    end
+  elseif has(bad_jobs, job) then
+    -- A known bad document failing again says nothing about the provider.
   else
     failed_job()
     if failures >= threshold then open('consecutive_failures'); absorbed = 1 end
@@ -404,6 +423,9 @@ export function createProviderFlow(
   const cfgRpm = options.rpm ?? 0;
   const cfgTpm = options.tpm ?? 0;
   let waiting = 0;
+  // Of those, callers refused the single call because their own job just failed: they must not keep the
+  // worker from reading a fresh job, which is the probe they are waiting for.
+  let suspects = 0;
 
   const ask = (
     estimated: number,
@@ -498,7 +520,7 @@ export function createProviderFlow(
         for (;;) {
           signal?.throwIfAborted();
           const id = crypto.randomUUID();
-          const [code, ms] = await ask(estimatedTokens, "take", id, jobId);
+          const [code, ms, reason] = await ask(estimatedTokens, "take", id, jobId);
           if (code === -1) {
             throw new GateRefused(
               `the call's ${estimatedTokens} estimated tokens exceed the provider's tokens-per-minute limit`,
@@ -532,7 +554,13 @@ export function createProviderFlow(
             return { waitedMs, probe, settle: (outcome) => settle(estimatedTokens, probeId, outcome, jobId) };
           }
           // Spread the callers a pause or an open breaker releases at the same instant.
-          await sleep(ms + random() * Math.min(100, ms * 0.1 + 10), signal);
+          const suspect = reason === "suspect";
+          if (suspect) suspects++;
+          try {
+            await sleep(ms + random() * Math.min(100, ms * 0.1 + 10), signal);
+          } finally {
+            if (suspect) suspects--;
+          }
         }
       } finally {
         if (!booked) waiting--;
@@ -541,7 +569,7 @@ export function createProviderFlow(
 
     async ready() {
       const [raw, ms] = await ask(0, "peek");
-      const permits = Math.max(0, raw - waiting);
+      const permits = Math.max(0, raw - (waiting - suspects));
       // Permits this process's own waiters will take are not there for new jobs: look again shortly.
       return { permits, waitMs: permits > 0 ? 0 : raw > 0 ? 50 : ms };
     },

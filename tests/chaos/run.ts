@@ -10,7 +10,11 @@
  * and counts effects. Exits non-zero unless nothing was lost or duplicated.
  *
  *   deno task chaos [--jobs N] [--duration S] [--redis-restart] [--pg-terminate] [--no-kills] [--seed N]
- *                   [--provider-limit RPS] [--cluster] [--new-tenants] [--drain-timeout S]
+ *                   [--provider-limit RPS] [--cluster] [--new-tenants] [--drain-timeout S] [--poison N]
+ *
+ * Among the jobs are N (default 3) poison documents, on which the model always
+ * hangs: each must be dead-lettered (after MAX_DELIVERIES=5 deliveries, charged
+ * to itself, not to the provider), and nothing else may be.
  *
  * With --cluster, Redis is a local three-master Redis Cluster with AOF on
  * (fsync always) in a temporary directory, REDIS_URL lists its nodes, and one
@@ -53,6 +57,7 @@ import { SUMMARIES } from "../../src/summaries/api.ts";
 import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
 import { jobIdFor } from "../../src/idempotency/scope.ts";
 import { allLanes } from "../../src/summaries/all_lanes.ts";
+import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { limitedProvider, startFakeModel } from "../support/fake_model_server.ts";
 import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
@@ -76,6 +81,10 @@ const NEW_TENANTS = flag("new-tenants");
 const JOBS = option("jobs", 500);
 const DURATION_S = option("duration", 30);
 const DRAIN_TIMEOUT_S = option("drain-timeout", NEW_TENANTS ? 60 : 180);
+/** Poison documents among the jobs: early in the run (so their five deliveries fit in it), email ones. */
+const POISON = option("poison", 3);
+const poisonIndices = new Set(Array.from({ length: Math.min(POISON, Math.floor(JOBS / 8)) }, (_, k) => 4 * k + 4));
+const POISON_MARK = "POISON-DOCUMENT";
 const REDIS_RESTART = flag("redis-restart");
 const CLUSTER = flag("cluster");
 const PG_TERMINATE = flag("pg-terminate");
@@ -96,6 +105,7 @@ const model = startFakeModel((n, prompt) => {
   modelCalls++;
   const gate = limited?.respond(n, prompt);
   if (gate && gate.kind !== "ok") return gate;
+  if (prompt.includes(POISON_MARK)) return { kind: "hang" };
   const r = random();
   if (r < 0.08) return { kind: "status", status: 429, headers: { "retry-after": "0.2" } };
   if (r < 0.14) return { kind: "status", status: 503 };
@@ -219,7 +229,7 @@ const secrets = new Map(
 );
 const tenantSetupS = (performance.now() - tenantsStarted) / 1000;
 const receiver = startFakeWebhookReceiver(secrets, () => random() < 0.1);
-const wantsWebhook = (i: number) => i % 4 === 3;
+const wantsWebhook = (i: number) => i % 4 === 3 && !poisonIndices.has(i);
 const env: Record<string, string> = {
   DATABASE_URL: db.url,
   REDIS_URL: redisUrl,
@@ -230,7 +240,9 @@ const env: Record<string, string> = {
   RESEND_BASE_URL: mail.url,
   IDEMPOTENCY_LOCK_TTL_S: "3",
   CLAIM_IDLE_MS: "2000",
-  MAX_DELIVERIES: "100",
+  // Low enough for the poison documents to be dead-lettered within the run; a healthy job loses a delivery
+  // only to a kill of the worker holding it, or to four failed attempts in a row (about 1 in 10,000).
+  MAX_DELIVERIES: "5",
   WORKER_CONCURRENCY: "16",
   JOB_BUDGET_S: "4",
   LLM_CALL_TIMEOUT_S: "1",
@@ -316,13 +328,14 @@ let killing = true;
 const BODY_WORDS = "revenue costs growth board plan quarter market customer contract region team".split(" ");
 
 function document(i: number): string {
+  const poison = poisonIndices.has(i) ? ` ${POISON_MARK}: the model hangs on this one.` : "";
   return Array.from(
     { length: 6 },
     (_, s) =>
       `${BODY_WORDS[(i + s) % BODY_WORDS.length]} ${
         BODY_WORDS[(i * 7 + s) % BODY_WORDS.length]
       } changed in period ${s} of job ${i}.`,
-  ).join(" ");
+  ).join(" ") + poison;
 }
 
 /** A 202's job id, or null and whether the API answered at all (a 409 or 5xx) or not (refused, reset, timed out). */
@@ -387,7 +400,7 @@ async function submit(i: number) {
   submissions.push(submission);
   const post = () => postOnce(key, body, apiKey, plan.fresh);
   const ids: (string | null)[] = [];
-  if (!plan.retries) {
+  if (!plan.retries && !poisonIndices.has(i)) {
     const only = await post();
     if (only.jobId === null && !only.answered) {
       abandoned.set(key, submission);
@@ -514,6 +527,20 @@ async function killLoop() {
   killing = false;
 }
 
+/** The poison documents' job ids (the accepted ones, and those whose intake ran unanswered). */
+function poisonJobs(): Set<string> {
+  return new Set(submissions.filter((s) => poisonIndices.has(s.i)).map((s) => accepted.get(s.key) ?? s.jobId));
+}
+
+/** How many poison documents are decided failed. */
+async function poisonFailed(): Promise<number> {
+  const [row] = await db.sql<{ n: number }[]>`
+    SELECT count(*)::int AS n FROM job_outcomes WHERE outcome = 'failed' AND job_id = ANY(${[
+    ...poisonJobs(),
+  ]}::uuid[])`;
+  return row!.n;
+}
+
 async function countDone(): Promise<number> {
   const [row] = await db.sql<{ n: number }[]>`SELECT count(*)::int AS n FROM summaries`;
   return row!.n;
@@ -595,6 +622,7 @@ try {
     const end = drainStart + DRAIN_TIMEOUT_S * 1000;
     const expected = new Set(accepted.values());
     while (performance.now() < end) {
+      for (const id of poisonJobs()) expected.delete(id);
       for (const s of await intakeRanFor([...abandoned.values()])) {
         expected.add(s.jobId);
         if (s.webhook) webhookJobs.add(s.jobId);
@@ -603,7 +631,7 @@ try {
       const keys = new Set([...mail.delivered.map((d) => d.idempotencyKey), ...receiver.processed.keys()]);
       const notified = (id: string) =>
         keys.has(`${webhookJobs.has(id) ? SUMMARY_WEBHOOK_KEY_PREFIX : SUMMARY_READY_KEY_PREFIX}${id}`);
-      if (done >= expected.size && [...expected].every(notified)) break;
+      if (done >= expected.size && [...expected].every(notified) && (await poisonFailed()) === poisonJobs().size) break;
       await sleep(200);
     }
     drainSeconds = (performance.now() - drainStart) / 1000;
@@ -622,11 +650,15 @@ try {
 const abandonedRan = await intakeRanFor([...abandoned.values()]).catch((): Submission[] => []);
 for (const s of abandonedRan) if (s.webhook) webhookJobs.add(s.jobId);
 const acceptedCount = new Set(accepted.values()).size;
-const jobIds = [...new Set([...accepted.values(), ...abandonedRan.map((s) => s.jobId)])];
+// The poison documents are checked apart: dead-lettered, each once, and never done.
+const poison = poisonJobs();
+const jobIds = [...new Set([...accepted.values(), ...abandonedRan.map((s) => s.jobId)])].filter((id) =>
+  !poison.has(id)
+);
 const summaries = await db.sql<{ job_id: string }[]>`SELECT job_id::text FROM summaries`;
 const outbox = await db.sql<{ job_id: string }[]>`SELECT payload->>'job_id' AS job_id FROM outbox`;
 const summaryIds = new Set(summaries.map((r) => r.job_id));
-const lost = [...new Set(accepted.values())].filter((id) => !summaryIds.has(id)).length;
+const lost = [...new Set(accepted.values())].filter((id) => !poison.has(id) && !summaryIds.has(id)).length;
 // Every job the service took on and never finished, with where it sits: the failure report names each one.
 const idOf = (s: Submission) => accepted.get(s.key) ?? s.jobId;
 const taken = new Set(jobIds);
@@ -647,9 +679,18 @@ const dupEmails = deliveredKeys.length - distinctEmails;
 const emailJobs = jobIds.filter((id) => !webhookJobs.has(id)).length;
 const webhookIds = [...receiver.processed.keys()];
 const webhooksRight = webhookIds.filter((id) => webhookJobs.has(receiver.processed.get(id)!)).length;
-const dead = await allLanes(redisAdmin, serviceKeys(KEY_PREFIX))
-  .then(async (lanes) => (await Promise.all(lanes.map((l) => redisAdmin.xlen(l.keys.dead)))).reduce((n, x) => n + x, 0))
-  .catch(() => -1);
+const deadIds = await allLanes(redisAdmin, serviceKeys(KEY_PREFIX))
+  .then(async (lanes) =>
+    (await Promise.all(lanes.map((l) => listDeadLetters(redisAdmin, l.keys, 10_000)))).flat().map((d) =>
+      d.fields.job_id
+    )
+  )
+  .catch(() => null);
+const dead = deadIds?.length ?? -1;
+const poisonDead = deadIds?.filter((id) => id !== undefined && poison.has(id)).length ?? 0;
+const otherDead = dead - poisonDead;
+const poisonDone = [...poison].filter((id) => summaryIds.has(id)).length;
+const poisonDecided = await poisonFailed().catch(() => -1);
 
 const rows: [string, string][] = [
   ["seed", String(SEED)],
@@ -672,6 +713,7 @@ const rows: [string, string][] = [
   ...events.map((e): [string, string] => ["infrastructure event", e]),
   ["jobs lost (accepted but never done)", String(lost)],
   ["dead-lettered", String(dead)],
+  ["poison documents dead-lettered (failed) / expected", `${poisonDead} (${poisonDecided}) / ${poison.size}`],
   ["duplicate summaries", String(dupSummaries)],
   ["duplicate outbox rows", String(dupOutbox)],
   ["summaries for jobs never accepted", String(unexpected)],
@@ -767,6 +809,7 @@ const ok = !failure && stoppedCleanly && stuck.length === 0 && lost === 0 && dup
   dupEmails === 0 && distinctEmails === emailJobs && acceptedCount + abandoned.size === JOBS &&
   webhooksRight === webhookJobs.size && webhookIds.length === webhookJobs.size && receiver.badSignatures === 0 &&
   stranded.length === 0 &&
+  poisonDead === poison.size && poisonDecided === poison.size && otherDead === 0 && poisonDone === 0 &&
   (!NEW_TENANTS || (doneWithoutOutbox === 0 && outboxUnknown === 0 && misnamed.length === 0));
 if (failure) console.error(`chaos run failed: ${failure instanceof Error ? failure.message : failure}`);
 if (stuck.length > 0) console.error(`did not exit within 15 s of SIGTERM (then SIGKILLed): ${stuck.join(", ")}`);

@@ -371,6 +371,71 @@ Deno.test("provider flow control", async (t) => {
       await probe.settle({ aborted: true });
       assert.equal((await flow.acquire(1)).probe, true, "the slot is free again");
     });
+
+    await t.step("one job failing again and again is its own failure: charged, never suspect, never open", async () => {
+      const flow = flowFor({ rpm: 60_000 });
+      const timeout = new AttemptTimeout("scripted");
+      for (let i = 0; i < 6; i++) {
+        const permit = await flow.acquire(10, undefined, "poison");
+        assert.equal(permit.probe, false, "never one-at-a-time for one job's failures");
+        assert.equal(await permit.settle({ error: timeout }), false, "charged to the job, not absorbed");
+      }
+      const status = await flow.status();
+      assert.equal(status.breaker.state, "closed");
+      assert.equal(status.breaker.failures, 1, "one distinct job");
+      assert.deepEqual([status.recent_failures.provider, status.recent_failures.job], [0, 6]);
+    });
+
+    await t.step("three distinct jobs failing with no success between them open the breaker", async () => {
+      const flow = flowFor({ rpm: 60_000 });
+      const verdicts = [];
+      for (const job of ["a", "b", "c"]) {
+        verdicts.push(await (await flow.acquire(10, undefined, job)).settle({ error: new ConnectionError("down") }));
+      }
+      assert.deepEqual(verdicts, [false, false, true], "the third is the provider's: absorbed");
+      assert.equal((await flow.status()).breaker.state, "open");
+    });
+
+    await t.step(
+      "a job that failed while others succeeded is a known bad document: its failures never open the breaker, " +
+        "and as a probe it waits for a job that has not failed",
+      async () => {
+        const flow = flowFor({ rpm: 60_000, cooldownMs: 200 });
+        const fail = async (job: string) =>
+          await (await flow.acquire(10, undefined, job)).settle({ error: new AttemptTimeout("x") });
+        await fail("bad");
+        await (await flow.acquire(10, undefined, "good-1")).settle({ value: { text: "ok" } as never });
+        // Now "bad" is known: its failures are its own, however many, and two others still only make a suspect.
+        for (let i = 0; i < 5; i++) assert.equal(await fail("bad"), false);
+        await fail("x");
+        assert.equal((await flow.status()).breaker.state, "closed");
+        await fail("y");
+        assert.equal(await fail("z"), true, "three other jobs: the provider");
+        assert.equal((await flow.status()).breaker.state, "open");
+        await new Promise((res) => setTimeout(res, 250)); // half-open now
+        // The bad document asks first, but a job that has not failed takes the probe.
+        const order: string[] = [];
+        const badWaits = flow.acquire(10, undefined, "bad").then((p) => (order.push("bad"), p));
+        await new Promise((res) => setTimeout(res, 50));
+        const clean = await flow.acquire(10, undefined, "fresh");
+        order.push("fresh");
+        assert.equal(clean.probe, true);
+        await clean.settle({ value: { text: "ok" } as never });
+        (await badWaits).settle({ aborted: true });
+        assert.deepEqual(order, ["fresh", "bad"]);
+        assert.equal((await flow.status()).breaker.state, "closed");
+      },
+    );
+
+    await t.step("a 401 opens the breaker like insufficient_quota, and is absorbed", async () => {
+      const log = recordingLogger();
+      const flow = flowFor({ rpm: 60_000 }, createLogger(log));
+      const permit = await flow.acquire(10, undefined, "j");
+      assert.equal(await permit.settle({ error: apiError(401, "invalid_api_key") }), true);
+      const status = await flow.status();
+      assert.deepEqual([status.breaker.state, status.breaker.reason], ["open", "unauthorized"]);
+      assert.ok(log.lines.some((l) => l.event === "provider_unauthorized"));
+    });
   } finally {
     await r.close();
   }
