@@ -9,6 +9,7 @@ import { createRecipientPolicy } from "../tenants/mail_domains.ts";
 import { createSecretCheck } from "../tenants/webhook_secrets.ts";
 import { startJobWaiter } from "../summaries/job_waiter.ts";
 import { buildFlow, providerLabel } from "./_model.ts";
+import { problem } from "../http/problem.ts";
 
 /** Serves the API on HOST:PORT until `signal` aborts, then finishes in-flight requests. */
 export async function serveApi(
@@ -62,6 +63,12 @@ export async function serveApi(
     hostname: config.HOST,
     port: config.PORT,
     onListen: ({ hostname, port }) => log.info("api_listening", { url: `http://${hostname}:${port}` }),
+    // Anything the handler did not turn into a response: one JSON log line and a problem document, never
+    // Deno's plain-text 500 with a stack trace on stderr.
+    onError: (error) => {
+      log.error("request_failed", { error });
+      return problem(500, "Internal error");
+    },
   }, handler);
   signal.addEventListener("abort", () => void server.shutdown(), { once: true });
   await server.finished;

@@ -49,6 +49,14 @@ export interface ApiDeps {
   metrics?: { api: ApiMetrics; registry: Registry; token?: string };
 }
 
+/** What a `Prefer: wait` came to: the job's document, and whether it finished within the wait. */
+interface Waited {
+  document: SummaryStatus;
+  /** The `Preference-Applied` value. */
+  applied: string;
+  finished: boolean;
+}
+
 /** The collection path: POSTs are scoped to it, and job documents live below it. */
 export const SUMMARIES = "/v1/summaries";
 const JOB_PATH = /^\/v1\/summaries\/([^/]+)$/;
@@ -153,8 +161,11 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
       } else {
         log.info("job_enqueued", { job_id: response.body.job_id, tenant });
       }
+      if (deps.waiter) headers.vary = "prefer";
       const waited = await waitIfPreferred(req, tenant, response.body.job_id);
-      if (waited) return json(200, waited.document, { ...headers, "preference-applied": waited.applied });
+      if (waited?.finished) return json(200, waited.document, { ...headers, "preference-applied": waited.applied });
+      // A wait that ran out still applied the preference: the client can tell "waited" from "ignored".
+      if (waited) headers["preference-applied"] = waited.applied;
       return json(response.status, response.body, headers);
     } catch (error) {
       if (error instanceof QueueFull) {
@@ -224,14 +235,15 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
 
   /**
    * `Prefer: wait=N`: waits up to N seconds for the job to finish, woken by
-   * its outcome's notification. @returns the finished document, or null when
-   * it did not finish in time (or waiting is not possible here).
+   * its outcome's notification. @returns the document when it finished
+   * (`finished`), the latest one when the wait ran out, or null when waiting
+   * is not possible here (or was not asked for).
    */
   async function waitIfPreferred(
     req: Request,
     tenant: string,
     jobId: string,
-  ): Promise<{ document: SummaryStatus; applied: string } | null> {
+  ): Promise<Waited | null> {
     const waitS = preferredWaitS(req.headers);
     const waiter = deps.waiter;
     if (waitS === undefined || !waiter?.listening || deps.shutdown?.aborted) return null;
@@ -250,18 +262,18 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     jobId: string,
     waiter: JobWaiter,
     waitS: number,
-  ): Promise<{ document: SummaryStatus; applied: string } | null> {
+  ): Promise<Waited | null> {
     const deadline = performance.now() + waitS * 1000;
+    const applied = `wait=${waitS}`;
     // Subscribe before looking, so a finish between the look and the wait still wakes us.
     const subscription = waiter.subscribe(jobId);
     try {
       for (;;) {
         const found = await jobDocument(tenant, jobId);
-        if (found && FINISHED.has(found.document.status)) {
-          return { document: found.document, applied: `wait=${waitS}` };
-        }
+        if (found && FINISHED.has(found.document.status)) return { document: found.document, applied, finished: true };
         const left = deadline - performance.now();
-        if (!found || left <= 0 || deps.shutdown?.aborted) return null;
+        if (!found) return null;
+        if (left <= 0 || deps.shutdown?.aborted) return { document: found.document, applied, finished: false };
         await subscription.next(left, AbortSignal.any([req.signal, ...(deps.shutdown ? [deps.shutdown] : [])]));
         if (req.signal.aborted) return null;
       }
@@ -274,11 +286,12 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     const tenant = await authenticate(req);
     const found = await jobDocument(tenant, jobId);
     if (!found) throw new HttpError(404, `No job ${jobId} for this tenant`);
+    const headers: Record<string, string> = deps.waiter ? { vary: "prefer" } : {};
     if (!FINISHED.has(found.document.status)) {
       const waited = await waitIfPreferred(req, tenant, jobId);
-      if (waited) return json(200, waited.document, { "preference-applied": waited.applied });
+      if (waited) return json(200, waited.document, { ...headers, "preference-applied": waited.applied });
     }
-    return json(200, found.document);
+    return json(200, found.document, headers);
   }
 
   /**
@@ -351,15 +364,17 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
   const openApi = openApiDocument();
   return async (req) => {
     const started = performance.now();
-    const path = new URL(req.url).pathname;
+    // A malformed Host header (`Host: a b`) makes the request's URL unparseable: a client error, not a 500.
+    const path = URL.parse(req.url)?.pathname;
     let response: Response;
     try {
+      if (path === undefined) throw new HttpError(400, "The request's Host header or target is not a valid URL");
       response = await route(req, path);
     } catch (error) {
-      response = errorResponse(error, log, { method: req.method, path });
+      response = errorResponse(error, log, { method: req.method, path: path ?? "(malformed)" });
     }
     if (deps.metrics) {
-      const labels = { route: routeLabel(path), method: methodLabel(req.method) };
+      const labels = { route: path === undefined ? "other" : routeLabel(path), method: methodLabel(req.method) };
       deps.metrics.api.requests.inc({ ...labels, status: String(response.status) });
       deps.metrics.api.duration.observe(labels, (performance.now() - started) / 1000);
     }

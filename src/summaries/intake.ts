@@ -44,10 +44,12 @@ export interface Intake {
 // KEYS: the scope's record, the job stream, the job's status record (one hash tag), then the registry keys
 // that make the lane known (`laneKnownArgs`).
 // ARGV: job id, tenant, payload, status TTL, record, record TTL, the lane's cap (0 = none), the POST's
-// traceparent ('' when not tracing: the message then has no such field), then the registry arguments.
+// traceparent ('' when not tracing: the message then has no such field), the lane's share of a full queue
+// (0 = the queue is not full), then the registry arguments.
 // Returns the existing record (or ours, stored again, when the key's record expired but the job is still
-// known: it is not enqueued twice and its status is left alone), 1 when the lane is full (nothing written),
-// or false after enqueuing, making the lane known and storing ours.
+// known: it is not enqueued twice and its status is left alone), 1 when the lane is full, 2 when the whole
+// queue is full and this lane holds its share of it (nothing written either way), or false after enqueuing,
+// making the lane known and storing ours.
 const INTAKE = defineScript(`
 local stored = redis.call('GET', KEYS[1])
 if stored then return stored end
@@ -55,15 +57,16 @@ if redis.call('EXISTS', KEYS[3]) == 1 then
   redis.call('SET', KEYS[1], ARGV[5], 'EX', ARGV[6])
   return ARGV[5]
 end
-local cap = tonumber(ARGV[7])
+local cap, share = tonumber(ARGV[7]), tonumber(ARGV[9])
 if cap > 0 and redis.call('XLEN', KEYS[2]) >= cap then return 1 end
+if share > 0 and redis.call('XLEN', KEYS[2]) >= share then return 2 end
 if ARGV[8] ~= '' then
   redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[1], 'tenant', ARGV[2], 'payload', ARGV[3], 'traceparent', ARGV[8])
 else
   redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[1], 'tenant', ARGV[2], 'payload', ARGV[3])
 end
 ${markQueuedLua({ key: "KEYS[3]", tenant: "ARGV[2]", ttl: "ARGV[4]" })}
-${laneKnownLua(4, 9)}
+${laneKnownLua(4, 10)}
 redis.call('SET', KEYS[1], ARGV[5], 'EX', ARGV[6])
 return false`);
 
@@ -99,14 +102,29 @@ export function createIntake(
     maxQueuedPerTenant?: number;
   },
 ): Intake {
-  let total = { at: -Infinity, value: 0 };
+  let total = { at: -Infinity, value: 0, lanes: 0 };
   const totalQueued = async () => {
     if (performance.now() - total.at > 1_000) {
       const lanes = await allLanes(redis, keys);
       const lengths = await Promise.all(lanes.map((lane) => redis.xlen(lane.keys.stream)));
-      total = { at: performance.now(), value: lengths.reduce((n, x) => n + x, 0) };
+      total = {
+        at: performance.now(),
+        value: lengths.reduce((n, x) => n + x, 0),
+        lanes: lengths.filter((n) => n > 0).length,
+      };
     }
-    return total.value;
+    return total;
+  };
+  /**
+   * With INTAKE_MAX_QUEUED: 0 while the queue is under it; once it is full, each lane's share of it (the cap
+   * split between the lanes holding work, and one more lane: the tenant asking may be new). A tenant under
+   * its share is still served, so one tenant filling the queue cannot lock the others out; a replay is
+   * answered whatever the queue holds (the script looks for the stored record first).
+   */
+  const fullQueueShare = async () => {
+    if (!maxQueued) return 0;
+    const { value, lanes } = await totalQueued();
+    return value >= maxQueued ? Math.max(1, Math.floor(maxQueued / (lanes + 1))) : 0;
   };
   // The scope's unambiguous encoding is the key: bounded (a validated tenant name and a key of at most 128
   // visible characters) and not hashed, since every hash costs the request path several microseconds.
@@ -127,7 +145,7 @@ export function createIntake(
       const record = JSON.stringify({ fp: fingerprint, ...response } satisfies StoredRecord);
       const lane = keys.lane(scope.tenant);
       // The whole queue's size is known only across lanes (other slots), so it is read at most once a second.
-      if (maxQueued && (await totalQueued()) >= maxQueued) throw new QueueFull("the queue is full", RETRY_AFTER_S);
+      const share = await fullQueueShare();
       const known = laneKnownArgs(redis, keys.registry, scope.tenant, lane.stream);
       const stored = await INTAKE.run(redis, [keyFor(scope), lane.stream, lane.job(jobId), ...known.keys], [
         jobId,
@@ -138,9 +156,11 @@ export function createIntake(
         resultTtlS,
         maxQueuedPerTenant ?? 0,
         traceparent ?? "",
+        share,
         ...known.args,
       ]) as string | number | null;
       if (stored === 1) throw new QueueFull(`tenant ${scope.tenant}'s queue is full`, RETRY_AFTER_S);
+      if (stored === 2) throw new QueueFull("the queue is full", RETRY_AFTER_S);
       // The script made the lane known (on one server it announced it too), so no crash from here on can
       // hide the job from the workers' sweep. The announce only wakes them now rather than at the sweep:
       // after the enqueue, never before (a worker taking the lane off the active set looks again after).

@@ -299,6 +299,14 @@ Deno.test("summaries API", async (t) => {
         const over = await send(whole, newKey(), otherKey);
         assert.equal(over.status, 503);
         assert.match((await over.json()).detail, /the queue is full/);
+        // A full queue still answers replays, and a tenant holding less than its share of it still gets in:
+        // two lanes hold work, so each of three gets 3 / 3 = 1, and a third tenant with none is served.
+        const replay = await send(whole, first);
+        assert.equal(replay.status, 202, "a replay at the global cap is answered");
+        assert.equal(replay.headers.get("idempotent-replayed"), "true");
+        const thirdKey = await createApiKey(db.sql, "initech");
+        assert.equal((await send(whole, newKey(), thirdKey)).status, 202, "a tenant under its share gets in");
+        assert.equal((await send(whole, newKey())).status, 503, "acme, over its share, does not");
       },
     );
 
@@ -454,6 +462,25 @@ Deno.test("summaries API", async (t) => {
       assert.equal(wrong.status, 405);
       assert.equal(wrong.headers.get("allow"), "POST");
       await wrong.body?.cancel();
+    });
+
+    await t.step("a malformed Host header is a 400 problem document, not a 500 with a stack trace", async () => {
+      const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, handler);
+      try {
+        const conn = await Deno.connect({ hostname: "127.0.0.1", port: server.addr.port });
+        await conn.write(new TextEncoder().encode("GET /healthz HTTP/1.1\r\nHost: a b\r\nConnection: close\r\n\r\n"));
+        let text = "";
+        const buf = new Uint8Array(4096);
+        for (let n = await conn.read(buf); n !== null; n = await conn.read(buf)) {
+          text += new TextDecoder().decode(buf.subarray(0, n));
+        }
+        conn.close();
+        assert.match(text, /^HTTP\/1\.1 400 /);
+        assert.match(text, /content-type: application\/problem\+json/i);
+        assert.match(text, /not a valid URL/);
+      } finally {
+        await server.shutdown();
+      }
     });
   } finally {
     await r.close();

@@ -125,7 +125,9 @@ Deno.test("results: wait for the finished job, cancel a queued one", async (t) =
         const res = await post("A SLOW-ME document. It takes the model three seconds.", { prefer: "wait=1" });
         const elapsed = performance.now() - started;
         assert.equal(res.status, 202);
-        assert.equal(res.headers.get("preference-applied"), null);
+        // The wait ran out, but it was applied (RFC 7240): the client can tell "waited" from "ignored".
+        assert.equal(res.headers.get("preference-applied"), "wait=1");
+        assert.equal(res.headers.get("vary"), "prefer", "a response Prefer can change says so");
         const { job_id } = await res.json();
         assert.ok(elapsed >= 950 && elapsed < 2_500, `answered after ${Math.round(elapsed)} ms`);
         const got = await request("GET", job_id, { prefer: "wait=10" });
@@ -141,6 +143,8 @@ Deno.test("results: wait for the finished job, cancel a queued one", async (t) =
       for (const prefer of [undefined, "wait=abc"]) {
         const res = await post("No wait here. None at all.", prefer ? { prefer } : {});
         assert.equal(res.status, 202);
+        assert.equal(res.headers.get("preference-applied"), null, "ignored, and says nothing");
+        assert.equal(res.headers.get("vary"), "prefer");
         await res.body?.cancel();
       }
     });
