@@ -196,10 +196,21 @@ export function createLaneRegistry(
   subscriber.on("message", wakeAll);
   const subscribed = subscriber.subscribe(keys.wake).catch((error) => log.warn("lane_wakeup_unavailable", { error }));
 
-  async function sweep(): Promise<number> {
-    let repaired = 0;
+  /** On a cluster: lanes in their homes but not in `all` (never announced) join it, and `active` if they have work. */
+  async function foldHomes(): Promise<number> {
     const found = await foldLaneHomes(redis, keys);
-    if (found.length) log.warn("lanes_found_unannounced", { lanes: found });
+    if (found.length === 0) return 0;
+    log.warn("lanes_found_unannounced", { lanes: found });
+    let repaired = 0;
+    for (const id of found) {
+      if (await hasUndelivered(redis, toLane(id)) && (await redis.sadd(keys.active, id)) === 1) repaired++;
+    }
+    if (repaired) wakeAll();
+    return repaired;
+  }
+  /** Re-adds to `active` every known lane with undelivered messages. */
+  async function walk(): Promise<number> {
+    let repaired = 0;
     for (const id of await redis.smembers(keys.all)) {
       const lane = toLane(id);
       if (await hasUndelivered(redis, lane) && (await redis.sadd(keys.active, id)) === 1) repaired++;
@@ -210,16 +221,20 @@ export function createLaneRegistry(
     if (repaired) log.info("lanes_repaired", { lanes: repaired });
     return repaired;
   }
+  const sweep = async () => (await foldHomes()) + (await walk());
   const sweepNow = () => sweep().catch((error) => log.warn("lane_sweep_failed", { error }));
-  // Before the first read (a restarted worker finds at once what a crash hid), then every `sweepMs`.
-  let firstSweep: Promise<unknown> | undefined;
+  // Before the first read, the known lanes are walked (a restarted worker finds at once what a crash hid);
+  // the homes (16,384 reads on a cluster) are folded in beside the first reads, never in front of them.
+  // Then both every `sweepMs`.
+  let firstWalk: Promise<unknown> | undefined;
+  foldHomes().catch((error) => log.warn("lane_sweep_failed", { error }));
   const sweeper = setInterval(sweepNow, options.sweepMs ?? 30_000);
   Deno.unrefTimer(sweeper);
 
   return {
     async active() {
       await subscribed;
-      await (firstSweep ??= sweepNow());
+      await (firstWalk ??= walk().catch((error) => log.warn("lane_sweep_failed", { error })));
       wakesSeen = wakes;
       // A drained lane outside the registry is looked at again every second: a replayed dead letter, or an
       // older API still writing there during a rolling upgrade, is not left for the sweep.

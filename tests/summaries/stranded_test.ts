@@ -94,7 +94,7 @@ Deno.test("nothing accepted is stranded", async (t) => {
           assert.equal(res.status, 500, "the client never got its 202");
           await res.body?.cancel();
           // CLAIM_IDLE_MS plays no part (nothing was delivered yet): the sweep interval, and a margin.
-          await waitFor("the stranded job done", async () => (await summariesOf("newcomer-1")) === 1, sweepMs + 4_000);
+          await waitFor("the stranded job done", async () => (await summariesOf("newcomer-1")) === 1, sweepMs + 10_000);
         } finally {
           await worker.stop();
         }
