@@ -60,8 +60,32 @@ export function problem(
 export function errorResponse(error: unknown, log: Logger, fields: Record<string, unknown> = {}): Response {
   if (error instanceof HttpError) {
     if (error.status >= 500) log.error("request_failed", { ...fields, status: error.status, error });
+    else logRefusal(log, { ...fields, status: error.status, detail: error.detail });
     return problem(error.status, error.detail, error.headers, { type: error.type, extra: error.extra });
   }
   log.error("request_failed", { ...fields, status: 500, error });
   return problem(500, "The server could not complete the request; it is safe to retry with the same Idempotency-Key");
+}
+
+/** How long identical client-error lines are folded into one. */
+const REFUSAL_WINDOW_MS = 10_000;
+const refusals = new Map<string, { at: number; folded: number }>();
+
+/**
+ * A client error (4xx) is one `request_refused` line at info level, and the
+ * same line again within 10 s is only counted: a client repeating a bad
+ * request thousands of times a second cannot flood the log. The next line
+ * after a window says how many it folded (`repeated`).
+ */
+function logRefusal(log: Logger, fields: Record<string, unknown>): void {
+  const key = JSON.stringify(fields);
+  const now = performance.now();
+  const seen = refusals.get(key);
+  if (seen && now - seen.at < REFUSAL_WINDOW_MS) {
+    seen.folded++;
+    return;
+  }
+  if (refusals.size >= 1_000) refusals.clear();
+  refusals.set(key, { at: now, folded: 0 });
+  log.info("request_refused", seen?.folded ? { ...fields, repeated: seen.folded } : fields);
 }

@@ -10,13 +10,14 @@ import type { Registry } from "prom-client";
 import type { Authenticate } from "../tenants/authenticator.ts";
 import { type Intake, QueueFull } from "./intake.ts";
 import { cancelJob, type Outcome } from "./commit.ts";
+import { publicError } from "./public_error.ts";
 import { markCancelled } from "./job_status.ts";
 import { type JobWaiter, preferredWaitS } from "./job_waiter.ts";
 import { checkWebhookUrl, WebhookRefused } from "../webhooks/addresses.ts";
 import { currentTraceparent } from "../tracing.ts";
 import type { ServiceKeys } from "./keys.ts";
 import { openApiDocument, ROUTES } from "./openapi.ts";
-import { IdempotencyKey, JOB_ID, SummaryRequest, type SummaryStatus } from "./schemas.ts";
+import { IdempotencyKey, idempotencyKeyOf, JOB_ID, SummaryRequest, type SummaryStatus } from "./schemas.ts";
 
 /** What the API handler needs. */
 export interface ApiDeps {
@@ -114,8 +115,9 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
 
   async function postSummary(req: Request): Promise<Response> {
     const tenant = await authenticate(req);
-    const key = req.headers.get("idempotency-key");
-    if (key === null) throw new HttpError(400, "Idempotency-Key header is required");
+    const header = req.headers.get("idempotency-key");
+    if (header === null) throw new HttpError(400, "Idempotency-Key header is required");
+    const key = idempotencyKeyOf(header);
     if (!IdempotencyKey.safeParse(key).success) {
       throw new HttpError(400, "Idempotency-Key must be 16 to 128 visible ASCII characters");
     }
@@ -215,7 +217,7 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
       if (decided.tenant !== tenant) return null;
       if (decided.outcome === "cancelled" || decided.outcome === "failed") {
         const document: SummaryStatus = { job_id: jobId, status: decided.outcome, ...usage };
-        if (decided.outcome === "failed") document.error = decided.error ?? laneRecord.error ?? "failed";
+        if (decided.outcome === "failed") document.error = publicError(decided.error ?? laneRecord.error ?? "");
         return { document, recordKey: laneRecord.tenant ? laneKey : undefined };
       }
       // Done, but its summary is past SUMMARY_RETENTION_S: as if unknown.
@@ -229,7 +231,7 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     if (record.tenant !== tenant) return null;
     const status = record.status === "failed" || record.status === "cancelled" ? record.status : "queued";
     const document: SummaryStatus = { job_id: jobId, status, ...usage };
-    if (status === "failed" && record.error) document.error = record.error;
+    if (status === "failed") document.error = publicError(record.error ?? "");
     return { document, recordKey };
   }
 

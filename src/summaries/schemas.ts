@@ -8,14 +8,15 @@ export const JOB_ID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]
  * surrogate. Either passes JSON parsing and would only fail at the commit,
  * after the model was paid for, on every delivery.
  */
-const storableText = (field: string) =>
-  z.string().refine((s) => !s.includes("\u0000") && s.isWellFormed(), {
-    message: `${field} must not contain NUL characters or unpaired surrogates (the database cannot store them)`,
-  });
+const isStorable = (s: string) => !s.includes("\u0000") && s.isWellFormed();
+const unstorable = (field: string) => ({
+  message: `${field} must not contain NUL characters or unpaired surrogates (the database cannot store them)`,
+});
+const storableText = (field: string) => z.string().refine(isStorable, unstorable(field));
 
 /** Where a webhook goes; the API also checks its scheme and address (see `webhooks/addresses.ts`). */
 export const WebhookTarget = z.strictObject({
-  webhook: z.url().max(2048).describe(
+  webhook: z.url().max(2048).refine(isStorable, unstorable("webhook")).describe(
     "An https URL (http only with WEBHOOK_ALLOW_HTTP) that receives the result as a signed Standard Webhook",
   ),
 });
@@ -24,7 +25,9 @@ export const WebhookTarget = z.strictObject({
 export const SummaryRequest = z.strictObject({
   text: storableText("text").min(1).max(200_000).describe("The document to summarise, 1 to 200,000 characters"),
   notify: z.union([
-    z.email().max(320).describe("An address to email the summary to when it is ready"),
+    z.email().max(320).refine(isStorable, unstorable("notify")).describe(
+      "An address to email the summary to when it is ready",
+    ),
     WebhookTarget,
   ]).describe('Where the result goes: an email address, or {"webhook": URL}'),
 });
@@ -49,6 +52,18 @@ export type SummaryStatus = z.infer<typeof SummaryStatus>;
 
 /** `Idempotency-Key`: 16 to 128 visible ASCII characters. */
 export const IdempotencyKey = z.string().regex(/^[\x21-\x7e]{16,128}$/);
+
+/**
+ * The key an `Idempotency-Key` header names. The IETF draft defines the
+ * header as a Structured Field string (`"abc..."`), and most clients send
+ * it bare: both spellings name the same key, so a client that switches
+ * between them never gets a second job. A quoted key is unquoted (with its
+ * `\"` and `\\` escapes); what remains must be a valid bare key.
+ */
+export function idempotencyKeyOf(header: string): string {
+  const quoted = /^"((?:[^"\\]|\\["\\])*)"$/.exec(header);
+  return quoted ? quoted[1]!.replace(/\\(["\\])/g, "$1") : header;
+}
 
 /** The body of a `summary.ready` webhook (Standard Webhooks' `type`, then the finished job's document). */
 export const SummaryWebhook = z.object({

@@ -195,13 +195,21 @@ Deno.test("summaries API", async (t) => {
       const notMine = await get(job_id, otherKey);
       assert.equal(notMine.status, 404);
       await notMine.body?.cancel();
+      // A tenant sees a stable class of error, never the provider's or the database's own text.
+      const providerText = "permanent: UpstreamHttpError: Upstream answered 401: " +
+        '{"error":{"message":"Incorrect API key provided: sk-pro***3xQ (gateway llm-gw.internal.corp:8443)"}}';
       const failed = await (await post(newKey())).json();
-      await r.redis.hset(acme.job(failed.job_id), "status", "failed", "error", "permanent: 400 from model");
+      await r.redis.hset(acme.job(failed.job_id), "status", "failed", "error", providerText);
       assert.deepEqual(await (await get(failed.job_id)).json(), {
         job_id: failed.job_id,
         status: "failed",
-        error: "permanent: 400 from model",
+        error: "model_rejected: 401",
       });
+      const stored = await (await post(newKey())).json();
+      await db.sql`INSERT INTO job_outcomes (job_id, tenant, outcome, error) VALUES (${stored.job_id}, 'acme', 'failed',
+        'permanent: the summary cannot be stored: invalid byte sequence for encoding "UTF8": 0x00 (relation "summaries")')`;
+      const storedDoc = await (await get(stored.job_id)).json();
+      assert.deepEqual([storedDoc.status, storedDoc.error], ["failed", "storage_rejected"]);
       for (const id of [crypto.randomUUID(), "not-a-uuid"]) {
         const res = await get(id);
         assert.equal(res.status, 404);
@@ -445,10 +453,38 @@ Deno.test("summaries API", async (t) => {
         assert.equal(problem.errors[0].path, "text");
         assert.match(problem.errors[0].message, /NUL characters or unpaired surrogates/);
       }
+      // Every string a tenant sends, not only the text: the webhook URL and the address too.
+      for (const webhook of ["https://hooks.example.com/a\u0000b", "https://hooks.example.com/\ud800"]) {
+        const res = await post(newKey(), { text: "Fine text.", notify: { webhook } });
+        assert.equal(res.status, 422, JSON.stringify(webhook));
+        const problem = await res.json();
+        assert.ok(
+          problem.errors.some((e: { path: string }) => e.path.startsWith("notify")),
+          JSON.stringify(problem.errors),
+        );
+      }
       // A well-formed pair (an emoji) is fine.
       assert.equal((await post(newKey(), { text: "Revenue rose \ud83d\ude00.", notify: "a@b.co" })).status, 202);
       assert.equal(await streamLength(), before + 1, "nothing enqueued for the refused bodies");
     });
+
+    await t.step(
+      "a quoted Idempotency-Key (the draft's structured-field string) is the same key as the bare one",
+      async () => {
+        const key = newKey();
+        const quoted = await post(null, BODY, { "idempotency-key": `"${key}"` });
+        assert.equal(quoted.status, 202);
+        const bare = await post(key);
+        assert.equal(bare.status, 202);
+        assert.equal(bare.headers.get("idempotent-replayed"), "true");
+        assert.equal((await bare.json()).job_id, (await quoted.json()).job_id, "one job, not two");
+        for (const malformed of ['"short"', '"unterminated']) {
+          const res = await post(null, BODY, { "idempotency-key": malformed });
+          assert.equal(res.status, 400, malformed);
+          await res.body?.cancel();
+        }
+      },
+    );
 
     await t.step("healthz, readyz, unknown routes and wrong methods", async () => {
       assert.equal((await handler(new Request("http://api/healthz"))).status, 200);

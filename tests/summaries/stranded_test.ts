@@ -314,7 +314,9 @@ Deno.test("nothing accepted is stranded", async (t) => {
         assert.equal(await r.redis.xlen(lane.stream), 0);
         assert.deepEqual(await effects(job_id), [0, 0], "no model call committed");
         const doc = await (await request("GET", apiKey, job_id)).json();
-        assert.deepEqual([doc.status, doc.error], ["failed", "permanent: the model refused this document"]);
+        assert.deepEqual([doc.status, doc.error], ["failed", "failed"], "the tenant sees a class, not the text");
+        const [outcome] = await db.sql`SELECT error FROM job_outcomes WHERE job_id = ${job_id}::uuid`;
+        assert.equal(outcome!.error, "permanent: the model refused this document", "operators see all of it");
       },
     );
 

@@ -1,0 +1,19 @@
+/**
+ * What a tenant is told about a failed job: a stable class, never the
+ * provider's or the database's own text, which may name keys, hosts or
+ * internals. Operators see the whole reason in the logs, `dlq list` and
+ * `job_outcomes.error`.
+ */
+export function publicError(reason: string): string {
+  const status = /Upstream answered (\d{3})/.exec(reason)?.[1];
+  if (status) return `model_rejected: ${status}`;
+  if (reason.includes("cannot be stored")) return "storage_rejected";
+  if (/GateRefused|tokens-per-minute limit|request too large/i.test(reason)) return "too_large";
+  if (/malformed job (payload|message)/.test(reason)) return "malformed_job";
+  // Built by the worker from labels alone (error classes, statuses): nothing of the provider's text.
+  const gaveUp =
+    /^(exceeded \d+ deliveries)(: \d+ model calls? failed \([\w ×,.]+\)(, while the provider served other jobs)?)?$/
+      .exec(reason);
+  if (gaveUp) return gaveUp[0];
+  return "failed";
+}
