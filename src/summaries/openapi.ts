@@ -42,7 +42,13 @@ const PREFER = {
   description: `wait=N (N at most ${MAX_WAIT_S}): answer 200 with the finished job's document if it finishes ` +
     "within N seconds, with Preference-Applied: wait=N; otherwise the usual answer",
 };
-const APPLIED = { "Preference-Applied": { schema: { type: "string" }, description: "wait=N when the answer waited" } };
+const APPLIED = {
+  "Preference-Applied": {
+    schema: { type: "string" },
+    description: "wait=N when the request asked to wait (also when the wait ran out)",
+  },
+  Vary: { schema: { type: "string", enum: ["prefer"] }, description: "Prefer changes this response" },
+};
 const JOB_ID = { name: "job_id", in: "path", required: true, schema: { type: "string", format: "uuid" } };
 
 /**
@@ -51,16 +57,34 @@ const JOB_ID = { name: "job_id", in: "path", required: true, schema: { type: "st
  */
 export function openApiDocument(): Record<string, unknown> {
   const json = (ref: string) => ({ "application/json": { schema: { $ref: `#/components/schemas/${ref}` } } });
+  const shared = (name: string) => ({ $ref: `#/components/responses/${name}` });
+  // What any route may answer besides its own statuses.
+  const always = {
+    "400": shared("BadRequest"),
+    "405": shared("MethodNotAllowed"),
+    "500": shared("InternalError"),
+  };
   return {
     openapi: "3.1.0",
     info: {
       title: "Oncely",
       version: "1.0.0",
-      description: "Summarisation jobs accepted at most once per Idempotency-Key, with exactly-once effects.",
+      description: "Summarisation jobs accepted at most once per Idempotency-Key, with exactly-once effects. " +
+        "A method this server does not implement at all (not one of RFC 9110's, nor PATCH) on an unknown path " +
+        "is answered 501.",
     },
+    servers: [{ url: "/", description: "This server" }],
     components: {
+      responses: {
+        BadRequest: problem("Malformed request: a Host header or target that is not a valid URL"),
+        MethodNotAllowed: problem("This path does not serve that method", {
+          Allow: { schema: { type: "string" }, description: "The methods this path serves" },
+        }),
+        InternalError: problem("The server could not complete the request; nothing was stored"),
+      },
       securitySchemes: {
         apiKey: { type: "http", scheme: "bearer", description: "A key from `deno task tenant create`" },
+        metricsToken: { type: "http", scheme: "bearer", description: "METRICS_TOKEN, when it is set" },
       },
       schemas: {
         SummaryRequest: schema(SummaryRequest),
@@ -74,6 +98,7 @@ export function openApiDocument(): Record<string, unknown> {
     webhooks: {
       "summary.ready": {
         post: {
+          operationId: "summaryReady",
           summary: 'A job with notify {"webhook": URL} finished: sent to URL per Standard Webhooks',
           description: "Signed with the tenant's secret (whsec_...): webhook-signature is `v1,` + base64 " +
             "HMAC-SHA256 of `webhook-id.webhook-timestamp.body`; during a rotation two signatures, space-separated. " +
@@ -104,20 +129,26 @@ export function openApiDocument(): Record<string, unknown> {
           }, PREFER],
           requestBody: { required: true, content: json("SummaryRequest") },
           responses: {
+            ...always,
             "200": {
               description: "Prefer: wait=N and the job finished in time: its document, as GET returns it",
-              headers: { ...APPLIED, "Idempotent-Replayed": { schema: { type: "string", enum: ["true"] } } },
+              headers: {
+                ...APPLIED,
+                Location: { schema: { type: "string" }, description: "The job's document" },
+                "Idempotent-Replayed": { schema: { type: "string", enum: ["true"] } },
+              },
               content: json("SummaryStatus"),
             },
             "202": {
               description: "Accepted (or a replay of the first response, with Idempotent-Replayed: true)",
               headers: {
-                Location: { schema: { type: "string" } },
+                ...APPLIED,
+                Location: { schema: { type: "string" }, description: "The job's document" },
                 "Idempotent-Replayed": { schema: { type: "string", enum: ["true"] } },
               },
               content: json("SummaryAccepted"),
             },
-            "400": problem("Missing or malformed Idempotency-Key, or malformed JSON"),
+            "400": problem("Missing or malformed Idempotency-Key, malformed JSON, or a malformed Host or target"),
             "401": problem("Missing or bad credentials"),
             "408": problem("The body did not arrive in time (the connection is closed)"),
             "413": problem("Body over MAX_BODY_BYTES"),
@@ -136,8 +167,10 @@ export function openApiDocument(): Record<string, unknown> {
       "/v1/summaries/{job_id}": {
         get: {
           operationId: "getSummary",
+          summary: "A job's status, and its summary once done; optionally waits for it to finish",
           parameters: [JOB_ID, PREFER],
           responses: {
+            ...always,
             "200": { description: "The job's status", headers: APPLIED, content: json("SummaryStatus") },
             "401": problem("Missing or bad credentials"),
             "404": problem("Unknown job, or another tenant's"),
@@ -148,6 +181,7 @@ export function openApiDocument(): Record<string, unknown> {
           summary: "Cancel a job that has not finished: it then makes no model call and has no effects",
           parameters: [JOB_ID],
           responses: {
+            ...always,
             "200": { description: "Cancelled (also when it already was)", content: json("SummaryStatus") },
             "401": problem("Missing or bad credentials"),
             "404": problem("Unknown job, or another tenant's"),
@@ -155,11 +189,21 @@ export function openApiDocument(): Record<string, unknown> {
           },
         },
       },
-      "/healthz": { get: { security: [], responses: { "200": { description: "The process is alive" } } } },
+      "/healthz": {
+        get: {
+          operationId: "healthz",
+          summary: "Liveness: the process answers",
+          security: [],
+          responses: { ...always, "200": { description: "The process is alive" } },
+        },
+      },
       "/readyz": {
         get: {
+          operationId: "readyz",
+          summary: "Readiness: Redis and Postgres answer",
           security: [],
           responses: {
+            ...always,
             "200": { description: "Redis and Postgres answer" },
             "503": { description: "Redis or Postgres does not answer" },
           },
@@ -167,14 +211,23 @@ export function openApiDocument(): Record<string, unknown> {
       },
       "/metrics": {
         get: {
-          security: [],
-          responses: { "200": { description: "Prometheus text format", content: { "text/plain": {} } } },
+          operationId: "metrics",
+          summary: "Prometheus metrics (behind METRICS_TOKEN as a bearer token when it is set)",
+          security: [{}, { metricsToken: [] }],
+          responses: {
+            ...always,
+            "200": { description: "Prometheus text format", content: { "text/plain": {} } },
+            "401": problem("METRICS_TOKEN is set and the bearer token is missing or wrong"),
+            "404": problem("Metrics are not enabled in this process"),
+          },
         },
       },
       "/openapi.json": {
         get: {
+          operationId: "openapi",
+          summary: "This document",
           security: [],
-          responses: { "200": { description: "This document", content: { "application/json": {} } } },
+          responses: { ...always, "200": { description: "This document", content: { "application/json": {} } } },
         },
       },
     },

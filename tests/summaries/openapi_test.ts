@@ -52,3 +52,35 @@ Deno.test("openapi.json's request schema is the zod schema that validates reques
   assert.deepEqual(schema.required.sort(), ["notify", "text"]);
   assert.equal(schema.additionalProperties, false);
 });
+
+Deno.test("openapi.json is clean under redocly lint's recommended rules (tests/openapi/redocly.yaml)", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "oncely-openapi-" });
+  try {
+    const file = `${dir}/openapi.json`;
+    await Deno.writeTextFile(file, JSON.stringify(openApiDocument(), null, 2));
+    const config = decodeURIComponent(new URL("../openapi/redocly.yaml", import.meta.url).pathname);
+    // Run from the temporary directory without the project's config or lock: a tool only this test uses.
+    const { code, stdout, stderr } = await new Deno.Command(Deno.execPath(), {
+      args: [
+        "run",
+        "--allow-all",
+        "--no-config",
+        "--no-lock",
+        "npm:@redocly/cli@2.77.0",
+        "lint",
+        "--config",
+        config,
+        "--format",
+        "stylish",
+        file,
+      ],
+      cwd: dir,
+      env: { NO_COLOR: "1", REDOCLY_TELEMETRY: "off", REDOCLY_SUPPRESS_UPDATE_NOTICE: "true" },
+    }).output();
+    const out = new TextDecoder().decode(stdout) + new TextDecoder().decode(stderr);
+    assert.equal(code, 0, out);
+    assert.doesNotMatch(out, /\b(error|warning)\b/, out);
+  } finally {
+    await Deno.remove(dir, { recursive: true });
+  }
+});
