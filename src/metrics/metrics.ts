@@ -80,7 +80,7 @@ export function apiMetrics(registry: Registry): ApiMetrics {
 /** Registers the worker metrics. */
 export function workerMetrics(registry: Registry): WorkerMetrics {
   const registers = [registry];
-  return {
+  const m: WorkerMetrics = {
     deliveries: new Counter({
       name: "oncely_worker_deliveries_total",
       help: "Messages handed to a handler, by source (new or reclaimed).",
@@ -166,15 +166,24 @@ export function workerMetrics(registry: Registry): WorkerMetrics {
       registers,
     }),
   };
+  // Every series with a known, bounded label set exists from the start (0), not from its first event: a rate()
+  // over a series that appears mid-way misses its first increment, and an alert on it cannot tell 0 from absent.
+  for (const source of ["new", "reclaimed"]) m.deliveries.inc({ source }, 0);
+  for (const outcome of ["ok", "retry", "give_up", "deadline", "paused"]) m.modelAttempts.inc({ outcome }, 0);
+  for (const kind of ["permit", "probe"]) m.permits.inc({ kind }, 0);
+  for (const kind of ["rate_limited", "quota"]) m.rateLimited.inc({ kind }, 0);
+  for (const kind of ["prompt", "completion"]) m.tokens.inc({ kind }, 0);
+  for (const to of ["closed", "open", "half_open"]) m.breakerTransitions.inc({ to }, 0);
+  return m;
 }
 
 /** Registers the relay metrics. */
 export function relayMetrics(registry: Registry): RelayMetrics {
   const registers = [registry];
-  return {
+  const m: RelayMetrics = {
     sends: new Counter({
       name: "oncely_relay_sends_total",
-      help: "Email sends by outcome (sent, retry, failed).",
+      help: "Outbox sends (emails and webhooks) by outcome (sent, retry, failed).",
       labelNames: ["outcome"] as const,
       registers,
     }),
@@ -185,6 +194,8 @@ export function relayMetrics(registry: Registry): RelayMetrics {
       registers,
     }),
   };
+  for (const outcome of ["sent", "retry", "failed"]) m.sends.inc({ outcome }, 0);
+  return m;
 }
 
 /** Adds a gauge whose value is read when Prometheus scrapes. */

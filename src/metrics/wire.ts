@@ -32,6 +32,9 @@ export function attemptObserver(m: WorkerMetrics): (report: AttemptReport) => vo
   };
 }
 
+/** How many tenants `oncely_queue_depth` names; the others are summed as `tenant="other"`. */
+export const QUEUE_DEPTH_TENANTS = 20;
+
 /**
  * Pending count and consumer lag summed over every lane, and each tenant's
  * queue depth (messages in its lane's stream), read on scrape.
@@ -64,15 +67,17 @@ export function queueGauges(registry: Registry, redis: RedisClient, keys: Servic
   scrapeGauge(registry, "oncely_queue_lag", "Messages not yet delivered to the group, all lanes.", sum("lag"));
   new Gauge({
     name: "oncely_queue_depth",
-    help: "Messages in a tenant's lane (waiting or in flight), by tenant.",
+    help: `Messages in a tenant's lane (waiting or in flight): the ${QUEUE_DEPTH_TENANTS} deepest lanes by ` +
+      `tenant, the rest summed as tenant="other".`,
     labelNames: ["tenant"] as const,
     registers: [registry],
     async collect() {
       try {
         this.reset();
-        for (const s of await read()) {
-          if (s.length > 0 || s.tenant !== "(before lanes)") this.set({ tenant: s.tenant }, s.length);
-        }
+        // Bounded: one series per tenant would grow with every tenant ever seen.
+        const lanes = (await read()).filter((s) => s.length > 0).sort((a, b) => b.length - a.length);
+        for (const s of lanes.slice(0, QUEUE_DEPTH_TENANTS)) this.set({ tenant: s.tenant }, s.length);
+        this.set({ tenant: "other" }, lanes.slice(QUEUE_DEPTH_TENANTS).reduce((n, s) => n + s.length, 0));
       } catch {
         // A failed read leaves the gauge empty; /metrics must still answer.
       }

@@ -1,8 +1,15 @@
 import assert from "node:assert/strict";
 import type { Registry } from "prom-client";
 import { apiMetrics, createRegistry, relayMetrics, serveMetrics, workerMetrics } from "../../src/metrics/metrics.ts";
-import { attemptObserver, outboxGauges, queueGauges, relayEvents, workerEvents } from "../../src/metrics/wire.ts";
-import { enqueueJob } from "../support/enqueue.ts";
+import {
+  attemptObserver,
+  outboxGauges,
+  QUEUE_DEPTH_TENANTS,
+  queueGauges,
+  relayEvents,
+  workerEvents,
+} from "../../src/metrics/wire.ts";
+import { enqueueJob, enqueueToLane } from "../support/enqueue.ts";
 import { jobKeys, serviceKeys } from "../../src/summaries/keys.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
@@ -189,6 +196,77 @@ Deno.test("metrics", async (t) => {
         }
       },
     );
+
+    await t.step(
+      "labelled counters exist at 0 before their first event; the depth gauge names at most 20 tenants",
+      async () => {
+        const registry = createRegistry();
+        workerMetrics(registry);
+        relayMetrics(registry);
+        const lanes = serviceKeys(`${r.prefix}:depth`);
+        queueGauges(registry, r.redis, lanes);
+        const before = parseExposition(await registry.metrics());
+        for (
+          const series of [
+            'oncely_worker_deliveries_total{source="reclaimed"}',
+            'oncely_model_attempts_total{outcome="give_up"}',
+            'oncely_llm_429_total{kind="quota"}',
+            'oncely_llm_breaker_transitions_total{to="open"}',
+            'oncely_relay_sends_total{outcome="failed"}',
+          ]
+        ) assert.equal(before.get(series), 0, series);
+        // 25 tenants with 1 to 25 jobs: the 20 deepest by name, the 5 shallowest (1 + ... + 5 = 15) as "other".
+        for (let t = 1; t <= 25; t++) {
+          for (let j = 0; j < t; j++) {
+            await enqueueToLane(r.redis, lanes, {
+              jobId: crypto.randomUUID(),
+              tenant: `tenant-${t}`,
+              request: { text: "Revenue rose.", notify: "a@b.co" },
+            });
+          }
+        }
+        const m = parseExposition(await registry.metrics());
+        const depth = [...m.keys()].filter((k) => k.startsWith("oncely_queue_depth{"));
+        assert.equal(depth.length, QUEUE_DEPTH_TENANTS + 1);
+        assert.equal(m.get('oncely_queue_depth{tenant="tenant-25"}'), 25);
+        assert.equal(m.get('oncely_queue_depth{tenant="tenant-5"}'), undefined);
+        assert.equal(m.get('oncely_queue_depth{tenant="other"}'), 15);
+      },
+    );
+
+    await t.step("promtool check metrics is clean on the api's, the worker's and the relay's /metrics", async (t) => {
+      const promtool = await new Deno.Command("promtool", { args: ["--version"], stdout: "null", stderr: "null" })
+        .output().then((o) => o.success, () => false);
+      if (!promtool) {
+        console.warn("promtool is not installed (Debian: prometheus); .ci/run installs it");
+        return;
+      }
+      const api = createRegistry();
+      const worker = createRegistry();
+      const relay = createRegistry();
+      apiMetrics(api);
+      workerMetrics(worker);
+      queueGauges(worker, r.redis, serviceKeys(`${r.prefix}:depth`));
+      relayMetrics(relay);
+      outboxGauges(relay, db.sql);
+      for (const [name, registry] of [["api", api], ["worker", worker], ["relay", relay]] as const) {
+        await t.step(name, async () => {
+          const child = new Deno.Command("promtool", {
+            args: ["check", "metrics"],
+            stdin: "piped",
+            stdout: "piped",
+            stderr: "piped",
+          }).spawn();
+          const writer = child.stdin.getWriter();
+          await writer.write(new TextEncoder().encode(await registry.metrics()));
+          await writer.close();
+          const { code, stdout, stderr } = await child.output();
+          const out = new TextDecoder().decode(stdout) + new TextDecoder().decode(stderr);
+          assert.equal(code, 0, out);
+          assert.equal(out.trim(), "", out);
+        });
+      }
+    });
 
     await t.step(
       "the relay counts sends by outcome and reads the backlog and the oldest unsent row's age",
