@@ -3,9 +3,10 @@ import { createApiKey, listTenants, revokeTenant, tenantExists } from "../tenant
 import { printRows } from "./table.ts";
 import { allowDomain } from "../tenants/mail_domains.ts";
 import { ensureWebhookSecret, rotateWebhookSecret } from "../tenants/webhook_secrets.ts";
+import { parseTenantWeight, setTenantWeight, TENANT_WEIGHTS_TTL_MS } from "../tenants/tenant_weights.ts";
 
 const USAGE = "Usage: deno task tenant create NAME | list [--json] | revoke NAME | rotate-webhook-secret NAME" +
-  " | allow-domain NAME DOMAIN | allow-domain NAME --any";
+  " | allow-domain NAME DOMAIN | allow-domain NAME --any | set NAME --weight N";
 
 /** Runs `command`; a bad argument (a `TypeError` from validation) is printed and exits 2. */
 async function usageErrorsAs2(command: () => Promise<number>): Promise<number> {
@@ -20,8 +21,9 @@ async function usageErrorsAs2(command: () => Promise<number>): Promise<number> {
 
 /**
  * `tenant create NAME | list | revoke NAME | rotate-webhook-secret NAME |
- * allow-domain`. `create` prints the new key as the last line on stdout, and
- * before it, for a new tenant, its webhook signing secret.
+ * allow-domain | set NAME --weight N`. `create` prints the new key as the
+ * last line on stdout, and before it, for a new tenant, its webhook signing
+ * secret.
  * @returns the process exit code.
  */
 export async function tenantCommand(sql: Sql, args: string[], out = console.log): Promise<number> {
@@ -47,6 +49,7 @@ export async function tenantCommand(sql: Sql, args: string[], out = console.log)
       printRows(
         rows.map((r) => ({
           name: r.name,
+          weight: r.weight,
           active_keys: r.active_keys,
           revoked_keys: r.revoked_keys,
           created_at: r.created_at.toISOString(),
@@ -71,6 +74,34 @@ export async function tenantCommand(sql: Sql, args: string[], out = console.log)
         );
         return 0;
       });
+    }
+    case "set": {
+      // One setting for now: `set NAME --weight N` (or `--weight=N`).
+      const rest = args.slice(2);
+      const value = rest.length === 2 && rest[0] === "--weight"
+        ? rest[1]
+        : rest.length === 1 && rest[0]!.startsWith("--weight=")
+        ? rest[0]!.slice("--weight=".length)
+        : undefined;
+      if (!name || value === undefined) break;
+      let weight: number;
+      try {
+        weight = parseTenantWeight(value);
+      } catch (error) {
+        if (!(error instanceof TypeError)) throw error;
+        console.error(error.message);
+        console.error(USAGE);
+        return 2;
+      }
+      if (!(await setTenantWeight(sql, name, weight))) {
+        console.error(`No tenant named ${JSON.stringify(name)}`);
+        return 1;
+      }
+      out(
+        `Tenant "${name}" has weight ${weight} in the fair share of the model provider ` +
+          `(workers use it within ${TENANT_WEIGHTS_TTL_MS / 1000} seconds).`,
+      );
+      return 0;
     }
     case "rotate-webhook-secret": {
       if (!name) break;

@@ -5,7 +5,7 @@ import type { Logger } from "../log/logger.ts";
 import { defineScript } from "../redis/script.ts";
 import { deadLetter, type DeadLetterHook } from "./dead_letter.ts";
 import { PermanentJobError } from "./errors.ts";
-import type { LaneSource } from "./lanes.ts";
+import { createLaneShares, type LaneCharge, type LaneSource } from "./lanes.ts";
 import { fieldsToObject, type QueueNames, type StreamMessage } from "./message.ts";
 
 /** Handles one message. Resolve to acknowledge; throw to leave it pending for redelivery. */
@@ -67,6 +67,22 @@ export interface StreamWorkerOptions extends QueueNames {
   lanes?: LaneSource;
   /** With lanes: the most messages of one lane pending across all consumers (TENANT_MAX_IN_FLIGHT). */
   laneMaxInFlight?: number;
+  /**
+   * With lanes: what a message costs in the unit the lanes share (for summaries, its estimated tokens).
+   * Each read serves the lane with the least weighted cost taken, so a lane of large messages gets fewer
+   * of them. Default 1: the lanes share messages by count.
+   */
+  cost?: (message: StreamMessage) => number;
+  /**
+   * With lanes: what a message turned out to cost (tokens the provider reported), asked once when its
+   * handler has finished; its lane is charged that instead of the estimate. `undefined` keeps the estimate.
+   */
+  spent?: (message: StreamMessage) => number | undefined;
+  /**
+   * With lanes: each lane's weight, 1 or more: while both have work, a lane of weight 3 gets three times the
+   * share of a lane of weight 1. Asked once per read, so answer from a cache. Default: every lane weighs 1.
+   */
+  weights?: () => Promise<(lane: QueueNames) => number>;
 }
 
 /** Test seams: each runs at its point, and may throw or wait to stand in for a crash or a stall there. */
@@ -185,6 +201,9 @@ export function createStreamWorker(
   const cursors = new Map<string, string>();
   const groupsReady = new Set<string>();
   let lastServed = "";
+  // With lanes: who was given how much (see createLaneShares), and what each running message was charged.
+  const shares = createLaneShares();
+  const charges = new Map<string, { message: StreamMessage; charge?: LaneCharge }>();
   let reclaimTurn = 0;
   let lastReclaim = -Infinity;
   let slotFreed: (() => void) | undefined;
@@ -209,6 +228,13 @@ export function createStreamWorker(
 
   const release = (key: string) => {
     if (!running.delete(key)) return;
+    const charged = charges.get(key);
+    if (charged) {
+      charges.delete(key);
+      // What the message really cost (the provider's token count) replaces its estimate in its lane's share.
+      const actual = options.spent?.(charged.message);
+      if (charged.charge) shares.settle(charged.charge, actual);
+    }
     events.inFlight?.(running.size);
     slotFreed?.();
   };
@@ -268,6 +294,9 @@ export function createStreamWorker(
   function start(lane: QueueNames, message: StreamMessage, source: "new" | "reclaimed") {
     events.delivered?.(message, source);
     const key = tag(lane, message.id);
+    // Charged before the handler runs: its slot and its share are released together.
+    const charge = options.lanes ? shares.charge(lane.stream, options.cost?.(message) ?? 1) : undefined;
+    charges.set(key, { message, charge });
     const task = process(lane, message)
       .catch((error) => log.error("message_processing_error", { msg_id: message.id, error }))
       .finally(() => settle(key));
@@ -339,9 +368,11 @@ export function createStreamWorker(
   }
 
   /**
-   * Shares `free` slots between the lanes with work: each gets an equal
-   * share, starting one lane further on every call (round robin), so one
-   * tenant's backlog never stalls another's jobs.
+   * Shares `free` slots between the lanes with work by weighted cost (see
+   * {@linkcode createLaneShares}): each take goes to the lane furthest
+   * behind, ties in turn starting one lane further on every call, so one
+   * tenant's backlog never stalls another's jobs, and a tenant of large
+   * documents does not take the provider's tokens from one of small ones.
    */
   async function readLanes(free: number, block: number): Promise<number> {
     const source = options.lanes!;
@@ -349,26 +380,36 @@ export function createStreamWorker(
     let started = 0;
     let capped = false;
     if (lanes.length > 0) {
-      // Start one lane after the one served first last time, and keep going round until the free
-      // slots are used or every lane was asked: an empty or capped lane never leaves a slot idle
-      // while another lane has work.
+      const weightOf = options.weights ? await options.weights() : () => 1;
+      shares.begin(lanes.map((lane) => ({ id: lane.stream, weight: weightOf(lane) })));
+      // Round-robin order from one lane after the one served first last time. Keep asking until the free
+      // slots are used or every lane has said it has no more: an empty or capped lane never leaves a slot
+      // idle while another lane has work.
       const at = lanes.findIndex((l) => l.stream > lastServed);
       const first = at < 0 ? 0 : at;
-      const share = Math.max(1, Math.floor(free / Math.min(lanes.length, free)));
-      for (let i = 0; i < lanes.length && free > 0; i++) {
-        const lane = lanes[(first + i) % lanes.length]!;
-        if (i === 0) lastServed = lane.stream;
+      let candidates = [...lanes.slice(first), ...lanes.slice(0, first)];
+      for (let asked = 0; free > 0 && candidates.length > 0; asked++) {
+        const pick = shares.next(candidates.map((l) => l.stream), free);
+        const lane = candidates.find((l) => l.stream === pick.lane)!;
+        if (asked === 0) lastServed = lane.stream;
+        let took = 0;
         try {
-          const took = await take(lane, Math.min(share, free));
-          capped ||= took.capped;
-          if (took.messages.length === 0 && !took.capped) await source.idle(lane);
-          for (const m of took.messages) start(lane, m, "new");
-          free -= took.messages.length;
-          started += took.messages.length;
+          const read = await take(lane, pick.count);
+          capped ||= read.capped;
+          if (read.messages.length === 0 && !read.capped) {
+            shares.drained(lane.stream);
+            await source.idle(lane);
+          }
+          for (const m of read.messages) start(lane, m, "new");
+          took = read.messages.length;
         } catch (error) {
           // One lane's trouble (its node failing over, a lost group) must not stall the others.
           laneFailed(lane, error);
         }
+        free -= took;
+        started += took;
+        // A lane that gave fewer than asked is empty or capped for now: not asked again in this read.
+        if (took < pick.count) candidates = candidates.filter((l) => l !== lane);
       }
     }
     // Nothing to take: wait for a wake-up; a capped lane frees up as its jobs finish, so look again soon.
@@ -485,6 +526,20 @@ export function createStreamWorker(
     await Promise.all([...inFlight.values()].map((f) => f.task));
   }
 
+  /** Waits up to `ms`, or until a handler finishes or `signal` aborts. */
+  function untilSlotFreed(ms: number, signal: AbortSignal): Promise<void> {
+    if (signal.aborted) return Promise.resolve();
+    return new Promise<void>((resolve) => {
+      const done = () => {
+        clearTimeout(timer);
+        if (slotFreed === done) slotFreed = undefined;
+        resolve();
+      };
+      const timer = setTimeout(done, ms);
+      slotFreed = done;
+    });
+  }
+
   async function run(signal: AbortSignal): Promise<void> {
     const beat = setInterval(() => {
       heartbeat().catch((error) => log.warn("heartbeat_failed", { error }));
@@ -503,7 +558,8 @@ export function createStreamWorker(
         }
         try {
           await runOnce(Math.min(blockMs, 1_000));
-          if (gateWaitMs > 0) await sleep(Math.min(gateWaitMs, 1_000), signal).catch(() => {});
+          // A job that finishes meanwhile may give back tokens its permit reserved: ask again then.
+          if (gateWaitMs > 0) await untilSlotFreed(Math.min(gateWaitMs, 1_000), signal);
         } catch (error) {
           if (signal.aborted) break;
           log.warn("worker_read_failed", { error });

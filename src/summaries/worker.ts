@@ -1,10 +1,12 @@
 import { JOB_ID } from "./schemas.ts";
 import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
-import type { LLM } from "../llm/llm.ts";
-import type { ProviderFlow } from "../provider/flow_control.ts";
+import { estimateTokens, type LLM, summaryPrompt } from "../llm/llm.ts";
+import { FLOW_DEFAULTS, type ProviderFlow } from "../provider/flow_control.ts";
 import type { Logger } from "../log/logger.ts";
 import { createStreamWorker, type StreamWorker, type WorkerEvents } from "../queue/stream_worker.ts";
+import type { QueueNames, StreamMessage } from "../queue/message.ts";
+import { createTenantWeights, TENANT_WEIGHT } from "../tenants/tenant_weights.ts";
 import { createGroupCommitter, failJob } from "./commit.ts";
 import type { JobKeys, ServiceKeys } from "./keys.ts";
 import { createLaneRegistry } from "../queue/lanes.ts";
@@ -21,6 +23,8 @@ export interface SummaryWorkerOptions {
   tenantMaxInFlight?: number;
   /** How often the lane registry's sweep finds lanes with work the workers were not told about; default 30 s. */
   laneSweepMs?: number;
+  /** How long tenant weights are used before they are read again; default 10 s. */
+  weightsTtlMs?: number;
   consumer: string;
   claimIdleMs: number;
   maxDeliveries: number;
@@ -40,12 +44,13 @@ export function createSummaryWorker(
   const committer = createGroupCommitter({ sql: deps.sql, log: deps.log });
   // Every model attempt is recorded, in batches, off the commit path.
   const attempts = createAttemptLog({ sql: deps.sql, log: deps.log });
-  const job = createSummaryJob({ ...deps, committer, attempts }, options.job);
+  const share = tokenShare(deps, options);
+  const job = createSummaryJob({ ...deps, committer, attempts }, { ...options.job, onAttempt: share.onAttempt });
   const keys = options.keys;
   const lanes = "lane" in keys
     ? createLaneRegistry({ redis: deps.redis, log: deps.log }, {
       keys: keys.registry,
-      lane: (tenant) => keys.lane(tenant),
+      lane: share.laneOf((tenant) => keys.lane(tenant)),
       extra: [keys.legacy],
       sweepMs: options.laneSweepMs,
     })
@@ -57,6 +62,10 @@ export function createSummaryWorker(
     group: one.group,
     lanes,
     laneMaxInFlight: options.tenantMaxInFlight,
+    // Tenants share the provider by tokens and weight, not by job count.
+    cost: share.cost,
+    spent: share.spent,
+    weights: share.weights,
     consumer: options.consumer,
     claimIdleMs: options.claimIdleMs,
     maxDeliveries: options.maxDeliveries,
@@ -88,7 +97,7 @@ export function createSummaryWorker(
       },
     },
     // With a shared provider limit, jobs wait in the stream until a permit is near, not in this process.
-    gate: deps.flow?.ready,
+    gate: deps.flow && tokenGate(deps.flow, share.averageCost),
   }, job);
   return {
     ...worker,
@@ -100,5 +109,95 @@ export function createSummaryWorker(
       await lanes?.close();
       await attempts.close();
     },
+  };
+}
+
+/**
+ * What the lanes are shared by: each job's estimated tokens (what the provider limiter reserves for it),
+ * corrected to the tokens the provider reported once it is done, divided by its tenant's weight.
+ */
+function tokenShare(deps: { sql: Sql; log: Logger }, options: SummaryWorkerOptions) {
+  const tenantWeights = createTenantWeights(deps, { ttlMs: options.weightsTtlMs });
+  // Lane stream -> tenant, filled as the registry names lanes.
+  const tenants = new Map<string, string>();
+  // Job id -> tokens the provider reported for this delivery's attempts so far, and whether any did.
+  const used = new Map<string, { tokens: number; reported: boolean }>();
+  // Running average of the estimates of the jobs read, for the token gate.
+  let average = 0;
+  return {
+    averageCost: () => average || estimateTokens(""),
+    laneOf(lane: (tenant: string) => JobKeys) {
+      return (tenant: string) => {
+        const keys = lane(tenant);
+        if (tenants.size >= 100_000) tenants.clear();
+        tenants.set(keys.stream, tenant);
+        return keys;
+      };
+    },
+    cost(message: StreamMessage): number {
+      let text = "";
+      try {
+        const payload = JSON.parse(message.fields.payload ?? "");
+        if (typeof payload?.text === "string") text = payload.text;
+      } catch {
+        // A malformed payload is dead-lettered by the job without a model call: it costs the least.
+      }
+      const estimate = estimateTokens(summaryPrompt(text));
+      average = average === 0 ? estimate : average + 0.2 * (estimate - average);
+      return estimate;
+    },
+    /** The tokens the delivery's calls used: none without a call, unknown (the estimate stands) without usage. */
+    spent(message: StreamMessage): number | undefined {
+      const jobId = message.fields.job_id ?? "";
+      const entry = used.get(jobId);
+      used.delete(jobId);
+      if (!entry) return 0;
+      return entry.reported ? entry.tokens : undefined;
+    },
+    onAttempt: ((report) => {
+      const { prompt_tokens: prompt, completion_tokens: completion } = report.details ?? {};
+      const reported = prompt !== undefined || completion !== undefined;
+      const entry = used.get(report.job_id) ?? { tokens: 0, reported: false };
+      // Bounded: entries are taken by `spent` when the delivery ends; only abandoned ones could pile up.
+      if (used.size >= 100_000) used.clear();
+      used.set(report.job_id, {
+        tokens: entry.tokens + (prompt ?? 0) + (completion ?? 0),
+        reported: entry.reported || reported,
+      });
+      options.job.onAttempt?.(report);
+    }) satisfies SummaryJobOptions["onAttempt"],
+    async weights(): Promise<(lane: QueueNames) => number> {
+      const byTenant = await tenantWeights.current();
+      return (lane) => byTenant.get(tenants.get(lane.stream) ?? "") ?? TENANT_WEIGHT.default;
+    },
+  };
+}
+
+/**
+ * The provider's gate, bounded by its tokens as well as its requests. `flow.ready()` counts the calls that may
+ * start within the booking horizon whatever their size, but under a tokens-per-minute limit one job of 5,000
+ * estimated tokens books seconds of it: reading a second's worth of requests at once would hold a batch of one
+ * tenant's large documents in memory, each waiting for its permit, ahead of every job another tenant posts
+ * next. So a read takes only as many jobs of the recent average estimate as the token budget can book now
+ * (less this process's jobs already waiting), and the lanes' fair share decides whose they are.
+ */
+function tokenGate(flow: ProviderFlow, averageCost: () => number) {
+  // Whether the provider has a tokens-per-minute limit, as last seen: without one, the status is asked for only
+  // once a second (a high-rate worker reads often, and each look is a round trip).
+  let unlimitedUntil = 0;
+  return async (): Promise<{ permits: number; waitMs: number }> => {
+    const gate = await flow.ready();
+    if (gate.permits <= 1 || performance.now() < unlimitedUntil) return gate;
+    const status = await flow.status();
+    if (!status.tpm.limit) {
+      unlimitedUntil = performance.now() + 1_000;
+      return gate;
+    }
+    const msPerToken = 60_000 / (status.tpm.limit * FLOW_DEFAULTS.margin);
+    // How far the next booking may still be from now, as the limiter allows it.
+    const room = FLOW_DEFAULTS.maxAheadMs - (status.next_permit_at - status.now);
+    if (room < 0) return { permits: 0, waitMs: Math.ceil(-room) };
+    const fit = Math.floor(room / (averageCost() * msPerToken)) + 1 - flow.waiting;
+    return fit > 0 ? { permits: Math.min(gate.permits, fit), waitMs: gate.waitMs } : { permits: 0, waitMs: 50 };
   };
 }

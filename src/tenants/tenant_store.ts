@@ -11,6 +11,8 @@ const UNIQUE_VIOLATION = "23505";
 export interface TenantRow {
   name: string;
   created_at: Date;
+  /** Its share of the model provider while several tenants have work (`tenant set NAME --weight N`). */
+  weight: number;
   active_keys: number;
   revoked_keys: number;
 }
@@ -64,14 +66,14 @@ export async function createApiKey(sql: Sql, tenant: string): Promise<string> {
   }
 }
 
-/** Lists tenants with their key counts. */
+/** Lists tenants with their weights and key counts. */
 export async function listTenants(sql: Sql): Promise<TenantRow[]> {
   return await sql<TenantRow[]>`
-    SELECT t.name, t.created_at,
+    SELECT t.name, t.created_at, t.weight,
       count(k.id) FILTER (WHERE k.revoked_at IS NULL)::int AS active_keys,
       count(k.id) FILTER (WHERE k.revoked_at IS NOT NULL)::int AS revoked_keys
     FROM tenants t LEFT JOIN api_keys k ON k.tenant = t.name
-    GROUP BY t.name, t.created_at ORDER BY t.name`;
+    GROUP BY t.name, t.created_at, t.weight ORDER BY t.name`;
 }
 
 /** Revokes every active key of a tenant. @returns how many keys were revoked. */

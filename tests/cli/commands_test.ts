@@ -39,6 +39,51 @@ Deno.test("operator commands", async (t) => {
     });
 
     await t.step(
+      "tenant set NAME --weight N: list shows the weight; bad input exits 2, an unknown tenant 1",
+      async () => {
+        await tenantCommand(db.sql, ["create", "weighty"], capture().out);
+        const set = capture();
+        assert.equal(await tenantCommand(db.sql, ["set", "weighty", "--weight", "3"], set.out), 0);
+        assert.match(set.lines[0]!, /weight 3/);
+        assert.equal(await tenantCommand(db.sql, ["set", "weighty", "--weight=1000"], capture().out), 0);
+        const json = capture();
+        await tenantCommand(db.sql, ["list", "--json"], json.out);
+        const rows = json.lines.map((l) => JSON.parse(l));
+        assert.equal(rows.find((r) => r.name === "weighty").weight, 1000);
+        assert.equal(rows.find((r) => r.name === "acme").weight, 1, "the default");
+        const table = capture();
+        await tenantCommand(db.sql, ["list"], table.out);
+        assert.match(table.lines[0]!, /^name +weight +active_keys/);
+        assert.match(table.lines.find((l) => l.startsWith("weighty"))!, /^weighty +1000 /);
+        // Refused without touching the weight: exit 2 with the usage.
+        const errors: string[] = [];
+        const error = console.error;
+        console.error = (line: string) => errors.push(line);
+        try {
+          for (const bad of [["0"], ["1001"], ["2.5"], ["-1"], ["x"], ["1e3"], []]) {
+            assert.equal(
+              await tenantCommand(db.sql, ["set", "weighty", "--weight", ...bad], capture().out),
+              2,
+              `${bad}`,
+            );
+          }
+          assert.equal(await tenantCommand(db.sql, ["set", "weighty", "--height", "3"], capture().out), 2);
+          assert.equal(await tenantCommand(db.sql, ["set", "weighty"], capture().out), 2);
+          assert.ok(errors.some((l) => l.startsWith("Usage:") && l.includes("set NAME --weight N")));
+          assert.ok(errors.some((l) => l.includes("from 1 to 1000") && l.includes('"1001"')));
+          errors.length = 0;
+          assert.equal(await tenantCommand(db.sql, ["set", "nobody", "--weight", "2"], capture().out), 1);
+          assert.deepEqual(errors, ['No tenant named "nobody"']);
+        } finally {
+          console.error = error;
+        }
+        const after = capture();
+        await tenantCommand(db.sql, ["list", "--json"], after.out);
+        assert.equal(after.lines.map((l) => JSON.parse(l)).find((r) => r.name === "weighty").weight, 1000);
+      },
+    );
+
+    await t.step(
       "dlq list prints JSON lines with id, job_id, tenant, reason, deliveries; replay twice is harmless",
       async () => {
         const jobId = crypto.randomUUID();

@@ -4,8 +4,8 @@
  * when), never about elapsed time.
  */
 import assert from "node:assert/strict";
-import { announceLane, createLaneRegistry, laneRegistryKeys } from "../../src/queue/lanes.ts";
-import type { QueueNames } from "../../src/queue/message.ts";
+import { announceLane, createLaneRegistry, createLaneShares, laneRegistryKeys } from "../../src/queue/lanes.ts";
+import type { QueueNames, StreamMessage } from "../../src/queue/message.ts";
 import { createStreamWorker, type MessageHandler } from "../../src/queue/stream_worker.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { sleep } from "../../src/async/timeout.ts";
@@ -43,6 +43,15 @@ Deno.test("lanes", async (t) => {
     return { prefix, keys, lane, registry, enqueue, workerWith };
   };
 
+  /** Runs a one-slot `worker` `n` times, each message finished before the next read: service in order. */
+  const oneByOne = async (worker: { runOnce(block?: number): Promise<number>; drain(): Promise<void> }, n: number) => {
+    for (let i = 0; i < n; i++) {
+      assert.equal(await worker.runOnce(0), 1);
+      await worker.drain();
+    }
+  };
+  const count = (list: string[], x: string) => list.filter((y) => y === x).length;
+
   try {
     await t.step("a tenant's backlog does not stall another: B's jobs interleave as soon as they arrive", async () => {
       const { registry, enqueue, workerWith } = setup();
@@ -59,8 +68,8 @@ Deno.test("lanes", async (t) => {
         const before = done.length;
         await enqueue("b", 8);
         await waitFor("all of B", () => done.filter((x) => x === "b").length === 8, 10_000);
-        // With two lanes, every freed slot alternates: B's 8 finish within about 16 completions of
-        // their arrival (plus the 4 A jobs already running), long before A's 60 are done.
+        // B takes freed slots until it holds as many as A, then they alternate: B's 8 finish within
+        // about 16 completions of their arrival (plus the 4 A jobs already running), long before A's 60.
         const lastB = done.lastIndexOf("b");
         assert.ok(lastB - before <= 16 + 4 + 2, `B's last job was completion ${lastB}, ${before} after A began`);
         assert.ok(done.filter((x) => x === "a").length < 40, "A still had a backlog when B was done");
@@ -144,6 +153,129 @@ Deno.test("lanes", async (t) => {
       await registry.close();
     });
 
+    await t.step("a lane that becomes active takes freed slots until it holds as many as the busy lane", async () => {
+      const { registry, enqueue, workerWith } = setup();
+      const release: (() => void)[] = [];
+      const started: string[] = [];
+      const worker = workerWith((m) => {
+        started.push(m.fields.tenant!);
+        return new Promise<void>((res) => release.push(res));
+      });
+      await enqueue("a", 20);
+      assert.equal(await worker.runOnce(0), 4);
+      await enqueue("b", 8);
+      // Two of A's four finish: both freed slots go to B, which holds nothing yet.
+      release.shift()!();
+      release.shift()!();
+      await waitFor("two slots free", () => worker.inFlight === 2);
+      assert.equal(await worker.runOnce(0), 2);
+      assert.deepEqual(started.slice(4), ["b", "b"]);
+      // The other two finish: B holds two, A none, and A is two ahead in service: one each, then in turn.
+      release.shift()!();
+      release.shift()!();
+      await waitFor("two slots free", () => worker.inFlight === 2);
+      assert.equal(await worker.runOnce(0), 2);
+      assert.deepEqual(started.slice(6).sort(), ["a", "b"]);
+      for (const res of release) res();
+      await worker.drain();
+      await worker.close();
+      await registry.close();
+    });
+
+    await t.step(
+      "shares follow cost: messages costing 4 are served a quarter as often as messages costing 1",
+      async () => {
+        const { registry, lane, keys, workerWith } = setup();
+        for (let i = 0; i < 60; i++) {
+          await r.redis.xadd(lane("a").stream, "*", "job_id", `a-${i}`, "tenant", "a", "cost", "4");
+          await r.redis.xadd(lane("b").stream, "*", "job_id", `b-${i}`, "tenant", "b", "cost", "1");
+        }
+        await announceLane(r.redis, keys, "a");
+        await announceLane(r.redis, keys, "b");
+        const served: string[] = [];
+        const worker = workerWith((m) => (served.push(m.fields.tenant!), Promise.resolve()), {
+          concurrency: 1,
+          cost: (m: StreamMessage) => Number(m.fields.cost),
+        });
+        await oneByOne(worker, 50);
+        assert.equal(count(served, "a"), 10, served.join(""));
+        assert.equal(count(served, "b"), 40);
+        await worker.close();
+        await registry.close();
+      },
+    );
+
+    await t.step("what a message really cost replaces its estimate in its lane's share", async () => {
+      const { registry, lane, keys, workerWith } = setup();
+      for (let i = 0; i < 30; i++) {
+        await r.redis.xadd(lane("a").stream, "*", "job_id", `a-${i}`, "tenant", "a", "cost", "4", "spent", "1");
+        await r.redis.xadd(lane("b").stream, "*", "job_id", `b-${i}`, "tenant", "b", "cost", "1", "spent", "1");
+      }
+      await announceLane(r.redis, keys, "a");
+      await announceLane(r.redis, keys, "b");
+      const served: string[] = [];
+      const worker = workerWith((m) => (served.push(m.fields.tenant!), Promise.resolve()), {
+        concurrency: 1,
+        cost: (m: StreamMessage) => Number(m.fields.cost),
+        spent: (m: StreamMessage) => Number(m.fields.spent),
+      });
+      await oneByOne(worker, 40);
+      // Estimated at 4, A's messages cost 1 like B's: the two lanes are served alike.
+      assert.ok(Math.abs(count(served, "a") - count(served, "b")) <= 4, served.join(""));
+      await worker.close();
+      await registry.close();
+    });
+
+    await t.step("weight 3 against weight 1, equal costs and backlogs: served 3:1", async () => {
+      const { registry, enqueue, workerWith } = setup();
+      await enqueue("a", 60);
+      await enqueue("b", 60);
+      const served: string[] = [];
+      const worker = workerWith((m) => (served.push(m.fields.tenant!), Promise.resolve()), {
+        concurrency: 1,
+        weights: () => Promise.resolve((l: QueueNames) => (l.stream.includes("{t:a}") ? 3 : 1)),
+      });
+      await oneByOne(worker, 40);
+      assert.equal(count(served, "a"), 30, served.join(""));
+      assert.equal(count(served, "b"), 10);
+      await worker.close();
+      await registry.close();
+    });
+
+    await t.step("a lane back from idle starts level with the others: it banked no credit while idle", async () => {
+      const { registry, enqueue, workerWith } = setup();
+      const served: string[] = [];
+      const worker = workerWith((m) => (served.push(m.fields.tenant!), Promise.resolve()), { concurrency: 1 });
+      await enqueue("b", 2);
+      await enqueue("a", 60);
+      await oneByOne(worker, 40); // B's two, then A alone
+      assert.equal(count(served, "b"), 2);
+      await enqueue("b", 20);
+      served.length = 0;
+      await oneByOne(worker, 10);
+      // A lane starting from where it stopped would take all ten; level with A, it takes its turn.
+      assert.ok(count(served, "b") <= 6, served.join(""));
+      assert.ok(count(served, "b") >= 4, served.join(""));
+      await worker.close();
+      await registry.close();
+    });
+
+    await t.step("a lane alone gets every free slot, whatever its cost and weight", async () => {
+      const { registry, enqueue, workerWith } = setup();
+      const release: (() => void)[] = [];
+      const worker = workerWith(() => new Promise<void>((res) => release.push(res)), {
+        concurrency: 8,
+        cost: () => 100_000,
+        weights: () => Promise.resolve(() => 1),
+      });
+      await enqueue("a", 20);
+      assert.equal(await worker.runOnce(0), 8);
+      for (const res of release) res();
+      await worker.drain();
+      await worker.close();
+      await registry.close();
+    });
+
     await t.step(
       "an empty lane leaves the active set; work arriving meanwhile puts it back; the sweep repairs",
       async () => {
@@ -204,4 +336,26 @@ Deno.test("lanes", async (t) => {
   } finally {
     await r.close();
   }
+});
+
+Deno.test("lane shares: charged at the expected cost, settled at the real one; newcomers start at the clock", () => {
+  const shares = createLaneShares();
+  shares.begin([{ id: "a", weight: 1 }]);
+  // Nothing known yet: the estimate is charged, then settled to what the message really cost.
+  const first = shares.charge("a", 1_000);
+  assert.equal(shares.finish("a"), 1_000);
+  shares.settle(first, 100);
+  assert.equal(shares.finish("a"), 100);
+  // Now A's messages are expected to cost a tenth of their estimates.
+  const running = [shares.charge("a", 1_000), shares.charge("a", 1_000)];
+  assert.equal(shares.finish("a"), 300);
+  // B arrives while two of A's run: it starts at A's finished service, 100, behind A by what A has running.
+  shares.begin([{ id: "a", weight: 1 }, { id: "b", weight: 1 }]);
+  assert.equal(shares.finish("b"), 100);
+  assert.equal(shares.next(["a", "b"], 2).lane, "b");
+  // Unknown cost (no usage reported): the estimate stands. A call never made costs nothing.
+  shares.settle(running[0]!, undefined);
+  assert.equal(shares.finish("a"), 1_200);
+  shares.settle(running[1]!, 0);
+  assert.equal(shares.finish("a"), 1_100);
 });
