@@ -10,10 +10,20 @@
 import { type Command, COMMAND_TABLE, COMMANDS, isCommand } from "./src/commands.ts";
 import { type Config, CONFIG_VARIABLES, ConfigError, parseConfig } from "./src/config.ts";
 import { createLogger, type Logger } from "./src/log/logger.ts";
-import { permissionFlags, redisProbeFlags } from "./src/permissions.ts";
+import {
+  deniesRedis,
+  lookupAddresses,
+  permissionFlags,
+  redisHostNames,
+  redisProbeFlags,
+  resolveProbeFlags,
+  withRedisAddresses,
+} from "./src/permissions.ts";
 
 const USAGE = `Usage: deno task <${COMMANDS.join("|")}|compile> [args]`;
 const GRACE_MS = 8_000;
+/** How long the launcher waits for one of its probes (cluster nodes, addresses) before going on without it. */
+const PROBE_TIMEOUT_MS = 10_000;
 const SELF = decodeURIComponent(new URL(import.meta.url).pathname);
 const MIGRATIONS = decodeURIComponent(new URL("./migrations/", import.meta.url).pathname);
 
@@ -86,8 +96,41 @@ async function spawnDeno(args: string[]): Promise<number> {
  * <command>`, and exits with its code.
  */
 async function launch(command: Command, args: string[], config: Config): Promise<number> {
-  const derived = COMMAND_TABLE[command].net.redis ? await withClusterNodes(config) : config;
-  return await spawnDeno(["run", ...permissionFlags(command, derived, MIGRATIONS), SELF, command, ...args]);
+  return await spawnDeno(["run", ...await launchFlags(command, config), SELF, command, ...args]);
+}
+
+/**
+ * The permission flags `launch` gives `command`: those of its configuration,
+ * plus what the launcher's probes find. A process that uses Redis, or that
+ * must be kept from it (the relay), gets the cluster's nodes; the relay also
+ * gets the addresses REDIS_URL's host names resolve to, since Deno denies a
+ * name only as written.
+ */
+export async function launchFlags(command: Command, config: Config): Promise<string[]> {
+  const net = COMMAND_TABLE[command].net;
+  let derived = net.redis || deniesRedis(net) ? await withClusterNodes(config) : config;
+  if (deniesRedis(net)) derived = await withResolvedRedis(derived);
+  return permissionFlags(command, derived, MIGRATIONS);
+}
+
+/**
+ * Runs `main.ts <args>` with `flags` and `env` over this process's own; its
+ * stdout, or undefined if it failed or outlived PROBE_TIMEOUT_MS.
+ */
+async function probe(flags: string[], args: string[], env: Record<string, string> = {}): Promise<string | undefined> {
+  try {
+    const out = await new Deno.Command(Deno.execPath(), {
+      args: ["run", ...flags, SELF, ...args],
+      env,
+      stdin: "null",
+      stdout: "piped",
+      stderr: "null",
+      signal: AbortSignal.timeout(PROBE_TIMEOUT_MS),
+    }).output();
+    return out.success ? new TextDecoder().decode(out.stdout) : undefined;
+  } catch {
+    return undefined;
+  }
 }
 
 /**
@@ -97,14 +140,31 @@ async function launch(command: Command, args: string[], config: Config): Promise
  * set. A standalone server, or one that does not answer, adds nothing.
  */
 async function withClusterNodes(config: Config): Promise<Config> {
-  const out = await new Deno.Command(Deno.execPath(), {
-    args: ["run", ...redisProbeFlags(config), SELF, "redis-nodes"],
-    stdout: "piped",
-    stderr: "null",
-  }).output();
-  const nodes = new TextDecoder().decode(out.stdout).split("\n").map((line) => line.trim()).filter(Boolean);
-  if (!out.success || nodes.length === 0) return config;
+  const out = await probe(redisProbeFlags(config), ["redis-nodes"], { REDIS_URL: config.REDIS_URL });
+  const nodes = (out ?? "").split("\n").map((line) => line.trim()).filter(Boolean);
+  if (nodes.length === 0) return config;
   return { ...config, REDIS_URL: [config.REDIS_URL, ...nodes.map((node) => `redis://${node}`)].join(",") };
+}
+
+/**
+ * The relay's set denies Redis, and a webhook URL may spell Redis's address
+ * where REDIS_URL has a name (compose's `redis`). A child that may look up
+ * only those names (`main.ts resolve-hosts`) resolves them, and every
+ * address joins the denied hosts. A name that does not resolve stays denied
+ * by name only, which the launcher logs; the relay's own address check still
+ * refuses private addresses.
+ */
+async function withResolvedRedis(config: Config): Promise<Config> {
+  const names = redisHostNames(config);
+  if (names.length === 0) return config;
+  const out = await probe(resolveProbeFlags(names), ["resolve-hosts", ...names]);
+  const addresses: Record<string, string[]> = out === undefined ? {} : JSON.parse(out);
+  const unresolved = names.filter((name) => !addresses[name]?.length);
+  if (unresolved.length > 0) {
+    createLogger({ level: config.LOG_LEVEL }).child({ process: "launcher" })
+      .warn("redis_denied_by_name_only", { hosts: unresolved, reason: "did not resolve" });
+  }
+  return withRedisAddresses(config, addresses);
 }
 
 /**
@@ -131,6 +191,10 @@ async function main(argv: string[]): Promise<number> {
     const { clusterNodes } = await import("./src/redis/cluster_nodes.ts");
     const seed = parseConfig(readEnv()).REDIS_URL.split(",")[0]!.trim();
     for (const node of await clusterNodes(seed)) console.log(node);
+    return 0;
+  }
+  if (argv[0] === "resolve-hosts") {
+    console.log(JSON.stringify(await lookupAddresses(argv.slice(1))));
     return 0;
   }
   const launching = argv[0] === "launch";

@@ -82,10 +82,145 @@ const METADATA_HOSTS = ["169.254.169.254", "[fd00:ec2::254]", "metadata.google.i
 function netFlags(config: Config, needs: NetNeeds, hosts: string[]): string[] {
   if (!needs.anyHost) return [`--allow-net=${hosts.join(",")}`];
   const denied = [
-    ...(needs.redis ? [] : Object.values(requiredHosts(config, { redis: true }))),
+    ...(deniesRedis(needs) ? Object.values(requiredHosts(config, { redis: true })).flatMap(everySpelling) : []),
     ...(config.WEBHOOK_ALLOW_PRIVATE ? [] : METADATA_HOSTS),
   ];
   return denied.length ? ["--allow-net", `--deny-net=${[...new Set(denied)].join(",")}`] : ["--allow-net"];
+}
+
+/** Whether a command reaches any host yet must not reach Redis (the relay): its set denies REDIS_URL's hosts. */
+export function deniesRedis(needs: NetNeeds): boolean {
+  return Boolean(needs.anyHost && !needs.redis);
+}
+
+/*
+ * How Deno 2.9 matches `--deny-net` (tests/relay_permissions_test.ts holds it
+ * to this): a rule naming a host name matches only that name, never the
+ * addresses it resolves to; a rule naming an IP address or an IPv4 CIDR
+ * block (`127.0.0.0/8:6379`) matches after resolution too, so it catches any
+ * name or numeric alias (`2130706433`) resolving into it, and an
+ * IPv4-mapped IPv6 address (`::ffff:127.0.0.1`) counts as its IPv4 one. But
+ * 127.0.0.1, ::1, 0.0.0.0 and :: are four hosts to it, and it takes no IPv6
+ * block. So a denied endpoint is denied by name and by every address, and
+ * one on this machine by every spelling of this machine.
+ */
+
+/** `host:port` (an IPv6 host in brackets) as the bare host and the port. */
+function splitHostPort(hostPort: string): { host: string; port: string } {
+  const colon = hostPort.lastIndexOf(":");
+  return { host: hostPort.slice(0, colon).replace(/^\[|\]$/g, ""), port: hostPort.slice(colon + 1) };
+}
+
+/**
+ * The four numbers of a dotted-quad IPv4 address, or undefined for anything
+ * else. A leading zero (read as octal by some parsers) makes it a name, for
+ * the system's resolver to read.
+ */
+function ipv4Octets(text: string): number[] | undefined {
+  const parts = text.split(".");
+  if (parts.length !== 4 || !parts.every((part) => /^(0|[1-9]\d{0,2})$/.test(part) && Number(part) <= 255)) {
+    return undefined;
+  }
+  return parts.map(Number);
+}
+
+/** An IPv6 address (no brackets, no zone) as the URL parser writes it, or undefined for anything else. */
+function canonicalIPv6(text: string): string | undefined {
+  if (!text.includes(":")) return undefined;
+  try {
+    return new URL(`http://[${text}]/`).hostname.slice(1, -1);
+  } catch {
+    return undefined;
+  }
+}
+
+/** The eight 16-bit groups of an IPv6 address, or undefined. */
+function ipv6Groups(text: string): number[] | undefined {
+  const canonical = canonicalIPv6(text);
+  if (canonical === undefined) return undefined;
+  // The canonical form has no dotted quad; `::` stands for the missing zero groups.
+  const [head = "", tail] = canonical.split("::");
+  const groups = (half: string) => (half === "" ? [] : half.split(":").map((group) => parseInt(group, 16)));
+  const missing = 8 - groups(head).length - (tail === undefined ? 0 : groups(tail).length);
+  return [...groups(head), ...new Array<number>(missing).fill(0), ...(tail === undefined ? [] : groups(tail))];
+}
+
+/**
+ * Whether `host` (bare) is this machine: `localhost` or `*.localhost`
+ * (RFC 6761), 127.0.0.0/8, 0.0.0.0/8 (a connection to 0.0.0.0 reaches this
+ * machine on Linux), `::1`, `::` (likewise), or an IPv4-mapped IPv6 address
+ * in one of those blocks.
+ */
+function isThisMachine(host: string): boolean {
+  const name = host.toLowerCase().replace(/\.$/, "");
+  if (name === "localhost" || name.endsWith(".localhost")) return true;
+  const v4 = ipv4Octets(name);
+  if (v4) return v4[0] === 127 || v4[0] === 0;
+  const v6 = ipv6Groups(name);
+  if (!v6) return false;
+  if (v6.slice(0, 7).every((group) => group === 0)) return v6[7] === 0 || v6[7] === 1;
+  return v6.slice(0, 5).every((group) => group === 0) && v6[5] === 0xffff && [0, 127].includes(v6[6]! >> 8);
+}
+
+/**
+ * The `--deny-net` entries that keep `host:port` out: the entry itself, and
+ * for this machine every spelling of it on that port. A name elsewhere is
+ * denied by address only once the launcher has added the addresses it
+ * resolves to ({@linkcode withRedisAddresses}).
+ */
+function everySpelling(hostPort: string): string[] {
+  const { host, port } = splitHostPort(hostPort);
+  if (!isThisMachine(host)) return [hostPort];
+  return [hostPort, `127.0.0.0/8:${port}`, `0.0.0.0/8:${port}`, `[::1]:${port}`, `[::]:${port}`, `localhost:${port}`];
+}
+
+/** REDIS_URL's host names (IP literals need no look-up): the launcher resolves them for the relay. */
+export function redisHostNames(config: Config): string[] {
+  const hosts = Object.values(requiredHosts(config, { redis: true })).map((hostPort) => splitHostPort(hostPort).host);
+  return [...new Set(hosts.filter((host) => !ipv4Octets(host) && !ipv6Groups(host)))];
+}
+
+/**
+ * `config` with every address that `addresses` gives for a Redis host name
+ * added to REDIS_URL, on that host's port, so a permission set that denies
+ * Redis denies it by address as well as by name. Anything that is not a
+ * plain IPv4 or IPv6 address (an IPv6 zone, say) is left out: `--deny-net`
+ * would not parse it.
+ */
+export function withRedisAddresses(config: Config, addresses: Readonly<Record<string, readonly string[]>>): Config {
+  const extra = Object.values(requiredHosts(config, { redis: true })).flatMap((hostPort) => {
+    const { host, port } = splitHostPort(hostPort);
+    return (Object.hasOwn(addresses, host) ? addresses[host]! : []).flatMap((address) => {
+      if (ipv4Octets(address)) return [`redis://${address}:${port}`];
+      const v6 = canonicalIPv6(address);
+      return v6 === undefined ? [] : [`redis://[${v6}]:${port}`];
+    });
+  });
+  return extra.length ? { ...config, REDIS_URL: [config.REDIS_URL, ...extra].join(",") } : config;
+}
+
+/**
+ * Every address each of `names` resolves to through the system's resolver
+ * (getaddrinfo: the hosts file, then DNS), the one the service's own Redis
+ * client connects through. A name that does not resolve maps to `[]`. Run by
+ * `main.ts resolve-hosts` in a child that may look up only those names.
+ */
+export async function lookupAddresses(names: string[]): Promise<Record<string, string[]>> {
+  // Loaded here, not at the top: the launcher itself never resolves anything.
+  const { lookup } = await import("node:dns/promises");
+  const entries = await Promise.all(names.map(async (name) => {
+    try {
+      return [name, (await lookup(name, { all: true, verbatim: true })).map((answer) => answer.address)] as const;
+    } catch {
+      return [name, []] as const;
+    }
+  }));
+  return Object.fromEntries(entries);
+}
+
+/** The flags of the launcher's address probe (`main.ts resolve-hosts`): look-ups of `names`, nothing else. */
+export function resolveProbeFlags(names: string[]): string[] {
+  return [`--allow-net=${names.join(",")}`, "--no-prompt"];
 }
 
 /**

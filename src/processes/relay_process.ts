@@ -38,7 +38,8 @@ export async function startRelay(
   }, {
     batch: config.RELAY_BATCH,
     maxAttempts: config.RELAY_MAX_ATTEMPTS,
-    // The lease must outlast a batch's concurrent sends (each capped by the send timeout) plus the commit.
+    // A row is claimed just before its send starts; its lease must outlast that one send (DNS, connect and
+    // answer, all capped by the send timeout) plus recording its outcome, with room for a stalled event loop.
     leaseMs: 2 * sendTimeoutMs + 5_000,
     retentionMs: config.OUTBOX_RETENTION_S * 1000,
     summaryRetentionMs: config.SUMMARY_RETENTION_S === undefined ? undefined : config.SUMMARY_RETENTION_S * 1000,
