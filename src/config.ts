@@ -52,6 +52,7 @@ const schema = z.object({
   INTAKE_MAX_QUEUED: int(1).optional(),
   SUMMARY_RETENTION_S: int(60).optional(),
   MAIL_TENANT_HOURLY_LIMIT: int(1).optional(),
+  WEBHOOK_TENANT_HOURLY_LIMIT: int(1).optional(),
   INTAKE_MAX_QUEUED_PER_TENANT: int(1).optional(),
   RELAY_BATCH: int(1, 10000).default(20),
   RELAY_MAX_ATTEMPTS: int(1).default(10),
@@ -128,11 +129,12 @@ export function parseConfig(env: Record<string, string | undefined>): Config {
       `Cannot start: SUMMARY_RETENTION_S must be at least IDEMPOTENCY_RESULT_TTL_S (${raw.IDEMPOTENCY_RESULT_TTL_S})`,
     );
   }
-  if (raw.MAIL_TENANT_HOURLY_LIMIT !== undefined && raw.OUTBOX_RETENTION_S < 3600) {
+  for (const limit of ["MAIL_TENANT_HOURLY_LIMIT", "WEBHOOK_TENANT_HOURLY_LIMIT"] as const) {
+    if (raw[limit] === undefined || raw.OUTBOX_RETENTION_S >= 3600) continue;
     // The hourly cap counts the sent rows still in the outbox: rows deleted within the hour would not count.
     throw new ConfigError(
       "OUTBOX_RETENTION_S",
-      "Cannot start: MAIL_TENANT_HOURLY_LIMIT counts the last hour's sent outbox rows, so OUTBOX_RETENTION_S " +
+      `Cannot start: ${limit} counts the last hour's sent outbox rows, so OUTBOX_RETENTION_S ` +
         `must be at least 3600 while it is set (got ${raw.OUTBOX_RETENTION_S})`,
     );
   }

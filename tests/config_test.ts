@@ -160,3 +160,15 @@ Deno.test("main.ts refuses MAIL_TENANT_HOURLY_LIMIT with OUTBOX_RETENTION_S unde
     /^Cannot start: MAIL_TENANT_HOURLY_LIMIT .* OUTBOX_RETENTION_S must be at least 3600 .*\(got 600\)$/,
   );
 });
+
+Deno.test("parseConfig() refuses WEBHOOK_TENANT_HOURLY_LIMIT when OUTBOX_RETENTION_S is under an hour, naming both", () => {
+  assert.throws(
+    () => parseConfig({ WEBHOOK_TENANT_HOURLY_LIMIT: "50", OUTBOX_RETENTION_S: "1800" }),
+    (e: unknown) => {
+      assert.ok(e instanceof Error);
+      assert.match(e.message, /^Cannot start: WEBHOOK_TENANT_HOURLY_LIMIT .* OUTBOX_RETENTION_S must be at least 3600/);
+      return true;
+    },
+  );
+  assert.equal(parseConfig({ WEBHOOK_TENANT_HOURLY_LIMIT: "50" }).WEBHOOK_TENANT_HOURLY_LIMIT, 50);
+});

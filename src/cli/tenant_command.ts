@@ -2,11 +2,13 @@ import type { Sql } from "postgres";
 import { createApiKey, listTenants, revokeTenant, tenantExists } from "../tenants/tenant_store.ts";
 import { printRows } from "./table.ts";
 import { allowDomain } from "../tenants/mail_domains.ts";
+import { allowWebhookHost } from "../tenants/webhook_hosts.ts";
 import { ensureWebhookSecret, rotateWebhookSecret } from "../tenants/webhook_secrets.ts";
 import { parseTenantWeight, setTenantWeight, TENANT_WEIGHTS_TTL_MS } from "../tenants/tenant_weights.ts";
 
 const USAGE = "Usage: deno task tenant create NAME | list [--json] | revoke NAME | rotate-webhook-secret NAME" +
-  " | allow-domain NAME DOMAIN | allow-domain NAME --any | set NAME --weight N";
+  " | allow-domain NAME DOMAIN | allow-domain NAME --any | allow-webhook-host NAME HOST" +
+  " | allow-webhook-host NAME --any | set NAME --weight N";
 
 /** Runs `command`; a bad argument (a `TypeError` from validation) is printed and exits 2. */
 async function usageErrorsAs2(command: () => Promise<number>): Promise<number> {
@@ -21,7 +23,7 @@ async function usageErrorsAs2(command: () => Promise<number>): Promise<number> {
 
 /**
  * `tenant create NAME | list | revoke NAME | rotate-webhook-secret NAME |
- * allow-domain | set NAME --weight N`. `create` prints the new key as the
+ * allow-domain | allow-webhook-host | set NAME --weight N`. `create` prints the new key as the
  * last line on stdout, and before it, for a new tenant, its webhook signing
  * secret.
  * @returns the process exit code.
@@ -71,6 +73,23 @@ export async function tenantCommand(sql: Sql, args: string[], out = console.log)
           domains.length
             ? `Tenant "${name}" may email only: ${domains.join(", ")} (within 10 seconds).`
             : `Tenant "${name}" may email any domain (within 10 seconds).`,
+        );
+        return 0;
+      });
+    }
+    case "allow-webhook-host": {
+      const host = args[2];
+      if (!name || !host) break;
+      if (!(await tenantExists(sql, name))) {
+        console.error(`No tenant named ${JSON.stringify(name)}`);
+        return 1;
+      }
+      return await usageErrorsAs2(async () => {
+        const hosts = await allowWebhookHost(sql, name, host === "--any" ? null : host);
+        out(
+          hosts.length
+            ? `Tenant "${name}" may send webhooks only to: ${hosts.join(", ")} (within 10 seconds).`
+            : `Tenant "${name}" may send webhooks to any host (within 10 seconds).`,
         );
         return 0;
       });

@@ -7,6 +7,7 @@ import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
 import { createRecipientPolicy } from "../tenants/mail_domains.ts";
 import { createSecretCheck } from "../tenants/webhook_secrets.ts";
+import { createWebhookHostPolicy } from "../tenants/webhook_hosts.ts";
 import { startJobWaiter } from "../summaries/job_waiter.ts";
 import { buildFlow, providerLabel } from "./_model.ts";
 import { problem } from "../http/problem.ts";
@@ -42,6 +43,7 @@ export async function serveApi(
       allowHttp: config.WEBHOOK_ALLOW_HTTP,
       allowPrivate: config.WEBHOOK_ALLOW_PRIVATE,
       hasSecret: createSecretCheck(sql),
+      hosts: createWebhookHostPolicy({ sql }),
     },
     metrics: { api: apiMetrics(registry), registry, token: config.METRICS_TOKEN },
     redis,

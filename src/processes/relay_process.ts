@@ -2,8 +2,8 @@ import type { RunContext } from "../commands.ts";
 import { createRegistry, relayMetrics } from "../metrics/metrics.ts";
 import { outboxGauges, relayEvents } from "../metrics/wire.ts";
 import { createRelay } from "../outbox/relay.ts";
-import { summaryEmailRenderer, summaryPayloadLoader, tenantHourlyLimit } from "../summaries/email.ts";
-import { SUMMARY_WEBHOOK_TOPIC } from "../summaries/commit.ts";
+import { summaryEmailRenderer, summaryPayloadLoader, tenantHourlyLimits } from "../summaries/email.ts";
+import { SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../summaries/commit.ts";
 import { summaryWebhooks } from "../summaries/webhook.ts";
 import { buildMailer } from "./_mailer.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
@@ -31,9 +31,12 @@ export async function startRelay(
       await summaries(rows);
       await webhooks.load(rows);
     },
-    defer: config.MAIL_TENANT_HOURLY_LIMIT === undefined
+    defer: config.MAIL_TENANT_HOURLY_LIMIT === undefined && config.WEBHOOK_TENANT_HOURLY_LIMIT === undefined
       ? undefined
-      : tenantHourlyLimit(sql, config.MAIL_TENANT_HOURLY_LIMIT),
+      : tenantHourlyLimits(sql, {
+        [SUMMARY_READY_TOPIC]: config.MAIL_TENANT_HOURLY_LIMIT,
+        [SUMMARY_WEBHOOK_TOPIC]: config.WEBHOOK_TENANT_HOURLY_LIMIT,
+      }),
     log,
   }, {
     batch: config.RELAY_BATCH,

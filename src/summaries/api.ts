@@ -42,7 +42,13 @@ export interface ApiDeps {
    * Webhook targets: WEBHOOK_ALLOW_HTTP / WEBHOOK_ALLOW_PRIVATE, and whether a
    * tenant has a signing secret. Without it, `notify: {"webhook": ...}` is refused.
    */
-  webhooks?: { allowHttp: boolean; allowPrivate: boolean; hasSecret: (tenant: string) => Promise<boolean> };
+  webhooks?: {
+    allowHttp: boolean;
+    allowPrivate: boolean;
+    hasSecret: (tenant: string) => Promise<boolean>;
+    /** Whether the tenant may send webhooks to the URL's host (`tenant allow-webhook-host`); any when unset. */
+    hosts?: (tenant: string, url: string) => Promise<boolean>;
+  };
   /**
    * Prometheus metrics; `/metrics` serves `registry` (which `dev` shares with
    * the worker and relay), behind `token` as a bearer token when it is set.
@@ -140,6 +146,9 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
       } catch (error) {
         if (error instanceof WebhookRefused) throw invalid("notify.webhook", error.message);
         throw error;
+      }
+      if (deps.webhooks.hosts && !(await deps.webhooks.hosts(tenant, notify.webhook))) {
+        throw invalid("notify.webhook", `this tenant may not send webhooks to ${new URL(notify.webhook).hostname}`);
       }
       if (!(await deps.webhooks.hasSecret(tenant))) {
         throw invalid(

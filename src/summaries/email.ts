@@ -54,32 +54,42 @@ export function summaryPayloadLoader(sql: Sql): PayloadLoader {
 }
 
 /**
- * MAIL_TENANT_HOURLY_LIMIT: at most `limit` emails per tenant in any hour.
- * Rows over it wait in the outbox (a minute at a time) without spending an
- * attempt. Rows other relays hold right now count as sent, so relays running
- * side by side err on the side of sending fewer, never more. Webhooks go to
- * the tenant's own system and are not counted.
+ * MAIL_TENANT_HOURLY_LIMIT and WEBHOOK_TENANT_HOURLY_LIMIT: at most so many
+ * emails, and so many webhooks, per tenant in any hour (`limits` by outbox
+ * topic; a topic without one is not capped). Rows over it wait in the
+ * outbox (a minute at a time) without spending an attempt. Rows other
+ * relays hold right now count as sent, so relays running side by side err
+ * on the side of sending fewer, never more.
  */
-export function tenantHourlyLimit(sql: Sql, limit: number): Deferral {
+export function tenantHourlyLimits(sql: Sql, limits: Partial<Record<string, number>>): Deferral {
   return async (claimed) => {
     const waits = new Map<string, number>();
-    const rows = claimed.filter((r) => r.topic === SUMMARY_READY_TOPIC);
-    const mine = rows[0]?.claim_token;
-    const tenants = [...new Set(rows.map((r) => String(r.payload.tenant ?? "")))];
-    if (!mine || tenants.length === 0) return waits;
-    const counts = await sql<{ tenant: string; n: number }[]>`
-      SELECT payload->>'tenant' AS tenant, count(*)::int AS n FROM outbox
-      WHERE payload->>'tenant' = ANY(${tenants}) AND topic = ${SUMMARY_READY_TOPIC}
-        AND (sent_at > now() - interval '1 hour'
-          OR (sent_at IS NULL AND locked_until > now() AND claim_token IS DISTINCT FROM ${mine}::uuid))
-      GROUP BY 1`;
-    const used = new Map(counts.map((c) => [c.tenant, c.n]));
-    for (const row of rows) {
-      const tenant = String(row.payload.tenant ?? "");
-      const n = used.get(tenant) ?? 0;
-      if (n >= limit) waits.set(row.id, 60_000);
-      else used.set(tenant, n + 1);
+    const mine = claimed[0]?.claim_token;
+    if (!mine) return waits;
+    for (const [topic, limit] of Object.entries(limits)) {
+      if (limit === undefined) continue;
+      const rows = claimed.filter((r) => r.topic === topic);
+      const tenants = [...new Set(rows.map((r) => String(r.payload.tenant ?? "")))];
+      if (tenants.length === 0) continue;
+      const counts = await sql<{ tenant: string; n: number }[]>`
+        SELECT payload->>'tenant' AS tenant, count(*)::int AS n FROM outbox
+        WHERE payload->>'tenant' = ANY(${tenants}) AND topic = ${topic}
+          AND (sent_at > now() - interval '1 hour'
+            OR (sent_at IS NULL AND locked_until > now() AND claim_token IS DISTINCT FROM ${mine}::uuid))
+        GROUP BY 1`;
+      const used = new Map(counts.map((c) => [c.tenant, c.n]));
+      for (const row of rows) {
+        const tenant = String(row.payload.tenant ?? "");
+        const n = used.get(tenant) ?? 0;
+        if (n >= limit) waits.set(row.id, 60_000);
+        else used.set(tenant, n + 1);
+      }
     }
     return waits;
   };
+}
+
+/** MAIL_TENANT_HOURLY_LIMIT alone: {@linkcode tenantHourlyLimits} for emails. */
+export function tenantHourlyLimit(sql: Sql, limit: number): Deferral {
+  return tenantHourlyLimits(sql, { [SUMMARY_READY_TOPIC]: limit });
 }

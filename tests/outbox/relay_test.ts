@@ -1,8 +1,13 @@
 import assert from "node:assert/strict";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import { type RelayOptions } from "../../src/outbox/relay.ts";
-import { cancelJob, commitSummaries } from "../../src/summaries/commit.ts";
-import { summaryEmailRenderer, summaryPayloadLoader, tenantHourlyLimit } from "../../src/summaries/email.ts";
+import { cancelJob, commitSummaries, SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../../src/summaries/commit.ts";
+import {
+  summaryEmailRenderer,
+  summaryPayloadLoader,
+  tenantHourlyLimit,
+  tenantHourlyLimits,
+} from "../../src/summaries/email.ts";
 import { type FakeMailServer, type MailBehaviour, startFakeMail } from "../support/fake_mail_server.ts";
 import { createTestDatabase, waitFor } from "../_support.ts";
 import { relayTo } from "../support/fixtures.ts";
@@ -354,6 +359,32 @@ Deno.test("outbox relay", async (t) => {
         } finally {
           await mail.close();
         }
+      },
+    );
+
+    await t.step(
+      "WEBHOOK_TENANT_HOURLY_LIMIT caps a tenant's webhooks as MAIL_TENANT_HOURLY_LIMIT caps its emails",
+      async () => {
+        await reset();
+        const ids = Array.from({ length: 7 }, () => crypto.randomUUID());
+        await commitSummaries(
+          sql,
+          ids.map((jobId, i) => ({
+            jobId,
+            tenant: "acme",
+            summary: "S.",
+            notify: i < 5 ? { webhook: `https://hooks.example.com/${i}` } : `ops${i}@example.com`,
+          })),
+        );
+        const claimed = await relayTo({ sql }).claim();
+        assert.equal(claimed.length, 7);
+        const webhooksOnly = await tenantHourlyLimits(sql, { [SUMMARY_WEBHOOK_TOPIC]: 3 })(claimed);
+        const deferred = (waits: Map<string, number>) =>
+          claimed.filter((r) => waits.has(r.id)).map((r) => r.topic).sort();
+        assert.deepEqual(deferred(webhooksOnly), [SUMMARY_WEBHOOK_TOPIC, SUMMARY_WEBHOOK_TOPIC], "emails uncapped");
+        const both = await tenantHourlyLimits(sql, { [SUMMARY_WEBHOOK_TOPIC]: 3, [SUMMARY_READY_TOPIC]: 1 })(claimed);
+        assert.deepEqual(deferred(both), [SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC, SUMMARY_WEBHOOK_TOPIC]);
+        for (const ms of both.values()) assert.equal(ms, 60_000);
       },
     );
   } finally {

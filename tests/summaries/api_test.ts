@@ -7,6 +7,7 @@ import { tenantCommand } from "../../src/cli/tenant_command.ts";
 import { apiHandler } from "../support/fixtures.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
+import { ensureWebhookSecret } from "../../src/tenants/webhook_secrets.ts";
 import { createApiKey, revokeTenant } from "../../src/tenants/tenant_store.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
 
@@ -355,6 +356,31 @@ Deno.test("summaries API", async (t) => {
         assert.equal(await tenantCommand(db.sql, ["allow-domain", "acme", "--any"], c.out), 0);
         assert.equal((await to("victim@elsewhere.org")).status, 202);
         assert.equal(await tenantCommand(db.sql, ["allow-domain", "acme", "not a domain"], c.out), 2);
+      },
+    );
+
+    await t.step(
+      "a tenant restricted to some webhook hosts cannot send to others (422 on notify.webhook); --any frees it",
+      async () => {
+        await ensureWebhookSecret(db.sql, "acme");
+        const hook = (url: string) => post(newKey(), { ...BODY, notify: { webhook: url } });
+        assert.equal((await hook("https://anything.example.net/hook")).status, 202, "no list: any host");
+        const c = { lines: [] as string[], out: (l: string) => c.lines.push(l) };
+        assert.equal(await tenantCommand(db.sql, ["allow-webhook-host", "acme", "Hooks.Example.COM."], c.out), 0);
+        assert.match(c.lines[0]!, /may send webhooks only to: hooks\.example\.com/);
+        const before = await streamLength();
+        const refused = await hook("https://attacker.example.net/collect");
+        assert.equal(refused.status, 422);
+        assert.deepEqual((await refused.json()).errors, [{
+          path: "notify.webhook",
+          message: "this tenant may not send webhooks to attacker.example.net",
+        }]);
+        assert.equal(await streamLength(), before, "nothing enqueued");
+        assert.equal((await hook("https://hooks.example.com:8443/in")).status, 202, "any port of a listed host");
+        assert.equal(await tenantCommand(db.sql, ["allow-webhook-host", "acme", "--any"], c.out), 0);
+        assert.equal((await hook("https://attacker.example.net/collect")).status, 202);
+        assert.equal(await tenantCommand(db.sql, ["allow-webhook-host", "acme", "not a host!"], c.out), 2);
+        assert.equal(await tenantCommand(db.sql, ["allow-webhook-host", "nobody", "a.example.com"], c.out), 1);
       },
     );
 

@@ -20,6 +20,7 @@ import type { JobKeys, ServiceKeys } from "../../src/summaries/keys.ts";
 import { createSummaryWorker, type SummaryWorkerOptions } from "../../src/summaries/worker.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { createSecretCheck } from "../../src/tenants/webhook_secrets.ts";
+import { createWebhookHostPolicy } from "../../src/tenants/webhook_hosts.ts";
 import { SUMMARY_WEBHOOK_TOPIC } from "../../src/summaries/commit.ts";
 import { summaryWebhooks } from "../../src/summaries/webhook.ts";
 import type { WebhookUrlPolicy } from "../../src/webhooks/addresses.ts";
@@ -50,7 +51,11 @@ export function apiHandler(
     intake: createIntake({ redis }, { keys, resultTtlS, path: SUMMARIES }),
     keys,
     maxBodyBytes: 1 << 20,
-    webhooks: { ...LOCAL_WEBHOOKS, hasSecret: createSecretCheck(sql) },
+    webhooks: {
+      ...LOCAL_WEBHOOKS,
+      hasSecret: createSecretCheck(sql),
+      hosts: createWebhookHostPolicy({ sql }, { ttlMs: 0 }),
+    },
     ...deps,
   });
   if (authMode === "api-key") return handler;
