@@ -123,17 +123,20 @@ async function readHead(conn: Deno.Conn, maxHeadBytes: number): Promise<PinnedRe
   const buffer = new Uint8Array(maxHeadBytes);
   let filled = 0;
   let start = 0; // where the current head begins (after skipped 1xx heads)
+  let scanned = 0; // bytes before this were searched already: each byte is looked at about once
   for (;;) {
-    const text = latin1(buffer.subarray(start, filled));
-    const end = text.indexOf("\r\n\r\n");
+    const end = blankLineAt(buffer, Math.max(start, scanned - 3), filled);
+    scanned = filled;
     if (end !== -1) {
-      const [statusLine = "", ...fields] = text.slice(0, end).split("\r\n");
+      // Decoded once, when complete: a receiver dripping its head a byte at a time costs linear work.
+      const [statusLine = "", ...fields] = latin1(buffer.subarray(start, end)).split("\r\n");
       const match = /^HTTP\/1\.[01] ([1-5]\d\d)(?: |$)/.exec(statusLine);
       if (!match) {
         throw new ConnectionError(`webhook receiver sent a malformed status line (${statusLine.slice(0, 80)})`);
       }
       const status = Number(match[1]);
-      start += end + 4;
+      start = end + 4;
+      scanned = start;
       if (status >= 100 && status < 200 && status !== 101) continue;
       const headers = new Headers();
       for (const field of fields) {
@@ -151,6 +154,17 @@ async function readHead(conn: Deno.Conn, maxHeadBytes: number): Promise<PinnedRe
     if (n === null) throw new ConnectionError("webhook receiver closed the connection before answering");
     filled += n;
   }
+}
+
+/**
+ * Where the first CRLF CRLF in `bytes[from, to)` begins, or -1. Searched on
+ * the bytes themselves: nothing is decoded until a head is complete.
+ */
+export function blankLineAt(bytes: Uint8Array, from: number, to: number): number {
+  for (let i = Math.max(0, from); i + 3 < to; i++) {
+    if (bytes[i] === 13 && bytes[i + 1] === 10 && bytes[i + 2] === 13 && bytes[i + 3] === 10) return i;
+  }
+  return -1;
 }
 
 /**

@@ -2,7 +2,7 @@ import assert from "node:assert/strict";
 import { isRetryable, retryAfterMs } from "../../src/retry/classify.ts";
 import { AttemptTimeout, ConnectionError, UpstreamHttpError } from "../../src/retry/errors.ts";
 import { WebhookRefused, type WebhookUrlPolicy } from "../../src/webhooks/addresses.ts";
-import { postPinned, sendWebhook, type WebhookDelivery } from "../../src/webhooks/http_post.ts";
+import { blankLineAt, postPinned, sendWebhook, type WebhookDelivery } from "../../src/webhooks/http_post.ts";
 import { newWebhookSecret } from "../../src/webhooks/signature.ts";
 import { type Receiver, startRawServer, startReceiver, verifyWebhook } from "./_receiver.ts";
 
@@ -182,6 +182,38 @@ Deno.test("postPinned() skips an interim 1xx head and returns the final status",
   } finally {
     await server.close();
   }
+});
+
+Deno.test("postPinned() reads a head dripped a byte at a time, split CRLFs and a 1xx included", async () => {
+  const head = "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\nX-Id: 7\r\nX-Pad: " + "p".repeat(2_000) +
+    "\r\n\r\n";
+  const server = startRawServer(async (conn) => {
+    await conn.read(new Uint8Array(4096));
+    for (const byte of new TextEncoder().encode(head)) await conn.write(new Uint8Array([byte]));
+  });
+  try {
+    const response = await postPinned({
+      url: new URL(`http://hooks.test:${server.port}/`),
+      address: "127.0.0.1",
+      headers: {},
+      body: "{}",
+      timeoutMs: 10_000,
+    });
+    assert.equal(response.status, 204);
+    assert.equal(response.headers.get("x-id"), "7");
+  } finally {
+    await server.close();
+  }
+});
+
+Deno.test("blankLineAt() finds the end of a head in the bytes, starting where the last search stopped", () => {
+  const bytes = new TextEncoder().encode("HTTP/1.1 200 OK\r\nA: b\r\n\r\nbody");
+  const at = "HTTP/1.1 200 OK\r\nA: b".length;
+  assert.equal(blankLineAt(bytes, 0, bytes.length), at);
+  // A search may resume three bytes back, so a CRLF CRLF split across two reads is still found.
+  assert.equal(blankLineAt(bytes, at - 3, at + 4), at);
+  assert.equal(blankLineAt(bytes, 0, at + 3), -1, "not before all four bytes have arrived");
+  assert.equal(blankLineAt(bytes, at + 1, bytes.length), -1);
 });
 
 Deno.test("sendWebhook() refuses a private address without allowPrivate and sends nothing", async () => {
