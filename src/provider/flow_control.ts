@@ -30,6 +30,8 @@ export const FLOW_DEFAULTS = {
    * a job that has not just failed, when there is one.
    */
   suspectProbeDelayMs: 500,
+  /** How long a job whose failure came while the provider served others stays known as a bad document. */
+  badJobTtlMs: 10 * 60_000,
   /** Failures by attribution are counted over windows of this length, for `provider status`. */
   recentWindowMs: 5 * 60_000,
   /** A failed probe multiplies the cooldown by this... */
@@ -211,7 +213,8 @@ if mode == 'confirm_probe' then return {1, 0, 'probe'} end
 local suspect = state == 'half_open' or n(h[10]) >= 2
 local single = suspect or (rpm == 0 and tpm == 0 and h[9] ~= '1')
 if single and probe_until > now then return {0, math.min(probe_until - now, 100), 'probing'} end
-if suspect and not peek and mode ~= 'confirm' and (has(h[11], job) or has(h[13], job)) then
+local bad = job ~= '' and string.find(',' .. (h[13] or '') .. ',', ',' .. job .. '@', 1, true) ~= nil
+if suspect and not peek and mode ~= 'confirm' and (has(h[11], job) or bad) then
   local since = n(h[12])
   if state == 'half_open' then since = math.max(since, open_until) end
   if now - since < suspect_delay then return {0, since + suspect_delay - now, 'suspect'} end
@@ -250,7 +253,7 @@ return {1, math.ceil(wait), 'permit'}
 
 // ARGV: kind, estimated, actual tokens, probe id ('' = not a probe), retry-after ms, limit req, limit tok,
 // remaining req, remaining tok, reset req ms, reset tok ms (-1 = absent), threshold, base cooldown, max cooldown,
-// growth, margin, cfg_tpm, min pause ms, max pause ms, job id ('' = unknown), recent window ms.
+// growth, margin, cfg_tpm, min pause ms, max pause ms, job id ('' = unknown), recent window ms, bad job TTL ms.
 // Returns {absorbed, state before, state after, reason, asked ms, pause reason}: asked ms is the pause the headers
 // asked for when it was cut to max pause ms, else 0.
 const SETTLE = defineScript(
@@ -262,9 +265,9 @@ local reset_req, reset_tok = tonumber(ARGV[10]), tonumber(ARGV[11])
 local threshold, base, maxc, growth = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
 local margin, cfg_tpm, min_pause, max_pause = tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18]),
   tonumber(ARGV[19])
-local job, window = ARGV[20], tonumber(ARGV[21])
+local job, window, bad_ttl = ARGV[20], tonumber(ARGV[21]), tonumber(ARGV[22])
 local h = redis.call('HMGET', key, 'state', 'failures', 'cooldown_ms', 'tat_tok', 'hdr_tpm', 'pause_until', 'open_until',
-  'probe_id', 'fail_jobs', 'recent_at', 'recent_provider', 'recent_job', 'bad_jobs')
+  'probe_id', 'fail_jobs', 'recent_at', 'recent_provider', 'recent_job', 'bad_jobs', 'opened_reason')
 -- Only the current probe speaks for the provider while the breaker is open or half-open: a call that started
 -- before it opened, or a probe whose lease ran out and was replaced, must not move it.
 local probe = probe_id ~= '' and h[8] == probe_id
@@ -316,23 +319,31 @@ local speaks = probe or before == 'closed'
 -- Jobs whose calls failed since the last success: the provider is failing only when several distinct jobs
 -- are (a job that fails again and again counts once). A job that failed is a suspect for the next probe.
 local fail_jobs = h[9] or ''
--- Jobs whose calls failed while the provider served others (a success came after): bad documents, by the
--- evidence. Their failures are theirs alone, even as a probe; the last 32 are kept.
+-- Known bad documents, as 'job@ms' entries (at most 32, none older than bad_ttl): jobs whose calls failed
+-- while the provider served another job. Their failures are theirs alone, even as a probe.
 local bad_jobs = h[13] or ''
-local function close()
+local function bad(id) return id ~= '' and string.find(',' .. bad_jobs .. ',', ',' .. id .. '@', 1, true) ~= nil end
+local function keep_bad(add, drop)
+  local kept = {}
+  for entry in string.gmatch(bad_jobs, '[^,]+') do
+    local id, at = string.match(entry, '^(.*)@(%d+)$')
+    if id and id ~= drop and now - tonumber(at) < bad_ttl and not has(add, id) then kept[#kept + 1] = entry end
+  end
+  for id in string.gmatch(add, '[^,]+') do kept[#kept + 1] = id .. '@' .. now end
+  bad_jobs = table.concat(kept, ',', math.max(1, #kept - 31))
+  set('bad_jobs', bad_jobs)
+end
+-- Closing after a success. With admit, the jobs that failed since the last success were bad documents, by the
+-- evidence (another job was served while the provider was not failing for everyone).
+local function close(admit)
   if speaks and (before ~= 'closed' or failures > 0) then
     state = 'closed'
-    if fail_jobs ~= '' then
-      local kept = {}
-      for id in string.gmatch(bad_jobs .. ',' .. fail_jobs, '[^,]+') do kept[#kept + 1] = id end
-      bad_jobs = table.concat(kept, ',', math.max(1, #kept - 31))
-      set('bad_jobs', bad_jobs)
-    end
+    if admit and fail_jobs ~= '' then keep_bad(fail_jobs, '') end
     set('state', 'closed'); set('failures', 0); set('fail_jobs', ''); set('cooldown_ms', base); set('opened_reason', '')
   end
 end
 local function failed_job()
-  if has(bad_jobs, job) then return end
+  if bad(job) then return end
   if job ~= '' and not has(fail_jobs, job) then
     if fail_jobs == '' then fail_jobs = job else fail_jobs = fail_jobs .. ',' .. job end
     failures = failures + 1
@@ -349,14 +360,20 @@ if kind == 'rate_limited' then
   if p < 0 then p = math.max(pause_to - now, 1000) end
   p = math.max(p, min_pause)
   if now + p > pause_to then pause_to, why = now + p, 'rate_limited' end
-  close()
+  close(false)
   absorbed = 1
-elseif kind == 'quota' or kind == 'unauthorized' then
-  -- Every call would fail the same way until someone pays or fixes the key: the provider is unusable.
-  local r = 'insufficient_quota'
-  if kind == 'unauthorized' then r = 'unauthorized' end
-  if before == 'closed' or (before == 'half_open' and probe) then open(r) end
+elseif kind == 'quota' then
+  -- Every call would fail the same way until someone pays: the provider is unusable.
+  if before == 'closed' or (before == 'half_open' and probe) then open('insufficient_quota') end
   absorbed = 1
+elseif kind == 'unauthorized' then
+  if bad(job) then
+    -- A known bad document's 401 or 403 is its own (a gateway refusing its content): charged to it.
+  else
+    -- A wrong or revoked key fails every call the same way: the provider is unusable until someone fixes it.
+    if before == 'closed' or (before == 'half_open' and probe) then failed_job(); open('unauthorized') end
+    absorbed = 1
+  end
 elseif kind == 'provider' then
   if before == 'open' then absorbed = 1
   elseif before == 'half_open' then
@@ -364,17 +381,27 @@ elseif kind == 'provider' then
     -- be absorbed for ever.
     absorbed = 1
     if probe then
-      if has(bad_jobs, job) then absorbed = 0 end
+      if bad(job) then absorbed = 0 end
       failed_job(); open('probe_failed')
     end
-  elseif has(bad_jobs, job) then
+  elseif bad(job) then
     -- A known bad document failing again says nothing about the provider.
   else
     failed_job()
     if failures >= threshold then open('consecutive_failures'); absorbed = 1 end
   end
-elseif kind == 'ok' or kind == 'request' then
-  close()
+elseif kind == 'ok' then
+  local _, others = string.gsub(fail_jobs, '[^,]+', '')
+  -- Evidence that the jobs that failed since the last success were bad documents: another job was served
+  -- while the provider was not failing for everyone (closed, under the threshold), or a fresh job's probe
+  -- succeeded after one job's 401 or 403 opened the breaker.
+  local admit = not has(fail_jobs, job) and (
+    (before == 'closed' and failures > 0 and failures < threshold) or
+    (before == 'half_open' and probe and h[14] == 'unauthorized' and others == 1))
+  close(admit)
+  if bad(job) then keep_bad('', job) end
+elseif kind == 'request' then
+  close(false)
 end
 if probe then set('probe_until', 0); set('probe_id', '') end
 -- Recent failures by attribution, for provider status.
@@ -481,6 +508,7 @@ export function createProviderFlow(
       FLOW_DEFAULTS.maxPauseMs,
       jobId,
       FLOW_DEFAULTS.recentWindowMs,
+      FLOW_DEFAULTS.badJobTtlMs,
     ]) as [number, BreakerState, BreakerState, string, number, string, Attribution | ""];
     if (attribution) events.failed?.(attribution, reasonOf(outcome.error));
     if (askedMs > 0) {

@@ -427,6 +427,41 @@ Deno.test("provider flow control", async (t) => {
       },
     );
 
+    await t.step(
+      "the victims of an outage are not bad documents: the next outage opens the breaker again",
+      async () => {
+        const flow = flowFor({ rpm: 60_000, cooldownMs: 100 });
+        const fail = async (job: string) =>
+          await (await flow.acquire(10, undefined, job)).settle({ error: new ConnectionError("down") });
+        assert.deepEqual([await fail("a"), await fail("b"), await fail("c")], [false, false, true]);
+        await new Promise((res) => setTimeout(res, 150));
+        const probe = await flow.acquire(10, undefined, "d");
+        assert.equal(probe.probe, true);
+        await probe.settle({ value: { text: "ok" } as never });
+        assert.equal((await flow.status()).breaker.state, "closed");
+        // The second outage: a, b and c count as before, and open it.
+        assert.deepEqual([await fail("a"), await fail("b"), await fail("c")], [false, false, true]);
+        assert.equal((await flow.status()).breaker.state, "open");
+      },
+    );
+
+    await t.step(
+      "one document's 403 (a gateway refusing its content) opens the breaker once; after a fresh job's probe " +
+        "succeeds, its 403s are its own",
+      async () => {
+        const flow = flowFor({ rpm: 60_000, cooldownMs: 100 });
+        const forbidden = async (job: string) =>
+          await (await flow.acquire(10, undefined, job)).settle({ error: apiError(403, "content_blocked") });
+        assert.equal(await forbidden("p"), true, "first: it may be the key, so the provider's");
+        await new Promise((res) => setTimeout(res, 150));
+        const probe = await flow.acquire(10, undefined, "q");
+        assert.equal(probe.probe, true);
+        await probe.settle({ value: { text: "ok" } as never });
+        assert.equal(await forbidden("p"), false, "now charged to the document");
+        assert.equal((await flow.status()).breaker.state, "closed");
+      },
+    );
+
     await t.step("a 401 opens the breaker like insufficient_quota, and is absorbed", async () => {
       const log = recordingLogger();
       const flow = flowFor({ rpm: 60_000 }, createLogger(log));
