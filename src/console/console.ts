@@ -1,10 +1,12 @@
 /**
  * The operator console: server-rendered HTML under `/console`, no build step,
  * working without JavaScript (a small script only refreshes the numbers).
- * It is behind ADMIN_TOKEN: a bearer header, or a login form that sets an
- * HttpOnly, SameSite=Strict cookie holding an HMAC of the token (never the
- * token). Every action is a POST carrying a CSRF token. Every value from data
- * is escaped by the `html` tag, and the pages never show keys or secrets.
+ * It is behind ADMIN_TOKEN: a bearer header, or a login form that starts a
+ * session held in Redis and sets an HttpOnly, SameSite=Strict cookie naming
+ * it (never the token); both go through one throttled, logged check
+ * (`admin_auth.ts`). Every action is a POST carrying a CSRF token. Every value
+ * from data is escaped by the `html` tag, and the pages never show keys or
+ * secrets.
  */
 import { JOB_ID } from "../summaries/schemas.ts";
 import type { Sql } from "postgres";
@@ -18,6 +20,15 @@ import type { ServiceKeys } from "../summaries/keys.ts";
 import { traceIdOf } from "../tracing.ts";
 import type { AttemptRow } from "../summaries/attempt_log.ts";
 import { Html, html, raw } from "./html.ts";
+import {
+  ADMIN_AUTH_DEFAULTS,
+  type AdminAuthOptions,
+  type AttemptSource,
+  createAdminAuth,
+  sameText,
+  type Verdict,
+} from "./admin_auth.ts";
+import { readFormBody } from "../http/body.ts";
 import { AsyncLocalStorage } from "node:async_hooks";
 
 /** What the console reads and acts on. */
@@ -28,13 +39,17 @@ export interface ConsoleDeps {
   log: Logger;
   /** ADMIN_TOKEN. */
   token: string;
+  /** MAX_BODY_BYTES: a form above it is refused (413) before anything is checked. */
+  maxBodyBytes: number;
+  /** How long a form may take to arrive; default 10 s (`BODY_DEADLINE_MS`). */
+  bodyDeadlineMs?: number;
+  /** The token check's pace and the sessions' lifetime; defaults in `ADMIN_AUTH_DEFAULTS`. */
+  auth?: Partial<AdminAuthOptions>;
   /** The shared limiter and breaker, as `deno task provider status` prints it; absent without one. */
   providerStatus?: () => Promise<string[]>;
 }
 
 const COOKIE = "oncely_console";
-/** How long a sign-in lasts, checked on every request (the cookie's Max-Age is only the browser's hint). */
-const SESSION_S = 12 * 3600;
 const PAGE_ROWS = 200;
 const HEADERS = {
   "content-type": "text/html; charset=utf-8",
@@ -47,46 +62,70 @@ const HEADERS = {
     "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
 };
 
-const encoder = new TextEncoder();
-const base64url = (bytes: ArrayBuffer) =>
-  btoa(String.fromCharCode(...new Uint8Array(bytes))).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
-
-/** Compares without leaking where two strings first differ. */
-function sameText(a: string, b: string): boolean {
-  const x = encoder.encode(a), y = encoder.encode(b);
-  let diff = x.length ^ y.length;
-  for (let i = 0; i < Math.max(x.length, y.length); i++) diff |= (x[i] ?? 0) ^ (y[i] ?? 0);
-  return diff === 0;
+/** The peer of a request, as `Deno.serve` passes it to a handler. */
+export interface ConsoleClient {
+  remoteAddr?: Deno.Addr;
 }
 
+/** The console's handler for requests whose path starts with `/console`. */
+export type ConsoleHandler = (req: Request, path: string, client?: ConsoleClient) => Promise<Response>;
+
 /** Creates the console's handler for requests whose path starts with `/console`. */
-export async function createConsole(deps: ConsoleDeps): Promise<(req: Request, path: string) => Promise<Response>> {
+export async function createConsole(deps: ConsoleDeps): Promise<ConsoleHandler> {
   const { redis, sql, keys, token } = deps;
-  const key = await crypto.subtle.importKey("raw", encoder.encode(token), { name: "HMAC", hash: "SHA-256" }, false, [
-    "sign",
-  ]);
-  const mac = async (what: string) => base64url(await crypto.subtle.sign("HMAC", key, encoder.encode(what)));
-  // The cookie proves a sign-in at a time, without being the token: `<issued at>.<HMAC of it>`. It expires
-  // after SESSION_S whatever the browser does, and changing ADMIN_TOKEN signs everyone out.
-  const newSession = async () => {
-    const issued = String(Math.floor(Date.now() / 1000));
-    return `${issued}.${await mac(`oncely-console-session-v1:${issued}`)}`;
-  };
+  const sessionTtlS = deps.auth?.sessionTtlS ?? ADMIN_AUTH_DEFAULTS.sessionTtlS;
+  // The cookie names a session held in Redis (for sessionTtlS, whatever the browser keeps) and is signed with
+  // the token: signing out deletes the session, and changing ADMIN_TOKEN signs everyone out.
+  const admin = await createAdminAuth({ redis, log: deps.log }, { token, prefix: keys.prefix, options: deps.auth });
+  const formOf = (req: Request) => readFormBody(req, { maxBytes: deps.maxBodyBytes, deadlineMs: deps.bodyDeadlineMs });
   // The CSRF token of the request being handled: bound to its session.
   const requestCsrf = new AsyncLocalStorage<string>();
 
-  /** The request's session (its cookie value, or "bearer"), or null when it is not signed in. */
-  async function sessionOf(req: Request): Promise<string | null> {
+  const sourceOf = (req: Request, via: AttemptSource["via"], client?: ConsoleClient): AttemptSource => ({
+    via,
+    address: client?.remoteAddr && "hostname" in client.remoteAddr ? client.remoteAddr.hostname : undefined,
+    forwardedFor: req.headers.get("x-forwarded-for"),
+  });
+  const cookieOf = (req: Request) =>
+    (req.headers.get("cookie") ?? "").split(/;\s*/).find((c) => c.startsWith(`${COOKIE}=`))?.slice(COOKIE.length + 1);
+
+  /**
+   * The request's session (its cookie value, or "bearer"), null when it is
+   * not signed in, or the answer to a wrong or throttled bearer token. A
+   * `Bearer` header is a check of the token like the form's: same turns, same log.
+   */
+  async function sessionOf(req: Request, client?: ConsoleClient): Promise<string | null | Response> {
     const auth = req.headers.get("authorization");
-    if (auth?.startsWith("Bearer ") && sameText(auth.slice(7), token)) return "bearer";
-    const cookie = (req.headers.get("cookie") ?? "").split(/;\s*/).find((c) => c.startsWith(`${COOKIE}=`));
-    const [issued, proof] = (cookie?.slice(COOKIE.length + 1) ?? "").split(".");
-    if (!issued || !proof || !/^\d{1,12}$/.test(issued)) return null;
-    const age = Date.now() / 1000 - Number(issued);
-    if (age < -60 || age > SESSION_S) return null;
-    return sameText(proof, await mac(`oncely-console-session-v1:${issued}`)) ? `${issued}.${proof}` : null;
+    if (auth !== null && /^bearer /i.test(auth)) {
+      const verdict = await admin.check(auth.slice(7).trim(), sourceOf(req, "bearer", client));
+      if (verdict.ok) return "bearer";
+      return refused(verdict);
+    }
+    const cookie = cookieOf(req);
+    return cookie ? await admin.session(cookie) : null;
   }
-  const csrfFor = (session: string) => mac(`oncely-console-csrf-v1:${session}`);
+  const csrfFor = (session: string) => admin.mac(`oncely-console-csrf-v1:${session}`);
+
+  /** A refused bearer token: 401, or 429 with Retry-After when the check was not even made. */
+  function refused(verdict: Verdict & { ok: false }): Response {
+    const throttled = verdict.retryAfterS !== undefined;
+    return new Response(
+      html`
+        <!doctype html>
+        <title>Refused · Oncely console</title>
+        <p>${throttled
+          ? `Too many failed attempts; try again in ${verdict.retryAfterS} s.`
+          : "That is not the admin token."}</p>
+      `.text,
+      {
+        status: throttled ? 429 : 401,
+        headers: {
+          ...HEADERS,
+          ...(throttled ? { "retry-after": String(verdict.retryAfterS) } : { "www-authenticate": "Bearer" }),
+        },
+      },
+    );
+  }
 
   const page = (title: string, body: Html, { status = 200, note }: { status?: number; note?: string } = {}) =>
     new Response(
@@ -381,19 +420,12 @@ ${
     return page("Job", body);
   }
 
-  async function form(req: Request): Promise<URLSearchParams | null> {
-    const type = req.headers.get("content-type") ?? "";
-    if (!type.startsWith("application/x-www-form-urlencoded")) return null;
-    const text = await req.text();
-    return text.length > 10_000 ? null : new URLSearchParams(text);
-  }
-
   const back = (to: string, note: string) =>
     new Response(null, { status: 303, headers: { location: `${to}?note=${encodeURIComponent(note)}` } });
 
-  async function act(req: Request, path: string): Promise<Response> {
-    const fields = await form(req);
-    if (!fields || !sameText(fields.get("csrf") ?? "", requestCsrf.getStore() ?? "")) {
+  async function act(req: Request, path: string, session: string): Promise<Response> {
+    const fields = await formOf(req);
+    if (!sameText(fields.get("csrf") ?? "", requestCsrf.getStore() ?? "")) {
       return page(
         "Refused",
         html`<p>This form has expired or did not come from the console. Go back and try again.</p>`,
@@ -403,6 +435,7 @@ ${
       );
     }
     if (path === "/console/logout") {
+      if (session !== "bearer") await admin.endSession(session);
       return new Response(null, {
         status: 303,
         headers: {
@@ -433,7 +466,7 @@ ${
     return page("Not found", html`<p>No such action.</p>`, { status: 404 });
   }
 
-  function loginPage(status = 200, failed = false): Response {
+  function loginPage(status = 200, failed?: Verdict & { ok: false }): Response {
     return new Response(
       html`
         <!doctype html>
@@ -445,56 +478,66 @@ ${
           </head>
           <body>
             <main class="login"><h1>Oncely console</h1>
-        ${failed ? html`<p class="note" role="alert">That is not the admin token.</p>` : ""}
+        ${failed
+          ? html`<p class="note" role="alert">${
+            failed.retryAfterS === undefined
+              ? "That is not the admin token."
+              : `Too many failed sign-ins; try again in ${failed.retryAfterS} s.`
+          }</p>`
+          : ""}
         <form method="post" action="/console/login"><label>Admin token <input type="password" name="token" autocomplete="current-password" required></label>
         <button>Sign in</button></form></main>
           </body>
         </html>
       `.text,
-      { status, headers: HEADERS },
+      {
+        status,
+        headers: failed?.retryAfterS === undefined
+          ? HEADERS
+          : { ...HEADERS, "retry-after": String(failed.retryAfterS) },
+      },
     );
   }
 
-  async function login(req: Request): Promise<Response> {
-    const fields = await form(req);
-    if (!fields || !sameText(fields.get("token") ?? "", token)) {
-      deps.log.warn("console_login_failed");
-      // Slow down guessing.
-      await new Promise((resolve) => setTimeout(resolve, 250));
-      return loginPage(401, true);
-    }
+  async function login(req: Request, client?: ConsoleClient): Promise<Response> {
+    // Bounded in size and time before any check: the body is the unauthenticated client's.
+    const fields = await formOf(req);
+    const verdict = await admin.check(fields.get("token") ?? "", sourceOf(req, "form", client));
+    if (!verdict.ok) return loginPage(verdict.retryAfterS === undefined ? 401 : 429, verdict);
     const secure = new URL(req.url).protocol === "https:" || req.headers.get("x-forwarded-proto") === "https";
+    const session = await admin.startSession();
     return new Response(null, {
       status: 303,
       headers: {
         location: "/console",
-        "set-cookie": `${COOKIE}=${await newSession()}; Path=/console; Max-Age=${SESSION_S}; HttpOnly; SameSite=Strict${
+        "set-cookie": `${COOKIE}=${session}; Path=/console; Max-Age=${sessionTtlS}; HttpOnly; SameSite=Strict${
           secure ? "; Secure" : ""
         }`,
       },
     });
   }
 
-  return async (req, path) => {
+  return async (req, path, client) => {
     if (path === "/console/app.css") {
       return new Response(CSS, { headers: { "content-type": "text/css", "cache-control": "max-age=300" } });
     }
     if (path === "/console/app.js") {
       return new Response(JS, { headers: { "content-type": "text/javascript", "cache-control": "max-age=300" } });
     }
-    if (path === "/console/login") return req.method === "POST" ? await login(req) : loginPage();
-    const session = await sessionOf(req);
+    if (path === "/console/login") return req.method === "POST" ? await login(req, client) : loginPage();
+    const session = await sessionOf(req, client);
+    if (session instanceof Response) return session;
     if (!session) {
       if (req.method === "GET" || req.method === "HEAD") {
         return new Response(null, { status: 303, headers: { location: "/console/login" } });
       }
       return page("Sign in first", html`<p><a href="/console/login">Sign in</a>.</p>`, { status: 401 });
     }
-    return await requestCsrf.run(await csrfFor(session), () => signedInRoute(req, path));
+    return await requestCsrf.run(await csrfFor(session), () => signedInRoute(req, path, session));
   };
 
-  async function signedInRoute(req: Request, path: string): Promise<Response> {
-    if (req.method === "POST") return await act(req, path);
+  async function signedInRoute(req: Request, path: string, session: string): Promise<Response> {
+    if (req.method === "POST") return await act(req, path, session);
     if (req.method !== "GET" && req.method !== "HEAD") {
       return new Response(null, { status: 405, headers: { allow: "GET, POST" } });
     }

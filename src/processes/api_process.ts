@@ -28,6 +28,7 @@ export async function serveApi(
       keys,
       log,
       token: config.ADMIN_TOKEN,
+      maxBodyBytes: config.MAX_BODY_BYTES,
       providerStatus: flow &&
         (async () => {
           const { formatProviderStatus } = await import("../cli/provider_command.ts");

@@ -35,7 +35,7 @@ export interface ApiDeps {
   /** The process's listener for finished jobs; without it, `Prefer: wait` is ignored. */
   waiter?: JobWaiter;
   /** The operator console (`/console`, ADMIN_TOKEN); without it, `/console` answers 404. */
-  console?: (req: Request, path: string) => Promise<Response>;
+  console?: (req: Request, path: string, client?: { remoteAddr?: Deno.Addr }) => Promise<Response>;
   /** Aborts on shutdown: waiting requests then answer at once with the job's current status. */
   shutdown?: AbortSignal;
   /**
@@ -116,7 +116,9 @@ function invalid(path: string, message: string): HttpError {
  * Creates the HTTP API as a plain `(Request) => Promise<Response>`, so tests
  * can call it without a port and `main.ts` hands it to `Deno.serve`.
  */
-export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response> {
+export function createHandler(
+  deps: ApiDeps,
+): (req: Request, client?: { remoteAddr?: Deno.Addr }) => Promise<Response> {
   const { redis, sql, log, authenticate, intake, keys } = deps;
 
   async function postSummary(req: Request): Promise<Response> {
@@ -342,11 +344,12 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
     return json(ok ? 200 : 503, { status: ok ? "ready" : "not ready", redis: r, postgres: p });
   }
 
-  async function route(req: Request, path: string): Promise<Response> {
+  async function route(req: Request, path: string, client?: { remoteAddr?: Deno.Addr }): Promise<Response> {
     if (isConsolePath(path)) {
       // Off (no ADMIN_TOKEN): indistinguishable from any unknown path.
       if (!deps.console) return problem(404, `No route for ${req.method} ${path}`);
-      return await deps.console(req, path);
+      // The peer's address (Deno.serve's second argument) goes with it, for the log of a failed sign-in.
+      return await deps.console(req, path, client);
     }
     if (!STANDARD_METHODS.has(req.method) && routeLabel(path) === "other") {
       throw new HttpError(501, "This server does not implement that method");
@@ -373,14 +376,14 @@ export function createHandler(deps: ApiDeps): (req: Request) => Promise<Response
   }
 
   const openApi = openApiDocument();
-  return async (req) => {
+  return async (req, client) => {
     const started = performance.now();
     // A malformed Host header (`Host: a b`) makes the request's URL unparseable: a client error, not a 500.
     const path = URL.parse(req.url)?.pathname;
     let response: Response;
     try {
       if (path === undefined) throw new HttpError(400, "The request's Host header or target is not a valid URL");
-      response = await route(req, path);
+      response = await route(req, path, client);
     } catch (error) {
       response = errorResponse(error, log, { method: req.method, path: path ?? "(malformed)" });
     }

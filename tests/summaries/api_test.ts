@@ -10,6 +10,7 @@ import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { ensureWebhookSecret } from "../../src/tenants/webhook_secrets.ts";
 import { createApiKey, revokeTenant } from "../../src/tenants/tenant_store.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
+import { rawConnect } from "../http/raw_client.ts";
 
 const BODY = { text: "Quarterly revenue rose. Costs fell. The board approved the plan.", notify: "ops@example.com" };
 
@@ -413,6 +414,35 @@ Deno.test("summaries API", async (t) => {
       assert.equal(res.headers.get("connection"), "close");
       assert.match((await res.json()).detail, /did not arrive within 0.1 s/);
       assert.equal(await streamLength(), before);
+    });
+
+    await t.step("over a real socket, a 408 closes the connection (read returns null) within a second", async () => {
+      const server = Deno.serve(
+        { hostname: "127.0.0.1", port: 0, onListen: () => {} },
+        handlerWithOptions({ bodyDeadlineMs: 300 }),
+      );
+      const conn = await rawConnect(server.addr.port);
+      try {
+        const before = await streamLength();
+        await conn.write(
+          `POST /v1/summaries HTTP/1.1\r\nHost: api\r\nAuthorization: Bearer ${apiKey}\r\n` +
+            `Idempotency-Key: ${newKey()}\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n{"text": "a`,
+        );
+        const drip = conn.drip("a".repeat(150), 100);
+        const { status, at } = await conn.statusLine(3_000);
+        assert.equal(status, 408);
+        const closedAt = await conn.closed(2_000);
+        drip.stop();
+        assert.notEqual(closedAt, "open", "the socket is still open 2 s after the 408");
+        assert.ok(
+          (closedAt as number) - at < 1_000,
+          `closed ${Math.round((closedAt as number) - at)} ms after the 408`,
+        );
+        assert.equal(await streamLength(), before, "nothing enqueued");
+      } finally {
+        conn.close();
+        await server.shutdown();
+      }
     });
 
     await t.step("415 when the body is not JSON", async () => {
