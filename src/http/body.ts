@@ -86,9 +86,9 @@ export async function readBody(
       }
       if (next === "late") {
         releaseAfterResponse(reader);
-        throw new HttpError(408, `The request body did not arrive within ${deadlineMs / 1000} s`, {
-          connection: "close",
-        });
+        // No Connection header of ours: Deno sends `connection: close` itself when it closes the socket (as it
+        // does here, the body released), and a second copy made two on the wire.
+        throw new HttpError(408, `The request body did not arrive within ${deadlineMs / 1000} s`);
       }
       if (next.done) break;
       size += next.value.byteLength;

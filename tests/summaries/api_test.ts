@@ -385,7 +385,7 @@ Deno.test("summaries API", async (t) => {
       },
     );
 
-    await t.step("408 and Connection: close for a body that does not arrive in time, enqueuing nothing", async () => {
+    await t.step("408 for a body that does not arrive in time, enqueuing nothing", async () => {
       const slow = handlerWithOptions({ bodyDeadlineMs: 100 });
       const before = await streamLength();
       let timer: ReturnType<typeof setInterval> | undefined;
@@ -411,7 +411,6 @@ Deno.test("summaries API", async (t) => {
       );
       clearInterval(timer);
       assert.equal(res.status, 408);
-      assert.equal(res.headers.get("connection"), "close");
       assert.match((await res.json()).detail, /did not arrive within 0.1 s/);
       assert.equal(await streamLength(), before);
     });
