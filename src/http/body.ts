@@ -45,6 +45,15 @@ function refuseBody(req: Request): void {
 }
 
 /**
+ * After any response to a request whose body was never read (refused before
+ * reading: 401, 405, a bad header): lets the body go, so the connection
+ * closes instead of being drained for as long as the client drips it.
+ */
+export function releaseUnreadBody(req: Request): void {
+  if (!req.bodyUsed) refuseBody(req);
+}
+
+/**
  * The one reader of request bodies: reads the whole body of `req`, at most
  * `maxBytes`, within `deadlineMs`. A declared length over the limit is
  * refused before reading; an undeclared one is refused as soon as it passes
@@ -147,7 +156,11 @@ export async function readJsonBody(
   }
   // JSON.parse keeps the last of two equal keys; a client that sent both meant something we cannot know.
   const duplicate = duplicateKey(text);
-  if (duplicate !== null) throw new HttpError(400, `Request body has the key ${JSON.stringify(duplicate)} twice`);
+  if (duplicate !== null) {
+    // Bounded: the key is the client's, and may be most of the body.
+    const shown = duplicate.length > 64 ? `${duplicate.slice(0, 64)}...` : duplicate;
+    throw new HttpError(400, `Request body has the key ${JSON.stringify(shown)} twice`);
+  }
   return value;
 }
 

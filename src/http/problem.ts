@@ -78,14 +78,26 @@ const refusals = new Map<string, { at: number; folded: number }>();
  * after a window says how many it folded (`repeated`).
  */
 function logRefusal(log: Logger, fields: Record<string, unknown>): void {
-  const key = JSON.stringify(fields);
+  // Every field is cut short: a path or a detail may carry much of what the client sent, and neither the map
+  // nor the log may grow with it.
+  const bounded = Object.fromEntries(
+    Object.entries(fields).map(([k, v]) => [k, typeof v === "string" && v.length > 200 ? `${v.slice(0, 200)}...` : v]),
+  );
+  const key = JSON.stringify(bounded);
   const now = performance.now();
   const seen = refusals.get(key);
   if (seen && now - seen.at < REFUSAL_WINDOW_MS) {
     seen.folded++;
     return;
   }
-  if (refusals.size >= 1_000) refusals.clear();
+  refusals.delete(key);
+  if (refusals.size >= 1_000) {
+    // Oldest first (a Map keeps insertion order): expired entries, then, if a flood fills it, the oldest.
+    for (const [k, v] of refusals) {
+      if (refusals.size < 1_000 && now - v.at < REFUSAL_WINDOW_MS) break;
+      refusals.delete(k);
+    }
+  }
   refusals.set(key, { at: now, folded: 0 });
-  log.info("request_refused", seen?.folded ? { ...fields, repeated: seen.folded } : fields);
+  log.info("request_refused", seen?.folded ? { ...bounded, repeated: seen.folded } : bounded);
 }

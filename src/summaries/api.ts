@@ -1,7 +1,7 @@
 import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
 import { withTimeout } from "../async/timeout.ts";
-import { readJsonBody } from "../http/body.ts";
+import { readJsonBody, releaseUnreadBody } from "../http/body.ts";
 import { errorResponse, HttpError, problem } from "../http/problem.ts";
 import { KeyReused } from "../idempotency/errors.ts";
 import type { Logger } from "../log/logger.ts";
@@ -387,6 +387,9 @@ export function createHandler(
     } catch (error) {
       response = errorResponse(error, log, { method: req.method, path: path ?? "(malformed)" });
     }
+    // A request answered before its body was read (401, 405, ...) must not keep its connection while the
+    // client drips a body nobody will read.
+    releaseUnreadBody(req);
     if (deps.metrics) {
       const labels = { route: path === undefined ? "other" : routeLabel(path), method: methodLabel(req.method) };
       deps.metrics.api.requests.inc({ ...labels, status: String(response.status) });

@@ -104,7 +104,9 @@ export function createIntake(
 ): Intake {
   let total = { at: -Infinity, value: 0, lanes: 0 };
   const totalQueued = async () => {
-    if (performance.now() - total.at > 1_000) {
+    // Read at most once a second while the queue is under its cap; every time once it is over, so the lanes'
+    // shares follow the queue as it is, not as it was up to a second ago.
+    if (performance.now() - total.at > 1_000 || (maxQueued !== undefined && total.value >= maxQueued)) {
       const lanes = await allLanes(redis, keys);
       const lengths = await Promise.all(lanes.map((lane) => redis.xlen(lane.keys.stream)));
       total = {

@@ -18,3 +18,17 @@ Deno.test("client errors are logged at info, and a repeated identical one is fol
   await errorResponse(new Error("boom"), log, fields).body?.cancel();
   assert.equal(rec.lines.at(-1)!.level, "error");
 });
+
+Deno.test("a refusal's log line and its folding key are bounded, whatever the client sent", async () => {
+  const rec = recordingLogger();
+  const log = createLogger(rec);
+  for (let i = 0; i < 1_500; i++) {
+    const huge = `${i}-${"k".repeat(100_000)}`;
+    await errorResponse(new HttpError(400, `Request body has the key "${huge}" twice`), log, {
+      method: "GET",
+      path: `/v1/summaries/${huge}`,
+    }).body?.cancel();
+  }
+  const longest = Math.max(...rec.lines.map((l) => JSON.stringify(l).length));
+  assert.ok(longest < 1_000, `a log line of ${longest} characters`);
+});

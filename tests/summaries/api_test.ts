@@ -555,6 +555,28 @@ Deno.test("summaries API", async (t) => {
       await wrong.body?.cancel();
     });
 
+    await t.step(
+      "a POST refused before its body is read (401) does not keep the socket while the body drips",
+      async () => {
+        const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, handler);
+        const conn = await rawConnect(server.addr.port);
+        try {
+          await conn.write(
+            "POST /v1/summaries HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer onc_nope_nope\r\n" +
+              "Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{",
+          );
+          const { status, at } = await conn.statusLine(3_000);
+          assert.equal(status, 401);
+          const closedAt = await conn.closed(3_000);
+          assert.notEqual(closedAt, "open", "the socket is still open 3 s after the 401, waiting for the body");
+          assert.ok((closedAt as number) - at < 2_000);
+        } finally {
+          conn.close();
+          await server.shutdown();
+        }
+      },
+    );
+
     await t.step("a malformed Host header is a 400 problem document, not a 500 with a stack trace", async () => {
       const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, handler);
       try {
