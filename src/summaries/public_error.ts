@@ -1,3 +1,11 @@
+/** One label of the worker's own failure summary: a status or an error class, and a count. */
+const LABEL = String.raw`(?:http_\d{3}|[A-Za-z]+) ×\d+`;
+/** The worker's own reason for giving up on a job (`describeFailures`), and nothing else. */
+const GAVE_UP = new RegExp(
+  String.raw`^exceeded \d+ deliveries(: \d+ model calls? failed \(${LABEL}(, ${LABEL})*\)` +
+    String.raw`(, while the provider served other jobs)?)?$`,
+);
+
 /**
  * What a tenant is told about a failed job: a stable class, never the
  * provider's or the database's own text, which may name keys, hosts or
@@ -11,9 +19,7 @@ export function publicError(reason: string): string {
   if (/GateRefused|tokens-per-minute limit|request too large/i.test(reason)) return "too_large";
   if (/malformed job (payload|message)/.test(reason)) return "malformed_job";
   // Built by the worker from labels alone (error classes, statuses): nothing of the provider's text.
-  const gaveUp =
-    /^(exceeded \d+ deliveries)(: \d+ model calls? failed \([\w ×,.]+\)(, while the provider served other jobs)?)?$/
-      .exec(reason);
+  const gaveUp = GAVE_UP.exec(reason);
   if (gaveUp) return gaveUp[0];
   return "failed";
 }

@@ -1,0 +1,14 @@
+import assert from "node:assert/strict";
+import { publicError } from "../../src/summaries/public_error.ts";
+
+Deno.test("publicError() passes on only the worker's own labels, never a provider's or a database's text", () => {
+  const ours = "exceeded 3 deliveries: 6 model calls failed (AttemptTimeout ×4, http_500 ×2), while the provider " +
+    "served other jobs";
+  assert.equal(publicError(ours), ours);
+  assert.equal(publicError("exceeded 5 deliveries"), "exceeded 5 deliveries");
+  // Anything else in that shape (a host name, a message) falls back to the class.
+  assert.equal(publicError("exceeded 3 deliveries: 1 model call failed (gw.internal.corp ×1)"), "failed");
+  assert.equal(publicError("permanent: UpstreamHttpError: Upstream answered 400: {secret}"), "model_rejected: 400");
+  assert.equal(publicError("permanent: the summary cannot be stored: invalid byte sequence"), "storage_rejected");
+  assert.equal(publicError("anything at all"), "failed");
+});
