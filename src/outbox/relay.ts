@@ -20,13 +20,21 @@ export interface OutboxRow {
   claim_token: string;
 }
 
-/** A claimed row and where it goes, as the claim computed it (see {@linkcode MAIL_DESTINATION}). */
+/** A claimed row and where it goes, as stored with it (migration 009; see {@linkcode MAIL_DESTINATION}). */
 export interface ClaimedRow extends OutboxRow {
   /** The host (and port) of the payload's `webhook` URL, lower-cased; for every other row, the mail provider. */
   destination: string;
+  /**
+   * The tenant that chose the destination: a webhook row's tenant; '' for the mail provider, which no tenant
+   * chooses. A tenant's webhooks share one cap of the slots, however many host names they use.
+   */
+  owner: string;
 }
 
-/** The destination of every row that is not a webhook: the one mail provider (no host name has a space). */
+/**
+ * The destination of every row that is not a webhook: the one mail provider (no host name has a space).
+ * Migration 009 spells it in the stored `destination` column; the two must stay the same.
+ */
 export const MAIL_DESTINATION = "mail provider";
 
 /** Turns an outbox row into the email to send. @throws for a topic it does not know (a permanent failure). */
@@ -84,10 +92,17 @@ export interface RelayOptions {
   retentionEveryMs?: number;
   /**
    * The sends in flight that any one destination may hold in {@linkcode Relay.run}; unset, a quarter of `batch`
-   * (at least 1). A destination whose recent sends were fast, and that has not failed since its last success,
-   * may borrow more, up to `batch` minus one share: a share of the slots always stays for the others.
+   * (at least 1). A destination that has not failed since its last success may borrow more, up to `batch` minus
+   * one share (a share of the slots always stays for the others), while its recent sends were fast, or while
+   * no other destination has due rows.
    */
   destinationShare?: number;
+  /**
+   * The sends in flight that one tenant's webhooks may hold together in {@linkcode Relay.run}, whatever hosts
+   * they go to; unset, the destination share. It borrows as a destination does, by its webhooks' recent sends,
+   * or while no other tenant has due rows. Emails are not counted: the mail provider is nobody's.
+   */
+  tenantShare?: number;
   /** Timeouts or connection errors in a row from one destination (no success between) before it is backed off. */
   destinationFailures?: number;
   /** A destination's first backoff; each next one (without a success between) doubles, up to the cap. */
@@ -116,8 +131,8 @@ export interface Relay {
   /**
    * One step, for tests and benchmarks: claims up to `batch` due rows (none of a backed-off destination),
    * sends them concurrently, records each outcome as its send ends, and resolves when all have ended.
-   * It does not apply the per-destination share: that is {@linkcode Relay.run}'s, which keeps sending
-   * while a slow send is in flight. @returns how many rows were claimed.
+   * It does not apply the destinations' and tenants' shares: those are {@linkcode Relay.run}'s, which keeps
+   * sending while a slow send is in flight. @returns how many rows were claimed.
    */
   runOnce(): Promise<number>;
   /** Claims up to `batch` due rows under a lease (exposed for crash tests). */
@@ -125,8 +140,8 @@ export interface Relay {
   /** Sends claimed rows and records each outcome (exposed for crash tests). */
   deliver(rows: ClaimedRow[]): Promise<void>;
   /**
-   * Loops until `signal` aborts: keeps up to `batch` sends in flight, each destination within its share (see
-   * `destinationShare`), and claims more as slots free up; wakes on NOTIFY, falls back to a slow poll; on stop,
+   * Loops until `signal` aborts: keeps up to `batch` sends in flight, each destination and each tenant's webhooks
+   * within their shares (see `destinationShare`, `tenantShare`), and claims more as slots free up; wakes on NOTIFY, falls back to a slow poll; on stop,
    * lets the sends in flight finish (within the shutdown grace).
    */
   run(signal: AbortSignal): Promise<void>;
@@ -139,18 +154,12 @@ export const OUTBOX_CHANNEL = "oncely_outbox";
 const PURGE_BATCH = 1_000;
 /** How long a stopping relay lets its sends in flight run before aborting them (the process exits within 10 s). */
 const SHUTDOWN_GRACE_MS = 5_000;
-/**
- * How many due rows (in order) a claim looks at to fill its free slots within each destination's budget:
- * rows of a destination at its budget do not hide other destinations' rows up to this depth. Bounded, so
- * that a claim costs the same whatever the backlog.
- */
-const CLAIM_LOOKAHEAD = 500;
-/** A destination whose sends take less than this on average (and that has not failed since) may borrow slots. */
+/** A destination or tenant whose sends take less than this on average (and none failed since) may borrow slots. */
 const FAST_SEND_MS = 1_000;
-/** Weight of the newest send in a destination's average send time. */
+/** Weight of the newest send in a destination's (or a tenant's) average send time. */
 const SEND_TIME_WEIGHT = 0.2;
-/** Destinations whose statistics are remembered; past it, those not backed off are forgotten. */
-const MAX_TRACKED_DESTINATIONS = 1_000;
+/** Destinations (and tenants) whose statistics are remembered; past it, those not backed off are forgotten. */
+const MAX_TRACKED = 1_000;
 /**
  * A job's outcome row is kept at least as long as anything may still ask about the job, plus a day: its
  * Redis status record and its dead letters (both 7 days). A dead letter's replay reads it to refuse a job
@@ -159,24 +168,45 @@ const MAX_TRACKED_DESTINATIONS = 1_000;
  */
 const OUTCOME_MIN_AGE_MS = (Math.max(JOB_RECORD_TTL_S, DEAD_LETTER_BOUNDS.maxAgeS) + 24 * 3600) * 1000;
 
-/** How many rows one claim may take: in all, per listed destination (0 excludes it), and per other destination. */
-interface ClaimLimits {
-  limit: number;
-  budgets: Map<string, number>;
-  share: number;
+/**
+ * How many rows one claim may take from a destination or a tenant's webhooks: `budget` while another one
+ * (destination, or tenant) has due rows in the claim, `alone` while none has. 0 and 0 excludes it.
+ */
+interface Budget {
+  budget: number;
+  alone: number;
 }
 
-/** What the relay remembers about one destination. */
-interface DestinationStats {
+/** Budgets of the listed destinations (or tenants), and what every other one may take (either way). */
+interface Budgets {
+  listed: Map<string, Budget>;
+  others: number;
+}
+
+/** How many rows one claim may take: in all, per destination, and per tenant's webhooks. */
+interface ClaimLimits {
+  limit: number;
+  destinations: Budgets;
+  owners: Budgets;
+}
+
+/** What the relay remembers about the recent sends to one destination, or of one tenant's webhooks. */
+interface SendStats {
   /** Moving average of its sends' durations in ms, timeouts included; unset until one ended. */
   sendMs?: number;
   /** Timeouts and connection errors since its last success. */
   failures: number;
+}
+
+/** What the relay remembers about one destination. */
+interface DestinationStats extends SendStats {
   /** Backoffs since its last success: the next one waits base × 2^backoffs. */
   backoffs: number;
   /** Until when (on the relay's clock) its rows are not sent. */
   until: number;
 }
+
+const NO_BUDGET: Budget = { budget: 0, alone: 0 };
 
 /**
  * Creates the outbox relay. No transaction is held across a network call:
@@ -214,21 +244,13 @@ export function createRelay(
   const destinationBaseMs = options.destinationBackoffBaseMs ?? RELAY_DEFAULTS.destinationBackoffBaseMs;
   const destinationCapMs = options.destinationBackoffCapMs ?? RELAY_DEFAULTS.destinationBackoffCapMs;
   const share = Math.max(1, Math.floor(options.destinationShare ?? options.batch / 4));
+  const ownerShare = Math.max(1, Math.floor(options.tenantShare ?? share));
   const events = options.events ?? {};
   const stopping = new AbortController();
-  /** Slots one fast destination may use: all but one share, which stays for the others. */
-  const borrowCap = Math.max(share, options.batch - share);
   const stats = new Map<string, DestinationStats>();
+  /** Send statistics of each tenant's webhooks (rows whose `owner` is the tenant). */
+  const ownerStats = new Map<string, SendStats>();
   const recordingFailures = new Set<Promise<void>>();
-
-  /**
-   * A row's destination, computed in SQL only (the claim returns it), so that the claim's exclusions and the
-   * relay's own counts always spell a destination the same way.
-   */
-  const destinationOf = () =>
-    sql`CASE WHEN payload ? 'webhook'
-      THEN coalesce(lower(substring(payload->>'webhook' FROM '^[A-Za-z][A-Za-z0-9+.-]*://(?:[^@/?#]*@)?([^/?#]*)')), '')
-      ELSE ${MAIL_DESTINATION}::text END`;
 
   /** How long `destination` is still backed off, in ms (0: not). */
   function backedOffFor(destination: string): number {
@@ -239,7 +261,7 @@ export function createRelay(
   function statsOf(destination: string): DestinationStats {
     let d = stats.get(destination);
     if (!d) {
-      if (stats.size >= MAX_TRACKED_DESTINATIONS) {
+      if (stats.size >= MAX_TRACKED) {
         for (const [key, old] of stats) if (old.until <= now()) stats.delete(key);
       }
       stats.set(destination, d = { failures: 0, backoffs: 0, until: 0 });
@@ -247,72 +269,160 @@ export function createRelay(
     return d;
   }
 
-  /**
-   * The most sends in flight to `destination` in {@linkcode Relay.run}: its share, or, while its sends are
-   * fast and have not failed since its last success, all slots but one share. A destination never seen, a
-   * slow one and a failing one hold at most its share, so however it hangs, the others keep their slots.
-   */
-  function capOf(destination: string): number {
-    const d = stats.get(destination);
-    return d?.sendMs !== undefined && d.sendMs < FAST_SEND_MS && d.failures === 0 ? borrowCap : share;
+  function ownerStatsOf(owner: string): SendStats {
+    let o = ownerStats.get(owner);
+    if (!o) {
+      // Forgetting a tenant only takes its borrowing away until its next sends end.
+      if (ownerStats.size >= MAX_TRACKED) ownerStats.clear();
+      ownerStats.set(owner, o = { failures: 0 });
+    }
+    return o;
   }
 
   /**
-   * Claims due rows within `limits`, in one statement: it looks at the first due rows in order (a bounded
-   * look-ahead, not locked), picks at most each destination's budget of them, and leases those it can lock
-   * (SKIP LOCKED: another relay's claim in the same instant keeps what it locked).
-   * @returns the rows, and whether more may be due that these limits allow (the claim was full, or another
-   * relay took rows it picked).
+   * How many more sends a destination (or a tenant's webhooks) with `s` and `held` sends in flight may start
+   * in {@linkcode Relay.run}. Its cap is its share; it may borrow up to all slots but one share (which stays
+   * for the others) if none of its sends failed since its last success and either its recent sends were fast
+   * or no other one has due rows (`alone`). One never seen and a failing one keep to their share, so however
+   * it hangs, the others keep their slots. A slow one keeps to its share only while others wait.
    */
-  async function claimRows({ limit, budgets, share }: ClaimLimits): Promise<{ rows: ClaimedRow[]; more: boolean }> {
+  function budgetOf(s: SendStats | undefined, held: number, share: number): Budget {
+    const borrowCap = Math.max(share, options.batch - share);
+    const healthy = s?.sendMs !== undefined && s.failures === 0;
+    const fast = healthy && s.sendMs! < FAST_SEND_MS;
+    return {
+      budget: Math.max(0, (fast ? borrowCap : share) - held),
+      alone: Math.max(0, (healthy ? borrowCap : share) - held),
+    };
+  }
+
+  /** The budgets of every destination (or tenant) this relay knows of or has sends in flight to. */
+  function budgetsOf(known: Map<string, SendStats>, inFlight: Map<string, number>, share: number): Budgets {
+    const listed = new Map<string, Budget>();
+    for (const key of new Set([...known.keys(), ...inFlight.keys()])) {
+      const b = budgetOf(known.get(key), inFlight.get(key) ?? 0, share);
+      if (b.budget !== share || b.alone !== share) listed.set(key, b);
+    }
+    return { listed, others: share };
+  }
+
+  /**
+   * Claims due rows within `limits`, in one statement. A row's lane is its (owner, destination). The claim
+   * walks the lanes that have unsent rows (one probe of outbox_lanes each; a tenant whose webhooks are at
+   * their cap is passed over in one probe), reads each lane's first due rows up to what its destination and
+   * owner could take (so no backlog, however deep, hides another lane's rows), keeps each destination's and
+   * each tenant's budget of them in (next_attempt_at, id) order, and leases those it can lock (SKIP LOCKED:
+   * another relay's claim in the same instant keeps what it locked).
+   * @returns the rows, and whether more may be due that these limits allow (the claim was full, another relay
+   * took rows it picked, or a tenant's budget cut rows that had taken a destination's budget).
+   */
+  async function claimRows(
+    { limit, destinations, owners }: ClaimLimits,
+  ): Promise<{ rows: ClaimedRow[]; more: boolean }> {
     const token = crypto.randomUUID();
-    const listed = [...budgets.keys()];
-    const room = listed.map((destination) => budgets.get(destination)!);
-    const lookahead = share >= limit && room.every((r) => r >= limit) ? limit : Math.max(limit, CLAIM_LOOKAHEAD);
-    const result = await sql<(ClaimedRow & { picked: number })[]>`
-      WITH ahead AS (
-        SELECT id, next_attempt_at, ${destinationOf()} AS destination FROM outbox
-        WHERE sent_at IS NULL AND failed_at IS NULL AND next_attempt_at <= now()
-          AND (locked_until IS NULL OR locked_until < now())
-        ORDER BY next_attempt_at, id
-        LIMIT ${lookahead}
+    const dNames = [...destinations.listed.keys()];
+    const dBudgets = [...destinations.listed.values()];
+    const oNames = [...owners.listed.keys()];
+    const oBudgets = [...owners.listed.values()];
+    const ownerFull = sql`(n.owner <> '' AND coalesce(
+      (SELECT alone FROM owner_budget b WHERE b.owner = n.owner), ${owners.others}::int) = 0)`;
+    const result = await sql<(ClaimedRow & { picked: number; cut: number })[]>`
+      WITH RECURSIVE destination_budget AS (
+        SELECT * FROM unnest(${dNames}::text[], ${dBudgets.map((b) => b.budget)}::int[],
+          ${dBudgets.map((b) => b.alone)}::int[]) AS b(destination, budget, alone)
+      ), owner_budget AS (
+        SELECT * FROM unnest(${oNames}::text[], ${oBudgets.map((b) => b.budget)}::int[],
+          ${oBudgets.map((b) => b.alone)}::int[]) AS b(owner, budget, alone)
+      ), lanes AS (
+        -- A loose index scan: the next lane after l, or, when l's owner is at its cap, the next owner's first.
+        -- Exactly one branch of the inner UNION ALL runs (the other's condition on l is false).
+        SELECT n.owner, n.destination, ${ownerFull} AS owner_full FROM (
+          SELECT destination_owner AS owner, destination FROM outbox WHERE sent_at IS NULL AND failed_at IS NULL
+          ORDER BY destination_owner, destination LIMIT 1
+        ) n
+        UNION ALL
+        SELECT n.owner, n.destination, ${ownerFull} FROM lanes l CROSS JOIN LATERAL (
+          (SELECT destination_owner AS owner, destination FROM outbox
+            WHERE sent_at IS NULL AND failed_at IS NULL AND NOT l.owner_full
+              AND (destination_owner, destination) > (l.owner, l.destination)
+            ORDER BY destination_owner, destination LIMIT 1)
+          UNION ALL
+          (SELECT destination_owner, destination FROM outbox
+            WHERE sent_at IS NULL AND failed_at IS NULL AND l.owner_full AND destination_owner > l.owner
+            ORDER BY destination_owner, destination LIMIT 1)
+        ) n
+      ), due AS (
+        -- Each lane's first due rows, at most what its destination and its owner could take in this claim.
+        SELECT r.id, r.next_attempt_at, r.tenant, l.owner, l.destination
+        FROM lanes l
+        LEFT JOIN destination_budget db ON db.destination = l.destination
+        LEFT JOIN owner_budget ob ON ob.owner = l.owner
+        CROSS JOIN LATERAL (
+          SELECT o.id, o.next_attempt_at, o.payload->>'tenant' AS tenant FROM outbox o
+          WHERE o.destination_owner = l.owner AND o.destination = l.destination
+            AND o.sent_at IS NULL AND o.failed_at IS NULL AND o.next_attempt_at <= now()
+            AND (o.locked_until IS NULL OR o.locked_until < now())
+          ORDER BY o.next_attempt_at, o.id
+          LIMIT least(${limit}::int, coalesce(db.alone, ${destinations.others}::int),
+            CASE WHEN l.owner = '' THEN ${limit}::int ELSE coalesce(ob.alone, ${owners.others}::int) END)
+        ) r
+        WHERE NOT l.owner_full
+      ), seen AS (
+        SELECT count(DISTINCT destination) AS destinations, count(DISTINCT tenant) AS tenants FROM due
+      ), ranked AS (
+        -- A destination (a tenant) uses its alone budget when the claim saw no other destination's (tenant's)
+        -- due rows.
+        SELECT due.*,
+          row_number() OVER (PARTITION BY due.destination ORDER BY due.next_attempt_at, due.id) AS nth,
+          CASE WHEN s.destinations = 1 THEN coalesce(db.alone, ${destinations.others}::int)
+            ELSE coalesce(db.budget, ${destinations.others}::int) END AS room,
+          CASE WHEN s.tenants = 1 THEN coalesce(ob.alone, ${owners.others}::int)
+            ELSE coalesce(ob.budget, ${owners.others}::int) END AS owner_room
+        FROM due CROSS JOIN seen s
+        LEFT JOIN destination_budget db ON db.destination = due.destination
+        LEFT JOIN owner_budget ob ON ob.owner = due.owner
+      ), within_destination AS (
+        SELECT *, row_number() OVER (PARTITION BY owner ORDER BY next_attempt_at, id) AS nth_of_owner
+        FROM ranked WHERE nth <= room
       ), picked AS (
-        SELECT id, destination FROM (
-          SELECT a.id, a.next_attempt_at, a.destination,
-            row_number() OVER (PARTITION BY a.destination ORDER BY a.next_attempt_at, a.id) AS n,
-            coalesce(b.budget, ${share}::int) AS budget
-          FROM ahead a
-          LEFT JOIN unnest(${listed}::text[], ${room}::int[]) AS b(destination, budget) USING (destination)
-        ) ranked
-        WHERE n <= budget
+        SELECT id, destination, owner FROM within_destination WHERE owner = '' OR nth_of_owner <= owner_room
         ORDER BY next_attempt_at, id
         LIMIT ${limit}
       ), locked AS (
-        -- The guard is checked again under the lock, on the row's newest version: a row another relay claimed
-        -- since the look-ahead read it is not ours. (coalesce(...) IS NULL is sent_at IS NULL AND failed_at IS
-        -- NULL spelled so that the planner looks the picked ids up by primary key, not through the due index.)
+        -- The guard is checked again under the lock, on the row's newest version: a row another relay claimed,
+        -- or made wait (a backoff, a deferral), since this statement read it is not ours. (coalesce(...) IS
+        -- NULL is sent_at IS NULL AND failed_at IS NULL spelled so that the planner looks the picked ids up by
+        -- primary key, not through a due index.)
         SELECT id FROM outbox
         WHERE id = ANY(ARRAY(SELECT id FROM picked)) AND coalesce(sent_at, failed_at) IS NULL
-          AND (locked_until IS NULL OR locked_until < now())
+          AND next_attempt_at <= now() AND (locked_until IS NULL OR locked_until < now())
         FOR UPDATE SKIP LOCKED
       ), claimed AS (
         UPDATE outbox SET locked_until = now() + ${options.leaseMs} * interval '1 millisecond',
           claim_token = ${token}
         FROM picked WHERE outbox.id = ANY(ARRAY(SELECT id FROM locked)) AND picked.id = outbox.id
-        RETURNING outbox.id::text, topic, dedupe_key, payload, attempts, claim_token::text, picked.destination
+        RETURNING outbox.id::text, topic, dedupe_key, payload, attempts, claim_token::text, picked.destination,
+          picked.owner
       )
-      SELECT c.*, (SELECT count(*) FROM picked)::int AS picked FROM (VALUES (1)) AS one LEFT JOIN claimed c ON true`;
+      SELECT c.*, (SELECT count(*) FROM picked)::int AS picked,
+        (SELECT count(*) FROM within_destination WHERE owner <> '' AND nth_of_owner > owner_room)::int AS cut
+      FROM (VALUES (1)) AS one LEFT JOIN claimed c ON true`;
     const picked = result[0]?.picked ?? 0;
+    const cut = result[0]?.cut ?? 0;
     const rows: ClaimedRow[] = [];
-    for (const { picked: _, ...row } of result) if (row.id !== null) rows.push(row);
-    return { rows, more: rows.length >= limit || rows.length < picked };
+    for (const { picked: _, cut: __, ...row } of result) if (row.id !== null) rows.push(row);
+    // Rows a tenant's budget cut may have kept others of their destination out: claim again (it progressed).
+    return { rows, more: rows.length >= limit || rows.length < picked || (rows.length > 0 && cut > 0) };
   }
 
   async function claim(): Promise<ClaimedRow[]> {
     const { rows } = await claimRows({
       limit: options.batch,
-      budgets: new Map(backedOff().map((destination) => [destination, 0])),
-      share: options.batch,
+      destinations: {
+        listed: new Map(backedOff().map((destination) => [destination, NO_BUDGET])),
+        others: options.batch,
+      },
+      owners: { listed: new Map(), others: options.batch },
     });
     return rows;
   }
@@ -351,14 +461,16 @@ export function createRelay(
   }
 
   /**
-   * Counts a failed send against its destination. After `destinationFailures` timeouts or connection errors
-   * in a row, the destination is backed off: this relay claims none of its rows until the backoff ends, and
-   * its due rows wait (next_attempt_at, no attempt spent; see {@linkcode backOff}). Only sends that failed
-   * spend attempts. @returns the backoff this failure starts, in ms, if it starts one.
+   * Counts a failed send against its destination (and its owner, for a webhook). After `destinationFailures`
+   * timeouts or connection errors in a row, the destination is backed off: this relay claims none of its rows
+   * until the backoff ends, and its due rows wait (next_attempt_at, no attempt spent; see
+   * {@linkcode backOff}). Only sends that failed spend attempts.
+   * @returns the backoff this failure starts, in ms, if it starts one.
    */
-  function countFailure(destination: string, error: unknown): number | undefined {
+  function countFailure({ destination, owner }: ClaimedRow, error: unknown): number | undefined {
     const reason = reasonOf(error);
     if (reason !== "timeout" && reason !== "connection") return undefined;
+    if (owner !== "") ownerStatsOf(owner).failures++;
     const d = statsOf(destination);
     d.failures++;
     // Sends already in flight when the backoff began only count; after it, the next failure backs off again.
@@ -379,7 +491,7 @@ export function createRelay(
         WHERE id IN (
           SELECT id FROM outbox
           WHERE sent_at IS NULL AND failed_at IS NULL AND next_attempt_at < now() + ${ms} * interval '1 millisecond'
-            AND (locked_until IS NULL OR locked_until < now()) AND ${destinationOf()} = ${destination}
+            AND (locked_until IS NULL OR locked_until < now()) AND destination = ${destination}
           FOR UPDATE SKIP LOCKED
         )`;
       deferred = moved.count;
@@ -437,12 +549,12 @@ export function createRelay(
     return items.map(() => undefined);
   }, { maxBatch: 500 });
 
-  /** Adds a send that ended to its destination's average send time. */
-  function timeSend(destination: string, started: number): DestinationStats {
-    const d = statsOf(destination);
+  /** Adds a send that ended to its destination's (and owner's) average send time. */
+  function timeSend({ destination, owner }: ClaimedRow, started: number): void {
     const ms = performance.now() - started;
-    d.sendMs = d.sendMs === undefined ? ms : d.sendMs + SEND_TIME_WEIGHT * (ms - d.sendMs);
-    return d;
+    for (const s of owner === "" ? [statsOf(destination)] : [statsOf(destination), ownerStatsOf(owner)]) {
+      s.sendMs = s.sendMs === undefined ? ms : s.sendMs + SEND_TIME_WEIGHT * (ms - s.sendMs);
+    }
   }
 
   /** Sends one claimed row and records its outcome. Never throws. */
@@ -467,8 +579,8 @@ export function createRelay(
       // Cut off by our own shutdown: not the receiver's failure. The row keeps its lease and is sent again
       // when the lease runs out, by this relay's successor or another one.
       if (stopping.signal.aborted) return;
-      timeSend(row.destination, started);
-      const backoff = countFailure(row.destination, error);
+      timeSend(row, started);
+      const backoff = countFailure(row, error);
       const recorded = recordFailure(row, error)
         .catch((e) => log.error("outbox_record_failed", { outbox_id: row.id, error: e }))
         .finally(() => recordingFailures.delete(recorded));
@@ -484,10 +596,12 @@ export function createRelay(
     }
     // A success (from a send begun before a backoff, if one is on) ends the destination's backoff. Rows the
     // backoff already moved keep their wait, which is at most this backoff's.
-    const d = timeSend(row.destination, started);
+    timeSend(row, started);
+    const d = statsOf(row.destination);
     d.failures = 0;
     d.backoffs = 0;
     d.until = 0;
+    if (row.owner !== "") ownerStatsOf(row.owner).failures = 0;
     events.sent?.(row, performance.now() - started);
     await markSent({ id: row.id, providerId: providerId ?? "" })
       .catch((e) => log.error("outbox_record_failed", { outbox_id: row.id, error: e }));
@@ -564,6 +678,8 @@ export function createRelay(
   async function run(signal: AbortSignal): Promise<void> {
     const sending = new Set<Promise<void>>();
     const perDestination = new Map<string, number>();
+    /** Sends in flight of each tenant's webhooks. */
+    const perOwner = new Map<string, number>();
     // Rows may be due: claim as soon as a slot is free. Set by NOTIFY, the poll, a full claim, and a slot
     // freeing where rows may have waited for it.
     let scan = true;
@@ -586,33 +702,39 @@ export function createRelay(
     };
     signal.addEventListener("abort", onAbort);
 
+    /** Counts a send in (+1) or out (-1) of `inFlight`; @returns how many it held before. */
+    const count = (inFlight: Map<string, number>, key: string, by: 1 | -1): number => {
+      const held = inFlight.get(key) ?? 0;
+      if (held + by > 0) inFlight.set(key, held + by);
+      else inFlight.delete(key);
+      return held;
+    };
+
     const start = (row: ClaimedRow) => {
-      const { destination } = row;
-      perDestination.set(destination, (perDestination.get(destination) ?? 0) + 1);
+      const { destination, owner } = row;
+      count(perDestination, destination, 1);
+      if (owner !== "") count(perOwner, owner, 1);
       const done: Promise<void> = send(row).finally(() => {
         const wasFull = sending.size >= options.batch;
         sending.delete(done);
-        const held = perDestination.get(destination) ?? 1;
-        if (held > 1) perDestination.set(destination, held - 1);
-        else perDestination.delete(destination);
-        // Rows may have waited for this slot: all slots were taken, or this destination was at its share.
-        if (wasFull || held >= share) scan = true;
+        const held = count(perDestination, destination, -1);
+        const ownerHeld = owner === "" ? 0 : count(perOwner, owner, -1);
+        // Rows may have waited for this slot: all slots were taken, or this destination, or this tenant's
+        // webhooks, were at their share (or past it, borrowed).
+        if (wasFull || held >= share || ownerHeld >= ownerShare) scan = true;
         nudge();
       });
       sending.add(done);
     };
 
-    /** Claims what the free slots and each destination's share allow, and starts those sends. */
+    /** Claims what the free slots and each destination's and tenant's share allow, and starts those sends. */
     const fill = async (): Promise<boolean> => {
       const limit = options.batch - sending.size;
-      const budgets = new Map<string, number>();
-      for (const destination of stats.keys()) {
-        if (capOf(destination) !== share) budgets.set(destination, capOf(destination));
-      }
-      for (const [destination, held] of perDestination) budgets.set(destination, capOf(destination) - held);
-      for (const destination of backedOff()) budgets.set(destination, 0);
+      const destinations = budgetsOf(stats, perDestination, share);
+      for (const destination of backedOff()) destinations.listed.set(destination, NO_BUDGET);
+      const owners = budgetsOf(ownerStats, perOwner, ownerShare);
       // Claimed just before their sends start: each row's lease runs from its send's start.
-      const { rows, more } = await claimRows({ limit, budgets, share });
+      const { rows, more } = await claimRows({ limit, destinations, owners });
       for (const row of await admit(rows)) start(row);
       return more;
     };

@@ -2,7 +2,10 @@
  * Issue 20, the relay's part: a slow receiver delays only its own rows. The
  * real relay with the real HTTP senders, a local Resend-compatible server, and
  * a webhook receiver that accepts connections and never answers. Every time
- * is measured from outside, by polling what the servers received.
+ * is measured from outside, by polling what the servers received. The later
+ * steps cover the review of the first version: a backlog deeper than a claim
+ * looked (500 rows), one tenant's webhooks spread over many hosts, and a slow
+ * but healthy destination alone.
  */
 import assert from "node:assert/strict";
 import type { RelayOptions } from "../../src/outbox/relay.ts";
@@ -15,8 +18,17 @@ import { createTestDatabase, recordingLogger, type TestDatabase, waitFor } from 
 
 const SECRET = `whsec_${btoa("isolation-test-secret-24b")}`;
 
-/** A receiver that accepts every connection, reads the request and never answers. */
-function startHangingReceiver() {
+/** Connections open at once across several receivers (one tenant's hosts), and the most there ever were. */
+interface OpenCount {
+  open: number;
+  maxOpen: number;
+}
+
+/**
+ * A receiver that accepts every connection, reads the request and never answers. Its connections are also
+ * counted in `group`, when given.
+ */
+function startHangingReceiver(group: OpenCount = { open: 0, maxOpen: 0 }) {
   const listener = Deno.listen({ hostname: "127.0.0.1", port: 0 });
   const open = new Set<Deno.Conn>();
   const readers: Promise<void>[] = [];
@@ -27,13 +39,18 @@ function startHangingReceiver() {
     try {
       while ((await conn.read(buffer)) !== null) { /* never answer */ }
     } catch { /* closed by close() */ }
-    if (open.delete(conn)) conn.close();
+    if (open.delete(conn)) {
+      group.open--;
+      conn.close();
+    }
   };
   const accepting = (async () => {
     for await (const conn of listener) {
       accepted++;
       open.add(conn);
+      group.open++;
       maxOpen = Math.max(maxOpen, open.size);
+      group.maxOpen = Math.max(group.maxOpen, group.open);
       readers.push(drain(conn));
     }
   })().catch(() => {});
@@ -54,11 +71,43 @@ function startHangingReceiver() {
     },
     async close() {
       listener.close();
+      group.open -= open.size;
       for (const conn of open) conn.close();
       open.clear();
       await accepting;
       await Promise.all(readers);
     },
+  };
+}
+
+/** A receiver that is slow but healthy: it answers every request 204, `delayMs` after it arrived. */
+function startSlowReceiver(delayMs: number) {
+  const state = { open: 0, maxOpen: 0, answered: 0 };
+  const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen() {} }, async (req) => {
+    state.open++;
+    state.maxOpen = Math.max(state.maxOpen, state.open);
+    try {
+      await req.arrayBuffer();
+      await new Promise((r) => setTimeout(r, delayMs));
+      state.answered++;
+      return new Response(null, { status: 204 });
+    } finally {
+      state.open--;
+    }
+  });
+  return {
+    url: `http://127.0.0.1:${server.addr.port}/hooks/slow`,
+    /** Requests being answered right now (the relay's sends in flight to this host). */
+    get open() {
+      return state.open;
+    },
+    get maxOpen() {
+      return state.maxOpen;
+    },
+    get answered() {
+      return state.answered;
+    },
+    close: () => server.shutdown(),
   };
 }
 
@@ -309,6 +358,142 @@ Deno.test("relay isolation: a receiver that never answers delays only its own ro
         await answered.close();
       }
     });
+
+    await t.step(
+      "600 webhooks to a slow but healthy receiver do not hide another tenant's email; alone, they borrow slots",
+      async () => {
+        await reset();
+        const slow = startSlowReceiver(1_500);
+        const mail = startFakeMail();
+        const relay = relayTo(
+          { sql: db.sql, mailUrl: mail.url, webhookTimeoutMs: 5_000 },
+          { leaseMs: 20_000, maxAttempts: 100, random: () => 0.5 },
+        );
+        const stop = new AbortController();
+        const running = relay.run(stop.signal);
+        try {
+          // More due rows of one destination than a claim used to look at (500), all ahead of D's email.
+          await queueWebhooks(db, "tenant-c", slow.url, 600);
+          await waitFor("the slow receiver's first answers", () => slow.answered >= 5, 5_000);
+          const took = await timeEmail(db, mail, "tenant-d");
+          assert.ok(took < 1_000, `tenant D's email took ${Math.round(took)} ms behind 600 slow webhooks`);
+          // Slow (1.5 s) but healthy, and alone again: its destination and its tenant may use all slots but
+          // the last quarter, not just their quarter.
+          await waitFor("the slow receiver to hold three quarters of the slots", () => slow.open >= 15, 5_000);
+          assert.ok(slow.maxOpen <= 15, `the slow receiver held ${slow.maxOpen} of the relay's 20 slots`);
+          assert.equal(mail.requests, 1);
+        } finally {
+          stop.abort();
+          await running;
+          await slow.close();
+          await mail.close();
+        }
+      },
+    );
+
+    await t.step("600 due rows of a backed-off destination do not hide another tenant's email", async () => {
+      await reset();
+      const hanging = startHangingReceiver();
+      const mail = startFakeMail();
+      const logged = recordingLogger();
+      const relay = relayTo({
+        sql: db.sql,
+        mailUrl: mail.url,
+        webhookTimeoutMs: 300,
+        log: createLogger({ level: "info", write: logged.write }),
+      }, { leaseMs: 5_000, maxAttempts: 100, destinationFailures: 3, destinationBackoffBaseMs: 60_000 });
+      const stop = new AbortController();
+      const running = relay.run(stop.signal);
+      try {
+        await queueWebhooks(db, "tenant-c", hanging.url, 5);
+        await waitFor("the backoff", () => logged.lines.some((l) => l.event === "relay_destination_backoff"), 5_000);
+        const tried = hanging.accepted;
+        // Committed after the backoff moved the destination's rows: due now, but this relay claims none of them.
+        await queueWebhooks(db, "tenant-c", hanging.url, 600);
+        const took = await timeEmail(db, mail, "tenant-d");
+        assert.ok(took < 1_000, `tenant D's email took ${Math.round(took)} ms behind 600 backed-off rows`);
+        assert.equal(hanging.accepted, tried, "no send to the backed-off destination");
+      } finally {
+        stop.abort();
+        await running;
+        await hanging.close();
+        await mail.close();
+      }
+    });
+
+    await t.step(
+      "one tenant's webhooks to 8 hosts hold at most a quarter of the slots together; another tenant's email goes",
+      async () => {
+        await reset();
+        const tenantC: OpenCount = { open: 0, maxOpen: 0 };
+        const receivers = Array.from({ length: 8 }, () => startHangingReceiver(tenantC));
+        const mail = startFakeMail();
+        const relay = relayTo(
+          { sql: db.sql, mailUrl: mail.url, webhookTimeoutMs: 5_000 },
+          { leaseMs: 15_000, maxAttempts: 100, destinationFailures: Number.POSITIVE_INFINITY },
+        );
+        const stop = new AbortController();
+        const running = relay.run(stop.signal);
+        try {
+          // Ten webhooks to each of 8 host spellings (here, ports) of receivers that never answer.
+          for (let i = 0; i < 10; i++) {
+            for (const receiver of receivers) await queueWebhooks(db, "tenant-c", receiver.url, 1);
+          }
+          await waitFor("tenant C to hold its share of the slots", () => tenantC.open >= 5, 3_000);
+          // Give the relay every chance to start more of C's sends (it claims as soon as a slot is free).
+          await new Promise((r) => setTimeout(r, 300));
+          const took = await timeEmail(db, mail, "tenant-d");
+          assert.ok(took < 1_000, `tenant D's email took ${Math.round(took)} ms while C's 8 hosts hung`);
+          assert.ok(tenantC.maxOpen <= 5, `tenant C's 8 hosts held ${tenantC.maxOpen} of the relay's 20 slots`);
+        } finally {
+          stop.abort();
+          await running;
+          await Promise.all(receivers.map((r) => r.close()));
+          await mail.close();
+        }
+      },
+    );
+
+    await t.step(
+      "a slow but healthy mail provider, the only destination with due rows, borrows up to three quarters of the slots",
+      async () => {
+        await reset();
+        // Every answer takes 1.2 s: slow (over 1 s on average), never failing.
+        const mail = startFakeMail(() => ({ kind: "ok", delayMs: 1_200 }));
+        const relay = relayTo({ sql: db.sql, mailUrl: mail.url }, { leaseMs: 10_000, maxAttempts: 100 });
+        const stop = new AbortController();
+        const running = relay.run(stop.signal);
+        let most = 0;
+        const inFlight = () => {
+          most = Math.max(most, mail.requests - mail.delivered.length);
+          return mail.requests - mail.delivered.length;
+        };
+        try {
+          // Two tenants' emails: a tenant's share caps only the destinations it chose (webhooks), not the provider.
+          const jobs = Array.from({ length: 80 }, (_, i) => ({
+            jobId: crypto.randomUUID(),
+            tenant: i % 2 ? "tenant-d" : "tenant-e",
+            summary: "S.",
+            notify: "ops@example.com",
+          }));
+          await commitSummaries(db.sql, jobs);
+          await waitFor("the first answers", () => mail.delivered.length >= 5, 3_000);
+          await waitFor("the provider to hold three quarters of the slots", () => inFlight() >= 15, 3_000);
+          // Keep watching for a while: it never takes the last quarter.
+          const until = performance.now() + 1_500;
+          await waitFor("a while of sending", () => {
+            inFlight();
+            return performance.now() > until;
+          }, 3_000);
+          assert.ok(most <= 15, `the mail provider held ${most} of the relay's 20 slots`);
+          assert.equal(mail.deduplicated, 0, "nothing was sent twice");
+        } finally {
+          stop.abort();
+          await running;
+          await mail.close();
+        }
+      },
+    );
   } finally {
     await db.close();
   }

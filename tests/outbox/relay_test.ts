@@ -1,4 +1,5 @@
 import assert from "node:assert/strict";
+import postgres from "postgres";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import { type RelayOptions } from "../../src/outbox/relay.ts";
 import { cancelJob, commitSummaries, SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../../src/summaries/commit.ts";
@@ -161,6 +162,47 @@ Deno.test("outbox relay", async (t) => {
         assert.equal(mail.delivered.length, 1);
       } finally {
         await mail.close();
+      }
+    });
+
+    await t.step("a claim does not take a row that another relay made wait while the claim ran", async () => {
+      await reset();
+      // A session whose now() first waits for an advisory lock: the claim stops there, after its statement's
+      // snapshot was taken (it saw the row due) and before it locks the row.
+      await sql`CREATE SCHEMA IF NOT EXISTS claim_pause`;
+      await sql`
+        CREATE OR REPLACE FUNCTION claim_pause.now() RETURNS timestamptz LANGUAGE plpgsql AS $$
+        BEGIN
+          PERFORM pg_advisory_lock(4242);
+          PERFORM pg_advisory_unlock(4242);
+          RETURN pg_catalog.now();
+        END $$`;
+      const paused = postgres(db.url, {
+        max: 1,
+        onnotice: () => {},
+        connection: { search_path: "claim_pause, pg_catalog, public" },
+      });
+      const gate = postgres(db.url, { max: 1, onnotice: () => {} });
+      try {
+        const [jobId] = await addRows(1);
+        await gate`SELECT pg_advisory_lock(4242)`;
+        const claiming = relayTo({ sql: paused }).claim();
+        await waitFor("the claim to stop after its snapshot", async () =>
+          (await sql`
+            SELECT 1 FROM pg_stat_activity
+            WHERE datname = current_database() AND wait_event_type = 'Lock' AND wait_event = 'advisory'`).length > 0);
+        // Meanwhile another relay makes the row wait (a destination backoff, a rate-limit deferral) and commits.
+        await sql`UPDATE outbox SET next_attempt_at = now() + interval '1 hour'
+          WHERE dedupe_key = ${"summary_ready:" + jobId}`;
+        await gate`SELECT pg_advisory_unlock(4242)`;
+        const claimed = await claiming;
+        assert.deepEqual(claimed.map((r) => r.dedupe_key), [], "the row is not due any more: not claimed");
+        const r = await row(jobId!);
+        assert.equal(r.claim_token, null);
+        assert.equal(r.locked_until, null);
+      } finally {
+        await paused.end();
+        await gate.end();
       }
     });
 
