@@ -42,5 +42,10 @@ export function summaryPrompt(text: string): string {
  * against the reported usage.
  */
 export function estimateTokens(prompt: string, maxOutputTokens = MAX_OUTPUT_TOKENS): number {
-  return Math.ceil(prompt.length / 4) + 8 + maxOutputTokens;
+  return estimateTokensOfLength(prompt.length, maxOutputTokens);
+}
+
+/** {@linkcode estimateTokens} for a prompt of `chars` characters, without building it. */
+export function estimateTokensOfLength(chars: number, maxOutputTokens = MAX_OUTPUT_TOKENS): number {
+  return Math.ceil(chars / 4) + 8 + maxOutputTokens;
 }

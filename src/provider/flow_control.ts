@@ -345,7 +345,11 @@ end
 local function failed_job()
   if bad(job) then return end
   if job ~= '' and not has(fail_jobs, job) then
-    if fail_jobs == '' then fail_jobs = job else fail_jobs = fail_jobs .. ',' .. job end
+    -- Bounded: a long outage's failed probes keep counting, but only the first 32 jobs are named.
+    local _, named = string.gsub(fail_jobs, '[^,]+', '')
+    if named < 32 then
+      if fail_jobs == '' then fail_jobs = job else fail_jobs = fail_jobs .. ',' .. job end
+    end
     failures = failures + 1
     set('fail_jobs', fail_jobs); set('failures', failures)
     if failures == 2 then set('suspect_at', now) end

@@ -1,7 +1,7 @@
 import { JOB_ID } from "./schemas.ts";
 import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
-import { estimateTokens, type LLM, summaryPrompt } from "../llm/llm.ts";
+import { estimateTokens, estimateTokensOfLength, type LLM, summaryPrompt } from "../llm/llm.ts";
 import { FLOW_DEFAULTS, type ProviderFlow } from "../provider/flow_control.ts";
 import type { Logger } from "../log/logger.ts";
 import { createStreamWorker, type StreamWorker, type WorkerEvents } from "../queue/stream_worker.ts";
@@ -14,6 +14,9 @@ import { markFailedHook } from "./job_status.ts";
 import { notifyJob } from "./job_waiter.ts";
 import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
 import { createAttemptLog, describeFailures } from "./attempt_log.ts";
+
+/** The summary prompt's characters besides the document. */
+const PROMPT_FRAME = summaryPrompt("").length;
 
 /** Options for {@linkcode createSummaryWorker}. */
 export interface SummaryWorkerOptions {
@@ -135,14 +138,9 @@ function tokenShare(deps: { sql: Sql; log: Logger }, options: SummaryWorkerOptio
       };
     },
     cost(message: StreamMessage): number {
-      let text = "";
-      try {
-        const payload = JSON.parse(message.fields.payload ?? "");
-        if (typeof payload?.text === "string") text = payload.text;
-      } catch {
-        // A malformed payload is dead-lettered by the job without a model call: it costs the least.
-      }
-      const estimate = estimateTokens(summaryPrompt(text));
+      // From the payload's length, not its parse: the job parses it once, and the rest of the payload (the
+      // address or URL, JSON's quotes) adds only a few tokens to the estimate.
+      const estimate = estimateTokensOfLength(PROMPT_FRAME + (message.fields.payload ?? "").length);
       average = average === 0 ? estimate : average + 0.2 * (estimate - average);
       return estimate;
     },
