@@ -385,7 +385,9 @@ elseif kind == 'provider' then
     -- be absorbed for ever.
     absorbed = 1
     if probe then
-      if bad(job) then absorbed = 0 end
+      -- A probe by a job that had failed already (it probes only when no fresh job asked) is charged to it: with
+      -- no other job to tell, a few poison documents must not probe and be absorbed for ever.
+      if bad(job) or has(fail_jobs, job) then absorbed = 0 end
       failed_job(); open('probe_failed')
     end
   elseif bad(job) then
