@@ -1,6 +1,7 @@
 import type { Sql } from "postgres";
 import { createApiKey, listTenants, revokeTenant, tenantExists } from "../tenants/tenant_store.ts";
 import { printRows } from "./table.ts";
+import { ALLOW_LIST_CACHE_MS } from "../tenants/allow_list.ts";
 import { allowDomain } from "../tenants/mail_domains.ts";
 import { allowWebhookHost } from "../tenants/webhook_hosts.ts";
 import { ensureWebhookSecret, rotateWebhookSecret } from "../tenants/webhook_secrets.ts";
@@ -30,123 +31,130 @@ async function usageErrorsAs2(command: () => Promise<number>): Promise<number> {
  */
 export async function tenantCommand(sql: Sql, args: string[], out = console.log): Promise<number> {
   const [action, name] = args;
-  const json = args.includes("--json");
-  switch (action) {
-    case "create": {
-      if (!name) break;
-      return await usageErrorsAs2(async () => {
-        const key = await createApiKey(sql, name);
-        const secret = await ensureWebhookSecret(sql, name);
-        if (secret) {
-          out(`Webhook signing secret of tenant "${name}" (receivers verify webhooks with it; shown once):`);
-          out(secret);
-        }
-        out(`Created an API key for tenant "${name}". Store it now; it cannot be shown again.`);
-        out(key);
-        return 0;
-      });
-    }
-    case "list": {
-      const rows = await listTenants(sql);
-      printRows(
-        rows.map((r) => ({
-          name: r.name,
-          weight: r.weight,
-          active_keys: r.active_keys,
-          revoked_keys: r.revoked_keys,
-          created_at: r.created_at.toISOString(),
-        })),
-        { json, out, empty: "No tenants yet. Create one with: deno task tenant create NAME" },
-      );
-      return 0;
-    }
-    case "allow-domain": {
-      const domain = args[2];
-      if (!name || !domain) break;
-      if (!(await tenantExists(sql, name))) {
-        console.error(`No tenant named ${JSON.stringify(name)}`);
-        return 1;
-      }
-      return await usageErrorsAs2(async () => {
-        const domains = await allowDomain(sql, name, domain === "--any" ? null : domain);
-        out(
-          domains.length
-            ? `Tenant "${name}" may email only: ${domains.join(", ")} (within 10 seconds).`
-            : `Tenant "${name}" may email any domain (within 10 seconds).`,
-        );
-        return 0;
-      });
-    }
-    case "allow-webhook-host": {
-      const host = args[2];
-      if (!name || !host) break;
-      if (!(await tenantExists(sql, name))) {
-        console.error(`No tenant named ${JSON.stringify(name)}`);
-        return 1;
-      }
-      return await usageErrorsAs2(async () => {
-        const hosts = await allowWebhookHost(sql, name, host === "--any" ? null : host);
-        out(
-          hosts.length
-            ? `Tenant "${name}" may send webhooks only to: ${hosts.join(", ")} (within 10 seconds).`
-            : `Tenant "${name}" may send webhooks to any host (within 10 seconds).`,
-        );
-        return 0;
-      });
-    }
-    case "set": {
-      // One setting for now: `set NAME --weight N` (or `--weight=N`).
-      const rest = args.slice(2);
-      const value = rest.length === 2 && rest[0] === "--weight"
-        ? rest[1]
-        : rest.length === 1 && rest[0]!.startsWith("--weight=")
-        ? rest[0]!.slice("--weight=".length)
-        : undefined;
-      if (!name || value === undefined) break;
-      let weight: number;
-      try {
-        weight = parseTenantWeight(value);
-      } catch (error) {
-        if (!(error instanceof TypeError)) throw error;
-        console.error(error.message);
-        console.error(USAGE);
-        return 2;
-      }
-      if (!(await setTenantWeight(sql, name, weight))) {
-        console.error(`No tenant named ${JSON.stringify(name)}`);
-        return 1;
-      }
-      out(
-        `Tenant "${name}" has weight ${weight} in the fair share of the model provider ` +
-          `(workers use it within ${TENANT_WEIGHTS_TTL_MS / 1000} seconds).`,
-      );
-      return 0;
-    }
-    case "rotate-webhook-secret": {
-      if (!name) break;
-      if (!(await tenantExists(sql, name))) {
-        console.error(`No tenant named ${JSON.stringify(name)}`);
-        return 1;
-      }
-      const secret = await rotateWebhookSecret(sql, name);
-      out(
-        `New webhook signing secret of tenant "${name}" (shown once). For 24 hours webhooks carry signatures ` +
-          `by both the old and the new secret, so receivers can switch without missing a delivery:`,
-      );
-      out(secret);
-      return 0;
-    }
-    case "revoke": {
-      if (!name) break;
-      if (!(await tenantExists(sql, name))) {
-        console.error(`No tenant named ${JSON.stringify(name)}`);
-        return 1;
-      }
-      const n = await revokeTenant(sql, name);
-      out(`Revoked ${n} key(s) of tenant "${name}". Cached keys stop working within 10 seconds.`);
-      return 0;
-    }
-  }
+  const run = action === "list" ? list : name ? ACTIONS[action as keyof typeof ACTIONS] : undefined;
+  const code = run ? await run(sql, name ?? "", args, out) : undefined;
+  if (code !== undefined) return code;
   console.error(USAGE);
   return 2;
+}
+
+/** One action: its exit code, or undefined for a usage error. */
+type Action = (sql: Sql, name: string, args: string[], out: (line: string) => void) => Promise<number | undefined>;
+
+const withinCache = `within ${ALLOW_LIST_CACHE_MS / 1000} seconds`;
+
+const ACTIONS = {
+  create: (sql, name, _args, out) =>
+    usageErrorsAs2(async () => {
+      const key = await createApiKey(sql, name);
+      const secret = await ensureWebhookSecret(sql, name);
+      if (secret) {
+        out(`Webhook signing secret of tenant "${name}" (receivers verify webhooks with it; shown once):`);
+        out(secret);
+      }
+      out(`Created an API key for tenant "${name}". Store it now; it cannot be shown again.`);
+      out(key);
+      return 0;
+    }),
+  "allow-domain": allowAction(
+    allowDomain,
+    (name, domains) =>
+      domains.length
+        ? `Tenant "${name}" may email only: ${domains.join(", ")} (${withinCache}).`
+        : `Tenant "${name}" may email any domain (${withinCache}).`,
+  ),
+  "allow-webhook-host": allowAction(
+    allowWebhookHost,
+    (name, hosts) =>
+      hosts.length
+        ? `Tenant "${name}" may send webhooks only to: ${hosts.join(", ")} (${withinCache}).`
+        : `Tenant "${name}" may send webhooks to any host (${withinCache}).`,
+  ),
+  set: setWeight,
+  "rotate-webhook-secret": existing(async (sql, name, _args, out) => {
+    const secret = await rotateWebhookSecret(sql, name);
+    out(
+      `New webhook signing secret of tenant "${name}" (shown once). For 24 hours webhooks carry signatures ` +
+        `by both the old and the new secret, so receivers can switch without missing a delivery:`,
+    );
+    out(secret);
+    return 0;
+  }),
+  revoke: existing(async (sql, name, _args, out) => {
+    const n = await revokeTenant(sql, name);
+    out(`Revoked ${n} key(s) of tenant "${name}". Cached keys stop working within 10 seconds.`);
+    return 0;
+  }),
+} satisfies Record<string, Action>;
+
+async function list(sql: Sql, _name: string, args: string[], out: (line: string) => void) {
+  const rows = await listTenants(sql);
+  printRows(
+    rows.map((r) => ({
+      name: r.name,
+      weight: r.weight,
+      active_keys: r.active_keys,
+      revoked_keys: r.revoked_keys,
+      created_at: r.created_at.toISOString(),
+    })),
+    { json: args.includes("--json"), out, empty: "No tenants yet. Create one with: deno task tenant create NAME" },
+  );
+  return 0;
+}
+
+/** The action only for a tenant that exists: exit 1 naming it otherwise. */
+function existing(action: Action): Action {
+  return async (sql, name, args, out) => {
+    if (!(await tenantExists(sql, name))) {
+      console.error(`No tenant named ${JSON.stringify(name)}`);
+      return 1;
+    }
+    return await action(sql, name, args, out);
+  };
+}
+
+/** `allow-… NAME VALUE` adds to a tenant's allow list; `allow-… NAME --any` empties it. */
+function allowAction(
+  allow: (sql: Sql, tenant: string, value: string | null) => Promise<string[]>,
+  say: (name: string, values: string[]) => string,
+): Action {
+  return async (sql, name, args, out) => {
+    const value = args[2];
+    if (!value) return undefined;
+    return await existing((sql, name) =>
+      usageErrorsAs2(async () => {
+        out(say(name, await allow(sql, name, value === "--any" ? null : value)));
+        return 0;
+      })
+    )(sql, name, args, out);
+  };
+}
+
+/** `set NAME --weight N` (or `--weight=N`): one setting for now. */
+async function setWeight(sql: Sql, name: string, args: string[], out: (line: string) => void) {
+  const rest = args.slice(2);
+  const value = rest.length === 2 && rest[0] === "--weight"
+    ? rest[1]
+    : rest.length === 1 && rest[0]!.startsWith("--weight=")
+    ? rest[0]!.slice("--weight=".length)
+    : undefined;
+  if (value === undefined) return undefined;
+  let weight: number;
+  try {
+    weight = parseTenantWeight(value);
+  } catch (error) {
+    if (!(error instanceof TypeError)) throw error;
+    console.error(error.message);
+    console.error(USAGE);
+    return 2;
+  }
+  if (!(await setTenantWeight(sql, name, weight))) {
+    console.error(`No tenant named ${JSON.stringify(name)}`);
+    return 1;
+  }
+  out(
+    `Tenant "${name}" has weight ${weight} in the fair share of the model provider ` +
+      `(workers use it within ${TENANT_WEIGHTS_TTL_MS / 1000} seconds).`,
+  );
+  return 0;
 }

@@ -4,7 +4,14 @@
  * the adapter, so that retry and flow-control code never sees a vendor class.
  */
 import { APIConnectionError, APIConnectionTimeoutError, APIError, APIUserAbortError } from "openai";
-import { AttemptTimeout, ConnectionError, isNotCapable, PermissionDenied, UpstreamHttpError } from "../retry/errors.ts";
+import {
+  AttemptTimeout,
+  ConnectionError,
+  isNotCapable,
+  PermissionDenied,
+  type Refusal,
+  UpstreamHttpError,
+} from "../retry/errors.ts";
 
 /** @returns the neutral error for an SDK error (the SDK's own one as `cause`); anything else unchanged. */
 export function fromOpenAiError(error: unknown): unknown {
@@ -24,7 +31,20 @@ export function fromOpenAiError(error: unknown): unknown {
   if (error instanceof APIError && typeof error.status === "number") {
     // The provider's error document, as it sent it: its code says quota or rate limit, its message "too large".
     const body = JSON.stringify(error.error ?? { message: error.message });
-    return new UpstreamHttpError(error.status, new Headers(error.headers ?? {}), body, { cause: error });
+    return new UpstreamHttpError(error.status, new Headers(error.headers ?? {}), body, {
+      cause: error,
+      refusal: refusalOf(error.status, body),
+    });
   }
   return error;
+}
+
+/**
+ * What OpenAI's error document says waiting will not fix: `insufficient_quota`
+ * (its code or type), or a 429 "Request too large ... on tokens per min".
+ */
+export function refusalOf(status: number, body: string): Refusal | undefined {
+  if (body.includes("insufficient_quota")) return "quota_exhausted";
+  if (status === 429 && /request too large/i.test(body)) return "request_too_large";
+  return undefined;
 }

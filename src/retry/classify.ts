@@ -16,16 +16,15 @@ export function headersOf(error: unknown): Headers | undefined {
 
 /** Whether the provider says the account's quota is spent: waiting will not fix that. */
 export function isQuotaExhausted(error: unknown): boolean {
-  return error instanceof UpstreamHttpError && error.body.includes("insufficient_quota");
+  return error instanceof UpstreamHttpError && error.refusal === "quota_exhausted";
 }
 
 /**
  * Whether the provider refused a request because it alone exceeds a
- * per-minute limit (OpenAI: 429 "Request too large ... on tokens per min").
- * Waiting will not fix that: it is about this document.
+ * per-minute limit. Waiting will not fix that: it is about this document.
  */
 export function isRequestTooLarge(error: unknown): boolean {
-  return error instanceof UpstreamHttpError && error.status === 429 && /request too large/i.test(error.body);
+  return error instanceof UpstreamHttpError && error.status === 429 && error.refusal === "request_too_large";
 }
 
 /**
@@ -79,7 +78,7 @@ export function retryAfterMs(error: unknown, nowEpochMs: number = Date.now()): n
 /**
  * Whom a failed model call says something about, for the shared flow control:
  * - `rate_limited`: a 429 that is not about quota; every worker pauses until the provider's reset.
- * - `quota`: `insufficient_quota`; the provider is unusable until someone pays, so the breaker opens.
+ * - `quota`: the account's quota is spent; the provider is unusable until someone pays, so the breaker opens.
  * - `unauthorized`: 401 or 403 (a wrong or revoked key, no access to the model): unusable for everyone
  *   until someone fixes the key, so the breaker opens as for `quota`.
  * - `provider`: timeouts, connection errors, 408 and 5xx; a run of them from several jobs opens the breaker.

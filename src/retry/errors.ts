@@ -20,16 +20,26 @@ export class AttemptTimeout extends Error {
 
 /** A non-2xx answer from an HTTP provider called with plain `fetch`. */
 export class UpstreamHttpError extends Error {
+  /** What the vendor's adapter read in the answer that waiting will not fix; see {@linkcode Refusal}. */
+  readonly refusal?: Refusal;
   constructor(
     readonly status: number,
     readonly headers: Headers,
     readonly body: string,
-    options?: ErrorOptions,
+    options?: ErrorOptions & { refusal?: Refusal },
   ) {
     super(`Upstream answered ${status}: ${body.slice(0, 200)}`, options);
     this.name = "UpstreamHttpError";
+    if (options?.refusal) this.refusal = options.refusal;
   }
 }
+
+/**
+ * A provider's refusal that waiting will not fix, as the vendor's adapter
+ * reads it from the answer: `quota_exhausted` (the account's quota is spent),
+ * `request_too_large` (this request alone exceeds a per-minute limit).
+ */
+export type Refusal = "quota_exhausted" | "request_too_large";
 
 /** The request never got an HTTP answer (refused, reset, DNS). Retryable. */
 export class ConnectionError extends Error {

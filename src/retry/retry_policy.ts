@@ -73,6 +73,16 @@ export interface RetryOptions<T = unknown> {
   gate?: AttemptGate<T>;
 }
 
+/** Defaults of {@linkcode RetryOptions}, in one place. */
+export const RETRY_DEFAULTS = {
+  /** Full-jitter base: attempt n waits up to `min(capMs, baseMs * 2^n)`. */
+  baseMs: 500,
+  /** The longest wait between attempts, also the cap on a provider's Retry-After. */
+  capMs: 8_000,
+  /** An attempt with less time than this is not worth starting. */
+  minAttemptMs: 1_000,
+} as const;
+
 /**
  * Full-jitter backoff: a uniform wait in `[0, min(cap, base * 2^attempt))`.
  * A provider's Retry-After wins when present, capped.
@@ -107,9 +117,9 @@ export async function callWithRetries<T>(
 ): Promise<T> {
   const clock = options.clock ?? systemClock;
   const random = options.random ?? Math.random;
-  const baseMs = options.baseMs ?? 500;
-  const capMs = options.capMs ?? 8_000;
-  const minAttemptMs = Math.min(options.minAttemptMs ?? 1_000, options.perCallTimeoutMs);
+  const baseMs = options.baseMs ?? RETRY_DEFAULTS.baseMs;
+  const capMs = options.capMs ?? RETRY_DEFAULTS.capMs;
+  const minAttemptMs = Math.min(options.minAttemptMs ?? RETRY_DEFAULTS.minAttemptMs, options.perCallTimeoutMs);
   const { deadline, onAttempt } = options;
 
   let lastError: unknown;

@@ -1,4 +1,5 @@
 import type { Sql } from "postgres";
+import { type AllowListSpec, allowValue, createAllowListReader } from "./allow_list.ts";
 
 /** A host as stored and compared: lower case, no trailing dot, an IPv6 literal in brackets. */
 export function normaliseHost(host: string): string {
@@ -8,25 +9,21 @@ export function normaliseHost(host: string): string {
 const NAME = /^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$/;
 const IPV6 = /^\[[0-9a-f:.]+\]$/;
 
+const WEBHOOK_HOSTS: AllowListSpec = {
+  table: "tenant_webhook_hosts",
+  column: "host",
+  normalise: normaliseHost,
+  refuse: (h, raw) =>
+    NAME.test(h) || IPV6.test(h) ? null : `Not a host name (or an IPv6 literal in brackets): ${JSON.stringify(raw)}`,
+};
+
 /**
  * Restricts a tenant's webhooks to `host` (adding to its list), or with
  * `host` null frees it to send to any host.
  * @throws {TypeError} for a string that is not a host name or an IP literal.
  */
-export async function allowWebhookHost(sql: Sql, tenant: string, host: string | null): Promise<string[]> {
-  if (host === null) {
-    await sql`DELETE FROM tenant_webhook_hosts WHERE tenant = ${tenant}`;
-    return [];
-  }
-  const h = normaliseHost(host);
-  if (!NAME.test(h) && !IPV6.test(h)) {
-    throw new TypeError(`Not a host name (or an IPv6 literal in brackets): ${JSON.stringify(host)}`);
-  }
-  await sql`INSERT INTO tenant_webhook_hosts (tenant, host) VALUES (${tenant}, ${h}) ON CONFLICT DO NOTHING`;
-  const rows = await sql<
-    { host: string }[]
-  >`SELECT host FROM tenant_webhook_hosts WHERE tenant = ${tenant} ORDER BY host`;
-  return rows.map((r) => r.host);
+export function allowWebhookHost(sql: Sql, tenant: string, host: string | null): Promise<string[]> {
+  return allowValue(sql, WEBHOOK_HOSTS, tenant, host);
 }
 
 /**
@@ -35,19 +32,13 @@ export async function allowWebhookHost(sql: Sql, tenant: string, host: string | 
  */
 export function createWebhookHostPolicy(
   { sql }: { sql: Sql },
-  { ttlMs = 10_000, now = () => performance.now() }: { ttlMs?: number; now?: () => number } = {},
+  options: { ttlMs?: number; now?: () => number } = {},
 ): (tenant: string, url: string) => Promise<boolean> {
-  const cache = new Map<string, { hosts: Set<string> | null; expires: number }>();
+  const hostsOf = createAllowListReader(sql, WEBHOOK_HOSTS, options);
   return async (tenant, url) => {
-    let entry = cache.get(tenant);
-    if (!entry || entry.expires <= now()) {
-      const rows = await sql<{ host: string }[]>`SELECT host FROM tenant_webhook_hosts WHERE tenant = ${tenant}`;
-      entry = { hosts: rows.length ? new Set(rows.map((r) => r.host)) : null, expires: now() + ttlMs };
-      if (cache.size >= 10_000) cache.delete(cache.keys().next().value!);
-      cache.set(tenant, entry);
-    }
-    if (entry.hosts === null) return true;
+    const hosts = await hostsOf(tenant);
+    if (hosts === null) return true;
     const host = URL.parse(url)?.hostname;
-    return host !== undefined && entry.hosts.has(normaliseHost(host));
+    return host !== undefined && hosts.has(normaliseHost(host));
   };
 }

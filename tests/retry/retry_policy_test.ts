@@ -29,7 +29,10 @@ Deno.test("isRetryable() retries timeouts, connection errors, 408, 409, 429 and 
   assert.equal(isRetryable(new DeadlineExceeded("spent")), false);
   assert.equal(isRetryable(new TypeError("a bug")), false);
   assert.equal(isRetryable(new Error("unknown")), false);
-  assert.equal(isRetryable(upstream(429, {}, JSON.stringify(errorBody("quota", "insufficient_quota")))), false);
+  assert.equal(
+    isRetryable(new UpstreamHttpError(429, new Headers(), "quota", { refusal: "quota_exhausted" })),
+    false,
+  );
   const sdk429 = fromOpenAiError(
     new RateLimitError(429, errorBody("slow down", "requests"), "slow down", new Headers()),
   );
@@ -301,7 +304,7 @@ Deno.test("callWithRetries() leaves the job transient when the gate cannot settl
   let calls = 0;
   const error = await callWithRetries(() => {
     calls++;
-    return Promise.reject(upstream(429, {}, JSON.stringify(errorBody("quota", "insufficient_quota"))));
+    return Promise.reject(new UpstreamHttpError(429, new Headers(), "quota", { refusal: "quota_exhausted" }));
   }, {
     gate: {
       acquire: () => Promise.resolve({ waitedMs: 0, settle: () => Promise.reject(new Error("Connection is closed.")) }),
