@@ -51,19 +51,170 @@ const APPLIED = {
 };
 const JOB_ID = { name: "job_id", in: "path", required: true, schema: { type: "string", format: "uuid" } };
 
+const json = (ref: string) => ({ "application/json": { schema: { $ref: `#/components/schemas/${ref}` } } });
+const shared = (name: string) => ({ $ref: `#/components/responses/${name}` });
+/** What any route may answer besides its own statuses. */
+const ALWAYS = {
+  "400": shared("BadRequest"),
+  "405": shared("MethodNotAllowed"),
+  "500": shared("InternalError"),
+};
+
+/** The webhook a job with `notify: {webhook}` sends. */
+function summaryWebhooks() {
+  return {
+    "summary.ready": {
+      post: {
+        operationId: "summaryReady",
+        summary: 'A job with notify {"webhook": URL} finished: sent to URL per Standard Webhooks',
+        description: "Signed with the tenant's secret (whsec_...): webhook-signature is `v1,` + base64 " +
+          "HMAC-SHA256 of `webhook-id.webhook-timestamp.body`; during a rotation two signatures, space-separated. " +
+          "2xx is delivered; 408, 429 and 5xx are retried (Retry-After honoured) with the same webhook-id; " +
+          "redirects are not followed; any other 4xx fails the delivery.",
+        security: [],
+        parameters: [
+          { name: "webhook-id", in: "header", required: true, schema: { type: "string" } },
+          { name: "webhook-timestamp", in: "header", required: true, schema: { type: "string" } },
+          { name: "webhook-signature", in: "header", required: true, schema: { type: "string" } },
+        ],
+        requestBody: { required: true, content: json("SummaryWebhook") },
+        responses: { "2XX": { description: "Delivered" } },
+      },
+    },
+  };
+}
+
+/** The summary API's paths. */
+function summaryPaths() {
+  return {
+    "/v1/summaries": {
+      post: {
+        operationId: "createSummary",
+        summary: "Submit a document to summarise, at most once per Idempotency-Key",
+        parameters: [{
+          name: "Idempotency-Key",
+          in: "header",
+          required: true,
+          schema: schema(IdempotencyKey),
+          description: "16 to 128 visible ASCII characters; scoped to your tenant, method and path",
+        }, PREFER],
+        requestBody: { required: true, content: json("SummaryRequest") },
+        responses: {
+          ...ALWAYS,
+          "200": {
+            description: "Prefer: wait=N and the job finished in time: its document, as GET returns it",
+            headers: {
+              ...APPLIED,
+              Location: { schema: { type: "string" }, description: "The job's document" },
+              "Idempotent-Replayed": { schema: { type: "string", enum: ["true"] } },
+            },
+            content: json("SummaryStatus"),
+          },
+          "202": {
+            description: "Accepted (or a replay of the first response, with Idempotent-Replayed: true)",
+            headers: {
+              ...APPLIED,
+              Location: { schema: { type: "string" }, description: "The job's document" },
+              "Idempotent-Replayed": { schema: { type: "string", enum: ["true"] } },
+            },
+            content: json("SummaryAccepted"),
+          },
+          "400": problem("Missing or malformed Idempotency-Key, malformed JSON, or a malformed Host or target"),
+          "401": problem("Missing or bad credentials"),
+          "408": problem("The body did not arrive in time (the connection is closed)"),
+          "413": problem("Body over MAX_BODY_BYTES"),
+          "415": problem("Not JSON"),
+          "422": problem(
+            "Body failed validation, the key was used with another body, or the webhook URL was refused " +
+              "(not https, a private address, credentials) or the tenant has no signing secret",
+          ),
+          "503": problem("The queue, or the tenant's part of it, is over its cap", {
+            "Retry-After": { schema: { type: "string" } },
+          }),
+          "500": problem("Not stored: retry with the same key"),
+        },
+      },
+    },
+    "/v1/summaries/{job_id}": {
+      get: {
+        operationId: "getSummary",
+        summary: "A job's status, and its summary once done; optionally waits for it to finish",
+        parameters: [JOB_ID, PREFER],
+        responses: {
+          ...ALWAYS,
+          "200": { description: "The job's status", headers: APPLIED, content: json("SummaryStatus") },
+          "401": problem("Missing or bad credentials"),
+          "404": problem("Unknown job, or another tenant's"),
+        },
+      },
+      delete: {
+        operationId: "cancelSummary",
+        summary: "Cancel a job that has not finished: it then makes no model call and has no effects",
+        parameters: [JOB_ID],
+        responses: {
+          ...ALWAYS,
+          "200": { description: "Cancelled (also when it already was)", content: json("SummaryStatus") },
+          "401": problem("Missing or bad credentials"),
+          "404": problem("Unknown job, or another tenant's"),
+          "409": problem("The job is already done or failed"),
+        },
+      },
+    },
+  };
+}
+
+/** The service's own paths: health, readiness, metrics and this document. */
+function servicePaths() {
+  return {
+    "/healthz": {
+      get: {
+        operationId: "healthz",
+        summary: "Liveness: the process answers",
+        security: [],
+        responses: { ...ALWAYS, "200": { description: "The process is alive" } },
+      },
+    },
+    "/readyz": {
+      get: {
+        operationId: "readyz",
+        summary: "Readiness: Redis and Postgres answer",
+        security: [],
+        responses: {
+          ...ALWAYS,
+          "200": { description: "Redis and Postgres answer" },
+          "503": { description: "Redis or Postgres does not answer" },
+        },
+      },
+    },
+    "/metrics": {
+      get: {
+        operationId: "metrics",
+        summary: "Prometheus metrics (behind METRICS_TOKEN as a bearer token when it is set)",
+        security: [{}, { metricsToken: [] }],
+        responses: {
+          ...ALWAYS,
+          "200": { description: "Prometheus text format", content: { "text/plain": {} } },
+          "401": problem("METRICS_TOKEN is set and the bearer token is missing or wrong"),
+          "404": problem("Metrics are not enabled in this process"),
+        },
+      },
+    },
+    "/openapi.json": {
+      get: {
+        operationId: "openapi",
+        summary: "This document",
+        security: [],
+        responses: { ...ALWAYS, "200": { description: "This document", content: { "application/json": {} } } },
+      },
+    },
+  };
+}
+
 /**
  * The OpenAPI 3.1 document of the HTTP API, generated from the same zod
  * schemas that validate requests.
  */
 export function openApiDocument(): Record<string, unknown> {
-  const json = (ref: string) => ({ "application/json": { schema: { $ref: `#/components/schemas/${ref}` } } });
-  const shared = (name: string) => ({ $ref: `#/components/responses/${name}` });
-  // What any route may answer besides its own statuses.
-  const always = {
-    "400": shared("BadRequest"),
-    "405": shared("MethodNotAllowed"),
-    "500": shared("InternalError"),
-  };
   return {
     openapi: "3.1.0",
     info: {
@@ -95,141 +246,7 @@ export function openApiDocument(): Record<string, unknown> {
       },
     },
     security: [{ apiKey: [] }],
-    webhooks: {
-      "summary.ready": {
-        post: {
-          operationId: "summaryReady",
-          summary: 'A job with notify {"webhook": URL} finished: sent to URL per Standard Webhooks',
-          description: "Signed with the tenant's secret (whsec_...): webhook-signature is `v1,` + base64 " +
-            "HMAC-SHA256 of `webhook-id.webhook-timestamp.body`; during a rotation two signatures, space-separated. " +
-            "2xx is delivered; 408, 429 and 5xx are retried (Retry-After honoured) with the same webhook-id; " +
-            "redirects are not followed; any other 4xx fails the delivery.",
-          security: [],
-          parameters: [
-            { name: "webhook-id", in: "header", required: true, schema: { type: "string" } },
-            { name: "webhook-timestamp", in: "header", required: true, schema: { type: "string" } },
-            { name: "webhook-signature", in: "header", required: true, schema: { type: "string" } },
-          ],
-          requestBody: { required: true, content: json("SummaryWebhook") },
-          responses: { "2XX": { description: "Delivered" } },
-        },
-      },
-    },
-    paths: {
-      "/v1/summaries": {
-        post: {
-          operationId: "createSummary",
-          summary: "Submit a document to summarise, at most once per Idempotency-Key",
-          parameters: [{
-            name: "Idempotency-Key",
-            in: "header",
-            required: true,
-            schema: schema(IdempotencyKey),
-            description: "16 to 128 visible ASCII characters; scoped to your tenant, method and path",
-          }, PREFER],
-          requestBody: { required: true, content: json("SummaryRequest") },
-          responses: {
-            ...always,
-            "200": {
-              description: "Prefer: wait=N and the job finished in time: its document, as GET returns it",
-              headers: {
-                ...APPLIED,
-                Location: { schema: { type: "string" }, description: "The job's document" },
-                "Idempotent-Replayed": { schema: { type: "string", enum: ["true"] } },
-              },
-              content: json("SummaryStatus"),
-            },
-            "202": {
-              description: "Accepted (or a replay of the first response, with Idempotent-Replayed: true)",
-              headers: {
-                ...APPLIED,
-                Location: { schema: { type: "string" }, description: "The job's document" },
-                "Idempotent-Replayed": { schema: { type: "string", enum: ["true"] } },
-              },
-              content: json("SummaryAccepted"),
-            },
-            "400": problem("Missing or malformed Idempotency-Key, malformed JSON, or a malformed Host or target"),
-            "401": problem("Missing or bad credentials"),
-            "408": problem("The body did not arrive in time (the connection is closed)"),
-            "413": problem("Body over MAX_BODY_BYTES"),
-            "415": problem("Not JSON"),
-            "422": problem(
-              "Body failed validation, the key was used with another body, or the webhook URL was refused " +
-                "(not https, a private address, credentials) or the tenant has no signing secret",
-            ),
-            "503": problem("The queue, or the tenant's part of it, is over its cap", {
-              "Retry-After": { schema: { type: "string" } },
-            }),
-            "500": problem("Not stored: retry with the same key"),
-          },
-        },
-      },
-      "/v1/summaries/{job_id}": {
-        get: {
-          operationId: "getSummary",
-          summary: "A job's status, and its summary once done; optionally waits for it to finish",
-          parameters: [JOB_ID, PREFER],
-          responses: {
-            ...always,
-            "200": { description: "The job's status", headers: APPLIED, content: json("SummaryStatus") },
-            "401": problem("Missing or bad credentials"),
-            "404": problem("Unknown job, or another tenant's"),
-          },
-        },
-        delete: {
-          operationId: "cancelSummary",
-          summary: "Cancel a job that has not finished: it then makes no model call and has no effects",
-          parameters: [JOB_ID],
-          responses: {
-            ...always,
-            "200": { description: "Cancelled (also when it already was)", content: json("SummaryStatus") },
-            "401": problem("Missing or bad credentials"),
-            "404": problem("Unknown job, or another tenant's"),
-            "409": problem("The job is already done or failed"),
-          },
-        },
-      },
-      "/healthz": {
-        get: {
-          operationId: "healthz",
-          summary: "Liveness: the process answers",
-          security: [],
-          responses: { ...always, "200": { description: "The process is alive" } },
-        },
-      },
-      "/readyz": {
-        get: {
-          operationId: "readyz",
-          summary: "Readiness: Redis and Postgres answer",
-          security: [],
-          responses: {
-            ...always,
-            "200": { description: "Redis and Postgres answer" },
-            "503": { description: "Redis or Postgres does not answer" },
-          },
-        },
-      },
-      "/metrics": {
-        get: {
-          operationId: "metrics",
-          summary: "Prometheus metrics (behind METRICS_TOKEN as a bearer token when it is set)",
-          security: [{}, { metricsToken: [] }],
-          responses: {
-            ...always,
-            "200": { description: "Prometheus text format", content: { "text/plain": {} } },
-            "401": problem("METRICS_TOKEN is set and the bearer token is missing or wrong"),
-            "404": problem("Metrics are not enabled in this process"),
-          },
-        },
-      },
-      "/openapi.json": {
-        get: {
-          operationId: "openapi",
-          summary: "This document",
-          security: [],
-          responses: { ...always, "200": { description: "This document", content: { "application/json": {} } } },
-        },
-      },
-    },
+    webhooks: summaryWebhooks(),
+    paths: { ...summaryPaths(), ...servicePaths() },
   };
 }
