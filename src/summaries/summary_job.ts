@@ -8,7 +8,7 @@ import { isRetryable } from "../retry/classify.ts";
 import type { Clock } from "../retry/clock.ts";
 import { Deadline } from "../retry/deadline.ts";
 import { DeadlineExceeded, GateUnavailable } from "../retry/errors.ts";
-import type { ProviderFlow } from "../provider/flow_control.ts";
+import type { Permit, ProviderFlow } from "../provider/flow_control.ts";
 import { type AttemptDetails, type AttemptReport, callWithRetries } from "../retry/retry_policy.ts";
 import type { Completion } from "../llm/llm.ts";
 import { type AttemptLog, attemptRow } from "./attempt_log.ts";
@@ -92,21 +92,8 @@ const Fields = z.object({ job_id: z.uuid(), tenant: z.string().min(1), payload: 
  * @throws {PermanentJobError} for a malformed message or a model error no retry can fix.
  * @throws the retryable error, or {@linkcode DeadlineExceeded}, to leave the message pending.
  */
-export function createSummaryJob(
-  { sql, llm, log, committer, flow, attempts }: {
-    sql: Sql;
-    llm: LLM;
-    log: Logger;
-    committer: GroupCommitter;
-    /** The record of model attempts (`model_attempts`); none when unset. */
-    attempts?: AttemptLog;
-    /** The provider's shared limiter and breaker; every attempt waits for its permit. */
-    flow?: ProviderFlow;
-  },
-  options: SummaryJobOptions,
-): (message: StreamMessage, signal: AbortSignal) => Promise<Committed> {
-  const decided = createDecidedCheck(sql);
-  const modelName = options.model ?? "unknown";
+export function createSummaryJob(deps: SummaryJobDeps, options: SummaryJobOptions): SummaryJob {
+  const job: Job = { ...deps, options, decided: createDecidedCheck(deps.sql), modelName: options.model ?? "unknown" };
   // Each delivery is a span of the job's trace (continued from the POST's), after its time in the queue.
   return (message, signal) => {
     const parent = contextFrom(message.fields.traceparent);
@@ -115,152 +102,223 @@ export function createSummaryJob(
     if (message.deliveries === 1 && message.fields.traceparent && Number.isFinite(enqueuedMs)) {
       recordSpan("job.queued", { startMs: enqueuedMs, endMs: Date.now(), attributes, parent });
     }
-    return inSpan("job.delivery", attributes, () => deliver(message, signal), parent);
+    return inSpan("job.delivery", attributes, () => deliver(job, message, signal), parent);
   };
+}
 
-  async function deliver(message: StreamMessage, signal: AbortSignal): Promise<Committed> {
-    const fields = Fields.safeParse(message.fields);
-    if (!fields.success) throw new PermanentJobError(`malformed job message: ${fields.error.issues[0]?.message}`);
-    const { job_id, tenant } = fields.data;
-    let request: SummaryRequest;
-    try {
-      request = SummaryRequest.parse(JSON.parse(fields.data.payload));
-    } catch (cause) {
-      throw new PermanentJobError("malformed job payload", { cause });
-    }
-    const jobLog = log.child({ job_id, tenant, msg_id: message.id });
-    const prompt = summaryPrompt(request.text);
-    const estimated = estimateTokens(prompt);
-    // Ask for the first permit now, in the same tick the worker started this job: the worker's next look at
-    // the gate then counts this job as waiting, so it does not read more jobs than permits are coming.
-    const early = new AbortController();
-    let first = flow?.acquire(estimated, AbortSignal.any([signal, early.signal]), job_id);
-    first?.catch(() => {}); // observed below; never an unhandled rejection while the pre-check runs
+/** What {@linkcode createSummaryJob} needs. */
+export interface SummaryJobDeps {
+  sql: Sql;
+  llm: LLM;
+  log: Logger;
+  committer: GroupCommitter;
+  /** The record of model attempts (`model_attempts`); none when unset. */
+  attempts?: AttemptLog;
+  /** The provider's shared limiter and breaker; every attempt waits for its permit. */
+  flow?: ProviderFlow;
+}
 
-    // Cheap pre-check: a redelivery of a committed job (crash between commit
-    // and XACK), or a cancelled job, skips the model call. The guarantee is
-    // the outcome's primary key at the commit.
-    const releaseFirst = async (why: string) => {
-      early.abort(new Error(why));
-      await first?.then((permit) => permit.settle({ aborted: true }), () => {}).catch(() => {});
-    };
-    let outcome: Outcome | undefined;
-    try {
-      outcome = await decided(job_id);
-    } catch (error) {
-      await releaseFirst("pre-check failed");
-      throw error;
-    }
-    if (outcome === "failed") {
-      // Decided failed, but its message is still here: the dead-letter step stopped between its two stores.
-      await releaseFirst("job already failed");
-      throw new PermanentJobError("the job had already failed (dead-lettered by an earlier delivery)");
-    }
-    if (outcome) {
-      await releaseFirst(`job already ${outcome}`);
-      const event = outcome === "done" ? "job_duplicate" : "job_cancelled";
-      jobLog.info(event, { stage: "pre_check", deliveries: message.deliveries });
-      return outcome === "done" ? "duplicate" : "cancelled";
-    }
+/** Handles one delivery of a summary job. */
+export type SummaryJob = (message: StreamMessage, signal: AbortSignal) => Promise<Committed>;
 
-    let summary: string;
-    try {
-      const completion = await callWithRetries((s) => llm.complete(prompt, { signal: s }), {
-        gate: flow && {
-          acquire: (s) => {
-            const permit = first ?? flow.acquire(estimated, s, job_id);
-            first = undefined;
-            return permit;
-          },
-        },
-        deadline: Deadline.after(options.budgetMs, options.clock),
-        perCallTimeoutMs: options.perCallTimeoutMs,
-        maxAttempts: options.maxAttempts,
-        baseMs: options.backoffBaseMs,
-        capMs: options.backoffCapMs,
-        clock: options.clock,
-        random: options.random,
-        signal,
-        describe: describeAttempt,
-        // A cancel (or another delivery's commit or dead letter) during an attempt stops the job before its next call.
-        beforeRetry: async () => {
-          const now = await decided(job_id);
-          if (now) throw new JobDecided(job_id, now);
-        },
-        onAttempt: (report) => {
-          if (report.started_at_ms !== undefined) {
-            recordSpan("model.attempt", {
-              startMs: report.started_at_ms,
-              endMs: report.started_at_ms + report.duration_ms,
-              failed: report.outcome !== "ok",
-              attributes: {
-                attempt: report.attempt,
-                outcome: report.outcome,
-                "http.response.status_code": report.status,
-                "permit.wait_ms": report.permit_wait_ms,
-                "retry.wait_ms": report.wait_ms,
-                "gen_ai.usage.input_tokens": report.details?.prompt_tokens,
-                "gen_ai.usage.output_tokens": report.details?.completion_tokens,
-                "gen_ai.response.model": report.details?.model,
-              },
-            });
-          }
-          const { details, ...logged } = report;
-          jobLog[report.outcome === "ok" ? "debug" : "info"]("model_attempt", { ...logged, ...details });
-          options.onAttempt?.({ ...report, job_id });
-          const row = attemptRow(report, { job_id, tenant, delivery: message.deliveries, model: modelName });
-          if (row) attempts?.record(row);
-        },
-      });
-      summary = completion.text;
-    } catch (error) {
-      if (error instanceof JobDecided) {
-        const event =
-          { done: "job_duplicate", cancelled: "job_cancelled", failed: "job_failed_elsewhere" }[error.outcome];
-        jobLog.info(event, { stage: "between_attempts", deliveries: message.deliveries });
-        if (error.outcome === "failed") throw new JobFailedElsewhere(job_id);
-        return error.outcome === "done" ? "duplicate" : error.outcome;
-      }
-      // Transient: leave the message pending; redelivery brings a fresh budget.
-      if (signal.aborted || error instanceof DeadlineExceeded || error instanceof GateUnavailable) throw error;
-      if (isRetryable(error)) throw error;
-      const name = error instanceof Error ? (error.name === "Error" ? error.constructor.name : error.name) : "Error";
-      throw new PermanentJobError(`${name}: ${error instanceof Error ? error.message : String(error)}`, {
-        cause: error,
-      });
-    }
+/** What one summary job's deliveries share. */
+interface Job extends SummaryJobDeps {
+  options: SummaryJobOptions;
+  decided: (jobId: string) => Promise<Outcome | undefined>;
+  modelName: string;
+}
 
-    let committed: Committed;
-    try {
-      committed = await inSpan(
-        "job.commit",
-        { "job.id": job_id },
-        // The outbox row carries this delivery's context, so the relay's send joins the job's trace.
-        () =>
-          committer.commit({
-            jobId: job_id,
-            tenant,
-            summary,
-            notify: request.notify,
-            traceparent: currentTraceparent(),
-          }),
-      );
-    } catch (error) {
-      // A data exception (SQLSTATE class 22: bad encoding, a NUL, a value out of range) fails the same way on
-      // every delivery: dead-letter the job now instead of paying for the model again and again.
-      if (isDataException(error)) {
-        throw new PermanentJobError(`the summary cannot be stored: ${(error as Error).message}`, { cause: error });
-      }
-      throw error;
-    }
-    const event = {
-      done: "job_done",
-      duplicate: "job_duplicate",
-      cancelled: "job_cancelled",
-      failed: "job_failed_elsewhere",
-    }[committed];
-    jobLog.info(event, { stage: "commit", deliveries: message.deliveries });
-    if (committed === "failed") throw new JobFailedElsewhere(job_id);
-    return committed;
+/** One delivery's job, read from its message. */
+interface Delivery {
+  message: StreamMessage;
+  job_id: string;
+  tenant: string;
+  request: SummaryRequest;
+  log: Logger;
+}
+
+async function deliver(job: Job, message: StreamMessage, signal: AbortSignal): Promise<Committed> {
+  const delivery = parseDelivery(job, message);
+  const prompt = summaryPrompt(delivery.request.text);
+  const estimated = estimateTokens(prompt);
+  // Ask for the first permit now, in the same tick the worker started this job: the worker's next look at
+  // the gate then counts this job as waiting, so it does not read more jobs than permits are coming.
+  const early = new AbortController();
+  const first = job.flow?.acquire(estimated, AbortSignal.any([signal, early.signal]), delivery.job_id);
+  first?.catch(() => {}); // observed below; never an unhandled rejection while the pre-check runs
+  const releaseFirst = async (why: string) => {
+    early.abort(new Error(why));
+    await first?.then((permit) => permit.settle({ aborted: true }), () => {}).catch(() => {});
+  };
+  const skip = await preCheck(job, delivery, releaseFirst);
+  if (skip) return skip;
+  const summary = await callModel(job, delivery, { prompt, estimated, first, signal });
+  if (typeof summary !== "string") return summary.skipped;
+  return await commit(job, delivery, summary);
+}
+
+function parseDelivery(job: Job, message: StreamMessage): Delivery {
+  const fields = Fields.safeParse(message.fields);
+  if (!fields.success) throw new PermanentJobError(`malformed job message: ${fields.error.issues[0]?.message}`);
+  const { job_id, tenant } = fields.data;
+  let request: SummaryRequest;
+  try {
+    request = SummaryRequest.parse(JSON.parse(fields.data.payload));
+  } catch (cause) {
+    throw new PermanentJobError("malformed job payload", { cause });
   }
+  return { message, job_id, tenant, request, log: job.log.child({ job_id, tenant, msg_id: message.id }) };
+}
+
+/**
+ * Cheap pre-check: a redelivery of a committed job (crash between commit and
+ * XACK), or a cancelled job, skips the model call. The guarantee is the
+ * outcome's primary key at the commit.
+ * @returns how the delivery ends without a model call, or undefined to go on.
+ */
+async function preCheck(
+  job: Job,
+  { job_id, message, log }: Delivery,
+  releaseFirst: (why: string) => Promise<void>,
+): Promise<Committed | undefined> {
+  let outcome: Outcome | undefined;
+  try {
+    outcome = await job.decided(job_id);
+  } catch (error) {
+    await releaseFirst("pre-check failed");
+    throw error;
+  }
+  if (outcome === "failed") {
+    // Decided failed, but its message is still here: the dead-letter step stopped between its two stores.
+    await releaseFirst("job already failed");
+    throw new PermanentJobError("the job had already failed (dead-lettered by an earlier delivery)");
+  }
+  if (!outcome) return undefined;
+  await releaseFirst(`job already ${outcome}`);
+  const event = outcome === "done" ? "job_duplicate" : "job_cancelled";
+  log.info(event, { stage: "pre_check", deliveries: message.deliveries });
+  return outcome === "done" ? "duplicate" : "cancelled";
+}
+
+/**
+ * The model call, with retries under the job's deadline and the provider's
+ * permits (the first one asked for already).
+ * @returns the summary, or how the delivery ended when the job was decided meanwhile.
+ */
+async function callModel(
+  job: Job,
+  delivery: Delivery,
+  { prompt, estimated, first, signal }: {
+    prompt: string;
+    estimated: number;
+    first: Promise<Permit> | undefined;
+    signal: AbortSignal;
+  },
+): Promise<string | { skipped: Committed }> {
+  const { llm, flow, options } = job;
+  const { job_id, message, log } = delivery;
+  try {
+    const completion = await callWithRetries((s) => llm.complete(prompt, { signal: s }), {
+      gate: flow && {
+        acquire: (s) => {
+          const permit = first ?? flow.acquire(estimated, s, job_id);
+          first = undefined;
+          return permit;
+        },
+      },
+      deadline: Deadline.after(options.budgetMs, options.clock),
+      perCallTimeoutMs: options.perCallTimeoutMs,
+      maxAttempts: options.maxAttempts,
+      baseMs: options.backoffBaseMs,
+      capMs: options.backoffCapMs,
+      clock: options.clock,
+      random: options.random,
+      signal,
+      describe: describeAttempt,
+      // A cancel (or another delivery's commit or dead letter) during an attempt stops the job before its next call.
+      beforeRetry: async () => {
+        const now = await job.decided(job_id);
+        if (now) throw new JobDecided(job_id, now);
+      },
+      onAttempt: (report) => recordAttempt(job, delivery, report),
+    });
+    return completion.text;
+  } catch (error) {
+    if (error instanceof JobDecided) {
+      const event =
+        { done: "job_duplicate", cancelled: "job_cancelled", failed: "job_failed_elsewhere" }[error.outcome];
+      log.info(event, { stage: "between_attempts", deliveries: message.deliveries });
+      if (error.outcome === "failed") throw new JobFailedElsewhere(job_id);
+      return { skipped: error.outcome === "done" ? "duplicate" : error.outcome };
+    }
+    // Transient: leave the message pending; redelivery brings a fresh budget.
+    if (signal.aborted || error instanceof DeadlineExceeded || error instanceof GateUnavailable) throw error;
+    if (isRetryable(error)) throw error;
+    const name = error instanceof Error ? (error.name === "Error" ? error.constructor.name : error.name) : "Error";
+    throw new PermanentJobError(`${name}: ${error instanceof Error ? error.message : String(error)}`, {
+      cause: error,
+    });
+  }
+}
+
+/** One attempt's span, log line and `model_attempts` row. */
+function recordAttempt(job: Job, { job_id, tenant, message, log }: Delivery, report: AttemptReport): void {
+  if (report.started_at_ms !== undefined) {
+    recordSpan("model.attempt", {
+      startMs: report.started_at_ms,
+      endMs: report.started_at_ms + report.duration_ms,
+      failed: report.outcome !== "ok",
+      attributes: {
+        attempt: report.attempt,
+        outcome: report.outcome,
+        "http.response.status_code": report.status,
+        "permit.wait_ms": report.permit_wait_ms,
+        "retry.wait_ms": report.wait_ms,
+        "gen_ai.usage.input_tokens": report.details?.prompt_tokens,
+        "gen_ai.usage.output_tokens": report.details?.completion_tokens,
+        "gen_ai.response.model": report.details?.model,
+      },
+    });
+  }
+  const { details, ...logged } = report;
+  log[report.outcome === "ok" ? "debug" : "info"]("model_attempt", { ...logged, ...details });
+  job.options.onAttempt?.({ ...report, job_id });
+  const row = attemptRow(report, { job_id, tenant, delivery: message.deliveries, model: job.modelName });
+  if (row) job.attempts?.record(row);
+}
+
+/** The summary and its outbox row in one transaction (batched with other jobs' by the committer). */
+async function commit(job: Job, { job_id, tenant, request, message, log }: Delivery, summary: string) {
+  let committed: Committed;
+  try {
+    committed = await inSpan(
+      "job.commit",
+      { "job.id": job_id },
+      // The outbox row carries this delivery's context, so the relay's send joins the job's trace.
+      () =>
+        job.committer.commit({
+          jobId: job_id,
+          tenant,
+          summary,
+          notify: request.notify,
+          traceparent: currentTraceparent(),
+        }),
+    );
+  } catch (error) {
+    // A data exception (SQLSTATE class 22: bad encoding, a NUL, a value out of range) fails the same way on
+    // every delivery: dead-letter the job now instead of paying for the model again and again.
+    if (isDataException(error)) {
+      throw new PermanentJobError(`the summary cannot be stored: ${(error as Error).message}`, { cause: error });
+    }
+    throw error;
+  }
+  const event = {
+    done: "job_done",
+    duplicate: "job_duplicate",
+    cancelled: "job_cancelled",
+    failed: "job_failed_elsewhere",
+  }[committed];
+  log.info(event, { stage: "commit", deliveries: message.deliveries });
+  if (committed === "failed") throw new JobFailedElsewhere(job_id);
+  return committed;
 }
