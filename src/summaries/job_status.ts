@@ -32,8 +32,11 @@ export function markQueuedOnReplay(keys: JobKeys, jobId: string): RecordUpdate {
   return { key: keys.job(jobId), match: { field: "job_id", value: jobId }, set: ["status", "queued"], del: ["error"] };
 }
 
-// Only an existing record changes: a cancel never creates one for a job Redis no longer knows.
 const MARK_CANCELLED = defineScript(`
+-- Mark cancelled: records a cancel Postgres decided in the job's record. Only an existing record changes: a
+-- cancel never creates one for a job Redis no longer knows.
+-- KEYS[1]  the job's record (hash)
+-- Returns 1 when the record was changed, 0 when there was none.
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'cancelled')
 redis.call('HDEL', KEYS[1], 'error')
