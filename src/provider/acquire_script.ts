@@ -33,16 +33,16 @@ const ACQUIRE = defineScript(`
 -- 0 = the breaker or a pause stopped it meanwhile (ask again in ms).
 local key = KEYS[1]
 local a = cjson.decode(ARGV[1])
+local cfg_rpm, cfg_tpm, est = a.cfg_rpm, a.cfg_tpm, a.est
+local max_ahead, lease, margin = a.max_ahead_ms, a.lease_ms, a.margin
+local mode, horizon, probe_id, job, suspect_delay = a.mode, a.horizon_ms, a.probe_id, a.job, a.suspect_delay_ms
+local peek, confirm = mode == 'peek', mode == 'confirm' or mode == 'confirm_probe'
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function n(v) return tonumber(v) or 0 end
 local function lower(x, y) if x > 0 and y > 0 then return math.min(x, y) end return math.max(x, y) end
 -- Lists of job ids, comma-separated.
 local function has(list, id) return id ~= '' and string.find(',' .. (list or '') .. ',', ',' .. id .. ',', 1, true) ~= nil end
-local cfg_rpm, cfg_tpm, est = a.cfg_rpm, a.cfg_tpm, a.est
-local max_ahead, lease, margin = a.max_ahead_ms, a.lease_ms, a.margin
-local mode, horizon, probe_id, job, suspect_delay = a.mode, a.horizon_ms, a.probe_id, a.job, a.suspect_delay_ms
-local peek, confirm = mode == 'peek', mode == 'confirm' or mode == 'confirm_probe'
 local h = redis.call('HMGET', key, 'state', 'open_until', 'probe_until', 'pause_until', 'tat_req', 'tat_tok',
   'hdr_rpm', 'hdr_tpm', 'learned', 'failures', 'fail_jobs', 'suspect_at', 'bad_jobs')
 local state = h[1] or 'closed'

@@ -45,12 +45,6 @@ const SETTLE = defineScript(`
 -- pause the headers asked for when it was cut to max pause ms, else 0.
 local key = KEYS[1]
 local a = cjson.decode(ARGV[1])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local function n(v) return tonumber(v) or 0 end
-local function lower(x, y) if x > 0 and y > 0 then return math.min(x, y) end return math.max(x, y) end
--- Lists of job ids, comma-separated.
-local function has(list, id) return id ~= '' and string.find(',' .. (list or '') .. ',', ',' .. id .. ',', 1, true) ~= nil end
 local kind = a.kind
 local est, actual, probe_id, retry_after = a.est, a.actual, a.probe_id, a.retry_after_ms
 local lim_req, lim_tok, rem_req, rem_tok = a.limit_req, a.limit_tok, a.remaining_req, a.remaining_tok
@@ -58,6 +52,11 @@ local reset_req, reset_tok = a.reset_req_ms, a.reset_tok_ms
 local threshold, base, maxc, growth = a.threshold, a.cooldown_ms, a.max_cooldown_ms, a.growth
 local margin, cfg_tpm, min_pause, max_pause = a.margin, a.cfg_tpm, a.min_pause_ms, a.max_pause_ms
 local job, window, bad_ttl = a.job, a.window_ms, a.bad_ttl_ms
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function n(v) return tonumber(v) or 0 end
+local function lower(x, y) if x > 0 and y > 0 then return math.min(x, y) end return math.max(x, y) end
+local function has(list, id) return id ~= '' and string.find(',' .. (list or '') .. ',', ',' .. id .. ',', 1, true) ~= nil end
 local h = redis.call('HMGET', key, 'state', 'failures', 'cooldown_ms', 'tat_tok', 'hdr_tpm', 'pause_until', 'open_until',
   'probe_id', 'fail_jobs', 'recent_at', 'recent_provider', 'recent_job', 'bad_jobs', 'opened_reason')
 -- Only the current probe speaks for the provider while the breaker is open or half-open: a call that started
@@ -110,6 +109,7 @@ end
 local speaks = probe or before == 'closed'
 -- Jobs whose calls failed since the last success: the provider is failing only when several distinct jobs
 -- are (a job that fails again and again counts once). A job that failed is a suspect for the next probe.
+-- A comma-separated list of job ids.
 local fail_jobs = h[9] or ''
 -- Known bad documents, as 'job@ms' entries (at most 32, none older than bad_ttl): jobs whose calls failed
 -- while the provider served another job. Their failures are theirs alone, even as a probe.
