@@ -1,9 +1,9 @@
 import type { Sql } from "postgres";
 import { createApiKey, listTenants, revokeTenant, tenantExists } from "../tenants/tenant_store.ts";
 import { printRows } from "./table.ts";
-import { ALLOW_LIST_CACHE_MS } from "../tenants/allow_list.ts";
-import { allowDomain } from "../tenants/mail_domains.ts";
-import { allowWebhookHost } from "../tenants/webhook_hosts.ts";
+import { ALLOW_LIST_CACHE_MS, type AllowListSpec, allowValue } from "../tenants/allow_list.ts";
+import { MAIL_DOMAINS } from "../tenants/mail_domains.ts";
+import { WEBHOOK_HOSTS } from "../tenants/webhook_hosts.ts";
 import { ensureWebhookSecret, rotateWebhookSecret } from "../tenants/webhook_secrets.ts";
 import { parseTenantWeight, setTenantWeight, TENANT_WEIGHTS_TTL_MS } from "../tenants/tenant_weights.ts";
 
@@ -57,14 +57,14 @@ const ACTIONS = {
       return 0;
     }),
   "allow-domain": allowAction(
-    allowDomain,
+    MAIL_DOMAINS,
     (name, domains) =>
       domains.length
         ? `Tenant "${name}" may email only: ${domains.join(", ")} (${withinCache}).`
         : `Tenant "${name}" may email any domain (${withinCache}).`,
   ),
   "allow-webhook-host": allowAction(
-    allowWebhookHost,
+    WEBHOOK_HOSTS,
     (name, hosts) =>
       hosts.length
         ? `Tenant "${name}" may send webhooks only to: ${hosts.join(", ")} (${withinCache}).`
@@ -115,7 +115,7 @@ function existing(action: Action): Action {
 
 /** `allow-… NAME VALUE` adds to a tenant's allow list; `allow-… NAME --any` empties it. */
 function allowAction(
-  allow: (sql: Sql, tenant: string, value: string | null) => Promise<string[]>,
+  list: AllowListSpec,
   say: (name: string, values: string[]) => string,
 ): Action {
   return async (sql, name, args, out) => {
@@ -123,7 +123,7 @@ function allowAction(
     if (!value) return undefined;
     return await existing((sql, name) =>
       usageErrorsAs2(async () => {
-        out(say(name, await allow(sql, name, value === "--any" ? null : value)));
+        out(say(name, await allowValue(sql, list, name, value === "--any" ? null : value)));
         return 0;
       })
     )(sql, name, args, out);

@@ -1,5 +1,5 @@
 import type { Sql } from "postgres";
-import { type AllowListSpec, allowValue, createAllowListReader } from "./allow_list.ts";
+import { type AllowListSpec, createAllowListReader } from "./allow_list.ts";
 
 /** An email domain as stored and compared: lower case, no trailing dot. */
 export function normaliseDomain(domain: string): string {
@@ -8,21 +8,13 @@ export function normaliseDomain(domain: string): string {
 
 const DOMAIN = /^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$/;
 
-const MAIL_DOMAINS: AllowListSpec = {
+/** The `tenant allow-…` list this module reads. */
+export const MAIL_DOMAINS: AllowListSpec = {
   table: "tenant_mail_domains",
   column: "domain",
   normalise: normaliseDomain,
   refuse: (d, raw) => DOMAIN.test(d) ? null : `Not a domain name: ${JSON.stringify(raw)}`,
 };
-
-/**
- * Restricts a tenant's recipients to `domain` (adding to its list), or with
- * `domain` null frees it to mail any domain.
- * @throws {TypeError} for a string that is not a domain name.
- */
-export function allowDomain(sql: Sql, tenant: string, domain: string | null): Promise<string[]> {
-  return allowValue(sql, MAIL_DOMAINS, tenant, domain);
-}
 
 /**
  * Whether a tenant may email `address`, from a per-tenant cache (a change

@@ -1,5 +1,5 @@
 import type { Sql } from "postgres";
-import { type AllowListSpec, allowValue, createAllowListReader } from "./allow_list.ts";
+import { type AllowListSpec, createAllowListReader } from "./allow_list.ts";
 
 /** A host as stored and compared: lower case, no trailing dot, an IPv6 literal in brackets. */
 export function normaliseHost(host: string): string {
@@ -9,22 +9,14 @@ export function normaliseHost(host: string): string {
 const NAME = /^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$/;
 const IPV6 = /^\[[0-9a-f:.]+\]$/;
 
-const WEBHOOK_HOSTS: AllowListSpec = {
+/** The `tenant allow-…` list this module reads. */
+export const WEBHOOK_HOSTS: AllowListSpec = {
   table: "tenant_webhook_hosts",
   column: "host",
   normalise: normaliseHost,
   refuse: (h, raw) =>
     NAME.test(h) || IPV6.test(h) ? null : `Not a host name (or an IPv6 literal in brackets): ${JSON.stringify(raw)}`,
 };
-
-/**
- * Restricts a tenant's webhooks to `host` (adding to its list), or with
- * `host` null frees it to send to any host.
- * @throws {TypeError} for a string that is not a host name or an IP literal.
- */
-export function allowWebhookHost(sql: Sql, tenant: string, host: string | null): Promise<string[]> {
-  return allowValue(sql, WEBHOOK_HOSTS, tenant, host);
-}
 
 /**
  * Whether a tenant may send a webhook to `url`, from a per-tenant cache (a
