@@ -6,30 +6,11 @@ import type { Email, Mailer } from "../mail/mailer.ts";
 import { PermanentMailError } from "../mail/mailer.ts";
 import { isRetryable, reasonOf } from "../retry/classify.ts";
 import { backoffMs } from "../retry/retry_policy.ts";
-import { DEAD_LETTER_BOUNDS } from "../queue/dead_letter.ts";
-import { JOB_RECORD_TTL_S } from "../summaries/keys.ts";
 import { contextFrom, inSpan } from "../tracing.ts";
+import * as outbox from "./outbox_store.ts";
+import type { Budget, Budgets, ClaimedRow, ClaimLimits, OutboxRow } from "./outbox_store.ts";
 
-/** An outbox row claimed by this relay. */
-export interface OutboxRow {
-  id: string;
-  topic: string;
-  dedupe_key: string;
-  payload: Record<string, unknown>;
-  attempts: number;
-  claim_token: string;
-}
-
-/** A claimed row and where it goes, as stored with it (migration 009; see {@linkcode MAIL_DESTINATION}). */
-export interface ClaimedRow extends OutboxRow {
-  /** The host (and port) of the payload's `webhook` URL, lower-cased; for every other row, the mail provider. */
-  destination: string;
-  /**
-   * The tenant that chose the destination: a webhook row's tenant; '' for the mail provider, which no tenant
-   * chooses. A tenant's webhooks share one cap of the slots, however many host names they use.
-   */
-  owner: string;
-}
+export type { ClaimedRow, OutboxRow } from "./outbox_store.ts";
 
 /**
  * The destination of every row that is not a webhook: the one mail provider (no host name has a space).
@@ -82,14 +63,6 @@ export interface RelayOptions {
   pollMs?: number;
   backoffBaseMs?: number;
   backoffCapMs?: number;
-  /** Sent rows older than this are deleted. */
-  retentionMs?: number;
-  /** SUMMARY_RETENTION_S in ms: summaries older than this are deleted; unset, they are kept. */
-  summaryRetentionMs?: number;
-  /** MODEL_ATTEMPTS_RETENTION_S in ms: the record of model attempts older than this is deleted. */
-  attemptRetentionMs?: number;
-  /** How often retention runs. */
-  retentionEveryMs?: number;
   /**
    * The sends in flight that any one destination may hold in {@linkcode Relay.run}; unset, a quarter of `batch`
    * (at least 1). A destination that has not failed since its last success may borrow more, up to `batch` minus
@@ -119,8 +92,6 @@ export const RELAY_DEFAULTS = {
   pollMs: 2_000,
   backoffBaseMs: 2_000,
   backoffCapMs: 600_000,
-  retentionMs: 7 * 24 * 3600 * 1000,
-  retentionEveryMs: 600_000,
   destinationFailures: 3,
   destinationBackoffBaseMs: 30_000,
   destinationBackoffCapMs: 600_000,
@@ -145,13 +116,10 @@ export interface Relay {
    * lets the sends in flight finish (within the shutdown grace).
    */
   run(signal: AbortSignal): Promise<void>;
-  /** Deletes sent rows older than the retention age, in small batches. @returns rows deleted. */
-  purgeSent(): Promise<number>;
 }
 
 /** The NOTIFY channel a trigger on outbox inserts signals (see migrations). */
 export const OUTBOX_CHANNEL = "oncely_outbox";
-const PURGE_BATCH = 1_000;
 /** How long a stopping relay lets its sends in flight run before aborting them (the process exits within 10 s). */
 const SHUTDOWN_GRACE_MS = 5_000;
 /** A destination or tenant whose sends take less than this on average (and none failed since) may borrow slots. */
@@ -160,36 +128,6 @@ const FAST_SEND_MS = 1_000;
 const SEND_TIME_WEIGHT = 0.2;
 /** Destinations (and tenants) whose statistics are remembered; past it, those not backed off are forgotten. */
 const MAX_TRACKED = 1_000;
-/**
- * A job's outcome row is kept at least as long as anything may still ask about the job, plus a day: its
- * Redis status record and its dead letters (both 7 days). A dead letter's replay reads it to refuse a job
- * that already had its effects, and a job is decided (failed) before it is dead-lettered, so its outcome
- * always outlives its dead letters.
- */
-const OUTCOME_MIN_AGE_MS = (Math.max(JOB_RECORD_TTL_S, DEAD_LETTER_BOUNDS.maxAgeS) + 24 * 3600) * 1000;
-
-/**
- * How many rows one claim may take from a destination or a tenant's webhooks: `budget` while another one
- * (destination, or tenant) has due rows in the claim, `alone` while none has. 0 and 0 excludes it.
- */
-interface Budget {
-  budget: number;
-  alone: number;
-}
-
-/** Budgets of the listed destinations (or tenants), and what every other one may take (either way). */
-interface Budgets {
-  listed: Map<string, Budget>;
-  others: number;
-}
-
-/** How many rows one claim may take: in all, per destination, and per tenant's webhooks. */
-interface ClaimLimits {
-  limit: number;
-  destinations: Budgets;
-  owners: Budgets;
-}
-
 /** What the relay remembers about the recent sends to one destination, or of one tenant's webhooks. */
 interface SendStats {
   /** Moving average of its sends' durations in ms, timeouts included; unset until one ended. */
@@ -239,7 +177,6 @@ export function createRelay(
   const baseMs = options.backoffBaseMs ?? RELAY_DEFAULTS.backoffBaseMs;
   const capMs = options.backoffCapMs ?? RELAY_DEFAULTS.backoffCapMs;
   const pollMs = options.pollMs ?? RELAY_DEFAULTS.pollMs;
-  const retentionMs = options.retentionMs ?? RELAY_DEFAULTS.retentionMs;
   const failuresBeforeBackoff = options.destinationFailures ?? RELAY_DEFAULTS.destinationFailures;
   const destinationBaseMs = options.destinationBackoffBaseMs ?? RELAY_DEFAULTS.destinationBackoffBaseMs;
   const destinationCapMs = options.destinationBackoffCapMs ?? RELAY_DEFAULTS.destinationBackoffCapMs;
@@ -306,113 +243,9 @@ export function createRelay(
     return { listed, others: share };
   }
 
-  /**
-   * Claims due rows within `limits`, in one statement. A row's lane is its (owner, destination). The claim
-   * walks the lanes that have unsent rows (one probe of outbox_lanes each; a tenant whose webhooks are at
-   * their cap is passed over in one probe), reads each lane's first due rows up to what its destination and
-   * owner could take (so no backlog, however deep, hides another lane's rows), keeps each destination's and
-   * each tenant's budget of them in (next_attempt_at, id) order, and leases those it can lock (SKIP LOCKED:
-   * another relay's claim in the same instant keeps what it locked).
-   * @returns the rows, and whether more may be due that these limits allow (the claim was full, another relay
-   * took rows it picked, or a tenant's budget cut rows that had taken a destination's budget).
-   */
-  async function claimRows(
-    { limit, destinations, owners }: ClaimLimits,
-  ): Promise<{ rows: ClaimedRow[]; more: boolean }> {
-    const token = crypto.randomUUID();
-    const dNames = [...destinations.listed.keys()];
-    const dBudgets = [...destinations.listed.values()];
-    const oNames = [...owners.listed.keys()];
-    const oBudgets = [...owners.listed.values()];
-    const ownerFull = sql`(n.owner <> '' AND coalesce(
-      (SELECT alone FROM owner_budget b WHERE b.owner = n.owner), ${owners.others}::int) = 0)`;
-    const result = await sql<(ClaimedRow & { picked: number; cut: number })[]>`
-      WITH RECURSIVE destination_budget AS (
-        SELECT * FROM unnest(${dNames}::text[], ${dBudgets.map((b) => b.budget)}::int[],
-          ${dBudgets.map((b) => b.alone)}::int[]) AS b(destination, budget, alone)
-      ), owner_budget AS (
-        SELECT * FROM unnest(${oNames}::text[], ${oBudgets.map((b) => b.budget)}::int[],
-          ${oBudgets.map((b) => b.alone)}::int[]) AS b(owner, budget, alone)
-      ), lanes AS (
-        -- A loose index scan: the next lane after l, or, when l's owner is at its cap, the next owner's first.
-        -- Exactly one branch of the inner UNION ALL runs (the other's condition on l is false).
-        SELECT n.owner, n.destination, ${ownerFull} AS owner_full FROM (
-          SELECT destination_owner AS owner, destination FROM outbox WHERE sent_at IS NULL AND failed_at IS NULL
-          ORDER BY destination_owner, destination LIMIT 1
-        ) n
-        UNION ALL
-        SELECT n.owner, n.destination, ${ownerFull} FROM lanes l CROSS JOIN LATERAL (
-          (SELECT destination_owner AS owner, destination FROM outbox
-            WHERE sent_at IS NULL AND failed_at IS NULL AND NOT l.owner_full
-              AND (destination_owner, destination) > (l.owner, l.destination)
-            ORDER BY destination_owner, destination LIMIT 1)
-          UNION ALL
-          (SELECT destination_owner, destination FROM outbox
-            WHERE sent_at IS NULL AND failed_at IS NULL AND l.owner_full AND destination_owner > l.owner
-            ORDER BY destination_owner, destination LIMIT 1)
-        ) n
-      ), due AS (
-        -- Each lane's first due rows, at most what its destination and its owner could take in this claim.
-        SELECT r.id, r.next_attempt_at, r.tenant, l.owner, l.destination
-        FROM lanes l
-        LEFT JOIN destination_budget db ON db.destination = l.destination
-        LEFT JOIN owner_budget ob ON ob.owner = l.owner
-        CROSS JOIN LATERAL (
-          SELECT o.id, o.next_attempt_at, o.payload->>'tenant' AS tenant FROM outbox o
-          WHERE o.destination_owner = l.owner AND o.destination = l.destination
-            AND o.sent_at IS NULL AND o.failed_at IS NULL AND o.next_attempt_at <= now()
-            AND (o.locked_until IS NULL OR o.locked_until < now())
-          ORDER BY o.next_attempt_at, o.id
-          LIMIT least(${limit}::int, coalesce(db.alone, ${destinations.others}::int),
-            CASE WHEN l.owner = '' THEN ${limit}::int ELSE coalesce(ob.alone, ${owners.others}::int) END)
-        ) r
-        WHERE NOT l.owner_full
-      ), seen AS (
-        SELECT count(DISTINCT destination) AS destinations, count(DISTINCT tenant) AS tenants FROM due
-      ), ranked AS (
-        -- A destination (a tenant) uses its alone budget when the claim saw no other destination's (tenant's)
-        -- due rows.
-        SELECT due.*,
-          row_number() OVER (PARTITION BY due.destination ORDER BY due.next_attempt_at, due.id) AS nth,
-          CASE WHEN s.destinations = 1 THEN coalesce(db.alone, ${destinations.others}::int)
-            ELSE coalesce(db.budget, ${destinations.others}::int) END AS room,
-          CASE WHEN s.tenants = 1 THEN coalesce(ob.alone, ${owners.others}::int)
-            ELSE coalesce(ob.budget, ${owners.others}::int) END AS owner_room
-        FROM due CROSS JOIN seen s
-        LEFT JOIN destination_budget db ON db.destination = due.destination
-        LEFT JOIN owner_budget ob ON ob.owner = due.owner
-      ), within_destination AS (
-        SELECT *, row_number() OVER (PARTITION BY owner ORDER BY next_attempt_at, id) AS nth_of_owner
-        FROM ranked WHERE nth <= room
-      ), picked AS (
-        SELECT id, destination, owner FROM within_destination WHERE owner = '' OR nth_of_owner <= owner_room
-        ORDER BY next_attempt_at, id
-        LIMIT ${limit}
-      ), locked AS (
-        -- The guard is checked again under the lock, on the row's newest version: a row another relay claimed,
-        -- or made wait (a backoff, a deferral), since this statement read it is not ours. (coalesce(...) IS
-        -- NULL is sent_at IS NULL AND failed_at IS NULL spelled so that the planner looks the picked ids up by
-        -- primary key, not through a due index.)
-        SELECT id FROM outbox
-        WHERE id = ANY(ARRAY(SELECT id FROM picked)) AND coalesce(sent_at, failed_at) IS NULL
-          AND next_attempt_at <= now() AND (locked_until IS NULL OR locked_until < now())
-        FOR UPDATE SKIP LOCKED
-      ), claimed AS (
-        UPDATE outbox SET locked_until = now() + ${options.leaseMs} * interval '1 millisecond',
-          claim_token = ${token}
-        FROM picked WHERE outbox.id = ANY(ARRAY(SELECT id FROM locked)) AND picked.id = outbox.id
-        RETURNING outbox.id::text, topic, dedupe_key, payload, attempts, claim_token::text, picked.destination,
-          picked.owner
-      )
-      SELECT c.*, (SELECT count(*) FROM picked)::int AS picked,
-        (SELECT count(*) FROM within_destination WHERE owner <> '' AND nth_of_owner > owner_room)::int AS cut
-      FROM (VALUES (1)) AS one LEFT JOIN claimed c ON true`;
-    const picked = result[0]?.picked ?? 0;
-    const cut = result[0]?.cut ?? 0;
-    const rows: ClaimedRow[] = [];
-    for (const { picked: _, cut: __, ...row } of result) if (row.id !== null) rows.push(row);
-    // Rows a tenant's budget cut may have kept others of their destination out: claim again (it progressed).
-    return { rows, more: rows.length >= limit || rows.length < picked || (rows.length > 0 && cut > 0) };
+  /** Claims due rows within `limits` under this relay's lease (see {@linkcode outbox.claimRows}). */
+  function claimRows(limits: ClaimLimits): Promise<{ rows: ClaimedRow[]; more: boolean }> {
+    return outbox.claimRows(sql, limits, options.leaseMs);
   }
 
   async function claim(): Promise<ClaimedRow[]> {
@@ -432,17 +265,6 @@ export function createRelay(
     return [...stats].filter(([, d]) => d.until > t).map(([destination]) => destination);
   }
 
-  /** Releases claimed rows without spending an attempt: each becomes due again after its wait. */
-  async function release(rows: ClaimedRow[], waits: Map<string, number>): Promise<void> {
-    if (rows.length === 0) return;
-    // The token guard: a row whose lease ran out and that another relay claimed since is not ours to move.
-    await sql`
-      UPDATE outbox SET locked_until = NULL, next_attempt_at = now() + w.ms * interval '1 millisecond'
-      FROM unnest(${rows.map((r) => r.id)}::bigint[], ${rows.map((r) => r.claim_token)}::uuid[],
-        ${rows.map((r) => Math.round(waits.get(r.id)!))}::float8[]) AS w(id, token, ms)
-      WHERE outbox.id = w.id AND outbox.claim_token = w.token AND outbox.sent_at IS NULL`;
-  }
-
   /** Applies the rate-limit deferral and destination backoff to claimed rows, then loads what the rest need. */
   async function admit(claimed: ClaimedRow[]): Promise<ClaimedRow[]> {
     if (claimed.length === 0) return [];
@@ -453,7 +275,7 @@ export function createRelay(
       const wait = backedOffFor(row.destination);
       if (wait > 0 && !waits.has(row.id)) waits.set(row.id, wait);
     }
-    await release(claimed.filter((r) => waits.has(r.id)), waits);
+    await outbox.releaseRows(sql, claimed.filter((r) => waits.has(r.id)), waits);
     if (deferred > 0) log.info("outbox_deferred", { rows: deferred });
     const rows = claimed.filter((r) => !waits.has(r.id));
     if (rows.length > 0) await load?.(rows);
@@ -485,16 +307,7 @@ export function createRelay(
   async function backOff(destination: string, ms: number, error: unknown): Promise<void> {
     let deferred: number | undefined;
     try {
-      // Rows in flight (leased) are not touched: each is recorded when its own send ends.
-      const moved = await sql`
-        UPDATE outbox SET next_attempt_at = now() + ${ms} * interval '1 millisecond'
-        WHERE id IN (
-          SELECT id FROM outbox
-          WHERE sent_at IS NULL AND failed_at IS NULL AND next_attempt_at < now() + ${ms} * interval '1 millisecond'
-            AND (locked_until IS NULL OR locked_until < now()) AND destination = ${destination}
-          FOR UPDATE SKIP LOCKED
-        )`;
-      deferred = moved.count;
+      deferred = await outbox.postponeDestination(sql, destination, ms);
     } catch (e) {
       log.error("relay_destination_backoff_write_failed", { host: destination, error: e });
     }
@@ -516,9 +329,7 @@ export function createRelay(
     };
     if (permanent || attempts >= options.maxAttempts) {
       // Needs a person: `deno task outbox list --failed`, then `outbox retry`.
-      await sql`
-        UPDATE outbox SET attempts = ${attempts}, last_error = ${message}, failed_at = now(), locked_until = NULL
-        WHERE id = ${row.id} AND claim_token = ${row.claim_token} AND sent_at IS NULL`;
+      await outbox.markFailed(sql, row, { attempts, error: message });
       events.failed?.(row, reason);
       log.warn("outbox_failed", { ...fields, permanent });
       return;
@@ -529,10 +340,7 @@ export function createRelay(
       Math.round(backoffMs(attempts - 1, error, { baseMs, capMs, random, epochNow: Date.now() })),
       backedOffFor(row.destination),
     );
-    await sql`
-      UPDATE outbox SET attempts = ${attempts}, last_error = ${message}, locked_until = NULL,
-        next_attempt_at = now() + ${waitMs} * interval '1 millisecond'
-      WHERE id = ${row.id} AND claim_token = ${row.claim_token} AND sent_at IS NULL`;
+    await outbox.scheduleRetry(sql, row, { attempts, error: message, waitMs });
     events.retry?.(row, reason);
     log.info("outbox_send_retry", { ...fields, wait_ms: waitMs });
   }
@@ -540,12 +348,7 @@ export function createRelay(
   // Marking sent needs no token: once the provider accepted it, it is sent, whoever holds the lease.
   // Sends that end while a mark is being written share the next statement; none waits for another send.
   const markSent = createBatcher<{ id: string; providerId: string }>(async (items) => {
-    await sql`
-      UPDATE outbox SET sent_at = now(), locked_until = NULL, last_error = NULL,
-        provider_message_id = NULLIF(p.provider_id, '')
-      FROM unnest(${items.map((i) => i.id)}::bigint[], ${items.map((i) => i.providerId)}::text[])
-        AS p(id, provider_id)
-      WHERE outbox.id = p.id AND outbox.sent_at IS NULL`;
+    await outbox.markSent(sql, items);
     return items.map(() => undefined);
   }, { maxBatch: 500 });
 
@@ -618,63 +421,6 @@ export function createRelay(
     return rows.length;
   }
 
-  async function purgeSent(): Promise<number> {
-    let total = 0;
-    for (;;) {
-      const deleted = await sql`
-        DELETE FROM outbox WHERE id IN (
-          SELECT id FROM outbox WHERE sent_at < now() - ${retentionMs} * interval '1 millisecond' LIMIT ${PURGE_BATCH}
-        )`;
-      total += deleted.count;
-      if (deleted.count < PURGE_BATCH) break;
-    }
-    if (options.attemptRetentionMs !== undefined) total += await purgeAttempts(options.attemptRetentionMs);
-    if (options.summaryRetentionMs === undefined) return total;
-    for (;;) {
-      // Summaries whose notification is still unsent stay: the email needs them.
-      // The job's outcome row stays longer (below): it keeps a finished job finished, so a late DELETE
-      // still gets 409 and a replayed message still skips the model, after the summary is gone.
-      const deleted = await sql`
-        DELETE FROM summaries WHERE job_id IN (
-          SELECT s.job_id FROM summaries s
-          WHERE s.created_at < now() - ${options.summaryRetentionMs} * interval '1 millisecond'
-            AND NOT EXISTS (
-              SELECT 1 FROM outbox o WHERE o.payload->>'job_id' = s.job_id::text AND o.sent_at IS NULL
-            )
-          LIMIT ${PURGE_BATCH}
-        )`;
-      total += deleted.count;
-      if (deleted.count < PURGE_BATCH) break;
-    }
-    // Outcome rows outlive their summaries until nothing can ask about the job any more: the job's Redis
-    // record (7 days) and its idempotency record (at most SUMMARY_RETENTION_S) are gone by then.
-    const outcomeAgeMs = Math.max(options.summaryRetentionMs, OUTCOME_MIN_AGE_MS);
-    for (;;) {
-      const deleted = await sql`
-        DELETE FROM job_outcomes WHERE job_id IN (
-          SELECT o.job_id FROM job_outcomes o
-          WHERE o.decided_at < now() - ${outcomeAgeMs} * interval '1 millisecond'
-            AND NOT EXISTS (SELECT 1 FROM summaries s WHERE s.job_id = o.job_id)
-          LIMIT ${PURGE_BATCH}
-        )`;
-      total += deleted.count;
-      if (deleted.count < PURGE_BATCH) return total;
-    }
-  }
-
-  async function purgeAttempts(ageMs: number): Promise<number> {
-    let total = 0;
-    for (;;) {
-      const deleted = await sql`
-        DELETE FROM model_attempts WHERE id IN (
-          SELECT id FROM model_attempts WHERE started_at < now() - ${ageMs} * interval '1 millisecond'
-          LIMIT ${PURGE_BATCH}
-        )`;
-      total += deleted.count;
-      if (deleted.count < PURGE_BATCH) return total;
-    }
-  }
-
   async function run(signal: AbortSignal): Promise<void> {
     const sending = new Set<Promise<void>>();
     const perDestination = new Map<string, number>();
@@ -740,27 +486,11 @@ export function createRelay(
     };
 
     let nextPoll = performance.now();
-    let nextPurge = performance.now() + 5_000;
-    let purging: Promise<void> | undefined;
     try {
       while (!signal.aborted) {
         if (performance.now() >= nextPoll) {
           scan = true;
           nextPoll = performance.now() + pollMs;
-        }
-        if (!purging && performance.now() >= nextPurge) {
-          nextPurge = performance.now() + (options.retentionEveryMs ?? RELAY_DEFAULTS.retentionEveryMs);
-          // Beside the sends, not in their way.
-          purging = (async () => {
-            try {
-              const purged = await purgeSent();
-              if (purged > 0) log.info("outbox_purged", { rows: purged });
-            } catch (error) {
-              log.warn("relay_pass_failed", { error });
-            } finally {
-              purging = undefined;
-            }
-          })();
         }
         if (scan && sending.size < options.batch) {
           scan = false;
@@ -786,11 +516,10 @@ export function createRelay(
     } finally {
       signal.removeEventListener("abort", onAbort);
       await Promise.all(sending);
-      await purging;
       clearTimeout(grace);
       await listener.unlisten();
     }
   }
 
-  return { runOnce, claim, deliver, run, purgeSent };
+  return { runOnce, claim, deliver, run };
 }
