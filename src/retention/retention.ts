@@ -60,7 +60,7 @@ export interface Retention {
   runOnce(): Promise<number>;
   /** Runs a pass every `everyMs` (the first after `firstPassAfterMs`) until {@linkcode Retention.stop}. */
   start(): void;
-  /** Stops the loop and waits for a pass in progress to finish. */
+  /** Stops the loop; a pass in progress ends after its current batch, and this waits for it. */
   stop(): Promise<void>;
 }
 
@@ -69,14 +69,17 @@ export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options
   const batch = options.batch ?? RETENTION_DEFAULTS.batch;
   const outboxAgeMs = options.outboxRetentionMs ?? RETENTION_DEFAULTS.outboxRetentionMs;
 
-  /** Runs `deleteBatch` until it deletes fewer than a batch. @returns rows deleted. */
+  /** Set by {@linkcode Retention.stop}: a pass in progress ends after its current batch. */
+  let halted = false;
+
+  /** Runs `deleteBatch` until it deletes fewer than a batch (or the service stops). @returns rows deleted. */
   async function drain(table: string, deleteBatch: (limit: number) => Promise<number>): Promise<number> {
     let total = 0;
     for (;;) {
       const deleted = await deleteBatch(batch);
       options.onBatch?.(table, deleted);
       total += deleted;
-      if (deleted < batch) return total;
+      if (deleted < batch || halted) return total;
     }
   }
 
@@ -137,10 +140,12 @@ export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options
     start() {
       if (!stopped) return;
       stopped = false;
+      halted = false;
       schedule(options.firstPassAfterMs ?? RETENTION_DEFAULTS.firstPassAfterMs);
     },
     async stop() {
       stopped = true;
+      halted = true;
       clearTimeout(timer);
       await passing;
     },
