@@ -9,7 +9,8 @@ import {
   pagesOfDeadLetters,
   replayDeadLetter,
 } from "../queue/dead_letter.ts";
-import { failJob, reopenFailedJob } from "../summaries/commit.ts";
+import { failJob } from "../jobs/job_store.ts";
+import { reopenFailedJob } from "../summaries/commit.ts";
 import type { JobKeys, ServiceKeys } from "../summaries/keys.ts";
 import { allLanes, type LaneRef } from "../summaries/all_lanes.ts";
 import { announceLane } from "../queue/lanes.ts";

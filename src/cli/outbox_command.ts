@@ -1,5 +1,5 @@
 import type { Sql } from "postgres";
-import { listOutbox, retryFailed } from "../outbox/outbox_admin.ts";
+import { listOutbox, retryFailed } from "../outbox/outbox_store.ts";
 import { printRows } from "./table.ts";
 
 const USAGE = "Usage: deno task outbox list [--failed] [--json] | retry ID [ID...] | retry --all-failed";

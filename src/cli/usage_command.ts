@@ -1,4 +1,5 @@
 import type { Sql } from "postgres";
+import { type AttemptUsage, attemptUsage } from "../jobs/job_store.ts";
 import { printRows } from "./table.ts";
 
 const USAGE = "Usage: deno task usage [--tenant T] [--since 24h|7d|30m|90s] [--json]";
@@ -10,18 +11,8 @@ export interface Prices {
   outPerMTok?: number;
 }
 
-/** One line of the report: a tenant's calls to one model. */
-export interface UsageRow {
-  tenant: string;
-  model: string;
-  calls: number;
-  jobs: number;
-  prompt_tokens: number;
-  completion_tokens: number;
-  failures: number;
-  retries: number;
-  p50_ms: number;
-  p99_ms: number;
+/** One line of the report: a tenant's calls to one model, with their estimated cost when prices are set. */
+export interface UsageRow extends AttemptUsage {
   cost?: number;
 }
 
@@ -30,19 +21,7 @@ export async function usageReport(
   sql: Sql,
   { tenant, sinceS, prices = {} }: { tenant?: string; sinceS: number; prices?: Prices },
 ): Promise<UsageRow[]> {
-  const rows = await sql<Omit<UsageRow, "cost">[]>`
-    SELECT tenant, model, count(*)::int AS calls, count(DISTINCT job_id)::int AS jobs,
-      coalesce(sum(prompt_tokens), 0)::bigint::float8 AS prompt_tokens,
-      coalesce(sum(completion_tokens), 0)::bigint::float8 AS completion_tokens,
-      (count(*) FILTER (WHERE outcome <> 'ok'))::int AS failures,
-      (count(*) - count(DISTINCT job_id))::int AS retries,
-      round(percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p50_ms,
-      round(percentile_cont(0.99) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p99_ms
-    FROM model_attempts
-    WHERE started_at >= now() - ${sinceS} * interval '1 second'
-      ${tenant === undefined ? sql`` : sql`AND tenant = ${tenant}`}
-    GROUP BY tenant, model
-    ORDER BY tenant, model`;
+  const rows = await attemptUsage(sql, { tenant, sinceS });
   if (prices.inPerMTok === undefined || prices.outPerMTok === undefined) return rows;
   const { inPerMTok, outPerMTok } = prices;
   return rows.map((r) => ({

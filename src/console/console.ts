@@ -13,12 +13,12 @@ import type { Sql } from "postgres";
 import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
 import { dlqCommand } from "../cli/dlq_command.ts";
-import { listOutbox, outboxBacklog, retryFailed } from "../outbox/outbox_admin.ts";
+import { listOutbox, outboxBacklog, retryFailed, rowsOfJob } from "../outbox/outbox_store.ts";
 import { pagesOfDeadLetters } from "../queue/dead_letter.ts";
 import { allLanes } from "../summaries/all_lanes.ts";
 import type { ServiceKeys } from "../summaries/keys.ts";
 import { traceIdOf } from "../tracing.ts";
-import type { AttemptRow } from "../summaries/attempt_log.ts";
+import { attemptsOf, decidedJob, doneLastMinute } from "../jobs/job_store.ts";
 import { Html, html, raw } from "./html.ts";
 import {
   ADMIN_AUTH_DEFAULTS,
@@ -188,9 +188,7 @@ export async function createConsole(deps: ConsoleDeps): Promise<ConsoleHandler> 
   async function queuesPage(note?: string): Promise<Response> {
     const lanes = await allLanes(redis, keys);
     const donePerMinute = new Map(
-      (await sql<{ tenant: string; n: number }[]>`
-        SELECT tenant, count(*)::int AS n FROM job_outcomes
-        WHERE outcome = 'done' AND decided_at > now() - interval '1 minute' GROUP BY tenant`).map((
+      (await doneLastMinute(sql)).map((
         r,
       ) => [r.tenant, r.n]),
     );
@@ -332,9 +330,7 @@ ${
 
   async function jobPage(jobId: string): Promise<Response> {
     if (!JOB_ID.test(jobId)) return page("Job", html`<p>Not a job id: <code>${jobId}</code></p>`, { status: 404 });
-    const [decided] = await sql<{ tenant: string; outcome: string; decided_at: Date; summary: string | null }[]>`
-      SELECT o.tenant, o.outcome, o.decided_at, s.summary
-      FROM job_outcomes o LEFT JOIN summaries s USING (job_id) WHERE o.job_id = ${jobId}`;
+    const [decided] = await decidedJob(sql, jobId);
     let state: { tenant: string; status: string; error?: string } | undefined = decided
       ? { tenant: decided.tenant, status: decided.outcome }
       : undefined;
@@ -349,14 +345,8 @@ ${
     }
     if (!state) return page("Job", html`<p>No job <code>${jobId}</code>.</p>`, { status: 404 });
     const [attempts, outbox] = await Promise.all([
-      sql<
-        Omit<AttemptRow, "job_id" | "tenant">[]
-      >`SELECT delivery, attempt, started_at, duration_ms, outcome, status, prompt_tokens, completion_tokens,
-          provider_request_id, model, error
-        FROM model_attempts WHERE job_id = ${jobId} ORDER BY started_at`,
-      sql<{ topic: string; traceparent: string | null; sent: boolean; failed: boolean }[]>`
-        SELECT topic, payload->>'traceparent' AS traceparent, sent_at IS NOT NULL AS sent, failed_at IS NOT NULL AS failed
-        FROM outbox WHERE payload->>'job_id' = ${jobId}`,
+      attemptsOf(sql, jobId),
+      rowsOfJob(sql, jobId),
     ]);
     const traceId = traceIdOf(outbox[0]?.traceparent ?? undefined);
     const rows = attempts.map((a) => [

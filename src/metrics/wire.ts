@@ -2,7 +2,7 @@ import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
 import { Gauge, type Registry } from "prom-client";
 import type { RelayEvents } from "../outbox/relay.ts";
-import { outboxBacklog } from "../outbox/outbox_admin.ts";
+import { outboxBacklog } from "../outbox/outbox_store.ts";
 import type { JobKeys, ServiceKeys } from "../summaries/keys.ts";
 import { allLanes } from "../summaries/all_lanes.ts";
 import type { WorkerEvents } from "../queue/stream_worker.ts";

@@ -7,7 +7,7 @@ import { createApiKey, tenantExists } from "../tenants/tenant_store.ts";
 import { ensureWebhookSecret } from "../tenants/webhook_secrets.ts";
 import { serveApi } from "./api_process.ts";
 import { startRelay } from "./relay_process.ts";
-import { startWorker } from "./worker_process.ts";
+import { startRetention, startWorker } from "./worker_process.ts";
 
 async function ensureDevTenant(sql: Sql, config: Config): Promise<void> {
   if (config.AUTH_MODE !== "api-key" || await tenantExists(sql, "dev")) {
@@ -34,7 +34,7 @@ summary in the answer, or send "notify": {"webhook": "https://..."} to have it P
 `);
 }
 
-/** `deno task dev`: migrate, then the API, a worker and a relay in one process, sharing one /metrics. */
+/** `deno task dev`: migrate, then the API, a worker, a relay and retention in one process, sharing one /metrics. */
 export async function runDev({ config, clients, log, shutdown }: RunContext<{ redis: true; sql: true }>) {
   await migrate({ sql: clients.sql, log }, await readMigrations());
   await ensureDevTenant(clients.sql, config);
@@ -44,6 +44,7 @@ export async function runDev({ config, clients, log, shutdown }: RunContext<{ re
     serveApi({ config, ...clients, log: log.child({ component: "api" }), registry }, signal),
     startWorker({ config, ...clients, log: log.child({ component: "worker" }), registry }, signal),
     startRelay({ config, sql: clients.sql, log: log.child({ component: "relay" }), registry }, signal),
+    startRetention({ config, sql: clients.sql, log: log.child({ component: "retention" }) }, signal),
   ]);
   return 0;
 }

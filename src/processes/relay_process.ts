@@ -44,9 +44,6 @@ export async function startRelay(
     // A row is claimed just before its send starts; its lease must outlast that one send (DNS, connect and
     // answer, all capped by the send timeout) plus recording its outcome, with room for a stalled event loop.
     leaseMs: 2 * sendTimeoutMs + 5_000,
-    retentionMs: config.OUTBOX_RETENTION_S * 1000,
-    summaryRetentionMs: config.SUMMARY_RETENTION_S === undefined ? undefined : config.SUMMARY_RETENTION_S * 1000,
-    attemptRetentionMs: config.MODEL_ATTEMPTS_RETENTION_S * 1000,
     events: relayEvents(relayMetrics(registry)),
   });
   log.info("relay_started", { mail: config.MAIL_PROVIDER, batch: config.RELAY_BATCH });

@@ -9,7 +9,7 @@ import { type ApiMetrics, metricsResponse } from "../metrics/metrics.ts";
 import type { Registry } from "prom-client";
 import type { Authenticate } from "../tenants/authenticator.ts";
 import { type Intake, QueueFull } from "./intake.ts";
-import { cancelJob, type Outcome } from "./commit.ts";
+import { cancelJob, type Outcome, readJob } from "../jobs/job_store.ts";
 import { publicError } from "./public_error.ts";
 import { markCancelled } from "./job_status.ts";
 import { type JobWaiter, preferredWaitS } from "./job_waiter.ts";
@@ -209,16 +209,7 @@ export function createHandler(
     };
     const [rows, laneRecord] = await Promise.all([
       // The outcome, the summary, and the totals of the job's model attempts (those of this tenant only).
-      sql<Row[]>`
-        SELECT coalesce(o.tenant, s.tenant) AS tenant, coalesce(o.outcome, CASE WHEN s.job_id IS NOT NULL THEN 'done' END)
-            AS outcome, o.error, s.summary, a.attempts, a.tokens
-        FROM (SELECT ${jobId}::uuid AS job_id) j
-        LEFT JOIN job_outcomes o USING (job_id) LEFT JOIN summaries s USING (job_id)
-        CROSS JOIN LATERAL (
-          SELECT count(*)::int AS attempts,
-            (sum(coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)))::int AS tokens
-          FROM model_attempts m WHERE m.job_id = j.job_id AND m.tenant = ${tenant}
-        ) a`,
+      readJob(sql, jobId, tenant),
       redis.hgetall(laneKey),
     ]);
     const decided = rows[0]!;

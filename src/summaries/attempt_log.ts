@@ -6,25 +6,9 @@
  * billing estimates, not for correctness.
  */
 import type { Sql } from "postgres";
+import { type AttemptRow, failedAttemptsOf, insertAttempts } from "../jobs/job_store.ts";
 import type { Logger } from "../log/logger.ts";
 import type { AttemptReport } from "../retry/retry_policy.ts";
-
-/** One model call as recorded. */
-export interface AttemptRow {
-  job_id: string;
-  tenant: string;
-  delivery: number;
-  attempt: number;
-  started_at: Date;
-  duration_ms: number;
-  outcome: string;
-  status: number | null;
-  prompt_tokens: number | null;
-  completion_tokens: number | null;
-  provider_request_id: string | null;
-  model: string;
-  error: string | null;
-}
 
 /** Buffers attempts and writes them in batches. */
 export interface AttemptLog {
@@ -66,19 +50,8 @@ export function createAttemptLog(
   let buffer: AttemptRow[] = [];
   let writing: Promise<void> = Promise.resolve();
   const write = async (rows: AttemptRow[]) => {
-    const col = <K extends keyof AttemptRow>(k: K) => rows.map((r) => r[k]);
     try {
-      await sql`
-        INSERT INTO model_attempts (job_id, tenant, delivery, attempt, started_at, duration_ms, outcome, status,
-          prompt_tokens, completion_tokens, provider_request_id, model, error)
-        SELECT * FROM unnest(
-          ${col("job_id")}::uuid[], ${col("tenant")}::text[], ${col("delivery")}::int[], ${col("attempt")}::int[],
-          ${col("started_at").map((d) => d.toISOString())}::timestamptz[], ${col("duration_ms")}::float8[],
-          ${col("outcome")}::text[], ${col("status") as (number | null)[]}::int[],
-          ${col("prompt_tokens") as (number | null)[]}::int[], ${col("completion_tokens") as (number | null)[]}::int[],
-          ${col("provider_request_id") as (string | null)[]}::text[], ${col("model")}::text[],
-          ${col("error") as (string | null)[]}::text[]
-        )`;
+      await insertAttempts(sql, rows);
     } catch (error) {
       log.warn("model_attempts_write_failed", { rows: rows.length, error });
     }
@@ -113,17 +86,7 @@ export function createAttemptLog(
  * document). Null when nothing was recorded.
  */
 export async function describeFailures(sql: Sql, jobId: string): Promise<string | null> {
-  const [row] = await sql<{ failed: number; how: string | null; others_ok: boolean }[]>`
-    WITH mine AS (SELECT * FROM model_attempts WHERE job_id = ${jobId}::uuid AND outcome <> 'ok')
-    SELECT (SELECT count(*) FROM mine)::int AS failed,
-      (SELECT string_agg(label || ' ×' || n, ', ' ORDER BY n DESC) FROM (
-        SELECT coalesce('http_' || status, error, 'unknown') AS label, count(*) AS n FROM mine GROUP BY 1
-      ) k) AS how,
-      EXISTS (
-        SELECT 1 FROM model_attempts o
-        WHERE o.outcome = 'ok' AND o.job_id <> ${jobId}::uuid
-          AND o.started_at BETWEEN (SELECT min(started_at) FROM mine) AND (SELECT max(started_at) FROM mine)
-      ) AS others_ok`;
+  const row = await failedAttemptsOf(sql, jobId);
   if (!row || row.failed === 0) return null;
   const calls = `${row.failed} model call${row.failed === 1 ? "" : "s"} failed (${row.how})`;
   return row.others_ok ? `${calls}, while the provider served other jobs` : calls;

@@ -1,5 +1,7 @@
 import type { Sql } from "postgres";
 import type { Email } from "../mail/mailer.ts";
+import { summariesOf } from "../jobs/job_store.ts";
+import { sentLastHour } from "../outbox/outbox_store.ts";
 import type { Deferral, PayloadLoader, Renderer } from "../outbox/relay.ts";
 import { SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "./commit.ts";
 
@@ -41,11 +43,7 @@ export function summaryPayloadLoader(sql: Sql): PayloadLoader {
   return async (rows) => {
     const wanted = rows.filter((r) => topics.has(r.topic) && typeof r.payload.summary !== "string");
     if (wanted.length === 0) return;
-    const found = await sql<{ job_id: string; summary: string }[]>`
-      SELECT job_id::text, summary FROM summaries WHERE job_id = ANY(${
-      wanted.map((r) => String(r.payload.job_id))
-    }::uuid[])`;
-    const byId = new Map(found.map((f) => [f.job_id, f.summary]));
+    const byId = await summariesOf(sql, wanted.map((r) => String(r.payload.job_id)));
     for (const row of wanted) {
       const summary = byId.get(String(row.payload.job_id));
       if (summary !== undefined) row.payload = { ...row.payload, summary };
@@ -71,12 +69,7 @@ export function tenantHourlyLimits(sql: Sql, limits: Partial<Record<string, numb
       const rows = claimed.filter((r) => r.topic === topic);
       const tenants = [...new Set(rows.map((r) => String(r.payload.tenant ?? "")))];
       if (tenants.length === 0) continue;
-      const counts = await sql<{ tenant: string; n: number }[]>`
-        SELECT payload->>'tenant' AS tenant, count(*)::int AS n FROM outbox
-        WHERE payload->>'tenant' = ANY(${tenants}) AND topic = ${topic}
-          AND (sent_at > now() - interval '1 hour'
-            OR (sent_at IS NULL AND locked_until > now() AND claim_token IS DISTINCT FROM ${mine}::uuid))
-        GROUP BY 1`;
+      const counts = await sentLastHour(sql, { tenants, topic, claimToken: mine });
       const used = new Map(counts.map((c) => [c.tenant, c.n]));
       for (const row of rows) {
         const tenant = String(row.payload.tenant ?? "");

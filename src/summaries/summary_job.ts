@@ -12,7 +12,8 @@ import type { Permit, ProviderFlow } from "../provider/flow_control.ts";
 import { type AttemptDetails, type AttemptReport, callWithRetries } from "../retry/retry_policy.ts";
 import type { Completion } from "../llm/llm.ts";
 import { type AttemptLog, attemptRow } from "./attempt_log.ts";
-import { type Committed, createDecidedCheck, type GroupCommitter, type Outcome } from "./commit.ts";
+import type { Outcome } from "../jobs/job_store.ts";
+import { type Committed, createDecidedCheck, type GroupCommitter } from "./commit.ts";
 import { contextFrom, currentTraceparent, inSpan, recordSpan } from "../tracing.ts";
 import { SummaryRequest } from "./schemas.ts";
 

@@ -1,8 +1,11 @@
 import assert from "node:assert/strict";
 import postgres from "postgres";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
+import { silentLogger } from "../../src/log/logger.ts";
 import { type RelayOptions } from "../../src/outbox/relay.ts";
-import { cancelJob, commitSummaries, SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../../src/summaries/commit.ts";
+import { createRetention } from "../../src/retention/retention.ts";
+import { cancelJob } from "../../src/jobs/job_store.ts";
+import { commitSummaries, SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../../src/summaries/commit.ts";
 import {
   summaryEmailRenderer,
   summaryPayloadLoader,
@@ -302,8 +305,8 @@ Deno.test("outbox relay", async (t) => {
         await sql`UPDATE outbox SET created_at = now() - interval '10 days' WHERE dedupe_key = ${
           "summary_ready:" + oldUnsent
         }`;
-        const relay = relayFor(mail, { retentionMs: 7 * 24 * 3600 * 1000 });
-        assert.equal(await relay.purgeSent(), 1);
+        const retention = createRetention({ sql, log: silentLogger }, { outboxRetentionMs: 7 * 24 * 3600 * 1000 });
+        assert.equal(await retention.runOnce(), 1);
         const left = await sql<{ dedupe_key: string }[]>`SELECT dedupe_key FROM outbox ORDER BY dedupe_key`;
         assert.deepEqual(
           left.map((r) => r.dedupe_key).sort(),
@@ -322,8 +325,8 @@ Deno.test("outbox relay", async (t) => {
         await sql`UPDATE outbox SET sent_at = now() WHERE dedupe_key IN (${"summary_ready:" + oldSent}, ${
           "summary_ready:" + recent
         })`;
-        const relay = relayFor(mail, { summaryRetentionMs: 30 * 24 * 3600 * 1000 });
-        assert.equal(await relay.purgeSent(), 1);
+        const retention = createRetention({ sql, log: silentLogger }, { summaryRetentionMs: 30 * 24 * 3600 * 1000 });
+        assert.equal(await retention.runOnce(), 1);
         const left = await sql<{ job_id: string }[]>`SELECT job_id::text FROM summaries`;
         assert.deepEqual(left.map((r) => r.job_id).sort(), [oldUnsent!, recent!].sort());
         // The purged job stays finished: its outcome row is kept, so a late cancel cannot "cancel" it.
@@ -332,12 +335,12 @@ Deno.test("outbox relay", async (t) => {
         assert.equal(outcome!.outcome, "done");
         // Once nothing can ask about it any more (8 days, and past SUMMARY_RETENTION_S), the outcome goes too.
         await sql`UPDATE job_outcomes SET decided_at = now() - interval '40 days' WHERE job_id = ${oldSent!}`;
-        assert.equal(await relay.purgeSent(), 1);
+        assert.equal(await retention.runOnce(), 1);
         assert.equal((await sql`SELECT 1 FROM job_outcomes WHERE job_id = ${oldSent!}`).length, 0);
         assert.equal((await sql`SELECT 1 FROM job_outcomes`).length, 3 - 1, "the others' outcomes stay");
         // Unset: summaries are kept.
         await sql`UPDATE summaries SET created_at = now() - interval '400 days'`;
-        assert.equal(await relayFor(mail).purgeSent(), 0);
+        assert.equal(await createRetention({ sql, log: silentLogger }).runOnce(), 0);
       } finally {
         await mail.close();
       }

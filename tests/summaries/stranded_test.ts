@@ -15,14 +15,16 @@ import { silentLogger } from "../../src/log/logger.ts";
 import { DEAD_LETTER_BOUNDS, deadLetter, listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { createStreamWorker, ensureGroup } from "../../src/queue/stream_worker.ts";
 import { PermanentJobError } from "../../src/queue/errors.ts";
+import { createRetention } from "../../src/retention/retention.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";
-import { commitSummaries, createGroupCommitter, failJob } from "../../src/summaries/commit.ts";
+import { failJob } from "../../src/jobs/job_store.ts";
+import { commitSummaries, createGroupCommitter } from "../../src/summaries/commit.ts";
 import { createIntake } from "../../src/summaries/intake.ts";
 import { markFailedHook } from "../../src/summaries/job_status.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createSummaryJob, JobFailedElsewhere } from "../../src/summaries/summary_job.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
-import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
+import { apiHandler, summaryWorker } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 
 const TEXT = "Revenue rose 12% in Q3. Costs fell. The board approved the plan. Staff were told on Friday.";
@@ -191,7 +193,7 @@ Deno.test("nothing accepted is stranded", async (t) => {
         await db.sql`UPDATE job_outcomes SET decided_at = now() - interval '9 days' WHERE job_id = ${jobId}::uuid`;
         await r.redis.del(lane.dead);
         await r.redis.xadd(lane.dead, `${Date.now() - 8 * DAY_MS}-0`, ...Object.entries(fields).flat());
-        await relayTo({ sql: db.sql }, { summaryRetentionMs: DAY_MS }).purgeSent();
+        await createRetention({ sql: db.sql, log: silentLogger }, { summaryRetentionMs: DAY_MS }).runOnce();
         assert.deepEqual(await effects(jobId), [0, 0], "retention ran");
         errors.length = 0;
         assert.equal(await dlqCommand({ redis: r.redis, sql: db.sql }, keys, ["replay", "--all"], io), 1);
@@ -205,7 +207,7 @@ Deno.test("nothing accepted is stranded", async (t) => {
         await db.sql`UPDATE job_outcomes SET decided_at = now() - ${ageDays} * interval '1 day'
           WHERE job_id = ${recent}::uuid`;
         await db.sql`DELETE FROM summaries WHERE job_id = ${recent}::uuid`;
-        await relayTo({ sql: db.sql }, { summaryRetentionMs: DAY_MS }).purgeSent();
+        await createRetention({ sql: db.sql, log: silentLogger }, { summaryRetentionMs: DAY_MS }).runOnce();
         const [kept] = await db.sql`SELECT outcome FROM job_outcomes WHERE job_id = ${recent}::uuid`;
         assert.equal(kept?.outcome, "done");
       },

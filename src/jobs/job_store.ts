@@ -1,0 +1,342 @@
+/**
+ * The job store: the one module that reads and writes the job tables,
+ * `job_outcomes` (how each job ended, decided once), `summaries` (a done
+ * job's result) and `model_attempts` (the record of every model call). One
+ * SQL operation per function; each takes the pool or, inside a transaction
+ * that spans stores (the summary commit), that transaction.
+ */
+import type { Fragment, Queryable } from "../db/queryable.ts";
+
+/** How a job ended: its row in `job_outcomes`, decided once. */
+export type Outcome = "done" | "cancelled" | "failed";
+
+/** What cancelling a job came to. */
+export type CancelOutcome = "cancelled" | "already_cancelled" | "done" | "failed";
+
+/** A finished job's summary, as {@linkcode completeJobs} stores it. */
+export interface JobSummary {
+  jobId: string;
+  tenant: string;
+  summary: string;
+}
+
+/** One model call as recorded in `model_attempts`. */
+export interface AttemptRow {
+  job_id: string;
+  tenant: string;
+  delivery: number;
+  attempt: number;
+  started_at: Date;
+  duration_ms: number;
+  outcome: string;
+  status: number | null;
+  prompt_tokens: number | null;
+  completion_tokens: number | null;
+  provider_request_id: string | null;
+  model: string;
+  error: string | null;
+}
+
+/**
+ * Decides jobs done and stores their summaries, in one statement. The
+ * outcome row is the exactly-once guard: `INSERT INTO job_outcomes ... 'done'
+ * ON CONFLICT (job_id) DO NOTHING RETURNING` returns only jobs nobody decided
+ * before, and summaries are written for exactly those. When two deliveries
+ * race, both paid for the model, but one writes. When a cancel races the
+ * commit, the same primary key decides: the second INSERT waits for the first
+ * transaction and then conflicts. Run it in the transaction that writes the
+ * job's other effects (its outbox row), so a job is either done with all its
+ * effects or decided otherwise with none.
+ * @returns the job ids this call decided done.
+ */
+export async function completeJobs(sql: Queryable, jobs: JobSummary[]): Promise<Set<string>> {
+  if (jobs.length === 0) return new Set();
+  const rows = await sql<{ job_id: string }[]>`
+    WITH input AS (
+      SELECT * FROM unnest(
+        ${jobs.map((j) => j.jobId)}::uuid[],
+        ${jobs.map((j) => j.tenant)}::text[],
+        ${jobs.map((j) => j.summary)}::text[]
+      ) AS t(job_id, tenant, summary)
+    ), decided AS (
+      INSERT INTO job_outcomes (job_id, tenant, outcome)
+      SELECT job_id, tenant, 'done' FROM input
+      ON CONFLICT (job_id) DO NOTHING
+      RETURNING job_id
+    ), inserted AS (
+      -- A worker of the release before job_outcomes may have committed it meanwhile: the conflict catches that.
+      INSERT INTO summaries (job_id, tenant, summary)
+      SELECT job_id, tenant, summary FROM input JOIN decided USING (job_id)
+      ON CONFLICT (job_id) DO NOTHING
+      RETURNING job_id
+    )
+    SELECT job_id::text FROM inserted`;
+  return new Set(rows.map((r) => r.job_id));
+}
+
+/**
+ * The outcomes decided for `jobIds` (a new statement, so it sees outcomes
+ * committed while an earlier statement waited). Jobs with no row are absent.
+ */
+export async function outcomesOf(sql: Queryable, jobIds: string[]): Promise<Map<string, Outcome>> {
+  const rows = await sql<{ job_id: string; outcome: Outcome }[]>`
+    SELECT job_id::text, outcome FROM job_outcomes WHERE job_id = ANY(${jobIds}::uuid[])`;
+  return new Map(rows.map((r) => [r.job_id, r.outcome]));
+}
+
+/**
+ * Cancels a job unless it is done, in one statement that races the commit
+ * on `job_outcomes`' primary key: exactly one of them wins. A summary
+ * without an outcome (committed by a worker of the previous release during
+ * an upgrade) also counts as done.
+ */
+export async function cancelJob(sql: Queryable, jobId: string, tenant: string): Promise<CancelOutcome> {
+  const inserted = await sql`
+    INSERT INTO job_outcomes (job_id, tenant, outcome)
+    SELECT ${jobId}::uuid, ${tenant}, 'cancelled'
+    WHERE NOT EXISTS (SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid)
+    ON CONFLICT (job_id) DO NOTHING
+    RETURNING job_id`;
+  if (inserted.length > 0) return "cancelled";
+  const outcome = (await outcomesOf(sql, [jobId])).get(jobId);
+  return outcome === "cancelled" ? "already_cancelled" : outcome === "failed" ? "failed" : "done";
+}
+
+/**
+ * Decides that a job failed (it is about to be dead-lettered), unless it is
+ * already decided: the same primary key as the commit and a cancel, so a
+ * delivery still running elsewhere can no longer commit it.
+ * @returns "failed" when the job is (now, or already) failed: dead-letter it;
+ * "done" or "cancelled" when it was decided otherwise: acknowledge it instead.
+ * @throws Error when its outcome row vanished while it was being decided (let a later delivery look again).
+ */
+export async function failJob(sql: Queryable, jobId: string, tenant: string, error: string): Promise<Outcome> {
+  const inserted = await sql`
+    INSERT INTO job_outcomes (job_id, tenant, outcome, error)
+    SELECT ${jobId}::uuid, ${tenant}, 'failed', ${error.slice(0, 500)}
+    WHERE NOT EXISTS (SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid)
+    ON CONFLICT (job_id) DO NOTHING
+    RETURNING job_id`;
+  if (inserted.length > 0) return "failed";
+  const outcome = (await outcomesOf(sql, [jobId])).get(jobId);
+  if (outcome) return outcome;
+  // No row, yet the insert wrote none: a summary from before job_outcomes, or a row deleted meanwhile (a
+  // replay, retention). Only a summary means done; otherwise decide nothing now and let a later delivery look.
+  const [summary] = await sql`SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid`;
+  if (summary) return "done";
+  throw new Error(`job ${jobId}'s outcome changed while it was being decided failed`);
+}
+
+/**
+ * Makes a failed job undecided, for a replay of its dead letter: deletes its
+ * 'failed' outcome (a replay is the one step that takes a decision back, and
+ * only that kind). A job with any other outcome or a summary, or whose
+ * effects the caller found elsewhere (`hasOtherEffects`: its outbox row), has
+ * had its effects (or a cancel) already and is left as it is.
+ * @returns null when the job is now undecided, else what it already is.
+ */
+export async function reopenFailedJob(
+  sql: Queryable,
+  jobId: string,
+  hasOtherEffects: boolean,
+): Promise<"done" | "cancelled" | null> {
+  const [row] = await sql<{ outcome: Outcome | null; summary: boolean }[]>`
+    SELECT (SELECT outcome FROM job_outcomes WHERE job_id = ${jobId}::uuid) AS outcome,
+      EXISTS (SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid) AS summary`;
+  if (row!.outcome === "cancelled") return "cancelled";
+  if (row!.outcome === "done" || row!.summary || hasOtherEffects) return "done";
+  await sql`DELETE FROM job_outcomes WHERE job_id = ${jobId}::uuid AND outcome = 'failed'`;
+  return null;
+}
+
+/** The summaries of `jobIds`, by job id; jobs without one (not done, or past retention) are absent. */
+export async function summariesOf(sql: Queryable, jobIds: string[]): Promise<Map<string, string>> {
+  const found = await sql<{ job_id: string; summary: string }[]>`
+    SELECT job_id::text, summary FROM summaries WHERE job_id = ANY(${jobIds}::uuid[])`;
+  return new Map(found.map((f) => [f.job_id, f.summary]));
+}
+
+/** A job as the API reads it: its outcome, summary, and the totals of its model attempts. */
+export interface JobReadRow {
+  tenant: string | null;
+  outcome: Outcome | null;
+  error: string | null;
+  summary: string | null;
+  attempts: number;
+  tokens: number | null;
+}
+
+/**
+ * Reads a job for `GET /v1/summaries/{id}`, in one query: its outcome (a
+ * summary without one counts as done), its summary, and the totals of its
+ * model attempts (those of `tenant` only). @returns exactly one row, all
+ * null (and 0 attempts) for an unknown job.
+ */
+export async function readJob(sql: Queryable, jobId: string, tenant: string): Promise<JobReadRow[]> {
+  return await sql<JobReadRow[]>`
+    SELECT coalesce(o.tenant, s.tenant) AS tenant, coalesce(o.outcome, CASE WHEN s.job_id IS NOT NULL THEN 'done' END)
+        AS outcome, o.error, s.summary, a.attempts, a.tokens
+    FROM (SELECT ${jobId}::uuid AS job_id) j
+    LEFT JOIN job_outcomes o USING (job_id) LEFT JOIN summaries s USING (job_id)
+    CROSS JOIN LATERAL (
+      SELECT count(*)::int AS attempts,
+        (sum(coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)))::int AS tokens
+      FROM model_attempts m WHERE m.job_id = j.job_id AND m.tenant = ${tenant}
+    ) a`;
+}
+
+/** A decided job with its summary, as the console shows it. */
+export interface DecidedJob {
+  tenant: string;
+  outcome: string;
+  decided_at: Date;
+  summary: string | null;
+}
+
+/** The job's outcome and summary: one row if it is decided, none otherwise. */
+export async function decidedJob(sql: Queryable, jobId: string): Promise<DecidedJob[]> {
+  return await sql<DecidedJob[]>`
+    SELECT o.tenant, o.outcome, o.decided_at, s.summary
+    FROM job_outcomes o LEFT JOIN summaries s USING (job_id) WHERE o.job_id = ${jobId}`;
+}
+
+/** How many jobs each tenant finished in the last minute (tenants with none are absent). */
+export async function doneLastMinute(sql: Queryable): Promise<{ tenant: string; n: number }[]> {
+  return await sql<{ tenant: string; n: number }[]>`
+    SELECT tenant, count(*)::int AS n FROM job_outcomes
+    WHERE outcome = 'done' AND decided_at > now() - interval '1 minute' GROUP BY tenant`;
+}
+
+/** Inserts recorded model attempts, in one statement. */
+export async function insertAttempts(sql: Queryable, rows: AttemptRow[]): Promise<void> {
+  const col = <K extends keyof AttemptRow>(k: K) => rows.map((r) => r[k]);
+  await sql`
+    INSERT INTO model_attempts (job_id, tenant, delivery, attempt, started_at, duration_ms, outcome, status,
+      prompt_tokens, completion_tokens, provider_request_id, model, error)
+    SELECT * FROM unnest(
+      ${col("job_id")}::uuid[], ${col("tenant")}::text[], ${col("delivery")}::int[], ${col("attempt")}::int[],
+      ${col("started_at").map((d) => d.toISOString())}::timestamptz[], ${col("duration_ms")}::float8[],
+      ${col("outcome")}::text[], ${col("status") as (number | null)[]}::int[],
+      ${col("prompt_tokens") as (number | null)[]}::int[], ${col("completion_tokens") as (number | null)[]}::int[],
+      ${col("provider_request_id") as (string | null)[]}::text[], ${col("model")}::text[],
+      ${col("error") as (string | null)[]}::text[]
+    )`;
+}
+
+/** A job's model attempts, oldest first. */
+export async function attemptsOf(sql: Queryable, jobId: string): Promise<Omit<AttemptRow, "job_id" | "tenant">[]> {
+  return await sql<Omit<AttemptRow, "job_id" | "tenant">[]>`
+    SELECT delivery, attempt, started_at, duration_ms, outcome, status, prompt_tokens, completion_tokens,
+      provider_request_id, model, error
+    FROM model_attempts WHERE job_id = ${jobId} ORDER BY started_at`;
+}
+
+/** What a job's failed attempts were: how many, how (labels with counts), and whether others' calls succeeded meanwhile. */
+export interface FailedAttempts {
+  failed: number;
+  how: string | null;
+  others_ok: boolean;
+}
+
+/**
+ * The job's failed model attempts, and whether the provider served other
+ * jobs (an attempt that was ok) between its first and last failure.
+ */
+export async function failedAttemptsOf(sql: Queryable, jobId: string): Promise<FailedAttempts | undefined> {
+  const [row] = await sql<FailedAttempts[]>`
+    WITH mine AS (SELECT * FROM model_attempts WHERE job_id = ${jobId}::uuid AND outcome <> 'ok')
+    SELECT (SELECT count(*) FROM mine)::int AS failed,
+      (SELECT string_agg(label || ' ×' || n, ', ' ORDER BY n DESC) FROM (
+        SELECT coalesce('http_' || status, error, 'unknown') AS label, count(*) AS n FROM mine GROUP BY 1
+      ) k) AS how,
+      EXISTS (
+        SELECT 1 FROM model_attempts o
+        WHERE o.outcome = 'ok' AND o.job_id <> ${jobId}::uuid
+          AND o.started_at BETWEEN (SELECT min(started_at) FROM mine) AND (SELECT max(started_at) FROM mine)
+      ) AS others_ok`;
+  return row;
+}
+
+/** One line of the usage report: a tenant's calls to one model. */
+export interface AttemptUsage {
+  tenant: string;
+  model: string;
+  calls: number;
+  jobs: number;
+  prompt_tokens: number;
+  completion_tokens: number;
+  failures: number;
+  retries: number;
+  p50_ms: number;
+  p99_ms: number;
+}
+
+/** Model attempts per tenant and model since `sinceS` seconds ago (of `tenant` only, if given). */
+export async function attemptUsage(
+  sql: Queryable,
+  { tenant, sinceS }: { tenant?: string; sinceS: number },
+): Promise<AttemptUsage[]> {
+  return await sql<AttemptUsage[]>`
+    SELECT tenant, model, count(*)::int AS calls, count(DISTINCT job_id)::int AS jobs,
+      coalesce(sum(prompt_tokens), 0)::bigint::float8 AS prompt_tokens,
+      coalesce(sum(completion_tokens), 0)::bigint::float8 AS completion_tokens,
+      (count(*) FILTER (WHERE outcome <> 'ok'))::int AS failures,
+      (count(*) - count(DISTINCT job_id))::int AS retries,
+      round(percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p50_ms,
+      round(percentile_cont(0.99) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p99_ms
+    FROM model_attempts
+    WHERE started_at >= now() - ${sinceS} * interval '1 second'
+      ${tenant === undefined ? sql`` : sql`AND tenant = ${tenant}`}
+    GROUP BY tenant, model
+    ORDER BY tenant, model`;
+}
+
+/**
+ * Deletes up to `limit` summaries older than `olderThanMs`, except those
+ * `keep` matches (given the summary's job id column; the caller's rule, such
+ * as "its notification is still unsent"). @returns rows deleted.
+ */
+export async function deleteExpiredSummaries(
+  sql: Queryable,
+  { olderThanMs, limit, keep }: { olderThanMs: number; limit: number; keep?: (jobId: Fragment) => Fragment },
+): Promise<number> {
+  const kept = keep ? sql`AND NOT ${keep(sql`s.job_id`)}` : sql``;
+  const deleted = await sql`
+    DELETE FROM summaries WHERE job_id IN (
+      SELECT s.job_id FROM summaries s
+      WHERE s.created_at < now() - ${olderThanMs} * interval '1 millisecond' ${kept}
+      LIMIT ${limit}
+    )`;
+  return deleted.count;
+}
+
+/**
+ * Deletes up to `limit` outcome rows decided more than `olderThanMs` ago
+ * whose summary is gone. @returns rows deleted.
+ */
+export async function deleteExpiredOutcomes(
+  sql: Queryable,
+  { olderThanMs, limit }: { olderThanMs: number; limit: number },
+): Promise<number> {
+  const deleted = await sql`
+    DELETE FROM job_outcomes WHERE job_id IN (
+      SELECT o.job_id FROM job_outcomes o
+      WHERE o.decided_at < now() - ${olderThanMs} * interval '1 millisecond'
+        AND NOT EXISTS (SELECT 1 FROM summaries s WHERE s.job_id = o.job_id)
+      LIMIT ${limit}
+    )`;
+  return deleted.count;
+}
+
+/** Deletes up to `limit` recorded model attempts that started more than `olderThanMs` ago. @returns rows deleted. */
+export async function deleteExpiredAttempts(
+  sql: Queryable,
+  { olderThanMs, limit }: { olderThanMs: number; limit: number },
+): Promise<number> {
+  const deleted = await sql`
+    DELETE FROM model_attempts WHERE id IN (
+      SELECT id FROM model_attempts WHERE started_at < now() - ${olderThanMs} * interval '1 millisecond'
+      LIMIT ${limit}
+    )`;
+  return deleted.count;
+}

@@ -1,0 +1,153 @@
+/**
+ * Retention: the service that deletes what the service no longer needs, on
+ * its own interval, in batches (`DELETE ... WHERE id IN (SELECT ... LIMIT
+ * batch)`) until a batch deletes fewer than the batch size, so no statement
+ * holds many locks or runs long (River's `job_cleaner` is the model). Each
+ * delete is its table's owner's: the outbox store's for sent rows, the job
+ * store's for summaries, outcomes and model attempts.
+ */
+import type { Sql } from "postgres";
+import * as jobs from "../jobs/job_store.ts";
+import type { Logger } from "../log/logger.ts";
+import * as outbox from "../outbox/outbox_store.ts";
+import { DEAD_LETTER_BOUNDS } from "../queue/dead_letter.ts";
+import { JOB_RECORD_TTL_S } from "../summaries/keys.ts";
+
+const DAY_MS = 24 * 3600 * 1000;
+
+/** Defaults of the optional {@linkcode RetentionOptions}. */
+export const RETENTION_DEFAULTS = {
+  /** How often a pass runs. */
+  everyMs: 600_000,
+  /** How long after {@linkcode Retention.start} the first pass runs: not in the way of a starting process. */
+  firstPassAfterMs: 5_000,
+  /** The most rows one DELETE statement removes. */
+  batch: 1_000,
+  /** OUTBOX_RETENTION_S's default in ms: sent outbox rows older than this are deleted. */
+  outboxRetentionMs: 7 * DAY_MS,
+} as const;
+
+/**
+ * The least age at which a job's outcome row is deleted: as long as anything may still ask about the job,
+ * plus a day. That is its Redis status record ({@linkcode JOB_RECORD_TTL_S}) and its dead letters
+ * ({@linkcode DEAD_LETTER_BOUNDS}.maxAgeS), both 7 days. A dead letter's replay reads the outcome to refuse a
+ * job that already had its effects, and a job is decided (failed) before it is dead-lettered, so its outcome
+ * always outlives its dead letters.
+ */
+export const OUTCOME_MIN_AGE_MS = (Math.max(JOB_RECORD_TTL_S, DEAD_LETTER_BOUNDS.maxAgeS) * 1000) + DAY_MS;
+
+/** Options for {@linkcode createRetention}; the defaults are {@linkcode RETENTION_DEFAULTS}. */
+export interface RetentionOptions {
+  /** OUTBOX_RETENTION_S in ms: sent outbox rows older than this are deleted. Unsent rows are kept. */
+  outboxRetentionMs?: number;
+  /**
+   * SUMMARY_RETENTION_S in ms: summaries older than this are deleted, except those whose notification is still
+   * unsent (pending or failed: the relay needs them). Unset, summaries (and outcome rows) are kept.
+   */
+  summaryRetentionMs?: number;
+  /** MODEL_ATTEMPTS_RETENTION_S in ms: the record of model attempts older than this is deleted; unset, kept. */
+  attemptRetentionMs?: number;
+  everyMs?: number;
+  firstPassAfterMs?: number;
+  batch?: number;
+  /** Called after each DELETE statement with its table and how many rows it deleted (for tests and metrics). */
+  onBatch?: (table: string, rows: number) => void;
+}
+
+/** A retention service. */
+export interface Retention {
+  /** One pass: deletes everything past its age, batch after batch. @returns rows deleted in all. */
+  runOnce(): Promise<number>;
+  /** Runs a pass every `everyMs` (the first after `firstPassAfterMs`) until {@linkcode Retention.stop}. */
+  start(): void;
+  /** Stops the loop; a pass in progress ends after its current batch, and this waits for it. */
+  stop(): Promise<void>;
+}
+
+/** Creates the retention service. Running it in several processes at once is safe: each delete is idempotent. */
+export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options: RetentionOptions = {}): Retention {
+  const batch = options.batch ?? RETENTION_DEFAULTS.batch;
+  const outboxAgeMs = options.outboxRetentionMs ?? RETENTION_DEFAULTS.outboxRetentionMs;
+
+  /** Set by {@linkcode Retention.stop}: a pass in progress ends after its current batch. */
+  let halted = false;
+
+  /** Runs `deleteBatch` until it deletes fewer than a batch (or the service stops). @returns rows deleted. */
+  async function drain(table: string, deleteBatch: (limit: number) => Promise<number>): Promise<number> {
+    let total = 0;
+    for (;;) {
+      const deleted = await deleteBatch(batch);
+      options.onBatch?.(table, deleted);
+      total += deleted;
+      if (deleted < batch || halted) return total;
+    }
+  }
+
+  async function runOnce(): Promise<number> {
+    let total = await drain("outbox", (limit) => outbox.deleteSentRows(sql, { olderThanMs: outboxAgeMs, limit }));
+    const attemptAgeMs = options.attemptRetentionMs;
+    if (attemptAgeMs !== undefined) {
+      total += await drain(
+        "model_attempts",
+        (limit) => jobs.deleteExpiredAttempts(sql, { olderThanMs: attemptAgeMs, limit }),
+      );
+    }
+    const summaryAgeMs = options.summaryRetentionMs;
+    if (summaryAgeMs === undefined) return total;
+    // Summaries whose notification is still unsent stay: the email (or webhook) needs them.
+    // The job's outcome row stays longer (below): it keeps a finished job finished, so a late DELETE
+    // still gets 409 and a replayed message still skips the model, after the summary is gone.
+    total += await drain("summaries", (limit) =>
+      jobs.deleteExpiredSummaries(sql, {
+        olderThanMs: summaryAgeMs,
+        limit,
+        keep: (jobId) => outbox.hasUnsentRowOf(sql, jobId),
+      }));
+    // Outcome rows outlive their summaries until nothing can ask about the job any more: the job's Redis
+    // record (7 days) and its idempotency record (at most SUMMARY_RETENTION_S) are gone by then.
+    const outcomeAgeMs = Math.max(summaryAgeMs, OUTCOME_MIN_AGE_MS);
+    total += await drain(
+      "job_outcomes",
+      (limit) => jobs.deleteExpiredOutcomes(sql, { olderThanMs: outcomeAgeMs, limit }),
+    );
+    return total;
+  }
+
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  let passing: Promise<void> | undefined;
+  let stopped = true;
+
+  async function pass(): Promise<void> {
+    try {
+      const purged = await runOnce();
+      if (purged > 0) log.info("outbox_purged", { rows: purged });
+    } catch (error) {
+      log.warn("retention_pass_failed", { error });
+    }
+  }
+
+  function schedule(ms: number): void {
+    timer = setTimeout(() => {
+      passing = pass().finally(() => {
+        passing = undefined;
+        if (!stopped) schedule(options.everyMs ?? RETENTION_DEFAULTS.everyMs);
+      });
+    }, ms);
+  }
+
+  return {
+    runOnce,
+    start() {
+      if (!stopped) return;
+      stopped = false;
+      halted = false;
+      schedule(options.firstPassAfterMs ?? RETENTION_DEFAULTS.firstPassAfterMs);
+    },
+    async stop() {
+      stopped = true;
+      halted = true;
+      clearTimeout(timer);
+      await passing;
+    },
+  };
+}
