@@ -160,8 +160,6 @@ export interface LaneRegistryOptions {
   keys: LaneRegistryKeys;
   /** The queue names of lane `id`. */
   lane(id: string): QueueNames;
-  /** Lanes outside the registry that are read while they have work (the pre-lane single stream). */
-  extra?: QueueNames[];
   /** How often the sweep re-adds lanes that have work but fell off the active set. */
   sweepMs?: number;
 }
@@ -178,8 +176,6 @@ export function createLaneRegistry(
     ids.set(lane.stream, id);
     return lane;
   };
-  let extraWithWork = [...(options.extra ?? [])];
-  let extraCheckedAt = performance.now();
   let waiters: (() => void)[] = [];
   // Counts wake-ups, so a publish between `active()` and `wait()` is not missed.
   let wakes = 0;
@@ -215,9 +211,6 @@ export function createLaneRegistry(
       const lane = toLane(id);
       if (await hasUndelivered(redis, lane) && (await redis.sadd(keys.active, id)) === 1) repaired++;
     }
-    const extra: QueueNames[] = [];
-    for (const lane of options.extra ?? []) if (await hasUndelivered(redis, lane)) extra.push(lane);
-    extraWithWork = extra;
     if (repaired) log.info("lanes_repaired", { lanes: repaired });
     return repaired;
   }
@@ -236,26 +229,14 @@ export function createLaneRegistry(
       await subscribed;
       await (firstWalk ??= walk().catch((error) => log.warn("lane_sweep_failed", { error })));
       wakesSeen = wakes;
-      // A drained lane outside the registry is looked at again every second: a replayed dead letter, or an
-      // older API still writing there during a rolling upgrade, is not left for the sweep.
-      if (extraWithWork.length < (options.extra ?? []).length && performance.now() - extraCheckedAt > 1_000) {
-        extraCheckedAt = performance.now();
-        const extra: QueueNames[] = [];
-        for (const lane of options.extra ?? []) if (await hasUndelivered(redis, lane)) extra.push(lane);
-        extraWithWork = extra;
-      }
-      return [...extraWithWork, ...(await redis.smembers(keys.active)).sort().map(toLane)];
+      return (await redis.smembers(keys.active)).sort().map(toLane);
     },
     async all() {
-      return [...(options.extra ?? []), ...(await redis.smembers(keys.all)).sort().map(toLane)];
+      return (await redis.smembers(keys.all)).sort().map(toLane);
     },
     async idle(lane) {
       const id = ids.get(lane.stream);
-      if (id === undefined) {
-        // A lane outside the registry (the old single stream) is read until it is empty.
-        if (!(await hasUndelivered(redis, lane))) extraWithWork = extraWithWork.filter((l) => l !== lane);
-        return;
-      }
+      if (id === undefined) return;
       await redis.srem(keys.active, id);
       // Look again *after* removing: an enqueue that landed meanwhile has either re-added the lane
       // itself (it adds after enqueuing), or is visible here. If the look fails, put the lane back:

@@ -10,6 +10,7 @@ import { createTenantWeights, TENANT_WEIGHT } from "../tenants/tenant_weights.ts
 import { createGroupCommitter, failJob } from "./commit.ts";
 import type { JobKeys, ServiceKeys } from "./keys.ts";
 import { createLaneRegistry } from "../queue/lanes.ts";
+import { staticLanes } from "../queue/static_lanes.ts";
 import { markFailedHook } from "./job_status.ts";
 import { notifyJob } from "./job_waiter.ts";
 import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
@@ -20,7 +21,7 @@ const PROMPT_FRAME = summaryPrompt("").length;
 
 /** Options for {@linkcode createSummaryWorker}. */
 export interface SummaryWorkerOptions {
-  /** The service's keys (a lane per tenant, and the old single stream until it is empty), or one stream. */
+  /** The service's keys (a lane per tenant), or one stream (a one-lane queue, for tests and tools). */
   keys: ServiceKeys | JobKeys;
   /** The most jobs of one tenant in flight across all workers (TENANT_MAX_IN_FLIGHT). */
   tenantMaxInFlight?: number;
@@ -54,15 +55,10 @@ export function createSummaryWorker(
     ? createLaneRegistry({ redis: deps.redis, log: deps.log }, {
       keys: keys.registry,
       lane: share.laneOf((tenant) => keys.lane(tenant)),
-      extra: [keys.legacy],
       sweepMs: options.laneSweepMs,
     })
-    : undefined;
-  const one = "lane" in keys ? keys.legacy : keys;
+    : { ...staticLanes([keys]), close: () => Promise.resolve() };
   const worker = createStreamWorker({ redis: deps.redis, log: deps.log }, {
-    stream: one.stream,
-    dead: one.dead,
-    group: one.group,
     lanes,
     laneMaxInFlight: options.tenantMaxInFlight,
     // Tenants share the provider by tokens and weight, not by job count.
@@ -109,7 +105,7 @@ export function createSummaryWorker(
     },
     async close() {
       await worker.close();
-      await lanes?.close();
+      await lanes.close();
       await attempts.close();
     },
   };
