@@ -81,34 +81,29 @@ export function laneRegistryKeys(prefix: string): LaneRegistryKeys {
   };
 }
 
-/**
- * The keys and arguments an enqueue script needs to make lane `id` known in
- * the same step as its enqueue (see the module comment): KEYS `[set]` and
- * ARGV `[id]` on a cluster (the lane's home), KEYS `[all, active]` and ARGV
- * `[id, wake channel]` on one server, where the script announces the lane
- * fully and nothing is left to do after it. Run {@linkcode LANE_KNOWN_LUA} with them.
- */
-export function laneKnownArgs(
-  redis: RedisClient,
-  keys: LaneRegistryKeys,
-  id: string,
-  laneKey: string,
-): { keys: string[]; args: string[]; announced: boolean } {
-  if (redis.isCluster) return { keys: [keys.home(laneKey)], args: [id], announced: false };
-  return { keys: [keys.all, keys.active], args: [id, keys.wake], announced: true };
+/** What an enqueue script is given to make its lane known in the same step (see {@linkcode laneKnownArgs}). */
+export interface LaneKnown {
+  /** Sets the script adds `lane` to; passed as KEYS, in the lane's slot on a cluster. */
+  keys: string[];
+  /** The lane id. */
+  lane: string;
+  /** The channel the script publishes `lane` on; '' for none. */
+  wake: string;
+  /** Whether the script announces the lane fully, so nothing is left to do after it. */
+  announced: boolean;
 }
 
 /**
- * Lua for an enqueue script, given the registry keys at KEYS[k], KEYS[k+1]
- * and the arguments at ARGV[a], ARGV[a+1] that {@linkcode laneKnownArgs} returns.
+ * What an enqueue script needs to make lane `id` known in the same step as
+ * its enqueue (see the module comment); the script adds `lane` to each of
+ * `keys` and, unless `wake` is '', publishes it there. On a cluster that is
+ * the lane's home (any key of the lane is `laneKey`), with no publish; on one
+ * server the registry's `all` and `active` sets and the wake-up, so the
+ * script announces the lane fully and nothing is left to do after it.
  */
-export function laneKnownLua(k: number, a: number): string {
-  return `
-redis.call('SADD', KEYS[${k}], ARGV[${a}])
-if KEYS[${k + 1}] then
-  redis.call('SADD', KEYS[${k + 1}], ARGV[${a}])
-  redis.call('PUBLISH', ARGV[${a + 1}], ARGV[${a}])
-end`;
+export function laneKnownArgs(redis: RedisClient, keys: LaneRegistryKeys, id: string, laneKey: string): LaneKnown {
+  if (redis.isCluster) return { keys: [keys.home(laneKey)], lane: id, wake: "", announced: false };
+  return { keys: [keys.all, keys.active], lane: id, wake: keys.wake, announced: true };
 }
 
 /**
@@ -145,11 +140,17 @@ async function hasUndelivered(redis: RedisClient, lane: QueueNames): Promise<boo
  * publishes a wake-up. Call it after the enqueue has committed.
  */
 export async function announceLane(redis: RedisClient, keys: LaneRegistryKeys, id: string): Promise<void> {
-  await ANNOUNCE.run(redis, [keys.active, keys.all], [id, keys.wake]);
+  await ANNOUNCE_LANE.run(redis, [keys.active, keys.all], [id, keys.wake]);
 }
 
-// One command: both registry sets (one slot) and the wake-up.
-const ANNOUNCE = defineScript(`
+// ANNOUNCE_LANE: tells workers about new work in a lane, in one command: both registry sets (one slot) and the
+// wake-up.
+// KEYS[1]  the registry's set of lanes with work (active).
+// KEYS[2]  the registry's set of every lane (all).
+// ARGV[1]  the lane id.
+// ARGV[2]  the wake-up channel.
+// Returns 1.
+const ANNOUNCE_LANE = defineScript(`
 redis.call('SADD', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('PUBLISH', ARGV[2], ARGV[1])

@@ -13,6 +13,7 @@ import { createLaneRegistry } from "../queue/lanes.ts";
 import { staticLanes } from "../queue/static_lanes.ts";
 import { markFailedHook } from "./job_status.ts";
 import { notifyJob } from "./job_waiter.ts";
+import { drainLegacyStream } from "./legacy_drain.ts";
 import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
 import { createAttemptLog, describeFailures } from "./attempt_log.ts";
 
@@ -100,6 +101,15 @@ export function createSummaryWorker(
   }, job);
   return {
     ...worker,
+    async run(signal) {
+      // Whatever an upgrade left in the stream of releases before lanes moves into the lanes, beside the first
+      // reads; the moved jobs are read from their lanes like any other.
+      const drained = "lane" in keys
+        ? drainLegacyStream(deps, { keys }).catch((error) => deps.log.error("legacy_drain_failed", { error }))
+        : undefined;
+      await worker.run(signal);
+      await drained;
+    },
     get inFlight() {
       return worker.inFlight;
     },
