@@ -1,12 +1,13 @@
 /**
  * The reader: takes new messages from the lanes with work into a worker's
  * free slots, sharing them fairly by weighted cost (see
- * {@linkcode createLaneShares}), each lane within its in-flight cap.
+ * `lane_shares.ts`), each lane within its in-flight cap.
  */
 import type { RedisClient } from "../clients.ts";
 import { defineScript } from "../redis/script.ts";
 import type { GroupCache } from "./consumer_group.ts";
-import type { LaneShares, LaneSource } from "./lanes.ts";
+import type { LaneShares } from "./lane_shares.ts";
+import type { LaneSource } from "./lanes.ts";
 import { fieldsToObject, type QueueNames, type StreamMessage } from "./message.ts";
 
 /** Defaults of {@linkcode createLaneReader}. */

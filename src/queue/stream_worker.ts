@@ -16,7 +16,8 @@ import { deadLetter, type DeadLetterHook } from "./dead_letter.ts";
 import { PermanentJobError } from "./errors.ts";
 import { createHeartbeat, heartbeatInterval } from "./heartbeat.ts";
 import { createLaneReader } from "./lane_reader.ts";
-import { createLaneShares, type LaneCharge, type LaneSource } from "./lanes.ts";
+import { createLaneShares, type LaneCharge } from "./lane_shares.ts";
+import type { LaneSource } from "./lanes.ts";
 import type { QueueNames, StreamMessage } from "./message.ts";
 import { createReclaimer } from "./reclaimer.ts";
 
