@@ -67,7 +67,8 @@ return redis.call('DEL', KEYS[1])`);
 /**
  * Moves every entry of the pre-lane `{jobs}` stream under `keys.prefix` into its tenant's lane, then deletes
  * the stream once it is empty. Safe to run from several workers at once. An entry that names no tenant or job
- * is left where it is (logged), and the stream with it. @returns how many entries were moved.
+ * is left where it is (logged), and the stream with it. @returns how many entries were taken off the old stream
+ * (one a crashed drain had already added to its lane is counted, not added again).
  */
 export async function drainLegacyStream(
   { redis, log }: { redis: RedisClient; log: Logger },
