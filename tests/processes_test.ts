@@ -12,8 +12,8 @@ import { permissionFlags } from "../src/permissions.ts";
 import { createApiKey } from "../src/tenants/tenant_store.ts";
 import { startFakeMail } from "./support/fake_mail_server.ts";
 import { startFakeModel } from "./support/fake_model_server.ts";
-import { enqueueJob } from "./support/enqueue.ts";
-import { jobKeys } from "../src/summaries/keys.ts";
+import { enqueueToLane } from "./support/enqueue.ts";
+import { serviceKeys } from "../src/summaries/keys.ts";
 import { createTestDatabase, freePort, REDIS_URL, waitFor } from "./_support.ts";
 import { emptyRedisDatabase } from "./support/scratch.ts";
 
@@ -167,7 +167,8 @@ Deno.test("processes", async (t) => {
       "SIGTERM with a job stuck in a hung model call: the worker exits 0 within 10 s, the job stays pending",
       async () => {
         const model = startFakeModel(() => ({ kind: "hang" }));
-        const keys = jobKeys("oncely");
+        const keys = serviceKeys("oncely");
+        const lane = keys.lane("acme");
         const worker = spawn(taskArgs("worker"), {
           ...env,
           OPENAI_API_KEY: "sk-test",
@@ -176,7 +177,7 @@ Deno.test("processes", async (t) => {
           JOB_BUDGET_S: "60",
         });
         try {
-          await enqueueJob(redis, keys, {
+          await enqueueToLane(redis, keys, {
             jobId: crypto.randomUUID(),
             tenant: "acme",
             request: { text: "Revenue rose.", notify: "a@b.co" },
@@ -186,7 +187,7 @@ Deno.test("processes", async (t) => {
           assert.equal(status.code, 0, err.slice(-500));
           assert.ok(elapsed < 10_000, `stopped in ${elapsed.toFixed(0)} ms`);
           assert.match(err, /worker_abandoned_in_flight/);
-          const [pending] = await redis.xpending(keys.stream, keys.group) as [number];
+          const [pending] = await redis.xpending(lane.stream, lane.group) as [number];
           assert.equal(pending, 1, "the abandoned job is still pending, for another worker to reclaim");
         } finally {
           await model.close();

@@ -1,6 +1,7 @@
 import type { ChainableCommander } from "ioredis";
 import type { RedisClient } from "../clients.ts";
 import { defineScript } from "../redis/script.ts";
+import { queueDeadLetterTrim } from "./dead_letter_trim.ts";
 import { fieldsToObject, type QueueNames, type StreamMessage } from "./message.ts";
 
 /** Adds app-specific commands (e.g. marking a job failed) to the dead-letter MULTI. Keys must share the queue's hash tag. */
@@ -61,13 +62,6 @@ export class DeadLetterTruncated extends Error {
   }
 }
 
-// Trims the dead-letter stream KEYS[1] to about ARGV[1] entries and drops those older than id ARGV[2],
-// counting what went in KEYS[2]. @returns how many entries were dropped.
-const TRIM_LUA = `
-local n = redis.call('XTRIM', KEYS[1], 'MAXLEN', '~', ARGV[1]) + redis.call('XTRIM', KEYS[1], 'MINID', '~', ARGV[2])
-if n > 0 then redis.call('INCRBY', KEYS[2], n) end
-return n`;
-
 /**
  * Moves a message to the dead-letter stream: XADD to the dead stream, XACK
  * and XDEL on the job stream, in one MULTI/EXEC, so a message is never both
@@ -104,8 +98,13 @@ export async function deadLetter(
   const multi = redis.multi()
     .xadd(names.dead, "*", ...entry)
     .xack(names.stream, names.group, message.id)
-    .xdel(names.stream, message.id)
-    .eval(TRIM_LUA, 2, names.dead, droppedKey(names), DEAD_LETTER_BOUNDS.maxEntries, minId);
+    .xdel(names.stream, message.id);
+  queueDeadLetterTrim(multi, {
+    dead: names.dead,
+    dropped: droppedKey(names),
+    maxEntries: DEAD_LETTER_BOUNDS.maxEntries,
+    minId,
+  });
   hook?.(multi, message, reason, names);
   const results = await multi.exec();
   if (!results) throw new Error("Dead-letter transaction was aborted");
@@ -191,16 +190,22 @@ export interface RecordUpdate {
   del: string[];
 }
 
-// Re-enqueue and remove the dead entry atomically, and only if it is still
-// there: replaying the same id twice enqueues once. The metadata fields are
-// the ones META names (ARGV[2]); an optional record (KEYS[3]) changes in the
-// same step, so a replayed job never reads as failed while it is queued. An
-// entry whose fields were truncated is left alone: its answer is {truncated}.
+// REPLAY: re-enqueues a dead letter and removes it from the dead stream, atomically, and only if it is still
+// there: replaying the same id twice enqueues once. An optional record changes in the same step, so a replayed
+// job never reads as failed while it is queued. An entry whose fields were truncated is left alone.
+// KEYS[1]  the job stream.
+// KEYS[2]  the dead-letter stream.
+// KEYS[3]  optional: the record to change (same hash tag).
+// ARGV[1]  JSON: { dead_id, meta: [the metadata fields, dropped from the re-enqueued entry], and with KEYS[3]:
+//          match: { field, value } (change the record only when the entry's field has that value),
+//          set: [field, value, …] (HSET), del: [field, …] (HDEL) }.
+// Returns the new entry id, false when there is no such dead letter, or {truncated fields} when it was cut.
 const REPLAY = defineScript(`
-local entries = redis.call('XRANGE', KEYS[2], ARGV[1], ARGV[1])
+local a = cjson.decode(ARGV[1])
+local entries = redis.call('XRANGE', KEYS[2], a.dead_id, a.dead_id)
 if #entries == 0 then return false end
 local meta = {}
-for name in string.gmatch(ARGV[2], '[^,]+') do meta[name] = true end
+for _, name in ipairs(a.meta) do meta[name] = true end
 local flat = entries[1][2]
 for i = 1, #flat, 2 do
   if flat[i] == 'dead_truncated' and flat[i + 1] ~= '' then return {flat[i + 1]} end
@@ -211,15 +216,14 @@ for i = 1, #flat, 2 do
   if not meta[k] then
     table.insert(fields, k)
     table.insert(fields, flat[i + 1])
-    if KEYS[3] and k == ARGV[3] and flat[i + 1] == ARGV[4] then matched = true end
+    if KEYS[3] and k == a.match.field and flat[i + 1] == a.match.value then matched = true end
   end
 end
 local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
-redis.call('XDEL', KEYS[2], ARGV[1])
+redis.call('XDEL', KEYS[2], a.dead_id)
 if matched then
-  local n = tonumber(ARGV[5])
-  if n > 0 then redis.call('HSET', KEYS[3], unpack(ARGV, 6, 5 + n)) end
-  if #ARGV > 5 + n then redis.call('HDEL', KEYS[3], unpack(ARGV, 6 + n, #ARGV)) end
+  if #a.set > 0 then redis.call('HSET', KEYS[3], unpack(a.set)) end
+  if #a.del > 0 then redis.call('HDEL', KEYS[3], unpack(a.del)) end
 end
 return id`);
 
@@ -239,12 +243,12 @@ export async function replayDeadLetter(
 ): Promise<string | null> {
   if (isExpired(deadId)) throw new DeadLetterExpired(deadId);
   const keys = [names.stream, names.dead];
-  const args: (string | number)[] = [deadId, META.join(",")];
+  const args: Record<string, unknown> = { dead_id: deadId, meta: META };
   if (record) {
     keys.push(record.key);
-    args.push(record.match.field, record.match.value, record.set.length, ...record.set, ...record.del);
+    Object.assign(args, { match: record.match, set: record.set, del: record.del });
   }
-  const id = await REPLAY.run(redis, keys, args);
+  const id = await REPLAY.run(redis, keys, [JSON.stringify(args)]);
   if (Array.isArray(id)) throw new DeadLetterTruncated(deadId, String(id[0]).split(","));
   return typeof id === "string" ? id : null;
 }

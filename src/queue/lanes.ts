@@ -23,6 +23,8 @@ import type { Logger } from "../log/logger.ts";
 import { defineScript } from "../redis/script.ts";
 import type { QueueNames } from "./message.ts";
 
+export { createLaneShares, LANE_SHARE_DEFAULTS, type LaneCharge, type LaneShares } from "./lane_shares.ts";
+
 /** Where a multi-lane worker finds its lanes. */
 export interface LaneSource {
   /** Lanes that may have work now. */
@@ -81,34 +83,29 @@ export function laneRegistryKeys(prefix: string): LaneRegistryKeys {
   };
 }
 
-/**
- * The keys and arguments an enqueue script needs to make lane `id` known in
- * the same step as its enqueue (see the module comment): KEYS `[set]` and
- * ARGV `[id]` on a cluster (the lane's home), KEYS `[all, active]` and ARGV
- * `[id, wake channel]` on one server, where the script announces the lane
- * fully and nothing is left to do after it. Run {@linkcode LANE_KNOWN_LUA} with them.
- */
-export function laneKnownArgs(
-  redis: RedisClient,
-  keys: LaneRegistryKeys,
-  id: string,
-  laneKey: string,
-): { keys: string[]; args: string[]; announced: boolean } {
-  if (redis.isCluster) return { keys: [keys.home(laneKey)], args: [id], announced: false };
-  return { keys: [keys.all, keys.active], args: [id, keys.wake], announced: true };
+/** What an enqueue script is given to make its lane known in the same step (see {@linkcode laneKnownArgs}). */
+export interface LaneKnown {
+  /** Sets the script adds `lane` to; passed as KEYS, in the lane's slot on a cluster. */
+  keys: string[];
+  /** The lane id. */
+  lane: string;
+  /** The channel the script publishes `lane` on; '' for none. */
+  wake: string;
+  /** Whether the script announces the lane fully, so nothing is left to do after it. */
+  announced: boolean;
 }
 
 /**
- * Lua for an enqueue script, given the registry keys at KEYS[k], KEYS[k+1]
- * and the arguments at ARGV[a], ARGV[a+1] that {@linkcode laneKnownArgs} returns.
+ * What an enqueue script needs to make lane `id` known in the same step as
+ * its enqueue (see the module comment); the script adds `lane` to each of
+ * `keys` and, unless `wake` is '', publishes it there. On a cluster that is
+ * the lane's home (any key of the lane is `laneKey`), with no publish; on one
+ * server the registry's `all` and `active` sets and the wake-up, so the
+ * script announces the lane fully and nothing is left to do after it.
  */
-export function laneKnownLua(k: number, a: number): string {
-  return `
-redis.call('SADD', KEYS[${k}], ARGV[${a}])
-if KEYS[${k + 1}] then
-  redis.call('SADD', KEYS[${k + 1}], ARGV[${a}])
-  redis.call('PUBLISH', ARGV[${a + 1}], ARGV[${a}])
-end`;
+export function laneKnownArgs(redis: RedisClient, keys: LaneRegistryKeys, id: string, laneKey: string): LaneKnown {
+  if (redis.isCluster) return { keys: [keys.home(laneKey)], lane: id, wake: "", announced: false };
+  return { keys: [keys.all, keys.active], lane: id, wake: keys.wake, announced: true };
 }
 
 /**
@@ -145,11 +142,17 @@ async function hasUndelivered(redis: RedisClient, lane: QueueNames): Promise<boo
  * publishes a wake-up. Call it after the enqueue has committed.
  */
 export async function announceLane(redis: RedisClient, keys: LaneRegistryKeys, id: string): Promise<void> {
-  await ANNOUNCE.run(redis, [keys.active, keys.all], [id, keys.wake]);
+  await ANNOUNCE_LANE.run(redis, [keys.active, keys.all], [id, keys.wake]);
 }
 
-// One command: both registry sets (one slot) and the wake-up.
-const ANNOUNCE = defineScript(`
+// ANNOUNCE_LANE: tells workers about new work in a lane, in one command: both registry sets (one slot) and the
+// wake-up.
+// KEYS[1]  the registry's set of lanes with work (active).
+// KEYS[2]  the registry's set of every lane (all).
+// ARGV[1]  the lane id.
+// ARGV[2]  the wake-up channel.
+// Returns 1.
+const ANNOUNCE_LANE = defineScript(`
 redis.call('SADD', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('PUBLISH', ARGV[2], ARGV[1])
@@ -160,8 +163,6 @@ export interface LaneRegistryOptions {
   keys: LaneRegistryKeys;
   /** The queue names of lane `id`. */
   lane(id: string): QueueNames;
-  /** Lanes outside the registry that are read while they have work (the pre-lane single stream). */
-  extra?: QueueNames[];
   /** How often the sweep re-adds lanes that have work but fell off the active set. */
   sweepMs?: number;
 }
@@ -178,8 +179,6 @@ export function createLaneRegistry(
     ids.set(lane.stream, id);
     return lane;
   };
-  let extraWithWork = [...(options.extra ?? [])];
-  let extraCheckedAt = performance.now();
   let waiters: (() => void)[] = [];
   // Counts wake-ups, so a publish between `active()` and `wait()` is not missed.
   let wakes = 0;
@@ -215,9 +214,6 @@ export function createLaneRegistry(
       const lane = toLane(id);
       if (await hasUndelivered(redis, lane) && (await redis.sadd(keys.active, id)) === 1) repaired++;
     }
-    const extra: QueueNames[] = [];
-    for (const lane of options.extra ?? []) if (await hasUndelivered(redis, lane)) extra.push(lane);
-    extraWithWork = extra;
     if (repaired) log.info("lanes_repaired", { lanes: repaired });
     return repaired;
   }
@@ -236,26 +232,14 @@ export function createLaneRegistry(
       await subscribed;
       await (firstWalk ??= walk().catch((error) => log.warn("lane_sweep_failed", { error })));
       wakesSeen = wakes;
-      // A drained lane outside the registry is looked at again every second: a replayed dead letter, or an
-      // older API still writing there during a rolling upgrade, is not left for the sweep.
-      if (extraWithWork.length < (options.extra ?? []).length && performance.now() - extraCheckedAt > 1_000) {
-        extraCheckedAt = performance.now();
-        const extra: QueueNames[] = [];
-        for (const lane of options.extra ?? []) if (await hasUndelivered(redis, lane)) extra.push(lane);
-        extraWithWork = extra;
-      }
-      return [...extraWithWork, ...(await redis.smembers(keys.active)).sort().map(toLane)];
+      return (await redis.smembers(keys.active)).sort().map(toLane);
     },
     async all() {
-      return [...(options.extra ?? []), ...(await redis.smembers(keys.all)).sort().map(toLane)];
+      return (await redis.smembers(keys.all)).sort().map(toLane);
     },
     async idle(lane) {
       const id = ids.get(lane.stream);
-      if (id === undefined) {
-        // A lane outside the registry (the old single stream) is read until it is empty.
-        if (!(await hasUndelivered(redis, lane))) extraWithWork = extraWithWork.filter((l) => l !== lane);
-        return;
-      }
+      if (id === undefined) return;
       await redis.srem(keys.active, id);
       // Look again *after* removing: an enqueue that landed meanwhile has either re-added the lane
       // itself (it adds after enqueuing), or is visible here. If the look fails, put the lane back:
@@ -282,185 +266,6 @@ export function createLaneRegistry(
       clearInterval(sweeper);
       wakeAll();
       await subscriber.quit().catch(() => subscriber.disconnect());
-    },
-  };
-}
-
-/** One message's charge against its lane's share, to be settled when the message is finished. */
-export interface LaneCharge {
-  readonly lane: string;
-  /** The message's estimated cost. */
-  readonly estimate: number;
-  /** What was charged: the expected cost, divided by the lane's weight when the message started. */
-  readonly weighted: number;
-  readonly weight: number;
-}
-
-/**
- * How one worker shares its reads between lanes: start-time fair queueing
- * on a virtual clock measured in weighted cost (for summaries, estimated
- * tokens; by default one per message).
- *
- * Each lane has a virtual finish time: the weighted cost of everything it
- * was given (`cost / weight`). A message is charged when it starts, at its
- * estimate scaled by how the lane's recent messages really cost against
- * their estimates (a summary's estimate includes an output cap it seldom
- * uses), and settled to what it really cost when it finishes, or to its
- * estimate when that is unknown. Each read serves the
- * lane that is furthest behind. A lane that becomes active starts at the
- * clock, never below it: the *finished* service (what was given, less what
- * is still in flight) of the lanes being served now, which only moves
- * forward. So an idle tenant cannot bank credit, and a newcomer still takes
- * freed slots until it holds as much as the lanes already running. A lane
- * that cannot be served (capped, or read by other workers) does not hold the
- * clock back. A lane of weight 3 is charged a third as much per message, so
- * it gets three times the share.
- */
-export interface LaneShares {
-  /** Starts a read with the lanes that have work now (by stream name) and their weights. */
-  begin(lanes: { id: string; weight: number }[]): void;
-  /**
-   * Which of `candidates` (in round-robin order: ties go to the first) to ask next, and for how many of
-   * the `free` slots: one lane alone gets them all; otherwise enough to catch up with the next lane, or
-   * an equal part of them, whichever is more.
-   */
-  next(candidates: string[], free: number): { lane: string; count: number };
-  /** A message of `lane` estimated to cost `cost` started. */
-  charge(lane: string, cost: number): LaneCharge;
-  /** The message finished; `actual` is what it really cost (undefined: unknown, the estimate stands). */
-  settle(charge: LaneCharge, actual?: number): void;
-  /** A read found `lane` empty: when it has work again it starts from the clock. */
-  drained(lane: string): void;
-  /** The lane's virtual finish time, for tests and inspection. */
-  finish(lane: string): number | undefined;
-}
-
-/** Defaults of {@linkcode createLaneShares}. */
-export const LANE_SHARE_DEFAULTS = {
-  /** Weight of each new value in the running averages (cost per message, real cost per estimated cost). */
-  averaging: 0.2,
-  /** The least a message is expected to cost, as a share of its estimate. */
-  minRatio: 0.001,
-  /** Virtual times are moved back to zero past this, so they never lose precision. */
-  rebaseAt: 2 ** 40,
-} as const;
-
-/** Creates the fair-share bookkeeping of one worker. */
-export function createLaneShares(): LaneShares {
-  interface Lane {
-    finish: number;
-    /** Weighted estimates of this lane's messages still in flight here. */
-    inFlight: number;
-    weight: number;
-    /** Running average expected cost per message; 0 until one was seen. */
-    unit: number;
-    /** Running average of real cost / estimate; 0 until one finished with its real cost known. */
-    ratio: number;
-    active: boolean;
-    /** The read in which it was last given a message. */
-    servedIn: number;
-  }
-  const lanes = new Map<string, Lane>();
-  let clock = 0;
-  let unit = 0;
-  let ratio = 0;
-  let read = 0;
-  const average = (old: number, cost: number) => old === 0 ? cost : old + LANE_SHARE_DEFAULTS.averaging * (cost - old);
-  const get = (id: string) => {
-    let lane = lanes.get(id);
-    if (!lane) {
-      lanes.set(
-        id,
-        lane = {
-          finish: clock,
-          inFlight: 0,
-          weight: 1,
-          unit: 0,
-          ratio: 0,
-          active: false,
-          servedIn: -1,
-        },
-      );
-    }
-    return lane;
-  };
-
-  return {
-    begin(active) {
-      // The clock: the finished service of the lanes being served (running here, or given a message in the last
-      // read). Fair shares keep those within about a message of each other; the clock never goes back.
-      let level = -Infinity;
-      for (const lane of lanes.values()) {
-        if (lane.inFlight > 0 || lane.servedIn === read) level = Math.max(level, lane.finish - lane.inFlight);
-      }
-      clock = Math.max(clock, level);
-      read++;
-      const seen = new Set<string>();
-      for (const { id, weight } of active) {
-        seen.add(id);
-        const lane = get(id);
-        lane.weight = weight > 0 && Number.isFinite(weight) ? weight : 1;
-        // Back from idle (or new): start at the clock, not where it stopped, so no credit was banked.
-        if (!lane.active) lane.finish = Math.max(lane.finish, clock);
-        lane.active = true;
-      }
-      for (const [id, lane] of lanes) {
-        if (seen.has(id)) continue;
-        lane.active = false;
-        // A lane at or behind the clock with nothing in flight is the same as a lane never seen.
-        if (lane.inFlight <= 0 && lane.finish <= clock) lanes.delete(id);
-      }
-      if (clock > LANE_SHARE_DEFAULTS.rebaseAt) {
-        for (const lane of lanes.values()) lane.finish -= clock;
-        clock = 0;
-      }
-    },
-    next(candidates, free) {
-      let best = candidates[0]!;
-      let bestLane = get(best);
-      for (const id of candidates) {
-        const lane = get(id);
-        if (lane.finish < bestLane.finish) [best, bestLane] = [id, lane];
-      }
-      if (candidates.length === 1) return { lane: best, count: free };
-      let second = Infinity;
-      for (const id of candidates) if (id !== best) second = Math.min(second, get(id).finish);
-      const perMessage = (bestLane.unit || unit || 1) / bestLane.weight;
-      const catchUp = Math.ceil((second - bestLane.finish) / perMessage);
-      const part = Math.floor(free / candidates.length);
-      return { lane: best, count: Math.max(1, Math.min(free, Math.max(catchUp, part))) };
-    },
-    charge(id, cost) {
-      const lane = get(id);
-      const estimate = cost > 0 && Number.isFinite(cost) ? cost : 1;
-      const expected = estimate * (lane.ratio || ratio || 1);
-      lane.unit = average(lane.unit, expected);
-      unit = average(unit, expected);
-      const weighted = expected / lane.weight;
-      lane.servedIn = read;
-      lane.finish += weighted;
-      lane.inFlight += weighted;
-      return { lane: id, estimate, weighted, weight: lane.weight };
-    },
-    settle(charge, actual) {
-      const lane = get(charge.lane);
-      lane.inFlight = Math.max(0, lane.inFlight - charge.weighted);
-      const known = actual !== undefined && actual >= 0 && Number.isFinite(actual);
-      // A message that made no call (a duplicate, a cancel) costs nothing, but says nothing of the lane's costs.
-      if (known && actual > 0) {
-        const real = Math.max(LANE_SHARE_DEFAULTS.minRatio, actual / charge.estimate);
-        lane.ratio = average(lane.ratio, real);
-        ratio = average(ratio, real);
-      }
-      // Unknown (no usage reported, a failed call): the estimate stands, the cautious side.
-      lane.finish += (known ? actual : charge.estimate) / charge.weight - charge.weighted;
-    },
-    drained(id) {
-      const lane = lanes.get(id);
-      if (lane) lane.active = false;
-    },
-    finish(id) {
-      return lanes.get(id)?.finish;
     },
   };
 }

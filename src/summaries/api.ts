@@ -226,10 +226,7 @@ export function createHandler(
       if (decided.summary === null) return null;
       return { document: { job_id: jobId, status: "done", summary: decided.summary, ...usage } };
     }
-    // A job queued before lanes has its record beside the old single stream.
-    const [record, recordKey] = laneRecord.tenant
-      ? [laneRecord, laneKey]
-      : [await redis.hgetall(keys.legacy.job(jobId)), keys.legacy.job(jobId)];
+    const [record, recordKey] = [laneRecord, laneKey];
     if (record.tenant !== tenant) return null;
     const status = record.status === "failed" || record.status === "cancelled" ? record.status : "queued";
     const document: SummaryStatus = { job_id: jobId, status, ...usage };

@@ -9,9 +9,9 @@ import { KeyReused } from "../idempotency/errors.ts";
 import { canonicalJson } from "../idempotency/fingerprint.ts";
 import { encodeScope, jobIdFor, type Scope } from "../idempotency/scope.ts";
 import { defineScript } from "../redis/script.ts";
-import { markQueuedLua } from "./job_status.ts";
-import { JOB_RECORD_TTL_S, type ServiceKeys } from "./keys.ts";
-import { announceLane, laneKnownArgs, laneKnownLua } from "../queue/lanes.ts";
+import { markQueued } from "./job_status.ts";
+import type { ServiceKeys } from "./keys.ts";
+import { announceLane, laneKnownArgs } from "../queue/lanes.ts";
 import { allLanes } from "./all_lanes.ts";
 import type { Logger } from "../log/logger.ts";
 import type { SummaryRequest } from "./schemas.ts";
@@ -41,11 +41,17 @@ export interface Intake {
   keyFor(scope: Scope): string;
 }
 
-// KEYS: the scope's record, the job stream, the job's status record (one hash tag), then the registry keys
-// that make the lane known (`laneKnownArgs`).
-// ARGV: job id, tenant, payload, status TTL, record, record TTL, the lane's cap (0 = none), the POST's
-// traceparent ('' when not tracing: the message then has no such field), the lane's share of a full queue
-// (0 = the queue is not full), then the registry arguments.
+// INTAKE: the idempotency check, the enqueue, the job's status record and the stored answer, in one step.
+// KEYS[1]   the scope's idempotency record.
+// KEYS[2]   the lane's stream.
+// KEYS[3]   the job's status record (the three share the lane's hash tag).
+// KEYS[4…]  the registry sets that make the lane known (`laneKnownArgs`): its home on a cluster.
+// ARGV[1]   JSON: { job_id, tenant, traceparent ('' when not tracing: the message then has no such field),
+//           record_ttl_s (the stored answer's lifetime), cap (the lane's cap, 0 = none), share (the lane's share
+//           of a full queue, 0 = the queue is not full), status (the status record's change, `markQueued`),
+//           lane (the lane id), wake (the channel to publish it on, '' for none) }.
+// ARGV[2]   the payload (the request's JSON).
+// ARGV[3]   the stored answer (the record).
 // Returns the existing record (or ours, stored again, when the key's record expired but the job is still
 // known: it is not enqueued twice and its status is left alone), 1 when the lane is full, 2 when the whole
 // queue is full and this lane holds its share of it (nothing written either way), or false after enqueuing,
@@ -53,21 +59,24 @@ export interface Intake {
 const INTAKE = defineScript(`
 local stored = redis.call('GET', KEYS[1])
 if stored then return stored end
+local a = cjson.decode(ARGV[1])
 if redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('SET', KEYS[1], ARGV[5], 'EX', ARGV[6])
-  return ARGV[5]
+  redis.call('SET', KEYS[1], ARGV[3], 'EX', a.record_ttl_s)
+  return ARGV[3]
 end
-local cap, share = tonumber(ARGV[7]), tonumber(ARGV[9])
-if cap > 0 and redis.call('XLEN', KEYS[2]) >= cap then return 1 end
-if share > 0 and redis.call('XLEN', KEYS[2]) >= share then return 2 end
-if ARGV[8] ~= '' then
-  redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[1], 'tenant', ARGV[2], 'payload', ARGV[3], 'traceparent', ARGV[8])
+if a.cap > 0 and redis.call('XLEN', KEYS[2]) >= a.cap then return 1 end
+if a.share > 0 and redis.call('XLEN', KEYS[2]) >= a.share then return 2 end
+if a.traceparent ~= '' then
+  redis.call('XADD', KEYS[2], '*', 'job_id', a.job_id, 'tenant', a.tenant, 'payload', ARGV[2], 'traceparent', a.traceparent)
 else
-  redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[1], 'tenant', ARGV[2], 'payload', ARGV[3])
+  redis.call('XADD', KEYS[2], '*', 'job_id', a.job_id, 'tenant', a.tenant, 'payload', ARGV[2])
 end
-${markQueuedLua({ key: "KEYS[3]", tenant: "ARGV[2]", ttl: "ARGV[4]" })}
-${laneKnownLua(4, 10)}
-redis.call('SET', KEYS[1], ARGV[5], 'EX', ARGV[6])
+redis.call('HSET', KEYS[3], unpack(a.status.set))
+redis.call('HDEL', KEYS[3], unpack(a.status.del))
+redis.call('EXPIRE', KEYS[3], a.status.ttl_s)
+for i = 4, #KEYS do redis.call('SADD', KEYS[i], a.lane) end
+if a.wake ~= '' then redis.call('PUBLISH', a.wake, a.lane) end
+redis.call('SET', KEYS[1], ARGV[3], 'EX', a.record_ttl_s)
 return false`);
 
 type StoredRecord = { fp: string } & IntakeResponse;
@@ -150,16 +159,19 @@ export function createIntake(
       const share = await fullQueueShare();
       const known = laneKnownArgs(redis, keys.registry, scope.tenant, lane.stream);
       const stored = await INTAKE.run(redis, [keyFor(scope), lane.stream, lane.job(jobId), ...known.keys], [
-        jobId,
-        scope.tenant,
+        JSON.stringify({
+          job_id: jobId,
+          tenant: scope.tenant,
+          traceparent: traceparent ?? "",
+          record_ttl_s: resultTtlS,
+          cap: maxQueuedPerTenant ?? 0,
+          share,
+          status: markQueued(scope.tenant),
+          lane: known.lane,
+          wake: known.wake,
+        }),
         JSON.stringify(request),
-        JOB_RECORD_TTL_S,
         record,
-        resultTtlS,
-        maxQueuedPerTenant ?? 0,
-        traceparent ?? "",
-        share,
-        ...known.args,
       ]) as string | number | null;
       if (stored === 1) throw new QueueFull(`tenant ${scope.tenant}'s queue is full`, RETRY_AFTER_S);
       if (stored === 2) throw new QueueFull("the queue is full", RETRY_AFTER_S);

@@ -11,12 +11,19 @@ import type { DeadLetterHook, RecordUpdate } from "../queue/dead_letter.ts";
 import { defineScript } from "../redis/script.ts";
 import { JOB_RECORD_TTL_S, jobKeyBeside, type JobKeys } from "./keys.ts";
 
-/** Lua for the enqueue script: KEYS[k] becomes queued for tenant ARGV[tenant], expiring after ARGV[ttl] s. */
-export function markQueuedLua({ key, tenant, ttl }: { key: string; tenant: string; ttl: string }): string {
-  return `
-redis.call('HSET', ${key}, 'tenant', ${tenant}, 'status', 'queued')
-redis.call('HDEL', ${key}, 'error')
-redis.call('EXPIRE', ${key}, ${ttl})`;
+/** What an enqueue script does to a job's record: fields to set, fields to delete, and its lifetime. */
+export interface RecordChange {
+  /** Field, value, field, value, ... (HSET). */
+  set: string[];
+  /** Fields to delete (HDEL). */
+  del: string[];
+  /** Seconds until the record expires (EXPIRE). */
+  ttl_s: number;
+}
+
+/** The enqueue script's change to the job's record: queued for `tenant`, no error, for `JOB_RECORD_TTL_S`. */
+export function markQueued(tenant: string): RecordChange {
+  return { set: ["tenant", tenant, "status", "queued"], del: ["error"], ttl_s: JOB_RECORD_TTL_S };
 }
 
 /** Marks the job failed with the dead-letter reason, inside the dead-letter MULTI (same hash tag as its lane). */

@@ -15,6 +15,8 @@ export interface JobKeys {
   job(jobId: string): string;
   /** The stored answer for an Idempotency-Key scope (by its hash), in the same slot as the stream it enqueues to. */
   idempotency(scopeHash: string): string;
+  /** Marks that the pre-lane stream's entry `entryId` was moved into this lane (see `legacy_drain.ts`). */
+  movedFromLegacy(entryId: string): string;
 }
 
 /** The prefix of every Redis key the service writes. */
@@ -25,8 +27,6 @@ export interface ServiceKeys {
   prefix: string;
   /** Tenant `tenant`'s lane. */
   lane(tenant: string): JobKeys;
-  /** The single stream of releases before lanes: workers read it until it is empty, and GET still finds its jobs. */
-  legacy: JobKeys;
   /** The registry of lanes with work. */
   registry: LaneRegistryKeys;
 }
@@ -44,7 +44,6 @@ export function serviceKeys(prefix: string): ServiceKeys {
       }
       return keys;
     },
-    legacy: jobKeys(prefix),
     registry: laneRegistryKeys(prefix),
   };
 }
@@ -54,7 +53,11 @@ export function jobKeyBeside(stream: string, jobId: string): string {
   return `${stream.slice(0, stream.lastIndexOf(":stream"))}:job:${jobId}`;
 }
 
-/** The single `{jobs}` stream's keys (before lanes; also a one-stream queue for tests). */
+/**
+ * The single `{jobs}` stream's keys: a one-stream queue for tests and tools. Under the service's prefix it is
+ * the stream of releases before lanes, which the workers' legacy drain empties into the lanes (see
+ * `legacy_drain.ts`); nothing else reads or writes it there.
+ */
 export function jobKeys(prefix: string): JobKeys {
   return keysUnder(`${prefix}:{jobs}`);
 }
@@ -66,6 +69,7 @@ function keysUnder(tag: string): JobKeys {
     group: "summarisers",
     job: (jobId) => `${tag}:job:${jobId}`,
     idempotency: (scopeHash) => `${tag}:idem:${scopeHash}`,
+    movedFromLegacy: (entryId) => `${tag}:moved:${entryId}`,
   };
 }
 

@@ -11,8 +11,10 @@ import { failJob } from "../jobs/job_store.ts";
 import { createGroupCommitter } from "./commit.ts";
 import type { JobKeys, ServiceKeys } from "./keys.ts";
 import { createLaneRegistry } from "../queue/lanes.ts";
+import { staticLanes } from "../queue/static_lanes.ts";
 import { markFailedHook } from "./job_status.ts";
 import { notifyJob } from "./job_waiter.ts";
+import { drainLegacyStream } from "./legacy_drain.ts";
 import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
 import { createAttemptLog, describeFailures } from "./attempt_log.ts";
 
@@ -21,7 +23,7 @@ const PROMPT_FRAME = summaryPrompt("").length;
 
 /** Options for {@linkcode createSummaryWorker}. */
 export interface SummaryWorkerOptions {
-  /** The service's keys (a lane per tenant, and the old single stream until it is empty), or one stream. */
+  /** The service's keys (a lane per tenant), or one stream (a one-lane queue, for tests and tools). */
   keys: ServiceKeys | JobKeys;
   /** The most jobs of one tenant in flight across all workers (TENANT_MAX_IN_FLIGHT). */
   tenantMaxInFlight?: number;
@@ -55,15 +57,10 @@ export function createSummaryWorker(
     ? createLaneRegistry({ redis: deps.redis, log: deps.log }, {
       keys: keys.registry,
       lane: share.laneOf((tenant) => keys.lane(tenant)),
-      extra: [keys.legacy],
       sweepMs: options.laneSweepMs,
     })
-    : undefined;
-  const one = "lane" in keys ? keys.legacy : keys;
+    : { ...staticLanes([keys]), close: () => Promise.resolve() };
   const worker = createStreamWorker({ redis: deps.redis, log: deps.log }, {
-    stream: one.stream,
-    dead: one.dead,
-    group: one.group,
     lanes,
     laneMaxInFlight: options.tenantMaxInFlight,
     // Tenants share the provider by tokens and weight, not by job count.
@@ -105,12 +102,21 @@ export function createSummaryWorker(
   }, job);
   return {
     ...worker,
+    async run(signal) {
+      // Whatever an upgrade left in the stream of releases before lanes moves into the lanes, beside the first
+      // reads; the moved jobs are read from their lanes like any other.
+      const drained = "lane" in keys
+        ? drainLegacyStream(deps, { keys }).catch((error) => deps.log.error("legacy_drain_failed", { error }))
+        : undefined;
+      await worker.run(signal);
+      await drained;
+    },
     get inFlight() {
       return worker.inFlight;
     },
     async close() {
       await worker.close();
-      await lanes?.close();
+      await lanes.close();
       await attempts.close();
     },
   };

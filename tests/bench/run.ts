@@ -14,6 +14,7 @@ import { commitSummaries } from "../../src/summaries/commit.ts";
 import { jobKeys, KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
 import { createSummaryWorker } from "../../src/summaries/worker.ts";
 import { createStreamWorker, type StreamWorker } from "../../src/queue/stream_worker.ts";
+import { staticLanes } from "../../src/queue/static_lanes.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import {
@@ -745,7 +746,7 @@ async function oursNoop(n: number, concurrency: number): Promise<number> {
     let finished!: () => void;
     const allDone = new Promise<void>((res) => (finished = res));
     const worker = createStreamWorker({ redis: r.redis, log: silentLogger }, {
-      ...names,
+      lanes: staticLanes([names]),
       consumer: "noop",
       claimIdleMs: 60_000,
       maxDeliveries: 5,

@@ -3,6 +3,7 @@ import { listDeadLetters, replayDeadLetter } from "../../src/queue/dead_letter.t
 import { PermanentJobError } from "../../src/queue/errors.ts";
 import type { StreamMessage } from "../../src/queue/message.ts";
 import { createStreamWorker, ensureGroup, type MessageHandler } from "../../src/queue/stream_worker.ts";
+import { staticLanes } from "../../src/queue/static_lanes.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createTestRedis, type TestRedis, waitFor } from "../_support.ts";
 
@@ -12,7 +13,9 @@ function names(prefix: string) {
 
 function worker(r: TestRedis, consumer: string, handler: MessageHandler, overrides: Record<string, unknown> = {}) {
   return createStreamWorker({ redis: r.redis, log: silentLogger }, {
-    ...names(r.prefix),
+    // One lane, reclaimed on every pass: the tests step the worker with runOnce.
+    lanes: staticLanes([names(r.prefix)]),
+    reclaimIntervalMs: 0,
     consumer,
     claimIdleMs: 60_000,
     maxDeliveries: 5,
@@ -308,7 +311,14 @@ Deno.test("stream worker", async (t) => {
               },
             },
           },
-          { ...n, consumer: "self", claimIdleMs: 60_000, maxDeliveries: 5, concurrency: 1, pruneIdleMs: 50 },
+          {
+            lanes: staticLanes([n]),
+            consumer: "self",
+            claimIdleMs: 60_000,
+            maxDeliveries: 5,
+            concurrency: 1,
+            pruneIdleMs: 50,
+          },
           () => Promise.resolve(),
         );
         try {

@@ -13,8 +13,8 @@ import { createProviderFlow, providerStateKey } from "../../src/provider/flow_co
 import { deadLetter, listDeadLetters, replayDeadLetter } from "../../src/queue/dead_letter.ts";
 import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import { markFailedHook, markQueuedOnReplay } from "../../src/summaries/job_status.ts";
-import { jobKeys, KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
-import { enqueueJob } from "../support/enqueue.ts";
+import { KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
+import { enqueueToLane } from "../support/enqueue.ts";
 import { createExtractiveLlm } from "../../src/llm/extractive.ts";
 import { createTestDatabase, freePort, waitFor } from "../_support.ts";
 import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
@@ -143,7 +143,7 @@ Deno.test("on a three-master Redis Cluster", async (t) => {
     await t.step(
       "deno task worker, launched with REDIS_URL naming one node, may reach every node and runs a job",
       async () => {
-        const processKeys = jobKeys(KEY_PREFIX);
+        const processKeys = serviceKeys(KEY_PREFIX);
         const worker = new Deno.Command(Deno.execPath(), {
           args: ["task", "worker"],
           cwd: ROOT,
@@ -154,7 +154,7 @@ Deno.test("on a three-master Redis Cluster", async (t) => {
         const stderr = new Response(worker.stderr).text();
         try {
           const jobId = crypto.randomUUID();
-          await enqueueJob(client, processKeys, {
+          await enqueueToLane(client, processKeys, {
             jobId,
             tenant: "acme",
             request: { text: "The cluster test passed. Everyone went home.", notify: "ops@example.com" },

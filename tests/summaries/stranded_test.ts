@@ -14,6 +14,7 @@ import { createExtractiveLlm } from "../../src/llm/extractive.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { DEAD_LETTER_BOUNDS, deadLetter, listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { createStreamWorker, ensureGroup } from "../../src/queue/stream_worker.ts";
+import { staticLanes } from "../../src/queue/static_lanes.ts";
 import { PermanentJobError } from "../../src/queue/errors.ts";
 import { createRetention } from "../../src/retention/retention.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";
@@ -139,7 +140,7 @@ Deno.test("nothing accepted is stranded", async (t) => {
           committer: createGroupCommitter({ sql: db.sql, log: silentLogger }),
         }, { budgetMs: 5_000, perCallTimeoutMs: 2_000, maxAttempts: 1 });
         const doomed = createStreamWorker({ redis: r.redis, log: silentLogger }, {
-          ...lane,
+          lanes: staticLanes([lane]),
           consumer: "doomed",
           claimIdleMs: 60_000,
           maxDeliveries: 1,
@@ -240,7 +241,7 @@ Deno.test("nothing accepted is stranded", async (t) => {
         }, { budgetMs: 60_000, perCallTimeoutMs: 60_000, maxAttempts: 1 });
         let result: Promise<unknown> | undefined;
         const stalled = createStreamWorker({ redis: r.redis, log: silentLogger }, {
-          ...lane,
+          lanes: staticLanes([lane]),
           consumer: "stalled",
           claimIdleMs: 60_000,
           maxDeliveries: 1,
@@ -293,7 +294,7 @@ Deno.test("nothing accepted is stranded", async (t) => {
         const { job_id } = await (await post(api(), apiKey, newKey())).json();
         await ensureGroup(r.redis, lane);
         const dying = createStreamWorker({ redis: r.redis, log: silentLogger, faults: { beforeDeadLetter: crash } }, {
-          ...lane,
+          lanes: staticLanes([lane]),
           consumer: "dying",
           claimIdleMs: 60_000,
           maxDeliveries: 5,

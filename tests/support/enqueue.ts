@@ -6,15 +6,23 @@ import type { RedisClient } from "../../src/clients.ts";
 import { defineScript } from "../../src/redis/script.ts";
 import type { JobKeys, ServiceKeys } from "../../src/summaries/keys.ts";
 import { announceLane } from "../../src/queue/lanes.ts";
-import { markQueuedLua } from "../../src/summaries/job_status.ts";
-import { JOB_RECORD_TTL_S } from "../../src/summaries/keys.ts";
+import { markQueued } from "../../src/summaries/job_status.ts";
 import type { SummaryRequest } from "../../src/summaries/schemas.ts";
 
-// One script, so one command and one round trip; both keys share the `{jobs}`
-// hash tag, so it runs on a single Redis Cluster slot.
+// ENQUEUE: puts a job on a stream and records it as queued, in one command.
+// KEYS[1]  the stream.
+// KEYS[2]  the job's status record (same hash tag as the stream, so one Redis Cluster slot).
+// ARGV[1]  the job id.
+// ARGV[2]  the tenant.
+// ARGV[3]  the payload.
+// ARGV[4]  JSON: the status record's change (`markQueued`).
+// Returns the stream entry id.
 const ENQUEUE = defineScript(`
 local id = redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'tenant', ARGV[2], 'payload', ARGV[3])
-${markQueuedLua({ key: "KEYS[2]", tenant: "ARGV[2]", ttl: "ARGV[4]" })}
+local status = cjson.decode(ARGV[4])
+redis.call('HSET', KEYS[2], unpack(status.set))
+redis.call('HDEL', KEYS[2], unpack(status.del))
+redis.call('EXPIRE', KEYS[2], status.ttl_s)
 return id`);
 
 /**
@@ -33,7 +41,7 @@ export async function enqueueJob(
     job.jobId,
     job.tenant,
     JSON.stringify(job.request),
-    JOB_RECORD_TTL_S,
+    JSON.stringify(markQueued(job.tenant)),
   ]);
   return id as string;
 }

@@ -1,0 +1,108 @@
+/**
+ * The consumer pruner: every process restart adds a consumer name to each
+ * group it reads, so consumers that hold nothing and have been idle long
+ * enough are removed, on an interval of their own.
+ */
+import type { RedisClient } from "../clients.ts";
+import type { Logger } from "../log/logger.ts";
+import { defineScript } from "../redis/script.ts";
+import type { GroupCache } from "./consumer_group.ts";
+import type { LaneSource } from "./lanes.ts";
+
+/** Defaults of {@linkcode createConsumerPruner}. */
+export const PRUNER_DEFAULTS = {
+  /** A consumer is pruned once idle this many claim idle times… */
+  claimIdles: 3,
+  /** …and never before this long. */
+  minIdleMs: 60_000,
+  /** The longest interval between two passes. */
+  maxIntervalMs: 60_000,
+} as const;
+
+/** How long a consumer must be idle before it is pruned, unless given. */
+export function pruneIdle(claimIdleMs: number, given?: number): number {
+  return given ?? Math.max(PRUNER_DEFAULTS.claimIdles * claimIdleMs, PRUNER_DEFAULTS.minIdleMs);
+}
+
+// DELETE_IDLE_CONSUMER: removes a consumer from a group only if it still holds nothing and has been idle long
+// enough, checked and done in one step: a consumer that read or reclaimed a message since the caller's look is
+// left alone (XGROUP DELCONSUMER would drop its pending messages for good).
+// KEYS[1]  the stream.
+// ARGV[1]  the group.
+// ARGV[2]  the consumer.
+// ARGV[3]  the least idle time, in ms.
+// Returns 1 when it was removed, else 0.
+const DELETE_IDLE_CONSUMER = defineScript(`
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local f = {}
+  for i = 1, #c, 2 do f[c[i]] = c[i + 1] end
+  if f['name'] == ARGV[2] then
+    if tonumber(f['pending']) ~= 0 or tonumber(f['idle']) < tonumber(ARGV[3]) then return 0 end
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+    return 1
+  end
+end
+return 0`);
+
+/** Options for {@linkcode createConsumerPruner}. */
+export interface ConsumerPrunerOptions {
+  /** This process's consumer: never pruned by itself. */
+  consumer: string;
+  lanes: LaneSource;
+  groups: GroupCache;
+  /** Consumers idle this long with nothing pending are removed. */
+  idleMs: number;
+  /** Test seam: after `XINFO CONSUMERS` named `consumer` as idle, before it is removed. */
+  beforePrune?(consumer: string): Promise<void>;
+}
+
+/** The consumer pruner of one worker. */
+export interface ConsumerPruner {
+  /** Removes other consumers that hold nothing and have been idle past `idleMs`. @returns their names. */
+  prune(): Promise<string[]>;
+  /** Prunes on an interval until the returned function is called. */
+  start(): () => void;
+}
+
+/** Creates the consumer pruner of one worker. */
+export function createConsumerPruner(
+  { redis, log }: { redis: RedisClient; log: Logger },
+  options: ConsumerPrunerOptions,
+): ConsumerPruner {
+  const { consumer, idleMs, groups } = options;
+  async function prune(): Promise<string[]> {
+    const removed: string[] = [];
+    for (const lane of await options.lanes.all()) {
+      let consumers: unknown[][];
+      try {
+        await groups.ready(lane);
+        consumers = await redis.call("XINFO", "CONSUMERS", lane.stream, lane.group) as unknown[][];
+      } catch (error) {
+        groups.failed(lane, error);
+        continue;
+      }
+      for (const c of consumers) {
+        const f = new Map<string, unknown>();
+        for (let i = 0; i + 1 < c.length; i += 2) f.set(String(c[i]), c[i + 1]);
+        const name = String(f.get("name"));
+        // Only consumers with an empty PEL: deleting one that holds messages would drop them from the PEL.
+        if (name === consumer || Number(f.get("pending")) !== 0 || Number(f.get("idle")) < idleMs) continue;
+        await options.beforePrune?.(name);
+        if ((await DELETE_IDLE_CONSUMER.run(redis, [lane.stream], [lane.group, name, idleMs])) === 1) {
+          removed.push(name);
+        }
+      }
+    }
+    if (removed.length) log.info("consumers_pruned", { consumers: removed });
+    return removed;
+  }
+  return {
+    prune,
+    start() {
+      const timer = setInterval(() => {
+        prune().catch((error) => log.warn("consumer_prune_failed", { error }));
+      }, Math.min(idleMs, PRUNER_DEFAULTS.maxIntervalMs));
+      return () => clearInterval(timer);
+    },
+  };
+}

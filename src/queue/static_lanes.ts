@@ -1,0 +1,23 @@
+import { sleep } from "../async/timeout.ts";
+import type { LaneSource } from "./lanes.ts";
+import type { QueueNames } from "./message.ts";
+
+/** Defaults of {@linkcode staticLanes}. */
+export const STATIC_LANES_DEFAULTS = {
+  /** With no registry to publish wake-ups, the lanes are looked at again this often while they are empty. */
+  pollMs: 50,
+} as const;
+
+/**
+ * A {@linkcode LaneSource} of fixed lanes, always read: a one-stream queue
+ * (tests, benches, tools) with no lane registry. New work is found by
+ * polling every `pollMs` while the lanes are empty.
+ */
+export function staticLanes(lanes: QueueNames[], { pollMs = STATIC_LANES_DEFAULTS.pollMs } = {}): LaneSource {
+  return {
+    active: () => Promise.resolve([...lanes]),
+    all: () => Promise.resolve([...lanes]),
+    idle: () => Promise.resolve(),
+    wait: (ms) => sleep(Math.min(ms, pollMs)),
+  };
+}

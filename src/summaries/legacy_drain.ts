@@ -1,0 +1,119 @@
+/**
+ * The one-time move off the single `{jobs}` stream of releases before lanes.
+ * Every worker runs it when it starts (beside its first reads, never in front
+ * of them), so an upgraded deployment loses nothing that was still queued
+ * there, with no step for an operator to remember: where the stream does not
+ * exist (every deployment after its first upgraded worker), it costs one
+ * EXISTS.
+ *
+ * Every entry still in the stream, new or pending (acked entries are
+ * deleted, so everything there is one or the other), is added to its
+ * tenant's lane with its fields, its job's status record copied beside it
+ * (`GET` reads only the lane's), and the lane made known as intake makes it;
+ * then it is deleted from the old stream. Once the stream is read empty, it is
+ * deleted with its group, in one step with the check, so an entry added
+ * meanwhile is left for the next drain.
+ *
+ * Lane and old stream are in different cluster slots, so the move cannot be
+ * atomic: XADD to the lane, then XDEL from the old stream. A crash between the
+ * two leaves the entry in both; the next drain finds the lane's marker for it
+ * and does not add it twice. What no marker prevents, a delivery still under
+ * way by an old worker while its entry moves, is a duplicate delivery, which
+ * the commit path already makes harmless (the job_outcomes primary key: the
+ * second delivery commits nothing and sends nothing).
+ */
+import type { RedisClient } from "../clients.ts";
+import type { Logger } from "../log/logger.ts";
+import { announceLane, laneKnownArgs } from "../queue/lanes.ts";
+import { fieldsToObject } from "../queue/message.ts";
+import { defineScript } from "../redis/script.ts";
+import { jobKeys, type ServiceKeys } from "./keys.ts";
+
+/** Defaults of {@linkcode drainLegacyStream}. */
+export const LEGACY_DRAIN_DEFAULTS = {
+  /** Entries read from the old stream at a time. */
+  batch: 100,
+  /** How long a lane remembers that it took an entry, so a drain that crashed before the XDEL does not add it twice. */
+  markerTtlS: 7 * 24 * 3600,
+} as const;
+
+// MOVE_INTO_LANE: adds one entry of the old stream to its tenant's lane, once.
+// KEYS[1]   the lane's stream.
+// KEYS[2]   the job's status record in the lane.
+// KEYS[3]   the lane's marker for the old entry.
+// KEYS[4…]  the registry sets that make the lane known (`laneKnownArgs`).
+// ARGV[1]   JSON: { fields: [k, v, …] (the entry's), record: [k, v, …] (the old status record, [] if none),
+//           record_ttl_ms (its PTTL; <= 0: none), marker_ttl_s, lane (the lane id), wake (channel, '' for none) }.
+// Returns 1 when the entry was added, 0 when the marker says an earlier drain added it.
+const MOVE_INTO_LANE = defineScript(`
+local a = cjson.decode(ARGV[1])
+if not redis.call('SET', KEYS[3], '1', 'NX', 'EX', a.marker_ttl_s) then return 0 end
+redis.call('XADD', KEYS[1], '*', unpack(a.fields))
+if #a.record > 0 and redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('HSET', KEYS[2], unpack(a.record))
+  if a.record_ttl_ms > 0 then redis.call('PEXPIRE', KEYS[2], a.record_ttl_ms) end
+end
+for i = 4, #KEYS do redis.call('SADD', KEYS[i], a.lane) end
+if a.wake ~= '' then redis.call('PUBLISH', a.wake, a.lane) end
+return 1`);
+
+// DELETE_IF_EMPTY: deletes the old stream, and its group with it, only while it holds nothing.
+// KEYS[1]  the old stream.
+// Returns 1 when it was deleted.
+const DELETE_IF_EMPTY = defineScript(`
+if redis.call('XLEN', KEYS[1]) > 0 then return 0 end
+return redis.call('DEL', KEYS[1])`);
+
+/**
+ * Moves every entry of the pre-lane `{jobs}` stream under `keys.prefix` into its tenant's lane, then deletes
+ * the stream once it is empty. Safe to run from several workers at once. An entry that names no tenant or job
+ * is left where it is (logged), and the stream with it. @returns how many entries were taken off the old stream
+ * (one a crashed drain had already added to its lane is counted, not added again).
+ */
+export async function drainLegacyStream(
+  { redis, log }: { redis: RedisClient; log: Logger },
+  { keys, batch = LEGACY_DRAIN_DEFAULTS.batch }: { keys: ServiceKeys; batch?: number },
+): Promise<number> {
+  const legacy = jobKeys(keys.prefix);
+  if ((await redis.exists(legacy.stream)) === 0) return 0;
+  let moved = 0;
+  let from = "-";
+  for (;;) {
+    const entries = await redis.xrange(legacy.stream, from, "+", "COUNT", batch);
+    if (entries.length === 0) break;
+    for (const [id, flat] of entries) {
+      from = `(${id}`;
+      const { tenant, job_id: jobId } = fieldsToObject(flat);
+      if (!tenant || !jobId) {
+        log.error("legacy_entry_unroutable", { stream: legacy.stream, msg_id: id });
+        continue;
+      }
+      const lane = keys.lane(tenant);
+      const [record, recordTtlMs] = await Promise.all([
+        redis.hgetall(legacy.job(jobId)),
+        redis.pttl(legacy.job(jobId)),
+      ]);
+      const known = laneKnownArgs(redis, keys.registry, tenant, lane.stream);
+      await MOVE_INTO_LANE.run(redis, [lane.stream, lane.job(jobId), lane.movedFromLegacy(id), ...known.keys], [
+        JSON.stringify({
+          fields: flat,
+          record: Object.entries(record).flat(),
+          record_ttl_ms: recordTtlMs,
+          marker_ttl_s: LEGACY_DRAIN_DEFAULTS.markerTtlS,
+          lane: known.lane,
+          wake: known.wake,
+        }),
+      ]);
+      // Only after the lane has it: a crash before this line leaves a duplicate, never a loss.
+      await redis.multi().xack(legacy.stream, legacy.group, id).xdel(legacy.stream, id).exec();
+      if (!known.announced) await announceLane(redis, keys.registry, tenant);
+      moved++;
+    }
+  }
+  if ((await DELETE_IF_EMPTY.run(redis, [legacy.stream], [])) === 1) {
+    log.info("legacy_stream_drained", { stream: legacy.stream, moved });
+  } else if (moved > 0) {
+    log.warn("legacy_stream_not_empty", { stream: legacy.stream, moved });
+  }
+  return moved;
+}
