@@ -73,6 +73,83 @@ function invalid(path: string, message: string): HttpError {
   return new HttpError(422, "The request body failed validation", {}, { extra: { errors: [{ path, message }] } });
 }
 
+/** Refuses (422) a `notify` the tenant may not use: a recipient outside its domains, or a webhook it cannot send. */
+async function checkNotify(deps: SummaryApiDeps, tenant: string, notify: SummaryRequest["notify"]): Promise<void> {
+  if (typeof notify === "string") {
+    if (deps.recipients && !(await deps.recipients(tenant, notify))) {
+      throw invalid("notify", `this tenant may not email ${notify.slice(notify.lastIndexOf("@") + 1)}`);
+    }
+  } else {
+    if (!deps.webhooks) throw invalid("notify.webhook", "webhooks are not enabled on this server");
+    try {
+      checkWebhookUrl(notify.webhook, deps.webhooks);
+    } catch (error) {
+      if (error instanceof WebhookRefused) throw invalid("notify.webhook", error.message);
+      throw error;
+    }
+    if (deps.webhooks.hosts && !(await deps.webhooks.hosts(tenant, notify.webhook))) {
+      throw invalid("notify.webhook", `this tenant may not send webhooks to ${new URL(notify.webhook).hostname}`);
+    }
+    if (!(await deps.webhooks.hasSecret(tenant))) {
+      throw invalid(
+        "notify.webhook",
+        "this tenant has no webhook signing secret yet (deno task tenant rotate-webhook-secret NAME makes one)",
+      );
+    }
+  }
+}
+
+/**
+ * `Prefer: wait=N`: waits up to N seconds for the job to finish, woken by
+ * its outcome's notification. @returns the document when it finished
+ * (`finished`), the latest one when the wait ran out, or null when waiting
+ * is not possible here (or was not asked for).
+ */
+async function waitIfPreferred(
+  deps: SummaryApiDeps,
+  req: Request,
+  tenant: string,
+  jobId: string,
+): Promise<Waited | null> {
+  const waitS = preferredWaitS(req.headers);
+  const waiter = deps.waiter;
+  if (waitS === undefined || !waiter?.listening || deps.shutdown?.aborted) return null;
+  try {
+    return await waitFor(deps, req, tenant, jobId, waiter, waitS);
+  } catch (error) {
+    // The job is accepted (or known) all the same: a failed wait falls back to the usual answer, never a 5xx.
+    deps.log.warn("wait_failed", { job_id: jobId, tenant, error });
+    return null;
+  }
+}
+
+async function waitFor(
+  deps: SummaryApiDeps,
+  req: Request,
+  tenant: string,
+  jobId: string,
+  waiter: JobWaiter,
+  waitS: number,
+): Promise<Waited | null> {
+  const deadline = performance.now() + waitS * 1000;
+  const applied = `wait=${waitS}`;
+  // Subscribe before looking, so a finish between the look and the wait still wakes us.
+  const subscription = waiter.subscribe(jobId);
+  try {
+    for (;;) {
+      const found = await jobDocument(deps, tenant, jobId);
+      if (found && FINISHED.has(found.document.status)) return { document: found.document, applied, finished: true };
+      const left = deadline - performance.now();
+      if (!found) return null;
+      if (left <= 0 || deps.shutdown?.aborted) return { document: found.document, applied, finished: false };
+      await subscription.next(left, AbortSignal.any([req.signal, ...(deps.shutdown ? [deps.shutdown] : [])]));
+      if (req.signal.aborted) return null;
+    }
+  } finally {
+    subscription.close();
+  }
+}
+
 /** The summary API's routes. */
 export function summaryRoutes(deps: SummaryApiDeps): Router {
   const { redis, sql, log, authenticate, intake } = deps;
@@ -92,29 +169,7 @@ export function summaryRoutes(deps: SummaryApiDeps): Router {
       const errors = parsed.error.issues.map((i) => ({ path: i.path.join("."), message: i.message }));
       throw new HttpError(422, "The request body failed validation", {}, { extra: { errors } });
     }
-    const notify = parsed.data.notify;
-    if (typeof notify === "string") {
-      if (deps.recipients && !(await deps.recipients(tenant, notify))) {
-        throw invalid("notify", `this tenant may not email ${notify.slice(notify.lastIndexOf("@") + 1)}`);
-      }
-    } else {
-      if (!deps.webhooks) throw invalid("notify.webhook", "webhooks are not enabled on this server");
-      try {
-        checkWebhookUrl(notify.webhook, deps.webhooks);
-      } catch (error) {
-        if (error instanceof WebhookRefused) throw invalid("notify.webhook", error.message);
-        throw error;
-      }
-      if (deps.webhooks.hosts && !(await deps.webhooks.hosts(tenant, notify.webhook))) {
-        throw invalid("notify.webhook", `this tenant may not send webhooks to ${new URL(notify.webhook).hostname}`);
-      }
-      if (!(await deps.webhooks.hasSecret(tenant))) {
-        throw invalid(
-          "notify.webhook",
-          "this tenant has no webhook signing secret yet (deno task tenant rotate-webhook-secret NAME makes one)",
-        );
-      }
-    }
+    await checkNotify(deps, tenant, parsed.data.notify);
     const scope = { tenant, method: "POST", path: SUMMARIES, key };
     try {
       // With tracing on, the job's trace continues from this request's span (Deno.serve's) in the worker.
@@ -131,7 +186,7 @@ export function summaryRoutes(deps: SummaryApiDeps): Router {
         log.info("job_enqueued", { job_id: response.body.job_id, tenant });
       }
       if (deps.waiter) headers.vary = "prefer";
-      const waited = await waitIfPreferred(req, tenant, response.body.job_id);
+      const waited = await waitIfPreferred(deps, req, tenant, response.body.job_id);
       if (waited?.finished) return json(200, waited.document, { ...headers, "preference-applied": waited.applied });
       // A wait that ran out still applied the preference: the client can tell "waited" from "ignored".
       if (waited) headers["preference-applied"] = waited.applied;
@@ -148,62 +203,13 @@ export function summaryRoutes(deps: SummaryApiDeps): Router {
     }
   }
 
-  /**
-   * `Prefer: wait=N`: waits up to N seconds for the job to finish, woken by
-   * its outcome's notification. @returns the document when it finished
-   * (`finished`), the latest one when the wait ran out, or null when waiting
-   * is not possible here (or was not asked for).
-   */
-  async function waitIfPreferred(
-    req: Request,
-    tenant: string,
-    jobId: string,
-  ): Promise<Waited | null> {
-    const waitS = preferredWaitS(req.headers);
-    const waiter = deps.waiter;
-    if (waitS === undefined || !waiter?.listening || deps.shutdown?.aborted) return null;
-    try {
-      return await waitFor(req, tenant, jobId, waiter, waitS);
-    } catch (error) {
-      // The job is accepted (or known) all the same: a failed wait falls back to the usual answer, never a 5xx.
-      log.warn("wait_failed", { job_id: jobId, tenant, error });
-      return null;
-    }
-  }
-
-  async function waitFor(
-    req: Request,
-    tenant: string,
-    jobId: string,
-    waiter: JobWaiter,
-    waitS: number,
-  ): Promise<Waited | null> {
-    const deadline = performance.now() + waitS * 1000;
-    const applied = `wait=${waitS}`;
-    // Subscribe before looking, so a finish between the look and the wait still wakes us.
-    const subscription = waiter.subscribe(jobId);
-    try {
-      for (;;) {
-        const found = await jobDocument(deps, tenant, jobId);
-        if (found && FINISHED.has(found.document.status)) return { document: found.document, applied, finished: true };
-        const left = deadline - performance.now();
-        if (!found) return null;
-        if (left <= 0 || deps.shutdown?.aborted) return { document: found.document, applied, finished: false };
-        await subscription.next(left, AbortSignal.any([req.signal, ...(deps.shutdown ? [deps.shutdown] : [])]));
-        if (req.signal.aborted) return null;
-      }
-    } finally {
-      subscription.close();
-    }
-  }
-
   async function getSummary(req: Request, jobId: string): Promise<Response> {
     const tenant = await authenticate(req);
     const found = await jobDocument(deps, tenant, jobId);
     if (!found) throw new HttpError(404, `No job ${jobId} for this tenant`);
     const headers: Record<string, string> = deps.waiter ? { vary: "prefer" } : {};
     if (!FINISHED.has(found.document.status)) {
-      const waited = await waitIfPreferred(req, tenant, jobId);
+      const waited = await waitIfPreferred(deps, req, tenant, jobId);
       if (waited) return json(200, waited.document, { ...headers, "preference-applied": waited.applied });
     }
     return json(200, found.document, headers);
