@@ -16,7 +16,7 @@ import { startJobWaiter } from "../summaries/job_waiter.ts";
 import { buildFlow, providerLabel } from "./_model.ts";
 import { problem } from "../http/problem.ts";
 
-/** What the API process's handler needs: the summary API's, the console's and `/metrics`'. */
+/** What the API process's handler needs: the summary API's, and the console and `/metrics`. */
 export interface ApiDeps extends SummaryApiDeps {
   /** The operator console (`/console`, ADMIN_TOKEN); without it, `/console` answers 404. */
   console?: (req: Request, path: string, client?: Client) => Promise<Response>;

@@ -12,6 +12,7 @@ import { sleep } from "../async/timeout.ts";
 import type { Completion, Usage } from "../llm/llm.ts";
 import type { Logger } from "../log/logger.ts";
 import { defineScript } from "../redis/script.ts";
+import { fieldsToObject } from "../queue/message.ts";
 import { type FailureKind, failureKindOf, headersOf, reasonOf, retryAfterMs } from "../retry/classify.ts";
 import { GateRefused } from "../retry/errors.ts";
 import { parseRateLimitHeaders } from "./rate_limit_headers.ts";
@@ -610,8 +611,7 @@ export function createProviderFlow(
 
     async status() {
       const [now, flat] = await STATUS.run(redis, [options.key], []) as [number, string[]];
-      const f = new Map<string, string>();
-      for (let i = 0; i + 1 < flat.length; i += 2) f.set(flat[i]!, flat[i + 1]!);
+      const f = new Map(Object.entries(fieldsToObject(flat)));
       const num = (name: string) => (f.has(name) && f.get(name) !== "" ? Number(f.get(name)) : null);
       const limit = (configured: number, learned: number | null) => {
         const c = configured > 0 ? configured : null;
