@@ -169,11 +169,11 @@ export interface JobReadRow {
 /**
  * Reads a job for `GET /v1/summaries/{id}`, in one query: its outcome (a
  * summary without one counts as done), its summary, and the totals of its
- * model attempts (those of `tenant` only). @returns exactly one row, all
+ * model attempts (those of `tenant` only). @returns its row, all
  * null (and 0 attempts) for an unknown job.
  */
-export async function readJob(sql: Queryable, jobId: string, tenant: string): Promise<JobReadRow[]> {
-  return await sql<JobReadRow[]>`
+export async function readJob(sql: Queryable, jobId: string, tenant: string): Promise<JobReadRow> {
+  const [row] = await sql<JobReadRow[]>`
     SELECT coalesce(o.tenant, s.tenant) AS tenant, coalesce(o.outcome, CASE WHEN s.job_id IS NOT NULL THEN 'done' END)
         AS outcome, o.error, s.summary, a.attempts, a.tokens
     FROM (SELECT ${jobId}::uuid AS job_id) j
@@ -183,6 +183,7 @@ export async function readJob(sql: Queryable, jobId: string, tenant: string): Pr
         (sum(coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)))::int AS tokens
       FROM model_attempts m WHERE m.job_id = j.job_id AND m.tenant = ${tenant}
     ) a`;
+  return row!;
 }
 
 /** A decided job with its summary, as the console shows it. */
@@ -194,11 +195,15 @@ export interface DecidedJob {
 }
 
 /** The job's outcome and summary: one row if it is decided, none otherwise. */
-export async function decidedJob(sql: Queryable, jobId: string): Promise<DecidedJob[]> {
-  return await sql<DecidedJob[]>`
+export async function decidedJob(sql: Queryable, jobId: string): Promise<DecidedJob | undefined> {
+  const [decided] = await sql<DecidedJob[]>`
     SELECT o.tenant, o.outcome, o.decided_at, s.summary
     FROM job_outcomes o LEFT JOIN summaries s USING (job_id) WHERE o.job_id = ${jobId}`;
+  return decided;
 }
+
+/** A model attempt of a known job, as the console's job page lists it. */
+export type JobAttempt = Omit<AttemptRow, "job_id" | "tenant">;
 
 /** How many jobs each tenant finished in the last minute (tenants with none are absent). */
 export async function doneLastMinute(sql: Queryable): Promise<{ tenant: string; n: number }[]> {
@@ -224,8 +229,8 @@ export async function insertAttempts(sql: Queryable, rows: AttemptRow[]): Promis
 }
 
 /** A job's model attempts, oldest first. */
-export async function attemptsOf(sql: Queryable, jobId: string): Promise<Omit<AttemptRow, "job_id" | "tenant">[]> {
-  return await sql<Omit<AttemptRow, "job_id" | "tenant">[]>`
+export async function attemptsOf(sql: Queryable, jobId: string): Promise<JobAttempt[]> {
+  return await sql<JobAttempt[]>`
     SELECT delivery, attempt, started_at, duration_ms, outcome, status, prompt_tokens, completion_tokens,
       provider_request_id, model, error
     FROM model_attempts WHERE job_id = ${jobId} ORDER BY started_at`;

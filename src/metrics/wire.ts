@@ -5,6 +5,7 @@ import type { RelayEvents } from "../outbox/relay.ts";
 import { outboxBacklog } from "../outbox/outbox_store.ts";
 import type { JobKeys, ServiceKeys } from "../summaries/keys.ts";
 import { allLanes } from "../summaries/all_lanes.ts";
+import { groupLag, laneStats } from "../queue/inspector.ts";
 import type { WorkerEvents } from "../queue/stream_worker.ts";
 import type { AttemptReport } from "../retry/retry_policy.ts";
 import type { FlowEvents, ProviderFlow } from "../provider/flow_control.ts";
@@ -43,18 +44,11 @@ export function queueGauges(registry: Registry, redis: RedisClient, keys: Servic
   type LaneStat = { tenant: string; length: number; pending: number; lag: number };
   const read = async (): Promise<LaneStat[]> => {
     return await Promise.all((await allLanes(redis, keys)).map(async ({ tenant, keys: lane }) => {
-      const [length, pending, groups] = await Promise.all([
-        redis.xlen(lane.stream),
-        redis.xpending(lane.stream, lane.group).then((s) => Number((s as [number])[0] ?? 0), () => 0),
-        (redis.call("XINFO", "GROUPS", lane.stream) as Promise<unknown[][]>).catch(() => []),
+      const [{ depth: length, pending }, lag] = await Promise.all([
+        laneStats(redis, lane),
+        groupLag(redis, lane),
       ]);
-      let lag = 0;
-      for (const g of groups) {
-        const fields = new Map<string, unknown>();
-        for (let i = 0; i + 1 < g.length; i += 2) fields.set(String(g[i]), g[i + 1]);
-        if (fields.get("name") === lane.group) lag = Number(fields.get("lag") ?? 0);
-      }
-      return { tenant: tenant ?? "(before lanes)", length, pending, lag };
+      return { tenant: tenant ?? "(single stream)", length, pending, lag };
     }));
   };
   const sum = (field: "pending" | "lag") => async () => (await read()).reduce((n, s) => n + s[field], 0);

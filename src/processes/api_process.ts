@@ -1,7 +1,11 @@
 import type { RunContext } from "../commands.ts";
 import type { ComponentDeps } from "./_deps.ts";
-import { apiMetrics, createRegistry } from "../metrics/metrics.ts";
-import { createHandler, SUMMARIES } from "../summaries/api.ts";
+import { type ApiMetrics, apiMetrics, createRegistry, metricsResponse } from "../metrics/metrics.ts";
+import type { Registry } from "prom-client";
+import { healthRoutes } from "../http/health.ts";
+import { type Client, json, Router } from "../http/router.ts";
+import { openApiDocument } from "../summaries/openapi.ts";
+import { SUMMARIES, type SummaryApiDeps, summaryRoutes } from "../summaries/api.ts";
 import { createIntake } from "../summaries/intake.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
@@ -11,6 +15,47 @@ import { createWebhookHostPolicy } from "../tenants/webhook_hosts.ts";
 import { startJobWaiter } from "../summaries/job_waiter.ts";
 import { buildFlow, providerLabel } from "./_model.ts";
 import { problem } from "../http/problem.ts";
+
+/** What the API process's handler needs: the summary API's, and the console and `/metrics`. */
+export interface ApiDeps extends SummaryApiDeps {
+  /** The operator console (`/console`, ADMIN_TOKEN); without it, `/console` answers 404. */
+  console?: (req: Request, path: string, client?: Client) => Promise<Response>;
+  /**
+   * Prometheus metrics; `/metrics` serves `registry` (which `dev` shares with
+   * the worker and relay), behind `token` as a bearer token when it is set.
+   */
+  metrics?: { api: ApiMetrics; registry: Registry; token?: string };
+}
+
+/**
+ * The API process's routes: the summary API (`/v1/summaries...`), the
+ * console (`/console...`), `/metrics`, `/openapi.json` and the health checks,
+ * as a plain `(req, client) => Promise<Response>`, so tests can call it
+ * without a port and `serveApi` hands it to `Deno.serve`.
+ */
+export function createApiHandler(deps: ApiDeps): (req: Request, client?: Client) => Promise<Response> {
+  const { console: operatorConsole, metrics } = deps;
+  const openApi = openApiDocument();
+  const router = new Router()
+    // Off (no ADMIN_TOKEN): indistinguishable from any unknown path. The peer's address (Deno.serve's
+    // second argument) goes with a request to it, for the log of a failed sign-in.
+    .mount(
+      "/console",
+      operatorConsole
+        ? (req, { path, client }) => operatorConsole(req, path, client)
+        : (req, { path }) => problem(404, `No route for ${req.method} ${path}`),
+    )
+    .route(summaryRoutes(deps))
+    .route(healthRoutes(deps))
+    .on("/openapi.json", { GET: () => json(200, openApi) })
+    .on("/metrics", {
+      GET: (req) =>
+        metrics
+          ? metricsResponse(metrics.registry, { token: metrics.token, headers: req.headers })
+          : problem(404, "Metrics are not enabled in this process"),
+    });
+  return router.handler({ log: deps.log, metrics: metrics?.api });
+}
 
 /** Serves the API on HOST:PORT until `signal` aborts, then finishes in-flight requests. */
 export async function serveApi(
@@ -36,7 +81,7 @@ export async function serveApi(
         }),
     })
     : undefined;
-  const handler = createHandler({
+  const handler = createApiHandler({
     console: operatorConsole,
     waiter,
     shutdown: signal,

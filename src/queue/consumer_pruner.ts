@@ -8,6 +8,7 @@ import type { Logger } from "../log/logger.ts";
 import { defineScript } from "../redis/script.ts";
 import type { GroupCache } from "./consumer_group.ts";
 import type { LaneSource } from "./lanes.ts";
+import { fieldsToObject } from "./message.ts";
 
 /** Defaults of {@linkcode createConsumerPruner}. */
 export const PRUNER_DEFAULTS = {
@@ -82,11 +83,10 @@ export function createConsumerPruner(
         continue;
       }
       for (const c of consumers) {
-        const f = new Map<string, unknown>();
-        for (let i = 0; i + 1 < c.length; i += 2) f.set(String(c[i]), c[i + 1]);
-        const name = String(f.get("name"));
+        const f = fieldsToObject(c);
+        const name = String(f.name);
         // Only consumers with an empty PEL: deleting one that holds messages would drop them from the PEL.
-        if (name === consumer || Number(f.get("pending")) !== 0 || Number(f.get("idle")) < idleMs) continue;
+        if (name === consumer || Number(f.pending) !== 0 || Number(f.idle) < idleMs) continue;
         await options.beforePrune?.(name);
         if ((await DELETE_IDLE_CONSUMER.run(redis, [lane.stream], [lane.group, name, idleMs])) === 1) {
           removed.push(name);

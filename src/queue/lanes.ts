@@ -21,6 +21,7 @@ import calculateSlot from "cluster-key-slot";
 import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
 import { defineScript } from "../redis/script.ts";
+import { pendingCount } from "./inspector.ts";
 import type { QueueNames } from "./message.ts";
 
 export { createLaneShares, LANE_SHARE_DEFAULTS, type LaneCharge, type LaneShares } from "./lane_shares.ts";
@@ -131,7 +132,7 @@ export async function foldLaneHomes(redis: RedisClient, keys: LaneRegistryKeys):
 async function hasUndelivered(redis: RedisClient, lane: QueueNames): Promise<boolean> {
   const [length, pending] = await Promise.all([
     redis.xlen(lane.stream),
-    redis.xpending(lane.stream, lane.group).then((p) => Number((p as [number])[0] ?? 0), () => 0),
+    pendingCount(redis, lane),
   ]);
   // Acked entries are deleted (XDEL), so everything beyond the pending ones is undelivered.
   return length > pending;

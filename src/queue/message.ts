@@ -1,3 +1,4 @@
+import type { RedisClient } from "../clients.ts";
 /** A stream entry as the worker hands it to a handler. */
 export interface StreamMessage {
   id: string;
@@ -6,11 +7,27 @@ export interface StreamMessage {
   deliveries: number;
 }
 
-/** Turns Redis's flat `[k, v, k, v]` field list into an object. */
-export function fieldsToObject(flat: string[]): Record<string, string> {
-  const out: Record<string, string> = {};
-  for (let i = 0; i + 1 < flat.length; i += 2) out[flat[i]!] = flat[i + 1]!;
+/**
+ * Turns Redis's flat `[k, v, k, v]` reply (a stream entry's fields, or an
+ * `XINFO` record, whose values may be numbers) into an object.
+ */
+export function fieldsToObject<T = string>(flat: readonly T[]): Record<string, T> {
+  const out: Record<string, T> = {};
+  for (let i = 0; i + 1 < flat.length; i += 2) out[String(flat[i])] = flat[i + 1]!;
   return out;
+}
+
+/**
+ * Up to `count` entries of `stream` after the id `after` (`-` for the start),
+ * oldest first, each as `[id, flat fields]`.
+ */
+export async function entriesAfter(
+  redis: RedisClient,
+  stream: string,
+  after: string,
+  count: number,
+): Promise<[string, string[]][]> {
+  return await redis.xrange(stream, after === "-" ? "-" : `(${after}`, "+", "COUNT", count);
 }
 
 /** Names of a consumer group's stream and its dead-letter stream. Both must share one hash tag. */

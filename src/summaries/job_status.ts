@@ -9,7 +9,7 @@
 import type { RedisClient } from "../clients.ts";
 import type { DeadLetterHook, RecordUpdate } from "../queue/dead_letter.ts";
 import { defineScript } from "../redis/script.ts";
-import { JOB_RECORD_TTL_S, jobKeyBeside, type JobKeys } from "./keys.ts";
+import { JOB_RECORD_TTL_S, jobKeyBeside, type JobKeys, type ServiceKeys } from "./keys.ts";
 
 /** What an enqueue script does to a job's record: fields to set, fields to delete, and its lifetime. */
 export interface RecordChange {
@@ -52,4 +52,33 @@ return 1`);
 /** Records a cancel that Postgres decided (`cancelJob`) in the job's record at `key`. */
 export async function markCancelled(redis: RedisClient, key: string): Promise<void> {
   await MARK_CANCELLED.run(redis, [key], []);
+}
+
+/** A job's status record (tenant, status, error) and the key it is under. */
+export interface JobRecord {
+  record: Record<string, string>;
+  key: string;
+}
+
+/**
+ * Finds a job's status record as `GET /v1/summaries/{id}` does: in its
+ * tenant's lane; null when it does not name `tenant`. Without `tenant` (an
+ * operator, who may see every tenant's jobs), each registered lane's in turn.
+ */
+export async function readJobRecord(
+  redis: RedisClient,
+  keys: ServiceKeys,
+  jobId: string,
+  tenant?: string,
+): Promise<JobRecord | null> {
+  const read = async (key: string) => ({ record: await redis.hgetall(key), key });
+  if (tenant !== undefined) {
+    const found = await read(keys.lane(tenant).job(jobId));
+    return found.record.tenant === tenant ? found : null;
+  }
+  for (const lane of (await redis.smembers(keys.registry.all)).sort()) {
+    const found = await read(keys.lane(lane).job(jobId));
+    if (found.record.tenant) return found;
+  }
+  return null;
 }

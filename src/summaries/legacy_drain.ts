@@ -25,7 +25,7 @@
 import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
 import { announceLane, laneKnownArgs } from "../queue/lanes.ts";
-import { fieldsToObject } from "../queue/message.ts";
+import { entriesAfter, fieldsToObject } from "../queue/message.ts";
 import { defineScript } from "../redis/script.ts";
 import { jobKeys, type ServiceKeys } from "./keys.ts";
 
@@ -79,10 +79,10 @@ export async function drainLegacyStream(
   let moved = 0;
   let from = "-";
   for (;;) {
-    const entries = await redis.xrange(legacy.stream, from, "+", "COUNT", batch);
+    const entries = await entriesAfter(redis, legacy.stream, from, batch);
     if (entries.length === 0) break;
     for (const [id, flat] of entries) {
-      from = `(${id}`;
+      from = id;
       const { tenant, job_id: jobId } = fieldsToObject(flat);
       if (!tenant || !jobId) {
         log.error("legacy_entry_unroutable", { stream: legacy.stream, msg_id: id });

@@ -8,7 +8,8 @@
 import { connectPostgres, connectRedis } from "../../src/clients.ts";
 import { createIntake } from "../../src/summaries/intake.ts";
 import { createLogger } from "../../src/log/logger.ts";
-import { createHandler, SUMMARIES } from "../../src/summaries/api.ts";
+import { createApiHandler } from "../../src/processes/api_process.ts";
+import { SUMMARIES } from "../../src/summaries/api.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 
@@ -30,7 +31,7 @@ if (mode === "bare") {
   const sql = await connectPostgres(databaseUrl!);
   const redis = await connectRedis(redisUrl!);
   close.push(() => sql.end(), () => redis.quit());
-  handler = createHandler({
+  handler = createApiHandler({
     redis,
     sql,
     log,

@@ -9,7 +9,8 @@ import { readJsonBody } from "../../src/http/body.ts";
 import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
 import { jobIdFor } from "../../src/idempotency/scope.ts";
 import { createLogger } from "../../src/log/logger.ts";
-import { createHandler, SUMMARIES } from "../../src/summaries/api.ts";
+import { createApiHandler } from "../../src/processes/api_process.ts";
+import { SUMMARIES } from "../../src/summaries/api.ts";
 import { createIntake } from "../../src/summaries/intake.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { SummaryRequest } from "../../src/summaries/schemas.ts";
@@ -68,7 +69,7 @@ if (import.meta.main) {
   const handler = variant === "bare"
     ? async (req: Request) => (await req.json(), accepted())
     : variant === "handler" || variant === "api"
-    ? createHandler({
+    ? createApiHandler({
       redis,
       sql,
       log,

@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
 import { z } from "zod";
 import { silentLogger } from "../../src/log/logger.ts";
-import { createHandler } from "../../src/summaries/api.ts";
+import { createApiHandler } from "../../src/processes/api_process.ts";
 import { openApiDocument, ROUTES } from "../../src/summaries/openapi.ts";
 import { SummaryRequest } from "../../src/summaries/schemas.ts";
 import type { Redis } from "ioredis";
@@ -15,7 +15,7 @@ const unused = new Proxy({}, {
 });
 
 Deno.test("openapi.json documents exactly the routes the handler serves", async () => {
-  const handler = createHandler({
+  const handler = createApiHandler({
     redis: unused as Redis,
     sql: unused as Sql,
     log: silentLogger,

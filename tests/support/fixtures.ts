@@ -13,7 +13,8 @@ import type { Mailer } from "../../src/mail/mailer.ts";
 import { createRelay, type Deferral, type Relay, type RelayOptions } from "../../src/outbox/relay.ts";
 import type { ProviderFlow } from "../../src/provider/flow_control.ts";
 import type { StreamWorker } from "../../src/queue/stream_worker.ts";
-import { type ApiDeps, createHandler, SUMMARIES } from "../../src/summaries/api.ts";
+import { type ApiDeps, createApiHandler } from "../../src/processes/api_process.ts";
+import { SUMMARIES } from "../../src/summaries/api.ts";
 import { summaryEmailRenderer, summaryPayloadLoader } from "../../src/summaries/email.ts";
 import { createIntake } from "../../src/summaries/intake.ts";
 import type { JobKeys, ServiceKeys } from "../../src/summaries/keys.ts";
@@ -39,7 +40,7 @@ export function apiHandler(
   } = {},
 ): (req: Request) => Promise<Response> {
   const { authMode = "trusted-header", authCacheTtlMs = 0, resultTtlS = 86_400, ...deps } = overrides;
-  const handler = createHandler({
+  const handler = createApiHandler({
     redis,
     sql,
     log,

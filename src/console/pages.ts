@@ -1,0 +1,216 @@
+/** The console's signed-in pages, one function each: queues, workers, dead letters, outbox, provider, a job. */
+import { listOutbox, outboxBacklog, rowsOfJob } from "../outbox/outbox_store.ts";
+import { attemptsOf, decidedJob, doneLastMinute, type JobAttempt } from "../jobs/job_store.ts";
+import { deadLetterCount, deadLetterPages, laneStats, oldestAgeMs, workers } from "../queue/inspector.ts";
+import { allLanes } from "../summaries/all_lanes.ts";
+import { readJobRecord } from "../summaries/job_status.ts";
+import { JOB_ID } from "../summaries/schemas.ts";
+import { traceIdOf } from "../tracing.ts";
+import type { ConsoleDeps } from "./console.ts";
+import { Html, html } from "./html.ts";
+import { actionButton, ago, jobLink, page, PAGE_ROWS, table, type View } from "./layout.ts";
+
+/** What the pages read. */
+export type PageDeps = Pick<ConsoleDeps, "redis" | "sql" | "keys" | "providerStatus">;
+
+/** Each lane: its depth, in-flight count, jobs done in the last minute, and how long its oldest entry waits. */
+export async function queuesPage({ redis, sql, keys }: PageDeps, view: View, note?: string): Promise<Response> {
+  const lanes = await allLanes(redis, keys);
+  const done = new Map((await doneLastMinute(sql)).map((r) => [r.tenant, r.n]));
+  const rows = await Promise.all(lanes.map(async (lane) => {
+    const [{ depth, pending }, oldestMs] = await Promise.all([
+      laneStats(redis, lane.keys),
+      oldestAgeMs(redis, lane.keys),
+    ]);
+    return [
+      html`${lane.tenant ?? "(single stream)"}`,
+      html`${depth}`,
+      html`${pending}`,
+      html`${lane.tenant === null ? "" : done.get(lane.tenant) ?? 0}`,
+      html`${oldestMs === undefined ? "" : ago(oldestMs)}`,
+    ];
+  }));
+  return page(
+    view,
+    "Queues",
+    table(
+      ["tenant", "queued (in the stream)", "in flight", "done in the last minute", "oldest waiting"],
+      rows,
+      "No lanes yet.",
+    ),
+    { note },
+  );
+}
+
+/** Each consumer over all lanes: how many lanes it reads, its pending entries, how long it has been idle. */
+export async function workersPage({ redis, keys }: PageDeps, view: View): Promise<Response> {
+  const rows = (await workers(redis, await allLanes(redis, keys))).map((w) => [
+    html`<code>${w.name}</code>`,
+    html`${w.lanes}`,
+    html`${w.pending}`,
+    html`${ago(w.idle)}`,
+  ]);
+  return page(view, "Workers", table(["consumer", "lanes", "pending", "idle"], rows, "No worker has read a lane yet."));
+}
+
+/** The start of a dead letter's document: its text, or the raw prefix of a payload that is not JSON. */
+function excerptOf(payload: string | undefined): string {
+  try {
+    return String((JSON.parse(payload ?? "{}") as { text?: unknown }).text ?? "").slice(0, 160);
+  } catch {
+    /* a truncated payload is not JSON: the raw prefix is shown */
+    return (payload ?? "").slice(0, 160);
+  }
+}
+
+/** The oldest `PAGE_ROWS` dead letters over all lanes, each with a Replay button when it can run again. */
+export async function deadLettersPage({ redis, keys }: PageDeps, view: View, note?: string): Promise<Response> {
+  const rows: Html[][] = [];
+  const lanes = await allLanes(redis, keys);
+  let total = 0;
+  for (const lane of lanes) total += await deadLetterCount(redis, lane.keys);
+  for await (const batch of deadLetterPages(redis, lanes, PAGE_ROWS)) {
+    for (const d of batch) {
+      if (rows.length >= PAGE_ROWS) break;
+      const fields: Record<string, string> = { id: d.id };
+      if (d.lane.tenant !== null) fields.tenant = d.lane.tenant;
+      rows.push([
+        html`${d.fields.tenant ?? ""}`,
+        jobLink(d.fields.job_id),
+        html`<span class="reason">${d.reason}</span>`,
+        html`${d.deliveries}`,
+        html`${d.dead_at}`,
+        html`<span class="excerpt">${excerptOf(d.fields.payload)}</span>`,
+        d.truncated.length || d.expired
+          ? html`<span title="${
+            d.truncated.length ? "payload truncated" : "older than 7 days"
+          }: the client must resubmit">not replayable</span>`
+          : actionButton(view, "/console/dead-letters/replay", "Replay", fields),
+      ]);
+    }
+    if (rows.length >= PAGE_ROWS) break;
+  }
+  const body = html`<p>${total} dead letter(s)${total > rows.length ? ` (the oldest ${rows.length} shown)` : ""}.</p>
+${total ? actionButton(view, "/console/dead-letters/replay", "Replay all", { all: "1" }) : ""}
+${
+    table(
+      ["tenant", "job", "reason", "deliveries", "dead at", "document (start)", ""],
+      rows,
+      "The dead-letter streams are empty.",
+    )
+  }`;
+  return page(view, "Dead letters", body, { note });
+}
+
+/** The outbox backlog and its failed rows, each with a Retry button. */
+export async function outboxPage({ sql }: PageDeps, view: View, note?: string): Promise<Response> {
+  const [backlog, failed] = await Promise.all([
+    outboxBacklog(sql),
+    listOutbox(sql, { failed: true, limit: PAGE_ROWS }),
+  ]);
+  const rows = failed.map((r) => [
+    html`${r.id}`,
+    html`${r.topic}`,
+    html`<code>${r.dedupe_key}</code>`,
+    html`${r.attempts}`,
+    html`<span class="reason">${r.last_error ?? ""}</span>`,
+    actionButton(view, "/console/outbox/retry", "Retry", { id: r.id }),
+  ]);
+  const body = html`
+    <dl class="figures">
+      <dt>unsent</dt>
+      <dd>${backlog.unsent}</dd>
+      <dt>failed</dt>
+      <dd>${backlog.failed}</dd>
+      <dt>oldest unsent</dt>
+      <dd>${backlog.unsent ? ago(backlog.oldest_unsent_s * 1000) : "none"}</dd>
+    </dl>
+    ${backlog.failed ? actionButton(view, "/console/outbox/retry", "Retry all failed", { all: "1" }) : ""}
+    <h2>Failed rows</h2>${table(["id", "topic", "dedupe key", "attempts", "last error", ""], rows, "No failed rows.")}
+  `;
+  return page(view, "Outbox", body, { note });
+}
+
+/** The shared limiter and breaker, as `deno task provider status` prints them. */
+export async function providerPage({ providerStatus }: PageDeps, view: View): Promise<Response> {
+  if (!providerStatus) {
+    return page(
+      view,
+      "Provider",
+      html`<p class="empty">No shared limiter or breaker: the model is the local extractive one.</p>`,
+    );
+  }
+  return page(view, "Provider", html`<pre>${(await providerStatus()).join("\n")}</pre>`);
+}
+
+const ATTEMPT_COLUMNS = [
+  "delivery",
+  "attempt",
+  "started",
+  "took",
+  "outcome",
+  "status",
+  "tokens in / out",
+  "model",
+  "request id",
+  "error",
+];
+
+function attemptRow(a: JobAttempt): Html[] {
+  return [
+    html`${a.delivery}`,
+    html`${a.attempt}`,
+    html`${a.started_at.toISOString()}`,
+    html`${Math.round(a.duration_ms)} ms`,
+    html`${a.outcome}`,
+    html`${a.status ?? ""}`,
+    html`${a.prompt_tokens ?? ""} / ${a.completion_tokens ?? ""}`,
+    html`${a.model}`,
+    html`<code>${a.provider_request_id ?? ""}</code>`,
+    html`${a.error ?? ""}`,
+  ];
+}
+
+/** One job: its tenant and status, its notification and trace, its summary and its model attempts. */
+export async function jobPage({ redis, sql, keys }: PageDeps, view: View, jobId: string): Promise<Response> {
+  if (!JOB_ID.test(jobId)) return page(view, "Job", html`<p>Not a job id: <code>${jobId}</code></p>`, { status: 404 });
+  const decided = await decidedJob(sql, jobId);
+  let state: { tenant: string; status: string; error?: string } | undefined = decided
+    ? { tenant: decided.tenant, status: decided.outcome }
+    : undefined;
+  if (!state) {
+    const found = await readJobRecord(redis, keys, jobId);
+    if (found) {
+      state = { tenant: found.record.tenant!, status: found.record.status ?? "queued", error: found.record.error };
+    }
+  }
+  if (!state) return page(view, "Job", html`<p>No job <code>${jobId}</code>.</p>`, { status: 404 });
+  const [attempts, outbox] = await Promise.all([attemptsOf(sql, jobId), rowsOfJob(sql, jobId)]);
+  const traceId = traceIdOf(outbox[0]?.traceparent ?? undefined);
+  const body = html`<dl class="figures"><dt>job</dt><dd><code id="job-id">${jobId}</code></dd>
+<dt>tenant</dt><dd>${state.tenant}</dd><dt>status</dt><dd id="job-status">${state.status}</dd>
+${
+    state.error
+      ? html`
+        <dt>error</dt>
+        <dd class="reason">${state.error}</dd>
+      `
+      : ""
+  }
+<dt>notification</dt><dd>${
+    outbox[0] ? `${outbox[0].topic}: ${outbox[0].sent ? "sent" : outbox[0].failed ? "failed" : "pending"}` : "none yet"
+  }</dd>
+<dt>trace</dt><dd>${
+    traceId ? html`<a href="#trace" id="trace-id" data-trace-id="${traceId}"><code>${traceId}</code></a>` : "not traced"
+  }</dd></dl>
+${
+    decided?.summary
+      ? html`
+        <h2>Summary</h2>
+        <pre class="summary">${decided.summary}</pre>
+      `
+      : ""
+  }
+<h2>Model attempts</h2>${table(ATTEMPT_COLUMNS, attempts.map(attemptRow), "No model call yet.")}`;
+  return page(view, "Job", body);
+}

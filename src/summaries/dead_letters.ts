@@ -1,0 +1,107 @@
+/**
+ * Replaying the summary pipeline's dead letters, as `deno task dlq replay`
+ * and the console's Replay buttons do: Postgres decides first (a job that
+ * already had its effects, or was cancelled, never runs again), then the
+ * dead letter goes back to its lane with its original job id.
+ */
+import type { Sql } from "postgres";
+import type { RedisClient } from "../clients.ts";
+import { DeadLetterExpired, DeadLetterTruncated, replayDeadLetter } from "../queue/dead_letter.ts";
+import { deadLetterPages, type LaneDeadLetter } from "../queue/inspector.ts";
+import { announceLane } from "../queue/lanes.ts";
+import { allLanes } from "./all_lanes.ts";
+import { failJob } from "../jobs/job_store.ts";
+import { reopenFailedJob } from "./commit.ts";
+import { markQueuedOnReplay } from "./job_status.ts";
+import type { JobKeys, ServiceKeys } from "./keys.ts";
+import { JOB_ID } from "./schemas.ts";
+
+/** Which dead letters to replay: all of them, or the one with stream id `id` (in `tenant`'s lane when given). */
+export type ReplayTarget = { all: true } | { all?: false; id: string; tenant?: string };
+
+/** What happened to one chosen dead letter, in the order they were tried. */
+export type ReplayStep =
+  | { replayed: true; id: string; newId: string; jobId?: string; tenant?: string }
+  | { replayed: false; id: string; message: string };
+
+/** The answer to a replay. */
+export type ReplayReport =
+  /** No dead letter matched. */
+  | { kind: "none" }
+  /** The id names dead letters in more than one lane (each lane numbers its own): nothing done. */
+  | { kind: "ambiguous"; lanes: (string | null)[] }
+  | { kind: "done"; steps: ReplayStep[]; replayed: number; refused: number };
+
+/**
+ * Replays the dead letters `target` names. Replaying twice is harmless. It
+ * refuses, by name, a dead letter whose job is already done or cancelled,
+ * or that is truncated or too old.
+ */
+export async function replayDeadLetters(
+  { redis, sql }: { redis: RedisClient; sql: Sql },
+  keys: ServiceKeys | JobKeys,
+  target: ReplayTarget,
+): Promise<ReplayReport> {
+  const chosen: LaneDeadLetter<JobKeys>[] = [];
+  for await (const page of deadLetterPages(redis, await allLanes(redis, keys))) {
+    chosen.push(
+      ...(target.all
+        ? page
+        : page.filter((d) => d.id === target.id && (target.tenant === undefined || d.lane.tenant === target.tenant))),
+    );
+  }
+  if (chosen.length === 0) return { kind: "none" };
+  if (!target.all && chosen.length > 1) return { kind: "ambiguous", lanes: chosen.map((d) => d.lane.tenant) };
+  const steps: ReplayStep[] = [];
+  for (const d of chosen) {
+    const jobId = d.fields.job_id;
+    const lane = d.lane.keys;
+    const named = `(job ${jobId ?? "?"}, tenant ${d.fields.tenant ?? "?"})`;
+    let newId: string | null;
+    try {
+      if (d.truncated.length > 0) throw new DeadLetterTruncated(d.id, d.truncated);
+      if (d.expired) throw new DeadLetterExpired(d.id);
+      // Postgres first: a job that already had its effects (or was cancelled) never runs again, and a
+      // failed one is made undecided before it is queued again. A crash between the two leaves it
+      // undecided and still dead-lettered: replaying again finishes the job.
+      const already = jobId && JOB_ID.test(jobId) ? await reopenFailedJob(sql, jobId) : null;
+      if (already) {
+        steps.push({
+          replayed: false,
+          id: d.id,
+          message: `Dead letter ${d.id} ${named} is not replayed: its job is already ${already}. Nothing done.`,
+        });
+        continue;
+      }
+      newId = await replayDeadLetter(redis, lane, d.id, jobId ? markQueuedOnReplay(lane, jobId) : undefined);
+    } catch (error) {
+      if (!(error instanceof DeadLetterTruncated) && !(error instanceof DeadLetterExpired)) throw error;
+      steps.push({ replayed: false, id: d.id, message: `${error.message} ${named}` });
+      continue;
+    }
+    if (newId === null) {
+      // Gone meanwhile (replayed by someone else, or trimmed): put the decision back unless the job moved on.
+      if (jobId && JOB_ID.test(jobId) && d.fields.tenant) await failJob(sql, jobId, d.fields.tenant, d.reason);
+      continue;
+    }
+    // Back in its lane's stream: tell the workers, as an enqueue does.
+    if (d.lane.tenant !== null && "lane" in keys) await announceLane(redis, keys.registry, d.lane.tenant);
+    steps.push({ replayed: true, id: d.id, newId, jobId, tenant: d.fields.tenant });
+  }
+  const replayed = steps.filter((s) => s.replayed).length;
+  return { kind: "done", steps, replayed, refused: steps.length - replayed };
+}
+
+/** The one line that sums up a replay, as `dlq replay` ends with and the console shows. */
+export function replaySummary(report: ReplayReport, target: ReplayTarget): string {
+  if (report.kind === "none") {
+    return target.all ? "Nothing to replay." : `No dead letter ${target.id} (already replayed?). Nothing done.`;
+  }
+  if (report.kind === "ambiguous") {
+    return `Dead letter ${target.all ? "" : target.id} exists in the lanes of ${
+      report.lanes.map((t) => t ?? "(single stream)").join(", ")
+    }; add --tenant T to say which. Nothing done.`;
+  }
+  return `${report.replayed} dead letter(s) replayed.` +
+    (report.refused ? ` ${report.refused} could not be (see above).` : "");
+}
