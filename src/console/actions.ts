@@ -8,18 +8,11 @@ import { replayDeadLetters, replaySummary, type ReplayTarget } from "../summarie
 import { sameText } from "./admin_auth.ts";
 import type { ConsoleDeps } from "./console.ts";
 import { html } from "./html.ts";
-import { back, page, type View } from "./layout.ts";
-import type { Sessions } from "./session.ts";
+import { back, page } from "./layout.ts";
+import type { SignedInRequest } from "./session.ts";
 
 /** Runs the action at `path` for `session`, whose forms carry `view.csrf`. */
-export async function act(
-  deps: ConsoleDeps,
-  sessions: Sessions,
-  view: View,
-  req: Request,
-  path: string,
-  session: string,
-): Promise<Response> {
+export async function act({ deps, sessions, view, req, path, session }: SignedInRequest): Promise<Response> {
   const fields = await sessions.form(req);
   if (!sameText(fields.get("csrf") ?? "", view.csrf)) {
     return page(

@@ -16,9 +16,9 @@ import { act } from "./actions.ts";
 import type { AdminAuthOptions } from "./admin_auth.ts";
 import { asset } from "./assets.ts";
 import { html } from "./html.ts";
-import { page, type View } from "./layout.ts";
+import { page } from "./layout.ts";
 import { deadLettersPage, jobPage, outboxPage, providerPage, queuesPage, workersPage } from "./pages.ts";
-import { type ConsoleClient, createSessions, type Sessions } from "./session.ts";
+import { type ConsoleClient, createSessions, type SignedInRequest } from "./session.ts";
 
 export type { ConsoleClient } from "./session.ts";
 
@@ -64,20 +64,14 @@ export async function createConsole(deps: ConsoleDeps): Promise<ConsoleHandler> 
       }
       return page({ csrf: "" }, "Sign in first", html`<p><a href="/console/login">Sign in</a>.</p>`, { status: 401 });
     }
-    return await signedIn(deps, sessions, { csrf: await sessions.csrf(session) }, req, path, session);
+    return await signedIn({ deps, sessions, view: { csrf: await sessions.csrf(session) }, req, path, session });
   };
 }
 
 /** Routes a signed-in request: POSTs are actions, GETs (and HEADs) pages. */
-async function signedIn(
-  deps: ConsoleDeps,
-  sessions: Sessions,
-  view: View,
-  req: Request,
-  path: string,
-  session: string,
-): Promise<Response> {
-  if (req.method === "POST") return await act(deps, sessions, view, req, path, session);
+async function signedIn(request: SignedInRequest): Promise<Response> {
+  const { deps, view, req, path } = request;
+  if (req.method === "POST") return await act(request);
   if (req.method !== "GET" && req.method !== "HEAD") {
     return new Response(null, { status: 405, headers: { allow: "GET, POST" } });
   }

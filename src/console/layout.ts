@@ -28,6 +28,29 @@ export function page(
   body: Html,
   { status = 200, note }: { status?: number; note?: string } = {},
 ): Response {
+  const header = html`<header><strong>Oncely</strong>
+      <nav><a href="/console">Queues</a> <a href="/console/workers">Workers</a> <a href="/console/dead-letters">Dead letters</a>
+      <a href="/console/outbox">Outbox</a> <a href="/console/provider">Provider</a></nav>
+      <form method="get" action="/console/jobs"><input name="id" placeholder="job id" aria-label="job id" size="38">
+      <button>Find job</button></form>
+      <form method="post" action="/console/logout"><input type="hidden" name="csrf" value="${view.csrf}"><button>Sign out</button></form>
+      <label><input type="checkbox" id="auto-refresh"> refresh every 5 s</label></header>`;
+  const main = html`<main><h1>${title}</h1>${
+    note ? html`<p class="note" role="status">${note}</p>` : ""
+  }${body}</main>`;
+  return htmlDocument(`${title} · Oncely console`, html`${header}${main}<script src="/console/app.js"></script>`, {
+    status,
+    refresh: true,
+  });
+}
+
+/** A whole HTML answer: the head every console page shares, then `body`. */
+export function htmlDocument(
+  title: string,
+  body: Html,
+  { status = 200, refresh = false, headers = HEADERS }: { status?: number; refresh?: boolean; headers?: HeadersInit } =
+    {},
+): Response {
   return new Response(
     html`
       <!doctype html>
@@ -35,24 +58,13 @@ export function page(
         <head>
           <meta charset="utf-8">
           <meta name="viewport" content="width=device-width, initial-scale=1">
-          <title>${title} · Oncely console</title>
+          <title>${title}</title>
           <link rel="stylesheet" href="/console/app.css">
         </head>
-        <body data-refresh="5">
-          <header><strong>Oncely</strong>
-      <nav><a href="/console">Queues</a> <a href="/console/workers">Workers</a> <a href="/console/dead-letters">Dead letters</a>
-      <a href="/console/outbox">Outbox</a> <a href="/console/provider">Provider</a></nav>
-      <form method="get" action="/console/jobs"><input name="id" placeholder="job id" aria-label="job id" size="38">
-      <button>Find job</button></form>
-      <form method="post" action="/console/logout"><input type="hidden" name="csrf" value="${view
-        .csrf}"><button>Sign out</button></form>
-      <label><input type="checkbox" id="auto-refresh"> refresh every 5 s</label></header>
-          <main><h1>${title}</h1>${note ? html`<p class="note" role="status">${note}</p>` : ""}${body}</main>
-          <script src="/console/app.js"></script>
-        </body>
+        <body${refresh ? raw(' data-refresh="5"') : ""}>${body}</body>
       </html>
     `.text,
-    { status, headers: HEADERS },
+    { status, headers },
   );
 }
 

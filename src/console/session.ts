@@ -15,7 +15,8 @@ import {
   type Verdict,
 } from "./admin_auth.ts";
 import { html } from "./html.ts";
-import { HEADERS } from "./layout.ts";
+import type { ConsoleDeps } from "./console.ts";
+import { HEADERS, htmlDocument, type View } from "./layout.ts";
 
 /** The peer of a request, as `Deno.serve` passes it to a handler. */
 export interface ConsoleClient {
@@ -23,6 +24,18 @@ export interface ConsoleClient {
 }
 
 const COOKIE = "oncely_console";
+
+/** A request by a signed-in operator, with what answering it needs. */
+export interface SignedInRequest {
+  deps: ConsoleDeps;
+  sessions: Sessions;
+  /** The session's page state: its CSRF token. */
+  view: View;
+  req: Request;
+  path: string;
+  /** The session: its cookie value, or "bearer". */
+  session: string;
+}
 
 /** The console's sessions: who a request is, signing in and out, and each session's CSRF token. */
 export interface Sessions {
@@ -133,29 +146,19 @@ function refused(verdict: Verdict & { ok: false }): Response {
 
 /** The sign-in form, with why the last attempt failed. */
 function loginPage(status = 200, failed?: Verdict & { ok: false }): Response {
-  return new Response(
-    html`
-      <!doctype html>
-      <html lang="en">
-        <head>
-          <meta charset="utf-8">
-          <title>Sign in · Oncely console</title>
-          <link rel="stylesheet" href="/console/app.css">
-        </head>
-        <body>
-          <main class="login"><h1>Oncely console</h1>
-      ${failed
-        ? html`<p class="note" role="alert">${
-          failed.retryAfterS === undefined
-            ? "That is not the admin token."
-            : `Too many failed sign-ins; try again in ${failed.retryAfterS} s.`
-        }</p>`
-        : ""}
+  const why = failed
+    ? html`<p class="note" role="alert">${
+      failed.retryAfterS === undefined
+        ? "That is not the admin token."
+        : `Too many failed sign-ins; try again in ${failed.retryAfterS} s.`
+    }</p>`
+    : "";
+  return htmlDocument(
+    "Sign in · Oncely console",
+    html`<main class="login"><h1>Oncely console</h1>
+      ${why}
       <form method="post" action="/console/login"><label>Admin token <input type="password" name="token" autocomplete="current-password" required></label>
-      <button>Sign in</button></form></main>
-        </body>
-      </html>
-    `.text,
+      <button>Sign in</button></form></main>`,
     {
       status,
       headers: failed?.retryAfterS === undefined ? HEADERS : { ...HEADERS, "retry-after": String(failed.retryAfterS) },

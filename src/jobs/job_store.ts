@@ -5,7 +5,7 @@
  * SQL operation per function; each takes the pool or, inside a transaction
  * that spans stores (the summary commit), that transaction.
  */
-import type { Fragment, Queryable } from "../db/queryable.ts";
+import { deleteBatch, type ExpiryBatch, type Fragment, olderThan, type Queryable } from "../db/queryable.ts";
 
 /** How a job ended: its row in `job_outcomes`, decided once. */
 export type Outcome = "done" | "cancelled" | "failed";
@@ -301,47 +301,31 @@ export async function attemptUsage(
  * `keep` matches (given the summary's job id column; the caller's rule, such
  * as "its notification is still unsent"). @returns rows deleted.
  */
-export async function deleteExpiredSummaries(
+export function deleteExpiredSummaries(
   sql: Queryable,
-  { olderThanMs, limit, keep }: { olderThanMs: number; limit: number; keep?: (jobId: Fragment) => Fragment },
+  { olderThanMs, limit, keep }: ExpiryBatch & { keep?: (jobId: Fragment) => Fragment },
 ): Promise<number> {
-  const kept = keep ? sql`AND NOT ${keep(sql`s.job_id`)}` : sql``;
-  const deleted = await sql`
-    DELETE FROM summaries WHERE job_id IN (
-      SELECT s.job_id FROM summaries s
-      WHERE s.created_at < now() - ${olderThanMs} * interval '1 millisecond' ${kept}
-      LIMIT ${limit}
-    )`;
-  return deleted.count;
+  const kept = keep ? sql`AND NOT ${keep(sql`t.job_id`)}` : sql``;
+  const where = sql`${olderThan(sql, "created_at", olderThanMs)} ${kept}`;
+  return deleteBatch(sql, { table: "summaries", key: "job_id", where, limit });
 }
 
 /**
  * Deletes up to `limit` outcome rows decided more than `olderThanMs` ago
  * whose summary is gone. @returns rows deleted.
  */
-export async function deleteExpiredOutcomes(
-  sql: Queryable,
-  { olderThanMs, limit }: { olderThanMs: number; limit: number },
-): Promise<number> {
-  const deleted = await sql`
-    DELETE FROM job_outcomes WHERE job_id IN (
-      SELECT o.job_id FROM job_outcomes o
-      WHERE o.decided_at < now() - ${olderThanMs} * interval '1 millisecond'
-        AND NOT EXISTS (SELECT 1 FROM summaries s WHERE s.job_id = o.job_id)
-      LIMIT ${limit}
-    )`;
-  return deleted.count;
+export function deleteExpiredOutcomes(sql: Queryable, { olderThanMs, limit }: ExpiryBatch): Promise<number> {
+  const where = sql`${olderThan(sql, "decided_at", olderThanMs)}
+    AND NOT EXISTS (SELECT 1 FROM summaries s WHERE s.job_id = t.job_id)`;
+  return deleteBatch(sql, { table: "job_outcomes", key: "job_id", where, limit });
 }
 
 /** Deletes up to `limit` recorded model attempts that started more than `olderThanMs` ago. @returns rows deleted. */
-export async function deleteExpiredAttempts(
-  sql: Queryable,
-  { olderThanMs, limit }: { olderThanMs: number; limit: number },
-): Promise<number> {
-  const deleted = await sql`
-    DELETE FROM model_attempts WHERE id IN (
-      SELECT id FROM model_attempts WHERE started_at < now() - ${olderThanMs} * interval '1 millisecond'
-      LIMIT ${limit}
-    )`;
-  return deleted.count;
+export function deleteExpiredAttempts(sql: Queryable, { olderThanMs, limit }: ExpiryBatch): Promise<number> {
+  return deleteBatch(sql, {
+    table: "model_attempts",
+    key: "id",
+    where: olderThan(sql, "started_at", olderThanMs),
+    limit,
+  });
 }

@@ -3,7 +3,7 @@
  * table. One SQL operation per function; each takes the pool or, inside a
  * transaction that spans stores (the summary commit), that transaction.
  */
-import type { Fragment, Queryable } from "../db/queryable.ts";
+import { deleteBatch, type ExpiryBatch, type Fragment, olderThan, type Queryable } from "../db/queryable.ts";
 
 /** An outbox row claimed by a relay. */
 export interface OutboxRow {
@@ -342,13 +342,6 @@ export function hasUnsentRowOf(sql: Queryable, jobId: Fragment): Fragment {
 }
 
 /** Deletes up to `limit` rows sent more than `olderThanMs` ago. @returns rows deleted. */
-export async function deleteSentRows(
-  sql: Queryable,
-  { olderThanMs, limit }: { olderThanMs: number; limit: number },
-): Promise<number> {
-  const deleted = await sql`
-    DELETE FROM outbox WHERE id IN (
-      SELECT id FROM outbox WHERE sent_at < now() - ${olderThanMs} * interval '1 millisecond' LIMIT ${limit}
-    )`;
-  return deleted.count;
+export function deleteSentRows(sql: Queryable, { olderThanMs, limit }: ExpiryBatch): Promise<number> {
+  return deleteBatch(sql, { table: "outbox", key: "id", where: olderThan(sql, "sent_at", olderThanMs), limit });
 }

@@ -4,6 +4,7 @@
  * enough are removed, on an interval of their own.
  */
 import type { RedisClient } from "../clients.ts";
+import { every } from "../async/every.ts";
 import type { Logger } from "../log/logger.ts";
 import { defineScript } from "../redis/script.ts";
 import type { GroupCache } from "./consumer_group.ts";
@@ -98,11 +99,11 @@ export function createConsumerPruner(
   }
   return {
     prune,
-    start() {
-      const timer = setInterval(() => {
-        prune().catch((error) => log.warn("consumer_prune_failed", { error }));
-      }, Math.min(idleMs, PRUNER_DEFAULTS.maxIntervalMs));
-      return () => clearInterval(timer);
-    },
+    start: () =>
+      every(
+        Math.min(idleMs, PRUNER_DEFAULTS.maxIntervalMs),
+        prune,
+        (error) => log.warn("consumer_prune_failed", { error }),
+      ),
   };
 }

@@ -4,6 +4,7 @@
  * every `intervalMs` (a fraction of the claim idle time).
  */
 import type { RedisClient } from "../clients.ts";
+import { every } from "../async/every.ts";
 import type { Logger } from "../log/logger.ts";
 import { defineScript } from "../redis/script.ts";
 import { type AckItem, groupByLane } from "./ack_batcher.ts";
@@ -69,11 +70,6 @@ export function createHeartbeat(
   }
   return {
     beat,
-    start() {
-      const timer = setInterval(() => {
-        beat().catch((error) => log.warn("heartbeat_failed", { error }));
-      }, intervalMs);
-      return () => clearInterval(timer);
-    },
+    start: () => every(intervalMs, beat, (error) => log.warn("heartbeat_failed", { error })),
   };
 }
