@@ -7,10 +7,7 @@
  * The code is loaded lazily, so the launcher (which reads only this table
  * and the configuration) loads none of the service's dependencies.
  */
-import type { RedisClient } from "./clients.ts";
-import type { Sql } from "postgres";
-import type { Config } from "./config.ts";
-import type { Logger } from "./log/logger.ts";
+import type { ClientNeeds, RunContext } from "./processes/run_context.ts";
 
 /** Which outside hosts a command talks to, each from a configured URL. */
 export interface NetNeeds {
@@ -28,27 +25,6 @@ export interface NetNeeds {
    * permission set still denies Redis and the cloud metadata address.
    */
   anyHost?: boolean;
-}
-
-/** The clients a command gets, opened before it runs and closed after. */
-export interface ClientNeeds {
-  redis?: true;
-  sql?: true;
-}
-
-/** The clients named by `N`, all present. */
-export type ClientsOf<N extends ClientNeeds> =
-  & (N extends { redis: true } ? { redis: RedisClient } : Record<never, never>)
-  & (N extends { sql: true } ? { sql: Sql } : Record<never, never>);
-
-/** What a command's code receives. */
-export interface RunContext<N extends ClientNeeds> {
-  config: Config;
-  args: string[];
-  log: Logger;
-  clients: ClientsOf<N>;
-  /** Installs the SIGTERM/SIGINT handlers and returns the signal they abort (long-running processes only). */
-  shutdown(): AbortSignal;
 }
 
 /** One command of the table. */

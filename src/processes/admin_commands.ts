@@ -1,5 +1,5 @@
 /** The operator commands: one-shot, each with the clients its table entry names. */
-import type { RunContext } from "../commands.ts";
+import type { RunContext } from "./run_context.ts";
 import { dlqCommand } from "../cli/dlq_command.ts";
 import { outboxCommand } from "../cli/outbox_command.ts";
 import { providerCommand } from "../cli/provider_command.ts";

@@ -1,4 +1,4 @@
-import type { RunContext } from "../commands.ts";
+import type { RunContext } from "./run_context.ts";
 import type { ComponentDeps } from "./_deps.ts";
 import { type ApiMetrics, apiMetrics, createRegistry, metricsResponse } from "../metrics/metrics.ts";
 import type { Registry } from "prom-client";

@@ -1,5 +1,5 @@
 import type { Sql } from "postgres";
-import type { RunContext } from "../commands.ts";
+import type { RunContext } from "./run_context.ts";
 import type { Config } from "../config.ts";
 import { migrate, readMigrations } from "../db/migrate.ts";
 import { createRegistry } from "../metrics/metrics.ts";

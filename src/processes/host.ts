@@ -4,7 +4,8 @@
  * `main.ts` only in the service process, never in the launcher.
  */
 import { connectPostgres, connectRedis, DependencyDown } from "../clients.ts";
-import { type ClientNeeds, type ClientsOf, type Command, COMMAND_TABLE, type CommandSpec } from "../commands.ts";
+import { type Command, COMMAND_TABLE, type CommandSpec } from "../commands.ts";
+import type { ClientNeeds, ClientsOf } from "./run_context.ts";
 import type { Config } from "../config.ts";
 import { createLogger } from "../log/logger.ts";
 import { missingNetPermissions } from "../permissions.ts";

@@ -1,4 +1,4 @@
-import type { RunContext } from "../commands.ts";
+import type { RunContext } from "./run_context.ts";
 import { createRegistry, relayMetrics } from "../metrics/metrics.ts";
 import { outboxGauges, relayEvents } from "../metrics/wire.ts";
 import { createRelay } from "../outbox/relay.ts";

@@ -1,4 +1,4 @@
-import type { RunContext } from "../commands.ts";
+import type { RunContext } from "./run_context.ts";
 import { createRegistry, workerMetrics } from "../metrics/metrics.ts";
 import { attemptObserver, flowEvents, providerGauges, queueGauges, workerEvents } from "../metrics/wire.ts";
 import { createRetention } from "../retention/retention.ts";
