@@ -7,6 +7,7 @@
 import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
 import { defineScript } from "../redis/script.ts";
+import { deleteIfEqual } from "../redis/delete_if_equal.ts";
 
 /** The check's pace and the sessions' lifetime. */
 export interface AdminAuthOptions {
@@ -75,12 +76,6 @@ local after = start + tonumber(ARGV[1])
 redis.call('SET', KEYS[1], string.format('%.0f', after), 'PX', math.floor(after - now) + 1000)
 return {start - now, start}`);
 
-// KEYS[1]: next_turn. ARGV[1]: the end of a successful check's turn.
-// Nobody took a turn after it: the next check need not wait for this one.
-const GIVE_BACK = defineScript(`
-if tonumber(redis.call('GET', KEYS[1]) or '-1') == tonumber(ARGV[1]) then redis.call('DEL', KEYS[1]) end
-return 0`);
-
 const encoder = new TextEncoder();
 const base64url = (bytes: ArrayBuffer | Uint8Array) =>
   btoa(String.fromCharCode(...new Uint8Array(bytes))).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
@@ -134,7 +129,8 @@ export async function createAdminAuth(
       // The token is compared only in this check's turn: a guess sent beside 199 others waits for all of them.
       if (wait > 0) await sleep(wait);
       if (sameText(candidate, token)) {
-        await GIVE_BACK.run(redis, [keys.nextTurn], [at + turnMs]);
+        // Nobody took a turn after it: the next check need not wait for this one.
+        await deleteIfEqual(redis, keys.nextTurn, at + turnMs);
         return { ok: true };
       }
       failed(source, { reason: "wrong_token" });

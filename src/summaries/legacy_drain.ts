@@ -25,6 +25,7 @@
 import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
 import { announceLane, laneKnownArgs } from "../queue/lanes.ts";
+import { deleteEmptyStream } from "../queue/delete_empty_stream.ts";
 import { entriesAfter, fieldsToObject } from "../queue/message.ts";
 import { defineScript } from "../redis/script.ts";
 import { jobKeys, type ServiceKeys } from "./keys.ts";
@@ -56,13 +57,6 @@ end
 for i = 4, #KEYS do redis.call('SADD', KEYS[i], a.lane) end
 if a.wake ~= '' then redis.call('PUBLISH', a.wake, a.lane) end
 return 1`);
-
-// DELETE_IF_EMPTY: deletes the old stream, and its group with it, only while it holds nothing.
-// KEYS[1]  the old stream.
-// Returns 1 when it was deleted.
-const DELETE_IF_EMPTY = defineScript(`
-if redis.call('XLEN', KEYS[1]) > 0 then return 0 end
-return redis.call('DEL', KEYS[1])`);
 
 /**
  * Moves every entry of the pre-lane `{jobs}` stream under `keys.prefix` into its tenant's lane, then deletes
@@ -110,7 +104,7 @@ export async function drainLegacyStream(
       moved++;
     }
   }
-  if ((await DELETE_IF_EMPTY.run(redis, [legacy.stream], [])) === 1) {
+  if (await deleteEmptyStream(redis, legacy.stream)) {
     log.info("legacy_stream_drained", { stream: legacy.stream, moved });
   } else if (moved > 0) {
     log.warn("legacy_stream_not_empty", { stream: legacy.stream, moved });
