@@ -71,6 +71,8 @@ export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options
 
   /** Set by {@linkcode Retention.stop}: a pass in progress ends after its current batch. */
   let halted = false;
+  /** Rows deleted per table in the current pass, for its log line. */
+  const deletedPerTable: Record<string, number> = {};
 
   /** Runs `deleteBatch` until it deletes fewer than a batch (or the service stops). @returns rows deleted. */
   async function drain(table: string, deleteBatch: (limit: number) => Promise<number>): Promise<number> {
@@ -78,6 +80,7 @@ export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options
     for (;;) {
       const deleted = await deleteBatch(batch);
       options.onBatch?.(table, deleted);
+      deletedPerTable[table] = (deletedPerTable[table] ?? 0) + deleted;
       total += deleted;
       if (deleted < batch || halted) return total;
     }
@@ -119,8 +122,9 @@ export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options
 
   async function pass(): Promise<void> {
     try {
-      const purged = await runOnce();
-      if (purged > 0) log.info("outbox_purged", { rows: purged });
+      for (const table of Object.keys(deletedPerTable)) delete deletedPerTable[table];
+      const deleted = await runOnce();
+      if (deleted > 0) log.info("retention_deleted", { rows: deleted, ...deletedPerTable });
     } catch (error) {
       log.warn("retention_pass_failed", { error });
     }
