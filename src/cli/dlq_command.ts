@@ -63,16 +63,13 @@ export async function dlqCommand(
     const chosen: ReplayTarget = target === "--all"
       ? { all: true }
       : { id: target, tenant: tenantAt >= 0 ? args[tenantAt + 1] : undefined };
-    const report = await replayDeadLetters({ redis, sql }, keys, chosen);
+    const report = await replayDeadLetters({ redis, sql }, keys, chosen, (step) => {
+      if (!step.replayed) err(step.message);
+      else out(`Replayed ${step.id} as ${step.newId} (job ${step.jobId ?? "?"}, tenant ${step.tenant ?? "?"})`);
+    });
     if (report.kind === "ambiguous") {
       console.error(replaySummary(report, chosen));
       return 2;
-    }
-    if (report.kind === "done") {
-      for (const step of report.steps) {
-        if (!step.replayed) err(step.message);
-        else out(`Replayed ${step.id} as ${step.newId} (job ${step.jobId ?? "?"}, tenant ${step.tenant ?? "?"})`);
-      }
     }
     out(replaySummary(report, chosen));
     return report.kind === "done" && report.refused ? 1 : 0;

@@ -31,7 +31,11 @@ async function usageErrorsAs2(command: () => Promise<number>): Promise<number> {
  */
 export async function tenantCommand(sql: Sql, args: string[], out = console.log): Promise<number> {
   const [action, name] = args;
-  const run = action === "list" ? list : name ? ACTIONS[action as keyof typeof ACTIONS] : undefined;
+  const run = action === "list"
+    ? list
+    : name && action !== undefined && Object.hasOwn(ACTIONS, action)
+    ? ACTIONS[action as keyof typeof ACTIONS]
+    : undefined;
   const code = run ? await run(sql, name ?? "", args, out) : undefined;
   if (code !== undefined) return code;
   console.error(USAGE);

@@ -87,7 +87,7 @@ async function signedIn(request: SignedInRequest): Promise<Response> {
     return new Response(null, { status: 303, headers: { location: `/console/jobs/${encodeURIComponent(id)}` } });
   }
   const job = /^\/console\/jobs\/([^/]+)$/.exec(path);
-  if (job) return await jobPage(deps, view, decoded(job[1]!));
+  if (job) return await jobPage(deps, view, decoded(job[1]!), url.searchParams.get("tenant") || undefined);
   return page(view, "Not found", html`<p>No console page at <code>${path}</code>.</p>`, { status: 404 });
 }
 

@@ -107,8 +107,11 @@ export function ago(ms: number): string {
 }
 
 /** A link to a job's page; nothing without an id. */
-export function jobLink(id: string | undefined): Html {
-  return id ? html`<a href="/console/jobs/${id}"><code>${id}</code></a>` : html``;
+export function jobLink(id: string | undefined, tenant?: string): Html {
+  if (!id) return html``;
+  // With its tenant, the job page reads the job's record as the API does, from its tenant's lane alone.
+  const query = tenant ? `?tenant=${encodeURIComponent(tenant)}` : "";
+  return html`<a href="/console/jobs/${encodeURIComponent(id)}${query}"><code>${id}</code></a>`;
 }
 
 /** The redirect after an action: back to `to`, with `note` to show there. */

@@ -76,7 +76,7 @@ export async function deadLettersPage({ redis, keys }: PageDeps, view: View, not
       if (d.lane.tenant !== null) fields.tenant = d.lane.tenant;
       rows.push([
         html`${d.fields.tenant ?? ""}`,
-        jobLink(d.fields.job_id),
+        jobLink(d.fields.job_id, d.fields.tenant),
         html`<span class="reason">${d.reason}</span>`,
         html`${d.deliveries}`,
         html`${d.dead_at}`,
@@ -172,14 +172,20 @@ function attemptRow(a: JobAttempt): Html[] {
 }
 
 /** One job: its tenant and status, its notification and trace, its summary and its model attempts. */
-export async function jobPage({ redis, sql, keys }: PageDeps, view: View, jobId: string): Promise<Response> {
+export async function jobPage(
+  { redis, sql, keys }: PageDeps,
+  view: View,
+  jobId: string,
+  tenant?: string,
+): Promise<Response> {
   if (!JOB_ID.test(jobId)) return page(view, "Job", html`<p>Not a job id: <code>${jobId}</code></p>`, { status: 404 });
   const decided = await decidedJob(sql, jobId);
   let state: { tenant: string; status: string; error?: string } | undefined = decided
     ? { tenant: decided.tenant, status: decided.outcome }
     : undefined;
   if (!state) {
-    const found = await readJobRecord(redis, keys, jobId);
+    // Undecided: its record in Redis, in its tenant's lane when the link names the tenant (else in each lane).
+    const found = await readJobRecord(redis, keys, jobId, tenant);
     if (found) {
       state = { tenant: found.record.tenant!, status: found.record.status ?? "queued", error: found.record.error };
     }

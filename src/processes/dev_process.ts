@@ -6,8 +6,8 @@ import { createRegistry } from "../metrics/metrics.ts";
 import { createApiKey, tenantExists } from "../tenants/tenant_store.ts";
 import { ensureWebhookSecret } from "../tenants/webhook_secrets.ts";
 import { serveApi } from "./api_process.ts";
-import { startRelay } from "./relay_process.ts";
-import { startRetention, startWorker } from "./worker_process.ts";
+import { startRelay, startRetention } from "./relay_process.ts";
+import { startWorker } from "./worker_process.ts";
 
 async function ensureDevTenant(sql: Sql, config: Config): Promise<void> {
   if (config.AUTH_MODE !== "api-key" || await tenantExists(sql, "dev")) {

@@ -2,6 +2,7 @@ import type { RunContext } from "./run_context.ts";
 import { createRegistry, relayMetrics } from "../metrics/metrics.ts";
 import { outboxGauges, relayEvents } from "../metrics/wire.ts";
 import { createRelay } from "../outbox/relay.ts";
+import { createRetention } from "../retention/retention.ts";
 import { summaryEmailRenderer, summaryPayloadLoader, tenantHourlyLimits } from "../summaries/email.ts";
 import { SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../summaries/commit.ts";
 import { summaryWebhooks } from "../summaries/webhook.ts";
@@ -51,11 +52,33 @@ export async function startRelay(
   log.info("relay_stopped");
 }
 
-/** `deno task relay`. */
+/**
+ * Runs retention until `signal` aborts, then waits for a pass in progress. Relay processes run it beside the
+ * relay, not in its send loop (and `dev`, once): each pass deletes in batches and is safe beside other
+ * processes' passes.
+ */
+export async function startRetention(
+  { config, sql, log }: Pick<ComponentDeps, "config" | "sql" | "log">,
+  signal: AbortSignal,
+): Promise<void> {
+  const retention = createRetention({ sql, log }, {
+    outboxRetentionMs: config.OUTBOX_RETENTION_S * 1000,
+    summaryRetentionMs: config.SUMMARY_RETENTION_S === undefined ? undefined : config.SUMMARY_RETENTION_S * 1000,
+    attemptRetentionMs: config.MODEL_ATTEMPTS_RETENTION_S * 1000,
+  });
+  retention.start();
+  if (!signal.aborted) await new Promise((resolve) => signal.addEventListener("abort", resolve, { once: true }));
+  await retention.stop();
+}
+
+/** `deno task relay`: the relay, and retention beside it. */
 export async function runRelay({ config, clients, log, shutdown }: RunContext<{ sql: true }>) {
   const signal = shutdown();
   const registry = createRegistry();
   maybeServeMetrics(config, registry, signal);
-  await startRelay({ config, sql: clients.sql, log, registry }, signal);
+  await Promise.all([
+    startRelay({ config, sql: clients.sql, log, registry }, signal),
+    startRetention({ config, sql: clients.sql, log }, signal),
+  ]);
   return 0;
 }

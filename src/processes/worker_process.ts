@@ -1,7 +1,6 @@
 import type { RunContext } from "./run_context.ts";
 import { createRegistry, workerMetrics } from "../metrics/metrics.ts";
 import { attemptObserver, flowEvents, providerGauges, queueGauges, workerEvents } from "../metrics/wire.ts";
-import { createRetention } from "../retention/retention.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createSummaryWorker } from "../summaries/worker.ts";
 import { buildFlow, buildLlm, providerLabel } from "./_model.ts";
@@ -51,32 +50,11 @@ export async function startWorker(
   }
 }
 
-/**
- * Runs retention until `signal` aborts, then waits for a pass in progress. Worker processes run it (and `dev`,
- * once): each pass deletes in batches and is safe beside other processes' passes.
- */
-export async function startRetention(
-  { config, sql, log }: Pick<ComponentDeps, "config" | "sql" | "log">,
-  signal: AbortSignal,
-): Promise<void> {
-  const retention = createRetention({ sql, log }, {
-    outboxRetentionMs: config.OUTBOX_RETENTION_S * 1000,
-    summaryRetentionMs: config.SUMMARY_RETENTION_S === undefined ? undefined : config.SUMMARY_RETENTION_S * 1000,
-    attemptRetentionMs: config.MODEL_ATTEMPTS_RETENTION_S * 1000,
-  });
-  retention.start();
-  if (!signal.aborted) await new Promise((resolve) => signal.addEventListener("abort", resolve, { once: true }));
-  await retention.stop();
-}
-
-/** `deno task worker`: a summary worker, and retention beside it. */
+/** `deno task worker`. */
 export async function runWorker({ config, clients, log, shutdown }: RunContext<{ redis: true; sql: true }>) {
   const signal = shutdown();
   const registry = createRegistry();
   maybeServeMetrics(config, registry, signal);
-  await Promise.all([
-    startWorker({ config, ...clients, log, registry }, signal),
-    startRetention({ config, sql: clients.sql, log }, signal),
-  ]);
+  await startWorker({ config, ...clients, log, registry }, signal);
   return 0;
 }

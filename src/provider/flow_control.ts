@@ -177,7 +177,16 @@ export function providerStateKey(
 
 /** A header's wait for the script, in whole ms; -1 when absent. A value of ages stays a finite integer for Lua. */
 function durationArg(ms: number | undefined): number {
-  return ms === undefined ? -1 : Math.round(Math.min(ms, Number.MAX_SAFE_INTEGER));
+  return ms === undefined || Number.isNaN(ms) ? -1 : Math.round(Math.min(ms, Number.MAX_SAFE_INTEGER));
+}
+
+/**
+ * A count from a header or the provider's usage, as the script's JSON needs it: a finite number (JSON has no
+ * Infinity or NaN, and a string would not compare as a number in Lua), else undefined.
+ */
+function countArg(value: unknown): number | undefined {
+  const n = typeof value === "string" ? Number(value) : value;
+  return typeof n === "number" && Number.isFinite(n) ? Math.min(n, Number.MAX_SAFE_INTEGER) : undefined;
 }
 
 /** What one flow control's functions share. */
@@ -348,14 +357,14 @@ async function settle(
     kind,
     est: estimated,
     // A call the provider refused or never got costs no tokens; a timed-out one may have run, so it keeps them.
-    actual: usage?.total_tokens ??
+    actual: countArg(usage?.total_tokens) ??
       (kind === "ok" || (kind === "provider" && reasonOf(outcome.error) === "timeout") ? -1 : 0),
     probe_id: probeId,
     retry_after_ms: outcome.error === undefined ? -1 : durationArg(retryAfterMs(outcome.error)),
-    limit_req: h.limitRequests ?? -1,
-    limit_tok: h.limitTokens ?? -1,
-    remaining_req: h.remainingRequests ?? -1,
-    remaining_tok: h.remainingTokens ?? -1,
+    limit_req: countArg(h.limitRequests) ?? -1,
+    limit_tok: countArg(h.limitTokens) ?? -1,
+    remaining_req: countArg(h.remainingRequests) ?? -1,
+    remaining_tok: countArg(h.remainingTokens) ?? -1,
     reset_req_ms: durationArg(h.resetRequestsMs),
     reset_tok_ms: durationArg(h.resetTokensMs),
     threshold: flow.threshold,

@@ -77,13 +77,14 @@ export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options
   /** Runs `deleteBatch` until it deletes fewer than a batch (or the service stops). @returns rows deleted. */
   async function drain(table: string, deleteBatch: (limit: number) => Promise<number>): Promise<number> {
     let total = 0;
-    for (;;) {
+    while (!halted) {
       const deleted = await deleteBatch(batch);
       options.onBatch?.(table, deleted);
       deletedPerTable[table] = (deletedPerTable[table] ?? 0) + deleted;
       total += deleted;
-      if (deleted < batch || halted) return total;
+      if (deleted < batch) break;
     }
+    return total;
   }
 
   async function runOnce(): Promise<number> {

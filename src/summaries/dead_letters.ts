@@ -41,6 +41,8 @@ export async function replayDeadLetters(
   { redis, sql }: { redis: RedisClient; sql: Sql },
   keys: ServiceKeys | JobKeys,
   target: ReplayTarget,
+  /** Told of each step as it happens, so a replay that fails midway has said what it did before. */
+  onStep?: (step: ReplayStep) => void,
 ): Promise<ReplayReport> {
   const chosen: LaneDeadLetter<JobKeys>[] = [];
   for await (const page of deadLetterPages(redis, await allLanes(redis, keys))) {
@@ -53,6 +55,10 @@ export async function replayDeadLetters(
   if (chosen.length === 0) return { kind: "none" };
   if (!target.all && chosen.length > 1) return { kind: "ambiguous", lanes: chosen.map((d) => d.lane.tenant) };
   const steps: ReplayStep[] = [];
+  const record = (step: ReplayStep) => {
+    steps.push(step);
+    onStep?.(step);
+  };
   for (const d of chosen) {
     const jobId = d.fields.job_id;
     const lane = d.lane.keys;
@@ -66,7 +72,7 @@ export async function replayDeadLetters(
       // undecided and still dead-lettered: replaying again finishes the job.
       const already = jobId && JOB_ID.test(jobId) ? await reopenFailedJob(sql, jobId) : null;
       if (already) {
-        steps.push({
+        record({
           replayed: false,
           id: d.id,
           message: `Dead letter ${d.id} ${named} is not replayed: its job is already ${already}. Nothing done.`,
@@ -76,7 +82,7 @@ export async function replayDeadLetters(
       newId = await replayDeadLetter(redis, lane, d.id, jobId ? markQueuedOnReplay(lane, jobId) : undefined);
     } catch (error) {
       if (!(error instanceof DeadLetterTruncated) && !(error instanceof DeadLetterExpired)) throw error;
-      steps.push({ replayed: false, id: d.id, message: `${error.message} ${named}` });
+      record({ replayed: false, id: d.id, message: `${error.message} ${named}` });
       continue;
     }
     if (newId === null) {
@@ -86,7 +92,7 @@ export async function replayDeadLetters(
     }
     // Back in its lane's stream: tell the workers, as an enqueue does.
     if (d.lane.tenant !== null && "lane" in keys) await announceLane(redis, keys.registry, d.lane.tenant);
-    steps.push({ replayed: true, id: d.id, newId, jobId, tenant: d.fields.tenant });
+    record({ replayed: true, id: d.id, newId, jobId, tenant: d.fields.tenant });
   }
   const replayed = steps.filter((s) => s.replayed).length;
   return { kind: "done", steps, replayed, refused: steps.length - replayed };

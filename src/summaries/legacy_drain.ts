@@ -24,6 +24,7 @@
  */
 import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
+import { sleep } from "../async/timeout.ts";
 import { announceLane, laneKnownArgs } from "../queue/lanes.ts";
 import { deleteEmptyStream } from "../queue/delete_empty_stream.ts";
 import { entriesAfter, fieldsToObject } from "../queue/message.ts";
@@ -36,6 +37,11 @@ export const LEGACY_DRAIN_DEFAULTS = {
   batch: 100,
   /** How long a lane remembers that it took an entry, so a drain that crashed before the XDEL does not add it twice. */
   markerTtlS: 7 * 24 * 3600,
+  /**
+   * How often a running worker looks at the old stream again (one EXISTS once it is gone): an API of a release
+   * before lanes, still running during a rolling upgrade, may write there after the first drain.
+   */
+  recheckMs: 30_000,
 } as const;
 
 // MOVE_INTO_LANE: adds one entry of the old stream to its tenant's lane, once.
@@ -66,13 +72,14 @@ return 1`);
  */
 export async function drainLegacyStream(
   { redis, log }: { redis: RedisClient; log: Logger },
-  { keys, batch = LEGACY_DRAIN_DEFAULTS.batch }: { keys: ServiceKeys; batch?: number },
+  { keys, batch = LEGACY_DRAIN_DEFAULTS.batch, signal }: { keys: ServiceKeys; batch?: number; signal?: AbortSignal },
 ): Promise<number> {
   const legacy = jobKeys(keys.prefix);
   if ((await redis.exists(legacy.stream)) === 0) return 0;
   let moved = 0;
   let from = "-";
-  for (;;) {
+  // A stopping worker stops between entries; the next start goes on where this one left off.
+  while (!signal?.aborted) {
     const entries = await entriesAfter(redis, legacy.stream, from, batch);
     if (entries.length === 0) break;
     for (const [id, flat] of entries) {
@@ -104,10 +111,29 @@ export async function drainLegacyStream(
       moved++;
     }
   }
+  if (signal?.aborted) return moved;
   if (await deleteEmptyStream(redis, legacy.stream)) {
     log.info("legacy_stream_drained", { stream: legacy.stream, moved });
   } else if (moved > 0) {
     log.warn("legacy_stream_not_empty", { stream: legacy.stream, moved });
   }
   return moved;
+}
+
+/**
+ * Drains the old stream now and again every `recheckMs` until `signal` aborts. A failed drain is logged
+ * (`legacy_drain_failed`) and tried again at the next look.
+ */
+export async function keepDrainingLegacyStream(
+  deps: { redis: RedisClient; log: Logger },
+  { keys, signal, recheckMs = LEGACY_DRAIN_DEFAULTS.recheckMs }: {
+    keys: ServiceKeys;
+    signal: AbortSignal;
+    recheckMs?: number;
+  },
+): Promise<void> {
+  while (!signal.aborted) {
+    await drainLegacyStream(deps, { keys, signal }).catch((error) => deps.log.error("legacy_drain_failed", { error }));
+    await sleep(recheckMs, signal).catch(() => {});
+  }
 }

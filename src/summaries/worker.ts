@@ -14,7 +14,7 @@ import { createLaneRegistry } from "../queue/lanes.ts";
 import { staticLanes } from "../queue/static_lanes.ts";
 import { markFailedHook } from "./job_status.ts";
 import { notifyJob } from "./job_waiter.ts";
-import { drainLegacyStream } from "./legacy_drain.ts";
+import { keepDrainingLegacyStream } from "./legacy_drain.ts";
 import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
 import { createAttemptLog, describeFailures } from "./attempt_log.ts";
 
@@ -104,10 +104,8 @@ export function createSummaryWorker(
     ...worker,
     async run(signal) {
       // Whatever an upgrade left in the stream of releases before lanes moves into the lanes, beside the first
-      // reads; the moved jobs are read from their lanes like any other.
-      const drained = "lane" in keys
-        ? drainLegacyStream(deps, { keys }).catch((error) => deps.log.error("legacy_drain_failed", { error }))
-        : undefined;
+      // reads and then every 30 s while the worker runs; the moved jobs are read from their lanes like any other.
+      const drained = "lane" in keys ? keepDrainingLegacyStream(deps, { keys, signal }) : undefined;
       await worker.run(signal);
       await drained;
     },

@@ -9,7 +9,7 @@ import type { LLM } from "../../src/llm/llm.ts";
 import { createExtractiveLlm } from "../../src/llm/extractive.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
-import { drainLegacyStream } from "../../src/summaries/legacy_drain.ts";
+import { drainLegacyStream, keepDrainingLegacyStream } from "../../src/summaries/legacy_drain.ts";
 import { jobKeys, serviceKeys } from "../../src/summaries/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { enqueueJob } from "../support/enqueue.ts";
@@ -139,6 +139,28 @@ Deno.test("legacy drain", async (t) => {
       assert.deepEqual((await r.redis.xrange(legacy.stream, "-", "+")).map(([x]) => x), [id]);
       await r.redis.del(legacy.stream);
     });
+
+    await t.step(
+      "an entry written after the first drain (an old API still running) is moved at the next look",
+      async () => {
+        const stop = new AbortController();
+        const looking = keepDrainingLegacyStream({ redis: r.redis, log: silentLogger }, {
+          keys,
+          signal: stop.signal,
+          recheckMs: 50,
+        });
+        try {
+          await new Promise((resolve) => setTimeout(resolve, 120));
+          const late = job("late");
+          await enqueueJob(r.redis, legacy, late);
+          await waitFor("the late entry in its lane", async () => (await r.redis.xlen(keys.lane("late").stream)) === 1);
+          await waitFor("the old stream gone again", async () => (await r.redis.exists(legacy.stream)) === 0);
+        } finally {
+          stop.abort();
+          await looking;
+        }
+      },
+    );
   } finally {
     await r.close();
     await db.close();
