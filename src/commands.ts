@@ -100,6 +100,11 @@ export const COMMAND_TABLE = {
     clients: { redis: true },
     run: async () => (await import("./processes/admin_commands.ts")).runProvider,
   }),
+  tasks: command({
+    net: { postgres: true },
+    clients: { sql: true },
+    run: async () => (await import("./processes/admin_commands.ts")).runTasks,
+  }),
   usage: command({
     net: { postgres: true },
     clients: { sql: true },

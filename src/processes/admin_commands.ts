@@ -3,6 +3,7 @@ import type { RunContext } from "./run_context.ts";
 import { dlqCommand } from "../cli/dlq_command.ts";
 import { outboxCommand } from "../cli/outbox_command.ts";
 import { providerCommand } from "../cli/provider_command.ts";
+import { tasksCommand } from "../cli/tasks_command.ts";
 import { tenantCommand } from "../cli/tenant_command.ts";
 import { usageCommand } from "../cli/usage_command.ts";
 import { migrate, readMigrations } from "../db/migrate.ts";
@@ -19,6 +20,11 @@ export async function runMigrate({ clients, log }: RunContext<{ sql: true }>): P
 /** `deno task tenant ...`. */
 export function runTenant({ clients, args }: RunContext<{ sql: true }>): Promise<number> {
   return tenantCommand(clients.sql, args);
+}
+
+/** `deno task tasks list | show ...`. */
+export function runTasks({ clients, args }: RunContext<{ sql: true }>): Promise<number> {
+  return tasksCommand(clients.sql, args);
 }
 
 /** `deno task dlq ...`. */

@@ -7,6 +7,7 @@ import { type Client, json, Router } from "../http/router.ts";
 import { openApiDocument } from "../summaries/openapi.ts";
 import { SUMMARIES, type SummaryApiDeps, summaryRoutes } from "../summaries/api.ts";
 import { createIntake } from "../summaries/intake.ts";
+import { taskRoutes } from "../tasks/api.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
 import { createRecipientPolicy } from "../tenants/mail_domains.ts";
@@ -46,6 +47,7 @@ export function createApiHandler(deps: ApiDeps): (req: Request, client?: Client)
         : (req, { path }) => problem(404, `No route for ${req.method} ${path}`),
     )
     .route(summaryRoutes(deps))
+    .route(taskRoutes(deps))
     .route(healthRoutes(deps))
     .on("/openapi.json", { GET: () => json(200, openApi) })
     .on("/metrics", {

@@ -1,6 +1,7 @@
 import { z } from "zod";
 import { IdempotencyKey, SummaryAccepted, SummaryRequest, SummaryStatus, SummaryWebhook } from "./schemas.ts";
 import { MAX_WAIT_S } from "./job_waiter.ts";
+import { TaskDefinition } from "../tasks/definition.ts";
 
 /** An RFC 9457 problem document. */
 export const Problem = z.object({
@@ -8,7 +9,11 @@ export const Problem = z.object({
   title: z.string(),
   status: z.number().int(),
   detail: z.string(),
-  errors: z.array(z.object({ path: z.string(), message: z.string() })).optional(),
+  errors: z.array(z.object({
+    path: z.string().optional().describe("The field, dot-separated (summaries)"),
+    pointer: z.string().optional().describe("A JSON pointer into the body (tasks)"),
+    message: z.string(),
+  })).optional(),
 });
 
 /** The routes the API serves: the handler's router and this document both come from this list. */
@@ -16,6 +21,10 @@ export const ROUTES = [
   { method: "post", path: "/v1/summaries" },
   { method: "get", path: "/v1/summaries/{job_id}" },
   { method: "delete", path: "/v1/summaries/{job_id}" },
+  { method: "get", path: "/v1/tasks" },
+  { method: "get", path: "/v1/tasks/{name}" },
+  { method: "put", path: "/v1/tasks/{name}" },
+  { method: "get", path: "/v1/tasks/{name}/versions/{version}" },
   { method: "get", path: "/healthz" },
   { method: "get", path: "/readyz" },
   { method: "get", path: "/metrics" },
@@ -163,6 +172,115 @@ function summaryPaths() {
   };
 }
 
+/** A task version as the API answers it: the definition with its name, version and creation time. */
+const TASK_DOCUMENT = {
+  allOf: [
+    { $ref: "#/components/schemas/TaskDefinition" },
+    {
+      type: "object",
+      properties: {
+        name: { type: "string" },
+        version: { type: "integer", minimum: 1 },
+        created_at: { type: "string", format: "date-time" },
+        built_in: { type: "boolean", description: "true for summarize, which every tenant has" },
+      },
+      required: ["name", "version"],
+    },
+  ],
+};
+const TASK_NAME_PARAM = {
+  name: "name",
+  in: "path",
+  required: true,
+  schema: { type: "string", pattern: "^[a-z][a-z0-9_-]{0,63}$" },
+};
+
+/** The task definitions' paths. */
+function taskPaths() {
+  const unauthorized = problem("Missing or bad credentials");
+  return {
+    "/v1/tasks": {
+      get: {
+        operationId: "listTasks",
+        summary: "Your tasks, each at its latest version, and the built-in summarize",
+        responses: {
+          ...ALWAYS,
+          "200": {
+            description: "The tasks",
+            content: {
+              "application/json": {
+                schema: {
+                  type: "object",
+                  properties: { tasks: { type: "array", items: { $ref: "#/components/schemas/Task" } } },
+                  required: ["tasks"],
+                },
+              },
+            },
+          },
+          "401": unauthorized,
+        },
+      },
+    },
+    "/v1/tasks/{name}": {
+      get: {
+        operationId: "getTask",
+        summary: "A task's latest version",
+        parameters: [TASK_NAME_PARAM],
+        responses: {
+          ...ALWAYS,
+          "200": { description: "The task", content: json("Task") },
+          "401": unauthorized,
+          "404": problem("Unknown task, or another tenant's"),
+        },
+      },
+      put: {
+        operationId: "putTask",
+        summary: "Define a task: a new version when the definition changed, the latest when it did not",
+        parameters: [TASK_NAME_PARAM],
+        requestBody: { required: true, content: json("TaskDefinition") },
+        responses: {
+          ...ALWAYS,
+          "200": { description: "Identical to the latest version, which is returned", content: json("Task") },
+          "201": {
+            description: "Stored as a new version",
+            headers: { Location: { schema: { type: "string" }, description: "The new version" } },
+            content: json("Task"),
+          },
+          "401": unauthorized,
+          "404": problem("Not a task name"),
+          "408": problem("The body did not arrive in time (the connection is closed)"),
+          "409": problem("summarize is built in and cannot be changed"),
+          "413": problem("Body over MAX_BODY_BYTES"),
+          "415": problem("Not JSON"),
+          "422": problem(
+            "The definition failed validation: errors[].pointer names the place (a schema over 64 KiB, not JSON " +
+              "Schema 2020-12, referring to another document or with a pattern that could backtrack without bound; " +
+              "a placeholder naming no declared input property)",
+          ),
+        },
+      },
+    },
+    "/v1/tasks/{name}/versions/{version}": {
+      get: {
+        operationId: "getTaskVersion",
+        summary: "One version of a task",
+        parameters: [TASK_NAME_PARAM, {
+          name: "version",
+          in: "path",
+          required: true,
+          schema: { type: "integer", minimum: 1 },
+        }],
+        responses: {
+          ...ALWAYS,
+          "200": { description: "The version", content: json("Task") },
+          "401": unauthorized,
+          "404": problem("Unknown task or version, or another tenant's"),
+        },
+      },
+    },
+  };
+}
+
 /** The service's own paths: health, readiness, metrics and this document. */
 function servicePaths() {
   return {
@@ -239,6 +357,8 @@ export function openApiDocument(): Record<string, unknown> {
       },
       schemas: {
         SummaryRequest: schema(SummaryRequest),
+        TaskDefinition: schema(TaskDefinition),
+        Task: TASK_DOCUMENT,
         SummaryAccepted: schema(SummaryAccepted),
         SummaryStatus: schema(SummaryStatus),
         SummaryWebhook: schema(SummaryWebhook),
@@ -247,6 +367,6 @@ export function openApiDocument(): Record<string, unknown> {
     },
     security: [{ apiKey: [] }],
     webhooks: summaryWebhooks(),
-    paths: { ...summaryPaths(), ...servicePaths() },
+    paths: { ...summaryPaths(), ...taskPaths(), ...servicePaths() },
   };
 }

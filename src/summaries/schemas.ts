@@ -12,7 +12,8 @@ const isStorable = (s: string) => !s.includes("\u0000") && s.isWellFormed();
 const unstorable = (field: string) => ({
   message: `${field} must not contain NUL characters or unpaired surrogates (the database cannot store them)`,
 });
-const storableText = (field: string) => z.string().refine(isStorable, unstorable(field));
+/** A string Postgres can store (see `isStorable`); the error names `field`. */
+export const storableText = (field: string) => z.string().refine(isStorable, unstorable(field));
 
 /** Where a webhook goes; the API also checks its scheme and address (see `webhooks/addresses.ts`). */
 export const WebhookTarget = z.strictObject({

@@ -1,0 +1,199 @@
+/**
+ * Tenants' JSON Schemas, treated as untrusted: each is at most 64 KiB, must
+ * be a valid JSON Schema 2020-12 (checked against the official meta-schemas),
+ * may refer only to itself (no `$ref` to another document, so nothing is
+ * fetched), and may use only regular expressions that cannot backtrack
+ * catastrophically. A schema that passes is compiled once into a validator
+ * (`@cfworker/json-schema`: an interpreter, so a schema is data and never
+ * code), cached by the caller per task version.
+ */
+import { type OutputUnit, Validator } from "@cfworker/json-schema";
+import ret, { type Tokens, types } from "ret";
+import safeRegex from "safe-regex2";
+import applicator from "./metaschema/applicator.json" with { type: "json" };
+import content from "./metaschema/content.json" with { type: "json" };
+import core from "./metaschema/core.json" with { type: "json" };
+import formatAnnotation from "./metaschema/format-annotation.json" with { type: "json" };
+import metaData from "./metaschema/meta-data.json" with { type: "json" };
+import metaSchema from "./metaschema/schema.json" with { type: "json" };
+import unevaluated from "./metaschema/unevaluated.json" with { type: "json" };
+import validation from "./metaschema/validation.json" with { type: "json" };
+
+/** Limits on a tenant's schema. */
+export const SCHEMA_LIMITS = {
+  /** Its JSON, in bytes. */
+  maxBytes: 64 * 1024,
+  /** One regular expression (`pattern`, a `patternProperties` key), in characters. */
+  maxPatternLength: 1_000,
+  /** Repetitions (`*`, `+`, `{n,m}`) in one regular expression: bounds the degree of its backtracking. */
+  maxRepetitions: 10,
+} as const;
+
+/** Why a tenant's schema was refused: `pointer` says where in the schema. */
+export class SchemaRefused extends Error {
+  constructor(readonly pointer: string, reason: string) {
+    super(`${pointer || "the schema"}: ${reason}`);
+    this.name = "SchemaRefused";
+  }
+}
+
+/** A validation failure: the first failing place in the instance, and why. */
+export interface SchemaViolation {
+  /** A JSON pointer into the instance ("" is the whole of it). */
+  pointer: string;
+  message: string;
+}
+
+/** A compiled schema. */
+export interface CompiledSchema {
+  /** @returns the violations, the first (deepest) first; none when `instance` is valid. */
+  validate(instance: unknown): SchemaViolation[];
+}
+
+/** ret's tokenizer: its CommonJS export is the function itself, which its type declarations do not say. */
+const parseRegex = ret as unknown as (pattern: string) => Tokens;
+
+let metaValidator: Validator | undefined;
+
+/** The 2020-12 meta-schema with its vocabularies, compiled once. */
+function meta(): Validator {
+  if (metaValidator) return metaValidator;
+  const v = new Validator(metaSchema as never, "2020-12", true);
+  for (const vocabulary of [core, applicator, unevaluated, validation, metaData, formatAnnotation, content]) {
+    v.addSchema(vocabulary as never);
+  }
+  return metaValidator = v;
+}
+
+/**
+ * Checks a tenant's schema and compiles it.
+ * @throws {SchemaRefused} naming the place and the reason when it is too large, not a JSON Schema 2020-12,
+ * refers to another document, or holds a regular expression that is invalid or could backtrack without bound.
+ */
+export function compileSchema(schema: unknown): CompiledSchema {
+  const bytes = new TextEncoder().encode(JSON.stringify(schema) ?? "").length;
+  if (bytes > SCHEMA_LIMITS.maxBytes) {
+    throw new SchemaRefused("", `is ${bytes} bytes of JSON; the limit is ${SCHEMA_LIMITS.maxBytes}`);
+  }
+  if (typeof schema !== "boolean" && (typeof schema !== "object" || schema === null || Array.isArray(schema))) {
+    throw new SchemaRefused("", "must be an object or a boolean");
+  }
+  const checked = meta().validate(schema);
+  if (!checked.valid) {
+    const first = deepest(checked.errors);
+    throw new SchemaRefused(
+      first.instanceLocation.replace(/^#/, ""),
+      `is not valid JSON Schema 2020-12: ${first.error}`,
+    );
+  }
+  walk(schema, "");
+  let validator: Validator;
+  try {
+    validator = new Validator(schema as never, "2020-12", true);
+  } catch (error) {
+    throw new SchemaRefused("", `cannot be compiled: ${error instanceof Error ? error.message : String(error)}`);
+  }
+  return {
+    validate(instance) {
+      const result = validator.validate(instance);
+      if (result.valid) return [];
+      const first = deepest(result.errors);
+      return [{ pointer: first.instanceLocation.replace(/^#/, ""), message: first.error }];
+    },
+  };
+}
+
+/** The error deepest in the instance: the one that names the failing value, not its parents. */
+function deepest(errors: OutputUnit[]): OutputUnit {
+  return errors.reduce((a, b) => (b.instanceLocation.length > a.instanceLocation.length ? b : a));
+}
+
+/** Keywords whose value is a map of subschemas, and those whose value is a subschema or a list of them. */
+const SCHEMA_MAPS = new Set(["$defs", "definitions", "properties", "patternProperties", "dependentSchemas"]);
+
+/** Walks every subschema: refs stay inside the document, regular expressions are safe. */
+function walk(node: unknown, pointer: string): void {
+  if (Array.isArray(node)) {
+    node.forEach((item, i) => walk(item, `${pointer}/${i}`));
+    return;
+  }
+  if (typeof node !== "object" || node === null) return;
+  for (const [key, value] of Object.entries(node)) {
+    const at = `${pointer}/${escapePointer(key)}`;
+    if ((key === "$ref" || key === "$dynamicRef") && typeof value === "string" && !value.startsWith("#")) {
+      throw new SchemaRefused(at, "may refer only to this schema (a reference starting with #)");
+    }
+    if (key === "pattern" && typeof value === "string") checkPattern(value, at);
+    if (key === "patternProperties" && typeof value === "object" && value !== null) {
+      for (const p of Object.keys(value)) checkPattern(p, `${at}/${escapePointer(p)}`);
+    }
+    if (key === "enum" || key === "const" || key === "examples" || key === "default") continue;
+    if (SCHEMA_MAPS.has(key) && typeof value === "object" && value !== null) {
+      for (const [name, sub] of Object.entries(value)) walk(sub, `${at}/${escapePointer(name)}`);
+    } else {
+      walk(value, at);
+    }
+  }
+}
+
+/**
+ * A regular expression a validation may run on any string a tenant sends: it must compile as JSON Schema
+ * says (ECMA-262, unicode), and must not be able to backtrack without bound: no back-references or
+ * look-arounds, no repetition inside a repetition, no repetition of a choice (`(a|a)*`), and at most
+ * `maxRepetitions` repetitions.
+ */
+function checkPattern(pattern: string, pointer: string): void {
+  if (pattern.length > SCHEMA_LIMITS.maxPatternLength) {
+    throw new SchemaRefused(pointer, `a pattern of at most ${SCHEMA_LIMITS.maxPatternLength} characters`);
+  }
+  try {
+    new RegExp(pattern, "u");
+  } catch (error) {
+    throw new SchemaRefused(pointer, `not a valid regular expression: ${(error as Error).message}`);
+  }
+  let tokens: Tokens;
+  try {
+    tokens = parseRegex(pattern);
+  } catch (error) {
+    throw new SchemaRefused(pointer, `not a regular expression this service can check: ${(error as Error).message}`);
+  }
+  const unsafe = unboundedBacktracking(tokens, false);
+  if (unsafe || !safeRegex(pattern, { limit: SCHEMA_LIMITS.maxRepetitions })) {
+    throw new SchemaRefused(
+      pointer,
+      `a pattern that could take unbounded time on some inputs${unsafe ? ` (${unsafe})` : ""}: ` +
+        "no nested repetition, no repeated alternation, no back-references or look-arounds, " +
+        `at most ${SCHEMA_LIMITS.maxRepetitions} repetitions`,
+    );
+  }
+}
+
+/** What makes a regular expression's tokens unsafe (see {@linkcode checkPattern}), or null. */
+function unboundedBacktracking(token: Tokens, repeated: boolean): string | null {
+  switch (token.type) {
+    case types.REFERENCE:
+      return "a back-reference";
+    case types.REPETITION:
+      return unboundedBacktracking(token.value, true);
+    case types.ROOT:
+    case types.GROUP: {
+      if (token.type === types.GROUP && (token.followedBy || token.notFollowedBy || token.lookBehind)) {
+        return "a look-around";
+      }
+      if (token.options && repeated) return "a repeated alternation";
+      for (const branch of token.options ?? [token.stack ?? []]) {
+        for (const t of branch) {
+          const found = unboundedBacktracking(t, repeated);
+          if (found) return found;
+        }
+      }
+      return null;
+    }
+    default:
+      return null;
+  }
+}
+
+function escapePointer(key: string): string {
+  return key.replace(/~/g, "~0").replace(/\//g, "~1");
+}
