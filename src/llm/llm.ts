@@ -18,10 +18,33 @@ export interface Completion {
   requestId?: string;
 }
 
-/** A text-completion model. */
+/** One turn of a conversation after the prompt. */
+export interface ChatTurn {
+  role: "assistant" | "user";
+  content: string;
+}
+
+/** How to make one call; everything but `signal` is optional, with the deployment's defaults. */
+export interface CallOptions {
+  /** Aborts the call: an aborted call must stop paying. */
+  signal: AbortSignal;
+  /** The system message, before the prompt. */
+  system?: string;
+  /** The model to ask; the deployment's (OPENAI_MODEL) when unset. */
+  model?: string;
+  /** The output cap; {@linkcode MAX_OUTPUT_TOKENS} when unset. */
+  maxOutputTokens?: number;
+  temperature?: number;
+  /** Structured output: the answer must be JSON valid against `schema` (sent as a strict json_schema format). */
+  jsonSchema?: { name: string; schema: unknown };
+  /** Turns after the prompt: a repair call sends the model's answer back, then what was wrong with it. */
+  followUp?: ChatTurn[];
+}
+
+/** A chat-completion model. */
 export interface LLM {
-  /** Completes `prompt`. Honours `signal`: an aborted call must stop paying. */
-  complete(prompt: string, options: { signal: AbortSignal }): Promise<Completion>;
+  /** Completes `prompt` (the user message) as `options` say. */
+  complete(prompt: string, options: CallOptions): Promise<Completion>;
 }
 
 /** The most tokens a summary may use; sent as the call's output cap and reserved by the rate limiter. */

@@ -33,13 +33,28 @@ export function createOpenAiLlm(options: OpenAiOptions): LLM {
     fetch: options.fetch,
   });
   return {
-    async complete(prompt, { signal }) {
+    async complete(prompt, call) {
       // withResponse() keeps the headers: the shared limiter learns the provider's limits from them.
       const { data, response } = await client.chat.completions.create({
-        model: options.model,
-        messages: [{ role: "user", content: prompt }],
-        max_completion_tokens: MAX_OUTPUT_TOKENS,
-      }, { signal }).withResponse().catch((error) => {
+        model: call.model ?? options.model,
+        messages: [
+          ...(call.system === undefined ? [] : [{ role: "system" as const, content: call.system }]),
+          { role: "user", content: prompt },
+          ...(call.followUp ?? []),
+        ],
+        max_completion_tokens: call.maxOutputTokens ?? MAX_OUTPUT_TOKENS,
+        ...(call.temperature === undefined ? {} : { temperature: call.temperature }),
+        ...(call.jsonSchema === undefined ? {} : {
+          response_format: {
+            type: "json_schema" as const,
+            json_schema: {
+              name: call.jsonSchema.name,
+              schema: call.jsonSchema.schema as Record<string, unknown>,
+              strict: true,
+            },
+          },
+        }),
+      }, { signal: call.signal }).withResponse().catch((error) => {
         throw fromOpenAiError(error);
       });
       const text = data.choices[0]?.message?.content;

@@ -14,6 +14,8 @@ export type ModelBehaviour =
     headers?: Record<string, string>;
     /** The token counts the answer reports (default 1 and 1). */
     usage?: { prompt_tokens: number; completion_tokens: number };
+    /** The answer's text (JSON or not, for structured output); an extractive summary of the prompt when unset. */
+    content?: string;
   }
   | { kind: "status"; status: number; headers?: Record<string, string>; body?: unknown }
   | { kind: "hang" }
@@ -27,6 +29,8 @@ export interface FakeModelServer {
   requests: number;
   /** Prompts of the requests received, in order. */
   prompts: string[];
+  /** The request bodies received, in order, as sent (messages, model, response_format, ...). */
+  bodies: Record<string, unknown>[];
   close(): Promise<void>;
 }
 
@@ -61,20 +65,25 @@ export function startFakeModel(
   respond: (n: number, prompt: string) => ModelBehaviour = () => ({ kind: "ok" }),
 ): FakeModelServer {
   const hangs = new Set<() => void>();
-  const state = { requests: 0, prompts: [] as string[] };
+  const state = { requests: 0, prompts: [] as string[], bodies: [] as Record<string, unknown>[] };
   const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, async (req) => {
     if (!new URL(req.url).pathname.endsWith("/chat/completions")) return new Response("not found", { status: 404 });
     const body = await req.json() as { messages?: { content?: string }[]; model?: string };
     const prompt = body.messages?.at(-1)?.content ?? "";
     const n = ++state.requests;
     state.prompts.push(prompt);
+    state.bodies.push(body);
     const behaviour = respond(n, prompt);
     switch (behaviour.kind) {
       case "ok": {
         if (behaviour.delayMs) await new Promise((r) => setTimeout(r, behaviour.delayMs));
         const text = prompt.startsWith(SUMMARY_INSTRUCTION) ? prompt.slice(SUMMARY_INSTRUCTION.length) : prompt;
         return Response.json(
-          completionBody(summariseExtractively(text.trim()) || "(empty)", body.model, behaviour.usage),
+          completionBody(
+            behaviour.content ?? (summariseExtractively(text.trim()) || "(empty)"),
+            body.model,
+            behaviour.usage,
+          ),
           { headers: { "x-request-id": `req_${n}`, ...behaviour.headers } },
         );
       }
@@ -111,6 +120,9 @@ export function startFakeModel(
     },
     get prompts() {
       return state.prompts;
+    },
+    get bodies() {
+      return state.bodies;
     },
     async close() {
       for (const release of hangs) release();
