@@ -1,7 +1,7 @@
 import { z } from "zod";
 import { IdempotencyKey, SummaryAccepted, SummaryRequest, SummaryStatus, SummaryWebhook } from "./schemas.ts";
 import { MAX_WAIT_S } from "./job_waiter.ts";
-import { TaskDefinition } from "../tasks/definition.ts";
+import { TaskDefinition, TaskDocument } from "../tasks/definition.ts";
 
 /** An RFC 9457 problem document. */
 export const Problem = z.object({
@@ -172,22 +172,6 @@ function summaryPaths() {
   };
 }
 
-/** A task version as the API answers it: the definition with its name, version and creation time. */
-const TASK_DOCUMENT = {
-  allOf: [
-    { $ref: "#/components/schemas/TaskDefinition" },
-    {
-      type: "object",
-      properties: {
-        name: { type: "string" },
-        version: { type: "integer", minimum: 1 },
-        created_at: { type: "string", format: "date-time" },
-        built_in: { type: "boolean", description: "true for summarize, which every tenant has" },
-      },
-      required: ["name", "version"],
-    },
-  ],
-};
 const TASK_NAME_PARAM = {
   name: "name",
   in: "path",
@@ -358,7 +342,7 @@ export function openApiDocument(): Record<string, unknown> {
       schemas: {
         SummaryRequest: schema(SummaryRequest),
         TaskDefinition: schema(TaskDefinition),
-        Task: TASK_DOCUMENT,
+        Task: schema(TaskDocument),
         SummaryAccepted: schema(SummaryAccepted),
         SummaryStatus: schema(SummaryStatus),
         SummaryWebhook: schema(SummaryWebhook),

@@ -7,7 +7,7 @@
 import { z } from "zod";
 import { MAX_OUTPUT_TOKENS, SUMMARY_INSTRUCTION } from "../llm/llm.ts";
 import { storableText } from "../summaries/schemas.ts";
-import { type CompiledSchema, compileSchema, SchemaRefused } from "./json_schema.ts";
+import { type CompiledSchema, compileSchema, resolvePointer, SchemaRefused } from "./json_schema.ts";
 
 /** A task's name: `[a-z][a-z0-9_-]{0,63}`. */
 export const TASK_NAME = /^[a-z][a-z0-9_-]{0,63}$/;
@@ -37,6 +37,14 @@ export const TaskDefinition = z.strictObject({
 });
 export type TaskDefinition = z.infer<typeof TaskDefinition>;
 
+/** A task version as the API answers it: its definition with its name, version and creation time. */
+export const TaskDocument = TaskDefinition.extend({
+  name: z.string(),
+  version: z.number().int().min(1),
+  created_at: z.iso.datetime().optional().describe("When this version was stored (absent for the built-in task)"),
+  built_in: z.boolean().optional().describe("true for summarize, which every tenant has"),
+});
+
 /** A problem with a definition beyond its shape: `pointer` says where in the body. */
 export class DefinitionRefused extends Error {
   constructor(readonly pointer: string, message: string) {
@@ -65,11 +73,13 @@ export function checkDefinition(definition: TaskDefinition): CheckedTask {
   const output = definition.output_schema === undefined
     ? undefined
     : compileAt("/output_schema", definition.output_schema);
+  if (definition.output_schema !== undefined) checkStrict(definition.output_schema, "/output_schema", true);
+  const budget = { steps: PLACEHOLDER_CHECK_STEPS };
   for (const field of ["prompt", "system"] as const) {
     const template = definition[field];
     if (template === undefined) continue;
     for (const path of placeholders(template)) {
-      if (!allows(definition.input_schema, path, definition.input_schema, 0)) {
+      if (!declares(definition.input_schema, path, definition.input_schema, budget)) {
         throw new DefinitionRefused(
           `/${field}`,
           `{{input.${path.join(".")}}} names no property the input schema declares`,
@@ -78,6 +88,44 @@ export function checkDefinition(definition: TaskDefinition): CheckedTask {
     }
   }
   return { definition, input, output };
+}
+
+/**
+ * The rules of the provider's strict structured outputs, which runs ask for: the root is an object, and every
+ * object lists all its properties in `required` and says `"additionalProperties": false`. A schema that breaks
+ * them would fail every run at the provider, so it is refused here.
+ */
+function checkStrict(schema: unknown, pointer: string, root: boolean): void {
+  if (typeof schema !== "object" || schema === null) {
+    if (root) throw new DefinitionRefused(pointer, 'output_schema must be an object schema ("type": "object")');
+    return;
+  }
+  if (Array.isArray(schema)) {
+    schema.forEach((sub, i) => checkStrict(sub, `${pointer}/${i}`, false));
+    return;
+  }
+  const s = schema as Record<string, unknown>;
+  if (root && s.type !== "object") {
+    throw new DefinitionRefused(`${pointer}/type`, 'output_schema must describe an object ("type": "object")');
+  }
+  if (s.type === "object" || s.properties !== undefined) {
+    const names = Object.keys((s.properties ?? {}) as object);
+    const required = Array.isArray(s.required) ? s.required : [];
+    const missing = names.find((n) => !required.includes(n));
+    if (s.additionalProperties !== false || missing !== undefined) {
+      throw new DefinitionRefused(
+        pointer || "/",
+        "structured outputs need every object to list all its properties in required and to say " +
+          `"additionalProperties": false${
+            missing === undefined ? "" : ` (${JSON.stringify(missing)} is not required)`
+          }`,
+      );
+    }
+  }
+  for (const [key, value] of Object.entries(s)) {
+    if (key === "enum" || key === "const" || key === "examples" || key === "default") continue;
+    if (value !== null && typeof value === "object") checkStrict(value, `${pointer}/${key}`, false);
+  }
 }
 
 function compileAt(at: string, schema: unknown): CompiledSchema {
@@ -109,54 +157,48 @@ export function renderTemplate(template: string, input: unknown): string {
   return template.replace(PLACEHOLDER, (_, path: string) => {
     let value: unknown = input;
     for (const key of path.slice(1).split(".")) {
-      value = value !== null && typeof value === "object" ? (value as Record<string, unknown>)[key] : undefined;
+      value = value !== null && typeof value === "object" && Object.hasOwn(value, key)
+        ? (value as Record<string, unknown>)[key]
+        : undefined;
     }
     if (value === undefined) return "";
     return typeof value === "string" ? value : JSON.stringify(value);
   });
 }
 
+/** Steps {@linkcode declares} may take for one definition; the schema's in-place count bounds it anyway. */
+const PLACEHOLDER_CHECK_STEPS = 10_000;
+
 /**
- * Whether `schema` declares a value at `path`: in `properties`, `patternProperties`, `items`, or an explicit
- * `additionalProperties` (local `$ref`s followed, a few levels deep).
+ * Whether `schema` declares a value at `path`: in `properties`, `items`/`prefixItems`, or under an explicit
+ * `additionalProperties`, also through `$ref`, `allOf`, `anyOf` and `oneOf`. `patternProperties` do not
+ * count: checking a name against a tenant's pattern would run it, and the name is the tenant's too.
+ * @throws {DefinitionRefused} when the check would take more than its steps.
  */
-function allows(schema: unknown, path: string[], root: unknown, depth: number): boolean {
-  if (depth > 32) return true;
+function declares(schema: unknown, path: string[], root: unknown, budget: { steps: number }): boolean {
+  if (--budget.steps < 0) {
+    throw new DefinitionRefused("/input_schema", "the input schema is too complex to check the placeholders against");
+  }
   if (schema === false) return false;
   if (schema === true) return true;
   if (schema === undefined || schema === null || typeof schema !== "object") return path.length === 0;
-  const s = schema as Record<string, unknown>;
   if (path.length === 0) return true;
-  if (typeof s.$ref === "string" && allows(resolveRef(root, s.$ref), path, root, depth + 1)) return true;
-  const [head, ...rest] = path as [string, ...string[]];
+  const s = schema as Record<string, unknown>;
+  if (typeof s.$ref === "string" && declares(resolvePointer(root, s.$ref), path, root, budget)) return true;
   for (const key of ["allOf", "anyOf", "oneOf"] as const) {
-    if (Array.isArray(s[key]) && (s[key] as unknown[]).some((b) => allows(b, path, root, depth + 1))) return true;
+    if (Array.isArray(s[key]) && (s[key] as unknown[]).some((b) => declares(b, path, root, budget))) return true;
   }
+  const [head, ...rest] = path as [string, ...string[]];
   const properties = s.properties as Record<string, unknown> | undefined;
-  if (properties && Object.hasOwn(properties, head)) return allows(properties[head], rest, root, depth + 1);
-  const patterns = s.patternProperties as Record<string, unknown> | undefined;
-  for (const [pattern, sub] of Object.entries(patterns ?? {})) {
-    if (new RegExp(pattern, "u").test(head)) return allows(sub, rest, root, depth + 1);
-  }
+  if (properties && Object.hasOwn(properties, head)) return declares(properties[head], rest, root, budget);
   if (/^\d+$/.test(head) && (s.items !== undefined || s.prefixItems !== undefined)) {
     const prefix = Array.isArray(s.prefixItems) ? s.prefixItems : [];
-    return allows(prefix[Number(head)] ?? s.items, rest, root, depth + 1);
+    return declares(prefix[Number(head)] ?? s.items, rest, root, budget);
   }
   // An undeclared name is allowed only where the schema says so (additionalProperties given): a placeholder
   // that names nothing declared is most likely a typo, which would render as nothing on every run.
   if (s.additionalProperties === undefined || s.additionalProperties === false) return false;
-  return allows(s.additionalProperties, rest, root, depth + 1);
-}
-
-/** The subschema a local `$ref` (`#/a/b`) names, or undefined. */
-function resolveRef(root: unknown, ref: string): unknown {
-  if (!ref.startsWith("#")) return undefined;
-  let node: unknown = root;
-  for (const raw of ref.slice(1).split("/").slice(1)) {
-    const key = decodeURIComponent(raw).replace(/~1/g, "/").replace(/~0/g, "~");
-    node = node !== null && typeof node === "object" ? (node as Record<string, unknown>)[key] : undefined;
-  }
-  return node;
+  return declares(s.additionalProperties, rest, root, budget);
 }
 
 /** The built-in `summarize` task, as `GET /v1/tasks` shows it: what `/v1/summaries` runs. */

@@ -27,6 +27,13 @@ export const SCHEMA_LIMITS = {
   maxPatternLength: 1_000,
   /** Repetitions (`*`, `+`, `{n,m}`) in one regular expression: bounds the degree of its backtracking. */
   maxRepetitions: 10,
+  /** Nesting of objects and arrays in a schema's JSON. */
+  maxDepth: 64,
+  /**
+   * Subschemas that one value of an instance can make a validation evaluate in place (through `$ref`,
+   * `allOf`, `anyOf`, `oneOf`, `not`, `if`/`then`/`else`, `dependentSchemas`), counted along every path.
+   */
+  maxInPlace: 1_000,
 } as const;
 
 /** Why a tenant's schema was refused: `pointer` says where in the schema. */
@@ -78,6 +85,8 @@ export function compileSchema(schema: unknown): CompiledSchema {
   if (typeof schema !== "boolean" && (typeof schema !== "object" || schema === null || Array.isArray(schema))) {
     throw new SchemaRefused("", "must be an object or a boolean");
   }
+  // The JSON itself first (before anything recursive runs on it): depth, storable text, finite numbers.
+  checkJson(schema, "", 0);
   const checked = meta().validate(schema);
   if (!checked.valid) {
     const first = deepest(checked.errors);
@@ -87,6 +96,7 @@ export function compileSchema(schema: unknown): CompiledSchema {
     );
   }
   walk(schema, "");
+  countInPlace(schema);
   let validator: Validator;
   try {
     validator = new Validator(schema as never, "2020-12", true);
@@ -111,17 +121,56 @@ function deepest(errors: OutputUnit[]): OutputUnit {
 /** Keywords whose value is a map of subschemas, and those whose value is a subschema or a list of them. */
 const SCHEMA_MAPS = new Set(["$defs", "definitions", "properties", "patternProperties", "dependentSchemas"]);
 
-/** Walks every subschema: refs stay inside the document, regular expressions are safe. */
-function walk(node: unknown, pointer: string): void {
+/** Keywords this service does not follow (dynamic scope, anchors): a schema using them is refused. */
+const UNSUPPORTED = new Set(["$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor", "$anchor"]);
+
+/**
+ * The schema's JSON as data: at most `maxDepth` deep, every string and key storable in Postgres (no NUL, no
+ * unpaired surrogate), every number finite (JSON's 1e400 parses to Infinity and would be stored as null).
+ */
+function checkJson(node: unknown, pointer: string, depth: number): void {
+  if (typeof node === "string") {
+    if (node.includes("\u0000") || !node.isWellFormed()) {
+      throw new SchemaRefused(pointer, "a string with a NUL character or an unpaired surrogate");
+    }
+    return;
+  }
+  if (typeof node === "number") {
+    if (!Number.isFinite(node)) throw new SchemaRefused(pointer, "a number too large to store");
+    return;
+  }
+  if (typeof node !== "object" || node === null) return;
+  if (depth >= SCHEMA_LIMITS.maxDepth) {
+    throw new SchemaRefused(pointer, `nested more than ${SCHEMA_LIMITS.maxDepth} levels deep`);
+  }
+  for (const [key, value] of Object.entries(node)) {
+    const at = `${pointer}/${escapePointer(key)}`;
+    if (!Array.isArray(node)) checkJson(key, at, depth + 1);
+    checkJson(value, at, depth + 1);
+  }
+}
+
+/**
+ * Walks every subschema: references are JSON pointers into this schema that resolve (`#`, `#/$defs/x`), no
+ * keyword of dynamic scope or anchors, `$id` only at the root, and every regular expression is safe.
+ */
+function walk(node: unknown, pointer: string, root: unknown = node): void {
   if (Array.isArray(node)) {
-    node.forEach((item, i) => walk(item, `${pointer}/${i}`));
+    node.forEach((item, i) => walk(item, `${pointer}/${i}`, root));
     return;
   }
   if (typeof node !== "object" || node === null) return;
   for (const [key, value] of Object.entries(node)) {
     const at = `${pointer}/${escapePointer(key)}`;
-    if ((key === "$ref" || key === "$dynamicRef") && typeof value === "string" && !value.startsWith("#")) {
-      throw new SchemaRefused(at, "may refer only to this schema (a reference starting with #)");
+    if (UNSUPPORTED.has(key)) throw new SchemaRefused(at, `${key} is not supported: use $ref with a JSON pointer`);
+    if (key === "$id" && pointer !== "") throw new SchemaRefused(at, "$id is allowed only at the root");
+    if (key === "$ref") {
+      if (typeof value !== "string" || !(value === "#" || value.startsWith("#/"))) {
+        throw new SchemaRefused(at, "may refer only to this schema, by a JSON pointer (# or #/...)");
+      }
+      if (resolvePointer(root, value) === undefined) {
+        throw new SchemaRefused(at, `${value} names nothing in the schema`);
+      }
     }
     if (key === "pattern" && typeof value === "string") checkPattern(value, at);
     if (key === "patternProperties" && typeof value === "object" && value !== null) {
@@ -129,11 +178,88 @@ function walk(node: unknown, pointer: string): void {
     }
     if (key === "enum" || key === "const" || key === "examples" || key === "default") continue;
     if (SCHEMA_MAPS.has(key) && typeof value === "object" && value !== null) {
-      for (const [name, sub] of Object.entries(value)) walk(sub, `${at}/${escapePointer(name)}`);
+      for (const [name, sub] of Object.entries(value)) walk(sub, `${at}/${escapePointer(name)}`, root);
     } else {
-      walk(value, at);
+      walk(value, at, root);
     }
   }
+}
+
+/** The value a local reference (`#` or `#/a/b`) names in `root`, or undefined. */
+export function resolvePointer(root: unknown, ref: string): unknown {
+  let node: unknown = root;
+  for (const raw of ref.slice(1).split("/").slice(1)) {
+    let key: string;
+    try {
+      key = decodeURIComponent(raw).replace(/~1/g, "/").replace(/~0/g, "~");
+    } catch {
+      return undefined;
+    }
+    if (node === null || typeof node !== "object" || !Object.hasOwn(node, key)) return undefined;
+    node = (node as Record<string, unknown>)[key];
+  }
+  return node;
+}
+
+/** Keywords that evaluate a subschema on the same value (not on a part of it). */
+const IN_PLACE_ONE = ["not", "if", "then", "else"];
+const IN_PLACE_MANY = ["allOf", "anyOf", "oneOf"];
+
+/**
+ * Counts, for the root, the subschemas one value can make a validation evaluate in place, along every path
+ * (an `anyOf` of five `$ref`s to an `anyOf` of five... multiplies), and refuses a cycle of in-place
+ * references (`{"$ref": "#"}` at the root: a validation would never end) or a count over `maxInPlace`.
+ * Each subschema that applies to a part of the value starts a count of its own.
+ */
+function countInPlace(root: unknown): void {
+  const counts = new Map<unknown, number>();
+  const visiting = new Set<unknown>();
+  const count = (node: unknown, pointer: string): number => {
+    if (typeof node !== "object" || node === null || Array.isArray(node)) return 1;
+    const known = counts.get(node);
+    if (known !== undefined) return known;
+    if (visiting.has(node)) {
+      throw new SchemaRefused(pointer, "a cycle of references that never goes into a part of the value");
+    }
+    visiting.add(node);
+    const s = node as Record<string, unknown>;
+    let total = 1;
+    const add = (sub: unknown, at: string) => {
+      total += count(sub, at);
+      if (total > SCHEMA_LIMITS.maxInPlace) {
+        throw new SchemaRefused(at, `makes one value evaluate more than ${SCHEMA_LIMITS.maxInPlace} subschemas`);
+      }
+    };
+    if (typeof s.$ref === "string") {
+      const target = resolvePointer(root, s.$ref);
+      if (visiting.has(target)) {
+        throw new SchemaRefused(`${pointer}/$ref`, "a cycle of references that never goes into a part of the value");
+      }
+      add(target, s.$ref.slice(1));
+    }
+    for (const k of IN_PLACE_ONE) if (k in s) add(s[k], `${pointer}/${k}`);
+    for (const k of IN_PLACE_MANY) {
+      if (Array.isArray(s[k])) (s[k] as unknown[]).forEach((sub, i) => add(sub, `${pointer}/${k}/${i}`));
+    }
+    if (s.dependentSchemas && typeof s.dependentSchemas === "object") {
+      for (const [name, sub] of Object.entries(s.dependentSchemas)) {
+        add(sub, `${pointer}/dependentSchemas/${escapePointer(name)}`);
+      }
+    }
+    visiting.delete(node);
+    counts.set(node, total);
+    return total;
+  };
+  // Every subschema, wherever it applies (the root, a property's, an item's...), starts a count of its own.
+  const every = (node: unknown, pointer: string): void => {
+    if (typeof node !== "object" || node === null) return;
+    if (!Array.isArray(node)) count(node, pointer);
+    for (const [key, value] of Object.entries(node)) {
+      if (key === "enum" || key === "const" || key === "examples" || key === "default") continue;
+      every(value, `${pointer}/${escapePointer(key)}`);
+    }
+  };
+  every(root, "");
 }
 
 /**

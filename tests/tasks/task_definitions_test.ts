@@ -7,7 +7,7 @@
 import assert from "node:assert/strict";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { compileSchema, SchemaRefused } from "../../src/tasks/json_schema.ts";
-import { renderTemplate } from "../../src/tasks/definition.ts";
+import { checkDefinition, DefinitionRefused, renderTemplate } from "../../src/tasks/definition.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { tasksCommand } from "../../src/cli/tasks_command.ts";
 import { apiHandler } from "../support/fixtures.ts";
@@ -152,6 +152,76 @@ Deno.test("a tenant's pathological pattern is refused before it can run, and a s
   assert.ok(performance.now() - started < 5_000);
 });
 
+Deno.test("schemas that would stall or crash a validation are refused where they break the rules", () => {
+  const refused = (schema: unknown, pointer: string | null, says: RegExp) => {
+    assert.throws(() => compileSchema(schema), (e: unknown) => {
+      assert.ok(e instanceof SchemaRefused, String(e));
+      if (pointer !== null) assert.equal(e.pointer, pointer, e.message);
+      assert.match(e.message, says);
+      return true;
+    });
+  };
+  // Nested keywords are checked against the meta-schema too.
+  refused(
+    { type: "object", properties: { a: { type: "string", pattern: ["^(a+)+$"] } } },
+    "/properties/a/pattern",
+    /2020-12/,
+  );
+  refused({ type: "object", properties: { a: { enum: 5 } } }, "/properties/a/enum", /2020-12/);
+  refused({ type: "object", properties: { a: { type: "foo" } } }, "/properties/a/type", /2020-12/);
+  // References: cycles that never go into the value, names that resolve to nothing, dynamic scope.
+  refused({ type: "object", $ref: "#" }, "/$ref", /cycle/);
+  refused(
+    { $defs: { a: { $ref: "#/$defs/b" }, b: { $ref: "#/$defs/a" } }, $ref: "#/$defs/a" },
+    "/$defs/b/$ref",
+    /cycle/,
+  );
+  refused({ $ref: "#/$defs/nope" }, "/$ref", /names nothing/);
+  refused({ $ref: "#/%" }, "/$ref", /2020-12|names nothing/);
+  refused({ $dynamicRef: "#/nope" }, "/$dynamicRef", /not supported/);
+  // An anyOf of five references to an anyOf of five... : exponential work without a regex.
+  const defs: Record<string, unknown> = { d0: { type: "integer" } };
+  for (let i = 1; i <= 10; i++) {
+    defs[`d${i}`] = { anyOf: Array.from({ length: 5 }, () => ({ $ref: `#/$defs/d${i - 1}` })) };
+  }
+  refused({ $defs: defs, $ref: "#/$defs/d10" }, null, /more than 1000 subschemas/);
+  // The JSON itself: too deep, unstorable text, a number JSON cannot round-trip.
+  let deep: Record<string, unknown> = { type: "string" };
+  for (let i = 0; i < 100; i++) deep = { type: "object", properties: { a: deep } };
+  assert.throws(() => compileSchema(deep), /nested more than 64/);
+  refused({ type: "string", description: "a\u0000b" }, "/description", /NUL/);
+  refused({ type: "number", maximum: JSON.parse("1e400") }, "/maximum", /too large/);
+  // A recursive schema that does go into the value is fine.
+  compileSchema({ type: "object", properties: { child: { $ref: "#" } } });
+});
+
+Deno.test("a placeholder check never runs a tenant's pattern, and stays bounded", () => {
+  const base = { prompt: "{{input.a}}", max_output_tokens: 10 };
+  const slow = "\\d+\\d+\\d+$";
+  assert.throws(
+    () =>
+      checkDefinition({
+        ...base,
+        prompt: `{{input.${"1".repeat(1200)}x}}`,
+        input_schema: { type: "object", patternProperties: { [slow]: {} } },
+      }),
+    DefinitionRefused,
+  );
+  assert.throws(
+    () => checkDefinition({ ...base, input_schema: { type: "object" }, output_schema: { type: "string" } }),
+    /output_schema must describe an object/,
+  );
+  assert.throws(
+    () =>
+      checkDefinition({
+        ...base,
+        input_schema: { type: "object", properties: { a: { type: "string" } } },
+        output_schema: { type: "object", properties: { x: { type: "string" } } },
+      }),
+    /additionalProperties/,
+  );
+});
+
 Deno.test("templates substitute {{input.path}} values and nothing else", () => {
   const input = { body: "It broke {{input.body}}", customer: { name: "Ada" }, n: 3, list: [1, 2] };
   assert.equal(
@@ -161,4 +231,5 @@ Deno.test("templates substitute {{input.path}} values and nothing else", () => {
     ),
     "Ada: It broke {{input.body}} (3, [1,2], , {{other}})",
   );
+  assert.equal(renderTemplate("[{{input.constructor}}][{{input.toString}}]", {}), "[][]", "own properties only");
 });
