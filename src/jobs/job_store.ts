@@ -164,6 +164,8 @@ export interface JobReadRow {
   summary: string | null;
   attempts: number;
   tokens: number | null;
+  prompt_tokens: number | null;
+  completion_tokens: number | null;
 }
 
 /**
@@ -175,12 +177,14 @@ export interface JobReadRow {
 export async function readJob(sql: Queryable, jobId: string, tenant: string): Promise<JobReadRow> {
   const [row] = await sql<JobReadRow[]>`
     SELECT coalesce(o.tenant, s.tenant) AS tenant, coalesce(o.outcome, CASE WHEN s.job_id IS NOT NULL THEN 'done' END)
-        AS outcome, o.error, s.summary, a.attempts, a.tokens
+        AS outcome, o.error, s.summary, a.attempts, a.tokens, a.prompt_tokens, a.completion_tokens
     FROM (SELECT ${jobId}::uuid AS job_id) j
     LEFT JOIN job_outcomes o USING (job_id) LEFT JOIN summaries s USING (job_id)
     CROSS JOIN LATERAL (
       SELECT count(*)::int AS attempts,
-        (sum(coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)))::int AS tokens
+        (sum(coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)))::int AS tokens,
+        (sum(coalesce(prompt_tokens, 0)))::int AS prompt_tokens,
+        (sum(coalesce(completion_tokens, 0)))::int AS completion_tokens
       FROM model_attempts m WHERE m.job_id = j.job_id AND m.tenant = ${tenant}
     ) a`;
   return row!;

@@ -8,6 +8,7 @@ import { openApiDocument } from "../summaries/openapi.ts";
 import { SUMMARIES, type SummaryApiDeps, summaryRoutes } from "../summaries/api.ts";
 import { createIntake } from "../summaries/intake.ts";
 import { taskRoutes } from "../tasks/api.ts";
+import { runRoutes } from "../tasks/runs_api.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
 import { createRecipientPolicy } from "../tenants/mail_domains.ts";
@@ -48,6 +49,7 @@ export function createApiHandler(deps: ApiDeps): (req: Request, client?: Client)
     )
     .route(summaryRoutes(deps))
     .route(taskRoutes(deps))
+    .route(runRoutes(deps))
     .route(healthRoutes(deps))
     .on("/openapi.json", { GET: () => json(200, openApi) })
     .on("/metrics", {

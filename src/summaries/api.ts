@@ -55,7 +55,7 @@ export interface SummaryApiDeps {
 }
 
 /** What a `Prefer: wait` came to: the job's document, and whether it finished within the wait. */
-interface Waited {
+export interface Waited {
   document: SummaryStatus;
   /** The `Preference-Applied` value. */
   applied: string;
@@ -67,7 +67,7 @@ export const SUMMARIES = "/v1/summaries";
 /** A job document's path; its group is the job id. */
 export const JOB_PATH = /^\/v1\/summaries\/([^/]+)$/;
 /** Statuses after which a job never changes. */
-const FINISHED: ReadonlySet<SummaryStatus["status"]> = new Set(["done", "failed", "cancelled"]);
+export const FINISHED: ReadonlySet<SummaryStatus["status"]> = new Set(["done", "failed", "cancelled"]);
 
 function invalid(path: string, message: string): HttpError {
   return new HttpError(422, "The request body failed validation", {}, { extra: { errors: [{ path, message }] } });
@@ -105,7 +105,7 @@ async function checkNotify(deps: SummaryApiDeps, tenant: string, notify: Summary
  * (`finished`), the latest one when the wait ran out, or null when waiting
  * is not possible here (or was not asked for).
  */
-async function waitIfPreferred(
+export async function waitIfPreferred(
   deps: SummaryApiDeps,
   req: Request,
   tenant: string,
@@ -150,9 +150,31 @@ async function waitFor(
   }
 }
 
+/**
+ * Cancels a queued job (`DELETE /v1/summaries/{id}` and `/v1/runs/{id}`). Postgres decides (the same
+ * primary key the commit inserts into), then the Redis record follows, so GET and the worker's pre-check
+ * both see it. Cancelling twice gives the same answer.
+ * @throws {HttpError} 404 for an unknown job or another tenant's, 409 for one already done or failed.
+ */
+export async function cancelJobOf(deps: SummaryApiDeps, tenant: string, jobId: string): Promise<SummaryStatus> {
+  const found = await jobDocument(deps, tenant, jobId);
+  if (!found) throw new HttpError(404, `No job ${jobId} for this tenant`);
+  const { status } = found.document;
+  if (status === "done" || status === "failed") {
+    throw new HttpError(409, `Job ${jobId} is already ${status} and cannot be cancelled`);
+  }
+  const cancelled = status === "cancelled" ? "already_cancelled" : await cancelJob(deps.sql, jobId, tenant);
+  if (cancelled === "done" || cancelled === "failed") {
+    throw new HttpError(409, `Job ${jobId} is already ${cancelled} and cannot be cancelled`);
+  }
+  if (found.recordKey) await markCancelled(deps.redis, found.recordKey);
+  if (status !== "cancelled") deps.log.info("job_cancel_requested", { job_id: jobId, tenant });
+  return { job_id: jobId, status: "cancelled" };
+}
+
 /** The summary API's routes. */
 export function summaryRoutes(deps: SummaryApiDeps): Router {
-  const { redis, sql, log, authenticate, intake } = deps;
+  const { log, authenticate, intake } = deps;
 
   async function postSummary(req: Request): Promise<Response> {
     const tenant = await authenticate(req);
@@ -215,26 +237,9 @@ export function summaryRoutes(deps: SummaryApiDeps): Router {
     return json(200, found.document, headers);
   }
 
-  /**
-   * DELETE: cancels a queued job. Postgres decides (the same primary key the
-   * commit inserts into), then the Redis record follows, so GET and the
-   * worker's pre-check both see it. Cancelling twice gives the same answer.
-   */
   async function cancelSummary(req: Request, jobId: string): Promise<Response> {
     const tenant = await authenticate(req);
-    const found = await jobDocument(deps, tenant, jobId);
-    if (!found) throw new HttpError(404, `No job ${jobId} for this tenant`);
-    const { status } = found.document;
-    if (status === "done" || status === "failed") {
-      throw new HttpError(409, `Job ${jobId} is already ${status} and cannot be cancelled`);
-    }
-    const cancelled = status === "cancelled" ? "already_cancelled" : await cancelJob(sql, jobId, tenant);
-    if (cancelled === "done" || cancelled === "failed") {
-      throw new HttpError(409, `Job ${jobId} is already ${cancelled} and cannot be cancelled`);
-    }
-    if (found.recordKey) await markCancelled(redis, found.recordKey);
-    if (status !== "cancelled") log.info("job_cancel_requested", { job_id: jobId, tenant });
-    return json(200, { job_id: jobId, status: "cancelled" } satisfies SummaryStatus);
+    return json(200, await cancelJobOf(deps, tenant, jobId));
   }
 
   return new Router()

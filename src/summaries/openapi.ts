@@ -2,6 +2,7 @@ import { z } from "zod";
 import { IdempotencyKey, SummaryAccepted, SummaryRequest, SummaryStatus, SummaryWebhook } from "./schemas.ts";
 import { MAX_WAIT_S } from "./job_waiter.ts";
 import { TaskDefinition, TaskDocument } from "../tasks/definition.ts";
+import { RunDocument } from "../tasks/run_schemas.ts";
 
 /** An RFC 9457 problem document. */
 export const Problem = z.object({
@@ -25,6 +26,8 @@ export const ROUTES = [
   { method: "get", path: "/v1/tasks/{name}" },
   { method: "put", path: "/v1/tasks/{name}" },
   { method: "get", path: "/v1/tasks/{name}/versions/{version}" },
+  { method: "get", path: "/v1/runs/{run_id}" },
+  { method: "delete", path: "/v1/runs/{run_id}" },
   { method: "get", path: "/healthz" },
   { method: "get", path: "/readyz" },
   { method: "get", path: "/metrics" },
@@ -59,6 +62,7 @@ const APPLIED = {
   Vary: { schema: { type: "string", enum: ["prefer"] }, description: "Prefer changes this response" },
 };
 const JOB_ID = { name: "job_id", in: "path", required: true, schema: { type: "string", format: "uuid" } };
+const RUN_ID = { name: "run_id", in: "path", required: true, schema: { type: "string", format: "uuid" } };
 
 const json = (ref: string) => ({ "application/json": { schema: { $ref: `#/components/schemas/${ref}` } } });
 const shared = (name: string) => ({ $ref: `#/components/responses/${name}` });
@@ -244,6 +248,31 @@ function taskPaths() {
         },
       },
     },
+    "/v1/runs/{run_id}": {
+      get: {
+        operationId: "getRun",
+        summary: "A run's status, and its output once done (a summary job is a run of summarize); optionally waits",
+        parameters: [RUN_ID, PREFER],
+        responses: {
+          ...ALWAYS,
+          "200": { description: "The run", headers: APPLIED, content: json("Run") },
+          "401": unauthorized,
+          "404": problem("Unknown run, or another tenant's"),
+        },
+      },
+      delete: {
+        operationId: "cancelRun",
+        summary: "Cancel a run that has not finished: it then makes no model call and has no effects",
+        parameters: [RUN_ID],
+        responses: {
+          ...ALWAYS,
+          "200": { description: "Cancelled (also when it already was)", content: json("Run") },
+          "401": unauthorized,
+          "404": problem("Unknown run, or another tenant's"),
+          "409": problem("The run is already done or failed"),
+        },
+      },
+    },
     "/v1/tasks/{name}/versions/{version}": {
       get: {
         operationId: "getTaskVersion",
@@ -343,6 +372,7 @@ export function openApiDocument(): Record<string, unknown> {
         SummaryRequest: schema(SummaryRequest),
         TaskDefinition: schema(TaskDefinition),
         Task: schema(TaskDocument),
+        Run: schema(RunDocument),
         SummaryAccepted: schema(SummaryAccepted),
         SummaryStatus: schema(SummaryStatus),
         SummaryWebhook: schema(SummaryWebhook),
