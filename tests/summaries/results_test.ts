@@ -290,6 +290,13 @@ Deno.test("results: wait for the finished job, cancel a queued one", async (t) =
       const fast = startFakeModel(() => ({ kind: "ok", delayMs: Math.floor(Math.random() * 30) }));
       const worker = startWorker(createOpenAiLlm({ apiKey: "k", model: "m", baseURL: fast.url }));
       try {
+        // The worker is reading before the race starts (on a loaded machine, and on a cluster, its start-up can
+        // take longer than the cancels' random delays, and then every cancel would win without a race).
+        const { job_id: warmUp } = await (await post("A warm-up job. It runs before the race.")).json();
+        await waitFor(
+          "the warm-up job done",
+          async () => (await (await request("GET", warmUp)).json()).status === "done",
+        );
         const random = seededRandom(7);
         const outcomes = await Promise.all(Array.from({ length: 60 }, async (_, i) => {
           const { job_id } = await (await post(`Race number ${i}. It ends one way.`)).json();
