@@ -6,6 +6,25 @@
 import type { Queryable } from "../db/queryable.ts";
 import type { Sql } from "postgres";
 
+/**
+ * How much one tenant may define: every version is kept (runs name them), so without a cap a tenant could
+ * grow the table without bound.
+ */
+export const TASK_LIMITS = {
+  /** Tasks (names) per tenant. */
+  maxTasksPerTenant: 1_000,
+  /** Versions per task. */
+  maxVersionsPerTask: 1_000,
+} as const;
+
+/** A PUT that would pass one of {@linkcode TASK_LIMITS}; nothing was stored. */
+export class TaskLimitReached extends Error {
+  constructor(message: string) {
+    super(message);
+    this.name = "TaskLimitReached";
+  }
+}
+
 /** One stored version of a task. */
 export interface TaskVersion {
   tenant: string;
@@ -21,6 +40,7 @@ export interface TaskVersion {
  * of a task at a time decides (a transaction lock per tenant and name), so
  * two different bodies at once become two versions, never one number twice.
  * @returns the version now latest, and whether this call created it.
+ * @throws {TaskLimitReached} when a new version or a new task would pass {@linkcode TASK_LIMITS}.
  */
 export async function putTaskVersion(
   sql: Sql,
@@ -36,6 +56,18 @@ export async function putTaskVersion(
     if (latest?.same) {
       const { same: _, ...task } = latest;
       return { task, created: false };
+    }
+    if (latest && latest.version >= TASK_LIMITS.maxVersionsPerTask) {
+      throw new TaskLimitReached(`Task ${name} has ${latest.version} versions, the most one task may have`);
+    }
+    if (!latest) {
+      // Another new name PUT at the same moment may pass too: the cap can be exceeded by the PUTs in flight.
+      const [count] = await tx<{ n: number }[]>`
+        SELECT count(DISTINCT name)::int AS n FROM tasks WHERE tenant = ${tenant}`;
+      const n = count?.n ?? 0;
+      if (n >= TASK_LIMITS.maxTasksPerTenant) {
+        throw new TaskLimitReached(`This tenant has ${n} tasks, the most one tenant may have`);
+      }
     }
     const [task] = await tx<TaskVersion[]>`
       INSERT INTO tasks (tenant, name, version, definition)

@@ -237,7 +237,9 @@ function taskPaths() {
           "401": unauthorized,
           "404": problem("Not a task name"),
           "408": problem("The body did not arrive in time (the connection is closed)"),
-          "409": problem("summarize is built in and cannot be changed"),
+          "409": problem(
+            "summarize is built in and cannot be changed, or the tenant has 1,000 tasks or the task 1,000 versions",
+          ),
           "413": problem("Body over MAX_BODY_BYTES"),
           "415": problem("Not JSON"),
           "422": problem(

@@ -8,7 +8,7 @@ import type { Sql } from "postgres";
 import { readJsonBody } from "../http/body.ts";
 import { HttpError } from "../http/problem.ts";
 import { json, Router } from "../http/router.ts";
-import { latestTasks, putTaskVersion, type TaskVersion, taskVersion } from "../jobs/task_store.ts";
+import { latestTasks, putTaskVersion, TaskLimitReached, type TaskVersion, taskVersion } from "../jobs/task_store.ts";
 import type { Logger } from "../log/logger.ts";
 import type { Authenticate } from "../tenants/authenticator.ts";
 import {
@@ -67,7 +67,14 @@ export function taskRoutes(deps: TaskApiDeps): Router {
         extra: { errors: [{ pointer: error.pointer, message: error.message }] },
       });
     }
-    const { task, created } = await putTaskVersion(sql, tenant, name, parsed.data);
+    let put: Awaited<ReturnType<typeof putTaskVersion>>;
+    try {
+      put = await putTaskVersion(sql, tenant, name, parsed.data);
+    } catch (error) {
+      if (error instanceof TaskLimitReached) throw new HttpError(409, error.message);
+      throw error;
+    }
+    const { task, created } = put;
     if (created) log.info("task_version_created", { tenant, task: name, version: task.version });
     const headers: Record<string, string> = created ? { location: `${TASKS}/${name}/versions/${task.version}` } : {};
     return json(created ? 201 : 200, taskDocument(task), headers);

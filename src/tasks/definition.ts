@@ -33,7 +33,7 @@ export const TaskDefinition = z.strictObject({
   output_schema: SCHEMA.optional().describe("JSON Schema 2020-12 of the output (structured output); unset, text"),
   max_output_tokens: z.number().int().min(1).max(16_384).default(MAX_OUTPUT_TOKENS),
   temperature: z.number().min(0).max(2).optional(),
-  cache_ttl_s: z.number().int().min(0).max(365 * 24 * 3600).optional(),
+  cache_ttl_s: z.number().int().min(0).optional(),
 });
 export type TaskDefinition = z.infer<typeof TaskDefinition>;
 

@@ -4,6 +4,7 @@
  */
 import assert from "node:assert/strict";
 import { createExtractiveLlm } from "../../src/llm/extractive.ts";
+import type { LLM } from "../../src/llm/llm.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { apiHandler, summaryWorker } from "../support/fixtures.ts";
@@ -17,6 +18,19 @@ Deno.test("a summary job is a run of summarize on /v1/runs/{id}", async (t) => {
   const keys = serviceKeys(r.prefix);
   const api = apiHandler({ redis: r.redis, sql: db.sql, keys }, { authMode: "api-key" });
   const acme = await createApiKey(db.sql, "acme");
+  const prompts: string[] = [];
+  const countingLlm: LLM = {
+    complete(prompt, options) {
+      prompts.push(prompt);
+      return createExtractiveLlm().complete(prompt, options);
+    },
+  };
+  const effects = async (jobId: string) => {
+    const [row] = await db.sql<{ s: number; o: number }[]>`
+      SELECT (SELECT count(*) FROM summaries WHERE job_id = ${jobId}::uuid)::int AS s,
+        (SELECT count(*) FROM outbox WHERE payload->>'job_id' = ${jobId})::int AS o`;
+    return [row!.s, row!.o];
+  };
   const beta = await createApiKey(db.sql, "beta");
   const call = async (
     key: string,
@@ -67,7 +81,7 @@ Deno.test("a summary job is a run of summarize on /v1/runs/{id}", async (t) => {
 
     await t.step("done: the summary is the run's output, with its attempts and tokens by kind", async () => {
       const stop = new AbortController();
-      const worker = summaryWorker({ redis: r.redis, sql: db.sql, llm: createExtractiveLlm(), keys }, {
+      const worker = summaryWorker({ redis: r.redis, sql: db.sql, llm: countingLlm, keys }, {
         consumer: "runs-api-test",
       });
       const running = worker.run(stop.signal);
@@ -84,6 +98,10 @@ Deno.test("a summary job is a run of summarize on /v1/runs/{id}", async (t) => {
       assert.equal(run.attempts, summary.attempts ?? 0);
       assert.equal(run.tokens.prompt + run.tokens.completion, summary.tokens ?? 0);
       assert.equal((await call(acme, "DELETE", `/v1/runs/${done}`)).status, 409);
+      // Effects: one model call, one summary and one email for the done run; none for the cancelled one.
+      assert.equal(prompts.length, 1, "one model call in all");
+      assert.deepEqual(await effects(done), [1, 1]);
+      assert.deepEqual(await effects(cancelled), [0, 0]);
     });
   } finally {
     await r.close();

@@ -10,6 +10,7 @@ import { compileSchema, SchemaRefused } from "../../src/tasks/json_schema.ts";
 import { checkDefinition, DefinitionRefused, renderTemplate } from "../../src/tasks/definition.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { tasksCommand } from "../../src/cli/tasks_command.ts";
+import { TASK_LIMITS } from "../../src/jobs/task_store.ts";
 import { apiHandler } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
 
@@ -120,6 +121,32 @@ Deno.test("task definitions", async (t) => {
       await refused({ ...TICKET, max_output_tokens: 0 }, "/max_output_tokens", /./);
       await refused({ ...TICKET, colour: "blue" }, "", /colour/);
       assert.equal((await call(acme, "GET", "/v1/tasks/bad")).status, 404);
+      // What is stored: the four versions of ticket, nothing of the refused PUTs, nothing of summarize.
+      const rows = await db.sql<{ tenant: string; name: string; n: number }[]>`
+        SELECT tenant, name, count(*)::int AS n FROM tasks GROUP BY tenant, name ORDER BY tenant, name`;
+      assert.deepEqual(rows.map((r) => [r.tenant, r.name, r.n]), [["acme", "ticket", 4]]);
+    });
+
+    await t.step("a task at its version cap, or a tenant at its task cap, gets 409 and stores nothing", async () => {
+      await db.sql`
+        INSERT INTO tasks (tenant, name, version, definition)
+        SELECT 'capped', 'full', v, ${
+        db.sql.json({ v: 0 })
+      } FROM generate_series(1, ${TASK_LIMITS.maxVersionsPerTask}) AS v`;
+      await db.sql`
+        INSERT INTO tasks (tenant, name, version, definition)
+        SELECT 'capped', 't' || i, 1, ${
+        db.sql.json({})
+      } FROM generate_series(2, ${TASK_LIMITS.maxTasksPerTenant}) AS i`;
+      const capped = await createApiKey(db.sql, "capped");
+      const full = await call(capped, "PUT", "/v1/tasks/full", TICKET);
+      assert.equal(full.status, 409, JSON.stringify(full.body));
+      assert.match(full.body.detail, /versions/);
+      const another = await call(capped, "PUT", "/v1/tasks/another", TICKET);
+      assert.equal(another.status, 409, JSON.stringify(another.body));
+      assert.match(another.body.detail, /tasks/);
+      const [stored] = await db.sql<{ n: number }[]>`SELECT count(*)::int AS n FROM tasks WHERE tenant = 'capped'`;
+      assert.equal(stored!.n, TASK_LIMITS.maxVersionsPerTask + TASK_LIMITS.maxTasksPerTenant - 1);
     });
 
     await t.step("deno task tasks list and show print the definitions", async () => {
