@@ -13,12 +13,22 @@ export type Outcome = "done" | "cancelled" | "failed";
 /** What cancelling a job came to. */
 export type CancelOutcome = "cancelled" | "already_cancelled" | "done" | "failed";
 
-/** A finished job's summary, as {@linkcode completeJobs} stores it. */
-export interface JobSummary {
-  jobId: string;
-  tenant: string;
-  summary: string;
+/** Which task version a job runs: summary jobs run the built-in `summarize`, version 1. */
+export interface RunOf {
+  task: string;
+  version: number;
 }
+
+/** The built-in task every summary job runs (the columns' defaults in `job_outcomes` and `model_attempts`). */
+export const SUMMARY_RUN: RunOf = { task: "summarize", version: 1 };
+
+/**
+ * A finished job's result, as {@linkcode completeJobs} stores it: a summary job's summary (in `summaries`),
+ * or a task run's input, output and model (in `run_results`).
+ */
+export type JobResultRow =
+  & { jobId: string; tenant: string }
+  & ({ summary: string } | (RunOf & { input: unknown; output: unknown; model: string | null }));
 
 /** One model call as recorded in `model_attempts`. */
 export interface AttemptRow {
@@ -35,6 +45,8 @@ export interface AttemptRow {
   provider_request_id: string | null;
   model: string;
   error: string | null;
+  task: string;
+  version: number;
 }
 
 /**
@@ -49,28 +61,40 @@ export interface AttemptRow {
  * effects or decided otherwise with none.
  * @returns the job ids this call decided done.
  */
-export async function completeJobs(sql: Queryable, jobs: JobSummary[]): Promise<Set<string>> {
+export async function completeJobs(sql: Queryable, jobs: JobResultRow[]): Promise<Set<string>> {
   if (jobs.length === 0) return new Set();
+  const run = (j: JobResultRow) => ("summary" in j ? null : j);
   const rows = await sql<{ job_id: string }[]>`
     WITH input AS (
       SELECT * FROM unnest(
         ${jobs.map((j) => j.jobId)}::uuid[],
         ${jobs.map((j) => j.tenant)}::text[],
-        ${jobs.map((j) => j.summary)}::text[]
-      ) AS t(job_id, tenant, summary)
+        ${jobs.map((j) => run(j)?.task ?? SUMMARY_RUN.task)}::text[],
+        ${jobs.map((j) => run(j)?.version ?? SUMMARY_RUN.version)}::int[],
+        ${jobs.map((j) => ("summary" in j ? j.summary : null))}::text[],
+        ${jobs.map((j) => (run(j) ? JSON.stringify(run(j)!.input) : null))}::text[],
+        ${jobs.map((j) => (run(j) ? JSON.stringify(run(j)!.output) : null))}::text[],
+        ${jobs.map((j) => run(j)?.model ?? null)}::text[]
+      ) AS t(job_id, tenant, task, version, summary, input, output, model)
     ), decided AS (
-      INSERT INTO job_outcomes (job_id, tenant, outcome)
-      SELECT job_id, tenant, 'done' FROM input
+      INSERT INTO job_outcomes (job_id, tenant, outcome, task, version)
+      SELECT job_id, tenant, 'done', task, version FROM input
       ON CONFLICT (job_id) DO NOTHING
       RETURNING job_id
-    ), inserted AS (
+    ), summarised AS (
       -- A worker of the release before job_outcomes may have committed it meanwhile: the conflict catches that.
       INSERT INTO summaries (job_id, tenant, summary)
-      SELECT job_id, tenant, summary FROM input JOIN decided USING (job_id)
+      SELECT job_id, tenant, summary FROM input JOIN decided USING (job_id) WHERE summary IS NOT NULL
       ON CONFLICT (job_id) DO NOTHING
       RETURNING job_id
+    ), ran AS (
+      INSERT INTO run_results (run_id, tenant, input, output, model)
+      SELECT job_id, tenant, input::jsonb, output::jsonb, model FROM input JOIN decided USING (job_id)
+      WHERE summary IS NULL
+      ON CONFLICT (run_id) DO NOTHING
+      RETURNING run_id AS job_id
     )
-    SELECT job_id::text FROM inserted`;
+    SELECT job_id::text FROM summarised UNION ALL SELECT job_id::text FROM ran`;
   return new Set(rows.map((r) => r.job_id));
 }
 
@@ -90,10 +114,15 @@ export async function outcomesOf(sql: Queryable, jobIds: string[]): Promise<Map<
  * without an outcome (committed by a worker of the previous release during
  * an upgrade) also counts as done.
  */
-export async function cancelJob(sql: Queryable, jobId: string, tenant: string): Promise<CancelOutcome> {
+export async function cancelJob(
+  sql: Queryable,
+  jobId: string,
+  tenant: string,
+  { task, version }: RunOf = SUMMARY_RUN,
+): Promise<CancelOutcome> {
   const inserted = await sql`
-    INSERT INTO job_outcomes (job_id, tenant, outcome)
-    SELECT ${jobId}::uuid, ${tenant}, 'cancelled'
+    INSERT INTO job_outcomes (job_id, tenant, outcome, task, version)
+    SELECT ${jobId}::uuid, ${tenant}, 'cancelled', ${task}, ${version}
     WHERE NOT EXISTS (SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid)
     ON CONFLICT (job_id) DO NOTHING
     RETURNING job_id`;
@@ -110,10 +139,16 @@ export async function cancelJob(sql: Queryable, jobId: string, tenant: string): 
  * "done" or "cancelled" when it was decided otherwise: acknowledge it instead.
  * @throws Error when its outcome row vanished while it was being decided (let a later delivery look again).
  */
-export async function failJob(sql: Queryable, jobId: string, tenant: string, error: string): Promise<Outcome> {
+export async function failJob(
+  sql: Queryable,
+  jobId: string,
+  tenant: string,
+  error: string,
+  { task, version }: RunOf = SUMMARY_RUN,
+): Promise<Outcome> {
   const inserted = await sql`
-    INSERT INTO job_outcomes (job_id, tenant, outcome, error)
-    SELECT ${jobId}::uuid, ${tenant}, 'failed', ${error.slice(0, 500)}
+    INSERT INTO job_outcomes (job_id, tenant, outcome, error, task, version)
+    SELECT ${jobId}::uuid, ${tenant}, 'failed', ${error.slice(0, 500)}, ${task}, ${version}
     WHERE NOT EXISTS (SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid)
     ON CONFLICT (job_id) DO NOTHING
     RETURNING job_id`;
@@ -142,7 +177,8 @@ export async function reopenFailedJob(
 ): Promise<"done" | "cancelled" | null> {
   const [row] = await sql<{ outcome: Outcome | null; summary: boolean }[]>`
     SELECT (SELECT outcome FROM job_outcomes WHERE job_id = ${jobId}::uuid) AS outcome,
-      EXISTS (SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid) AS summary`;
+      EXISTS (SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid)
+        OR EXISTS (SELECT 1 FROM run_results WHERE run_id = ${jobId}::uuid) AS summary`;
   if (row!.outcome === "cancelled") return "cancelled";
   if (row!.outcome === "done" || row!.summary || hasOtherEffects) return "done";
   await sql`DELETE FROM job_outcomes WHERE job_id = ${jobId}::uuid AND outcome = 'failed'`;
@@ -162,6 +198,14 @@ export interface JobReadRow {
   outcome: Outcome | null;
   error: string | null;
   summary: string | null;
+  /** The task and version it ran (null for a job not yet decided). */
+  task: string | null;
+  version: number | null;
+  /** A task run's output (the parsed JSON value, or the text) and model; null for a summary job. */
+  output: unknown;
+  model: string | null;
+  /** Whether a task run's result exists (a done run's output may be any JSON value, null included). */
+  has_result: boolean;
   attempts: number;
   tokens: number | null;
   prompt_tokens: number | null;
@@ -177,9 +221,11 @@ export interface JobReadRow {
 export async function readJob(sql: Queryable, jobId: string, tenant: string): Promise<JobReadRow> {
   const [row] = await sql<JobReadRow[]>`
     SELECT coalesce(o.tenant, s.tenant) AS tenant, coalesce(o.outcome, CASE WHEN s.job_id IS NOT NULL THEN 'done' END)
-        AS outcome, o.error, s.summary, a.attempts, a.tokens, a.prompt_tokens, a.completion_tokens
+        AS outcome, o.error, s.summary, o.task, o.version, r.output, r.model, r.run_id IS NOT NULL AS has_result,
+      a.attempts, a.tokens, a.prompt_tokens, a.completion_tokens
     FROM (SELECT ${jobId}::uuid AS job_id) j
     LEFT JOIN job_outcomes o USING (job_id) LEFT JOIN summaries s USING (job_id)
+    LEFT JOIN run_results r ON r.run_id = j.job_id
     CROSS JOIN LATERAL (
       SELECT count(*)::int AS attempts,
         (sum(coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)))::int AS tokens,
@@ -221,14 +267,14 @@ export async function insertAttempts(sql: Queryable, rows: AttemptRow[]): Promis
   const col = <K extends keyof AttemptRow>(k: K) => rows.map((r) => r[k]);
   await sql`
     INSERT INTO model_attempts (job_id, tenant, delivery, attempt, started_at, duration_ms, outcome, status,
-      prompt_tokens, completion_tokens, provider_request_id, model, error)
+      prompt_tokens, completion_tokens, provider_request_id, model, error, task, version)
     SELECT * FROM unnest(
       ${col("job_id")}::uuid[], ${col("tenant")}::text[], ${col("delivery")}::int[], ${col("attempt")}::int[],
       ${col("started_at").map((d) => d.toISOString())}::timestamptz[], ${col("duration_ms")}::float8[],
       ${col("outcome")}::text[], ${col("status") as (number | null)[]}::int[],
       ${col("prompt_tokens") as (number | null)[]}::int[], ${col("completion_tokens") as (number | null)[]}::int[],
       ${col("provider_request_id") as (string | null)[]}::text[], ${col("model")}::text[],
-      ${col("error") as (string | null)[]}::text[]
+      ${col("error") as (string | null)[]}::text[], ${col("task")}::text[], ${col("version")}::int[]
     )`;
 }
 
@@ -315,12 +361,26 @@ export function deleteExpiredSummaries(
 }
 
 /**
+ * Deletes up to `limit` task runs' results older than `olderThanMs`, except those `keep` matches (as
+ * {@linkcode deleteExpiredSummaries}). @returns rows deleted.
+ */
+export function deleteExpiredRunResults(
+  sql: Queryable,
+  { olderThanMs, limit, keep }: ExpiryBatch & { keep?: (runId: Fragment) => Fragment },
+): Promise<number> {
+  const kept = keep ? sql`AND NOT ${keep(sql`t.run_id`)}` : sql``;
+  const where = sql`${olderThan(sql, "created_at", olderThanMs)} ${kept}`;
+  return deleteBatch(sql, { table: "run_results", key: "run_id", where, limit });
+}
+
+/**
  * Deletes up to `limit` outcome rows decided more than `olderThanMs` ago
  * whose summary is gone. @returns rows deleted.
  */
 export function deleteExpiredOutcomes(sql: Queryable, { olderThanMs, limit }: ExpiryBatch): Promise<number> {
   const where = sql`${olderThan(sql, "decided_at", olderThanMs)}
-    AND NOT EXISTS (SELECT 1 FROM summaries s WHERE s.job_id = t.job_id)`;
+    AND NOT EXISTS (SELECT 1 FROM summaries s WHERE s.job_id = t.job_id)
+    AND NOT EXISTS (SELECT 1 FROM run_results r WHERE r.run_id = t.job_id)`;
   return deleteBatch(sql, { table: "job_outcomes", key: "job_id", where, limit });
 }
 
@@ -332,4 +392,11 @@ export function deleteExpiredAttempts(sql: Queryable, { olderThanMs, limit }: Ex
     where: olderThan(sql, "started_at", olderThanMs),
     limit,
   });
+}
+
+/** The outputs of done task runs among `runIds`, by run id; runs without one (not done, or past retention) are absent. */
+export async function runOutputsOf(sql: Queryable, runIds: string[]): Promise<Map<string, unknown>> {
+  const found = await sql<{ run_id: string; output: unknown }[]>`
+    SELECT run_id::text, output FROM run_results WHERE run_id = ANY(${runIds}::uuid[])`;
+  return new Map(found.map((f) => [f.run_id, f.output]));
 }

@@ -258,11 +258,11 @@ export async function markSent(sql: Queryable, items: { id: string; providerId: 
  */
 export async function sentLastHour(
   sql: Queryable,
-  { tenants, topic, claimToken }: { tenants: string[]; topic: string; claimToken: string },
+  { tenants, topics, claimToken }: { tenants: string[]; topics: string[]; claimToken: string },
 ): Promise<{ tenant: string; n: number }[]> {
   return await sql<{ tenant: string; n: number }[]>`
     SELECT payload->>'tenant' AS tenant, count(*)::int AS n FROM outbox
-    WHERE payload->>'tenant' = ANY(${tenants}) AND topic = ${topic}
+    WHERE payload->>'tenant' = ANY(${tenants}) AND topic = ANY(${topics})
       AND (sent_at > now() - interval '1 hour'
         OR (sent_at IS NULL AND locked_until > now() AND claim_token IS DISTINCT FROM ${claimToken}::uuid))
     GROUP BY 1`;

@@ -8,7 +8,9 @@ import { openApiDocument } from "../summaries/openapi.ts";
 import { SUMMARIES, type SummaryApiDeps, summaryRoutes } from "../summaries/api.ts";
 import { createIntake } from "../summaries/intake.ts";
 import { taskRoutes } from "../tasks/api.ts";
-import { runRoutes } from "../tasks/runs_api.ts";
+import { type RunApiDeps, runRoutes } from "../tasks/runs_api.ts";
+import { createTaskCache, type TaskCache } from "../tasks/task_cache.ts";
+import { inThreadValidation } from "../tasks/in_thread_validation.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
 import { createRecipientPolicy } from "../tenants/mail_domains.ts";
@@ -27,6 +29,10 @@ export interface ApiDeps extends SummaryApiDeps {
    * the worker and relay), behind `token` as a bearer token when it is set.
    */
   metrics?: { api: ApiMetrics; registry: Registry; token?: string };
+  /** Task versions, read through a cache; one for this handler when unset. */
+  tasks?: TaskCache;
+  /** Validates run inputs against input schemas; in this thread when unset. */
+  validate?: RunApiDeps["validate"];
 }
 
 /**
@@ -37,6 +43,11 @@ export interface ApiDeps extends SummaryApiDeps {
  */
 export function createApiHandler(deps: ApiDeps): (req: Request, client?: Client) => Promise<Response> {
   const { console: operatorConsole, metrics } = deps;
+  const runs: RunApiDeps = {
+    ...deps,
+    tasks: deps.tasks ?? createTaskCache(deps.sql),
+    validate: deps.validate ?? inThreadValidation(),
+  };
   const openApi = openApiDocument();
   const router = new Router()
     // Off (no ADMIN_TOKEN): indistinguishable from any unknown path. The peer's address (Deno.serve's
@@ -48,8 +59,8 @@ export function createApiHandler(deps: ApiDeps): (req: Request, client?: Client)
         : (req, { path }) => problem(404, `No route for ${req.method} ${path}`),
     )
     .route(summaryRoutes(deps))
-    .route(taskRoutes(deps))
-    .route(runRoutes(deps))
+    .route(taskRoutes(runs))
+    .route(runRoutes(runs))
     .route(healthRoutes(deps))
     .on("/openapi.json", { GET: () => json(200, openApi) })
     .on("/metrics", {

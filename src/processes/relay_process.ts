@@ -3,9 +3,9 @@ import { createRegistry, relayMetrics } from "../metrics/metrics.ts";
 import { outboxGauges, relayEvents } from "../metrics/wire.ts";
 import { createRelay } from "../outbox/relay.ts";
 import { createRetention } from "../retention/retention.ts";
-import { summaryEmailRenderer, summaryPayloadLoader, tenantHourlyLimits } from "../summaries/email.ts";
+import { tenantHourlyLimits } from "../summaries/email.ts";
 import { SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../summaries/commit.ts";
-import { summaryWebhooks } from "../summaries/webhook.ts";
+import { pipelineNotifications } from "../summaries/notifications.ts";
 import { buildMailer } from "./_mailer.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
 import type { ComponentDeps } from "./_deps.ts";
@@ -17,21 +17,16 @@ export async function startRelay(
 ): Promise<void> {
   outboxGauges(registry, sql);
   const sendTimeoutMs = config.MAIL_SEND_TIMEOUT_S * 1000;
-  const webhooks = summaryWebhooks({
+  const notifications = pipelineNotifications({
     sql,
+    from: config.MAIL_FROM,
     policy: { allowHttp: config.WEBHOOK_ALLOW_HTTP, allowPrivate: config.WEBHOOK_ALLOW_PRIVATE },
     timeoutMs: sendTimeoutMs,
   });
-  const summaries = summaryPayloadLoader(sql);
   const relay = createRelay({
     sql,
     mailer: buildMailer(config),
-    render: summaryEmailRenderer(config.MAIL_FROM),
-    senders: { [SUMMARY_WEBHOOK_TOPIC]: webhooks.send },
-    load: async (rows) => {
-      await summaries(rows);
-      await webhooks.load(rows);
-    },
+    ...notifications,
     defer: config.MAIL_TENANT_HOURLY_LIMIT === undefined && config.WEBHOOK_TENANT_HOURLY_LIMIT === undefined
       ? undefined
       : tenantHourlyLimits(sql, {

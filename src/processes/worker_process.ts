@@ -3,6 +3,8 @@ import { createRegistry, workerMetrics } from "../metrics/metrics.ts";
 import { attemptObserver, flowEvents, providerGauges, queueGauges, workerEvents } from "../metrics/wire.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createSummaryWorker } from "../summaries/worker.ts";
+import { createTaskCache } from "../tasks/task_cache.ts";
+import { inThreadValidation } from "../tasks/in_thread_validation.ts";
 import { buildFlow, buildLlm, providerLabel } from "./_model.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
 import type { ComponentDeps } from "./_deps.ts";
@@ -18,7 +20,15 @@ export async function startWorker(
   const consumer = `${Deno.hostname()}-${Deno.pid}-${crypto.randomUUID().slice(0, 6)}`;
   const flow = buildFlow(config, redis, log, flowEvents(metrics));
   if (flow) providerGauges(registry, flow, providerLabel(config));
-  const worker = createSummaryWorker({ redis, sql, llm: buildLlm(config), log, flow }, {
+  const worker = createSummaryWorker({
+    redis,
+    sql,
+    llm: buildLlm(config),
+    log,
+    flow,
+    tasks: createTaskCache(sql),
+    validate: inThreadValidation(),
+  }, {
     keys,
     events: workerEvents(metrics),
     consumer,

@@ -107,6 +107,13 @@ export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options
         limit,
         keep: (jobId) => outbox.hasUnsentRowOf(sql, jobId),
       }));
+    // A task run's input and output live as long as a summary does, on the same rule.
+    total += await drain("run_results", (limit) =>
+      jobs.deleteExpiredRunResults(sql, {
+        olderThanMs: summaryAgeMs,
+        limit,
+        keep: (runId) => outbox.hasUnsentRowOf(sql, runId),
+      }));
     // Outcome rows outlive their summaries until nothing can ask about the job any more: the job's Redis
     // record (7 days) and its idempotency record (at most SUMMARY_RETENTION_S) are gone by then.
     const outcomeAgeMs = Math.max(summaryAgeMs, OUTCOME_MIN_AGE_MS);

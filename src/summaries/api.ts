@@ -74,7 +74,11 @@ function invalid(path: string, message: string): HttpError {
 }
 
 /** Refuses (422) a `notify` the tenant may not use: a recipient outside its domains, or a webhook it cannot send. */
-async function checkNotify(deps: SummaryApiDeps, tenant: string, notify: SummaryRequest["notify"]): Promise<void> {
+export async function checkNotify(
+  deps: SummaryApiDeps,
+  tenant: string,
+  notify: SummaryRequest["notify"],
+): Promise<void> {
   if (typeof notify === "string") {
     if (deps.recipients && !(await deps.recipients(tenant, notify))) {
       throw invalid("notify", `this tenant may not email ${notify.slice(notify.lastIndexOf("@") + 1)}`);
@@ -156,14 +160,21 @@ async function waitFor(
  * both see it. Cancelling twice gives the same answer.
  * @throws {HttpError} 404 for an unknown job or another tenant's, 409 for one already done or failed.
  */
-export async function cancelJobOf(deps: SummaryApiDeps, tenant: string, jobId: string): Promise<SummaryStatus> {
+export async function cancelJobOf(
+  deps: SummaryApiDeps,
+  tenant: string,
+  jobId: string,
+  { summaryJobsOnly = false } = {},
+): Promise<SummaryStatus> {
   const found = await jobDocument(deps, tenant, jobId);
-  if (!found) throw new HttpError(404, `No job ${jobId} for this tenant`);
+  if (!found || (summaryJobsOnly && !found.run.summaryJob)) throw new HttpError(404, `No job ${jobId} for this tenant`);
   const { status } = found.document;
   if (status === "done" || status === "failed") {
     throw new HttpError(409, `Job ${jobId} is already ${status} and cannot be cancelled`);
   }
-  const cancelled = status === "cancelled" ? "already_cancelled" : await cancelJob(deps.sql, jobId, tenant);
+  const cancelled = status === "cancelled"
+    ? "already_cancelled"
+    : await cancelJob(deps.sql, jobId, tenant, { task: found.run.task, version: found.run.version });
   if (cancelled === "done" || cancelled === "failed") {
     throw new HttpError(409, `Job ${jobId} is already ${cancelled} and cannot be cancelled`);
   }
@@ -195,7 +206,7 @@ export function summaryRoutes(deps: SummaryApiDeps): Router {
     const scope = { tenant, method: "POST", path: SUMMARIES, key };
     try {
       // With tracing on, the job's trace continues from this request's span (Deno.serve's) in the worker.
-      const { response, replayed } = await intake.submit({
+      const { response, replayed, jobId } = await intake.submit({
         scope,
         request: parsed.data,
         traceparent: currentTraceparent(),
@@ -205,10 +216,10 @@ export function summaryRoutes(deps: SummaryApiDeps): Router {
         headers["idempotent-replayed"] = "true";
         deps.metrics?.api.replays.inc();
       } else {
-        log.info("job_enqueued", { job_id: response.body.job_id, tenant });
+        log.info("job_enqueued", { job_id: jobId, tenant });
       }
       if (deps.waiter) headers.vary = "prefer";
-      const waited = await waitIfPreferred(deps, req, tenant, response.body.job_id);
+      const waited = await waitIfPreferred(deps, req, tenant, jobId);
       if (waited?.finished) return json(200, waited.document, { ...headers, "preference-applied": waited.applied });
       // A wait that ran out still applied the preference: the client can tell "waited" from "ignored".
       if (waited) headers["preference-applied"] = waited.applied;
@@ -228,7 +239,8 @@ export function summaryRoutes(deps: SummaryApiDeps): Router {
   async function getSummary(req: Request, jobId: string): Promise<Response> {
     const tenant = await authenticate(req);
     const found = await jobDocument(deps, tenant, jobId);
-    if (!found) throw new HttpError(404, `No job ${jobId} for this tenant`);
+    // A run of a task is not a summary job: it lives at /v1/runs/{id} only.
+    if (!found?.run.summaryJob) throw new HttpError(404, `No job ${jobId} for this tenant`);
     const headers: Record<string, string> = deps.waiter ? { vary: "prefer" } : {};
     if (!FINISHED.has(found.document.status)) {
       const waited = await waitIfPreferred(deps, req, tenant, jobId);
@@ -239,7 +251,7 @@ export function summaryRoutes(deps: SummaryApiDeps): Router {
 
   async function cancelSummary(req: Request, jobId: string): Promise<Response> {
     const tenant = await authenticate(req);
-    return json(200, await cancelJobOf(deps, tenant, jobId));
+    return json(200, await cancelJobOf(deps, tenant, jobId, { summaryJobsOnly: true }));
   }
 
   return new Router()

@@ -22,7 +22,7 @@ export interface AttemptLog {
 /** The row for a report of `callWithRetries`; null for an attempt that never started (a spent budget). */
 export function attemptRow(
   report: AttemptReport,
-  job: { job_id: string; tenant: string; delivery: number; model: string },
+  job: { job_id: string; tenant: string; delivery: number; model: string; task: string; version: number },
 ): AttemptRow | null {
   if (report.started_at_ms === undefined) return null;
   const d = report.details ?? {};

@@ -18,6 +18,55 @@ export interface SummaryResult {
   traceparent?: string;
 }
 
+/** A finished task run ready to commit: its output, what it ran, and where its notification goes (if anywhere). */
+export interface TaskRunResult extends jobs.RunOf {
+  jobId: string;
+  tenant: string;
+  input: unknown;
+  /** The parsed JSON value (with an output schema) or the text. */
+  output: unknown;
+  /** The model asked. */
+  model: string | null;
+  notify?: Notify;
+  traceparent?: string;
+}
+
+/** What a worker commits: a summary job's summary, or a task run's output. */
+export type JobResult = SummaryResult | TaskRunResult;
+
+/** The outbox topic of a finished run's email (done or failed). */
+export const RUN_EMAIL_TOPIC = "email.run_finished";
+/** The outbox topic of a finished run's webhook (`run.completed` or `run.failed`). */
+export const RUN_WEBHOOK_TOPIC = "webhook.run_finished";
+/**
+ * Dedupe-key prefixes of run notifications, plus the run id: one per run and outcome, so a run's done and
+ * failed notifications are distinct rows (a failed run replayed from its dead letter may still complete).
+ */
+export const RUN_KEY_PREFIX = {
+  email: { done: "run_done:", failed: "run_failed:" },
+  webhook: { done: "run_done_webhook:", failed: "run_failed_webhook:" },
+} as const;
+
+/** The outbox row of a run's notification; none without a target. */
+export function runOutboxRow(
+  r: { jobId: string; tenant: string; notify?: Notify; traceparent?: string } & jobs.RunOf,
+  status: "done" | "failed",
+  error?: string,
+): outbox.NewOutboxRow | undefined {
+  if (r.notify === undefined) return undefined;
+  const common = { job_id: r.jobId, tenant: r.tenant, task: r.task, version: r.version, status, error };
+  const email = typeof r.notify === "string";
+  return {
+    topic: email ? RUN_EMAIL_TOPIC : RUN_WEBHOOK_TOPIC,
+    dedupeKey: RUN_KEY_PREFIX[email ? "email" : "webhook"][status] + r.jobId,
+    payload: JSON.stringify(
+      typeof r.notify === "string"
+        ? { ...common, to: r.notify, traceparent: r.traceparent }
+        : { ...common, webhook: r.notify.webhook, traceparent: r.traceparent },
+    ),
+  };
+}
+
 /** The outbox topic of a summary's notification email. */
 export const SUMMARY_READY_TOPIC = "email.summary_ready";
 /** Its dedupe key is this prefix plus the job id; the relay passes it to the provider as Idempotency-Key. */
@@ -28,7 +77,8 @@ export const SUMMARY_WEBHOOK_TOPIC = "webhook.summary_ready";
 export const SUMMARY_WEBHOOK_KEY_PREFIX = "summary_webhook:";
 
 /** The outbox row a result's notification becomes: its topic, dedupe key and payload (a reference to the summary). */
-function outboxRowFor(r: SummaryResult): outbox.NewOutboxRow {
+function outboxRowFor(r: JobResult): outbox.NewOutboxRow | undefined {
+  if ("task" in r) return runOutboxRow(r, "done");
   if (typeof r.notify === "string") {
     return {
       topic: SUMMARY_READY_TOPIC,
@@ -58,13 +108,34 @@ function outboxRowFor(r: SummaryResult): outbox.NewOutboxRow {
  * done with its effects or cancelled with none.
  * @returns the job ids this call committed; the others were already done, or cancelled.
  */
-export async function commitSummaries(sql: Sql, results: SummaryResult[]): Promise<Set<string>> {
+export async function commitResults(sql: Sql, results: JobResult[]): Promise<Set<string>> {
   if (results.length === 0) return new Set();
   return await sql.begin(async (tx) => {
     const committed = await jobs.completeJobs(tx, results);
-    // The outbox row references the summary (by job id) instead of holding a second copy of it.
-    await outbox.insertOutboxRows(tx, results.filter((r) => committed.has(r.jobId)).map(outboxRowFor));
+    // The outbox row references the result (by job id) instead of holding a second copy of it.
+    const rows = results.filter((r) => committed.has(r.jobId)).map(outboxRowFor);
+    await outbox.insertOutboxRows(tx, rows.filter((r) => r !== undefined));
     return committed;
+  });
+}
+
+/**
+ * Decides that a job failed, as {@linkcode jobs.failJob} does, and for a task run with a notification target
+ * writes its failure notification in the same transaction (once: the dedupe key is per run).
+ * @returns what the job is now (see `failJob`).
+ */
+export async function failRun(
+  sql: Sql,
+  run: { jobId: string; tenant: string; notify?: Notify } & jobs.RunOf,
+  reason: string,
+  { summary }: { summary: boolean },
+): Promise<Outcome> {
+  if (summary) return await jobs.failJob(sql, run.jobId, run.tenant, reason, run);
+  return await sql.begin(async (tx) => {
+    const outcome = await jobs.failJob(tx, run.jobId, run.tenant, reason, run);
+    const row = outcome === "failed" ? runOutboxRow(run, "failed", reason.slice(0, 500)) : undefined;
+    if (row) await outbox.insertOutboxRows(tx, [row]);
+    return outcome;
   });
 }
 
@@ -77,9 +148,12 @@ export async function commitSummaries(sql: Sql, results: SummaryResult[]): Promi
  */
 export async function reopenFailedJob(sql: Sql, jobId: string): Promise<"done" | "cancelled" | null> {
   return await sql.begin(async (tx) => {
+    // A run's failure notification does not count: a replayed run may still complete.
     const notified = await outbox.hasRowWithKey(tx, [
       SUMMARY_READY_KEY_PREFIX + jobId,
       SUMMARY_WEBHOOK_KEY_PREFIX + jobId,
+      RUN_KEY_PREFIX.email.done + jobId,
+      RUN_KEY_PREFIX.webhook.done + jobId,
     ]);
     return await jobs.reopenFailedJob(tx, jobId, notified);
   });
@@ -94,7 +168,7 @@ export type Committed = "done" | "duplicate" | "cancelled" | "failed";
 
 /** Commits one summary at a time as jobs finish, grouping those that finish together. */
 export interface GroupCommitter {
-  commit(result: SummaryResult): Promise<Committed>;
+  commit(result: JobResult): Promise<Committed>;
 }
 
 /**
@@ -111,22 +185,22 @@ export function createGroupCommitter(
   type Result = Committed | { error: unknown };
   const lostTo = (outcome: Outcome | undefined): Committed =>
     outcome === "cancelled" || outcome === "failed" ? outcome : "duplicate";
-  const commitOne = async (r: SummaryResult): Promise<Result> => {
+  const commitOne = async (r: JobResult): Promise<Result> => {
     try {
-      if ((await commitSummaries(sql, [r])).has(r.jobId)) return "done";
+      if ((await commitResults(sql, [r])).has(r.jobId)) return "done";
       return lostTo((await jobs.outcomesOf(sql, [r.jobId])).get(r.jobId));
     } catch (error) {
       return { error };
     }
   };
-  const commit = createBatcher<SummaryResult, Result>(async (results) => {
+  const commit = createBatcher<JobResult, Result>(async (results) => {
     // Two deliveries of one job in the same batch: the first decides, the others are duplicates.
     const firstIndex = new Map<string, number>();
     results.forEach((r, i) => firstIndex.has(r.jobId) || firstIndex.set(r.jobId, i));
     const unique = [...firstIndex.values()].map((i) => results[i]!);
     let outcomes: Map<string, Result>;
     try {
-      const inserted = await commitSummaries(sql, unique);
+      const inserted = await commitResults(sql, unique);
       const lost = unique.filter((r) => !inserted.has(r.jobId)).map((r) => r.jobId);
       // Rare: a redelivery of a committed job, or a cancel or dead letter that won. job_outcomes says which.
       const decided = lost.length > 0 ? await jobs.outcomesOf(sql, lost) : new Map<string, Outcome>();

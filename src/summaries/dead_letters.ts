@@ -10,7 +10,8 @@ import { DeadLetterExpired, DeadLetterTruncated, replayDeadLetter } from "../que
 import { deadLetterPages, type LaneDeadLetter } from "../queue/inspector.ts";
 import { announceLane } from "../queue/lanes.ts";
 import { allLanes } from "./all_lanes.ts";
-import { failJob } from "../jobs/job_store.ts";
+import { failJob, type RunOf, SUMMARY_RUN } from "../jobs/job_store.ts";
+import { runOfPayload } from "../tasks/run_payload.ts";
 import { reopenFailedJob } from "./commit.ts";
 import { markQueuedOnReplay } from "./job_status.ts";
 import type { JobKeys, ServiceKeys } from "./keys.ts";
@@ -87,7 +88,9 @@ export async function replayDeadLetters(
     }
     if (newId === null) {
       // Gone meanwhile (replayed by someone else, or trimmed): put the decision back unless the job moved on.
-      if (jobId && JOB_ID.test(jobId) && d.fields.tenant) await failJob(sql, jobId, d.fields.tenant, d.reason);
+      if (jobId && JOB_ID.test(jobId) && d.fields.tenant) {
+        await failJob(sql, jobId, d.fields.tenant, d.reason, runOf(d.fields.payload));
+      }
       continue;
     }
     // Back in its lane's stream: tell the workers, as an enqueue does.
@@ -110,4 +113,14 @@ export function replaySummary(report: ReplayReport, target: ReplayTarget): strin
   }
   return `${report.replayed} dead letter(s) replayed.` +
     (report.refused ? ` ${report.refused} could not be (see above).` : "");
+}
+
+/** The task and version a dead letter's payload names (summarize v1 for a summary job or an unreadable one). */
+function runOf(payload: string | undefined): RunOf {
+  try {
+    const { task, version } = runOfPayload(payload ?? "");
+    return { task, version };
+  } catch {
+    return SUMMARY_RUN;
+  }
 }

@@ -19,13 +19,23 @@ import type { SummaryRequest } from "./schemas.ts";
 /** The stored answer to an accepted POST, replayed for the key's lifetime. */
 export interface IntakeResponse {
   status: number;
-  body: { job_id: string; status: "queued" };
+  body: { job_id: string; status: "queued" } | { run_id: string; status: "queued" };
   headers: Record<string, string>;
+}
+
+/** A task run to enqueue (a summary job is the request alone). */
+export interface RunSubmission {
+  task: string;
+  version: number;
+  /** The stream payload (`RunPayload`'s JSON): the request with its version resolved. */
+  payload: string;
 }
 
 /** What one submission came to. */
 export interface IntakeResult {
   response: IntakeResponse;
+  /** The job (or run) the scope and body name. */
+  jobId: string;
   /** The key had been used with this body before: `response` is the stored one and nothing was enqueued. */
   replayed: boolean;
 }
@@ -37,6 +47,12 @@ export interface Intake {
    * @throws {KeyReused} when the scope's record is for another body.
    */
   submit(input: { scope: Scope; request: SummaryRequest; traceparent?: string }): Promise<IntakeResult>;
+  /**
+   * Enqueues a task run unless the scope already has a record: `request` (the body as the client sent it)
+   * is the fingerprint, `run.payload` what the worker reads; the answer names a run at `/v1/runs/{id}`.
+   * @throws {KeyReused} when the scope's record is for another body.
+   */
+  submitRun(input: { scope: Scope; request: unknown; run: RunSubmission; traceparent?: string }): Promise<IntakeResult>;
   /** The Redis key of a scope's record. */
   keyFor(scope: Scope): string;
 }
@@ -80,6 +96,9 @@ redis.call('SET', KEYS[1], ARGV[3], 'EX', a.record_ttl_s)
 return false`);
 
 type StoredRecord = { fp: string } & IntakeResponse;
+
+/** Where runs live: a run's answer points to `/v1/runs/{run_id}`. */
+const RUNS_PATH = "/v1/runs";
 
 /** How long a client told "full" should wait before trying again. */
 const RETRY_AFTER_S = 5;
@@ -140,56 +159,58 @@ export function createIntake(
   // The scope's unambiguous encoding is the key: bounded (a validated tenant name and a key of at most 128
   // visible characters) and not hashed, since every hash costs the request path several microseconds.
   const keyFor = (scope: Scope) => keys.lane(scope.tenant).idempotency(encodeScope(scope));
+  const enqueue = async (
+    { scope, request, traceparent, run }: { scope: Scope; request: unknown; traceparent?: string; run?: RunSubmission },
+  ): Promise<IntakeResult> => {
+    // One hash covers the scope and the body's canonical JSON: the job id. A key reused with another body
+    // after its record expired therefore names a new job, never the old job's result, and the job id is
+    // the body's fingerprint in the stored record.
+    const jobId = jobIdFor(scope, canonicalJson(request));
+    const fingerprint = jobId;
+    const response: IntakeResponse = run
+      ? { status: 202, body: { run_id: jobId, status: "queued" }, headers: { location: `${RUNS_PATH}/${jobId}` } }
+      : { status: 202, body: { job_id: jobId, status: "queued" }, headers: { location: `${path}/${jobId}` } };
+    const record = JSON.stringify({ fp: fingerprint, ...response } satisfies StoredRecord);
+    const lane = keys.lane(scope.tenant);
+    // The whole queue's size is known only across lanes (other slots), so it is read at most once a second.
+    const share = await fullQueueShare();
+    const known = laneKnownArgs(redis, keys.registry, scope.tenant, lane.stream);
+    const stored = await INTAKE.run(redis, [keyFor(scope), lane.stream, lane.job(jobId), ...known.keys], [
+      JSON.stringify({
+        job_id: jobId,
+        tenant: scope.tenant,
+        traceparent: traceparent ?? "",
+        record_ttl_s: resultTtlS,
+        cap: maxQueuedPerTenant ?? 0,
+        share,
+        status: markQueued(scope.tenant, run),
+        lane: known.lane,
+        wake: known.wake,
+      }),
+      run ? run.payload : JSON.stringify(request),
+      record,
+    ]) as string | number | null;
+    if (stored === 1) throw new QueueFull(`tenant ${scope.tenant}'s queue is full`, RETRY_AFTER_S);
+    if (stored === 2) throw new QueueFull("the queue is full", RETRY_AFTER_S);
+    // The script made the lane known (on one server it announced it too), so no crash from here on can
+    // hide the job from the workers' sweep. The announce only wakes them now rather than at the sweep:
+    // after the enqueue, never before (a worker taking the lane off the active set looks again after).
+    // A replay announces too: the client's retry may be all that follows a crash right here.
+    await faults?.afterScript?.();
+    if (!known.announced || stored !== null) {
+      announceLane(redis, keys.registry, scope.tenant).catch((error) =>
+        log?.warn("lane_announce_failed", { tenant: scope.tenant, error })
+      );
+    }
+    if (stored === null) return { response, replayed: false, jobId };
+    const previous = JSON.parse(stored as string) as StoredRecord;
+    if (previous.fp !== fingerprint) throw new KeyReused();
+    const { status, body, headers } = previous;
+    return { response: { status, body, headers }, replayed: true, jobId };
+  };
   return {
     keyFor,
-    async submit({ scope, request, traceparent }) {
-      // One hash covers the scope and the body's canonical JSON: the job id. A key reused with another body
-      // after its record expired therefore names a new job, never the old job's result, and the job id is
-      // the body's fingerprint in the stored record.
-      const jobId = jobIdFor(scope, canonicalJson(request));
-      const fingerprint = jobId;
-      const response: IntakeResponse = {
-        status: 202,
-        body: { job_id: jobId, status: "queued" },
-        headers: { location: `${path}/${jobId}` },
-      };
-      const record = JSON.stringify({ fp: fingerprint, ...response } satisfies StoredRecord);
-      const lane = keys.lane(scope.tenant);
-      // The whole queue's size is known only across lanes (other slots), so it is read at most once a second.
-      const share = await fullQueueShare();
-      const known = laneKnownArgs(redis, keys.registry, scope.tenant, lane.stream);
-      const stored = await INTAKE.run(redis, [keyFor(scope), lane.stream, lane.job(jobId), ...known.keys], [
-        JSON.stringify({
-          job_id: jobId,
-          tenant: scope.tenant,
-          traceparent: traceparent ?? "",
-          record_ttl_s: resultTtlS,
-          cap: maxQueuedPerTenant ?? 0,
-          share,
-          status: markQueued(scope.tenant),
-          lane: known.lane,
-          wake: known.wake,
-        }),
-        JSON.stringify(request),
-        record,
-      ]) as string | number | null;
-      if (stored === 1) throw new QueueFull(`tenant ${scope.tenant}'s queue is full`, RETRY_AFTER_S);
-      if (stored === 2) throw new QueueFull("the queue is full", RETRY_AFTER_S);
-      // The script made the lane known (on one server it announced it too), so no crash from here on can
-      // hide the job from the workers' sweep. The announce only wakes them now rather than at the sweep:
-      // after the enqueue, never before (a worker taking the lane off the active set looks again after).
-      // A replay announces too: the client's retry may be all that follows a crash right here.
-      await faults?.afterScript?.();
-      if (!known.announced || stored !== null) {
-        announceLane(redis, keys.registry, scope.tenant).catch((error) =>
-          log?.warn("lane_announce_failed", { tenant: scope.tenant, error })
-        );
-      }
-      if (stored === null) return { response, replayed: false };
-      const previous = JSON.parse(stored as string) as StoredRecord;
-      if (previous.fp !== fingerprint) throw new KeyReused();
-      const { status, body, headers } = previous;
-      return { response: { status, body, headers }, replayed: true };
-    },
+    submit: enqueue,
+    submitRun: enqueue,
   };
 }

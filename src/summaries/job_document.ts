@@ -5,7 +5,7 @@
  */
 import type { Sql } from "postgres";
 import type { RedisClient } from "../clients.ts";
-import { readJob } from "../jobs/job_store.ts";
+import { readJob, SUMMARY_RUN } from "../jobs/job_store.ts";
 import { readJobRecord } from "./job_status.ts";
 import type { ServiceKeys } from "./keys.ts";
 import { publicError } from "./public_error.ts";
@@ -17,6 +17,8 @@ export interface JobFound {
   recordKey?: string;
   /** Prompt and completion tokens of its recorded model calls. */
   tokens: { prompt: number; completion: number };
+  /** What it runs: summarize v1 for a summary job; a done task run's output and model. */
+  run: { task: string; version: number; summaryJob: boolean; output?: unknown; model?: string };
 }
 
 /** A job's document as GET shows it, and where its Redis record is; null for an unknown or another tenant's job. */
@@ -36,19 +38,31 @@ export async function jobDocument(
   // Another tenant's job is indistinguishable from an unknown one.
   if (decided.outcome) {
     if (decided.tenant !== tenant) return null;
+    const run = {
+      task: decided.task ?? SUMMARY_RUN.task,
+      version: decided.version ?? SUMMARY_RUN.version,
+      summaryJob: !decided.has_result && (found ? found.record.task === undefined : decided.task === SUMMARY_RUN.task),
+    };
     if (decided.outcome === "cancelled" || decided.outcome === "failed") {
       const document: SummaryStatus = { job_id: jobId, status: decided.outcome, ...usage };
       if (decided.outcome === "failed") document.error = publicError(decided.error ?? found?.record.error ?? "");
-      return { document, recordKey: found?.key, tokens };
+      return { document, recordKey: found?.key, tokens, run };
+    }
+    if (decided.has_result) {
+      const result = { output: decided.output, ...(decided.model === null ? {} : { model: decided.model }) };
+      return { document: { job_id: jobId, status: "done", ...usage }, tokens, run: { ...run, ...result } };
     }
     // Done, but its summary is past SUMMARY_RETENTION_S: as if unknown.
     if (decided.summary === null) return null;
-    return { document: { job_id: jobId, status: "done", summary: decided.summary, ...usage }, tokens };
+    return { document: { job_id: jobId, status: "done", summary: decided.summary, ...usage }, tokens, run };
   }
   if (!found) return null;
   const { record, key: recordKey } = found;
   const status = record.status === "failed" || record.status === "cancelled" ? record.status : "queued";
   const document: SummaryStatus = { job_id: jobId, status, ...usage };
   if (status === "failed") document.error = publicError(record.error ?? "");
-  return { document, recordKey, tokens };
+  const run = record.task === undefined
+    ? { ...SUMMARY_RUN, summaryJob: true }
+    : { task: record.task, version: Number(record.version), summaryJob: false };
+  return { document, recordKey, tokens, run };
 }

@@ -21,9 +21,14 @@ export interface RecordChange {
   ttl_s: number;
 }
 
-/** The enqueue script's change to the job's record: queued for `tenant`, no error, for `JOB_RECORD_TTL_S`. */
-export function markQueued(tenant: string): RecordChange {
-  return { set: ["tenant", tenant, "status", "queued"], del: ["error"], ttl_s: JOB_RECORD_TTL_S };
+/**
+ * The enqueue script's change to the job's record: queued for `tenant`, no error, for `JOB_RECORD_TTL_S`; a
+ * task run's record also names its task and version (a summary job's has neither: it runs summarize v1).
+ */
+export function markQueued(tenant: string, run?: { task: string; version: number }): RecordChange {
+  const set = ["tenant", tenant, "status", "queued"];
+  if (run) set.push("task", run.task, "version", String(run.version));
+  return { set, del: ["error"], ttl_s: JOB_RECORD_TTL_S };
 }
 
 /** Marks the job failed with the dead-letter reason, inside the dead-letter MULTI (same hash tag as its lane). */

@@ -1,8 +1,15 @@
 import { z } from "zod";
-import { IdempotencyKey, SummaryAccepted, SummaryRequest, SummaryStatus, SummaryWebhook } from "./schemas.ts";
+import {
+  IdempotencyKey,
+  RunWebhook,
+  SummaryAccepted,
+  SummaryRequest,
+  SummaryStatus,
+  SummaryWebhook,
+} from "./schemas.ts";
 import { MAX_WAIT_S } from "./job_waiter.ts";
 import { TaskDefinition, TaskDocument } from "../tasks/definition.ts";
-import { RunDocument } from "../tasks/run_schemas.ts";
+import { RunAccepted, RunDocument, RunRequest } from "../tasks/run_schemas.ts";
 
 /** An RFC 9457 problem document. */
 export const Problem = z.object({
@@ -26,6 +33,7 @@ export const ROUTES = [
   { method: "get", path: "/v1/tasks/{name}" },
   { method: "put", path: "/v1/tasks/{name}" },
   { method: "get", path: "/v1/tasks/{name}/versions/{version}" },
+  { method: "post", path: "/v1/tasks/{name}/runs" },
   { method: "get", path: "/v1/runs/{run_id}" },
   { method: "delete", path: "/v1/runs/{run_id}" },
   { method: "get", path: "/healthz" },
@@ -73,27 +81,46 @@ const ALWAYS = {
   "500": shared("InternalError"),
 };
 
-/** The webhook a job with `notify: {webhook}` sends. */
+/** One webhook's description: `summary` says when it is sent, `body` names its schema. */
+function webhook(operationId: string, summary: string, body: string) {
+  return {
+    post: {
+      operationId,
+      summary,
+      description: "Signed with the tenant's secret (whsec_...): webhook-signature is `v1,` + base64 " +
+        "HMAC-SHA256 of `webhook-id.webhook-timestamp.body`; during a rotation two signatures, space-separated. " +
+        "2xx is delivered; 408, 429 and 5xx are retried (Retry-After honoured) with the same webhook-id; " +
+        "redirects are not followed; any other 4xx fails the delivery.",
+      security: [],
+      parameters: [
+        { name: "webhook-id", in: "header", required: true, schema: { type: "string" } },
+        { name: "webhook-timestamp", in: "header", required: true, schema: { type: "string" } },
+        { name: "webhook-signature", in: "header", required: true, schema: { type: "string" } },
+      ],
+      requestBody: { required: true, content: json(body) },
+      responses: { "2XX": { description: "Delivered" } },
+    },
+  };
+}
+
+/** The webhooks a job or run with `notify: {webhook}` sends. */
 function summaryWebhooks() {
   return {
-    "summary.ready": {
-      post: {
-        operationId: "summaryReady",
-        summary: 'A job with notify {"webhook": URL} finished: sent to URL per Standard Webhooks',
-        description: "Signed with the tenant's secret (whsec_...): webhook-signature is `v1,` + base64 " +
-          "HMAC-SHA256 of `webhook-id.webhook-timestamp.body`; during a rotation two signatures, space-separated. " +
-          "2xx is delivered; 408, 429 and 5xx are retried (Retry-After honoured) with the same webhook-id; " +
-          "redirects are not followed; any other 4xx fails the delivery.",
-        security: [],
-        parameters: [
-          { name: "webhook-id", in: "header", required: true, schema: { type: "string" } },
-          { name: "webhook-timestamp", in: "header", required: true, schema: { type: "string" } },
-          { name: "webhook-signature", in: "header", required: true, schema: { type: "string" } },
-        ],
-        requestBody: { required: true, content: json("SummaryWebhook") },
-        responses: { "2XX": { description: "Delivered" } },
-      },
-    },
+    "summary.ready": webhook(
+      "summaryReady",
+      'A summary job with notify {"webhook": URL} finished: sent to URL per Standard Webhooks',
+      "SummaryWebhook",
+    ),
+    "run.completed": webhook(
+      "runCompleted",
+      'A run with notify {"webhook": URL} is done: its output, sent to URL per Standard Webhooks',
+      "RunWebhook",
+    ),
+    "run.failed": webhook(
+      "runFailed",
+      'A run with notify {"webhook": URL} failed for good (dead-lettered): its error, per Standard Webhooks',
+      "RunWebhook",
+    ),
   };
 }
 
@@ -250,6 +277,51 @@ function taskPaths() {
         },
       },
     },
+    "/v1/tasks/{name}/runs": {
+      post: {
+        operationId: "startRun",
+        summary: "Run a task version on one input, at most once per Idempotency-Key",
+        parameters: [TASK_NAME_PARAM, {
+          name: "Idempotency-Key",
+          in: "header",
+          required: true,
+          schema: schema(IdempotencyKey),
+          description: "16 to 128 visible ASCII characters; scoped to your tenant, method and path (so per task)",
+        }, PREFER],
+        requestBody: { required: true, content: json("RunRequest") },
+        responses: {
+          ...ALWAYS,
+          "200": {
+            description: "Prefer: wait=N and the run finished in time: its document, as GET returns it",
+            headers: { ...APPLIED, "Idempotent-Replayed": { schema: { type: "string", enum: ["true"] } } },
+            content: json("Run"),
+          },
+          "202": {
+            description: "Accepted (or a replay of the first response, with Idempotent-Replayed: true)",
+            headers: {
+              ...APPLIED,
+              Location: { schema: { type: "string" }, description: "The run's document, /v1/runs/{run_id}" },
+              "Idempotent-Replayed": { schema: { type: "string", enum: ["true"] } },
+            },
+            content: json("RunAccepted"),
+          },
+          "401": unauthorized,
+          "404": problem("Unknown task or version, or another tenant's"),
+          "408": problem("The body did not arrive in time (the connection is closed)"),
+          "409": problem("The same key's first request is still in progress", {
+            "Retry-After": { schema: { type: "integer" } },
+          }),
+          "413": problem("Body over MAX_BODY_BYTES"),
+          "415": problem("Not JSON"),
+          "422": problem(
+            "The body failed validation, or the input does not match the version's input schema: errors[].pointer " +
+              "names the first failing place (/input/...); priority and expires_in are not available yet and are " +
+              "refused; the key was used with another body",
+          ),
+          "503": problem("The queue is full; nothing was stored", { "Retry-After": { schema: { type: "integer" } } }),
+        },
+      },
+    },
     "/v1/runs/{run_id}": {
       get: {
         operationId: "getRun",
@@ -353,7 +425,8 @@ export function openApiDocument(): Record<string, unknown> {
     info: {
       title: "Oncely",
       version: "1.0.0",
-      description: "Summarisation jobs accepted at most once per Idempotency-Key, with exactly-once effects. " +
+      description: "LLM tasks and summarisation jobs accepted at most once per Idempotency-Key, with " +
+        "exactly-once effects. " +
         "A method this server does not implement at all (not one of RFC 9110's, nor PATCH) on an unknown path " +
         "is answered 501.",
     },
@@ -375,6 +448,9 @@ export function openApiDocument(): Record<string, unknown> {
         TaskDefinition: schema(TaskDefinition),
         Task: schema(TaskDocument),
         Run: schema(RunDocument),
+        RunRequest: schema(RunRequest),
+        RunAccepted: schema(RunAccepted),
+        RunWebhook: schema(RunWebhook),
         SummaryAccepted: schema(SummaryAccepted),
         SummaryStatus: schema(SummaryStatus),
         SummaryWebhook: schema(SummaryWebhook),

@@ -74,3 +74,15 @@ export const SummaryWebhook = z.object({
   summary: z.string(),
 });
 export type SummaryWebhook = z.infer<typeof SummaryWebhook>;
+
+/** The body of a run's webhook: `run.completed` with its output, or `run.failed` with its error. */
+export const RunWebhook = z.object({
+  type: z.enum(["run.completed", "run.failed"]),
+  run_id: z.uuid(),
+  task: z.string(),
+  version: z.number().int().min(1),
+  status: z.enum(["done", "failed"]),
+  output: z.unknown().optional().describe("The parsed JSON when the task has an output schema, else the text"),
+  error: z.string().optional(),
+});
+export type RunWebhook = z.infer<typeof RunWebhook>;

@@ -1,6 +1,6 @@
 import type { Sql } from "postgres";
 import { z } from "zod";
-import { estimateTokens, type LLM, summaryPrompt } from "../llm/llm.ts";
+import { type CallOptions, estimateTokens, type LLM } from "../llm/llm.ts";
 import type { Logger } from "../log/logger.ts";
 import { PermanentJobError } from "../queue/errors.ts";
 import type { StreamMessage } from "../queue/message.ts";
@@ -15,7 +15,10 @@ import { type AttemptLog, attemptRow } from "./attempt_log.ts";
 import type { Outcome } from "../jobs/job_store.ts";
 import { type Committed, createDecidedCheck, type GroupCommitter } from "./commit.ts";
 import { contextFrom, currentTraceparent, inSpan, recordSpan } from "../tracing.ts";
-import { SummaryRequest } from "./schemas.ts";
+import { type RunJob, runOfPayload } from "../tasks/run_payload.ts";
+import { type LoadedTask, SUMMARIZE_TASK, type TaskCache } from "../tasks/task_cache.ts";
+import { renderTemplate } from "../tasks/definition.ts";
+import type { SchemaViolation } from "../tasks/json_schema.ts";
 
 /** Options for {@linkcode createSummaryJob}. */
 export interface SummaryJobOptions {
@@ -117,6 +120,10 @@ export interface SummaryJobDeps {
   attempts?: AttemptLog;
   /** The provider's shared limiter and breaker; every attempt waits for its permit. */
   flow?: ProviderFlow;
+  /** Task versions (runs of tasks other than summarize); without it, only summary jobs run. */
+  tasks?: TaskCache;
+  /** Validates a model's answer against a task's output schema, compiled once per `key`. */
+  validate?: (key: string, schema: unknown, instance: unknown) => Promise<SchemaViolation[]>;
 }
 
 /** Handles one delivery of a summary job. */
@@ -134,14 +141,23 @@ interface Delivery {
   message: StreamMessage;
   job_id: string;
   tenant: string;
-  request: SummaryRequest;
+  run: RunJob;
   log: Logger;
+}
+
+/** One model call of a run: the user message and how to ask. */
+interface ModelCall {
+  prompt: string;
+  options: Omit<CallOptions, "signal">;
+  /** The model recorded for its attempts. */
+  model: string;
 }
 
 async function deliver(job: Job, message: StreamMessage, signal: AbortSignal): Promise<Committed> {
   const delivery = parseDelivery(job, message);
-  const prompt = summaryPrompt(delivery.request.text);
-  const estimated = estimateTokens(prompt);
+  const task = await loadTask(job, delivery);
+  const call = modelCall(job, task, delivery.run.input);
+  const estimated = estimateTokens(call.prompt + (call.options.system ?? ""), task.definition.max_output_tokens);
   // Ask for the first permit now, in the same tick the worker started this job: the worker's next look at
   // the gate then counts this job as waiting, so it does not read more jobs than permits are coming.
   const early = new AbortController();
@@ -153,22 +169,126 @@ async function deliver(job: Job, message: StreamMessage, signal: AbortSignal): P
   };
   const skip = await preCheck(job, delivery, releaseFirst);
   if (skip) return skip;
-  const summary = await callModel(job, delivery, { prompt, estimated, first, signal });
-  if (typeof summary !== "string") return summary.skipped;
-  return await commit(job, delivery, summary);
+  const answer = await callModel(job, delivery, { call, estimated, first, signal });
+  if (typeof answer !== "string") return answer.skipped;
+  const schema = task.definition.output_schema;
+  if (schema === undefined) return await commit(job, delivery, { output: answer, model: call.model });
+  const output = await structuredOutput(job, delivery, { task, call, answer, estimated, signal });
+  if (typeof output === "object" && output !== null && "skipped" in output) return output.skipped as Committed;
+  return await commit(job, delivery, { output: (output as { value: unknown }).value, model: call.model });
+}
+
+/** The task version the run names: summarize is built in; another is read through the cache. */
+async function loadTask(job: Job, { run, tenant }: Delivery): Promise<LoadedTask> {
+  if (run.summary) return SUMMARIZE_TASK;
+  let task: LoadedTask | undefined;
+  try {
+    task = job.tasks?.peek(tenant, run.task, run.version) ?? await job.tasks?.get(tenant, run.task, run.version);
+  } catch (error) {
+    throw new GateUnavailable(`task ${run.task} v${run.version} could not be read`, { cause: error });
+  }
+  if (!task) throw new PermanentJobError(`task ${run.task} version ${run.version} does not exist`);
+  return task;
+}
+
+/** The run's call: the rendered templates, the task's model (the first of a list) and its output settings. */
+function modelCall(job: Job, { name, definition }: LoadedTask, input: Record<string, unknown>): ModelCall {
+  const model = Array.isArray(definition.model) ? definition.model[0] : definition.model;
+  return {
+    prompt: renderTemplate(definition.prompt, input),
+    model: model ?? job.modelName,
+    options: {
+      ...(definition.system === undefined ? {} : { system: renderTemplate(definition.system, input) }),
+      ...(model === undefined ? {} : { model }),
+      ...(definition.temperature === undefined ? {} : { temperature: definition.temperature }),
+      maxOutputTokens: definition.max_output_tokens,
+      ...(definition.output_schema === undefined
+        ? {}
+        : { jsonSchema: { name: name.replace(/[^a-zA-Z0-9_-]/g, "_"), schema: definition.output_schema } }),
+    },
+  };
+}
+
+/** What is wrong with an answer, in words the model can act on, and where (a JSON pointer into the answer). */
+type Refusal = { pointer: string; reason: string };
+
+/** Parses and validates an answer against the task's output schema: its value, or what is wrong with it. */
+async function checkAnswer(job: Job, task: LoadedTask, answer: string): Promise<{ value: unknown } | Refusal> {
+  let value: unknown;
+  try {
+    value = JSON.parse(answer);
+  } catch (error) {
+    return { pointer: "", reason: `is not valid JSON (${(error as Error).message})` };
+  }
+  if (!job.validate) throw new Error("no output validator configured for runs with an output schema");
+  let violations: SchemaViolation[];
+  try {
+    violations = await job.validate(`${task.key}/output`, task.definition.output_schema, value);
+  } catch (error) {
+    return { pointer: "", reason: `could not be validated: ${(error as Error).message}` };
+  }
+  if (violations.length === 0) return { value };
+  const shown = violations.slice(0, 5).map((v) => `at "${v.pointer}": ${v.message}`).join("; ");
+  return { pointer: violations[0]!.pointer, reason: `does not match the output schema: ${shown}` };
+}
+
+/**
+ * The answer as the output schema's value: parsed and validated; when it fails, one repair call sends the
+ * answer back with what was wrong, and a second failure fails the run for good, naming the first pointer.
+ */
+async function structuredOutput(
+  job: Job,
+  delivery: Delivery,
+  { task, call, answer, estimated, signal }: {
+    task: LoadedTask;
+    call: ModelCall;
+    answer: string;
+    estimated: number;
+    signal: AbortSignal;
+  },
+): Promise<{ value: unknown } | { skipped: Committed }> {
+  const first = await checkAnswer(job, task, answer);
+  if ("value" in first) return first;
+  delivery.log.info("output_invalid", { pointer: first.pointer, repair: true });
+  const repair: ModelCall = {
+    ...call,
+    options: {
+      ...call.options,
+      followUp: [
+        { role: "assistant", content: answer },
+        {
+          role: "user",
+          content: `That answer ${first.reason}. Answer again with only the JSON value, valid against the schema.`,
+        },
+      ],
+    },
+  };
+  const again = await callModel(job, delivery, {
+    call: repair,
+    estimated: estimated + Math.ceil(answer.length / 4),
+    first: undefined,
+    signal,
+  });
+  if (typeof again !== "string") return again;
+  const second = await checkAnswer(job, task, again);
+  if ("value" in second) return second;
+  throw new PermanentJobError(`output_invalid: at "${second.pointer}": the answer ${second.reason.slice(0, 400)}`);
 }
 
 function parseDelivery(job: Job, message: StreamMessage): Delivery {
   const fields = Fields.safeParse(message.fields);
   if (!fields.success) throw new PermanentJobError(`malformed job message: ${fields.error.issues[0]?.message}`);
   const { job_id, tenant } = fields.data;
-  let request: SummaryRequest;
+  let run: RunJob;
   try {
-    request = SummaryRequest.parse(JSON.parse(fields.data.payload));
+    run = runOfPayload(fields.data.payload);
   } catch (cause) {
     throw new PermanentJobError("malformed job payload", { cause });
   }
-  return { message, job_id, tenant, request, log: job.log.child({ job_id, tenant, msg_id: message.id }) };
+  const log = job.log.child(
+    run.summary ? { job_id, tenant, msg_id: message.id } : { job_id, tenant, task: run.task, msg_id: message.id },
+  );
+  return { message, job_id, tenant, run, log };
 }
 
 /**
@@ -209,8 +329,8 @@ async function preCheck(
 async function callModel(
   job: Job,
   delivery: Delivery,
-  { prompt, estimated, first, signal }: {
-    prompt: string;
+  { call, estimated, first, signal }: {
+    call: ModelCall;
     estimated: number;
     first: Promise<Permit> | undefined;
     signal: AbortSignal;
@@ -219,7 +339,7 @@ async function callModel(
   const { llm, flow, options } = job;
   const { job_id, message, log } = delivery;
   try {
-    const completion = await callWithRetries((s) => llm.complete(prompt, { signal: s }), {
+    const completion = await callWithRetries((s) => llm.complete(call.prompt, { ...call.options, signal: s }), {
       gate: flow && {
         acquire: (s) => {
           const permit = first ?? flow.acquire(estimated, s, job_id);
@@ -241,7 +361,7 @@ async function callModel(
         const now = await job.decided(job_id);
         if (now) throw new JobDecided(job_id, now);
       },
-      onAttempt: (report) => recordAttempt(job, delivery, report),
+      onAttempt: (report) => recordAttempt(job, delivery, report, call.model),
     });
     return completion.text;
   } catch (error) {
@@ -263,7 +383,12 @@ async function callModel(
 }
 
 /** One attempt's span, log line and `model_attempts` row. */
-function recordAttempt(job: Job, { job_id, tenant, message, log }: Delivery, report: AttemptReport): void {
+function recordAttempt(
+  job: Job,
+  { job_id, tenant, message, log, run }: Delivery,
+  report: AttemptReport,
+  model: string,
+): void {
   if (report.started_at_ms !== undefined) {
     recordSpan("model.attempt", {
       startMs: report.started_at_ms,
@@ -284,32 +409,45 @@ function recordAttempt(job: Job, { job_id, tenant, message, log }: Delivery, rep
   const { details, ...logged } = report;
   log[report.outcome === "ok" ? "debug" : "info"]("model_attempt", { ...logged, ...details });
   job.options.onAttempt?.({ ...report, job_id });
-  const row = attemptRow(report, { job_id, tenant, delivery: message.deliveries, model: job.modelName });
+  const row = attemptRow(report, {
+    job_id,
+    tenant,
+    delivery: message.deliveries,
+    model,
+    task: run.task,
+    version: run.version,
+  });
   if (row) job.attempts?.record(row);
 }
 
-/** The summary and its outbox row in one transaction (batched with other jobs' by the committer). */
-async function commit(job: Job, { job_id, tenant, request, message, log }: Delivery, summary: string) {
+/** The result and its outbox row in one transaction (batched with other jobs' by the committer). */
+async function commit(
+  job: Job,
+  { job_id, tenant, run, message, log }: Delivery,
+  { output, model }: { output: unknown; model: string },
+) {
   let committed: Committed;
   try {
     committed = await inSpan(
       "job.commit",
       { "job.id": job_id },
       // The outbox row carries this delivery's context, so the relay's send joins the job's trace.
-      () =>
-        job.committer.commit({
-          jobId: job_id,
-          tenant,
-          summary,
-          notify: request.notify,
-          traceparent: currentTraceparent(),
-        }),
+      () => {
+        const traceparent = currentTraceparent();
+        const { task, version, input, notify } = run;
+        return job.committer.commit(
+          run.summary
+            ? { jobId: job_id, tenant, summary: output as string, notify: notify!, traceparent }
+            : { jobId: job_id, tenant, task, version, input, output, model, notify, traceparent },
+        );
+      },
     );
   } catch (error) {
     // A data exception (SQLSTATE class 22: bad encoding, a NUL, a value out of range) fails the same way on
     // every delivery: dead-letter the job now instead of paying for the model again and again.
     if (isDataException(error)) {
-      throw new PermanentJobError(`the summary cannot be stored: ${(error as Error).message}`, { cause: error });
+      const what = run.summary ? "the summary" : "the run's output";
+      throw new PermanentJobError(`${what} cannot be stored: ${(error as Error).message}`, { cause: error });
     }
     throw error;
   }

@@ -9,8 +9,8 @@ import type { OutboxRow, OutboxSender, PayloadLoader } from "../outbox/relay.ts"
 import { signingSecrets } from "../tenants/webhook_secrets.ts";
 import { type ResolveHost, WebhookRefused, type WebhookUrlPolicy } from "../webhooks/addresses.ts";
 import { sendWebhook } from "../webhooks/http_post.ts";
-import { SUMMARY_WEBHOOK_TOPIC } from "./commit.ts";
-import type { SummaryWebhook } from "./schemas.ts";
+import { RUN_WEBHOOK_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "./commit.ts";
+import type { RunWebhook, SummaryWebhook } from "./schemas.ts";
 
 /** Loads what a batch's webhook rows need, and sends them. */
 export function summaryWebhooks(
@@ -27,7 +27,7 @@ export function summaryWebhooks(
   const secrets = new WeakMap<OutboxRow, string[]>();
   return {
     async load(rows) {
-      const webhooks = rows.filter((r) => r.topic === SUMMARY_WEBHOOK_TOPIC);
+      const webhooks = rows.filter((r) => r.topic === SUMMARY_WEBHOOK_TOPIC || r.topic === RUN_WEBHOOK_TOPIC);
       if (webhooks.length === 0) return;
       const byTenant = await signingSecrets(sql, [...new Set(webhooks.map((r) => String(r.payload.tenant)))]);
       for (const row of webhooks) {
@@ -36,13 +36,11 @@ export function summaryWebhooks(
       }
     },
     async send(row, signal) {
-      const { job_id, webhook, summary } = row.payload as { job_id?: string; webhook?: string; summary?: string };
-      if (!job_id || !webhook || typeof summary !== "string") {
-        throw new WebhookRefused(`outbox row ${row.id} lacks its job id, webhook URL or summary`);
-      }
+      const { job_id, webhook } = row.payload as { job_id?: string; webhook?: string };
+      if (!job_id || !webhook) throw new WebhookRefused(`outbox row ${row.id} lacks its job id or webhook URL`);
+      const body = row.topic === RUN_WEBHOOK_TOPIC ? runWebhookBody(row) : summaryWebhookBody(row);
       const keys = secrets.get(row);
       if (!keys) throw new WebhookRefused(`tenant ${String(row.payload.tenant)} has no webhook signing secret`);
-      const body: SummaryWebhook = { type: "summary.ready", job_id, status: "done", summary };
       await sendWebhook({
         url: webhook,
         policy,
@@ -57,4 +55,29 @@ export function summaryWebhooks(
       return {};
     },
   };
+}
+
+function summaryWebhookBody(row: OutboxRow): SummaryWebhook {
+  const { job_id, summary } = row.payload as { job_id: string; summary?: string };
+  if (typeof summary !== "string") throw new WebhookRefused(`outbox row ${row.id} lacks its summary`);
+  return { type: "summary.ready", job_id, status: "done", summary };
+}
+
+/** `run.completed` with the output, or `run.failed` with the error. */
+function runWebhookBody(row: OutboxRow): RunWebhook {
+  const { job_id, task, version, status, error } = row.payload as {
+    job_id: string;
+    task?: string;
+    version?: number;
+    status?: string;
+    error?: string;
+  };
+  if (typeof task !== "string" || typeof version !== "number") {
+    throw new WebhookRefused(`outbox row ${row.id} lacks its task or version`);
+  }
+  if (status !== "done") return { type: "run.failed", run_id: job_id, task, version, status: "failed", error };
+  if (!("output" in row.payload)) {
+    throw new WebhookRefused(`outbox row ${row.id}'s run has no output (past retention?)`);
+  }
+  return { type: "run.completed", run_id: job_id, task, version, status: "done", output: row.payload.output };
 }

@@ -7,8 +7,9 @@ import type { Logger } from "../log/logger.ts";
 import { createStreamWorker, type StreamWorker, type WorkerEvents } from "../queue/stream_worker.ts";
 import type { QueueNames, StreamMessage } from "../queue/message.ts";
 import { createTenantWeights, TENANT_WEIGHT } from "../tenants/tenant_weights.ts";
-import { failJob } from "../jobs/job_store.ts";
-import { createGroupCommitter } from "./commit.ts";
+import { createGroupCommitter, failRun } from "./commit.ts";
+import { runOfPayload } from "../tasks/run_payload.ts";
+import type { SummaryJobDeps } from "./summary_job.ts";
 import type { JobKeys, ServiceKeys } from "./keys.ts";
 import { createLaneRegistry } from "../queue/lanes.ts";
 import { staticLanes } from "../queue/static_lanes.ts";
@@ -44,7 +45,7 @@ export interface SummaryWorkerOptions {
 
 /** The summary worker: the stream worker running the summary job. The caller closes it. */
 export function createSummaryWorker(
-  deps: { redis: RedisClient; sql: Sql; llm: LLM; log: Logger; flow?: ProviderFlow },
+  deps: { redis: RedisClient; sql: Sql; llm: LLM; log: Logger } & Pick<SummaryJobDeps, "flow" | "tasks" | "validate">,
   options: SummaryWorkerOptions,
 ): StreamWorker {
   const committer = createGroupCommitter({ sql: deps.sql, log: deps.log });
@@ -84,7 +85,7 @@ export function createSummaryWorker(
       // provider served other jobs meanwhile).
       const how = reason.startsWith("exceeded") ? await describeFailures(deps.sql, jobId).catch(() => null) : null;
       const full = how ? `${reason}: ${how}` : reason;
-      return (await failJob(deps.sql, jobId, tenant, full)) === "failed" && full;
+      return (await failRunOf(deps.sql, message.fields.payload, { jobId, tenant }, full)) === "failed" && full;
     },
     events: {
       ...options.events,
@@ -118,6 +119,20 @@ export function createSummaryWorker(
       await attempts.close();
     },
   };
+}
+
+/**
+ * Decides the job of a message failed; a task run's failure notification is written with the decision. A
+ * payload that cannot be read (the malformed job being dead-lettered) is decided failed as a summary job.
+ */
+function failRunOf(sql: Sql, payload: string | undefined, job: { jobId: string; tenant: string }, reason: string) {
+  let run;
+  try {
+    run = runOfPayload(payload ?? "");
+  } catch {
+    return failRun(sql, { ...job, task: "summarize", version: 1 }, reason, { summary: true });
+  }
+  return failRun(sql, { ...job, ...run }, reason, run);
 }
 
 /**

@@ -11,6 +11,7 @@ import { json, Router } from "../http/router.ts";
 import { latestTasks, putTaskVersion, TaskLimitReached, type TaskVersion, taskVersion } from "../jobs/task_store.ts";
 import type { Logger } from "../log/logger.ts";
 import type { Authenticate } from "../tenants/authenticator.ts";
+import type { TaskCache } from "./task_cache.ts";
 import {
   BUILT_IN_TASK,
   checkDefinition,
@@ -27,6 +28,8 @@ export interface TaskApiDeps {
   authenticate: Authenticate;
   maxBodyBytes: number;
   bodyDeadlineMs?: number;
+  /** The run routes' cache of task versions: told when this process stores a new latest version. */
+  tasks?: TaskCache;
 }
 
 export const TASKS = "/v1/tasks";
@@ -75,7 +78,10 @@ export function taskRoutes(deps: TaskApiDeps): Router {
       throw error;
     }
     const { task, created } = put;
-    if (created) log.info("task_version_created", { tenant, task: name, version: task.version });
+    if (created) {
+      deps.tasks?.forgetLatest(tenant, name);
+      log.info("task_version_created", { tenant, task: name, version: task.version });
+    }
     const headers: Record<string, string> = created ? { location: `${TASKS}/${name}/versions/${task.version}` } : {};
     return json(created ? 201 : 200, taskDocument(task), headers);
   }

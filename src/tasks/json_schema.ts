@@ -323,3 +323,17 @@ function unboundedBacktracking(token: Tokens, repeated: boolean): string | null 
 function escapePointer(key: string): string {
   return key.replace(/~/g, "~0").replace(/\//g, "~1");
 }
+
+/**
+ * Where a value (a run's input) holds what Postgres's jsonb cannot store or what is nested too deep: the
+ * pointer and the reason; undefined when it is storable.
+ */
+export function unstorableJson(value: unknown): { pointer: string; message: string } | undefined {
+  try {
+    checkJson(value, "", 0);
+    return undefined;
+  } catch (error) {
+    if (!(error instanceof SchemaRefused)) throw error;
+    return { pointer: error.pointer, message: error.message };
+  }
+}

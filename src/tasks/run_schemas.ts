@@ -1,6 +1,24 @@
 import { z } from "zod";
+import { SummaryRequest } from "../summaries/schemas.ts";
 
-/** Body of `GET /v1/runs/{run_id}` (and of `DELETE`). */
+/** Body of `POST /v1/tasks/{name}/runs`. Unknown fields are rejected. */
+export const RunRequest = z.strictObject({
+  input: z.record(z.string(), z.unknown()).describe("The input: a JSON object valid against the task's input_schema"),
+  version: z.number().int().min(1).optional().describe("The task version to run; the latest at intake when unset"),
+  notify: SummaryRequest.shape.notify.optional(),
+  priority: z.enum(["high", "normal", "low", "batch"]).optional().describe(
+    "Not available yet: a run that sets it is refused with 422 (it comes with deployments and fallback)",
+  ),
+  expires_in: z.number().int().min(1).optional().describe(
+    "Not available yet: a run that sets it is refused with 422 (it comes with deployments and fallback)",
+  ),
+});
+export type RunRequest = z.infer<typeof RunRequest>;
+
+/** Body of the 202 answer to a run. */
+export const RunAccepted = z.object({ run_id: z.uuid(), status: z.literal("queued") });
+
+/** Body of `GET /v1/runs/{run_id}` (and of `DELETE`, and of a finished `Prefer: wait`). */
 export const RunDocument = z.object({
   run_id: z.uuid(),
   task: z.string(),
@@ -8,6 +26,7 @@ export const RunDocument = z.object({
   status: z.enum(["queued", "done", "failed", "cancelled"]),
   output: z.unknown().optional().describe("The parsed JSON when the task has an output schema, else the text"),
   error: z.string().optional(),
+  model: z.string().optional().describe("The model asked (a done run of a task)"),
   attempts: z.number().int().describe("Model calls made for this run so far (recorded within a second)"),
   tokens: z.object({ prompt: z.number().int(), completion: z.number().int() }),
 });

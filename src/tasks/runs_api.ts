@@ -1,33 +1,126 @@
 /**
- * Runs: `GET /v1/runs/{run_id}` and `DELETE /v1/runs/{run_id}`. Every
- * summary job is a run of the built-in `summarize` task, so its id works
- * here too, with the run document's shape (`output` is the summary).
+ * Runs: `POST /v1/tasks/{name}/runs` starts one, `GET /v1/runs/{run_id}`
+ * reads it and `DELETE /v1/runs/{run_id}` cancels it. A run goes through the
+ * summary jobs' intake, lanes, worker, commit and outbox; every summary job
+ * is a run of the built-in `summarize` task, so its id works here too.
  */
+import { readJsonBody } from "../http/body.ts";
 import { HttpError } from "../http/problem.ts";
 import { json, Router } from "../http/router.ts";
-import { cancelJobOf, FINISHED, type SummaryApiDeps, waitIfPreferred } from "../summaries/api.ts";
+import { KeyReused } from "../idempotency/errors.ts";
+import { QueueFull } from "../summaries/intake.ts";
+import { cancelJobOf, checkNotify, FINISHED, type SummaryApiDeps, waitIfPreferred } from "../summaries/api.ts";
 import { jobDocument, type JobFound } from "../summaries/job_document.ts";
-import { BUILT_IN_TASK } from "./definition.ts";
-import type { RunDocument } from "./run_schemas.ts";
+import { IdempotencyKey, idempotencyKeyOf } from "../summaries/schemas.ts";
+import { currentTraceparent } from "../tracing.ts";
+import { TASK_NAME } from "./definition.ts";
+import { type SchemaViolation, unstorableJson } from "./json_schema.ts";
+import type { RunPayload } from "./run_payload.ts";
+import { type RunDocument, RunRequest } from "./run_schemas.ts";
+import type { TaskCache } from "./task_cache.ts";
+
+/** What the run routes need beyond the summary API's. */
+export interface RunApiDeps extends SummaryApiDeps {
+  tasks: TaskCache;
+  /** Validates an input against a task's input schema, compiled once per `key`. */
+  validate: (key: string, schema: unknown, instance: unknown) => Promise<SchemaViolation[]>;
+}
 
 const RUN_PATH = /^\/v1\/runs\/([^/]+)$/;
+const TASK_RUNS_PATH = /^\/v1\/tasks\/([^/]+)\/runs$/;
 
-/** A summary job's document as a run of `summarize`. */
-function runOfSummary({ document, tokens }: Pick<JobFound, "document" | "tokens">): RunDocument {
+/** A job's run document: a summary job's output is its summary. */
+function runDocument({ document, tokens, run }: Pick<JobFound, "document" | "tokens" | "run">): RunDocument {
+  const output = run.output !== undefined ? run.output : document.summary;
   return {
     run_id: document.job_id,
-    task: BUILT_IN_TASK,
-    version: 1,
+    task: run.task,
+    version: run.version,
     status: document.status,
-    ...(document.summary === undefined ? {} : { output: document.summary }),
+    ...(output === undefined ? {} : { output }),
     ...(document.error === undefined ? {} : { error: document.error }),
+    ...(run.model === undefined ? {} : { model: run.model }),
     attempts: document.attempts ?? 0,
     tokens,
   };
 }
 
+/** A 422 whose problem document names the place in the request body. */
+function refused(pointer: string, message: string, title = "The request body failed validation"): HttpError {
+  return new HttpError(422, title, {}, { extra: { errors: [{ pointer, message }] } });
+}
+
 /** The run routes. */
-export function runRoutes(deps: SummaryApiDeps): Router {
+export function runRoutes(deps: RunApiDeps): Router {
+  async function postRun(req: Request, name: string): Promise<Response> {
+    const tenant = await deps.authenticate(req);
+    if (!TASK_NAME.test(name)) throw new HttpError(404, `No task ${name} for this tenant`);
+    const header = req.headers.get("idempotency-key");
+    if (header === null) throw new HttpError(400, "Idempotency-Key header is required");
+    const key = idempotencyKeyOf(header);
+    if (!IdempotencyKey.safeParse(key).success) {
+      throw new HttpError(400, "Idempotency-Key must be 16 to 128 visible ASCII characters");
+    }
+    const raw = await readJsonBody(req, deps.maxBodyBytes, { deadlineMs: deps.bodyDeadlineMs });
+    const parsed = RunRequest.safeParse(raw);
+    if (!parsed.success) {
+      deps.metrics?.api.validationErrors.inc();
+      const errors = parsed.error.issues.map((i) => ({ pointer: pointerOf(i.path), message: i.message }));
+      throw new HttpError(422, "The request body failed validation", {}, { extra: { errors } });
+    }
+    const request = parsed.data;
+    for (const field of ["priority", "expires_in"] as const) {
+      if (request[field] !== undefined) {
+        throw refused(`/${field}`, `${field} is not available yet on this server; send the run without it`);
+      }
+    }
+    const task = await deps.tasks.get(tenant, name, request.version);
+    if (!task) {
+      throw new HttpError(404, `No task ${name}${request.version === undefined ? "" : ` version ${request.version}`}`);
+    }
+    await checkInput(deps, task, request.input);
+    if (request.notify !== undefined) await checkNotify(deps, tenant, request.notify);
+    const scope = { tenant, method: "POST", path: `/v1/tasks/${name}/runs`, key };
+    const payload: RunPayload = {
+      task: task.name,
+      version: task.version,
+      input: request.input,
+      notify: request.notify,
+    };
+    try {
+      const { response, replayed, jobId } = await deps.intake.submitRun({
+        scope,
+        request,
+        run: { task: task.name, version: task.version, payload: JSON.stringify(payload) },
+        traceparent: currentTraceparent(),
+      });
+      const headers: Record<string, string> = { ...response.headers };
+      if (replayed) {
+        headers["idempotent-replayed"] = "true";
+        deps.metrics?.api.replays.inc();
+      } else {
+        deps.log.info("run_enqueued", { job_id: jobId, tenant, task: task.name, version: task.version });
+      }
+      if (deps.waiter) headers.vary = "prefer";
+      const waited = await waitIfPreferred(deps, req, tenant, jobId);
+      if (waited?.finished) {
+        const now = await jobDocument(deps, tenant, jobId);
+        if (now) return json(200, runDocument(now), { ...headers, "preference-applied": waited.applied });
+      }
+      if (waited) headers["preference-applied"] = waited.applied;
+      return json(response.status, response.body, headers);
+    } catch (error) {
+      if (error instanceof QueueFull) {
+        throw new HttpError(503, `${error.message}; try again later`, { "retry-after": String(error.retryAfterS) });
+      }
+      if (error instanceof KeyReused) {
+        deps.metrics?.api.keyReuse.inc();
+        throw new HttpError(422, error.message);
+      }
+      throw error;
+    }
+  }
+
   async function getRun(req: Request, runId: string): Promise<Response> {
     const tenant = await deps.authenticate(req);
     const found = await jobDocument(deps, tenant, runId);
@@ -36,25 +129,66 @@ export function runRoutes(deps: SummaryApiDeps): Router {
     if (!FINISHED.has(found.document.status)) {
       const waited = await waitIfPreferred(deps, req, tenant, runId);
       if (waited?.finished) {
-        // The wait ended on the job's outcome: read it once more for its tokens by kind.
+        // The wait ended on the run's outcome: read it once more for its output and tokens by kind.
         const now = await jobDocument(deps, tenant, runId);
-        const run = runOfSummary(now ?? { document: waited.document, tokens: found.tokens });
-        return json(200, run, { ...headers, "preference-applied": waited.applied });
+        return json(200, runDocument(now ?? { ...found, document: waited.document }), {
+          ...headers,
+          "preference-applied": waited.applied,
+        });
       }
       if (waited) headers["preference-applied"] = waited.applied;
     }
-    return json(200, runOfSummary(found), headers);
+    return json(200, runDocument(found), headers);
   }
 
   async function cancelRun(req: Request, runId: string): Promise<Response> {
     const tenant = await deps.authenticate(req);
     const cancelled = await cancelJobOf(deps, tenant, runId);
     const found = await jobDocument(deps, tenant, runId);
-    return json(200, runOfSummary(found ?? { document: cancelled, tokens: { prompt: 0, completion: 0 } }));
+    if (found) return json(200, runDocument(found));
+    return json(200, {
+      ...runDocument({
+        document: cancelled,
+        tokens: { prompt: 0, completion: 0 },
+        run: { task: "summarize", version: 1, summaryJob: true },
+      }),
+    });
   }
 
-  return new Router().on(RUN_PATH, {
-    GET: (req, { params }) => getRun(req, params[0]!),
-    DELETE: (req, { params }) => cancelRun(req, params[0]!),
-  }, "/v1/runs/{run_id}");
+  return new Router()
+    .on(TASK_RUNS_PATH, { POST: (req, { params }) => postRun(req, params[0]!) }, "/v1/tasks/{name}/runs")
+    .on(RUN_PATH, {
+      GET: (req, { params }) => getRun(req, params[0]!),
+      DELETE: (req, { params }) => cancelRun(req, params[0]!),
+    }, "/v1/runs/{run_id}");
+}
+
+/**
+ * Refuses (422, naming the first failing pointer under `/input`) an input that the version's input schema
+ * rejects, that Postgres could not store, or whose validation would take too long.
+ */
+async function checkInput(
+  deps: RunApiDeps,
+  task: { key: string; definition: { input_schema: unknown } },
+  input: Record<string, unknown>,
+): Promise<void> {
+  const unstorable = unstorableJson(input);
+  if (unstorable) throw refused(`/input${unstorable.pointer}`, unstorable.message);
+  let violations: SchemaViolation[];
+  try {
+    violations = await deps.validate(`${task.key}/input`, task.definition.input_schema, input);
+  } catch (error) {
+    deps.log.warn("input_validation_failed", { task: task.key, error });
+    throw refused("/input", `the input could not be validated: ${(error as Error).message}`);
+  }
+  const first = violations[0];
+  if (first) {
+    deps.metrics?.api.validationErrors.inc();
+    throw refused(`/input${first.pointer}`, first.message, "The input does not match the task's input schema");
+  }
+}
+
+/** A zod issue's path as a JSON pointer into the body. */
+function pointerOf(path: PropertyKey[]): string {
+  return path.map((p) => `/${String(p).replace(/~/g, "~0").replace(/\//g, "~1")}`).join("");
 }

@@ -57,14 +57,13 @@ if (import.meta.main) {
     if (upTo >= 5) log.info("job_enqueued", { job_id: id, tenant });
     return accepted(id);
   };
-  const nothing = {
-    keyFor: () => "",
-    submit: () =>
-      Promise.resolve({
-        response: { status: 202, body: { job_id: "x", status: "queued" as const }, headers: {} },
-        replayed: false,
-      }),
-  };
+  const accept = () =>
+    Promise.resolve({
+      response: { status: 202, body: { job_id: "x", status: "queued" as const }, headers: {} },
+      replayed: false,
+      jobId: "x",
+    });
+  const nothing = { keyFor: () => "", submit: accept, submitRun: accept };
   const index = VARIANTS.findIndex(([name]) => name === variant);
   const handler = variant === "bare"
     ? async (req: Request) => (await req.json(), accepted())

@@ -10,7 +10,7 @@ import { settlesWithin, sleep } from "../../src/async/timeout.ts";
 import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import type { LLM } from "../../src/llm/llm.ts";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
-import { commitSummaries } from "../../src/summaries/commit.ts";
+import { commitResults } from "../../src/summaries/commit.ts";
 import { jobKeys, KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
 import { createSummaryWorker } from "../../src/summaries/worker.ts";
 import { createStreamWorker, type StreamWorker } from "../../src/queue/stream_worker.ts";
@@ -565,7 +565,7 @@ async function benchRelay() {
       const mail = startFakeMail();
       try {
         for (let start = 0; start < n; start += 1000) {
-          await commitSummaries(
+          await commitResults(
             db.sql,
             Array.from({ length: Math.min(1000, n - start) }, () => ({
               jobId: crypto.randomUUID(),

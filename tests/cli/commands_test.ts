@@ -7,7 +7,7 @@ import { createProviderFlow, providerStateKey } from "../../src/provider/flow_co
 import { tenantCommand } from "../../src/cli/tenant_command.ts";
 import { DEAD_LETTER_BOUNDS, deadLetter, droppedDeadLetters, pagesOfDeadLetters } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
-import { commitSummaries } from "../../src/summaries/commit.ts";
+import { commitResults } from "../../src/summaries/commit.ts";
 import { enqueueJob } from "../support/enqueue.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
 import { markFailedHook } from "../../src/summaries/job_status.ts";
@@ -127,7 +127,7 @@ Deno.test("operator commands", async (t) => {
 
     await t.step("outbox list --failed and retry put failed rows back in the queue", async () => {
       const ids = [crypto.randomUUID(), crypto.randomUUID()];
-      await commitSummaries(db.sql, ids.map((jobId) => ({ jobId, tenant: "acme", summary: "s", notify: "a@b.co" })));
+      await commitResults(db.sql, ids.map((jobId) => ({ jobId, tenant: "acme", summary: "s", notify: "a@b.co" })));
       await db.sql`UPDATE outbox SET failed_at = now(), attempts = 10, last_error = 'http_422: no'`;
       const list = capture();
       await outboxCommand(db.sql, ["list", "--failed", "--json"], list.out);

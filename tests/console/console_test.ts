@@ -10,7 +10,7 @@ import { createConsole } from "../../src/console/console.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { deadLetter } from "../../src/queue/dead_letter.ts";
-import { commitSummaries } from "../../src/summaries/commit.ts";
+import { commitResults } from "../../src/summaries/commit.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { markFailedHook } from "../../src/summaries/job_status.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
@@ -115,7 +115,7 @@ Deno.test("the console in headless Chromium: sign in, see a dead letter, replay 
     );
     // A failed outbox row for the retry button.
     const failedJob = crypto.randomUUID();
-    await commitSummaries(db.sql, [{ jobId: failedJob, tenant: "acme", summary: "S.", notify: "x@example.com" }]);
+    await commitResults(db.sql, [{ jobId: failedJob, tenant: "acme", summary: "S.", notify: "x@example.com" }]);
     await db.sql`UPDATE outbox SET failed_at = now(), attempts = 10, last_error = 'http_422: <b>bad</b>'
       WHERE payload->>'job_id' = ${failedJob}`;
 

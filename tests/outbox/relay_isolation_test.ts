@@ -9,7 +9,7 @@
  */
 import assert from "node:assert/strict";
 import type { RelayOptions } from "../../src/outbox/relay.ts";
-import { commitSummaries } from "../../src/summaries/commit.ts";
+import { commitResults } from "../../src/summaries/commit.ts";
 import { createLogger } from "../../src/log/logger.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { startFakeWebhookReceiver } from "../support/fake_webhook_receiver.ts";
@@ -118,7 +118,7 @@ async function addTenant(db: TestDatabase, name: string) {
 
 async function queueWebhooks(db: TestDatabase, tenant: string, url: string, n: number): Promise<string[]> {
   const ids = Array.from({ length: n }, () => crypto.randomUUID());
-  await commitSummaries(db.sql, ids.map((jobId) => ({ jobId, tenant, summary: "S.", notify: { webhook: url } })));
+  await commitResults(db.sql, ids.map((jobId) => ({ jobId, tenant, summary: "S.", notify: { webhook: url } })));
   return ids;
 }
 
@@ -130,7 +130,7 @@ async function timeEmail(
 ): Promise<number> {
   const jobId = crypto.randomUUID();
   const started = performance.now();
-  await commitSummaries(db.sql, [{ jobId, tenant, summary: "Revenue rose.", notify: "ops@example.com" }]);
+  await commitResults(db.sql, [{ jobId, tenant, summary: "Revenue rose.", notify: "ops@example.com" }]);
   await waitFor(`the email of ${jobId}`, () => mail.delivered.some((e) => e.idempotencyKey?.endsWith(jobId)), 10_000);
   return performance.now() - started;
 }
@@ -217,7 +217,7 @@ Deno.test("relay isolation: a receiver that never answers delays only its own ro
         const running = relay.run(stop.signal);
         try {
           const emails = Array.from({ length: 40 }, () => crypto.randomUUID());
-          await commitSummaries(
+          await commitResults(
             db.sql,
             emails.map((jobId) => ({ jobId, tenant: "tenant-d", summary: "S.", notify: "ops@example.com" })),
           );
@@ -476,7 +476,7 @@ Deno.test("relay isolation: a receiver that never answers delays only its own ro
             summary: "S.",
             notify: "ops@example.com",
           }));
-          await commitSummaries(db.sql, jobs);
+          await commitResults(db.sql, jobs);
           await waitFor("the first answers", () => mail.delivered.length >= 5, 3_000);
           await waitFor("the provider to hold three quarters of the slots", () => inFlight() >= 15, 3_000);
           // Keep watching for a while: it never takes the last quarter.

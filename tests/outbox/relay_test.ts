@@ -5,7 +5,7 @@ import { silentLogger } from "../../src/log/logger.ts";
 import { type RelayOptions } from "../../src/outbox/relay.ts";
 import { createRetention } from "../../src/retention/retention.ts";
 import { cancelJob } from "../../src/jobs/job_store.ts";
-import { commitSummaries, SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../../src/summaries/commit.ts";
+import { commitResults, SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../../src/summaries/commit.ts";
 import {
   summaryEmailRenderer,
   summaryPayloadLoader,
@@ -24,7 +24,7 @@ Deno.test("outbox relay", async (t) => {
     relayTo({ sql, mailUrl: mail.url }, { maxAttempts: 10, backoffBaseMs: 1_000, ...options });
   const addRows = async (n: number) => {
     const ids = Array.from({ length: n }, () => crypto.randomUUID());
-    await commitSummaries(
+    await commitResults(
       sql,
       ids.map((jobId) => ({ jobId, tenant: "acme", summary: `Summary of ${jobId}.`, notify: "ops@example.com" })),
     );
@@ -355,7 +355,7 @@ Deno.test("outbox relay", async (t) => {
       })().catch(() => {});
       try {
         const jobId = crypto.randomUUID();
-        await commitSummaries(sql, [{
+        await commitResults(sql, [{
           jobId,
           tenant: "acme",
           summary: "S.",
@@ -388,7 +388,7 @@ Deno.test("outbox relay", async (t) => {
         try {
           await addRows(5); // acme
           const other = crypto.randomUUID();
-          await commitSummaries(sql, [{ jobId: other, tenant: "globex", summary: "S.", notify: "g@example.com" }]);
+          await commitResults(sql, [{ jobId: other, tenant: "globex", summary: "S.", notify: "g@example.com" }]);
           const relay = relayTo({ sql, mailUrl: mail.url, defer: tenantHourlyLimit(sql, 3) }, { maxAttempts: 10 });
           assert.equal(await relay.runOnce(), 6, "all claimed");
           assert.equal(mail.delivered.length, 4, "three of acme's and globex's one");
@@ -412,7 +412,7 @@ Deno.test("outbox relay", async (t) => {
       async () => {
         await reset();
         const ids = Array.from({ length: 7 }, () => crypto.randomUUID());
-        await commitSummaries(
+        await commitResults(
           sql,
           ids.map((jobId, i) => ({
             jobId,

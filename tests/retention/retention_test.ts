@@ -2,7 +2,7 @@ import assert from "node:assert/strict";
 import { insertAttempts } from "../../src/jobs/job_store.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createRetention, OUTCOME_MIN_AGE_MS, type RetentionOptions } from "../../src/retention/retention.ts";
-import { commitSummaries } from "../../src/summaries/commit.ts";
+import { commitResults } from "../../src/summaries/commit.ts";
 import { createTestDatabase } from "../_support.ts";
 
 const DAY_MS = 24 * 3600 * 1000;
@@ -13,7 +13,7 @@ Deno.test("retention", async (t) => {
   /** Commits `n` summaries for tenant acme, each with its email's outbox row; @returns their job ids. */
   const addJobs = async (n: number) => {
     const ids = Array.from({ length: n }, () => crypto.randomUUID());
-    await commitSummaries(
+    await commitResults(
       sql,
       ids.map((jobId) => ({ jobId, tenant: "acme", summary: `Summary of ${jobId}.`, notify: "ops@example.com" })),
     );
@@ -64,12 +64,17 @@ Deno.test("retention", async (t) => {
         outboxRetentionMs: 7 * DAY_MS,
         summaryRetentionMs: 30 * DAY_MS,
       });
-      // The sent row, then the sent job's summary; the outcome stays (it is younger than OUTCOME_MIN_AGE_MS).
+      // The sent row, then the sent job's summary; no task run results; the outcome stays (it is younger than
+      // OUTCOME_MIN_AGE_MS).
       assert.equal(await retention.runOnce(), 2);
-      assert.deepEqual(batches, [["outbox", 1], ["outbox", 0], ["summaries", 1], ["summaries", 0], [
-        "job_outcomes",
-        0,
-      ]]);
+      assert.deepEqual(batches, [
+        ["outbox", 1],
+        ["outbox", 0],
+        ["summaries", 1],
+        ["summaries", 0],
+        ["run_results", 0],
+        ["job_outcomes", 0],
+      ]);
       const outbox = await sql<{ dedupe_key: string }[]>`SELECT dedupe_key FROM outbox`;
       assert.deepEqual(outbox.map((r) => r.dedupe_key).sort(), [key(pending), key(failed), key(recent)].sort());
       const summaries = await sql<{ job_id: string }[]>`SELECT job_id::text FROM summaries`;
@@ -113,6 +118,8 @@ Deno.test("retention", async (t) => {
         provider_request_id: null,
         model: "extractive",
         error: null,
+        task: "summarize",
+        version: 1,
       });
       const old = new Date(Date.now() - 31 * DAY_MS);
       await insertAttempts(sql, [attempt(old), attempt(old), attempt(old), attempt(new Date())]);

@@ -1,5 +1,5 @@
 import assert from "node:assert/strict";
-import { commitSummaries } from "../../src/summaries/commit.ts";
+import { commitResults } from "../../src/summaries/commit.ts";
 import { EMAIL_SUMMARY_MAX_CHARS, summaryEmailRenderer, summaryPayloadLoader } from "../../src/summaries/email.ts";
 import { createTestDatabase } from "../_support.ts";
 
@@ -8,7 +8,7 @@ Deno.test("the outbox row references the summary, and the email carries at most 
   try {
     const jobId = crypto.randomUUID();
     const long = "The quarter went well. ".repeat(400); // about 9,200 characters
-    await commitSummaries(db.sql, [{ jobId, tenant: "acme", summary: long, notify: "ops@example.com" }]);
+    await commitResults(db.sql, [{ jobId, tenant: "acme", summary: long, notify: "ops@example.com" }]);
     const [row] = await db.sql<{ payload: Record<string, unknown> }[]>`SELECT payload FROM outbox`;
     assert.deepEqual(row!.payload, { job_id: jobId, tenant: "acme", to: "ops@example.com" }, "no second copy");
     const claimed = [{

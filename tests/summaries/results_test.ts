@@ -8,7 +8,7 @@ import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import type { LLM } from "../../src/llm/llm.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { cancelJob } from "../../src/jobs/job_store.ts";
-import { commitSummaries } from "../../src/summaries/commit.ts";
+import { commitResults } from "../../src/summaries/commit.ts";
 import { createJobWaiter, MAX_WAIT_S, preferredWaitS } from "../../src/summaries/job_waiter.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
@@ -265,7 +265,7 @@ Deno.test("results: wait for the finished job, cancel a queued one", async (t) =
       for (let i = 0; i < 300; i++) {
         const jobId = crypto.randomUUID();
         const [committed, cancel] = await Promise.all([
-          jittered(() => commitSummaries(db.sql, [{ jobId, tenant: "acme", summary: "s", notify: "a@b.co" }])),
+          jittered(() => commitResults(db.sql, [{ jobId, tenant: "acme", summary: "s", notify: "a@b.co" }])),
           jittered(() => cancelJob(db.sql, jobId, "acme")),
         ]);
         const rows = await rowsOf(jobId);

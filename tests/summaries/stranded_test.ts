@@ -19,7 +19,7 @@ import { PermanentJobError } from "../../src/queue/errors.ts";
 import { createRetention } from "../../src/retention/retention.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";
 import { failJob } from "../../src/jobs/job_store.ts";
-import { commitSummaries, createGroupCommitter } from "../../src/summaries/commit.ts";
+import { commitResults, createGroupCommitter } from "../../src/summaries/commit.ts";
 import { createIntake } from "../../src/summaries/intake.ts";
 import { markFailedHook } from "../../src/summaries/job_status.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
@@ -174,7 +174,7 @@ Deno.test("nothing accepted is stranded", async (t) => {
         const tenant = "decided";
         const lane = keys.lane(tenant);
         const jobId = crypto.randomUUID();
-        await commitSummaries(db.sql, [{ jobId, tenant, summary: "s", notify: "ops@example.com" }]);
+        await commitResults(db.sql, [{ jobId, tenant, summary: "s", notify: "ops@example.com" }]);
         const fields = { job_id: jobId, tenant, payload: JSON.stringify({ text: TEXT, notify: "ops@example.com" }) };
         // A dead letter of a done job, as a worker of the previous release could leave one.
         await ensureGroup(r.redis, lane);
@@ -203,7 +203,7 @@ Deno.test("nothing accepted is stranded", async (t) => {
 
         // An outcome younger than its dead letters' bound, plus a day, is never purged.
         const recent = crypto.randomUUID();
-        await commitSummaries(db.sql, [{ jobId: recent, tenant, summary: "s", notify: "ops@example.com" }]);
+        await commitResults(db.sql, [{ jobId: recent, tenant, summary: "s", notify: "ops@example.com" }]);
         const ageDays = DEAD_LETTER_BOUNDS.maxAgeS / 86_400 + 0.5;
         await db.sql`UPDATE job_outcomes SET decided_at = now() - ${ageDays} * interval '1 day'
           WHERE job_id = ${recent}::uuid`;
@@ -325,7 +325,7 @@ Deno.test("nothing accepted is stranded", async (t) => {
 
     await t.step("a failed job's decision is made once: failJob does not overturn done or cancelled", async () => {
       const done = crypto.randomUUID();
-      await commitSummaries(db.sql, [{ jobId: done, tenant: "acme", summary: "s", notify: "ops@example.com" }]);
+      await commitResults(db.sql, [{ jobId: done, tenant: "acme", summary: "s", notify: "ops@example.com" }]);
       assert.equal(await failJob(db.sql, done, "acme", "x"), "done");
       const other = crypto.randomUUID();
       assert.equal(await failJob(db.sql, other, "acme", "first"), "failed");

@@ -5,7 +5,7 @@ import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
-import { commitSummaries, createGroupCommitter } from "../../src/summaries/commit.ts";
+import { commitResults, createGroupCommitter } from "../../src/summaries/commit.ts";
 import { enqueueJob } from "../support/enqueue.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
 import { createSummaryJob } from "../../src/summaries/summary_job.ts";
@@ -160,8 +160,8 @@ Deno.test("summary job", async (t) => {
       const old = crypto.randomUUID();
       const fresh = [crypto.randomUUID(), crypto.randomUUID()];
       const result = (jobId: string) => ({ jobId, tenant: "acme", summary: "s", notify: "a@b.co" });
-      assert.deepEqual([...await commitSummaries(db.sql, [result(old)])], [old]);
-      const inserted = await commitSummaries(db.sql, [result(fresh[0]!), result(old), result(fresh[1]!)]);
+      assert.deepEqual([...await commitResults(db.sql, [result(old)])], [old]);
+      const inserted = await commitResults(db.sql, [result(fresh[0]!), result(old), result(fresh[1]!)]);
       assert.deepEqual([...inserted].sort(), [...fresh].sort());
       assert.deepEqual(await counts(), [3, 3]);
       const [row] = await db.sql<{ n: number }[]>`

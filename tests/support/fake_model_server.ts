@@ -5,6 +5,7 @@
  */
 import { summariseExtractively } from "../../src/llm/extractive.ts";
 import { SUMMARY_INSTRUCTION } from "../../src/llm/llm.ts";
+import { instanceOf } from "./schema_instance.ts";
 
 /** What the server does with one request. */
 export type ModelBehaviour =
@@ -14,12 +15,30 @@ export type ModelBehaviour =
     headers?: Record<string, string>;
     /** The token counts the answer reports (default 1 and 1). */
     usage?: { prompt_tokens: number; completion_tokens: number };
-    /** The answer's text (JSON or not, for structured output); an extractive summary of the prompt when unset. */
+    /**
+     * The answer's text (JSON or not, for structured output). Unset: for a `json_schema` request, a value valid
+     * against the schema (see {@linkcode STRUCTURED_MARKERS} for asking for a bad one); else an extractive
+     * summary of the prompt.
+     */
     content?: string;
   }
   | { kind: "status"; status: number; headers?: Record<string, string>; body?: unknown }
   | { kind: "hang" }
   | { kind: "drip"; intervalMs: number };
+
+/**
+ * Markers a task's input can carry (the rendered prompt holds them) to make the fake model's structured answer
+ * bad: `breaksOnce` answers text that is not JSON, then a valid value to the repair call; `breaksAlways`
+ * answers JSON that breaks the schema (an empty object) to every call.
+ */
+export const STRUCTURED_MARKERS = { breaksOnce: "[[invalid-json-once]]", breaksAlways: "[[breaks-schema]]" };
+
+/** The answer to a structured-output request whose first user message is `firstPrompt`. */
+function structuredAnswer(schema: unknown, firstPrompt: string, repair: boolean): string {
+  if (firstPrompt.includes(STRUCTURED_MARKERS.breaksAlways)) return "{}";
+  if (firstPrompt.includes(STRUCTURED_MARKERS.breaksOnce) && !repair) return "Sure! Here is the JSON you asked for";
+  return JSON.stringify(instanceOf(schema));
+}
 
 /** A running fake model. */
 export interface FakeModelServer {
@@ -68,7 +87,11 @@ export function startFakeModel(
   const state = { requests: 0, prompts: [] as string[], bodies: [] as Record<string, unknown>[] };
   const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, async (req) => {
     if (!new URL(req.url).pathname.endsWith("/chat/completions")) return new Response("not found", { status: 404 });
-    const body = await req.json() as { messages?: { content?: string }[]; model?: string };
+    const body = await req.json() as {
+      messages?: { role?: string; content?: string }[];
+      model?: string;
+      response_format?: { type?: string; json_schema?: { schema?: unknown } };
+    };
     const prompt = body.messages?.at(-1)?.content ?? "";
     const n = ++state.requests;
     state.prompts.push(prompt);
@@ -78,9 +101,16 @@ export function startFakeModel(
       case "ok": {
         if (behaviour.delayMs) await new Promise((r) => setTimeout(r, behaviour.delayMs));
         const text = prompt.startsWith(SUMMARY_INSTRUCTION) ? prompt.slice(SUMMARY_INSTRUCTION.length) : prompt;
+        const structured = body.response_format?.type === "json_schema"
+          ? structuredAnswer(
+            body.response_format.json_schema?.schema,
+            body.messages?.find((m) => m.role === "user")?.content ?? "",
+            body.messages?.some((m) => m.role === "assistant") ?? false,
+          )
+          : undefined;
         return Response.json(
           completionBody(
-            behaviour.content ?? (summariseExtractively(text.trim()) || "(empty)"),
+            behaviour.content ?? structured ?? (summariseExtractively(text.trim()) || "(empty)"),
             body.model,
             behaviour.usage,
           ),

@@ -15,6 +15,8 @@ export interface FakeWebhookReceiver {
   readonly requests: number;
   /** webhook-ids processed (once each), with the job id of each. */
   readonly processed: Map<string, string>;
+  /** The bodies processed (once each), in order. */
+  readonly bodies: Record<string, unknown>[];
   /** Deliveries whose webhook-id was already processed. */
   readonly redelivered: number;
   /** Deliveries whose signature did not verify (answered 401). */
@@ -27,7 +29,13 @@ export function startFakeWebhookReceiver(
   secrets: Map<string, string>,
   fail: (n: number) => boolean = () => false,
 ): FakeWebhookReceiver {
-  const state = { requests: 0, redelivered: 0, badSignatures: 0, processed: new Map<string, string>() };
+  const state = {
+    requests: 0,
+    redelivered: 0,
+    badSignatures: 0,
+    processed: new Map<string, string>(),
+    bodies: [] as Record<string, unknown>[],
+  };
   const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen() {} }, async (req) => {
     const n = ++state.requests;
     const body = await req.text();
@@ -41,11 +49,19 @@ export function startFakeWebhookReceiver(
     }
     const id = req.headers.get("webhook-id")!;
     if (state.processed.has(id)) state.redelivered++;
-    else state.processed.set(id, (JSON.parse(body) as { job_id: string }).job_id);
+    else {
+      // A summary's webhook names its job, a run's its run.
+      const parsed = JSON.parse(body) as { job_id?: string; run_id?: string };
+      state.processed.set(id, parsed.job_id ?? parsed.run_id ?? "");
+      state.bodies.push(parsed);
+    }
     return new Response(null, { status: 204 });
   });
   return {
     url: `http://127.0.0.1:${server.addr.port}/hooks`,
+    get bodies() {
+      return state.bodies;
+    },
     get requests() {
       return state.requests;
     },

@@ -15,15 +15,15 @@ import type { ProviderFlow } from "../../src/provider/flow_control.ts";
 import type { StreamWorker } from "../../src/queue/stream_worker.ts";
 import { type ApiDeps, createApiHandler } from "../../src/processes/api_process.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";
-import { summaryEmailRenderer, summaryPayloadLoader } from "../../src/summaries/email.ts";
+import { pipelineNotifications } from "../../src/summaries/notifications.ts";
+import { createTaskCache } from "../../src/tasks/task_cache.ts";
+import { inThreadValidation } from "../../src/tasks/in_thread_validation.ts";
 import { createIntake } from "../../src/summaries/intake.ts";
 import type { JobKeys, ServiceKeys } from "../../src/summaries/keys.ts";
 import { createSummaryWorker, type SummaryWorkerOptions } from "../../src/summaries/worker.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { createSecretCheck } from "../../src/tenants/webhook_secrets.ts";
 import { createWebhookHostPolicy } from "../../src/tenants/webhook_hosts.ts";
-import { SUMMARY_WEBHOOK_TOPIC } from "../../src/summaries/commit.ts";
-import { summaryWebhooks } from "../../src/summaries/webhook.ts";
 import type { WebhookUrlPolicy } from "../../src/webhooks/addresses.ts";
 
 /** Tests deliver webhooks to receivers on loopback over http, which production refuses by default. */
@@ -84,7 +84,15 @@ export function summaryWorker(
   },
   overrides: Partial<SummaryWorkerOptions> = {},
 ): StreamWorker {
-  return createSummaryWorker({ redis, sql, llm, log, flow }, {
+  return createSummaryWorker({
+    redis,
+    sql,
+    llm,
+    log,
+    flow,
+    tasks: createTaskCache(sql),
+    validate: inThreadValidation(),
+  }, {
     keys,
     consumer: "test",
     claimIdleMs: 60_000,
@@ -116,18 +124,17 @@ export function relayTo(
   },
   overrides: Partial<RelayOptions> = {},
 ): Relay {
-  const webhooks = summaryWebhooks({ sql, policy: webhookPolicy, timeoutMs: webhookTimeoutMs });
-  const summaries = summaryPayloadLoader(sql);
+  const notifications = pipelineNotifications({
+    sql,
+    from: "summaries@example.com",
+    policy: webhookPolicy,
+    timeoutMs: webhookTimeoutMs,
+  });
   return createRelay({
     sql,
     mailer: mailer ??
       createResendMailer({ apiKey: "re_test", baseUrl: mailUrl ?? "http://127.0.0.1:9", timeoutMs: 2_000 }),
-    render: summaryEmailRenderer("summaries@example.com"),
-    senders: { [SUMMARY_WEBHOOK_TOPIC]: webhooks.send },
-    load: async (rows) => {
-      await summaries(rows);
-      await webhooks.load(rows);
-    },
+    ...notifications,
     defer,
     log,
   }, { batch: 20, maxAttempts: 5, leaseMs: 5_000, ...overrides });
