@@ -333,3 +333,33 @@ export function deleteExpiredAttempts(sql: Queryable, { olderThanMs, limit }: Ex
     limit,
   });
 }
+
+/** One line of the usage report by task: a tenant's calls to one model for one task version. */
+export interface TaskAttemptUsage extends AttemptUsage {
+  task: string;
+  version: number;
+}
+
+/**
+ * Model attempts per tenant, task, task version and model since `sinceS`
+ * seconds ago (of `tenant` only, if given). A summary job's attempts are
+ * those of `summarize` version 1.
+ */
+export async function taskAttemptUsage(
+  sql: Queryable,
+  { tenant, sinceS }: { tenant?: string; sinceS: number },
+): Promise<TaskAttemptUsage[]> {
+  return await sql<TaskAttemptUsage[]>`
+    SELECT tenant, task, version, model, count(*)::int AS calls, count(DISTINCT job_id)::int AS jobs,
+      coalesce(sum(prompt_tokens), 0)::bigint::float8 AS prompt_tokens,
+      coalesce(sum(completion_tokens), 0)::bigint::float8 AS completion_tokens,
+      (count(*) FILTER (WHERE outcome <> 'ok'))::int AS failures,
+      (count(*) - count(DISTINCT job_id))::int AS retries,
+      round(percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p50_ms,
+      round(percentile_cont(0.99) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p99_ms
+    FROM model_attempts
+    WHERE started_at >= now() - ${sinceS} * interval '1 second'
+      ${tenant === undefined ? sql`` : sql`AND tenant = ${tenant}`}
+    GROUP BY tenant, task, version, model
+    ORDER BY tenant, task, version, model`;
+}
