@@ -363,3 +363,39 @@ export async function taskAttemptUsage(
     GROUP BY tenant, task, version, model
     ORDER BY tenant, task, version, model`;
 }
+
+/** A decided run as the console shows it: how it ended, its task version, and its result. */
+export interface DecidedRun extends DecidedJob {
+  error: string | null;
+  task: string;
+  version: number;
+  /** A done task run's input (not summarize's: its document is not kept). */
+  input: unknown;
+  /** A done task run's output: the parsed JSON value with an output schema, else the text. */
+  output: unknown;
+  model: string | null;
+  cached: boolean | null;
+}
+
+/**
+ * The run's outcome, task version and result (its summary, or a task run's
+ * input and output): one row if it is decided, none otherwise.
+ */
+export async function decidedRun(sql: Queryable, runId: string): Promise<DecidedRun | undefined> {
+  const [decided] = await sql<DecidedRun[]>`
+    SELECT o.tenant, o.outcome, o.decided_at, o.error, o.task, o.version, s.summary, r.input, r.output, r.model,
+      r.cached
+    FROM job_outcomes o LEFT JOIN summaries s USING (job_id) LEFT JOIN run_results r ON r.run_id = o.job_id
+    WHERE o.job_id = ${runId}::uuid`;
+  return decided;
+}
+
+/** The task version an undecided run's model attempts name; undefined before its first recorded attempt. */
+export async function attemptedTaskOf(
+  sql: Queryable,
+  runId: string,
+): Promise<{ task: string; version: number } | undefined> {
+  const [row] = await sql<{ task: string; version: number }[]>`
+    SELECT task, version FROM model_attempts WHERE job_id = ${runId}::uuid ORDER BY started_at LIMIT 1`;
+  return row;
+}
