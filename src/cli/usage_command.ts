@@ -1,5 +1,5 @@
 import type { Sql } from "postgres";
-import { type AttemptUsage, attemptUsage } from "../jobs/job_store.ts";
+import { type TaskAttemptUsage, taskAttemptUsage } from "../jobs/job_store.ts";
 import { printRows } from "./table.ts";
 
 const USAGE = "Usage: deno task usage [--tenant T] [--since 24h|7d|30m|90s] [--json]";
@@ -11,17 +11,20 @@ export interface Prices {
   outPerMTok?: number;
 }
 
-/** One line of the report: a tenant's calls to one model, with their estimated cost when prices are set. */
-export interface UsageRow extends AttemptUsage {
+/**
+ * One line of the report: a tenant's calls to one model for one task version, with their estimated cost when
+ * prices are set.
+ */
+export interface UsageRow extends TaskAttemptUsage {
   cost?: number;
 }
 
-/** Reads the report from `model_attempts`: per tenant and model, since `sinceS` seconds ago. */
+/** Reads the report from `model_attempts`: per tenant, task, task version and model, since `sinceS` seconds ago. */
 export async function usageReport(
   sql: Sql,
   { tenant, sinceS, prices = {} }: { tenant?: string; sinceS: number; prices?: Prices },
 ): Promise<UsageRow[]> {
-  const rows = await attemptUsage(sql, { tenant, sinceS });
+  const rows = await taskAttemptUsage(sql, { tenant, sinceS });
   if (prices.inPerMTok === undefined || prices.outPerMTok === undefined) return rows;
   const { inPerMTok, outPerMTok } = prices;
   return rows.map((r) => ({
@@ -38,7 +41,8 @@ export function parseSince(text: string): number {
 }
 
 /**
- * `usage [--tenant T] [--since 24h] [--json]`: per tenant and model, the
+ * `usage [--tenant T] [--since 24h] [--json]`: per tenant, task, task
+ * version and model (a summary job's calls are `summarize` version 1), the
  * calls, tokens, failures, retries and p50/p99 latency of model attempts,
  * and their estimated cost when prices are set.
  * @returns the process exit code.

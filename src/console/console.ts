@@ -18,6 +18,7 @@ import { asset } from "./assets.ts";
 import { html } from "./html.ts";
 import { page } from "./layout.ts";
 import { deadLettersPage, jobPage, outboxPage, providerPage, queuesPage, workersPage } from "./pages.ts";
+import { taskPage, tasksPage } from "./task_pages.ts";
 import { type ConsoleClient, createSessions, type SignedInRequest } from "./session.ts";
 
 export type { ConsoleClient } from "./session.ts";
@@ -82,6 +83,17 @@ async function signedIn(request: SignedInRequest): Promise<Response> {
   if (path === "/console/dead-letters") return await deadLettersPage(deps, view, note);
   if (path === "/console/outbox") return await outboxPage(deps, view, note);
   if (path === "/console/provider") return await providerPage(deps, view);
+  if (path === "/console/tasks") return await tasksPage(deps, view);
+  const task = /^\/console\/tasks\/([^/]+)\/([^/]+)$/.exec(path);
+  if (task) {
+    return await taskPage(
+      deps,
+      view,
+      decoded(task[1]!),
+      decoded(task[2]!),
+      url.searchParams.get("version") ?? undefined,
+    );
+  }
   if (path === "/console/jobs") {
     const id = url.searchParams.get("id")?.trim() ?? "";
     return new Response(null, { status: 303, headers: { location: `/console/jobs/${encodeURIComponent(id)}` } });

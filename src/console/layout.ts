@@ -30,7 +30,7 @@ export function page(
 ): Response {
   const header = html`<header><strong>Oncely</strong>
       <nav><a href="/console">Queues</a> <a href="/console/workers">Workers</a> <a href="/console/dead-letters">Dead letters</a>
-      <a href="/console/outbox">Outbox</a> <a href="/console/provider">Provider</a></nav>
+      <a href="/console/outbox">Outbox</a> <a href="/console/provider">Provider</a> <a href="/console/tasks">Tasks</a></nav>
       <form method="get" action="/console/jobs"><input name="id" placeholder="job id" aria-label="job id" size="38">
       <button>Find job</button></form>
       <form method="post" action="/console/logout"><input type="hidden" name="csrf" value="${view.csrf}"><button>Sign out</button></form>
@@ -117,4 +117,20 @@ export function jobLink(id: string | undefined, tenant?: string): Html {
 /** The redirect after an action: back to `to`, with `note` to show there. */
 export function back(to: string, note: string): Response {
   return new Response(null, { status: 303, headers: { location: `${to}?note=${encodeURIComponent(note)}` } });
+}
+
+/** The path of a task's page, at `version` when given. */
+export function taskPath(tenant: string, name: string, version?: number): string {
+  const query = version === undefined ? "" : `?version=${version}`;
+  return `/console/tasks/${encodeURIComponent(tenant)}/${encodeURIComponent(name)}${query}`;
+}
+
+/** A link to a task's page, at `version` when given. */
+export function taskLink(tenant: string, name: string, version?: number, label: string = name): Html {
+  return html`<a href="${taskPath(tenant, name, version)}">${label}</a>`;
+}
+
+/** A JSON value pretty-printed in a `<pre>`, escaped like any other data (a tenant's input, output or schema). */
+export function prettyJson(value: unknown, className: string): Html {
+  return html`<pre class="${className}">${JSON.stringify(value, null, 2)}</pre>`;
 }

@@ -1,14 +1,15 @@
-/** The console's signed-in pages, one function each: queues, workers, dead letters, outbox, provider, a job. */
+/** The console's signed-in pages, one function each: queues, workers, dead letters, outbox, provider, a job or run. */
 import { listOutbox, outboxBacklog, rowsOfJob } from "../outbox/outbox_store.ts";
-import { attemptsOf, decidedJob, doneLastMinute, type JobAttempt } from "../jobs/job_store.ts";
+import { attemptedTaskOf, attemptsOf, decidedRun, doneLastMinute, type JobAttempt } from "../jobs/job_store.ts";
 import { deadLetterCount, deadLetterPages, laneStats, oldestAgeMs, workers } from "../queue/inspector.ts";
 import { allLanes } from "../summaries/all_lanes.ts";
 import { readJobRecord } from "../summaries/job_status.ts";
 import { JOB_ID } from "../summaries/schemas.ts";
+import { BUILT_IN_TASK } from "../tasks/definition.ts";
 import { traceIdOf } from "../tracing.ts";
 import type { ConsoleDeps } from "./console.ts";
 import { Html, html } from "./html.ts";
-import { actionButton, ago, jobLink, page, PAGE_ROWS, table, type View } from "./layout.ts";
+import { actionButton, ago, jobLink, page, PAGE_ROWS, prettyJson, table, taskLink, type View } from "./layout.ts";
 
 /** What the pages read. */
 export type PageDeps = Pick<ConsoleDeps, "redis" | "sql" | "keys" | "providerStatus">;
@@ -171,7 +172,18 @@ function attemptRow(a: JobAttempt): Html[] {
   ];
 }
 
-/** One job: its tenant and status, its notification and trace, its summary and its model attempts. */
+/** A run's task version: a link to its page (summarize, built in, has none), or that it is not known yet. */
+function taskOfRun(tenant: string, run: { task: string; version: number } | undefined): Html {
+  if (!run) return html`not known yet`;
+  const label = `${run.task} v${run.version}`;
+  return run.task === BUILT_IN_TASK ? html`${label}` : taskLink(tenant, run.task, run.version, label);
+}
+
+/**
+ * One job (a run of `summarize`) or run of a task: its tenant, status and
+ * task version, its notification and trace, its summary or its input and
+ * output, and its model attempts.
+ */
 export async function jobPage(
   { redis, sql, keys }: PageDeps,
   view: View,
@@ -179,27 +191,46 @@ export async function jobPage(
   tenant?: string,
 ): Promise<Response> {
   if (!JOB_ID.test(jobId)) return page(view, "Job", html`<p>Not a job id: <code>${jobId}</code></p>`, { status: 404 });
-  const decided = await decidedJob(sql, jobId);
+  const decided = await decidedRun(sql, jobId);
   let state: { tenant: string; status: string; error?: string } | undefined = decided
-    ? { tenant: decided.tenant, status: decided.outcome }
+    ? { tenant: decided.tenant, status: decided.outcome, error: decided.error ?? undefined }
     : undefined;
+  let run = decided ? { task: decided.task, version: decided.version } : undefined;
   if (!state) {
     // Undecided: its record in Redis, in its tenant's lane when the link names the tenant (else in each lane).
     const found = await readJobRecord(redis, keys, jobId, tenant);
     if (found) {
       state = { tenant: found.record.tenant!, status: found.record.status ?? "queued", error: found.record.error };
+      // Its task version as its record names it, or as its first recorded model attempt does.
+      const { task, version } = found.record;
+      run = task && /^\d+$/.test(version ?? "")
+        ? { task, version: Number(version) }
+        : await attemptedTaskOf(sql, jobId);
     }
   }
   if (!state) return page(view, "Job", html`<p>No job <code>${jobId}</code>.</p>`, { status: 404 });
   const [attempts, outbox] = await Promise.all([attemptsOf(sql, jobId), rowsOfJob(sql, jobId)]);
   const traceId = traceIdOf(outbox[0]?.traceparent ?? undefined);
-  const body = html`<dl class="figures"><dt>job</dt><dd><code id="job-id">${jobId}</code></dd>
-<dt>tenant</dt><dd>${state.tenant}</dd><dt>status</dt><dd id="job-status">${state.status}</dd>
+  const isTask = run !== undefined && run.task !== BUILT_IN_TASK;
+  const hasResult = decided !== undefined && decided.output !== null;
+  const body = html`<dl class="figures"><dt>${isTask ? "run" : "job"}</dt><dd><code id="job-id">${jobId}</code></dd>
+<dt>tenant</dt><dd>${state.tenant}</dd><dt>task</dt><dd id="job-task">${taskOfRun(state.tenant, run)}</dd>
+<dt>status</dt><dd id="job-status">${state.status}</dd>
 ${
     state.error
       ? html`
         <dt>error</dt>
         <dd class="reason">${state.error}</dd>
+      `
+      : ""
+  }
+${
+    hasResult
+      ? html`
+        <dt>model</dt>
+        <dd>${decided.model ?? ""}</dd>
+        <dt>cached</dt>
+        <dd>${decided.cached ? "yes: no model call" : "no"}</dd>
       `
       : ""
   }
@@ -217,6 +248,18 @@ ${
       `
       : ""
   }
+${
+    hasResult
+      ? html`
+        <h2>Input</h2>
+        ${prettyJson(decided.input, "input")}
+        <h2>Output</h2>
+        ${typeof decided.output === "string"
+          ? html`<pre class="output">${decided.output}</pre>`
+          : prettyJson(decided.output, "output")}
+      `
+      : ""
+  }
 <h2>Model attempts</h2>${table(ATTEMPT_COLUMNS, attempts.map(attemptRow), "No model call yet.")}`;
-  return page(view, "Job", body);
+  return page(view, isTask ? "Run" : "Job", body);
 }

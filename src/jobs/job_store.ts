@@ -400,3 +400,69 @@ export async function runOutputsOf(sql: Queryable, runIds: string[]): Promise<Ma
     SELECT run_id::text, output FROM run_results WHERE run_id = ANY(${runIds}::uuid[])`;
   return new Map(found.map((f) => [f.run_id, f.output]));
 }
+
+/** One line of the usage report by task: a tenant's calls to one model for one task version. */
+export interface TaskAttemptUsage extends AttemptUsage {
+  task: string;
+  version: number;
+}
+
+/**
+ * Model attempts per tenant, task, task version and model since `sinceS`
+ * seconds ago (of `tenant` only, if given). A summary job's attempts are
+ * those of `summarize` version 1.
+ */
+export async function taskAttemptUsage(
+  sql: Queryable,
+  { tenant, sinceS }: { tenant?: string; sinceS: number },
+): Promise<TaskAttemptUsage[]> {
+  return await sql<TaskAttemptUsage[]>`
+    SELECT tenant, task, version, model, count(*)::int AS calls, count(DISTINCT job_id)::int AS jobs,
+      coalesce(sum(prompt_tokens), 0)::bigint::float8 AS prompt_tokens,
+      coalesce(sum(completion_tokens), 0)::bigint::float8 AS completion_tokens,
+      (count(*) FILTER (WHERE outcome <> 'ok'))::int AS failures,
+      (count(*) - count(DISTINCT job_id))::int AS retries,
+      round(percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p50_ms,
+      round(percentile_cont(0.99) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p99_ms
+    FROM model_attempts
+    WHERE started_at >= now() - ${sinceS} * interval '1 second'
+      ${tenant === undefined ? sql`` : sql`AND tenant = ${tenant}`}
+    GROUP BY tenant, task, version, model
+    ORDER BY tenant, task, version, model`;
+}
+
+/** A decided run as the console shows it: how it ended, its task version, and its result. */
+export interface DecidedRun extends DecidedJob {
+  error: string | null;
+  task: string;
+  version: number;
+  /** A done task run's input (not summarize's: its document is not kept). */
+  input: unknown;
+  /** A done task run's output: the parsed JSON value with an output schema, else the text. */
+  output: unknown;
+  model: string | null;
+  cached: boolean | null;
+}
+
+/**
+ * The run's outcome, task version and result (its summary, or a task run's
+ * input and output): one row if it is decided, none otherwise.
+ */
+export async function decidedRun(sql: Queryable, runId: string): Promise<DecidedRun | undefined> {
+  const [decided] = await sql<DecidedRun[]>`
+    SELECT o.tenant, o.outcome, o.decided_at, o.error, o.task, o.version, s.summary, r.input, r.output, r.model,
+      r.cached
+    FROM job_outcomes o LEFT JOIN summaries s USING (job_id) LEFT JOIN run_results r ON r.run_id = o.job_id
+    WHERE o.job_id = ${runId}::uuid`;
+  return decided;
+}
+
+/** The task version an undecided run's model attempts name; undefined before its first recorded attempt. */
+export async function attemptedTaskOf(
+  sql: Queryable,
+  runId: string,
+): Promise<{ task: string; version: number } | undefined> {
+  const [row] = await sql<{ task: string; version: number }[]>`
+    SELECT task, version FROM model_attempts WHERE job_id = ${runId}::uuid ORDER BY started_at LIMIT 1`;
+  return row;
+}

@@ -105,3 +105,62 @@ export async function taskVersions(sql: Queryable, tenant: string, name: string)
     SELECT tenant, name, version, definition, created_at FROM tasks
     WHERE tenant = ${tenant} AND name = ${name} ORDER BY version`;
 }
+
+/** A version of a task without its prompt and schemas: what lists of tasks and versions show. */
+export interface TaskVersionHead {
+  tenant: string;
+  name: string;
+  version: number;
+  created_at: Date;
+  /** The definition's `model`: a name, names in order of preference, or null for the deployment's default. */
+  model: string | string[] | null;
+  has_output_schema: boolean;
+}
+
+/** A task at its latest version, with how many versions it has and when its first was stored. */
+export interface TaskHead extends TaskVersionHead {
+  versions: number;
+  first_created_at: Date;
+}
+
+/**
+ * Every tenant's tasks at their latest version, by tenant and name, at most
+ * `limit` of them (definitions stay in the database: a task's prompt and
+ * schemas may be hundreds of KiB), and how many tasks there are in all.
+ */
+export async function taskHeads(sql: Queryable, { limit }: { limit: number }): Promise<{
+  tasks: TaskHead[];
+  total: number;
+}> {
+  // Window functions run before DISTINCT ON: each row still counts every version of its task.
+  const rows = await sql<(TaskHead & { total: number })[]>`
+    SELECT *, count(*) OVER ()::int AS total FROM (
+      SELECT DISTINCT ON (tenant, name) tenant, name, version, created_at, definition->'model' AS model,
+        definition ? 'output_schema' AS has_output_schema,
+        count(*) OVER (PARTITION BY tenant, name)::int AS versions,
+        min(created_at) OVER (PARTITION BY tenant, name) AS first_created_at
+      FROM tasks ORDER BY tenant, name, version DESC
+    ) t
+    ORDER BY tenant, name LIMIT ${limit}`;
+  return { tasks: rows.map(({ total: _, ...task }) => task), total: rows[0]?.total ?? 0 };
+}
+
+/** Every version of a task without its prompt and schemas, newest first. */
+export async function taskVersionHeads(sql: Queryable, tenant: string, name: string): Promise<TaskVersionHead[]> {
+  return await sql<TaskVersionHead[]>`
+    SELECT tenant, name, version, created_at, definition->'model' AS model,
+      definition ? 'output_schema' AS has_output_schema
+    FROM tasks WHERE tenant = ${tenant} AND name = ${name} ORDER BY version DESC`;
+}
+
+/** A task's newest `limit` versions, whole, newest first. */
+export async function newestTaskVersions(
+  sql: Queryable,
+  tenant: string,
+  name: string,
+  limit: number,
+): Promise<TaskVersion[]> {
+  return await sql<TaskVersion[]>`
+    SELECT tenant, name, version, definition, created_at FROM tasks
+    WHERE tenant = ${tenant} AND name = ${name} ORDER BY version DESC LIMIT ${limit}`;
+}

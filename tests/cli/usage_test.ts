@@ -1,7 +1,8 @@
 /**
  * The record of model attempts: a real worker calls a fake provider that
  * reports known token counts (and fails some calls), and `deno task usage`
- * and GET report exactly those totals.
+ * and GET report exactly those totals; rows of task runs, written as the
+ * worker writes them, are reported per task version.
  */
 import assert from "node:assert/strict";
 import { parseSince, usageCommand, usageReport } from "../../src/cli/usage_command.ts";
@@ -10,6 +11,7 @@ import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import { apiHandler, summaryWorker } from "../support/fixtures.ts";
+import { type AttemptRowSpec, recordAttempt } from "../support/run_rows.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 
 Deno.test("--since parses seconds, minutes, hours and days, and names a mistake", () => {
@@ -86,7 +88,11 @@ Deno.test("usage and GET report the provider's exact token counts, failures and 
     const report = await usageReport(db.sql, { sinceS: 3600, prices: { inPerMTok: 0.4, outPerMTok: 1.6 } });
     const acme = jobs.filter((j) => j.tenant === "acme");
     const sum = (xs: number[]) => xs.reduce((a, b) => a + b, 0);
-    assert.deepEqual(report.map((row) => [row.tenant, row.model]), [["acme", "gpt-test"], ["globex", "gpt-test"]]);
+    assert.deepEqual(
+      report.map((row) => [row.tenant, row.task, row.version, row.model]),
+      [["acme", "summarize", 1, "gpt-test"], ["globex", "summarize", 1, "gpt-test"]],
+      "summary jobs are runs of summarize v1",
+    );
     const [a, g] = report;
     assert.equal(a!.prompt_tokens, sum(acme.map((j) => j.prompt)));
     assert.equal(a!.completion_tokens, sum(acme.map((j) => j.completion)));
@@ -114,7 +120,7 @@ Deno.test("usage and GET report the provider's exact token counts, failures and 
     );
     assert.equal(lines.length, 1);
     const only = JSON.parse(lines[0]!);
-    assert.equal(only.tenant, "globex");
+    assert.deepEqual([only.tenant, only.task, only.version], ["globex", "summarize", 1]);
     assert.equal(only.cost, undefined);
     assert.equal(await usageCommand(db.sql, ["--since", "yesterday"], { out: () => {} }), 2);
 
@@ -129,6 +135,85 @@ Deno.test("usage and GET report the provider's exact token counts, failures and 
     await worker.close();
     await model.close();
     await r.close();
+    await db.close();
+  }
+});
+
+Deno.test("usage reports per tenant, task, task version and model, from rows as the worker writes them", async () => {
+  const db = await createTestDatabase();
+  try {
+    const id = () => crypto.randomUUID();
+    const s1 = id(), e1 = id(), e2 = id(), e3 = id(), g1 = id(), old = id();
+    const calls: AttemptRowSpec[] = [
+      // A summary job (summarize v1): a 503, then an answer.
+      { runId: s1, tenant: "acme", outcome: "retry", status: 503, promptTokens: null, completionTokens: null },
+      { runId: s1, tenant: "acme", attempt: 2, promptTokens: 100, completionTokens: 20 },
+      // extract v1 on gpt-a; extract v2 on gpt-a and, for another run, on gpt-b.
+      { runId: e1, tenant: "acme", task: "extract", version: 1, model: "gpt-a", promptTokens: 10, completionTokens: 1 },
+      { runId: e2, tenant: "acme", task: "extract", version: 2, model: "gpt-a", promptTokens: 20, completionTokens: 2 },
+      { runId: e3, tenant: "acme", task: "extract", version: 2, model: "gpt-b", promptTokens: 40, completionTokens: 4 },
+      { runId: e3, tenant: "acme", task: "extract", version: 2, model: "gpt-b", attempt: 2, promptTokens: 80 },
+      {
+        runId: g1,
+        tenant: "globex",
+        task: "extract",
+        version: 1,
+        model: "gpt-a",
+        promptTokens: 5,
+        completionTokens: 5,
+      },
+      // Two days old: outside --since 24h.
+      {
+        runId: old,
+        tenant: "acme",
+        task: "extract",
+        version: 1,
+        model: "gpt-a",
+        promptTokens: 9_999,
+        startedAt: new Date(Date.now() - 2 * 86_400_000),
+      },
+    ];
+    for (const call of calls) await recordAttempt(db.sql, call);
+
+    const report = await usageReport(db.sql, { sinceS: 86_400, prices: { inPerMTok: 1, outPerMTok: 2 } });
+    assert.deepEqual(
+      report.map((r) => [r.tenant, r.task, r.version, r.model, r.calls, r.jobs, r.prompt_tokens, r.completion_tokens]),
+      [
+        ["acme", "extract", 1, "gpt-a", 1, 1, 10, 1],
+        ["acme", "extract", 2, "gpt-a", 1, 1, 20, 2],
+        ["acme", "extract", 2, "gpt-b", 2, 1, 120, 4],
+        ["acme", "summarize", 1, "gpt-test", 2, 1, 100, 20],
+        ["globex", "extract", 1, "gpt-a", 1, 1, 5, 5],
+      ],
+    );
+    const summarize = report.find((r) => r.task === "summarize")!;
+    assert.deepEqual([summarize.failures, summarize.retries, summarize.cost], [1, 1, (100 * 1 + 20 * 2) / 1e6]);
+    assert.equal(report.find((r) => r.model === "gpt-b")!.retries, 1);
+
+    // The table: the task and version columns after the tenant, one line per task version and model.
+    const table: string[] = [];
+    assert.equal(await usageCommand(db.sql, ["--tenant", "acme"], { out: (l) => table.push(l) }), 0);
+    assert.match(table[0]!, /^tenant\s+task\s+version\s+model\s+calls\s+jobs\s+prompt_tokens\s+completion_tokens\s/);
+    assert.deepEqual(
+      table.slice(1).map((l) => l.split(/\s+/).slice(0, 5)),
+      [
+        ["acme", "extract", "1", "gpt-a", "1"],
+        ["acme", "extract", "2", "gpt-a", "1"],
+        ["acme", "extract", "2", "gpt-b", "2"],
+        ["acme", "summarize", "1", "gpt-test", "2"],
+      ],
+    );
+
+    // JSON lines carry task and version; --since reaches the older call.
+    const lines: string[] = [];
+    assert.equal(
+      await usageCommand(db.sql, ["--tenant", "acme", "--since", "3d", "--json"], { out: (l) => lines.push(l) }),
+      0,
+    );
+    const extractV1 = lines.map((l) => JSON.parse(l)).find((r) => r.task === "extract" && r.version === 1);
+    assert.deepEqual([extractV1.calls, extractV1.jobs, extractV1.prompt_tokens], [2, 2, 10_009]);
+    assert.equal(lines.length, 4);
+  } finally {
     await db.close();
   }
 });

@@ -4,9 +4,12 @@
  * data. It signs in through the form, sees a dead-lettered job, replays it
  * with the button, and sees it done; planted `<script>` never runs; every
  * page is saved as a screenshot (to CONSOLE_SCREENSHOTS, or a temp dir).
+ * The task pages and the page of a task's run are read over the bearer
+ * header, from rows written as the worker writes them.
  */
 import assert from "node:assert/strict";
 import { createConsole } from "../../src/console/console.ts";
+import { putTaskVersion } from "../../src/jobs/task_store.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { deadLetter } from "../../src/queue/dead_letter.ts";
@@ -17,6 +20,7 @@ import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { errorBody, startFakeModel } from "../support/fake_model_server.ts";
 import { launchBrowser } from "../support/browser.ts";
 import { apiHandler, summaryWorker } from "../support/fixtures.ts";
+import { recordAttempt, recordRun } from "../support/run_rows.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 
 const TOKEN = "console-test-admin-token-0123456789";
@@ -201,7 +205,48 @@ Deno.test("the console in headless Chromium: sign in, see a dead letter, replay 
       assert.deepEqual(attempts.map((a) => a[4]), ["give_up", "ok"], "the refused call, then the replayed one");
       assert.equal(attempts[1]![6], "321 / 45");
       assert.match(await browser.eval<string>("document.querySelector('pre.summary').innerText"), /<script>/);
+      assert.equal(await browser.eval("document.getElementById('job-task').innerText"), "summarize v1");
       await browser.screenshot(`${shots}/job.png`);
+    });
+
+    await t.step("the Tasks page, a task's page and a run's page show planted script as text", async () => {
+      const hostile = `</script><img src=x onerror="document.body.dataset.pwned = 'run'">`;
+      const schema = { type: "object", properties: { doc: { type: "string" } } };
+      await putTaskVersion(db.sql, "acme", "extract", {
+        prompt: `Extract ${hostile} {{input.doc}}`,
+        input_schema: schema,
+      });
+      const runId = crypto.randomUUID();
+      await recordRun(db.sql, {
+        runId,
+        tenant: "acme",
+        task: "extract",
+        version: 1,
+        outcome: "done",
+        result: { input: { doc: hostile }, output: { fields: [hostile] }, model: "gpt-test" },
+      });
+      await browser.goto(`${base}/console`);
+      await browser.navigateBy(`[...document.querySelectorAll("nav a")].find((a) => a.innerText === "Tasks").click()`);
+      await notPwned("the Tasks page");
+      await browser.screenshot(`${shots}/tasks.png`);
+      await browser.navigateBy(
+        `[...document.querySelectorAll("tbody a")].find((a) => a.innerText === "extract").click()`,
+      );
+      await notPwned("the task page");
+      const definition = JSON.parse(await browser.eval<string>("document.querySelector('pre.definition').innerText"));
+      assert.equal(definition.prompt, `Extract ${hostile} {{input.doc}}`);
+      await browser.screenshot(`${shots}/task.png`);
+      await browser.goto(`${base}/console/jobs/${runId}`);
+      await notPwned("the run page");
+      assert.equal(await browser.eval("document.getElementById('job-task').innerText"), "extract v1");
+      assert.deepEqual(JSON.parse(await browser.eval<string>("document.querySelector('pre.input').innerText")), {
+        doc: hostile,
+      });
+      assert.deepEqual(JSON.parse(await browser.eval<string>("document.querySelector('pre.output').innerText")), {
+        fields: [hostile],
+      });
+      assert.equal(await browser.eval("document.querySelectorAll('main script, main img').length"), 0);
+      await browser.screenshot(`${shots}/run.png`);
     });
 
     await t.step(
@@ -266,6 +311,209 @@ Deno.test("the console in headless Chromium: sign in, see a dead letter, replay 
     await worker.close();
     await server.shutdown();
     await model.close();
+    await r.close();
+    await db.close();
+  }
+});
+
+/** The text inside `<dd id="ID">`, tags and all. */
+function ddOf(body: string, id: string): string | undefined {
+  return new RegExp(`<dd id="${id}">([\\s\\S]*?)</dd>`).exec(body)?.[1];
+}
+
+/** The cells of each body row of the page's tables, tags stripped. */
+function cellsOf(body: string): string[][] {
+  return [...body.matchAll(/<tr>([\s\S]*?)<\/tr>/g)].map((tr) =>
+    [...tr[1]!.matchAll(/<td>([\s\S]*?)<\/td>/g)].map((td) => td[1]!.replace(/<[^>]*>/g, "").trim())
+  ).filter((cells) => cells.length > 0);
+}
+
+Deno.test("the Tasks page, a task's versions, and a run's task, input and output, all escaped", async (t) => {
+  const db = await createTestDatabase();
+  const r = await createTestRedis();
+  const keys = serviceKeys(r.prefix);
+  const handler = apiHandler({ redis: r.redis, sql: db.sql, keys }, {
+    authMode: "api-key",
+    console: await createConsole({
+      redis: r.redis,
+      sql: db.sql,
+      keys,
+      log: silentLogger,
+      token: TOKEN,
+      maxBodyBytes: 1 << 20,
+      auth: { turnMs: 10 },
+    }),
+  });
+  const get = async (path: string) => {
+    const res = await handler(new Request(`http://api${path}`, { headers: { authorization: `Bearer ${TOKEN}` } }));
+    return { status: res.status, csp: res.headers.get("content-security-policy"), body: await res.text() };
+  };
+  const HOSTILE = "</script><img src=x onerror=alert(1)>";
+  const ESCAPED = "&lt;/script&gt;&lt;img src=x onerror=alert(1)&gt;";
+  /** Nothing planted became markup: the only `<img`, `<script` or `</script>` would be planted ones. */
+  const inert = (body: string, where: string) => {
+    assert.ok(!/<img|<\/script><img|onerror=alert\(1\)>/.test(body.replaceAll(ESCAPED, "")), where);
+    assert.equal(body.match(/<script/g)?.length, 1, `${where}: only the console's own script tag`);
+  };
+  const input = { type: "object", properties: { doc: { type: "string" } }, required: ["doc"] };
+  const labelled = { type: "object", properties: { label: { type: "string" } }, required: ["label"] };
+  try {
+    await putTaskVersion(db.sql, "acme", "extract", { prompt: "Extract {{input.doc}}", input_schema: input });
+    await putTaskVersion(db.sql, "acme", "extract", {
+      prompt: `Label this ${HOSTILE}: {{input.doc}}`,
+      model: ["gpt-a", "gpt-b"],
+      input_schema: input,
+      output_schema: labelled,
+      max_output_tokens: 1024,
+    });
+    await putTaskVersion(db.sql, "acme", "classify", { prompt: "{{input.doc}}", model: "gpt-a", input_schema: input });
+    // A tenant name nobody could create, planted straight into the table, as hostile data would be.
+    await putTaskVersion(db.sql, `<script>alert("tenant")</script>`, "t", { prompt: "x", input_schema: input });
+
+    const extractRun = crypto.randomUUID(), classifyRun = crypto.randomUUID(), failedRun = crypto.randomUUID();
+    const summaryJob = crypto.randomUUID(), queuedRun = crypto.randomUUID(), unknownRun = crypto.randomUUID();
+    await recordRun(db.sql, {
+      runId: extractRun,
+      tenant: "acme",
+      task: "extract",
+      version: 2,
+      outcome: "done",
+      result: { input: { doc: HOSTILE }, output: { label: HOSTILE }, model: "gpt-b" },
+    });
+    for (const attempt of [1, 2]) {
+      await recordAttempt(db.sql, {
+        runId: extractRun,
+        tenant: "acme",
+        task: "extract",
+        version: 2,
+        model: "gpt-b",
+        attempt,
+        outcome: attempt === 1 ? "retry" : "ok",
+        status: attempt === 1 ? 503 : 200,
+        promptTokens: 50,
+        completionTokens: 7,
+      });
+    }
+    await recordRun(db.sql, {
+      runId: classifyRun,
+      tenant: "acme",
+      task: "classify",
+      version: 1,
+      outcome: "done",
+      result: { input: { doc: "a" }, output: `text output ${HOSTILE}`, model: "gpt-a", cached: true },
+    });
+    await recordRun(db.sql, {
+      runId: failedRun,
+      tenant: "acme",
+      task: "extract",
+      version: 1,
+      outcome: "failed",
+      error: `output invalid at /label ${HOSTILE}`,
+    });
+    await commitResults(db.sql, [{ jobId: summaryJob, tenant: "acme", summary: "The summary.", notify: "a@b.co" }]);
+    // Runs not decided yet: their records in Redis; one has a model attempt naming its task version.
+    for (const id of [queuedRun, unknownRun]) {
+      await r.redis.hset(keys.lane("acme").job(id), { tenant: "acme", status: "queued" });
+    }
+    await recordAttempt(db.sql, { runId: queuedRun, tenant: "acme", task: "classify", version: 1, outcome: "retry" });
+
+    await t.step("the Tasks page lists every tenant's tasks at their latest version, linked", async () => {
+      const { status, csp, body } = await get("/console/tasks");
+      assert.equal(status, 200);
+      assert.match(csp!, /script-src 'self'/, "the console's CSP, as on every page");
+      assert.match(body, /<a href="\/console\/tasks">Tasks<\/a>/, "in the navigation");
+      assert.match(body, /3 task\(s\)/);
+      const rows = cellsOf(body);
+      assert.deepEqual(rows.map((row) => [row[0], row[1], row[2], row[3], row[6], row[7]]), [
+        [`&lt;script&gt;alert(&quot;tenant&quot;)&lt;/script&gt;`, "t", "1", "1", "(default)", "text"],
+        ["acme", "classify", "1", "1", "gpt-a", "text"],
+        ["acme", "extract", "2", "2", "gpt-a, gpt-b", "JSON (output schema)"],
+      ]);
+      assert.ok(rows.every((row) => /^\d{4}-\d\d-\d\dT/.test(row[4]!) && /^\d{4}-\d\d-\d\dT/.test(row[5]!)));
+      assert.match(body, /<a href="\/console\/tasks\/acme\/extract">extract<\/a>/);
+      assert.match(body, /href="\/console\/tasks\/%3Cscript%3Ealert\(%22tenant%22\)%3C%2Fscript%3E\/t"/);
+      inert(body, "the Tasks page");
+    });
+
+    await t.step("a task's page shows every version and its definitions as escaped JSON", async () => {
+      const { status, body } = await get("/console/tasks/acme/extract");
+      assert.equal(status, 200);
+      assert.equal(ddOf(body, "task-tenant"), "acme");
+      assert.deepEqual(cellsOf(body).map((row) => [row[0], row[2], row[3]]), [
+        ["2", "gpt-a, gpt-b", "JSON (output schema)"],
+        ["1", "(default)", "text"],
+      ]);
+      const definitions = [...body.matchAll(/<pre class="definition">([\s\S]*?)<\/pre>/g)].map((m) => m[1]!);
+      assert.equal(definitions.length, 2, "both versions' definitions");
+      assert.ok(definitions[0]!.includes(`&quot;prompt&quot;: &quot;Label this ${ESCAPED}: {{input.doc}}&quot;`));
+      assert.ok(definitions[0]!.includes(`\n  &quot;model&quot;: [\n    &quot;gpt-a&quot;,`), "pretty-printed");
+      assert.ok(body.indexOf(`id="v2"`) < body.indexOf(`id="v1"`), "newest first");
+      inert(body, "the task page");
+      const one = await get("/console/tasks/acme/extract?version=1");
+      assert.equal(one.status, 200);
+      assert.ok(one.body.includes(`id="v1"`) && !one.body.includes(`id="v2"`), "version 1 alone");
+      const hostile = await get(`/console/tasks/${encodeURIComponent(`<script>alert("tenant")</script>`)}/t`);
+      assert.equal(hostile.status, 200);
+      inert(hostile.body, "the hostile tenant's task page");
+      for (
+        const path of [
+          "/console/tasks/acme/nope",
+          "/console/tasks/globex/extract",
+          "/console/tasks/acme/extract?version=3",
+          "/console/tasks/acme/extract?version=x",
+        ]
+      ) {
+        assert.equal((await get(path)).status, 404, path);
+      }
+    });
+
+    await t.step("a task run's page: its task version, input and output (escaped), model, cache", async () => {
+      const { status, body } = await get(`/console/jobs/${extractRun}`);
+      assert.equal(status, 200);
+      assert.match(body, /<h1>Run<\/h1>/);
+      assert.equal(ddOf(body, "job-task"), `<a href="/console/tasks/acme/extract?version=2">extract v2</a>`);
+      assert.equal(ddOf(body, "job-status"), "done");
+      const pre = (cls: string) => new RegExp(`<pre class="${cls}">([\\s\\S]*?)</pre>`).exec(body)?.[1];
+      assert.equal(pre("input"), `{\n  &quot;doc&quot;: &quot;${ESCAPED}&quot;\n}`);
+      assert.equal(pre("output"), `{\n  &quot;label&quot;: &quot;${ESCAPED}&quot;\n}`);
+      assert.match(body, /<dt>model<\/dt>\s*<dd>gpt-b<\/dd>\s*<dt>cached<\/dt>\s*<dd>no<\/dd>/);
+      assert.deepEqual(cellsOf(body).map((row) => row[4]), ["retry", "ok"], "its model attempts");
+      assert.ok(!body.includes("<h2>Summary</h2>"));
+      inert(body, "the run page");
+
+      const text = await get(`/console/jobs/${classifyRun}`);
+      assert.ok(text.body.includes(`<pre class="output">text output ${ESCAPED}</pre>`), "text output as text");
+      assert.match(text.body, /<dd>yes: no model call<\/dd>/);
+      inert(text.body, "the cached run's page");
+
+      const failed = await get(`/console/jobs/${failedRun}`);
+      assert.equal(ddOf(failed.body, "job-status"), "failed");
+      assert.match(ddOf(failed.body, "job-task")!, />extract v1</);
+      assert.ok(failed.body.includes(`output invalid at /label ${ESCAPED}`), "the failure's reason, escaped");
+      assert.ok(!failed.body.includes("<h2>Input</h2>"), "no result for a failed run");
+      inert(failed.body, "the failed run's page");
+    });
+
+    await t.step("a summary job's page: summarize v1 and its summary, as before", async () => {
+      const { status, body } = await get(`/console/jobs/${summaryJob}`);
+      assert.equal(status, 200);
+      assert.match(body, /<h1>Job<\/h1>/);
+      assert.equal(ddOf(body, "job-task"), "summarize v1");
+      assert.match(body, /<pre class="summary">The summary\.<\/pre>/);
+      assert.ok(!body.includes("<h2>Input</h2>"));
+    });
+
+    await t.step("an undecided run: its task version from its model attempts, else not known yet", async () => {
+      const queued = await get(`/console/jobs/${queuedRun}?tenant=acme`);
+      assert.equal(ddOf(queued.body, "job-status"), "queued");
+      assert.match(
+        ddOf(queued.body, "job-task")!,
+        /^<a href="\/console\/tasks\/acme\/classify\?version=1">classify v1/,
+      );
+      const unknown = await get(`/console/jobs/${unknownRun}?tenant=acme`);
+      assert.equal(ddOf(unknown.body, "job-task"), "not known yet");
+    });
+  } finally {
     await r.close();
     await db.close();
   }

@@ -1,0 +1,115 @@
+/**
+ * The console's task pages: every tenant's tasks at their latest version,
+ * and one task's versions with their definitions. A definition is a
+ * tenant's prompt and schemas, shown as escaped, pretty-printed JSON.
+ */
+import {
+  newestTaskVersions,
+  taskHeads,
+  type TaskVersion,
+  taskVersion,
+  type TaskVersionHead,
+  taskVersionHeads,
+} from "../jobs/task_store.ts";
+import { BUILT_IN_TASK } from "../tasks/definition.ts";
+import type { PageDeps } from "./pages.ts";
+import { html } from "./html.ts";
+import { page, PAGE_ROWS, prettyJson, table, taskLink, taskPath, type View } from "./layout.ts";
+
+/** How many versions' whole definitions a task's page shows (each may be hundreds of KiB); older ones by link. */
+export const DEFINITIONS_SHOWN = 10;
+
+/** What a version's `model` says, for people. */
+function models(model: TaskVersionHead["model"]): string {
+  return model === null ? "(default)" : [model].flat().join(", ");
+}
+
+/** What a version answers: JSON against its output schema, or text. */
+function output(head: TaskVersionHead): string {
+  return head.has_output_schema ? "JSON (output schema)" : "text";
+}
+
+/** Every tenant's tasks (at most `PAGE_ROWS`), each at its latest version, with a link to its page. */
+export async function tasksPage({ sql }: PageDeps, view: View): Promise<Response> {
+  const { tasks, total } = await taskHeads(sql, { limit: PAGE_ROWS });
+  const rows = tasks.map((t) => [
+    html`${t.tenant}`,
+    taskLink(t.tenant, t.name),
+    html`${t.version}`,
+    html`${t.versions}`,
+    html`${t.first_created_at.toISOString()}`,
+    html`${t.created_at.toISOString()}`,
+    html`${models(t.model)}`,
+    html`${output(t)}`,
+  ]);
+  const shown = total > rows.length ? ` (the first ${rows.length} shown)` : "";
+  const body = html`<p>${total} task(s)${shown}; <code>${BUILT_IN_TASK}</code> is built in for every tenant.</p>
+${
+    table(
+      ["tenant", "task", "latest version", "versions", "created", "latest version created", "models", "output"],
+      rows,
+      "No tenant has defined a task yet (PUT /v1/tasks/{name}).",
+    )
+  }`;
+  return page(view, "Tasks", body);
+}
+
+/**
+ * One task: every version (when, models, output), and the whole definition
+ * of the newest {@linkcode DEFINITIONS_SHOWN}, or of `version` alone.
+ */
+export async function taskPage(
+  { sql }: PageDeps,
+  view: View,
+  tenant: string,
+  name: string,
+  version?: string,
+): Promise<Response> {
+  const title = `Task ${name}`;
+  if (version !== undefined && !/^[1-9]\d{0,8}$/.test(version)) {
+    return page(view, title, html`<p>Not a version: <code>${version}</code></p>`, { status: 404 });
+  }
+  const [heads, shown] = await Promise.all([
+    taskVersionHeads(sql, tenant, name),
+    version === undefined
+      ? newestTaskVersions(sql, tenant, name, DEFINITIONS_SHOWN)
+      : taskVersion(sql, tenant, name, Number(version)).then((v): TaskVersion[] => (v ? [v] : [])),
+  ]);
+  if (heads.length === 0 || shown.length === 0) {
+    const what = version === undefined ? "" : ` version ${version}`;
+    return page(view, title, html`<p>No task <code>${name}</code>${what} of tenant <code>${tenant}</code>.</p>`, {
+      status: 404,
+    });
+  }
+  const rows = heads.map((h) => [
+    taskLink(tenant, name, h.version, String(h.version)),
+    html`${h.created_at.toISOString()}`,
+    html`${models(h.model)}`,
+    html`${output(h)}`,
+  ]);
+  const note = version !== undefined
+    ? html`<p>Version ${version} alone; <a href="${taskPath(tenant, name)}">the newest versions</a>.</p>`
+    : heads.length > shown.length
+    ? html`<p>The ${shown.length} newest definitions are shown; older ones by their version's link.</p>`
+    : "";
+  const body = html`
+    <dl class="figures">
+      <dt>tenant</dt>
+      <dd id="task-tenant">${tenant}</dd>
+      <dt>task</dt>
+      <dd id="task-name">${name}</dd>
+      <dt>versions</dt>
+      <dd>${heads.length}</dd>
+      <dt>latest version</dt>
+      <dd>${heads[0]!.version}</dd>
+    </dl>
+    <h2>Versions</h2>${table(["version", "created", "models", "output"], rows, "No versions.")}
+    ${note}
+    ${shown.map((v) =>
+      html`<h2 id="v${v.version}">Version ${v.version}</h2><p>Created ${v.created_at.toISOString()}.</p>${
+        prettyJson(v.definition, "definition")
+      }`
+    )}
+  `;
+  return page(view, title, body);
+}
