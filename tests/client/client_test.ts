@@ -384,10 +384,8 @@ Deno.test("the client against the real API", async (t) => {
   }
 });
 
-// enabled when POST /v1/tasks/{name}/runs lands
 Deno.test({
   name: "startRun runs a task with an output schema, waits with waitS, and replays its key",
-  ignore: true,
   async fn() {
     const api = await serveTestApi();
     const oncely = createClient({ baseUrl: api.url, apiKey: api.apiKey });

@@ -31,10 +31,13 @@ const tasks = (await createClient({ baseUrl, apiKey }).listTasks()).map((task) =
 console.log(JSON.stringify({ payload, tampered, tasks }));
 `;
 
+/** Node: NODE_BIN when set (`.ci/run` installs a Node 22 from npm when the machine's is older), else `node`. */
+const NODE = Deno.env.get("NODE_BIN") || "node";
+
 /** The installed Node's version, or undefined when there is none. */
 async function nodeVersion(): Promise<{ major: number; minor: number; text: string } | undefined> {
   try {
-    const out = await new Deno.Command("node", { args: ["--version"], stdout: "piped", stderr: "null" }).output();
+    const out = await new Deno.Command(NODE, { args: ["--version"], stdout: "piped", stderr: "null" }).output();
     const text = new TextDecoder().decode(out.stdout).trim();
     const match = /^v(\d+)\.(\d+)\./.exec(text);
     return match ? { major: Number(match[1]), minor: Number(match[2]), text } : undefined;
@@ -64,7 +67,7 @@ async function runInNode(moduleUrl: string, flags: string[]) {
   try {
     const script = `${dir}/check.mjs`;
     await Deno.writeTextFile(script, NODE_SCRIPT);
-    const out = await new Deno.Command("node", {
+    const out = await new Deno.Command(NODE, {
       args: [...flags, script, moduleUrl, api.url, api.apiKey],
       stdout: "piped",
       stderr: "piped",
