@@ -1,5 +1,6 @@
 import type { LLM } from "./llm.ts";
 import { SUMMARY_INSTRUCTION } from "./llm.ts";
+import { instanceOf } from "./schema_instance.ts";
 
 const STOPWORDS = new Set(
   ("a about above after again against all am an and any are as at be because been before being below between both " +
@@ -53,14 +54,19 @@ export function summariseExtractively(text: string, maxSentences = 3): string {
 
 /**
  * The embedded default model: a local, deterministic extractive summariser,
- * so the service runs with no API key and no network.
+ * so the service runs with no API key and no network. Asked for structured
+ * output, it answers a value valid against the schema whose strings are the
+ * extractive summary (a stand-in that lets a task with an output schema run
+ * end to end in `deno task dev`; a real model decides the values).
  */
 export function createExtractiveLlm(): LLM {
   return {
-    complete(prompt, { signal }) {
+    complete(prompt, { signal, jsonSchema }) {
       signal.throwIfAborted();
       const text = prompt.startsWith(SUMMARY_INSTRUCTION) ? prompt.slice(SUMMARY_INSTRUCTION.length) : prompt;
-      return Promise.resolve({ text: summariseExtractively(text.trim()) });
+      const summary = summariseExtractively(text.trim());
+      if (jsonSchema) return Promise.resolve({ text: JSON.stringify(instanceOf(jsonSchema.schema, summary)) });
+      return Promise.resolve({ text: summary });
     },
   };
 }

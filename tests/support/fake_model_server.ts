@@ -5,7 +5,7 @@
  */
 import { summariseExtractively } from "../../src/llm/extractive.ts";
 import { SUMMARY_INSTRUCTION } from "../../src/llm/llm.ts";
-import { instanceOf } from "./schema_instance.ts";
+import { instanceOf } from "../../src/llm/schema_instance.ts";
 
 /** What the server does with one request. */
 export type ModelBehaviour =
