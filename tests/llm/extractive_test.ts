@@ -1,4 +1,5 @@
 import assert from "node:assert/strict";
+import { compileSchema } from "../../src/tasks/json_schema.ts";
 import { createExtractiveLlm, splitSentences, summariseExtractively } from "../../src/llm/extractive.ts";
 import { summaryPrompt } from "../../src/llm/llm.ts";
 
@@ -41,4 +42,25 @@ Deno.test("the extractive LLM summarises the document in the prompt, not the ins
   assert.equal(out.text, summariseExtractively(DOC));
   const short = await llm.complete(summaryPrompt("Just one sentence."), { signal: new AbortController().signal });
   assert.equal(short.text, "Just one sentence.");
+});
+
+Deno.test("asked for structured output, the extractive LLM answers a value valid against the schema", async () => {
+  const schema = {
+    type: "object",
+    properties: {
+      summary: { type: "string" },
+      category: { enum: ["bug", "billing"] },
+      tags: { type: "array", items: { type: "string", maxLength: 5 } },
+      score: { type: "integer", minimum: 3 },
+    },
+    required: ["summary", "category", "tags", "score"],
+    additionalProperties: false,
+  };
+  const out = await createExtractiveLlm().complete("Just one sentence.", {
+    signal: new AbortController().signal,
+    jsonSchema: { name: "t", schema },
+  });
+  const value = JSON.parse(out.text);
+  assert.deepEqual(compileSchema(schema).validate(value), []);
+  assert.equal(value.summary, "Just one sentence.");
 });
