@@ -4,6 +4,7 @@ import * as jobs from "../jobs/job_store.ts";
 import type { Outcome } from "../jobs/job_store.ts";
 import type { Logger } from "../log/logger.ts";
 import * as outbox from "../outbox/outbox_store.ts";
+import { publicError } from "./public_error.ts";
 
 /** Where a job's result goes: an email address, or a webhook URL. */
 export type Notify = string | { webhook: string };
@@ -133,7 +134,8 @@ export async function failRun(
   if (summary) return await jobs.failJob(sql, run.jobId, run.tenant, reason, run);
   return await sql.begin(async (tx) => {
     const outcome = await jobs.failJob(tx, run.jobId, run.tenant, reason, run);
-    const row = outcome === "failed" ? runOutboxRow(run, "failed", reason.slice(0, 500)) : undefined;
+    // The notification says what GET says: a stable class, never the provider's or the database's own text.
+    const row = outcome === "failed" ? runOutboxRow(run, "failed", publicError(reason)) : undefined;
     if (row) await outbox.insertOutboxRows(tx, [row]);
     return outcome;
   });

@@ -213,7 +213,7 @@ Deno.test("runs of a task: structured output, repair, failures, notifications", 
         task: "triage",
         version: 2,
         status: "failed",
-        error: (hook as { error: string }).error,
+        error: 'output_invalid: at ""',
       });
     });
 
