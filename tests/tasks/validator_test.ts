@@ -3,11 +3,17 @@
  * costly keywords in the caller's thread, everything else on Web Workers
  * under a deadline, with the same violations as `compileSchema(...).validate`;
  * a slow schema times out without stalling the caller and the next
- * validation gets a fresh Worker; and compiled schemas are cached per key.
+ * validation gets a fresh Worker; compiled schemas are cached per key; and
+ * the api command's permission set lets its process start the Worker.
  */
 import assert from "node:assert/strict";
 import { compileSchema, SchemaRefused } from "../../src/tasks/json_schema.ts";
 import { createSchemaValidators, ValidationTimeout } from "../../src/tasks/validator.ts";
+import { permissionFlags } from "../../src/permissions.ts";
+import { parseConfig } from "../../src/config.ts";
+
+const ROOT = decodeURIComponent(new URL("../..", import.meta.url).pathname);
+const MIGRATIONS = decodeURIComponent(new URL("../../migrations/", import.meta.url).pathname);
 
 const TICKET = {
   type: "object",
@@ -218,4 +224,21 @@ Deno.test("close() rejects validations waiting for a Worker, and later calls", a
   await assert.rejects(slow, /closed/);
   await assert.rejects(waiting, /closed/);
   await assert.rejects(validators.validate("t/ticket/1/input", TICKET, {}), /closed/);
+});
+
+Deno.test("the api command's permission set lets its process validate on a Worker, and needs its read grant", async () => {
+  const flags = permissionFlags("api", parseConfig({}), MIGRATIONS);
+  const run = async (flags: string[]) => {
+    const out = await new Deno.Command(Deno.execPath(), {
+      args: ["run", ...flags, "tests/support/validation_probe.ts", JSON.stringify(CUBIC), '"12a"'],
+      cwd: ROOT,
+      stdout: "piped",
+      stderr: "piped",
+    }).output();
+    return new TextDecoder().decode(out.stdout).trim();
+  };
+  assert.deepEqual(JSON.parse(await run(flags)), [{ pointer: "", message: "String does not match pattern." }]);
+  // Without the read grant the Worker cannot load: the validation fails instead of hanging.
+  const withoutRead = await run(flags.filter((flag) => !flag.startsWith("--allow-read=")));
+  assert.match(withoutRead, /^failed: .*Requires read access to ".*validation_worker\.ts"/);
 });
