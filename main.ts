@@ -17,6 +17,7 @@ import {
   redisHostNames,
   redisProbeFlags,
   resolveProbeFlags,
+  VALIDATION_WORKER,
   withRedisAddresses,
 } from "./src/permissions.ts";
 
@@ -170,7 +171,8 @@ async function withResolvedRedis(config: Config): Promise<Config> {
 /**
  * `main.ts launch compile`: one binary per command the table marks, each with
  * the permission set for this configuration's hosts (the providers' default
- * hosts when no key is configured) baked in.
+ * hosts when no key is configured) baked in, and the schema validation
+ * Worker's module for those that start one.
  */
 async function compile(env: Record<string, string | undefined>): Promise<number> {
   const config = parseConfig({
@@ -180,7 +182,17 @@ async function compile(env: Record<string, string | undefined>): Promise<number>
   });
   for (const command of COMMANDS.filter((c) => COMMAND_TABLE[c].binary)) {
     const flags = permissionFlags(command, config, MIGRATIONS);
-    const code = await spawnDeno(["compile", "--output", `dist/oncely-${command}`, ...flags, SELF, command]);
+    // A Worker's module is loaded at run time, so the binary holds it only if told to.
+    const include = COMMAND_TABLE[command].validation ? ["--include", VALIDATION_WORKER] : [];
+    const code = await spawnDeno([
+      "compile",
+      "--output",
+      `dist/oncely-${command}`,
+      ...include,
+      ...flags,
+      SELF,
+      command,
+    ]);
     if (code !== 0) return code;
   }
   return 0;

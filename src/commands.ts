@@ -37,6 +37,8 @@ export interface CommandSpec<N extends ClientNeeds = ClientNeeds> {
   hostname?: boolean;
   /** Reads the migrations folder. */
   migrations?: boolean;
+  /** Validates against tenants' schemas on Web Workers (`tasks/validator.ts`): reads those Workers' modules. */
+  validation?: boolean;
   /** Built as `dist/oncely-<command>` by `deno task compile`. */
   binary?: boolean;
   /** @returns the process exit code. */
@@ -51,6 +53,7 @@ export const COMMAND_TABLE = {
     net: { redis: true, postgres: true, listen: true },
     clients: { redis: true, sql: true },
     failFast: true,
+    validation: true,
     binary: true,
     run: async () => (await import("./processes/api_process.ts")).runApi,
   }),
@@ -58,6 +61,7 @@ export const COMMAND_TABLE = {
     net: { redis: true, postgres: true, model: true, metrics: true },
     clients: { redis: true, sql: true },
     hostname: true,
+    validation: true,
     binary: true,
     run: async () => (await import("./processes/worker_process.ts")).runWorker,
   }),
@@ -72,6 +76,7 @@ export const COMMAND_TABLE = {
     clients: { redis: true, sql: true },
     hostname: true,
     migrations: true,
+    validation: true,
     run: async () => (await import("./processes/dev_process.ts")).runDev,
   }),
   migrate: command({

@@ -58,7 +58,8 @@ export function missingNetPermissions(command: Command, config: Config): string[
  * The exact permission flags of a command under a configuration: network
  * access to the hosts its configured URLs name and nothing else, the
  * service's variables, and the few extras a command needs (the hostname for
- * worker consumer names, the migrations folder). `deno task <command>`
+ * worker consumer names, the migrations folder, the schema validation
+ * Worker's modules). `deno task <command>`
  * launches the command with these.
  */
 export function permissionFlags(command: Command, config: Config, migrationsDir: string): string[] {
@@ -66,9 +67,28 @@ export function permissionFlags(command: Command, config: Config, migrationsDir:
   const hosts = [...new Set(Object.values(requiredHosts(config, spec.net)))];
   const flags = [...netFlags(config, spec.net, hosts), `--allow-env=${CONFIG_VARIABLES.join(",")}`, "--ignore-env"];
   if (spec.hostname) flags.push("--allow-sys=hostname");
-  if (spec.migrations) flags.push(`--allow-read=${migrationsDir}`);
+  const reads = [...(spec.migrations ? [migrationsDir] : []), ...(spec.validation ? VALIDATION_WORKER_FILES : [])];
+  if (reads.length) flags.push(`--allow-read=${reads.join(",")}`);
   return flags;
 }
+
+const pathOf = (relative: string) => decodeURIComponent(new URL(relative, import.meta.url).pathname);
+
+/** The schema validation Worker's module (`tasks/validator.ts` starts it); `deno compile` must include it. */
+export const VALIDATION_WORKER = pathOf("./tasks/validation_worker.ts");
+
+/**
+ * What a schema validation Worker reads as it starts: Deno loads a Worker's module and every local module
+ * it imports at run time, checked against the permissions of the thread that starts it (npm packages come
+ * from Deno's cache and need none). tests/permissions_test.ts holds this list to the Worker's module graph.
+ */
+export const VALIDATION_WORKER_FILES = [
+  VALIDATION_WORKER,
+  pathOf("./tasks/json_schema.ts"),
+  pathOf("./tasks/_lru.ts"),
+  // Only the meta-schemas that json_schema.ts imports are in it.
+  pathOf("./tasks/metaschema"),
+];
 
 /** Cloud metadata endpoints (AWS, GCP, Azure, and AWS's IPv6 one): never a webhook receiver. */
 const METADATA_HOSTS = ["169.254.169.254", "[fd00:ec2::254]", "metadata.google.internal"];

@@ -1,0 +1,430 @@
+/**
+ * Validation of instances against tenants' schemas with a bound on the work
+ * one validation can take. `compileSchema` refuses catastrophic regular
+ * expressions, but what it accepts can still take seconds: a polynomial
+ * pattern (`^\d+\d+\d+$` on a few KB), `uniqueItems` (quadratic), a `format`
+ * whose regular expression backtracks (`url`), or in-place fan-out through
+ * `$ref` (`anyOf` of two branches that recurse into a property: 2^depth).
+ *
+ * So a validation runs in the caller's thread only when it is known to be
+ * small: no keyword whose cost is unbounded in one evaluation, and an
+ * estimate (walking the schema over the instance as the validator does,
+ * stopping at the budget) under `fastPathUnits`. Anything else runs on a
+ * small pool of Web Workers (`validation_worker.ts`) under a deadline: a
+ * Worker that runs over is terminated, that validation fails with
+ * {@linkcode ValidationTimeout}, and a fresh Worker takes the next one.
+ * Both sides cache compiled schemas per key.
+ */
+import { type CompiledSchema, compileSchema, resolvePointer, type SchemaViolation } from "./json_schema.ts";
+import { Lru } from "./_lru.ts";
+import type { InitMessage, ValidateMessage, WorkerReply } from "./validation_worker.ts";
+
+/** Defaults of {@linkcode createSchemaValidators}. */
+export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
+  /** Wall-clock time one validation may take on a validation Worker, from when that Worker starts it. */
+  deadlineMs: 250,
+  /** Compiled schemas kept, in the caller's thread and in each Worker. */
+  cacheSize: 500,
+  /**
+   * Work a validation may be estimated at and still run in the caller's thread: one unit is a subschema
+   * evaluated on one value, one keyword or array entry or key of either, or 64 characters of a string.
+   * Measured, a unit took at most 0.55 µs of `@cfworker/json-schema` (2 µs for a string of "t"s against
+   * `format: date-time`, which splits it at each one): so at most about 1 ms here, 4 ms in the worst case.
+   */
+  fastPathUnits: 2_000,
+  /** Time a Worker may take to compile a schema it has not seen (bounded by `compileSchema`'s limits). */
+  compileMs: 1_000,
+  /** Web Workers validating at once. */
+  workers: 2,
+  /** How long a Worker may take to load before the validations waiting for it fail. */
+  startMs: 10_000,
+};
+
+/** Raised when a validation would take longer than the deadline. */
+export class ValidationTimeout extends Error {
+  constructor(readonly deadlineMs: number, options?: ErrorOptions) {
+    super(`Schema validation took longer than ${deadlineMs} ms`, options);
+    this.name = "ValidationTimeout";
+  }
+}
+
+/** Validators of tenants' schemas, with their compiled schemas cached per key. */
+export interface SchemaValidators {
+  /**
+   * Validates `instance` against `schema`, compiled once per `key` (e.g. "tenant/task/version/input"): a key
+   * names one schema for good, and a later call with the same key uses the schema compiled first.
+   * @returns the violations, the first (deepest) first, as `CompiledSchema.validate` returns them; [] when valid.
+   * @throws {ValidationTimeout} when it would take longer than the deadline.
+   * @throws {SchemaRefused} when `compileSchema` refuses `schema`.
+   */
+  validate(key: string, schema: unknown, instance: unknown): Promise<SchemaViolation[]>;
+  /** Terminates the Workers; validations still waiting or running reject. */
+  close(): Promise<void>;
+}
+
+/** Options of {@linkcode createSchemaValidators}; each defaults to its {@linkcode VALIDATION_LIMITS} entry. */
+export interface ValidatorOptions {
+  deadlineMs?: number;
+  cacheSize?: number;
+  /** 0 sends every validation to a Worker. */
+  fastPathUnits?: number;
+  compileMs?: number;
+  workers?: number;
+  startMs?: number;
+}
+
+/** A compiled schema, what a validation of it may run in the caller's thread, and its subschemas' weights. */
+interface Compiled {
+  schema: unknown;
+  compiled: CompiledSchema;
+  /** Whether no keyword of it can cost more than linear time in one evaluation. */
+  linear: boolean;
+  weights: WeakMap<object, number>;
+}
+
+interface Job {
+  id: number;
+  key: string;
+  schema: unknown;
+  instance: unknown;
+  resolve(violations: SchemaViolation[]): void;
+  reject(error: unknown): void;
+}
+
+/** A Worker, the job it is running, and the keys it has been sent (mirroring its own cache). */
+interface Slot {
+  worker: Worker;
+  ready: boolean;
+  job?: Job;
+  timer?: ReturnType<typeof setTimeout>;
+  sent: Lru<string, true>;
+}
+
+const WORKER_URL = new URL("./validation_worker.ts", import.meta.url).href;
+
+/**
+ * Starts validators. Workers start on the first validation that needs one.
+ *
+ * A validation waits in a queue until a Worker is free; the deadline counts from when it reaches one, so a
+ * slow validation delays those behind it by at most the deadline. A Worker runs one validation at a time,
+ * so a timeout terminates only the validation that ran over; the queue goes on with a fresh Worker.
+ */
+export function createSchemaValidators(options: ValidatorOptions = {}): SchemaValidators {
+  const limits = { ...VALIDATION_LIMITS };
+  for (const [name, value] of Object.entries(options) as [keyof ValidatorOptions, number | undefined][]) {
+    if (value !== undefined) limits[name] = value;
+  }
+  if (!(limits.workers >= 1)) throw new RangeError(`At least one validation Worker (got ${limits.workers})`);
+  const cache = new Lru<string, Compiled>(limits.cacheSize);
+  const slots: Slot[] = [];
+  const queue: Job[] = [];
+  let nextId = 0;
+  let closed = false;
+
+  const compiledFor = (key: string, schema: unknown): Compiled => {
+    let entry = cache.get(key);
+    if (!entry) {
+      // A copy of our own: the validator keeps (and annotates) the schema it compiles.
+      const copy = structuredClone(schema);
+      entry = { schema: copy, compiled: compileSchema(copy), ...classify(copy) };
+      cache.set(key, entry);
+    }
+    return entry;
+  };
+
+  const release = (slot: Slot) => {
+    clearTimeout(slot.timer);
+    slot.timer = undefined;
+    slot.job = undefined;
+  };
+
+  const remove = (slot: Slot) => {
+    release(slot);
+    slot.worker.terminate();
+    slots.splice(slots.indexOf(slot), 1);
+  };
+
+  /**
+   * Sends `job` to `slot`'s Worker, with the schema when asked, and arms the timer: `compileMs` for a
+   * schema to compile (the Worker says `compiled` when it starts validating), else the deadline.
+   */
+  const post = (slot: Slot, job: Job, withSchema: boolean) => {
+    const message: ValidateMessage = { type: "validate", id: job.id, key: job.key, instance: job.instance };
+    if (withSchema) message.schema = job.schema;
+    slot.worker.postMessage(message);
+    arm(slot, job, withSchema ? limits.compileMs : limits.deadlineMs);
+  };
+
+  const arm = (slot: Slot, job: Job, ms: number) => {
+    clearTimeout(slot.timer);
+    slot.timer = setTimeout(() => {
+      // The Worker may be stuck in a backtracking regular expression: only terminating it stops that.
+      remove(slot);
+      job.reject(new ValidationTimeout(ms));
+      start();
+      pump();
+    }, ms);
+  };
+
+  const dispatch = (slot: Slot, job: Job) => {
+    slot.job = job;
+    try {
+      post(slot, job, slot.sent.get(job.key) === undefined);
+    } catch (error) {
+      // The instance cannot be cloned (a function, a symbol): nothing reached the Worker.
+      release(slot);
+      job.reject(error);
+      return;
+    }
+    slot.sent.set(job.key, true);
+  };
+
+  const failWaiting = (error: Error) => {
+    for (const job of queue.splice(0)) job.reject(error);
+  };
+
+  const start = () => {
+    const worker = new Worker(WORKER_URL, { type: "module", name: "schema-validation" });
+    const slot: Slot = { worker, ready: false, sent: new Lru(limits.cacheSize) };
+    slot.timer = setTimeout(() => {
+      remove(slot);
+      if (!slots.some((other) => other.ready)) {
+        failWaiting(new Error(`The schema validation Worker did not start within ${limits.startMs} ms`));
+      }
+      pump();
+    }, limits.startMs);
+    worker.onmessage = ({ data }: MessageEvent<WorkerReply>) => {
+      if (data.type === "ready") {
+        clearTimeout(slot.timer);
+        slot.timer = undefined;
+        slot.ready = true;
+        return pump();
+      }
+      const job = slot.job;
+      if (!job || data.id !== job.id) return;
+      if (data.type === "missing") return post(slot, job, true);
+      if (data.type === "compiled") return arm(slot, job, limits.deadlineMs);
+      release(slot);
+      if (data.type === "result") job.resolve(data.violations);
+      else job.reject(rebuildError(data.name, data.message));
+      pump();
+    };
+    worker.onerror = (event) => {
+      // Unhandled, a Worker's error would end this process.
+      event.preventDefault();
+      const job = slot.job;
+      const failed = new Error(`The schema validation Worker failed: ${event.message}`);
+      remove(slot);
+      if (job) job.reject(failed);
+      // One that never loaded (a missing read permission, say) fails those waiting instead of retrying for ever.
+      else if (!slot.ready && !slots.some((other) => other.ready)) failWaiting(failed);
+      pump();
+    };
+    worker.postMessage({ type: "init", cacheSize: limits.cacheSize } satisfies InitMessage);
+    slots.push(slot);
+  };
+
+  const pump = () => {
+    if (closed) return;
+    while (queue.length > 0) {
+      const idle = slots.find((slot) => slot.ready && !slot.job);
+      if (!idle) break;
+      dispatch(idle, queue.shift()!);
+    }
+    const starting = slots.filter((slot) => !slot.ready).length;
+    if (queue.length > starting && slots.length < limits.workers) start();
+  };
+
+  return {
+    validate(key, schema, instance) {
+      if (closed) return Promise.reject(new Error("The schema validators are closed"));
+      let entry: Compiled;
+      try {
+        entry = compiledFor(key, schema);
+        if (entry.linear && withinBudget(entry, instance, limits.fastPathUnits)) {
+          return Promise.resolve(entry.compiled.validate(instance));
+        }
+      } catch (error) {
+        return Promise.reject(error);
+      }
+      return new Promise((resolve, reject) => {
+        queue.push({ id: nextId++, key, schema: entry.schema, instance, resolve, reject });
+        pump();
+      });
+    },
+    close() {
+      if (closed) return Promise.resolve();
+      closed = true;
+      const error = new Error("The schema validators are closed");
+      for (const slot of [...slots]) {
+        const job = slot.job;
+        remove(slot);
+        job?.reject(error);
+      }
+      failWaiting(error);
+      cache.clear();
+      return Promise.resolve();
+    },
+  };
+}
+
+/** An error the Worker reported, as the class it had when it is a built-in one. */
+function rebuildError(name: string, message: string): Error {
+  const error = name === "RangeError"
+    ? new RangeError(message)
+    : name === "TypeError"
+    ? new TypeError(message)
+    : new Error(message);
+  if (error.name !== name) error.name = name;
+  return error;
+}
+
+/*
+ * What `@cfworker/json-schema` 4.1.6 (dist/esm/validate.js) does per
+ * evaluation of one subschema on one value: every keyword costs O(1) or the
+ * size of the keyword's value (enum, const, required) or of the value's own
+ * entries (Object.keys, one encodePointer per key), except `pattern` and
+ * `patternProperties` (a tenant's regular expression), `uniqueItems` (every
+ * pair of items), and the formats below. Evaluations multiply through the
+ * applicators, which the estimate follows.
+ */
+
+/** Formats of `@cfworker/json-schema` whose regular expression or parse can cost more than linear time. */
+const SUPERLINEAR_FORMATS = new Set(["uri", "uri-reference", "uri-template", "url", "regex"]);
+
+/** Keywords whose value is data, never a subschema that is evaluated. */
+const DATA = new Set(["enum", "const", "default", "examples"]);
+
+/** Keywords with one subschema, evaluated on the value itself. */
+const IN_PLACE = ["not", "if", "then", "else"];
+/** Keywords with a list of subschemas, each evaluated on the value itself. */
+const IN_PLACE_LISTS = ["allOf", "anyOf", "oneOf"];
+/** Keywords with a map of subschemas, each evaluated on the value itself (an object). */
+const IN_PLACE_MAPS = ["dependentSchemas", "dependencies"];
+/** Keywords with one subschema, evaluated on every property value of an object. */
+const EVERY_PROPERTY = ["additionalProperties", "unevaluatedProperties"];
+/** Keywords with one subschema, evaluated on every item of an array. */
+const EVERY_ITEM = ["additionalItems", "contains", "unevaluatedItems"];
+
+/**
+ * Walks every object of a schema's JSON (but data keywords' values): whether it holds no keyword whose one
+ * evaluation can cost more than linear time, and each object's weight (one, plus one per keyword, plus the
+ * size of its data keywords' values).
+ *
+ * An `id` keyword (draft 4's `$id`, which the validator still follows) moves the base of references away
+ * from what {@linkcode resolvePointer} resolves, so the estimate would follow other subschemas than the
+ * validator does: such a schema always runs on a Worker.
+ */
+function classify(schema: unknown): { linear: boolean; weights: WeakMap<object, number> } {
+  const weights = new WeakMap<object, number>();
+  let linear = true;
+  const visit = (node: unknown): void => {
+    if (typeof node !== "object" || node === null) return;
+    if (Array.isArray(node)) return node.forEach(visit);
+    let weight = 1;
+    for (const [key, value] of Object.entries(node)) {
+      weight += 1;
+      if (
+        (key === "pattern" && typeof value === "string") ||
+        (key === "patternProperties" && typeof value === "object" && value !== null) ||
+        (key === "uniqueItems" && value === true) ||
+        (key === "format" && typeof value === "string" && SUPERLINEAR_FORMATS.has(value)) ||
+        (key === "id" && typeof value === "string" && value !== "")
+      ) {
+        linear = false;
+      }
+      if (DATA.has(key) || key === "required" || key === "dependentRequired") weight += jsonSize(value);
+      else visit(value);
+    }
+    weights.set(node, weight);
+  };
+  visit(schema);
+  return { linear, weights };
+}
+
+/** Values, keys and array entries in a JSON value. */
+function jsonSize(value: unknown): number {
+  if (typeof value !== "object" || value === null) return 1;
+  let size = 1;
+  for (const [, item] of Object.entries(value)) size += 1 + jsonSize(item);
+  return size;
+}
+
+const CHARS_PER_UNIT = 64;
+
+/** Thrown inside {@linkcode withinBudget} to stop the walk. */
+const OVER_BUDGET = Symbol("over budget");
+
+/**
+ * Whether validating `instance` against a linear schema costs at most `budget` units: walks the
+ * subschemas the validator would evaluate on each value, as it does (but every branch, even where the
+ * validator may stop early), adding each evaluation's cost, and stops as soon as the sum exceeds `budget`.
+ * So it runs in O(budget) whatever the schema and instance, and a validation under budget takes as long.
+ */
+function withinBudget(entry: Compiled, instance: unknown, budget: number): boolean {
+  return estimate(entry, instance, budget) <= budget;
+}
+
+/** The estimated cost of validating `instance`, or Infinity past `budget`. */
+function estimate(entry: Compiled, instance: unknown, budget: number): number {
+  const { schema: root, weights } = entry;
+  const entries = new WeakMap<object, number>();
+  let units = 0;
+  const spend = (n: number) => {
+    units += n;
+    if (units > budget) throw OVER_BUDGET;
+  };
+  /** A value's own cost per evaluation: its entries (keys and their pointers) or its characters. */
+  const ownCost = (value: unknown): number => {
+    if (typeof value === "string") return 1 + Math.floor(value.length / CHARS_PER_UNIT);
+    if (typeof value !== "object" || value === null) return 1;
+    let cost = entries.get(value);
+    if (cost === undefined) {
+      cost = 1;
+      if (Array.isArray(value)) cost += value.length;
+      else for (const key in value) cost += 1 + Math.floor(key.length / CHARS_PER_UNIT);
+      entries.set(value, cost);
+    }
+    return cost;
+  };
+  const evaluate = (schema: unknown, value: unknown): void => {
+    if (typeof schema !== "object" || schema === null) return spend(1);
+    spend((weights.get(schema) ?? jsonSize(schema)) + ownCost(value));
+    const s = schema as Record<string, unknown>;
+    if (typeof s.$ref === "string") evaluate(resolvePointer(root, s.$ref), value);
+    for (const k of IN_PLACE) if (k in s) evaluate(s[k], value);
+    for (const k of IN_PLACE_LISTS) {
+      if (Array.isArray(s[k])) {
+        for (const sub of s[k] as unknown[]) evaluate(sub, value);
+      }
+    }
+    if (typeof value !== "object" || value === null) return;
+    if (Array.isArray(value)) {
+      for (const k of ["prefixItems", "items"]) {
+        if (Array.isArray(s[k])) (s[k] as unknown[]).forEach((sub, i) => i < value.length && evaluate(sub, value[i]));
+      }
+      for (const k of ["items", ...EVERY_ITEM]) {
+        if (k in s && !Array.isArray(s[k])) { for (const item of value) evaluate(s[k], item); }
+      }
+      return;
+    }
+    const object = value as Record<string, unknown>;
+    for (const k of IN_PLACE_MAPS) {
+      const map = s[k];
+      if (typeof map !== "object" || map === null) continue;
+      for (const sub of Object.values(map)) if (!Array.isArray(sub)) evaluate(sub, value);
+    }
+    if (typeof s.properties === "object" && s.properties !== null) {
+      for (const [key, sub] of Object.entries(s.properties)) if (Object.hasOwn(object, key)) evaluate(sub, object[key]);
+    }
+    for (const k of EVERY_PROPERTY) if (k in s) { for (const key in object) evaluate(s[k], object[key]); }
+    if ("propertyNames" in s) { for (const key in object) evaluate(s.propertyNames, key); }
+  };
+  try {
+    evaluate(root, instance);
+    return units;
+  } catch (error) {
+    if (error === OVER_BUDGET) return Infinity;
+    throw error;
+  }
+}

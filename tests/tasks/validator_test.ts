@@ -1,0 +1,244 @@
+/**
+ * Validation with a bound on its work: small validations of schemas without
+ * costly keywords in the caller's thread, everything else on Web Workers
+ * under a deadline, with the same violations as `compileSchema(...).validate`;
+ * a slow schema times out without stalling the caller and the next
+ * validation gets a fresh Worker; compiled schemas are cached per key; and
+ * the api command's permission set lets its process start the Worker.
+ */
+import assert from "node:assert/strict";
+import { compileSchema, SchemaRefused } from "../../src/tasks/json_schema.ts";
+import { createSchemaValidators, ValidationTimeout } from "../../src/tasks/validator.ts";
+import { permissionFlags } from "../../src/permissions.ts";
+import { parseConfig } from "../../src/config.ts";
+
+const ROOT = decodeURIComponent(new URL("../..", import.meta.url).pathname);
+const MIGRATIONS = decodeURIComponent(new URL("../../migrations/", import.meta.url).pathname);
+
+const TICKET = {
+  type: "object",
+  properties: {
+    body: { type: "string", maxLength: 200 },
+    customer: { type: "object", properties: { name: { type: "string" }, tier: { enum: ["free", "pro"] } } },
+    tags: { type: "array", items: { type: "string" }, maxItems: 5 },
+  },
+  required: ["body"],
+  additionalProperties: false,
+};
+const TICKETS: unknown[] = [
+  { body: "The invoice is wrong.", customer: { name: "Ada", tier: "pro" }, tags: ["billing"] },
+  { body: "x".repeat(201) },
+  { body: "Hi", customer: { name: "Ada", tier: "gold" } },
+  { body: "Hi", tags: ["a", 2] },
+  { customer: { name: "Ada" } },
+  { body: "Hi", extra: true },
+  [],
+];
+
+/** A pattern compileSchema accepts (no nested repetition) that backtracks cubically on a run of digits. */
+const CUBIC = { type: "string", pattern: "^\\d+\\d+\\d+$" };
+const CUBIC_INPUT = "1".repeat(3_000) + "a";
+
+/** No costly keyword, but each level evaluates both branches on the next: 2^depth evaluations. */
+const FAN_OUT = { anyOf: [{ properties: { a: { $ref: "#" } } }, { properties: { a: { $ref: "#" } } }] };
+const nested = (depth: number): unknown => (depth === 0 ? {} : { a: nested(depth - 1) });
+
+/** Whether `promise` settles before any task runs, so before a Worker could have answered. */
+async function settlesInThisTurn(promise: Promise<unknown>): Promise<boolean> {
+  let settled = false;
+  promise.then(() => (settled = true), () => (settled = true));
+  for (let i = 0; i < 10; i++) await Promise.resolve();
+  return settled;
+}
+
+Deno.test("a small validation of a schema without costly keywords answers in the caller's thread", async () => {
+  const validators = createSchemaValidators();
+  try {
+    const compiled = compileSchema(structuredClone(TICKET));
+    for (const ticket of TICKETS) {
+      const answer = validators.validate("acme/ticket/1/input", TICKET, ticket);
+      assert.ok(await settlesInThisTurn(answer), JSON.stringify(ticket));
+      assert.deepEqual(await answer, compiled.validate(ticket));
+    }
+    assert.deepEqual(await validators.validate("acme/ticket/1/input", TICKET, TICKETS[0]), []);
+    assert.equal((await validators.validate("acme/ticket/1/input", TICKET, TICKETS[1])).length, 1);
+  } finally {
+    await validators.close();
+  }
+});
+
+Deno.test("on a Worker, validations give compileSchema's violations", async () => {
+  const validators = createSchemaValidators();
+  const everything = createSchemaValidators({ fastPathUnits: 0 });
+  try {
+    const withPattern = {
+      ...TICKET,
+      properties: { ...TICKET.properties, body: { type: "string", maxLength: 200, pattern: "^[A-Z]" } },
+    };
+    const many = Array.from({ length: 3_000 }, () => TICKETS[0]);
+    const cases: [unknown, unknown[], ReturnType<typeof createSchemaValidators>][] = [
+      // A pattern always goes to a Worker.
+      [withPattern, [...TICKETS, { body: "lower case" }], validators],
+      // Any schema does when the estimate is over the budget (here 0).
+      [TICKET, TICKETS, everything],
+      // A large instance: 3,000 tickets, the last one without a body.
+      [{ type: "array", items: TICKET }, [many, [...many, TICKETS[4]]], validators],
+    ];
+    for (const [i, [schema, instances, on]] of cases.entries()) {
+      const compiled = compileSchema(structuredClone(schema));
+      for (const instance of instances) {
+        const answer = on.validate(`acme/case-${i}/1/input`, schema, instance);
+        assert.equal(await settlesInThisTurn(answer), false, "went to a Worker");
+        assert.deepEqual(await answer, compiled.validate(instance));
+      }
+    }
+    await assert.rejects(validators.validate("acme/bad/1/input", { type: "strin" }, "x"), SchemaRefused);
+  } finally {
+    await validators.close();
+    await everything.close();
+  }
+});
+
+Deno.test("a polynomial pattern times out in the deadline, without stalling the caller, and a fresh Worker answers next", async () => {
+  const validators = createSchemaValidators({ workers: 1 });
+  try {
+    // What an unbounded validation of it costs in this thread.
+    const compiled = compileSchema(structuredClone(CUBIC));
+    let started = performance.now();
+    assert.equal(compiled.validate(CUBIC_INPUT).length, 1);
+    const inThread = performance.now() - started;
+    assert.ok(inThread > 2_000, `in this thread it took ${inThread.toFixed(0)} ms`);
+
+    // The Worker is started and has compiled the schema, so what follows measures the validation itself.
+    assert.deepEqual(await validators.validate("acme/digits/1/input", CUBIC, "123"), []);
+    let ticks = 0;
+    const ticker = setInterval(() => ticks++, 10);
+    started = performance.now();
+    try {
+      await assert.rejects(validators.validate("acme/digits/1/input", CUBIC, CUBIC_INPUT), (error: unknown) => {
+        assert.ok(error instanceof ValidationTimeout);
+        assert.match(error.message, /took longer than 250 ms/);
+        return true;
+      });
+    } finally {
+      clearInterval(ticker);
+    }
+    const elapsed = performance.now() - started;
+    assert.ok(elapsed < 2_000, `timed out after ${elapsed.toFixed(0)} ms`);
+    assert.ok(ticks >= 5, `this thread's timers ran ${ticks} times meanwhile`);
+
+    // The Worker that ran over was terminated; its successor compiles the schema again and answers.
+    assert.deepEqual(await validators.validate("acme/digits/1/input", CUBIC, "12a"), [
+      { pointer: "", message: "String does not match pattern." },
+    ]);
+    assert.deepEqual(await validators.validate("acme/digits/1/input", CUBIC, "1234"), []);
+  } finally {
+    await validators.close();
+  }
+});
+
+Deno.test("fan-out through $ref, with no costly keyword, goes to a Worker and times out", async () => {
+  const validators = createSchemaValidators();
+  try {
+    const compiled = compileSchema(structuredClone(FAN_OUT));
+    // Shallow, it is small enough for this thread.
+    const shallow = validators.validate("acme/tree/1/input", FAN_OUT, nested(3));
+    assert.ok(await settlesInThisTurn(shallow));
+    assert.deepEqual(await shallow, compiled.validate(nested(3)));
+    // 2^40 evaluations: in this thread it would never finish.
+    const started = performance.now();
+    await assert.rejects(validators.validate("acme/tree/1/input", FAN_OUT, nested(40)), ValidationTimeout);
+    assert.ok(performance.now() - started < 2_000);
+  } finally {
+    await validators.close();
+  }
+});
+
+Deno.test("concurrent validations each get their answer while slow ones time out", async () => {
+  const validators = createSchemaValidators({ workers: 2 });
+  try {
+    const pattern = { type: "string", pattern: "^[a-z]+$" };
+    const calls: { run: Promise<unknown>; expect: unknown }[] = [];
+    for (let i = 0; i < 40; i++) {
+      const instance = i % 3 === 0 ? "abc" : "ab1";
+      const expect = instance === "abc" ? [] : [{ pointer: "", message: "String does not match pattern." }];
+      calls.push({ run: validators.validate(`t${i % 4}/p/1/input`, pattern, instance), expect });
+      calls.push({
+        run: validators.validate("t/ticket/1/input", TICKET, TICKETS[i % TICKETS.length]),
+        expect: compileSchema(structuredClone(TICKET)).validate(TICKETS[i % TICKETS.length]),
+      });
+      if (i % 20 === 5) {
+        calls.push({ run: validators.validate("t/digits/1/input", CUBIC, CUBIC_INPUT), expect: ValidationTimeout });
+      }
+    }
+    const results = await Promise.allSettled(calls.map((c) => c.run));
+    for (const [i, result] of results.entries()) {
+      const { expect } = calls[i]!;
+      if (expect === ValidationTimeout) {
+        assert.equal(result.status, "rejected");
+        assert.ok((result as PromiseRejectedResult).reason instanceof ValidationTimeout);
+      } else {
+        assert.equal(result.status, "fulfilled", String((result as PromiseRejectedResult).reason));
+        assert.deepEqual((result as PromiseFulfilledResult<unknown>).value, expect);
+      }
+    }
+  } finally {
+    await validators.close();
+  }
+});
+
+Deno.test("a schema is compiled once per key, in this thread and on the Worker, until evicted", async () => {
+  const validators = createSchemaValidators({ cacheSize: 2, workers: 1 });
+  try {
+    const short = { type: "string", maxLength: 3 };
+    const long = { type: "string", maxLength: 10 };
+    const a = { type: "string", pattern: "^a+$" };
+    const b = { type: "string", pattern: "^b+$" };
+    const tooLong = [{ pointer: "", message: "String is too long (5 > 3)." }];
+    const noMatch = [{ pointer: "", message: "String does not match pattern." }];
+    // A key names one schema for good: a later schema under it is not compiled.
+    assert.deepEqual(await validators.validate("k1", short, "aaaaa"), tooLong);
+    assert.deepEqual(await validators.validate("k1", long, "aaaaa"), tooLong);
+    assert.deepEqual(await validators.validate("k2", a, "bbb"), noMatch);
+    assert.deepEqual(await validators.validate("k2", b, "bbb"), noMatch);
+    // Two more keys evict both: each is compiled anew from the schema it comes with.
+    await validators.validate("k3", a, "a");
+    await validators.validate("k4", a, "a");
+    assert.deepEqual(await validators.validate("k1", long, "aaaaa"), []);
+    assert.deepEqual(await validators.validate("k2", b, "bbb"), []);
+    // The caller's schema is copied: changing it later changes nothing.
+    const mutable = { type: "string", maxLength: 3 };
+    assert.deepEqual(await validators.validate("k5", mutable, "aaaaa"), tooLong);
+    mutable.maxLength = 10;
+    assert.deepEqual(await validators.validate("k5", mutable, "aaaaa"), tooLong);
+  } finally {
+    await validators.close();
+  }
+});
+
+Deno.test("close() rejects validations waiting for a Worker, and later calls", async () => {
+  const validators = createSchemaValidators({ workers: 1 });
+  const slow = validators.validate("t/digits/1/input", CUBIC, CUBIC_INPUT);
+  const waiting = validators.validate("t/digits/1/input", CUBIC, "1");
+  await validators.close();
+  await assert.rejects(slow, /closed/);
+  await assert.rejects(waiting, /closed/);
+  await assert.rejects(validators.validate("t/ticket/1/input", TICKET, {}), /closed/);
+});
+
+Deno.test("the api command's permission set lets its process validate on a Worker, and needs its read grant", async () => {
+  const flags = permissionFlags("api", parseConfig({}), MIGRATIONS);
+  const run = async (flags: string[]) => {
+    const out = await new Deno.Command(Deno.execPath(), {
+      args: ["run", ...flags, "tests/support/validation_probe.ts", JSON.stringify(CUBIC), '"12a"'],
+      cwd: ROOT,
+      stdout: "piped",
+      stderr: "piped",
+    }).output();
+    return new TextDecoder().decode(out.stdout).trim();
+  };
+  assert.deepEqual(JSON.parse(await run(flags)), [{ pointer: "", message: "String does not match pattern." }]);
+  // Without the read grant the Worker cannot load: the validation fails instead of hanging.
+  const withoutRead = await run(flags.filter((flag) => !flag.startsWith("--allow-read=")));
+  assert.match(withoutRead, /^failed: .*Requires read access to ".*validation_worker\.ts"/);
+});
