@@ -10,7 +10,7 @@ import { createIntake } from "../summaries/intake.ts";
 import { taskRoutes } from "../tasks/api.ts";
 import { type RunApiDeps, runRoutes } from "../tasks/runs_api.ts";
 import { createTaskCache, type TaskCache } from "../tasks/task_cache.ts";
-import { inThreadValidation } from "../tasks/in_thread_validation.ts";
+import { createSchemaValidators } from "../tasks/validator.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
 import { createRecipientPolicy } from "../tenants/mail_domains.ts";
@@ -46,7 +46,7 @@ export function createApiHandler(deps: ApiDeps): (req: Request, client?: Client)
   const runs: RunApiDeps = {
     ...deps,
     tasks: deps.tasks ?? createTaskCache(deps.sql),
-    validate: deps.validate ?? inThreadValidation(),
+    validate: deps.validate ?? createSchemaValidators().validate,
   };
   const openApi = openApiDocument();
   const router = new Router()
@@ -96,7 +96,10 @@ export async function serveApi(
         }),
     })
     : undefined;
+  // Run inputs are validated under a deadline: a tenant's schema cannot stall this process (`validator.ts`).
+  const validators = createSchemaValidators();
   const handler = createApiHandler({
+    validate: validators.validate,
     console: operatorConsole,
     waiter,
     shutdown: signal,
@@ -136,6 +139,7 @@ export async function serveApi(
   signal.addEventListener("abort", () => void server.shutdown(), { once: true });
   await server.finished;
   await waiter.close();
+  await validators.close();
   log.info("api_stopped");
 }
 

@@ -4,7 +4,7 @@ import { attemptObserver, flowEvents, providerGauges, queueGauges, workerEvents 
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createSummaryWorker } from "../summaries/worker.ts";
 import { createTaskCache } from "../tasks/task_cache.ts";
-import { inThreadValidation } from "../tasks/in_thread_validation.ts";
+import { createSchemaValidators } from "../tasks/validator.ts";
 import { buildFlow, buildLlm, providerLabel } from "./_model.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
 import type { ComponentDeps } from "./_deps.ts";
@@ -20,6 +20,8 @@ export async function startWorker(
   const consumer = `${Deno.hostname()}-${Deno.pid}-${crypto.randomUUID().slice(0, 6)}`;
   const flow = buildFlow(config, redis, log, flowEvents(metrics));
   if (flow) providerGauges(registry, flow, providerLabel(config));
+  // Model answers are validated under a deadline: a tenant's output schema cannot stall this process.
+  const validators = createSchemaValidators();
   const worker = createSummaryWorker({
     redis,
     sql,
@@ -27,7 +29,7 @@ export async function startWorker(
     log,
     flow,
     tasks: createTaskCache(sql),
-    validate: inThreadValidation(),
+    validate: validators.validate,
   }, {
     keys,
     events: workerEvents(metrics),
@@ -56,6 +58,7 @@ export async function startWorker(
     await worker.run(signal);
   } finally {
     await worker.close();
+    await validators.close();
     log.info("worker_stopped", { consumer });
   }
 }

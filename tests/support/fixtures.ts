@@ -17,7 +17,7 @@ import { type ApiDeps, createApiHandler } from "../../src/processes/api_process.
 import { SUMMARIES } from "../../src/summaries/api.ts";
 import { pipelineNotifications } from "../../src/summaries/notifications.ts";
 import { createTaskCache } from "../../src/tasks/task_cache.ts";
-import { inThreadValidation } from "../../src/tasks/in_thread_validation.ts";
+import { createSchemaValidators } from "../../src/tasks/validator.ts";
 import { createIntake } from "../../src/summaries/intake.ts";
 import type { JobKeys, ServiceKeys } from "../../src/summaries/keys.ts";
 import { createSummaryWorker, type SummaryWorkerOptions } from "../../src/summaries/worker.ts";
@@ -91,7 +91,7 @@ export function summaryWorker(
     log,
     flow,
     tasks: createTaskCache(sql),
-    validate: inThreadValidation(),
+    validate: createSchemaValidators().validate,
   }, {
     keys,
     consumer: "test",
