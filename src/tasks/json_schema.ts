@@ -164,6 +164,14 @@ function walk(node: unknown, pointer: string, root: unknown = node): void {
     const at = `${pointer}/${escapePointer(key)}`;
     if (UNSUPPORTED.has(key)) throw new SchemaRefused(at, `${key} is not supported: use $ref with a JSON pointer`);
     if (key === "$id" && pointer !== "") throw new SchemaRefused(at, "$id is allowed only at the root");
+    // Older drafts' keywords that the validator still follows but 2020-12 replaced: `id` would move where
+    // references point, and `dependencies` would apply subschemas that the in-place count does not see.
+    if (key === "id" && typeof value === "string") {
+      throw new SchemaRefused(at, "id is not a JSON Schema 2020-12 keyword (use $id, at the root)");
+    }
+    if (key === "dependencies") {
+      throw new SchemaRefused(at, "dependencies is not a JSON Schema 2020-12 keyword (use dependentSchemas)");
+    }
     if (key === "$ref") {
       if (typeof value !== "string" || !(value === "#" || value.startsWith("#/"))) {
         throw new SchemaRefused(at, "may refer only to this schema, by a JSON pointer (# or #/...)");

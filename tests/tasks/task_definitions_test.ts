@@ -206,6 +206,11 @@ Deno.test("schemas that would stall or crash a validation are refused where they
   refused({ $ref: "#/$defs/nope" }, "/$ref", /names nothing/);
   refused({ $ref: "#/%" }, "/$ref", /2020-12|names nothing/);
   refused({ $dynamicRef: "#/nope" }, "/$dynamicRef", /not supported/);
+  // Older drafts' keywords the validator would still follow: a moved base URI, uncounted subschemas.
+  refused({ type: "object", properties: { a: { id: "http://x/", $ref: "#" } } }, "/properties/a/id", /2020-12/);
+  refused({ type: "object", dependencies: { a: { $ref: "#" } } }, "/dependencies", /dependentSchemas/);
+  // A property named id is a name, not the keyword.
+  compileSchema({ type: "object", properties: { id: { type: "string" } } });
   // An anyOf of five references to an anyOf of five... : exponential work without a regex.
   const defs: Record<string, unknown> = { d0: { type: "integer" } };
   for (let i = 1; i <= 10; i++) {
