@@ -11,10 +11,21 @@
  *
  *   deno task chaos [--jobs N] [--duration S] [--redis-restart] [--pg-terminate] [--no-kills] [--seed N]
  *                   [--provider-limit RPS] [--cluster] [--new-tenants] [--drain-timeout S] [--poison N]
+ *                   [--poison-runs N]
  *
  * Among the jobs are N (default 3) poison documents, on which the model always
  * hangs: each must be dead-lettered (after MAX_DELIVERIES=5 deliveries, charged
  * to itself, not to the provider), and nothing else may be.
+ *
+ * Every third job is a run of the task `triage` (PUT for every tenant before
+ * the kills start) with a strict output schema, instead of a summary, with the
+ * same mix of emails and webhooks. Each must be done once, with one
+ * `run_results` row whose output validates against the schema, one outbox row
+ * and one `run_done` email or `run.completed` webhook. Some runs get a first
+ * answer that is not JSON and must be done after the repair call; N (default
+ * 4, at most one per tenant of the four) poison runs get answers that always
+ * break the schema, and must fail (`output_invalid`, dead-lettered) with their
+ * `run_failed` email or `run.failed` webhook once.
  *
  * With --cluster, Redis is a local three-master Redis Cluster with AOF on
  * (fsync always) in a temporary directory, REDIS_URL lists its nodes, and one
@@ -49,7 +60,8 @@ import { parseConfig } from "../../src/config.ts";
 import type { Command } from "../../src/commands.ts";
 import { permissionFlags } from "../../src/permissions.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
-import { SUMMARY_READY_KEY_PREFIX, SUMMARY_WEBHOOK_KEY_PREFIX } from "../../src/summaries/commit.ts";
+import { RUN_KEY_PREFIX, SUMMARY_READY_KEY_PREFIX, SUMMARY_WEBHOOK_KEY_PREFIX } from "../../src/summaries/commit.ts";
+import { compileSchema } from "../../src/tasks/json_schema.ts";
 import { ensureWebhookSecret } from "../../src/tenants/webhook_secrets.ts";
 import { startFakeWebhookReceiver } from "../support/fake_webhook_receiver.ts";
 import { KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
@@ -59,7 +71,7 @@ import { jobIdFor } from "../../src/idempotency/scope.ts";
 import { allLanes } from "../../src/summaries/all_lanes.ts";
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
-import { limitedProvider, startFakeModel } from "../support/fake_model_server.ts";
+import { limitedProvider, startFakeModel, STRUCTURED_MARKERS } from "../support/fake_model_server.ts";
 import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
 import { type LocalCluster, startLocalCluster } from "../support/redis_cluster.ts";
 import { connectRedis, type RedisClient } from "../../src/clients.ts";
@@ -85,6 +97,10 @@ const DRAIN_TIMEOUT_S = option("drain-timeout", NEW_TENANTS ? 60 : 180);
 const POISON = option("poison", 3);
 const poisonIndices = new Set(Array.from({ length: Math.min(POISON, Math.floor(JOBS / 8)) }, (_, k) => 4 * k + 4));
 const POISON_MARK = "POISON-DOCUMENT";
+/** Poison runs: at most one per tenant of the four, early in the run. */
+const POISON_RUNS = option("poison-runs", 4);
+/** How a run's ticket starts (`Ticket <job index>:`), so the fake model's requests name their run. */
+const TICKET_INDEX = /\bTicket (\d+):/;
 const REDIS_RESTART = flag("redis-restart");
 const CLUSTER = flag("cluster");
 const PG_TERMINATE = flag("pg-terminate");
@@ -100,6 +116,23 @@ const stderr = (line: string) => Deno.stderr.writeSync(new TextEncoder().encode(
 
 // ---------------------------------------------------------------- providers
 let modelCalls = 0;
+/** Per run (its job index): the structured answers the model gave, to the first call and to repair calls. */
+const structuredAnswers = new Map<number, { first: number; repair: number }>();
+/** Counts request n's answer if it is a structured one for a run of the task (its first user message names it). */
+function countStructuredAnswer(n: number) {
+  const body = model.bodies[n - 1] as {
+    messages?: { role?: string; content?: string }[];
+    response_format?: { type?: string };
+  } | undefined;
+  if (body?.response_format?.type !== "json_schema") return;
+  const named = TICKET_INDEX.exec(body.messages?.find((m) => m.role === "user")?.content ?? "");
+  if (!named) return;
+  const i = Number(named[1]);
+  const counts = structuredAnswers.get(i) ?? { first: 0, repair: 0 };
+  if (body.messages?.some((m) => m.role === "assistant")) counts.repair++;
+  else counts.first++;
+  structuredAnswers.set(i, counts);
+}
 const limited = PROVIDER_LIMIT > 0 ? limitedProvider({ rps: PROVIDER_LIMIT }) : undefined;
 const model = startFakeModel((n, prompt) => {
   modelCalls++;
@@ -110,6 +143,7 @@ const model = startFakeModel((n, prompt) => {
   if (r < 0.08) return { kind: "status", status: 429, headers: { "retry-after": "0.2" } };
   if (r < 0.14) return { kind: "status", status: 503 };
   if (r < 0.17) return { kind: "hang" };
+  countStructuredAnswer(n);
   return {
     kind: "ok",
     delayMs: 5 + Math.floor(random() * 30),
@@ -230,6 +264,55 @@ const secrets = new Map(
 const tenantSetupS = (performance.now() - tenantsStarted) / 1000;
 const receiver = startFakeWebhookReceiver(secrets, () => random() < 0.1);
 const wantsWebhook = (i: number) => i % 4 === 3 && !poisonIndices.has(i);
+
+// ---------------------------------------------------------------- task runs
+/** The task whose runs are mixed into the jobs: structured output against a strict schema. */
+const TASK = "triage";
+const TASK_RUNS = `/v1/tasks/${TASK}/runs`;
+const TRIAGE = {
+  prompt: "Triage this support ticket. Answer with JSON only.\n\n{{input.ticket}}",
+  input_schema: {
+    type: "object",
+    properties: { ticket: { type: "string", minLength: 1 } },
+    required: ["ticket"],
+    additionalProperties: false,
+  },
+  output_schema: {
+    type: "object",
+    properties: {
+      category: { type: "string", enum: ["billing", "bug", "question", "other"] },
+      priority: { type: "integer", minimum: 1, maximum: 4 },
+      summary: { type: "string", minLength: 3, maxLength: 200 },
+      labels: { type: "array", items: { type: "string", minLength: 1 }, minItems: 1, maxItems: 5 },
+      customer: {
+        type: "object",
+        properties: { tier: { type: "string", enum: ["free", "pro", "enterprise"] }, churn_risk: { type: "boolean" } },
+        required: ["tier", "churn_risk"],
+        additionalProperties: false,
+      },
+    },
+    required: ["category", "priority", "summary", "labels", "customer"],
+    additionalProperties: false,
+  },
+};
+/** Every third job (not a poison document) is a run of the task: the tenants' turns and the notify mix stay as they were. */
+const isRun = (i: number) => i % 3 === 2 && !poisonIndices.has(i);
+/** The first run of each tenant's turn (`i % 4`), up to --poison-runs: the model's answers always break the schema. */
+const poisonRunIndices = new Set<number>();
+{
+  const turns = new Set<number>();
+  const wanted = Math.min(POISON_RUNS, Math.floor(JOBS / 8));
+  for (let i = 0; i < JOBS && poisonRunIndices.size < wanted; i++) {
+    if (isRun(i) && !turns.has(i % 4)) {
+      turns.add(i % 4);
+      poisonRunIndices.add(i);
+    }
+  }
+}
+/** Every fifth other run: the first answer is not JSON, the repair call's is valid. */
+const breaksOnce = (i: number) => isRun(i) && !poisonRunIndices.has(i) && Math.floor(i / 3) % 5 === 3;
+const isPoison = (i: number) => poisonIndices.has(i) || poisonRunIndices.has(i);
+const outputSchema = compileSchema(TRIAGE.output_schema);
 const env: Record<string, string> = {
   DATABASE_URL: db.url,
   REDIS_URL: redisUrl,
@@ -321,6 +404,44 @@ async function apiUp(timeoutMs: number) {
 }
 await apiUp(30_000);
 
+/**
+ * PUTs the task for every tenant the run uses (new tenants too), before the kills start: a PUT is idempotent by
+ * content, so one that got no answer is sent again. @returns the version each PUT answered.
+ */
+async function putTaskEverywhere(): Promise<Set<number>> {
+  const tenants = [...new Set(plans.map((p) => p.tenant))];
+  const versions = new Set<number>();
+  let next = 0;
+  await Promise.all(Array.from({ length: 8 }, async () => {
+    while (next < tenants.length) {
+      const tenant = tenants[next++]!;
+      for (let attempt = 1;; attempt++) {
+        const res = await fetch(`http://127.0.0.1:${apiPort}/v1/tasks/${TASK}`, {
+          method: "PUT",
+          headers: { authorization: `Bearer ${apiKeys.get(tenant)}`, "content-type": "application/json" },
+          body: JSON.stringify(TRIAGE),
+          signal: AbortSignal.timeout(5_000),
+        }).catch((error: Error) => error);
+        const text = res instanceof Response ? await res.text() : "";
+        if (res instanceof Response && (res.status === 200 || res.status === 201)) {
+          versions.add((JSON.parse(text) as { version: number }).version);
+          break;
+        }
+        if (res instanceof Response && res.status < 500) {
+          throw new Error(`PUT /v1/tasks/${TASK} for ${tenant} answered ${res.status}: ${text}`);
+        }
+        if (attempt === 20) throw new Error(`PUT /v1/tasks/${TASK} for ${tenant} failed 20 times: ${res}`);
+        await sleep(250);
+      }
+    }
+  }));
+  return versions;
+}
+const taskPutStarted = performance.now();
+const taskVersions = await putTaskEverywhere();
+const taskPutS = (performance.now() - taskPutStarted) / 1000;
+const taskTenants = new Set(plans.map((p) => p.tenant)).size;
+
 // ---------------------------------------------------------------- clients
 const accepted = new Map<string, string>(); // idempotency key -> job id
 let submitted = 0, postRequests = 0;
@@ -338,24 +459,37 @@ function document(i: number): string {
   ).join(" ") + poison;
 }
 
+/** Run i's ticket: it names its job index, and carries the marker that makes the model's answers bad, if any. */
+function ticket(i: number): string {
+  const marker = poisonRunIndices.has(i)
+    ? ` ${STRUCTURED_MARKERS.breaksAlways}`
+    : breaksOnce(i)
+    ? ` ${STRUCTURED_MARKERS.breaksOnce}`
+    : "";
+  return `Ticket ${i}: ${document(i)}${marker}`;
+}
+
 /** A 202's job id, or null and whether the API answered at all (a 409 or 5xx) or not (refused, reset, timed out). */
 type PostResult = { jobId: string } | { jobId: null; answered: boolean };
 
 /** POSTs from new tenants in flight now (sent, not yet answered): what an aimed API kill cuts off. */
 let freshInFlight = 0;
 
-async function postOnce(key: string, body: string, apiKey: string, fresh = false): Promise<PostResult> {
+async function postOnce(path: string, key: string, body: string, apiKey: string, fresh = false): Promise<PostResult> {
   postRequests++;
   if (fresh) freshInFlight++;
   try {
-    const res = await fetch(`http://127.0.0.1:${apiPort}/v1/summaries`, {
+    const res = await fetch(`http://127.0.0.1:${apiPort}${path}`, {
       method: "POST",
       headers: { authorization: `Bearer ${apiKey}`, "idempotency-key": key, "content-type": "application/json" },
       body,
       signal: AbortSignal.timeout(5_000),
     });
     const text = await res.text();
-    if (res.status === 202) return { jobId: (JSON.parse(text) as { job_id: string }).job_id };
+    if (res.status === 202) {
+      const answer = JSON.parse(text) as { job_id?: string; run_id?: string };
+      return { jobId: answer.job_id ?? answer.run_id! };
+    }
     if (res.status === 409 || res.status >= 500) return { jobId: null, answered: true }; // retry later, as clients do
     throw new Error(`POST answered ${res.status}: ${text}`);
   } catch (error) {
@@ -368,6 +502,8 @@ async function postOnce(key: string, body: string, apiKey: string, fresh = false
 
 /** Jobs whose result goes to the webhook receiver instead of an email. */
 const webhookJobs = new Set<string>();
+/** Jobs that are runs of the task, not summaries. */
+const runJobs = new Set<string>();
 
 /** One submitted key: its job id as the service derives it (a UUIDv5 of the scope and the body), and its plan. */
 interface Submission {
@@ -375,6 +511,7 @@ interface Submission {
   key: string;
   jobId: string;
   webhook: boolean;
+  run: boolean;
   plan: JobPlan;
 }
 const submissions: Submission[] = [];
@@ -393,14 +530,16 @@ async function submit(i: number) {
   const key = `chaos-${String(SEED).padStart(6, "0")}-${String(i).padStart(6, "0")}`;
   const apiKey = apiKeys.get(plan.tenant)!;
   const notify = wantsWebhook(i) ? { webhook: `${receiver.url}/${plan.tenant}` } : `user${i}@example.com`;
-  const request = { text: document(i), notify };
+  const run = isRun(i);
+  const request = run ? { input: { ticket: ticket(i) }, notify } : { text: document(i), notify };
+  const path = run ? TASK_RUNS : SUMMARIES;
   const body = JSON.stringify(request);
-  const jobIdOf = jobIdFor({ tenant: plan.tenant, method: "POST", path: SUMMARIES, key }, canonicalJson(request));
-  const submission = { i, key, jobId: jobIdOf, webhook: wantsWebhook(i), plan };
+  const jobIdOf = jobIdFor({ tenant: plan.tenant, method: "POST", path, key }, canonicalJson(request));
+  const submission = { i, key, jobId: jobIdOf, webhook: wantsWebhook(i), run, plan };
   submissions.push(submission);
-  const post = () => postOnce(key, body, apiKey, plan.fresh);
+  const post = () => postOnce(path, key, body, apiKey, plan.fresh);
   const ids: (string | null)[] = [];
-  if (!plan.retries && !poisonIndices.has(i)) {
+  if (!plan.retries && !isPoison(i)) {
     const only = await post();
     if (only.jobId === null && !only.answered) {
       abandoned.set(key, submission);
@@ -424,6 +563,7 @@ async function submit(i: number) {
   if (jobId !== jobIdOf) misnamed.push(key);
   accepted.set(key, jobId);
   if (wantsWebhook(i)) webhookJobs.add(jobId);
+  if (run) runJobs.add(jobId);
   submitted++;
 }
 
@@ -527,9 +667,24 @@ async function killLoop() {
   killing = false;
 }
 
-/** The poison documents' job ids (the accepted ones, and those whose intake ran unanswered). */
+/** The poison documents' and poison runs' job ids (the accepted ones, and those whose intake ran unanswered). */
 function poisonJobs(): Set<string> {
-  return new Set(submissions.filter((s) => poisonIndices.has(s.i)).map((s) => accepted.get(s.key) ?? s.jobId));
+  return new Set(submissions.filter((s) => isPoison(s.i)).map((s) => accepted.get(s.key) ?? s.jobId));
+}
+
+/** The poison runs' ids: each must fail, and send its failure notification once. */
+function poisonRunJobs(): Set<string> {
+  return new Set(submissions.filter((s) => poisonRunIndices.has(s.i)).map((s) => accepted.get(s.key) ?? s.jobId));
+}
+
+/**
+ * The dedupe key of a job's notification (its email's Idempotency-Key, its webhook's webhook-id): a summary's,
+ * or a run's when done, or when `failed` (a poison run).
+ */
+function notificationKey(id: string, failed = false): string {
+  const webhook = webhookJobs.has(id);
+  if (!runJobs.has(id)) return `${webhook ? SUMMARY_WEBHOOK_KEY_PREFIX : SUMMARY_READY_KEY_PREFIX}${id}`;
+  return RUN_KEY_PREFIX[webhook ? "webhook" : "email"][failed ? "failed" : "done"] + id;
 }
 
 /** How many poison documents are decided failed. */
@@ -541,8 +696,10 @@ async function poisonFailed(): Promise<number> {
   return row!.n;
 }
 
+/** Summaries and run results: the jobs done. */
 async function countDone(): Promise<number> {
-  const [row] = await db.sql<{ n: number }[]>`SELECT count(*)::int AS n FROM summaries`;
+  const [row] = await db.sql<{ n: number }[]>`
+    SELECT (SELECT count(*) FROM summaries)::int + (SELECT count(*) FROM run_results)::int AS n`;
   return row!.n;
 }
 
@@ -585,13 +742,15 @@ const redisKeys = serviceKeys(KEY_PREFIX);
 /** The submissions among `list` whose intake script ran (the job's status record exists) or whose job is done. */
 async function intakeRanFor(list: Submission[]): Promise<Submission[]> {
   if (list.length === 0) return [];
-  const summaries = new Set(
+  const ids = list.map((s) => s.jobId);
+  const done = new Set(
     (await db.sql<{ job_id: string }[]>`
-      SELECT job_id::text FROM summaries WHERE job_id = ANY(${list.map((s) => s.jobId)}::uuid[])`)
+      SELECT job_id::text FROM summaries WHERE job_id = ANY(${ids}::uuid[])
+      UNION ALL SELECT run_id::text FROM run_results WHERE run_id = ANY(${ids}::uuid[])`)
       .map((r) => r.job_id),
   );
   const records = await Promise.all(list.map((s) => redisAdmin.exists(redisKeys.lane(s.plan.tenant).job(s.jobId))));
-  return list.filter((s, n) => summaries.has(s.jobId) || records[n]! > 0);
+  return list.filter((s, n) => done.has(s.jobId) || records[n]! > 0);
 }
 
 let failure: unknown;
@@ -626,12 +785,15 @@ try {
       for (const s of await intakeRanFor([...abandoned.values()])) {
         expected.add(s.jobId);
         if (s.webhook) webhookJobs.add(s.jobId);
+        if (s.run) runJobs.add(s.jobId);
       }
       done = await countDone();
       const keys = new Set([...mail.delivered.map((d) => d.idempotencyKey), ...receiver.processed.keys()]);
-      const notified = (id: string) =>
-        keys.has(`${webhookJobs.has(id) ? SUMMARY_WEBHOOK_KEY_PREFIX : SUMMARY_READY_KEY_PREFIX}${id}`);
-      if (done >= expected.size && [...expected].every(notified) && (await poisonFailed()) === poisonJobs().size) break;
+      const notified = [...expected].every((id) => keys.has(notificationKey(id)));
+      const poisonNotified = [...poisonRunJobs()].every((id) => keys.has(notificationKey(id, true)));
+      if (
+        done >= expected.size && notified && poisonNotified && (await poisonFailed()) === poisonJobs().size
+      ) break;
       await sleep(200);
     }
     drainSeconds = (performance.now() - drainStart) / 1000;
@@ -648,7 +810,10 @@ try {
 // A key whose only POST got no answer names a job the service may or may not have taken on: if its intake ran,
 // the job must be done exactly once, like an accepted one; if not, it must have left nothing at all.
 const abandonedRan = await intakeRanFor([...abandoned.values()]).catch((): Submission[] => []);
-for (const s of abandonedRan) if (s.webhook) webhookJobs.add(s.jobId);
+for (const s of abandonedRan) {
+  if (s.webhook) webhookJobs.add(s.jobId);
+  if (s.run) runJobs.add(s.jobId);
+}
 const acceptedCount = new Set(accepted.values()).size;
 // The poison documents are checked apart: dead-lettered, each once, and never done.
 const poison = poisonJobs();
@@ -656,29 +821,85 @@ const jobIds = [...new Set([...accepted.values(), ...abandonedRan.map((s) => s.j
   !poison.has(id)
 );
 const summaries = await db.sql<{ job_id: string }[]>`SELECT job_id::text FROM summaries`;
-const outbox = await db.sql<{ job_id: string }[]>`SELECT payload->>'job_id' AS job_id FROM outbox`;
+const runResults = await db.sql<{ run_id: string; output: unknown }[]>`SELECT run_id::text, output FROM run_results`;
+const outbox = await db.sql<{ job_id: string; dedupe_key: string }[]>`
+  SELECT payload->>'job_id' AS job_id, dedupe_key FROM outbox`;
 const summaryIds = new Set(summaries.map((r) => r.job_id));
-const lost = [...new Set(accepted.values())].filter((id) => !poison.has(id) && !summaryIds.has(id)).length;
+const runResultIds = new Set(runResults.map((r) => r.run_id));
+/** Jobs done: a summary job's summary, or a task run's result. */
+const doneIds = new Set([...summaryIds, ...runResultIds]);
+const lost = [...new Set(accepted.values())].filter((id) => !poison.has(id) && !doneIds.has(id)).length;
 // Every job the service took on and never finished, with where it sits: the failure report names each one.
 const idOf = (s: Submission) => accepted.get(s.key) ?? s.jobId;
 const taken = new Set(jobIds);
-const stranded = submissions.filter((s) => taken.has(idOf(s)) && !summaryIds.has(idOf(s)));
+const stranded = submissions.filter((s) => taken.has(idOf(s)) && !doneIds.has(idOf(s)));
 const strandedReport = await Promise.all(stranded.map(describeStranded)).catch((error) => [`  (${error})`]);
 const outboxRows = new Map<string, number>();
 for (const r of outbox) outboxRows.set(r.job_id, (outboxRows.get(r.job_id) ?? 0) + 1);
-const doneWithoutOutbox = jobIds.filter((id) => summaryIds.has(id) && !outboxRows.has(id)).length;
-const outboxUnknown = [...outboxRows.keys()].filter((id) => !taken.has(id)).length;
-const abandonedDone = abandonedRan.filter((s) => summaryIds.has(s.jobId)).length;
+const doneWithoutOutbox = jobIds.filter((id) => doneIds.has(id) && !outboxRows.has(id)).length;
+// Poison runs write their failure notification: they were taken on too.
+const outboxUnknown = [...outboxRows.keys()].filter((id) => !taken.has(id) && !poison.has(id)).length;
+const abandonedDone = abandonedRan.filter((s) => doneIds.has(s.jobId)).length;
 const abandonedAbsent = abandoned.size - abandonedRan.length;
 const dupSummaries = summaries.length - summaryIds.size;
 const dupOutbox = outbox.length - new Set(outbox.map((r) => r.job_id)).size;
-const unexpected = summaries.filter((r) => !jobIds.includes(r.job_id)).length;
+const dupOutboxKeys = outbox.length - new Set(outbox.map((r) => r.dedupe_key)).size;
+const unexpected = summaries.filter((r) => !taken.has(r.job_id) || runJobs.has(r.job_id)).length;
+// Every notification the run must have sent, once each, by its dedupe key: one per job taken on, and one per
+// poison run (its failure); a poison document (a summary) sends none.
+const poisonRuns = poisonRunJobs();
+const expectedEmailKeys = new Set<string>(), expectedWebhookKeys = new Set<string>();
+for (const id of [...jobIds, ...poisonRuns]) {
+  (webhookJobs.has(id) ? expectedWebhookKeys : expectedEmailKeys).add(notificationKey(id, poisonRuns.has(id)));
+}
+const expectedKeys = new Set([...expectedEmailKeys, ...expectedWebhookKeys]);
+const outboxUnexpected = outbox.filter((r) => !expectedKeys.has(r.dedupe_key)).length;
 const deliveredKeys = mail.delivered.map((d) => d.idempotencyKey);
 const distinctEmails = new Set(deliveredKeys).size;
 const dupEmails = deliveredKeys.length - distinctEmails;
-const emailJobs = jobIds.filter((id) => !webhookJobs.has(id)).length;
+const emailsUnexpected = [...new Set(deliveredKeys)].filter((k) => k === null || !expectedEmailKeys.has(k)).length;
 const webhookIds = [...receiver.processed.keys()];
-const webhooksRight = webhookIds.filter((id) => webhookJobs.has(receiver.processed.get(id)!)).length;
+// A webhook is right when its webhook-id is an expected notification's and its body names that job.
+const webhooksRight = webhookIds.filter((id) => expectedWebhookKeys.has(id) && id.endsWith(receiver.processed.get(id)!))
+  .length;
+
+// Task runs: as the `runs` view shows them, with their outcome's reason and their result row.
+const runRows = await db.sql<{ run_id: string; task: string; version: number; status: string; error: string | null }[]>`
+  SELECT r.run_id::text, r.task, r.version, r.status, o.error
+  FROM runs r JOIN job_outcomes o ON o.job_id = r.run_id WHERE r.task <> 'summarize'`;
+const runOf = new Map(runRows.map((r) => [r.run_id, r]));
+const runsTaken = jobIds.filter((id) => runJobs.has(id));
+const runsTakenSet = new Set(runsTaken);
+const runsDone = runRows.filter((r) => r.status === "done").length;
+const runsFailed = runRows.filter((r) => r.status === "failed").length;
+// Each run taken on is done, as the task's version the PUT made; a poison run failed for its output; nothing else.
+const runsWrong = runsTaken.filter((id) => {
+  const row = runOf.get(id);
+  return row?.status !== "done" || row.task !== TASK || !taskVersions.has(row.version);
+}).length + runRows.filter((r) => !taken.has(r.run_id) && !poisonRuns.has(r.run_id)).length;
+// Exactly one result per done run, and none for anything else (summaries, poison runs, jobs never taken on).
+const runResultsWrong = runsTaken.filter((id) => runOf.get(id)?.status === "done" && !runResultIds.has(id)).length +
+  runResults.filter((r) => !runsTakenSet.has(r.run_id)).length + (runResults.length - runResultIds.size);
+// Each output validates against the task's output schema: in its result row, and in its run.completed webhook.
+const runWebhooks = receiver.bodies.filter((b) => b.run_id !== undefined);
+const invalidOutputs = runResults.filter((r) => outputSchema.validate(r.output).length > 0).length +
+  runWebhooks.filter((b) =>
+    b.type === "run.completed" ? outputSchema.validate(b.output).length > 0 : b.type !== "run.failed"
+  ).length;
+const indexOf = new Map(submissions.map((s) => [idOf(s), s.i]));
+const answersTo = (id: string) => structuredAnswers.get(indexOf.get(id)!) ?? { first: 0, repair: 0 };
+const breaksOnceRuns = runsTaken.filter((id) => breaksOnce(indexOf.get(id)!));
+// A run whose first answer was not JSON is done only after a repair call's answer.
+const repaired = breaksOnceRuns.filter((id) => runOf.get(id)?.status === "done" && answersTo(id).repair > 0).length;
+// A poison run failed on its output after a first call and a repair call were answered, and said so once.
+const deliveredOnce = (key: string) =>
+  deliveredKeys.filter((k) => k === key).length + webhookIds.filter((k) => k === key).length === 1;
+const poisonRunsFailed = [...poisonRuns].filter((id) => {
+  const row = runOf.get(id);
+  return row?.status === "failed" && row.error?.includes("output_invalid: ") && answersTo(id).first > 0 &&
+    answersTo(id).repair > 0;
+}).length;
+const poisonRunsNotified = [...poisonRuns].filter((id) => deliveredOnce(notificationKey(id, true))).length;
 const deadIds = await allLanes(redisAdmin, serviceKeys(KEY_PREFIX))
   .then(async (lanes) =>
     (await Promise.all(lanes.map((l) => listDeadLetters(redisAdmin, l.keys, 10_000)))).flat().map((d) =>
@@ -689,7 +910,7 @@ const deadIds = await allLanes(redisAdmin, serviceKeys(KEY_PREFIX))
 const dead = deadIds?.length ?? -1;
 const poisonDead = deadIds?.filter((id) => id !== undefined && poison.has(id)).length ?? 0;
 const otherDead = dead - poisonDead;
-const poisonDone = [...poison].filter((id) => summaryIds.has(id)).length;
+const poisonDone = [...poison].filter((id) => doneIds.has(id)).length;
 const poisonDecided = await poisonFailed().catch(() => -1);
 
 const rows: [string, string][] = [
@@ -706,6 +927,10 @@ const rows: [string, string][] = [
     "process kills",
   ],
   ["jobs accepted", String(acceptedCount)],
+  [
+    `task ${TASK} PUT for every tenant (version ${[...taskVersions].join(", ")})`,
+    `${taskTenants} tenants in ${taskPutS.toFixed(1)} s`,
+  ],
   ...(NEW_TENANTS ? newTenantRows() : []),
   ["POST requests sent (with client retries)", String(postRequests)],
   ["processes killed (SIGKILL)", String(kills)],
@@ -713,13 +938,28 @@ const rows: [string, string][] = [
   ...events.map((e): [string, string] => ["infrastructure event", e]),
   ["jobs lost (accepted but never done)", String(lost)],
   ["dead-lettered", String(dead)],
-  ["poison documents dead-lettered (failed) / expected", `${poisonDead} (${poisonDecided}) / ${poison.size}`],
+  ["poison documents and runs dead-lettered (failed) / expected", `${poisonDead} (${poisonDecided}) / ${poison.size}`],
   ["duplicate summaries", String(dupSummaries)],
   ["duplicate outbox rows", String(dupOutbox)],
   ["summaries for jobs never accepted", String(unexpected)],
-  ["distinct emails delivered / expected", `${distinctEmails} / ${emailJobs}`],
+  [
+    `runs of ${TASK} (output schema): taken on / done / failed (poison runs)`,
+    `${runsTaken.length + poisonRuns.size} / ${runsDone} / ${runsFailed} (${poisonRuns.size})`,
+  ],
+  ["runs not done as expected / run results missing, extra or duplicated", `${runsWrong} / ${runResultsWrong}`],
+  ["run outputs failing the output schema (results and webhooks)", String(invalidOutputs)],
+  ["runs done after a repair call (first answer not JSON) / expected", `${repaired} / ${breaksOnceRuns.length}`],
+  [
+    "poison runs failed output_invalid after a repair call / notified once / expected",
+    `${poisonRunsFailed} / ${poisonRunsNotified} / ${poisonRuns.size}`,
+  ],
+  ["duplicate outbox dedupe keys / rows no job should have", `${dupOutboxKeys} / ${outboxUnexpected}`],
+  [
+    "distinct emails delivered / expected (not expected)",
+    `${distinctEmails} / ${expectedEmailKeys.size} (${emailsUnexpected})`,
+  ],
   ["emails delivered twice", String(dupEmails)],
-  ["distinct webhooks processed / expected", `${webhooksRight} / ${webhookJobs.size}`],
+  ["distinct webhooks processed / expected", `${webhooksRight} / ${expectedWebhookKeys.size}`],
   ["webhook requests / redeliveries the receiver deduplicated", `${receiver.requests} / ${receiver.redelivered}`],
   ["webhooks failing signature verification", String(receiver.badSignatures)],
   ["send requests / duplicates the provider absorbed", `${mail.requests} / ${mail.deduplicated}`],
@@ -806,8 +1046,14 @@ await db.close();
 
 const ok = !failure && stoppedCleanly && stuck.length === 0 && lost === 0 && dupSummaries === 0 && dupOutbox === 0 &&
   unexpected === 0 &&
-  dupEmails === 0 && distinctEmails === emailJobs && acceptedCount + abandoned.size === JOBS &&
-  webhooksRight === webhookJobs.size && webhookIds.length === webhookJobs.size && receiver.badSignatures === 0 &&
+  dupEmails === 0 && distinctEmails === expectedEmailKeys.size && emailsUnexpected === 0 &&
+  acceptedCount + abandoned.size === JOBS &&
+  webhooksRight === expectedWebhookKeys.size && webhookIds.length === expectedWebhookKeys.size &&
+  receiver.badSignatures === 0 &&
+  runsWrong === 0 && runResultsWrong === 0 && invalidOutputs === 0 && repaired === breaksOnceRuns.length &&
+  runsDone === runsTaken.length && runsFailed === poisonRuns.size &&
+  poisonRunsFailed === poisonRuns.size && poisonRunsNotified === poisonRuns.size &&
+  dupOutboxKeys === 0 && outboxUnexpected === 0 &&
   stranded.length === 0 &&
   poisonDead === poison.size && poisonDecided === poison.size && otherDead === 0 && poisonDone === 0 &&
   (!NEW_TENANTS || (doneWithoutOutbox === 0 && outboxUnknown === 0 && misnamed.length === 0));
