@@ -12,7 +12,7 @@ import { KeyReused } from "../idempotency/errors.ts";
 import type { Logger } from "../log/logger.ts";
 import type { ApiMetrics } from "../metrics/metrics.ts";
 import type { Authenticate } from "../tenants/authenticator.ts";
-import { type Intake, QueueFull } from "./intake.ts";
+import { type Intake, type IntakeResult, QueueFull } from "./intake.ts";
 import { cancelJob } from "../jobs/job_store.ts";
 import { jobDocument } from "./job_document.ts";
 import { markCancelled } from "./job_status.ts";
@@ -183,18 +183,73 @@ export async function cancelJobOf(
   return { job_id: jobId, status: "cancelled" };
 }
 
+/**
+ * The `Idempotency-Key` of a keyed POST, bare or as a Structured Field string.
+ * @throws {HttpError} 400 when it is missing or not 16 to 128 visible ASCII characters.
+ */
+export function idempotencyKeyFrom(req: Request): string {
+  const header = req.headers.get("idempotency-key");
+  if (header === null) throw new HttpError(400, "Idempotency-Key header is required");
+  const key = idempotencyKeyOf(header);
+  if (!IdempotencyKey.safeParse(key).success) {
+    throw new HttpError(400, "Idempotency-Key must be 16 to 128 visible ASCII characters");
+  }
+  return key;
+}
+
+/**
+ * Submits a validated POST through the intake and answers it: the stored `202` (with `Idempotent-Replayed`
+ * on a replay), or with `Prefer: wait=N` the `finished` document when the job finishes in time. A full
+ * queue is a `503` with `Retry-After`, a key reused with another body a `422`.
+ */
+export async function answerSubmission(
+  deps: SummaryApiDeps,
+  req: Request,
+  tenant: string,
+  submit: () => Promise<IntakeResult>,
+  { enqueued, finished }: {
+    /** Logs a new job (not a replay). */
+    enqueued: (jobId: string) => void;
+    /** The document a finished wait answers with. */
+    finished: (jobId: string, waited: Waited) => Promise<unknown>;
+  },
+): Promise<Response> {
+  try {
+    const { response, replayed, jobId } = await submit();
+    const headers: Record<string, string> = { ...response.headers };
+    if (replayed) {
+      headers["idempotent-replayed"] = "true";
+      deps.metrics?.api.replays.inc();
+    } else {
+      enqueued(jobId);
+    }
+    if (deps.waiter) headers.vary = "prefer";
+    const waited = await waitIfPreferred(deps, req, tenant, jobId);
+    if (waited?.finished) {
+      return json(200, await finished(jobId, waited), { ...headers, "preference-applied": waited.applied });
+    }
+    // A wait that ran out still applied the preference: the client can tell "waited" from "ignored".
+    if (waited) headers["preference-applied"] = waited.applied;
+    return json(response.status, response.body, headers);
+  } catch (error) {
+    if (error instanceof QueueFull) {
+      throw new HttpError(503, `${error.message}; try again later`, { "retry-after": String(error.retryAfterS) });
+    }
+    if (error instanceof KeyReused) {
+      deps.metrics?.api.keyReuse.inc();
+      throw new HttpError(422, error.message);
+    }
+    throw error;
+  }
+}
+
 /** The summary API's routes. */
 export function summaryRoutes(deps: SummaryApiDeps): Router {
   const { log, authenticate, intake } = deps;
 
   async function postSummary(req: Request): Promise<Response> {
     const tenant = await authenticate(req);
-    const header = req.headers.get("idempotency-key");
-    if (header === null) throw new HttpError(400, "Idempotency-Key header is required");
-    const key = idempotencyKeyOf(header);
-    if (!IdempotencyKey.safeParse(key).success) {
-      throw new HttpError(400, "Idempotency-Key must be 16 to 128 visible ASCII characters");
-    }
+    const key = idempotencyKeyFrom(req);
     const raw = await readJsonBody(req, deps.maxBodyBytes, { deadlineMs: deps.bodyDeadlineMs });
     const parsed = SummaryRequest.safeParse(raw);
     if (!parsed.success) {
@@ -204,36 +259,17 @@ export function summaryRoutes(deps: SummaryApiDeps): Router {
     }
     await checkNotify(deps, tenant, parsed.data.notify);
     const scope = { tenant, method: "POST", path: SUMMARIES, key };
-    try {
-      // With tracing on, the job's trace continues from this request's span (Deno.serve's) in the worker.
-      const { response, replayed, jobId } = await intake.submit({
-        scope,
-        request: parsed.data,
-        traceparent: currentTraceparent(),
-      });
-      const headers: Record<string, string> = { ...response.headers };
-      if (replayed) {
-        headers["idempotent-replayed"] = "true";
-        deps.metrics?.api.replays.inc();
-      } else {
-        log.info("job_enqueued", { job_id: jobId, tenant });
-      }
-      if (deps.waiter) headers.vary = "prefer";
-      const waited = await waitIfPreferred(deps, req, tenant, jobId);
-      if (waited?.finished) return json(200, waited.document, { ...headers, "preference-applied": waited.applied });
-      // A wait that ran out still applied the preference: the client can tell "waited" from "ignored".
-      if (waited) headers["preference-applied"] = waited.applied;
-      return json(response.status, response.body, headers);
-    } catch (error) {
-      if (error instanceof QueueFull) {
-        throw new HttpError(503, `${error.message}; try again later`, { "retry-after": String(error.retryAfterS) });
-      }
-      if (error instanceof KeyReused) {
-        deps.metrics?.api.keyReuse.inc();
-        throw new HttpError(422, error.message);
-      }
-      throw error;
-    }
+    // With tracing on, the job's trace continues from this request's span (Deno.serve's) in the worker.
+    return await answerSubmission(
+      deps,
+      req,
+      tenant,
+      () => intake.submit({ scope, request: parsed.data, traceparent: currentTraceparent() }),
+      {
+        enqueued: (jobId) => log.info("job_enqueued", { job_id: jobId, tenant }),
+        finished: (_, waited) => Promise.resolve(waited.document),
+      },
+    );
   }
 
   async function getSummary(req: Request, jobId: string): Promise<Response> {

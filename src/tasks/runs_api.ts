@@ -7,11 +7,16 @@
 import { readJsonBody } from "../http/body.ts";
 import { HttpError } from "../http/problem.ts";
 import { json, Router } from "../http/router.ts";
-import { KeyReused } from "../idempotency/errors.ts";
-import { QueueFull } from "../summaries/intake.ts";
-import { cancelJobOf, checkNotify, FINISHED, type SummaryApiDeps, waitIfPreferred } from "../summaries/api.ts";
+import {
+  answerSubmission,
+  cancelJobOf,
+  checkNotify,
+  FINISHED,
+  idempotencyKeyFrom,
+  type SummaryApiDeps,
+  waitIfPreferred,
+} from "../summaries/api.ts";
 import { jobDocument, type JobFound } from "../summaries/job_document.ts";
-import { IdempotencyKey, idempotencyKeyOf } from "../summaries/schemas.ts";
 import { currentTraceparent } from "../tracing.ts";
 import { TASK_NAME } from "./definition.ts";
 import { type SchemaViolation, unstorableJson } from "./json_schema.ts";
@@ -55,12 +60,7 @@ export function runRoutes(deps: RunApiDeps): Router {
   async function postRun(req: Request, name: string): Promise<Response> {
     const tenant = await deps.authenticate(req);
     if (!TASK_NAME.test(name)) throw new HttpError(404, `No task ${name} for this tenant`);
-    const header = req.headers.get("idempotency-key");
-    if (header === null) throw new HttpError(400, "Idempotency-Key header is required");
-    const key = idempotencyKeyOf(header);
-    if (!IdempotencyKey.safeParse(key).success) {
-      throw new HttpError(400, "Idempotency-Key must be 16 to 128 visible ASCII characters");
-    }
+    const key = idempotencyKeyFrom(req);
     const raw = await readJsonBody(req, deps.maxBodyBytes, { deadlineMs: deps.bodyDeadlineMs });
     const parsed = RunRequest.safeParse(raw);
     if (!parsed.success) {
@@ -87,38 +87,27 @@ export function runRoutes(deps: RunApiDeps): Router {
       input: request.input,
       notify: request.notify,
     };
-    try {
-      const { response, replayed, jobId } = await deps.intake.submitRun({
-        scope,
-        request,
-        run: { task: task.name, version: task.version, payload: JSON.stringify(payload) },
-        traceparent: currentTraceparent(),
-      });
-      const headers: Record<string, string> = { ...response.headers };
-      if (replayed) {
-        headers["idempotent-replayed"] = "true";
-        deps.metrics?.api.replays.inc();
-      } else {
-        deps.log.info("run_enqueued", { job_id: jobId, tenant, task: task.name, version: task.version });
-      }
-      if (deps.waiter) headers.vary = "prefer";
-      const waited = await waitIfPreferred(deps, req, tenant, jobId);
-      if (waited?.finished) {
-        const now = await jobDocument(deps, tenant, jobId);
-        if (now) return json(200, runDocument(now), { ...headers, "preference-applied": waited.applied });
-      }
-      if (waited) headers["preference-applied"] = waited.applied;
-      return json(response.status, response.body, headers);
-    } catch (error) {
-      if (error instanceof QueueFull) {
-        throw new HttpError(503, `${error.message}; try again later`, { "retry-after": String(error.retryAfterS) });
-      }
-      if (error instanceof KeyReused) {
-        deps.metrics?.api.keyReuse.inc();
-        throw new HttpError(422, error.message);
-      }
-      throw error;
-    }
+    return await answerSubmission(
+      deps,
+      req,
+      tenant,
+      () =>
+        deps.intake.submitRun({
+          scope,
+          request,
+          run: { task: task.name, version: task.version, payload: JSON.stringify(payload) },
+          traceparent: currentTraceparent(),
+        }),
+      {
+        enqueued: (jobId) =>
+          deps.log.info("run_enqueued", { job_id: jobId, tenant, task: task.name, version: task.version }),
+        // The wait ended on the run's outcome: read it once more for its output and tokens by kind.
+        finished: async (jobId, waited) => {
+          const now = await jobDocument(deps, tenant, jobId);
+          return now ? runDocument(now) : waited.document;
+        },
+      },
+    );
   }
 
   async function getRun(req: Request, runId: string): Promise<Response> {
