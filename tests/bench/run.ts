@@ -30,11 +30,13 @@ import { SUMMARY_READY_KEY_PREFIX } from "../../src/summaries/commit.ts";
 import { cpuMs, sdkCeiling, startModelProcess, startServiceProcess, startWorkerProcess } from "./worker_process.ts";
 import { completionBody } from "../support/fake_model_server.ts";
 import { Redis } from "ioredis";
-import { enqueueJob, enqueueToLane } from "../support/enqueue.ts";
+import { enqueueJob, enqueueRunToLane, enqueueToLane } from "../support/enqueue.ts";
 import { freePort } from "../support/free_port.ts";
 import { type ProviderRun, providerRun } from "./provider_bench.ts";
 import { type TokenShareRun, tokenShareRun } from "./token_share.ts";
 import { fmt, median, quantile } from "./stats.ts";
+import { RUN_BODY, storedDefinition, TRIAGE_BODIES, triageInput } from "./triage_task.ts";
+import { putTaskVersion } from "../../src/jobs/task_store.ts";
 
 const ADMIN_URL = Deno.env.get("BENCH_DATABASE_URL") ?? "postgres://postgres@127.0.0.1:5432/postgres";
 const REDIS_URL = Deno.env.get("BENCH_REDIS_URL") ?? "redis://127.0.0.1:6379/0";
@@ -68,7 +70,11 @@ const fixedLlm = (delayMs: number): LLM => ({
       : Promise.resolve({ text: "Revenue rose." }),
 });
 
-async function countRows(sql: Sql, table: "summaries" | "outbox", sentOnly = false): Promise<number> {
+async function countRows(
+  sql: Sql,
+  table: "summaries" | "outbox" | "run_results",
+  sentOnly = false,
+): Promise<number> {
   const [row] = sentOnly
     ? await sql<{ n: number }[]>`SELECT count(*)::int AS n FROM outbox WHERE sent_at IS NOT NULL`
     : await sql<{ n: number }[]>`SELECT count(*)::int AS n FROM ${sql(table)}`;
@@ -83,6 +89,17 @@ async function enqueueMany(r: ScratchRedis, n: number, keys = jobKeys(r.prefix))
     }
     await p.exec();
   }
+}
+
+/** The load run whose rate is the median of `results` (its p50 and p99 go with it). */
+function medianRun(results: HttpLoad[]): { rps: number; p50: number; p99: number } {
+  const mid = results.find((x) => x.perSecond === median(results.map((y) => y.perSecond)))!;
+  return { rps: mid.perSecond, p50: mid.p50, p99: mid.p99 };
+}
+
+/** How the intake rows name their load generator. */
+function generatorLabel(generator: string): string {
+  return generator === "wrk" ? "wrk" : "Deno fetch loop (wrk unavailable: the baseline is the generator's limit)";
 }
 
 async function startIngestServer(
@@ -114,6 +131,7 @@ async function startIngestServer(
   if (!value?.includes("ready")) throw new Error(`ingest server (${mode}) did not start`);
   reader.releaseLock();
   return {
+    pid: child.pid,
     async stop() {
       child.kill("SIGTERM");
       await child.status;
@@ -154,8 +172,7 @@ async function benchIngest() {
       const errors = results.reduce((n, x) => n + x.errors, 0);
       if (errors > 0) throw new Error(`ingest ${mode}: ${errors} requests were not answered 202`);
       generator = results[0]!.generator;
-      const mid = results.find((x) => x.perSecond === median(results.map((y) => y.perSecond)))!;
-      return { rps: mid.perSecond, p50: mid.p50, p99: mid.p99 };
+      return medianRun(results);
     } finally {
       await server.stop();
     }
@@ -168,7 +185,7 @@ async function benchIngest() {
     progress("ingest: real API, replays");
     const replay = await run("api", true);
     const ratio = api.rps / bare.rps;
-    const by = generator === "wrk" ? "wrk" : "Deno fetch loop (wrk unavailable: the baseline is the generator's limit)";
+    const by = generatorLabel(generator);
     rows.push({
       benchmark: `Ingest POST/s, unique keys, 64 connections, ${by}`,
       result: `${fmt(api.rps)}/s (p50 ${fmt(api.p50, 1)} ms, p99 ${fmt(api.p99, 1)} ms)`,
@@ -187,6 +204,100 @@ async function benchIngest() {
       baselineValue: bare.rps,
     });
   } finally {
+    await r.close();
+    await db.close();
+  }
+}
+
+/**
+ * Run intake (`POST /v1/tasks/{name}/runs`: the task version through the cache, the input validated against
+ * its schema) against summary intake, both with unique keys on one API server, the two loads alternating.
+ */
+async function benchIngestRuns() {
+  const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
+  const r = await createScratchRedis(REDIS_URL, "oncely_bench");
+  const key = await createApiKey(db.sql, "bench");
+  const seconds = smoke ? 1 : 5;
+  const port = freePort();
+  const server = await startIngestServer("api", port, db.url, r.prefix);
+  const base = `http://127.0.0.1:${port}`;
+  const headers = { authorization: `Bearer ${key}`, "content-type": "application/json" };
+  const post = async (path: string, body: unknown, method = "POST", extra: Record<string, string> = {}) => {
+    const res = await fetch(`${base}${path}`, {
+      method,
+      headers: { ...headers, ...extra },
+      body: JSON.stringify(body),
+    });
+    return { status: res.status, text: await res.text() };
+  };
+  const paths = { summaries: ["/v1/summaries", BODY], runs: ["/v1/tasks/triage/runs", RUN_BODY] } as const;
+  const runId = crypto.randomUUID().slice(0, 8);
+  // The API process's CPU per accepted request as well: on a shared machine it moves less than the rate does.
+  const load = async (which: keyof typeof paths, seconds: number, tag: string) => {
+    const before = await cpuMs(server.pid);
+    const result = await postLoad({
+      url: `${base}${paths[which][0]}`,
+      headers,
+      body: paths[which][1],
+      vary: { header: "idempotency-key", prefix: `bench-${which}-${runId}-${tag}-` },
+      connections: 64,
+      seconds,
+      expectStatus: 202,
+    }, progress);
+    const cpuUs = ((await cpuMs(server.pid)) - before) * 1000 / (result.perSecond * seconds);
+    progress(
+      `ingest runs: ${which}: ${fmt(result.perSecond)}/s, p99 ${fmt(result.p99, 1)} ms, ${fmt(cpuUs)} µs CPU/req`,
+    );
+    return { ...result, cpuUs };
+  };
+  try {
+    const put = await post("/v1/tasks/triage", TRIAGE_BODIES.text, "PUT");
+    if (put.status !== 201) throw new Error(`ingest runs: PUT /v1/tasks/triage answered ${put.status}: ${put.text}`);
+    // The input is validated on this path: a value outside the schema's enum is refused.
+    const bad = await post("/v1/tasks/triage/runs", { input: { ticket: "x", product: "y", channel: "fax" } }, "POST", {
+      "idempotency-key": `bench-bad-input-${runId}`,
+    });
+    if (bad.status !== 422 || !bad.text.includes("/input/channel")) {
+      throw new Error(`ingest runs: an input outside the schema answered ${bad.status}: ${bad.text.slice(0, 300)}`);
+    }
+    if (!smoke) {
+      // Both paths compiled by the JIT before either is measured: one second each left the first pair cold.
+      progress("ingest runs: warm-up, 3 s of summaries then 3 s of runs");
+      await load("summaries", 3, "warm");
+      await load("runs", 3, "warm");
+    }
+    const results: Record<keyof typeof paths, (HttpLoad & { cpuUs: number })[]> = { summaries: [], runs: [] };
+    for (let i = 0; i < RUNS; i++) {
+      // Alternating which goes first, so neither always runs behind the other's backlog (Redis memory, GC).
+      const order = i % 2 === 0 ? (["summaries", "runs"] as const) : (["runs", "summaries"] as const);
+      for (const which of order) {
+        progress(`ingest runs: POST ${paths[which][0]}, unique keys, ${seconds} s (run ${i + 1})`);
+        results[which].push(await load(which, seconds, String(i)));
+      }
+    }
+    for (const [which, list] of Object.entries(results)) {
+      const errors = list.reduce((n, x) => n + x.errors, 0);
+      if (errors > 0) throw new Error(`ingest runs: ${errors} POSTs to ${which} were not answered 202`);
+    }
+    const summaries = medianRun(results.summaries), runs = medianRun(results.runs);
+    const ratio = runs.rps / summaries.rps;
+    const cpu = (which: keyof typeof paths) => median(results[which].map((x) => x.cpuUs));
+    rows.push({
+      benchmark: `Run intake POST /v1/tasks/{name}/runs per s, input schema of 3 properties, unique keys, ` +
+        `64 connections, ${generatorLabel(results.runs[0]!.generator)}`,
+      result: `${fmt(runs.rps)}/s (p50 ${fmt(runs.p50, 1)} ms, p99 ${fmt(runs.p99, 1)} ms); ` +
+        `API CPU ${fmt(cpu("runs"))} µs/request`,
+      baseline: `summary intake POST /v1/summaries, same API process, alternating: ${fmt(summaries.rps)}/s ` +
+        `(p50 ${fmt(summaries.p50, 1)} ms, p99 ${fmt(summaries.p99, 1)} ms); API CPU ${
+          fmt(cpu("summaries"))
+        } µs/request`,
+      ratio: `${fmt(ratio, 2)}x`,
+      goal: `>= 0.9x ${ratio >= 0.9 ? "(met)" : "(NOT met)"}`,
+      value: runs.rps,
+      baselineValue: summaries.rps,
+    });
+  } finally {
+    await server.stop();
     await r.close();
     await db.close();
   }
@@ -372,8 +483,15 @@ async function benchWorker() {
   });
 }
 
-/** The real worker process (main.ts worker, the openai SDK over HTTP) over `jobs` jobs; jobs/s and CPU ms per job. */
-async function workerProcessRun(modelUrl: string, jobs: number) {
+/**
+ * The real worker process (main.ts worker, the openai SDK over HTTP) over `jobs` jobs; jobs/s and CPU ms per
+ * job. Summary jobs, or with `task`, runs of that task (stored as version 1 first).
+ */
+async function workerProcessRun(
+  model: { url: string; pid: number },
+  jobs: number,
+  task?: { name: string; body: unknown },
+) {
   const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
   const url = await emptyRedisDatabase(REDIS_URL);
   const redis = new Redis(url, { maxRetriesPerRequest: 1 });
@@ -381,7 +499,7 @@ async function workerProcessRun(modelUrl: string, jobs: number) {
     DATABASE_URL: db.url,
     REDIS_URL: url,
     OPENAI_API_KEY: "sk-bench",
-    OPENAI_BASE_URL: modelUrl,
+    OPENAI_BASE_URL: model.url,
     WORKER_CONCURRENCY: "256",
     LLM_RPM: "",
     LLM_TPM: "",
@@ -389,24 +507,48 @@ async function workerProcessRun(modelUrl: string, jobs: number) {
   });
   try {
     const keys = serviceKeys(KEY_PREFIX);
+    if (task) await putTaskVersion(db.sql, "bench", task.name, storedDefinition(task.body));
     const before = await cpuMs(worker.pid);
+    const modelBefore = await cpuMs(model.pid);
     const started = performance.now();
-    await Promise.all(Array.from({ length: jobs }, () =>
-      enqueueToLane(redis, keys, {
-        jobId: crypto.randomUUID(),
-        tenant: "bench",
-        request: JSON.parse(BODY),
-      })));
+    await Promise.all(Array.from({ length: jobs }, (_, i) =>
+      task
+        ? enqueueRunToLane(redis, keys, {
+          jobId: crypto.randomUUID(),
+          tenant: "bench",
+          run: { task: task.name, version: 1, input: triageInput(i) },
+        })
+        : enqueueToLane(redis, keys, {
+          jobId: crypto.randomUUID(),
+          tenant: "bench",
+          request: JSON.parse(BODY),
+        })));
     const end = performance.now() + 180_000;
+    // Every job decided (a run whose answer failed its schema is decided failed): then all must be done.
+    const decided = async () => {
+      const [row] = await db.sql<{ n: number; done: number }[]>`
+        SELECT count(*)::int AS n, (count(*) FILTER (WHERE outcome = 'done'))::int AS done FROM job_outcomes`;
+      return row!;
+    };
     for (;;) {
-      const done = await countRows(db.sql, "summaries");
-      if (done >= jobs) break;
-      if (performance.now() > end) throw new Error(`worker process: ${done}/${jobs} done in 180 s`);
+      const { n } = await decided();
+      if (n >= jobs) break;
+      if (performance.now() > end) throw new Error(`worker process: ${n}/${jobs} decided in 180 s`);
       await sleep(20);
     }
     const seconds = (performance.now() - started) / 1000;
     const after = await cpuMs(worker.pid);
-    return { perSecond: jobs / seconds, cpuMsPerJob: (after - before) / jobs };
+    const modelAfter = await cpuMs(model.pid);
+    const { done } = await decided();
+    const results = task ? await countRows(db.sql, "run_results") : await countRows(db.sql, "summaries");
+    if (done !== jobs || results !== jobs) {
+      throw new Error(`worker process: ${done}/${jobs} done, ${results} results written`);
+    }
+    return {
+      perSecond: jobs / seconds,
+      cpuMsPerJob: (after - before) / jobs,
+      modelCpuMsPerJob: (modelAfter - modelBefore) / jobs,
+    };
   } finally {
     await worker.stop();
     await redis.flushdb().catch(() => {});
@@ -426,7 +568,7 @@ async function benchWorkerProcess() {
       for (let i = 0; i < RUNS; i++) {
         progress(`worker process: ${jobs} jobs, ${label}, concurrency 256: SDK alone, then the worker (run ${i + 1})`);
         sdk.push(await sdkCeiling(model.url, 256, jobs));
-        ours.push(await workerProcessRun(model.url, jobs));
+        ours.push(await workerProcessRun(model, jobs));
       }
       const rate = median(ours.map((x) => x.perSecond));
       const ceiling = median(sdk.map((x) => x.perSecond));
@@ -441,6 +583,49 @@ async function benchWorkerProcess() {
         ratio: `${fmt(rate / ceiling, 2)}x`,
         value: rate,
         baselineValue: ceiling,
+      });
+    } finally {
+      await model.stop();
+    }
+  }
+}
+
+/**
+ * The real worker process running a task with an output schema (strict json_schema, the answer parsed and
+ * validated) against the same task without one (text), on one fake model process, the two alternating.
+ */
+async function benchWorkerProcessTasks() {
+  // Smoke: only that both paths run, so only the instant model and a few jobs.
+  for (const delayMs of smoke ? [0] : [200, 0]) {
+    const jobs = smoke ? 100 : delayMs ? 6_000 : 5_000;
+    const model = await startModelProcess(delayMs);
+    const label = delayMs ? `${delayMs} ms model` : "instant model";
+    try {
+      const runs: Record<"json" | "text", Awaited<ReturnType<typeof workerProcessRun>>[]> = { json: [], text: [] };
+      for (let i = 0; i < RUNS; i++) {
+        const order = i % 2 === 0 ? (["json", "text"] as const) : (["text", "json"] as const);
+        for (const kind of order) {
+          progress(`worker process, task runs: ${jobs} runs, ${label}, ${kind} output (run ${i + 1})`);
+          const run = await workerProcessRun(model, jobs, { name: `triage-${kind}`, body: TRIAGE_BODIES[kind] });
+          progress(
+            `worker process, task runs: ${kind}: ${fmt(run.perSecond)}/s, CPU ${fmt(run.cpuMsPerJob, 2)} ms/run`,
+          );
+          runs[kind].push(run);
+        }
+      }
+      const rate = (kind: keyof typeof runs) => median(runs[kind].map((x) => x.perSecond));
+      const cpu = (kind: keyof typeof runs) => median(runs[kind].map((x) => x.cpuMsPerJob));
+      const modelCpu = (kind: keyof typeof runs) => median(runs[kind].map((x) => x.modelCpuMsPerJob));
+      rows.push({
+        benchmark: `Worker runs/s of a task with an output schema (structured output, validated), real worker ` +
+          `process, openai SDK over HTTP, ${label}, WORKER_CONCURRENCY=256`,
+        result: `${fmt(rate("json"))}/s; worker CPU ${fmt(cpu("json"), 2)} ms/run ` +
+          `(fake model's ${fmt(modelCpu("json"), 2)} ms)`,
+        baseline: `same task without an output schema (text), same run: ${fmt(rate("text"))}/s; ` +
+          `worker CPU ${fmt(cpu("text"), 2)} ms/run (fake model's ${fmt(modelCpu("text"), 2)} ms)`,
+        ratio: `${fmt(rate("json") / rate("text"), 2)}x`,
+        value: rate("json"),
+        baselineValue: rate("text"),
       });
     } finally {
       await model.stop();
@@ -973,9 +1158,11 @@ const sections: Record<string, () => Promise<void>> = {
   // Memory first: its baseline is then the RSS of a fresh process.
   memory: benchMemory,
   ingest: benchIngest,
+  "ingest-runs": benchIngestRuns,
   "ingest-profile": benchIngestProfile,
   worker: benchWorker,
   "worker-process": benchWorkerProcess,
+  "worker-process-tasks": benchWorkerProcessTasks,
   queue: benchQueue,
   fairness: benchFairness,
   "token-share": benchTokenShare,

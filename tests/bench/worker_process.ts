@@ -65,7 +65,7 @@ export async function startServiceProcess(
 }
 
 /** A fake model in its own process. */
-export async function startModelProcess(delayMs: number): Promise<{ url: string; stop(): Promise<void> }> {
+export async function startModelProcess(delayMs: number): Promise<{ url: string; pid: number; stop(): Promise<void> }> {
   const child = new Deno.Command(Deno.execPath(), {
     args: ["run", "--allow-net=127.0.0.1", new URL("./model_server.ts", import.meta.url).pathname, String(delayMs)],
     stdout: "piped",
@@ -77,6 +77,7 @@ export async function startModelProcess(delayMs: number): Promise<{ url: string;
   if (!url.startsWith("http")) throw new Error(`model server did not start: ${value}`);
   return {
     url,
+    pid: child.pid,
     async stop() {
       child.kill("SIGTERM");
       await child.status;

@@ -8,6 +8,7 @@ import type { JobKeys, ServiceKeys } from "../../src/summaries/keys.ts";
 import { announceLane } from "../../src/queue/lanes.ts";
 import { markQueued } from "../../src/summaries/job_status.ts";
 import type { SummaryRequest } from "../../src/summaries/schemas.ts";
+import type { RunPayload } from "../../src/tasks/run_payload.ts";
 
 // ENQUEUE: puts a job on a stream and records it as queued, in one command.
 // KEYS[1]  the stream.
@@ -43,6 +44,27 @@ export async function enqueueJob(
     JSON.stringify(job.request),
     JSON.stringify(markQueued(job.tenant)),
   ]);
+  return id as string;
+}
+
+/**
+ * Enqueues a run of a task into the tenant's lane, as `POST /v1/tasks/{name}/runs` does after validating its
+ * input (the payload names the version, which must exist for the worker), and announces the lane.
+ * @returns the stream entry id.
+ */
+export async function enqueueRunToLane(
+  redis: RedisClient,
+  keys: ServiceKeys,
+  job: { jobId: string; tenant: string; run: RunPayload },
+): Promise<string> {
+  const lane = keys.lane(job.tenant);
+  const id = await ENQUEUE.run(redis, [lane.stream, lane.job(job.jobId)], [
+    job.jobId,
+    job.tenant,
+    JSON.stringify(job.run),
+    JSON.stringify(markQueued(job.tenant, job.run)),
+  ]);
+  await announceLane(redis, keys.registry, job.tenant);
   return id as string;
 }
 
