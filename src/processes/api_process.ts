@@ -31,8 +31,9 @@ export interface ApiDeps extends SummaryApiDeps {
   metrics?: { api: ApiMetrics; registry: Registry; token?: string };
   /** Task versions, read through a cache; one for this handler when unset. */
   tasks?: TaskCache;
-  /** Validates run inputs against input schemas; in this thread when unset. */
+  /** Validates run inputs against input schemas (`SchemaValidators`); validators of this handler's own when unset. */
   validate?: RunApiDeps["validate"];
+  validateNow?: RunApiDeps["validateNow"];
 }
 
 /**
@@ -43,10 +44,12 @@ export interface ApiDeps extends SummaryApiDeps {
  */
 export function createApiHandler(deps: ApiDeps): (req: Request, client?: Client) => Promise<Response> {
   const { console: operatorConsole, metrics } = deps;
+  const own = deps.validate ? undefined : createSchemaValidators();
   const runs: RunApiDeps = {
     ...deps,
     tasks: deps.tasks ?? createTaskCache(deps.sql),
-    validate: deps.validate ?? createSchemaValidators().validate,
+    validate: deps.validate ?? own!.validate,
+    validateNow: deps.validate ? deps.validateNow : own!.validateNow,
   };
   const openApi = openApiDocument();
   const router = new Router()
@@ -100,6 +103,7 @@ export async function serveApi(
   const validators = createSchemaValidators();
   const handler = createApiHandler({
     validate: validators.validate,
+    validateNow: validators.validateNow,
     console: operatorConsole,
     waiter,
     shutdown: signal,

@@ -29,6 +29,8 @@ export interface RunApiDeps extends SummaryApiDeps {
   tasks: TaskCache;
   /** Validates an input against a task's input schema, compiled once per `key`. */
   validate: (key: string, schema: unknown, instance: unknown) => Promise<SchemaViolation[]>;
+  /** The same without a wait when the validation is small (`SchemaValidators.validateNow`); undefined otherwise. */
+  validateNow?: (key: string, schema: unknown, instance: unknown) => SchemaViolation[] | undefined;
 }
 
 const RUN_PATH = /^\/v1\/runs\/([^/]+)$/;
@@ -74,11 +76,15 @@ export function runRoutes(deps: RunApiDeps): Router {
         throw refused(`/${field}`, `${field} is not available yet on this server; send the run without it`);
       }
     }
-    const task = await deps.tasks.get(tenant, name, request.version);
+    const unstorable = unstorableJson(request.input);
+    if (unstorable) throw refused(`/input${unstorable.pointer}`, unstorable.message);
+    // Cached, the version is found without a wait (every await on this path costs throughput).
+    const task = deps.tasks.peek(tenant, name, request.version) ?? await deps.tasks.get(tenant, name, request.version);
     if (!task) {
       throw new HttpError(404, `No task ${name}${request.version === undefined ? "" : ` version ${request.version}`}`);
     }
-    await checkInput(deps, task, request.input);
+    const violations = deps.validateNow?.(`${task.key}/input`, task.definition.input_schema, request.input);
+    if (violations === undefined || violations.length > 0) await checkInput(deps, task, request.input, violations);
     if (request.notify !== undefined) await checkNotify(deps, tenant, request.notify);
     const scope = { tenant, method: "POST", path: `/v1/tasks/${name}/runs`, key };
     const payload: RunPayload = {
@@ -160,12 +166,12 @@ async function checkInput(
   deps: RunApiDeps,
   task: { key: string; definition: { input_schema: unknown } },
   input: Record<string, unknown>,
+  /** The violations already found, when the validation ran in this thread. */
+  found?: SchemaViolation[],
 ): Promise<void> {
-  const unstorable = unstorableJson(input);
-  if (unstorable) throw refused(`/input${unstorable.pointer}`, unstorable.message);
   let violations: SchemaViolation[];
   try {
-    violations = await deps.validate(`${task.key}/input`, task.definition.input_schema, input);
+    violations = found ?? await deps.validate(`${task.key}/input`, task.definition.input_schema, input);
   } catch (error) {
     deps.log.warn("input_validation_failed", { task: task.key, error });
     throw refused("/input", `the input could not be validated: ${(error as Error).message}`);

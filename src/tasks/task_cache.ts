@@ -25,8 +25,11 @@ export const TASK_CACHE = { maxVersions: 10_000, latestTtlMs: 1_000 };
 export interface TaskCache {
   /** The task's version `version`, or its latest; undefined when there is none. */
   get(tenant: string, name: string, version?: number): Promise<LoadedTask | undefined>;
-  /** The version `version` if this process has read it already (a worker's usual case, without a wait). */
-  peek(tenant: string, name: string, version: number): LoadedTask | undefined;
+  /**
+   * Without a wait: the version `version` if this process has read it already (a worker's usual case), or
+   * without `version` the latest as last read within `TASK_CACHE.latestTtlMs`; undefined otherwise (call `get`).
+   */
+  peek(tenant: string, name: string, version?: number): LoadedTask | undefined;
   /** Forgets which version of the task is the latest (this process has just stored one). */
   forgetLatest(tenant: string, name: string): void;
 }
@@ -71,8 +74,9 @@ export function createTaskCache(sql: Sql): TaskCache {
       return task;
     },
     peek(tenant, name, version) {
-      if (name === BUILT_IN_TASK) return version === 1 ? SUMMARIZE_TASK : undefined;
-      return versions.get(`${tenant}/${name}/${version}`);
+      if (name === BUILT_IN_TASK) return version === undefined || version === 1 ? SUMMARIZE_TASK : undefined;
+      const wanted = version ?? fresh(latest.get(`${tenant}/${name}`))?.version;
+      return wanted === undefined ? undefined : versions.get(`${tenant}/${name}/${wanted}`);
     },
     forgetLatest(tenant, name) {
       latest.delete(`${tenant}/${name}`);

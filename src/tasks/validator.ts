@@ -58,6 +58,12 @@ export interface SchemaValidators {
    * @throws {SchemaRefused} when `compileSchema` refuses `schema`.
    */
   validate(key: string, schema: unknown, instance: unknown): Promise<SchemaViolation[]>;
+  /**
+   * The fast path alone, without a wait: the violations when the validation is small enough for this
+   * thread, undefined when it must go to a Worker (call `validate`).
+   * @throws {SchemaRefused} when `compileSchema` refuses `schema`.
+   */
+  validateNow(key: string, schema: unknown, instance: unknown): SchemaViolation[] | undefined;
   /** Terminates the Workers; validations still waiting or running reject. */
   close(): Promise<void>;
 }
@@ -236,6 +242,12 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
   };
 
   return {
+    validateNow(key, schema, instance) {
+      if (closed) throw new Error("The schema validators are closed");
+      const entry = compiledFor(key, schema);
+      if (entry.linear && withinBudget(entry, instance, limits.fastPathUnits)) return entry.compiled.validate(instance);
+      return undefined;
+    },
     validate(key, schema, instance) {
       if (closed) return Promise.reject(new Error("The schema validators are closed"));
       let entry: Compiled;
