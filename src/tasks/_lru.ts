@@ -5,6 +5,8 @@
  */
 export class Lru<K, V> {
   readonly #entries = new Map<K, V>();
+  /** The most recently used key: a hit on it needs no move. */
+  #last: K | undefined;
 
   constructor(readonly capacity: number) {
     if (!Number.isInteger(capacity) || capacity < 1) {
@@ -14,10 +16,12 @@ export class Lru<K, V> {
 
   /** The value under `key`, now the most recently used; undefined when absent. */
   get(key: K): V | undefined {
+    if (key === this.#last) return this.#entries.get(key);
     if (!this.#entries.has(key)) return undefined;
     const value = this.#entries.get(key) as V;
     this.#entries.delete(key);
     this.#entries.set(key, value);
+    this.#last = key;
     return value;
   }
 
@@ -25,10 +29,12 @@ export class Lru<K, V> {
   set(key: K, value: V): void {
     this.#entries.delete(key);
     this.#entries.set(key, value);
+    this.#last = key;
     if (this.#entries.size > this.capacity) this.#entries.delete(this.#entries.keys().next().value as K);
   }
 
   clear(): void {
     this.#entries.clear();
+    this.#last = undefined;
   }
 }

@@ -86,7 +86,7 @@ export function compileSchema(schema: unknown): CompiledSchema {
     throw new SchemaRefused("", "must be an object or a boolean");
   }
   // The JSON itself first (before anything recursive runs on it): depth, storable text, finite numbers.
-  checkJson(schema, "", 0);
+  checkJson(schema, "", undefined, 0);
   const checked = meta().validate(schema);
   if (!checked.valid) {
     const first = deepest(checked.errors);
@@ -128,26 +128,35 @@ const UNSUPPORTED = new Set(["$dynamicRef", "$dynamicAnchor", "$recursiveRef", "
  * The schema's JSON as data: at most `maxDepth` deep, every string and key storable in Postgres (no NUL, no
  * unpaired surrogate), every number finite (JSON's 1e400 parses to Infinity and would be stored as null).
  */
-function checkJson(node: unknown, pointer: string, depth: number): void {
+function checkJson(node: unknown, parent: string, key: string | undefined, depth: number): number {
+  // The pointer is built only where it is needed (a refusal, or the parent of an object's entries).
+  const pointer = () => (key === undefined ? parent : `${parent}/${escapePointer(key)}`);
   if (typeof node === "string") {
     if (node.includes("\u0000") || !node.isWellFormed()) {
-      throw new SchemaRefused(pointer, "a string with a NUL character or an unpaired surrogate");
+      throw new SchemaRefused(pointer(), "a string with a NUL character or an unpaired surrogate");
     }
-    return;
+    return 1 + (node.length >> 6);
   }
   if (typeof node === "number") {
-    if (!Number.isFinite(node)) throw new SchemaRefused(pointer, "a number too large to store");
-    return;
+    if (!Number.isFinite(node)) throw new SchemaRefused(pointer(), "a number too large to store");
+    return 1;
   }
-  if (typeof node !== "object" || node === null) return;
+  if (typeof node !== "object" || node === null) return 1;
   if (depth >= SCHEMA_LIMITS.maxDepth) {
-    throw new SchemaRefused(pointer, `nested more than ${SCHEMA_LIMITS.maxDepth} levels deep`);
+    throw new SchemaRefused(pointer(), `nested more than ${SCHEMA_LIMITS.maxDepth} levels deep`);
   }
-  for (const [key, value] of Object.entries(node)) {
-    const at = `${pointer}/${escapePointer(key)}`;
-    if (!Array.isArray(node)) checkJson(key, at, depth + 1);
-    checkJson(value, at, depth + 1);
+  const here = pointer();
+  let units = 1;
+  if (Array.isArray(node)) {
+    for (let i = 0; i < node.length; i++) units += checkJson(node[i], here, String(i), depth + 1);
+    return units;
   }
+  for (const name in node) {
+    if (!Object.hasOwn(node, name)) continue;
+    units += checkJson(name, here, name, depth + 1) +
+      checkJson((node as Record<string, unknown>)[name], here, name, depth + 1);
+  }
+  return units;
 }
 
 /**
@@ -334,12 +343,12 @@ function escapePointer(key: string): string {
 
 /**
  * Where a value (a run's input) holds what Postgres's jsonb cannot store or what is nested too deep: the
- * pointer and the reason; undefined when it is storable.
+ * pointer and the reason; else its size in the validators' units (a value, a key, 64 characters of a string:
+ * see `validator.ts`), for a validation's bound.
  */
-export function unstorableJson(value: unknown): { pointer: string; message: string } | undefined {
+export function unstorableJson(value: unknown): { pointer: string; message: string } | { units: number } {
   try {
-    checkJson(value, "", 0);
-    return undefined;
+    return { units: checkJson(value, "", undefined, 0) };
   } catch (error) {
     if (!(error instanceof SchemaRefused)) throw error;
     return { pointer: error.pointer, message: error.message };

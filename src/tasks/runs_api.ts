@@ -30,7 +30,7 @@ export interface RunApiDeps extends SummaryApiDeps {
   /** Validates an input against a task's input schema, compiled once per `key`. */
   validate: (key: string, schema: unknown, instance: unknown) => Promise<SchemaViolation[]>;
   /** The same without a wait when the validation is small (`SchemaValidators.validateNow`); undefined otherwise. */
-  validateNow?: (key: string, schema: unknown, instance: unknown) => SchemaViolation[] | undefined;
+  validateNow?: (key: string, schema: unknown, instance: unknown, units?: number) => SchemaViolation[] | undefined;
 }
 
 const RUN_PATH = /^\/v1\/runs\/([^/]+)$/;
@@ -76,14 +76,14 @@ export function runRoutes(deps: RunApiDeps): Router {
         throw refused(`/${field}`, `${field} is not available yet on this server; send the run without it`);
       }
     }
-    const unstorable = unstorableJson(request.input);
-    if (unstorable) throw refused(`/input${unstorable.pointer}`, unstorable.message);
+    const size = unstorableJson(request.input);
+    if ("pointer" in size) throw refused(`/input${size.pointer}`, size.message);
     // Cached, the version is found without a wait (every await on this path costs throughput).
     const task = deps.tasks.peek(tenant, name, request.version) ?? await deps.tasks.get(tenant, name, request.version);
     if (!task) {
       throw new HttpError(404, `No task ${name}${request.version === undefined ? "" : ` version ${request.version}`}`);
     }
-    const violations = deps.validateNow?.(`${task.key}/input`, task.definition.input_schema, request.input);
+    const violations = deps.validateNow?.(`${task.key}/input`, task.definition.input_schema, request.input, size.units);
     if (violations === undefined || violations.length > 0) await checkInput(deps, task, request.input, violations);
     if (request.notify !== undefined) await checkNotify(deps, tenant, request.notify);
     const scope = { tenant, method: "POST", path: `/v1/tasks/${name}/runs`, key };

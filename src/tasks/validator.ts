@@ -63,7 +63,7 @@ export interface SchemaValidators {
    * thread, undefined when it must go to a Worker (call `validate`).
    * @throws {SchemaRefused} when `compileSchema` refuses `schema`.
    */
-  validateNow(key: string, schema: unknown, instance: unknown): SchemaViolation[] | undefined;
+  validateNow(key: string, schema: unknown, instance: unknown, units?: number): SchemaViolation[] | undefined;
   /** Terminates the Workers; validations still waiting or running reject. */
   close(): Promise<void>;
 }
@@ -86,6 +86,10 @@ interface Compiled {
   /** Whether no keyword of it can cost more than linear time in one evaluation. */
   linear: boolean;
   weights: WeakMap<object, number>;
+  /** Its weight: every subschema's, added up. */
+  total: number;
+  /** Whether it has no `$ref`: each subschema then applies at most once to each part of a value. */
+  tree: boolean;
 }
 
 interface Job {
@@ -242,11 +246,16 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
   };
 
   return {
-    validateNow(key, schema, instance) {
+    validateNow(key, schema, instance, units) {
       if (closed) throw new Error("The schema validators are closed");
       const entry = compiledFor(key, schema);
-      if (entry.linear && withinBudget(entry, instance, limits.fastPathUnits)) return entry.compiled.validate(instance);
-      return undefined;
+      if (!entry.linear) return undefined;
+      // Without references, no subschema applies twice to one part of the value: the schema's weight times
+      // the value's size bounds the work, with no need to walk the two together.
+      const bounded = entry.tree && units !== undefined && entry.total * units <= limits.fastPathUnits;
+      return bounded || withinBudget(entry, instance, limits.fastPathUnits)
+        ? entry.compiled.validate(instance)
+        : undefined;
     },
     validate(key, schema, instance) {
       if (closed) return Promise.reject(new Error("The schema validators are closed"));
@@ -327,9 +336,13 @@ const EVERY_ITEM = ["additionalItems", "contains", "unevaluatedItems"];
  * from what {@linkcode resolvePointer} resolves, so the estimate would follow other subschemas than the
  * validator does: such a schema always runs on a Worker.
  */
-function classify(schema: unknown): { linear: boolean; weights: WeakMap<object, number> } {
+function classify(
+  schema: unknown,
+): { linear: boolean; weights: WeakMap<object, number>; total: number; tree: boolean } {
   const weights = new WeakMap<object, number>();
   let linear = true;
+  let total = 0;
+  let tree = true;
   const visit = (node: unknown): void => {
     if (typeof node !== "object" || node === null) return;
     if (Array.isArray(node)) return node.forEach(visit);
@@ -345,13 +358,15 @@ function classify(schema: unknown): { linear: boolean; weights: WeakMap<object, 
       ) {
         linear = false;
       }
+      if (key === "$ref" || key === "$dynamicRef") tree = false;
       if (DATA.has(key) || key === "required" || key === "dependentRequired") weight += jsonSize(value);
       else visit(value);
     }
     weights.set(node, weight);
+    total += weight;
   };
   visit(schema);
-  return { linear, weights };
+  return { linear, weights, total, tree };
 }
 
 /** Values, keys and array entries in a JSON value. */
