@@ -202,9 +202,16 @@ export function duplicateKey(text: string): string | null {
       const top = objects[objects.length - 1];
       if (top) {
         let j = end + 1;
-        while (j < text.length && /\s/.test(text[j]!)) j++;
-        if (text[j] === ":") {
-          const key = JSON.parse(text.slice(i, end + 1)) as string;
+        // JSON's whitespace: space, tab, line feed, carriage return.
+        for (
+          let w = text.charCodeAt(j);
+          w === 0x20 || w === 0x09 || w === 0x0a || w === 0x0d;
+          w = text.charCodeAt(++j)
+        );
+        if (text.charCodeAt(j) === 0x3a /* : */) {
+          // Unescaped only when it has an escape: most keys are plain.
+          const raw = text.slice(i + 1, end);
+          const key = raw.includes("\\") ? JSON.parse(`"${raw}"`) as string : raw;
           if (top.has(key)) return key;
           top.add(key);
         }

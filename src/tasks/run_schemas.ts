@@ -3,7 +3,12 @@ import { SummaryRequest } from "../summaries/schemas.ts";
 
 /** Body of `POST /v1/tasks/{name}/runs`. Unknown fields are rejected. */
 export const RunRequest = z.strictObject({
-  input: z.record(z.string(), z.unknown()).describe("The input: a JSON object valid against the task's input_schema"),
+  // Checked as an object here and against the task's input schema after: a per-key zod record would only
+  // repeat, at a cost on every request, what the input schema checks.
+  input: z.custom<Record<string, unknown>>(
+    (v) => typeof v === "object" && v !== null && !Array.isArray(v),
+    { message: "input must be a JSON object" },
+  ).meta({ type: "object", description: "The input: a JSON object valid against the task's input_schema" }),
   version: z.number().int().min(1).optional().describe("The task version to run; the latest at intake when unset"),
   notify: SummaryRequest.shape.notify.optional(),
   priority: z.enum(["high", "normal", "low", "batch"]).optional().describe(
