@@ -1,5 +1,5 @@
 import assert from "node:assert/strict";
-import { readBody, readFormBody, readJsonBody } from "../../src/http/body.ts";
+import { duplicateKey, readBody, readFormBody, readJsonBody } from "../../src/http/body.ts";
 import { errorResponse, HttpError } from "../../src/http/problem.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { rawConnect } from "./raw_client.ts";
@@ -143,4 +143,13 @@ Deno.test("readFormBody() parses a form within the limits and refuses anything e
   );
   assert.ok(performance.now() - started < 1_000);
   clearInterval(timer);
+});
+
+Deno.test("duplicateKey finds a key twice in one object, after unescaping, at any depth and spacing", () => {
+  assert.equal(duplicateKey('{"a":1,"b":{"a":2}}'), null, "the same name in two objects");
+  assert.equal(duplicateKey('{"a":1,"a" \t\r\n:2}'), "a");
+  assert.equal(duplicateKey('{"x":{"k":1,"\\u006b":2}}'), "k");
+  assert.equal(duplicateKey('{"q\\"":1,"q\\u0022":2}'), 'q"');
+  assert.equal(duplicateKey('{"a":"\\"a\\":1","b":["a","a"]}'), null, "strings and array items are not keys");
+  assert.equal(duplicateKey('{"a\\\\":1,"a\\u005c":2}'), "a\\");
 });
