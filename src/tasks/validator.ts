@@ -316,6 +316,9 @@ const SUPERLINEAR_FORMATS = new Set(["uri", "uri-reference", "uri-template", "ur
 /** Keywords whose value is data, never a subschema that is evaluated. */
 const DATA = new Set(["enum", "const", "default", "examples"]);
 
+/** Keywords whose value maps names (data) to subschemas. */
+const SCHEMA_MAPS = new Set(["$defs", "definitions", "properties", "patternProperties", "dependentSchemas"]);
+
 /** Keywords with one subschema, evaluated on the value itself. */
 const IN_PLACE = ["not", "if", "then", "else"];
 /** Keywords with a list of subschemas, each evaluated on the value itself. */
@@ -359,7 +362,14 @@ function classify(
         linear = false;
       }
       if (key === "$ref" || key === "$dynamicRef") tree = false;
-      if (DATA.has(key) || key === "required" || key === "dependentRequired") weight += jsonSize(value);
+      if (SCHEMA_MAPS.has(key) && typeof value === "object" && value !== null && !Array.isArray(value)) {
+        // A map of names to subschemas: a name is data (a property may be called "default" or "pattern"),
+        // its subschema is not.
+        for (const [name, sub] of Object.entries(value)) {
+          weight += 1 + Math.floor(name.length / CHARS_PER_UNIT);
+          visit(sub);
+        }
+      } else if (DATA.has(key) || key === "required" || key === "dependentRequired") weight += jsonSize(value);
       else visit(value);
     }
     weights.set(node, weight);

@@ -67,6 +67,23 @@ Deno.test("a small validation of a schema without costly keywords answers in the
   }
 });
 
+Deno.test("a costly keyword under a property named like a keyword still goes to a Worker", () => {
+  const validators = createSchemaValidators();
+  try {
+    for (const name of ["default", "enum", "const", "examples", "required"]) {
+      const schema = { type: "object", properties: { [name]: { type: "string", pattern: "^\\d+\\d+$" } } };
+      assert.equal(validators.validateNow(`acme/${name}/1/input`, schema, { [name]: "12x" }, 5), undefined, name);
+    }
+    const uniqueInDefs = { $defs: { default: { type: "array", uniqueItems: true } }, $ref: "#/$defs/default" };
+    assert.equal(validators.validateNow("acme/defs/1/input", uniqueInDefs, [1, 2], 3), undefined);
+    // Without a costly keyword, the same shape stays on the fast path.
+    const plain = { type: "object", properties: { default: { type: "string", maxLength: 3 } } };
+    assert.deepEqual(validators.validateNow("acme/plain/1/input", plain, { default: "abc" }, 5), []);
+  } finally {
+    void validators.close();
+  }
+});
+
 Deno.test("on a Worker, validations give compileSchema's violations", async () => {
   const validators = createSchemaValidators();
   const everything = createSchemaValidators({ fastPathUnits: 0 });
