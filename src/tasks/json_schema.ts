@@ -108,14 +108,29 @@ export function compileSchema(schema: unknown): CompiledSchema {
       const result = validator.validate(instance);
       if (result.valid) return [];
       const first = deepest(result.errors);
-      return [{ pointer: first.instanceLocation.replace(/^#/, ""), message: first.error }];
+      return [{ pointer: jsonPointer(first.instanceLocation), message: first.error }];
     },
   };
 }
 
 /** The error deepest in the instance: the one that names the failing value, not its parents. */
 function deepest(errors: OutputUnit[]): OutputUnit {
-  return errors.reduce((a, b) => (b.instanceLocation.length > a.instanceLocation.length ? b : a));
+  const depth = (unit: OutputUnit) => unit.instanceLocation.split("/").length;
+  return errors.reduce((a, b) => (depth(b) > depth(a) ? b : a));
+}
+
+/**
+ * The validator's instance location (`#/a%20b/c~1d`: a URI fragment, percent-encoded) as the JSON pointer it
+ * names (`/a b/c~1d`): what a 422 and a failed run's reason show.
+ */
+function jsonPointer(location: string): string {
+  return location.replace(/^#/, "").split("/").map((segment) => {
+    try {
+      return decodeURIComponent(segment);
+    } catch {
+      return segment;
+    }
+  }).join("/");
 }
 
 /** Keywords whose value is a map of subschemas, and those whose value is a subschema or a list of them. */

@@ -13,7 +13,8 @@ import type { Notify } from "../summaries/commit.ts";
 export const RunPayload = z.object({
   task: z.string().min(1),
   version: z.number().int().min(1),
-  input: z.record(z.string(), z.unknown()),
+  // Checked as an object, not copied key by key: a record would drop a key named __proto__ that intake accepted.
+  input: z.custom<Record<string, unknown>>((v) => typeof v === "object" && v !== null && !Array.isArray(v)),
   notify: z.union([z.string(), WebhookTarget]).optional(),
 });
 export type RunPayload = z.infer<typeof RunPayload>;

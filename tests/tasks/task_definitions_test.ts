@@ -265,3 +265,11 @@ Deno.test("templates substitute {{input.path}} values and nothing else", () => {
   );
   assert.equal(renderTemplate("[{{input.constructor}}][{{input.toString}}]", {}), "[][]", "own properties only");
 });
+
+Deno.test("a violation's pointer is a JSON pointer into the value, not the validator's encoded URI fragment", () => {
+  const schema = compileSchema({
+    type: "object",
+    properties: { "a b/é": { type: "object", properties: { "x%y": { type: "integer" } } } },
+  });
+  assert.deepEqual(schema.validate({ "a b/é": { "x%y": "no" } }).map((v) => v.pointer), ["/a b~1é/x%y"]);
+});
