@@ -345,3 +345,12 @@ export function hasUnsentRowOf(sql: Queryable, jobId: Fragment): Fragment {
 export function deleteSentRows(sql: Queryable, { olderThanMs, limit }: ExpiryBatch): Promise<number> {
   return deleteBatch(sql, { table: "outbox", key: "id", where: olderThan(sql, "sent_at", olderThanMs), limit });
 }
+
+/** Deletes the rows with these dedupe keys that are not sent yet (nor being sent). @returns rows deleted. */
+export async function deleteUnsentRows(sql: Queryable, dedupeKeys: string[]): Promise<number> {
+  const deleted = await sql`
+    DELETE FROM outbox WHERE dedupe_key = ANY(${dedupeKeys}) AND sent_at IS NULL
+      AND (locked_until IS NULL OR locked_until < now())
+    RETURNING id`;
+  return deleted.length;
+}

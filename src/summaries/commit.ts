@@ -157,7 +157,13 @@ export async function reopenFailedJob(sql: Sql, jobId: string): Promise<"done" |
       RUN_KEY_PREFIX.email.done + jobId,
       RUN_KEY_PREFIX.webhook.done + jobId,
     ]);
-    return await jobs.reopenFailedJob(tx, jobId, notified);
+    const already = await jobs.reopenFailedJob(tx, jobId, notified);
+    // A run's failure notice that has not gone out yet never will: the replayed run may yet complete. (One
+    // that was sent stays sent; a completed replay then sends run.completed after it.)
+    if (already === null) {
+      await outbox.deleteUnsentRows(tx, [RUN_KEY_PREFIX.email.failed + jobId, RUN_KEY_PREFIX.webhook.failed + jobId]);
+    }
+    return already;
   });
 }
 

@@ -17,8 +17,9 @@ import { type Committed, createDecidedCheck, type GroupCommitter } from "./commi
 import { contextFrom, currentTraceparent, inSpan, recordSpan } from "../tracing.ts";
 import { type RunJob, runOfPayload } from "../tasks/run_payload.ts";
 import { type LoadedTask, SUMMARIZE_TASK, type TaskCache } from "../tasks/task_cache.ts";
-import { renderTemplate } from "../tasks/definition.ts";
-import type { SchemaViolation } from "../tasks/json_schema.ts";
+import { RENDER_LIMITS, renderedChars, renderTemplate } from "../tasks/definition.ts";
+import { type SchemaViolation, unstorableJson } from "../tasks/json_schema.ts";
+import { ValidationTimeout } from "../tasks/validator.ts";
 
 /** Options for {@linkcode createSummaryJob}. */
 export interface SummaryJobOptions {
@@ -169,11 +170,13 @@ async function deliver(job: Job, message: StreamMessage, signal: AbortSignal): P
   };
   const skip = await preCheck(job, delivery, releaseFirst);
   if (skip) return skip;
-  const answer = await callModel(job, delivery, { call, estimated, first, signal });
+  // One budget for the delivery, the repair call included.
+  const deadline = Deadline.after(job.options.budgetMs, job.options.clock);
+  const answer = await callModel(job, delivery, { call, estimated, first, signal, deadline });
   if (typeof answer !== "string") return answer.skipped;
   const schema = task.definition.output_schema;
   if (schema === undefined) return await commit(job, delivery, { output: answer, model: call.model });
-  const output = await structuredOutput(job, delivery, { task, call, answer, estimated, signal });
+  const output = await structuredOutput(job, delivery, { task, call, answer, estimated, signal, deadline });
   if (typeof output === "object" && output !== null && "skipped" in output) return output.skipped as Committed;
   return await commit(job, delivery, { output: (output as { value: unknown }).value, model: call.model });
 }
@@ -193,6 +196,12 @@ async function loadTask(job: Job, { run, tenant }: Delivery): Promise<LoadedTask
 
 /** The run's call: the rendered templates, the task's model (the first of a list) and its output settings. */
 function modelCall(job: Job, { name, definition }: LoadedTask, input: Record<string, unknown>): ModelCall {
+  // Intake refuses such an input; a message from elsewhere (a replayed dead letter of a changed limit) is
+  // refused here before rendering it.
+  const chars = renderedChars(definition, input);
+  if (chars > RENDER_LIMITS.maxChars) {
+    throw new PermanentJobError(`the rendered prompt would be ${chars} characters (at most ${RENDER_LIMITS.maxChars})`);
+  }
   const model = Array.isArray(definition.model) ? definition.model[0] : definition.model;
   return {
     prompt: renderTemplate(definition.prompt, input),
@@ -220,12 +229,19 @@ async function checkAnswer(job: Job, task: LoadedTask, answer: string): Promise<
   } catch (error) {
     return { pointer: "", reason: `is not valid JSON (${(error as Error).message})` };
   }
+  const unstorable = unstorableJson(value);
+  if ("pointer" in unstorable) {
+    return { pointer: unstorable.pointer, reason: `cannot be stored: ${unstorable.message}` };
+  }
   if (!job.validate) throw new Error("no output validator configured for runs with an output schema");
   let violations: SchemaViolation[];
   try {
     violations = await job.validate(`${task.key}/output`, task.definition.output_schema, value);
   } catch (error) {
-    return { pointer: "", reason: `could not be validated: ${(error as Error).message}` };
+    // An answer too costly to validate is a bad answer; any other failure is the validator's (a Worker that
+    // did not start, a crash): thrown, so the message stays pending and a later delivery validates again.
+    if (!(error instanceof ValidationTimeout)) throw error;
+    return { pointer: "", reason: `could not be validated: ${error.message}` };
   }
   if (violations.length === 0) return { value };
   const shown = violations.slice(0, 5).map((v) => `at "${v.pointer}": ${v.message}`).join("; ");
@@ -239,17 +255,21 @@ async function checkAnswer(job: Job, task: LoadedTask, answer: string): Promise<
 async function structuredOutput(
   job: Job,
   delivery: Delivery,
-  { task, call, answer, estimated, signal }: {
+  { task, call, answer, estimated, signal, deadline }: {
     task: LoadedTask;
     call: ModelCall;
     answer: string;
     estimated: number;
     signal: AbortSignal;
+    deadline: Deadline;
   },
 ): Promise<{ value: unknown } | { skipped: Committed }> {
   const first = await checkAnswer(job, task, answer);
   if ("value" in first) return first;
   delivery.log.info("output_invalid", { pointer: first.pointer, repair: true });
+  // A cancel (or another delivery's outcome) seen now stops the run before the repair call is paid for.
+  const decided = await job.decided(delivery.job_id);
+  if (decided) return { skipped: endedBy(delivery, decided, "before_repair") };
   const repair: ModelCall = {
     ...call,
     options: {
@@ -263,11 +283,13 @@ async function structuredOutput(
       ],
     },
   };
+  const added = repair.options.followUp!.reduce((n, turn) => n + turn.content.length, 0);
   const again = await callModel(job, delivery, {
     call: repair,
-    estimated: estimated + Math.ceil(answer.length / 4),
+    estimated: estimated + Math.ceil(added / 4),
     first: undefined,
     signal,
+    deadline,
   });
   if (typeof again !== "string") return again;
   const second = await checkAnswer(job, task, again);
@@ -329,15 +351,16 @@ async function preCheck(
 async function callModel(
   job: Job,
   delivery: Delivery,
-  { call, estimated, first, signal }: {
+  { call, estimated, first, signal, deadline }: {
     call: ModelCall;
     estimated: number;
+    deadline: Deadline;
     first: Promise<Permit> | undefined;
     signal: AbortSignal;
   },
 ): Promise<string | { skipped: Committed }> {
   const { llm, flow, options } = job;
-  const { job_id, message, log } = delivery;
+  const { job_id } = delivery;
   try {
     const completion = await callWithRetries((s) => llm.complete(call.prompt, { ...call.options, signal: s }), {
       gate: flow && {
@@ -347,7 +370,7 @@ async function callModel(
           return permit;
         },
       },
-      deadline: Deadline.after(options.budgetMs, options.clock),
+      deadline,
       perCallTimeoutMs: options.perCallTimeoutMs,
       maxAttempts: options.maxAttempts,
       baseMs: options.backoffBaseMs,
@@ -365,13 +388,7 @@ async function callModel(
     });
     return completion.text;
   } catch (error) {
-    if (error instanceof JobDecided) {
-      const event =
-        { done: "job_duplicate", cancelled: "job_cancelled", failed: "job_failed_elsewhere" }[error.outcome];
-      log.info(event, { stage: "between_attempts", deliveries: message.deliveries });
-      if (error.outcome === "failed") throw new JobFailedElsewhere(job_id);
-      return { skipped: error.outcome === "done" ? "duplicate" : error.outcome };
-    }
+    if (error instanceof JobDecided) return { skipped: endedBy(delivery, error.outcome, "between_attempts") };
     // Transient: leave the message pending; redelivery brings a fresh budget.
     if (signal.aborted || error instanceof DeadlineExceeded || error instanceof GateUnavailable) throw error;
     if (isRetryable(error)) throw error;
@@ -380,6 +397,17 @@ async function callModel(
       cause: error,
     });
   }
+}
+
+/**
+ * How a delivery ends when its job was decided while it ran: logged; a failure elsewhere is thrown (the
+ * message stays pending, see {@linkcode JobFailedElsewhere}).
+ */
+function endedBy({ job_id, message, log }: Delivery, outcome: Outcome, stage: string): Committed {
+  const event = { done: "job_duplicate", cancelled: "job_cancelled", failed: "job_failed_elsewhere" }[outcome];
+  log.info(event, { stage, deliveries: message.deliveries });
+  if (outcome === "failed") throw new JobFailedElsewhere(job_id);
+  return outcome === "done" ? "duplicate" : outcome;
 }
 
 /** One attempt's span, log line and `model_attempts` row. */

@@ -166,6 +166,34 @@ export function renderTemplate(template: string, input: unknown): string {
   });
 }
 
+/** The most characters a run's prompt and system message may come to once rendered, together. */
+export const RENDER_LIMITS = { maxChars: 400_000 };
+
+/**
+ * How long `template` is once rendered with `input`, without rendering it: each value's length is measured
+ * once per placeholder path, so a template that names a large value many times costs one measurement.
+ */
+export function renderedLength(template: string, input: unknown): number {
+  const measured = new Map<string, number>();
+  let length = template.length;
+  for (const match of template.matchAll(PLACEHOLDER)) {
+    const path = match[1]!;
+    let n = measured.get(path);
+    if (n === undefined) {
+      n = renderTemplate(`{{input${path}}}`, input).length;
+      measured.set(path, n);
+    }
+    length += n - match[0].length;
+  }
+  return length;
+}
+
+/** The rendered length of a definition's prompt and system message together (see {@linkcode RENDER_LIMITS}). */
+export function renderedChars(definition: Pick<TaskDefinition, "prompt" | "system">, input: unknown): number {
+  return renderedLength(definition.prompt, input) +
+    (definition.system === undefined ? 0 : renderedLength(definition.system, input));
+}
+
 /** Steps {@linkcode declares} may take for one definition; the schema's in-place count bounds it anyway. */
 const PLACEHOLDER_CHECK_STEPS = 10_000;
 

@@ -18,8 +18,9 @@ import {
 } from "../summaries/api.ts";
 import { jobDocument, type JobFound } from "../summaries/job_document.ts";
 import { currentTraceparent } from "../tracing.ts";
-import { TASK_NAME } from "./definition.ts";
+import { RENDER_LIMITS, renderedChars, TASK_NAME } from "./definition.ts";
 import { type SchemaViolation, unstorableJson } from "./json_schema.ts";
+import { ValidationTimeout } from "./validator.ts";
 import type { RunPayload } from "./run_payload.ts";
 import { type RunDocument, RunRequest } from "./run_schemas.ts";
 import type { TaskCache } from "./task_cache.ts";
@@ -83,8 +84,16 @@ export function runRoutes(deps: RunApiDeps): Router {
     if (!task) {
       throw new HttpError(404, `No task ${name}${request.version === undefined ? "" : ` version ${request.version}`}`);
     }
-    const violations = deps.validateNow?.(`${task.key}/input`, task.definition.input_schema, request.input, size.units);
-    if (violations === undefined || violations.length > 0) await checkInput(deps, task, request.input, violations);
+    const validating = checkInput(deps, task, request.input, size.units);
+    if (validating) await validating;
+    const chars = renderedChars(task.definition, request.input);
+    if (chars > RENDER_LIMITS.maxChars) {
+      throw refused(
+        "/input",
+        `the prompt and system message rendered from this input come to ${chars} characters; at most ` +
+          `${RENDER_LIMITS.maxChars} are allowed`,
+      );
+    }
     if (request.notify !== undefined) await checkNotify(deps, tenant, request.notify);
     const scope = { tenant, method: "POST", path: `/v1/tasks/${name}/runs`, key };
     const payload: RunPayload = {
@@ -162,25 +171,50 @@ export function runRoutes(deps: RunApiDeps): Router {
  * Refuses (422, naming the first failing pointer under `/input`) an input that the version's input schema
  * rejects, that Postgres could not store, or whose validation would take too long.
  */
-async function checkInput(
+function checkInput(
   deps: RunApiDeps,
   task: { key: string; definition: { input_schema: unknown } },
   input: Record<string, unknown>,
-  /** The violations already found, when the validation ran in this thread. */
-  found?: SchemaViolation[],
-): Promise<void> {
-  let violations: SchemaViolation[];
+  /** The input's size in the validators' units (from `unstorableJson`). */
+  units: number,
+): Promise<void> | undefined {
+  const key = `${task.key}/input`;
+  let now: SchemaViolation[] | undefined;
   try {
-    violations = found ?? await deps.validate(`${task.key}/input`, task.definition.input_schema, input);
+    now = deps.validateNow?.(key, task.definition.input_schema, input, units);
   } catch (error) {
-    deps.log.warn("input_validation_failed", { task: task.key, error });
-    throw refused("/input", `the input could not be validated: ${(error as Error).message}`);
+    throw validationFailed(deps, task.key, error);
   }
+  // A small validation is answered in this thread, without an await (the usual case on this path).
+  if (now !== undefined) return refuseViolations(deps, now);
+  return deps.validate(key, task.definition.input_schema, input).then(
+    (violations) => refuseViolations(deps, violations),
+    (error) => {
+      throw validationFailed(deps, task.key, error);
+    },
+  );
+}
+
+/**
+ * A validation that did not answer: one that took too long is the input's (a 422), any other failure (a
+ * validation Worker that did not start, a crash) is the server's, and the client may retry (a 503).
+ */
+function validationFailed(deps: RunApiDeps, task: string, error: unknown): HttpError {
+  if (error instanceof ValidationTimeout) {
+    return refused("/input", `the input could not be validated: ${error.message}`);
+  }
+  deps.log.warn("input_validation_failed", { task, error });
+  return new HttpError(503, "The input could not be validated now; try again", { "retry-after": "1" });
+}
+
+/** Refuses (422) an input with violations, naming the first one's pointer. */
+function refuseViolations(deps: RunApiDeps, violations: SchemaViolation[]): undefined {
   const first = violations[0];
   if (first) {
     deps.metrics?.api.validationErrors.inc();
     throw refused(`/input${first.pointer}`, first.message, "The input does not match the task's input schema");
   }
+  return undefined;
 }
 
 /** A zod issue's path as a JSON pointer into the body. */

@@ -37,13 +37,22 @@ Deno.test("a failed run is notified once, and a replayed run that completes once
       SELECT o.task, o.version, x.payload FROM job_outcomes o, outbox x WHERE o.job_id = ${runId}`;
     assert.deepEqual([failed!.task, failed!.version, failed!.payload.error], ["triage", 3, 'output_invalid: at "/a"']);
 
-    // The failure notification does not count as the run's effect: a replay may still complete it.
+    // The failure notification does not count as the run's effect: a replay may still complete it. Unsent,
+    // it is withdrawn with the decision, so a completed replay is not announced as failed after the fact.
     assert.equal(await reopenFailedJob(db.sql, runId), null);
+    assert.deepEqual(await outbox(), []);
     const done = { ...run, input: { ticket: "x" }, output: { a: 1 }, model: "m" };
     assert.deepEqual([...await commitResults(db.sql, [done])], [runId]);
     assert.deepEqual([...await commitResults(db.sql, [done])], [], "committed once");
-    assert.deepEqual(await outbox(), [`run_failed_webhook:${runId}`, `run_done_webhook:${runId}`]);
+    assert.deepEqual(await outbox(), [`run_done_webhook:${runId}`]);
     assert.equal(await reopenFailedJob(db.sql, runId), "done");
+
+    // A failure notice already sent stays sent: the replay's completion follows it.
+    const sentRun = { ...run, jobId: crypto.randomUUID() };
+    await failRun(db.sql, sentRun, "permanent: x", { summary: false });
+    await db.sql`UPDATE outbox SET sent_at = now() WHERE dedupe_key = ${`run_failed_webhook:${sentRun.jobId}`}`;
+    assert.equal(await reopenFailedJob(db.sql, sentRun.jobId), null);
+    assert.ok((await outbox()).includes(`run_failed_webhook:${sentRun.jobId}`));
 
     const summaryJob = crypto.randomUUID();
     const summary = { jobId: summaryJob, tenant: "acme", task: "summarize", version: 1, notify: "a@b.co" };
