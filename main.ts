@@ -8,7 +8,14 @@
  * starts.
  */
 import { type Command, COMMAND_TABLE, COMMANDS, isCommand } from "./src/commands.ts";
-import { type Config, CONFIG_VARIABLES, ConfigError, parseConfig } from "./src/config.ts";
+import {
+  type Config,
+  CONFIG_VARIABLES,
+  ConfigError,
+  isSentinelUrl,
+  parseConfig,
+  parseSentinelUrl,
+} from "./src/config.ts";
 import { createLogger, type Logger } from "./src/log/logger.ts";
 import {
   deniesRedis,
@@ -19,6 +26,7 @@ import {
   resolveProbeFlags,
   VALIDATION_WORKER,
   withRedisAddresses,
+  withRedisHosts,
 } from "./src/permissions.ts";
 
 const USAGE = `Usage: deno task <${COMMANDS.join("|")}|compile> [args]`;
@@ -103,13 +111,14 @@ async function launch(command: Command, args: string[], config: Config): Promise
 /**
  * The permission flags `launch` gives `command`: those of its configuration,
  * plus what the launcher's probes find. A process that uses Redis, or that
- * must be kept from it (the relay), gets the cluster's nodes; the relay also
+ * must be kept from it (the relay), gets the cluster's nodes, or Sentinel's
+ * nodes and sentinels; the relay also
  * gets the addresses REDIS_URL's host names resolve to, since Deno denies a
  * name only as written.
  */
 export async function launchFlags(command: Command, config: Config): Promise<string[]> {
   const net = COMMAND_TABLE[command].net;
-  let derived = net.redis || deniesRedis(net) ? await withClusterNodes(config) : config;
+  let derived = net.redis || deniesRedis(net) ? await withRedisNodes(config) : config;
   if (deniesRedis(net)) derived = await withResolvedRedis(derived);
   return permissionFlags(command, derived, MIGRATIONS);
 }
@@ -136,15 +145,17 @@ async function probe(flags: string[], args: string[], env: Record<string, string
 
 /**
  * REDIS_URL may name one node of a Redis Cluster, but the client talks to
- * every node. A child that may reach only the configured seeds asks which
- * nodes the cluster has (`main.ts redis-nodes`); they join the permission
- * set. A standalone server, or one that does not answer, adds nothing.
+ * every node; or it names sentinels, and the client talks to whichever node
+ * they name the master, and to the sentinels they know. A child that may
+ * reach only the configured seeds or sentinels asks (`main.ts redis-nodes`):
+ * for a cluster its nodes, for Sentinel the master, every replica (so a
+ * promoted one is already allowed) and every sentinel. They join the
+ * permission set. A standalone server, or one that does not answer, adds
+ * nothing.
  */
-async function withClusterNodes(config: Config): Promise<Config> {
+async function withRedisNodes(config: Config): Promise<Config> {
   const out = await probe(redisProbeFlags(config), ["redis-nodes"], { REDIS_URL: config.REDIS_URL });
-  const nodes = (out ?? "").split("\n").map((line) => line.trim()).filter(Boolean);
-  if (nodes.length === 0) return config;
-  return { ...config, REDIS_URL: [config.REDIS_URL, ...nodes.map((node) => `redis://${node}`)].join(",") };
+  return withRedisHosts(config, (out ?? "").split("\n").map((line) => line.trim()).filter(Boolean));
 }
 
 /**
@@ -200,9 +211,16 @@ async function compile(env: Record<string, string | undefined>): Promise<number>
 
 async function main(argv: string[]): Promise<number> {
   if (argv[0] === "redis-nodes") {
-    const { clusterNodes } = await import("./src/redis/cluster_nodes.ts");
-    const seed = parseConfig(readEnv()).REDIS_URL.split(",")[0]!.trim();
-    for (const node of await clusterNodes(seed)) console.log(node);
+    const url = parseConfig(readEnv()).REDIS_URL;
+    let nodes: string[];
+    if (isSentinelUrl(url)) {
+      const { sentinelNodes } = await import("./src/redis/sentinel_nodes.ts");
+      nodes = await sentinelNodes(parseSentinelUrl(url));
+    } else {
+      const { clusterNodes } = await import("./src/redis/cluster_nodes.ts");
+      nodes = await clusterNodes(url.split(",")[0]!.trim());
+    }
+    for (const node of nodes) console.log(node);
     return 0;
   }
   if (argv[0] === "resolve-hosts") {

@@ -1,7 +1,7 @@
 import { Cluster, Redis, type RedisOptions } from "ioredis";
 import postgres, { type Sql } from "postgres";
 import { withTimeout } from "./async/timeout.ts";
-import { redactUrl } from "./config.ts";
+import { isSentinelUrl, parseSentinelUrl, redactUrl, type SentinelUrl } from "./config.ts";
 
 /** A dependency that did not answer at start-up; the message says how to start it. */
 export class DependencyDown extends Error {
@@ -13,7 +13,11 @@ export class DependencyDown extends Error {
 
 const STARTUP_TIMEOUT_MS = 3_000;
 
-/** A Redis client: one server, or a Redis Cluster (same commands; every multi-key step stays in one slot). */
+/**
+ * A Redis client: one server (named in REDIS_URL, or the master its
+ * sentinels name), or a Redis Cluster (same commands; every multi-key step
+ * stays in one slot).
+ */
 export type RedisClient = Redis | Cluster;
 
 /** The seed nodes of REDIS_URL: one URL, or a comma-separated list. */
@@ -23,10 +27,17 @@ export function redisSeeds(url: string): URL[] {
 
 function redisOptions(seed: URL, options: { name?: string; failFast?: boolean }): RedisOptions {
   return {
-    connectionName: options.name,
+    ...commonOptions(options),
     username: seed.username ? decodeURIComponent(seed.username) : undefined,
     password: seed.password ? decodeURIComponent(seed.password) : undefined,
     tls: seed.protocol === "rediss:" ? {} : undefined,
+  };
+}
+
+/** What every client shares, whatever names the server: one node, a cluster's nodes, or sentinels. */
+function commonOptions(options: { name?: string; failFast?: boolean }): RedisOptions {
+  return {
+    connectionName: options.name,
     // Background loops keep retrying commands across a Redis restart; a
     // request handler fails fast instead (a 5xx is never stored, so the
     // client retries), rather than hanging until Redis is back.
@@ -42,12 +53,15 @@ function redisOptions(seed: URL, options: { name?: string; failFast?: boolean })
  * Connects to Redis and checks that it answers. Cluster mode is detected,
  * not configured: a comma-separated list of seeds, or a node whose
  * `INFO cluster` says `cluster_enabled:1`, gets ioredis's cluster client.
+ * A `redis+sentinel://` URL gets a client that asks its sentinels for the
+ * master and follows failovers ({@linkcode connectSentinel}).
  * @throws {DependencyDown} naming the URL and how to start Redis.
  */
 export async function connectRedis(
   url: string,
   options: { name?: string; failFast?: boolean } = {},
 ): Promise<RedisClient> {
+  if (isSentinelUrl(url)) return await connectSentinel(parseSentinelUrl(url), options);
   const seeds = redisSeeds(url);
   const first = seeds[0]!;
   const probe = new Redis(first.toString(), { ...redisOptions(first, options), lazyConnect: true });
@@ -93,6 +107,74 @@ export async function connectRedis(
     throw new DependencyDown(
       `Cannot start: the Redis Cluster at ${seeds.map((s) => redactUrl(s.toString())).join(",")} (REDIS_URL) ` +
         `does not answer: ${(cause as Error).message}.`,
+      { cause },
+    );
+  }
+}
+
+/**
+ * ioredis's client, as a Sentinel client: its failover detector keeps a
+ * subscription to `+switch-master` open on the sentinels, which ioredis
+ * closes on `disconnect()` but not on `quit()`; ending the client here ends
+ * them too, and a `duplicate()` (the lanes' subscriber) is one of these.
+ */
+class SentinelClient extends Redis {
+  constructor(options: RedisOptions) {
+    super(options);
+    this.on("end", () => this.disconnect());
+  }
+
+  override duplicate(override?: Partial<RedisOptions>): Redis {
+    return new SentinelClient({ ...this.options, ...override });
+  }
+}
+
+/** How REDIS_URL names a Sentinel service in messages: the sentinels and the service, never the password. */
+function describeSentinels(target: SentinelUrl): string {
+  return `redis+sentinel://${target.sentinels.map(({ host, port }) => `${host}:${port}`).join(",")}/${target.service}`;
+}
+
+/**
+ * Connects to the master that `target`'s sentinels name, and checks that it
+ * answers. The client follows failovers: a lost connection is reopened to
+ * whichever node the sentinels name by then (while they still name the dead
+ * master, the attempt fails and is retried with the same backoff as a
+ * single node's); a `+switch-master` from any sentinel, or a `READONLY`
+ * reply from a demoted master, drops the connection so it is reopened to
+ * the new one.
+ * @throws {DependencyDown} when no sentinel names a master that answers.
+ */
+export async function connectSentinel(
+  target: SentinelUrl,
+  options: { name?: string; failFast?: boolean } = {},
+): Promise<RedisClient> {
+  let lastSentinelError: Error | undefined;
+  const client = new SentinelClient({
+    ...commonOptions(options),
+    sentinels: target.sentinels.map(({ host, port }) => ({ host: host.replace(/^\[|\]$/g, ""), port })),
+    name: target.service,
+    db: target.db,
+    username: target.username,
+    password: target.password,
+    // Must always return a number: `null` would end the client for good the first time every sentinel is down.
+    sentinelRetryStrategy: (times) => Math.min(50 * 2 ** times, 2_000),
+    failoverDetector: true,
+    // A write the demoted master refused was not applied, so the caller may retry it; it is not resent here,
+    // since a transaction's queued commands would be resent one by one.
+    reconnectOnError: (error) => error.message.startsWith("READONLY"),
+    lazyConnect: true,
+  });
+  client.on("error", () => {}); // reconnects are retried; failures surface on commands
+  client.on("sentinelError", (error: Error) => (lastSentinelError = error));
+  try {
+    await withTimeout(client.connect().then(() => client.ping()), STARTUP_TIMEOUT_MS, "Redis ping");
+    return client;
+  } catch (cause) {
+    client.disconnect();
+    const sentinel = lastSentinelError ? ` (last sentinel error: ${lastSentinelError.message.replace(/\.$/, "")})` : "";
+    throw new DependencyDown(
+      `Cannot start: no sentinel of ${describeSentinels(target)} (REDIS_URL) names a master of ` +
+        `"${target.service}" that answers: ${(cause as Error).message}${sentinel}.`,
       { cause },
     );
   }

@@ -19,11 +19,14 @@ const url = (protocols: string[], example: string) =>
   }, `is not a ${protocols.map((p) => p.replace(":", "://")).join(" or ")} URL (for example ${example})`);
 
 const schema = z.object({
-  // One node (standalone, or any node of a cluster), or a comma-separated list of cluster seed nodes.
+  // One node (standalone, or any node of a cluster), a comma-separated list of cluster seed nodes, or sentinels.
   REDIS_URL: z.string().trim().refine(
-    (value) => value.split(",").every((part) => url(["redis:", "rediss:"], "").safeParse(part.trim()).success),
-    "is not a redis:// or rediss:// URL, nor a comma-separated list of them (for example redis://127.0.0.1:6379/0)",
-  ).default("redis://127.0.0.1:6379"),
+    (value) =>
+      isSentinelUrl(value) ||
+      value.split(",").every((part) => url(["redis:", "rediss:"], "").safeParse(part.trim()).success),
+    "is not a redis:// or rediss:// URL, nor a comma-separated list of them (for example redis://127.0.0.1:6379/0), " +
+      "nor a redis+sentinel:// URL",
+  ).superRefine(checkSentinelUrl).default("redis://127.0.0.1:6379"),
   DATABASE_URL: url(["postgres:", "postgresql:"], "postgres://postgres@127.0.0.1:5432/postgres")
     .default("postgres://postgres@127.0.0.1:5432/postgres"),
   HOST: z.string().trim().min(1, "must not be empty").default("127.0.0.1"),
@@ -157,5 +160,89 @@ export function redactUrl(value: string): string {
     return u.toString();
   } catch {
     return "(unparseable URL)";
+  }
+}
+
+// ---- Redis behind Sentinel: REDIS_URL=redis+sentinel://[user:password@]host:port[,host:port...]/SERVICE[/DB] ----
+
+/** The port of a sentinel named without one. */
+export const SENTINEL_DEFAULT_PORT = 26379;
+
+/** REDIS_URL's Sentinel form, parsed: whom to ask, for which service, and how to log in to the data nodes. */
+export interface SentinelUrl {
+  /** Host names lower-cased; an IPv6 address in brackets. */
+  sentinels: { host: string; port: number }[];
+  /** The name the sentinels monitor the master under (`SENTINEL MONITOR <service> ...`). */
+  service: string;
+  db: number;
+  /** For the master and replicas; the sentinels are asked without credentials. */
+  username?: string;
+  password?: string;
+}
+
+const SENTINEL_SCHEME = "redis+sentinel://";
+const SENTINEL_EXAMPLE = "redis+sentinel://10.0.0.1:26379,10.0.0.2:26379/mymaster/0";
+const SENTINEL_HOST = /^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(?::(\d{1,5}))?$/;
+
+/** Whether REDIS_URL is in the Sentinel form. */
+export function isSentinelUrl(value: string): boolean {
+  return value.trim().toLowerCase().startsWith(SENTINEL_SCHEME);
+}
+
+/**
+ * Parses `redis+sentinel://[user:password@]host:port[,host:port...]/SERVICE[/DB]`.
+ * @throws {TypeError} naming what is missing or wrong (no sentinel hosts, no SERVICE, a bad port or DB).
+ */
+export function parseSentinelUrl(value: string): SentinelUrl {
+  const text = value.trim();
+  if (!isSentinelUrl(text)) throw new TypeError(`is not a ${SENTINEL_SCHEME} URL`);
+  if (/[?#\s]/.test(text)) throw new TypeError(`takes no query, fragment or spaces (for example ${SENTINEL_EXAMPLE})`);
+  const rest = text.slice(SENTINEL_SCHEME.length);
+  const slash = rest.indexOf("/");
+  const authority = slash < 0 ? rest : rest.slice(0, slash);
+  const at = authority.lastIndexOf("@");
+  const [user = "", pass] = at < 0 ? [] : authority.slice(0, at).split(/:(.*)/s, 2);
+  const hosts = (at < 0 ? authority : authority.slice(at + 1)).split(",").filter((host) => host !== "");
+  if (hosts.length === 0) throw new TypeError(`names no sentinel host (for example ${SENTINEL_EXAMPLE})`);
+  const sentinels = hosts.map((host) => {
+    const match = SENTINEL_HOST.exec(host);
+    const port = Number(match?.[2] ?? SENTINEL_DEFAULT_PORT);
+    if (!match || port < 1 || port > 65535) {
+      throw new TypeError(`names a sentinel that is not host:port (got "${host}"; for example ${SENTINEL_EXAMPLE})`);
+    }
+    return { host: match[1]!.toLowerCase(), port };
+  });
+  const [service = "", db = "0", ...extra] = slash < 0 ? [] : rest.slice(slash + 1).split("/");
+  if (service === "") {
+    throw new TypeError(`names no SERVICE, the master's name at the sentinels (for example ${SENTINEL_EXAMPLE})`);
+  }
+  if (!/^\d{1,9}$/.test(db || "0") || extra.some((segment) => segment !== "")) {
+    throw new TypeError(
+      `has a bad DB (${JSON.stringify([db, ...extra].join("/"))}): after /SERVICE only a database number may follow ` +
+        `(for example ${SENTINEL_EXAMPLE})`,
+    );
+  }
+  const decode = (part: string, what: string) => {
+    try {
+      return decodeURIComponent(part);
+    } catch {
+      throw new TypeError(`has a malformed percent-encoding in its ${what}`);
+    }
+  };
+  return {
+    sentinels,
+    service: decode(service, "SERVICE"),
+    db: Number(db || "0"),
+    username: user ? decode(user, "user name") : undefined,
+    password: pass ? decode(pass, "password") : undefined,
+  };
+}
+
+function checkSentinelUrl(value: string, ctx: z.RefinementCtx): void {
+  if (!isSentinelUrl(value)) return;
+  try {
+    parseSentinelUrl(value);
+  } catch (error) {
+    ctx.addIssue({ code: "custom", message: (error as Error).message });
   }
 }

@@ -1,10 +1,11 @@
 import { type Command, COMMAND_TABLE, type NetNeeds } from "./commands.ts";
 import type { Config } from "./config.ts";
-import { CONFIG_VARIABLES } from "./config.ts";
+import { CONFIG_VARIABLES, isSentinelUrl, parseSentinelUrl, SENTINEL_DEFAULT_PORT } from "./config.ts";
 
 const DEFAULT_PORTS: Record<string, string> = {
   "redis:": "6379",
   "rediss:": "6379",
+  "redis+sentinel:": String(SENTINEL_DEFAULT_PORT),
   "postgres:": "5432",
   "postgresql:": "5432",
   "http:": "80",
@@ -16,12 +17,36 @@ function hostOf(url: string): string {
   return `${u.hostname}:${u.port || DEFAULT_PORTS[u.protocol]}`;
 }
 
+/**
+ * The `host:port` of every endpoint REDIS_URL names: its node or cluster
+ * seeds, or its sentinels (one URL with several hosts, which `URL` cannot
+ * parse), each followed by the nodes the launcher added.
+ */
+function redisHosts(redisUrl: string): string[] {
+  if (!isSentinelUrl(redisUrl)) return redisUrl.split(",").map((seed) => hostOf(seed.trim()));
+  return parseSentinelUrl(redisUrl).sentinels.map(({ host, port }) => `${host}:${port}`);
+}
+
+/**
+ * `config` with `hostPorts` (`host:port`, an IPv6 host in brackets) added to
+ * the Redis endpoints it names: as more seeds of a node or cluster URL, or
+ * as more hosts of a Sentinel URL, so that {@linkcode requiredHosts} grants
+ * (or, for the relay, denies) them as well.
+ */
+export function withRedisHosts(config: Config, hostPorts: readonly string[]): Config {
+  if (hostPorts.length === 0) return config;
+  const url = config.REDIS_URL.trim();
+  if (!isSentinelUrl(url)) return { ...config, REDIS_URL: [url, ...hostPorts.map((h) => `redis://${h}`)].join(",") };
+  const end = url.indexOf("/", "redis+sentinel://".length);
+  return { ...config, REDIS_URL: `${url.slice(0, end)},${hostPorts.join(",")}${url.slice(end)}` };
+}
+
 /** The `host:port` each configured URL needs, keyed by the variable that names it. */
 export function requiredHosts(config: Config, needs: NetNeeds): Record<string, string> {
   const out: Record<string, string> = {};
   if (needs.redis) {
-    // Every seed of a cluster, and the nodes the launcher discovered from them.
-    config.REDIS_URL.split(",").forEach((seed, i) => (out[i ? `REDIS_URL[${i}]` : "REDIS_URL"] = hostOf(seed.trim())));
+    // Every seed of a cluster, or every sentinel, and the nodes the launcher discovered from them.
+    redisHosts(config.REDIS_URL).forEach((host, i) => (out[i ? `REDIS_URL[${i}]` : "REDIS_URL"] = host));
   }
   if (needs.postgres) out.DATABASE_URL = hostOf(config.DATABASE_URL);
   if (needs.listen) out["HOST/PORT"] = `${config.HOST.replace(/^\[|\]$/g, "")}:${config.PORT}`;
@@ -211,12 +236,12 @@ export function withRedisAddresses(config: Config, addresses: Readonly<Record<st
   const extra = Object.values(requiredHosts(config, { redis: true })).flatMap((hostPort) => {
     const { host, port } = splitHostPort(hostPort);
     return (Object.hasOwn(addresses, host) ? addresses[host]! : []).flatMap((address) => {
-      if (ipv4Octets(address)) return [`redis://${address}:${port}`];
+      if (ipv4Octets(address)) return [`${address}:${port}`];
       const v6 = canonicalIPv6(address);
-      return v6 === undefined ? [] : [`redis://[${v6}]:${port}`];
+      return v6 === undefined ? [] : [`[${v6}]:${port}`];
     });
   });
-  return extra.length ? { ...config, REDIS_URL: [config.REDIS_URL, ...extra].join(",") } : config;
+  return withRedisHosts(config, extra);
 }
 
 /**

@@ -99,6 +99,27 @@ Deno.test("deno task dev names a Redis that does not answer, its URL, and how to
   assert.match(stderr, /docker compose up -d redis/);
 });
 
+Deno.test("a Sentinel REDIS_URL: a bad one stops start-up naming the problem, unanswering sentinels are named", async () => {
+  const run = (REDIS_URL: string) =>
+    new Deno.Command(Deno.execPath(), {
+      args: ["task", "provider", "status"],
+      env: { REDIS_URL, NO_COLOR: "1" },
+      stdout: "piped",
+      stderr: "piped",
+    }).output();
+  const bad = await run("redis+sentinel://127.0.0.1:1");
+  assert.equal(bad.code, 2);
+  assert.match(new TextDecoder().decode(bad.stderr), /Cannot start: REDIS_URL names no SERVICE/);
+  const down = await run("redis+sentinel://127.0.0.1:1,127.0.0.1:2/mymaster/0");
+  assert.equal(down.code, 1);
+  const stderr = new TextDecoder().decode(down.stderr);
+  assert.match(
+    stderr,
+    /Cannot start: no sentinel of redis\+sentinel:\/\/127\.0\.0\.1:1,127\.0\.0\.1:2\/mymaster \(REDIS_URL\)/,
+  );
+  assert.match(stderr, /last sentinel error: failed to connect to sentinel 127\.0\.0\.1:\d because/);
+});
+
 Deno.test("parseConfig() refuses trusted-header mode without GATEWAY_SECRET, and never echoes the secret", () => {
   assert.throws(() => parseConfig({ AUTH_MODE: "trusted-header" }), /requires GATEWAY_SECRET/);
   assert.equal(
