@@ -74,6 +74,10 @@ const schema = z.object({
   ADMIN_TOKEN: z.string().trim().min(16, "must be at least 16 characters").optional(),
   WEBHOOK_ALLOW_HTTP: bool.default(false),
   WEBHOOK_ALLOW_PRIVATE: bool.default(false),
+  // Replicated before promised: WAIT for this many replicas after each intake and dead-letter replay (0: no WAIT),
+  // at most this long (WAIT's own timeout 0 would mean forever, so 0 is refused).
+  REDIS_MIN_REPLICAS_ACK: int(0, 100).default(0),
+  REDIS_ACK_TIMEOUT_MS: int(1, 60_000).default(500),
 });
 
 /** The names of every environment variable the service reads. */

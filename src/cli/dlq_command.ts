@@ -1,5 +1,6 @@
 import type { Sql } from "postgres";
 import type { RedisClient } from "../clients.ts";
+import type { ReplicaAck } from "../redis/replica_ack.ts";
 import { deadLetterPages, droppedPerLane } from "../queue/inspector.ts";
 import type { JobKeys, ServiceKeys } from "../summaries/keys.ts";
 import { allLanes } from "../summaries/all_lanes.ts";
@@ -16,10 +17,12 @@ const USAGE = "Usage: deno task dlq list [--json|--table] | replay ID [--tenant 
  * removes the dead entry; replaying twice is harmless. It refuses, by name,
  * a dead letter whose job is already done or cancelled (a summary, an outbox
  * row or such an outcome in Postgres), or that is truncated or too old.
+ * With `ack` (REDIS_MIN_REPLICAS_ACK), each replay waits for the replicas;
+ * the first one they do not acknowledge in time stops the replay, exit code 3.
  * @returns the process exit code.
  */
 export async function dlqCommand(
-  { redis, sql }: { redis: RedisClient; sql: Sql },
+  { redis, sql, ack }: { redis: RedisClient; sql: Sql; ack?: ReplicaAck },
   keys: ServiceKeys | JobKeys,
   args: string[],
   { out = console.log, err = console.error, isTerminal = false }: {
@@ -63,15 +66,17 @@ export async function dlqCommand(
     const chosen: ReplayTarget = target === "--all"
       ? { all: true }
       : { id: target, tenant: tenantAt >= 0 ? args[tenantAt + 1] : undefined };
-    const report = await replayDeadLetters({ redis, sql }, keys, chosen, (step) => {
+    const report = await replayDeadLetters({ redis, sql, ack }, keys, chosen, (step) => {
       if (!step.replayed) err(step.message);
       else out(`Replayed ${step.id} as ${step.newId} (job ${step.jobId ?? "?"}, tenant ${step.tenant ?? "?"})`);
+      if (step.replayed && step.unreplicated) err(step.unreplicated);
     });
     if (report.kind === "ambiguous") {
       console.error(replaySummary(report, chosen));
       return 2;
     }
     out(replaySummary(report, chosen));
+    if (report.kind === "done" && (report.unreplicated || report.untried)) return 3;
     return report.kind === "done" && report.refused ? 1 : 0;
   }
   console.error(USAGE);

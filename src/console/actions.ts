@@ -29,11 +29,11 @@ export async function act({ deps, sessions, view, req, path, session }: SignedIn
 }
 
 /** Replays one dead letter (`id`, in `tenant`'s lane), or every one (`all`). */
-async function replay({ redis, sql, keys, log }: ConsoleDeps, fields: URLSearchParams): Promise<Response> {
+async function replay({ redis, sql, keys, log, ack }: ConsoleDeps, fields: URLSearchParams): Promise<Response> {
   const id = fields.get("id"), tenant = fields.get("tenant");
   const all = Boolean(fields.get("all"));
   const target: ReplayTarget = all ? { all: true } : { id: id ?? "", tenant: tenant || undefined };
-  const report = await replayDeadLetters({ redis, sql }, keys, target);
+  const report = await replayDeadLetters({ redis, sql, ack }, keys, target);
   log.info("console_dead_letters_replayed", { all, id, tenant });
   return back("/console/dead-letters", replaySummary(report, target));
 }

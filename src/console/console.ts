@@ -10,6 +10,7 @@
  */
 import type { Sql } from "postgres";
 import type { RedisClient } from "../clients.ts";
+import type { ReplicaAck } from "../redis/replica_ack.ts";
 import type { Logger } from "../log/logger.ts";
 import type { ServiceKeys } from "../summaries/keys.ts";
 import { act } from "./actions.ts";
@@ -37,6 +38,8 @@ export interface ConsoleDeps {
   bodyDeadlineMs?: number;
   /** The token check's pace and the sessions' lifetime; defaults in `ADMIN_AUTH_DEFAULTS`. */
   auth?: Partial<AdminAuthOptions>;
+  /** REDIS_MIN_REPLICAS_ACK: a dead-letter replay waits for the replicas, as `dlq replay` does; absent when 0. */
+  ack?: ReplicaAck;
   /** The shared limiter and breaker, as `deno task provider status` prints it; absent without one. */
   providerStatus?: () => Promise<string[]>;
 }

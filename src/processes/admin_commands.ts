@@ -9,6 +9,7 @@ import { usageCommand } from "../cli/usage_command.ts";
 import { migrate, readMigrations } from "../db/migrate.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { buildFlow, providerLabel } from "./_model.ts";
+import { replicaAckOf } from "./_replica_ack.ts";
 
 /** `deno task migrate`. */
 export async function runMigrate({ clients, log }: RunContext<{ sql: true }>): Promise<number> {
@@ -27,9 +28,16 @@ export function runTasks({ clients, args }: RunContext<{ sql: true }>): Promise<
   return tasksCommand(clients.sql, args);
 }
 
-/** `deno task dlq ...`. */
-export function runDlq({ clients, args }: RunContext<{ redis: true; sql: true }>): Promise<number> {
-  return dlqCommand(clients, serviceKeys(KEY_PREFIX), args, { isTerminal: Deno.stdout.isTerminal() });
+/** `deno task dlq ...`; a replay waits for REDIS_MIN_REPLICAS_ACK replicas, as an intake does. */
+export async function runDlq({ config, clients, args }: RunContext<{ redis: true; sql: true }>): Promise<number> {
+  const ack = replicaAckOf(config, clients.redis);
+  try {
+    return await dlqCommand({ ...clients, ack }, serviceKeys(KEY_PREFIX), args, {
+      isTerminal: Deno.stdout.isTerminal(),
+    });
+  } finally {
+    await ack?.close();
+  }
 }
 
 /** `deno task outbox ...`. */

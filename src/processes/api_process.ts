@@ -18,6 +18,7 @@ import { createSecretCheck } from "../tenants/webhook_secrets.ts";
 import { createWebhookHostPolicy } from "../tenants/webhook_hosts.ts";
 import { startJobWaiter } from "../summaries/job_waiter.ts";
 import { buildFlow, providerLabel } from "./_model.ts";
+import { replicaAckOf } from "./_replica_ack.ts";
 import { problem } from "../http/problem.ts";
 
 /** What the API process's handler needs: the summary API's, and the console and `/metrics`. */
@@ -84,12 +85,15 @@ export async function serveApi(
   // One LISTEN connection serves every `Prefer: wait` request of this process.
   const waiter = startJobWaiter({ sql, log }, signal);
   const flow = buildFlow(config, redis, log);
+  // REDIS_MIN_REPLICAS_ACK: intake and the console's dead-letter replay answer only once the replicas have it.
+  const ack = replicaAckOf(config, redis);
   const operatorConsole = config.ADMIN_TOKEN
     ? await (await import("../console/console.ts")).createConsole({
       redis,
       sql,
       keys,
       log,
+      ack,
       token: config.ADMIN_TOKEN,
       maxBodyBytes: config.MAX_BODY_BYTES,
       providerStatus: flow &&
@@ -118,7 +122,7 @@ export async function serveApi(
     sql,
     log,
     authenticate: createAuthenticator({ sql }, { mode: config.AUTH_MODE, gatewaySecret: config.GATEWAY_SECRET }),
-    intake: createIntake({ redis, log }, {
+    intake: createIntake({ redis, log, ack }, {
       maxQueued: config.INTAKE_MAX_QUEUED,
       maxQueuedPerTenant: config.INTAKE_MAX_QUEUED_PER_TENANT,
       keys,
@@ -144,6 +148,7 @@ export async function serveApi(
   await server.finished;
   await waiter.close();
   await validators.close();
+  await ack?.close();
   log.info("api_stopped");
 }
 

@@ -1,6 +1,7 @@
 import type { ChainableCommander } from "ioredis";
 import type { RedisClient } from "../clients.ts";
 import { defineScript } from "../redis/script.ts";
+import { NotReplicated, notReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
 import { queueDeadLetterTrim } from "./dead_letter_trim.ts";
 import { fieldsToObject, type QueueNames, type StreamMessage } from "./message.ts";
 
@@ -227,19 +228,36 @@ if matched then
 end
 return id`);
 
+/** A replay done on the primary that too few replicas acknowledged in time: it may be lost in a failover. */
+export class ReplayNotReplicated extends NotReplicated {
+  constructor(readonly deadId: string, readonly newId: string, cause: NotReplicated) {
+    super(
+      `Dead letter ${deadId} was replayed as ${newId} on the primary, but ${cause.message}: ` +
+        `a failover before they catch up could undo it (it would then be listed again, and can be replayed again)`,
+      cause.details,
+      { cause },
+    );
+    this.name = "ReplayNotReplicated";
+  }
+}
+
 /**
  * Re-enqueues a dead letter with its original fields (so the original job
  * id) and deletes it from the dead stream, atomically, applying `record` in
- * the same step.
+ * the same step. With `ack` (REDIS_MIN_REPLICAS_ACK), a WAIT follows the
+ * script in the same round trip.
  * @returns the new stream entry id, or null if no such dead letter exists.
  * @throws DeadLetterTruncated if the entry kept only part of its payload.
  * @throws DeadLetterExpired if it is older than `DEAD_LETTER_BOUNDS.maxAgeS`.
+ * @throws ReplayNotReplicated if it was replayed but fewer than `ack.replicas` replicas acknowledged it in time.
+ * @throws NotReplicated if no connection came free to wait for them (nothing was done).
  */
 export async function replayDeadLetter(
   redis: RedisClient,
   names: QueueNames,
   deadId: string,
   record?: RecordUpdate,
+  { ack }: { ack?: ReplicaAck } = {},
 ): Promise<string | null> {
   if (isExpired(deadId)) throw new DeadLetterExpired(deadId);
   const keys = [names.stream, names.dead];
@@ -248,7 +266,11 @@ export async function replayDeadLetter(
     keys.push(record.key);
     Object.assign(args, { match: record.match, set: record.set, del: record.del });
   }
-  const id = await REPLAY.run(redis, keys, [JSON.stringify(args)]);
+  const acked = ack ? await ack.run(REPLAY, keys, [JSON.stringify(args)]) : undefined;
+  const id = acked ? acked.result : await REPLAY.run(redis, keys, [JSON.stringify(args)]);
   if (Array.isArray(id)) throw new DeadLetterTruncated(deadId, String(id[0]).split(","));
-  return typeof id === "string" ? id : null;
+  if (typeof id !== "string") return null;
+  // Only a replay that happened has anything to wait for: a missing or truncated entry wrote nothing.
+  if (ack && acked && !acked.replicated) throw new ReplayNotReplicated(deadId, id, notReplicated(ack, acked.acked));
+  return id;
 }

@@ -4,6 +4,8 @@ import { createHash } from "node:crypto";
 /** A Lua script run by SHA, loaded into the server only when it is missing. */
 export interface Script {
   readonly sha: string;
+  /** The body, for EVAL when the server does not have it (NOSCRIPT). */
+  readonly lua: string;
   /** Runs the script with EVALSHA, falling back to EVAL once on NOSCRIPT. */
   run(redis: RedisClient, keys: string[], args: (string | number)[]): Promise<unknown>;
 }
@@ -17,6 +19,7 @@ export function defineScript(lua: string): Script {
   const sha = createHash("sha1").update(lua).digest("hex");
   return {
     sha,
+    lua,
     async run(redis, keys, args) {
       try {
         return await redis.evalsha(sha, keys.length, ...keys, ...args);

@@ -13,6 +13,7 @@ import type { Logger } from "../log/logger.ts";
 import type { ApiMetrics } from "../metrics/metrics.ts";
 import type { Authenticate } from "../tenants/authenticator.ts";
 import { type Intake, type IntakeResult, QueueFull } from "./intake.ts";
+import { NotReplicated } from "../redis/replica_ack.ts";
 import { cancelJob } from "../jobs/job_store.ts";
 import { jobDocument } from "./job_document.ts";
 import { markCancelled } from "./job_status.ts";
@@ -200,7 +201,8 @@ export function idempotencyKeyFrom(req: Request): string {
 /**
  * Submits a validated POST through the intake and answers it: the stored `202` (with `Idempotent-Replayed`
  * on a replay), or with `Prefer: wait=N` the `finished` document when the job finishes in time. A full
- * queue is a `503` with `Retry-After`, a key reused with another body a `422`.
+ * queue, or a job too few replicas acknowledged in time, is a `503` with `Retry-After`, a key reused with
+ * another body a `422`.
  */
 export async function answerSubmission(
   deps: SummaryApiDeps,
@@ -234,6 +236,15 @@ export async function answerSubmission(
   } catch (error) {
     if (error instanceof QueueFull) {
       throw new HttpError(503, `${error.message}; try again later`, { "retry-after": String(error.retryAfterS) });
+    }
+    if (error instanceof NotReplicated) {
+      // The job may be recorded on the primary: the same key replays it or enqueues it, never a second job.
+      throw new HttpError(
+        503,
+        "The job is not yet confirmed on enough replicas; retry with the same Idempotency-Key",
+        { "retry-after": String(error.retryAfterS) },
+        { cause: error },
+      );
     }
     if (error instanceof KeyReused) {
       deps.metrics?.api.keyReuse.inc();

@@ -6,7 +6,8 @@
  */
 import type { Sql } from "postgres";
 import type { RedisClient } from "../clients.ts";
-import { DeadLetterExpired, DeadLetterTruncated, replayDeadLetter } from "../queue/dead_letter.ts";
+import { DeadLetterExpired, DeadLetterTruncated, replayDeadLetter, ReplayNotReplicated } from "../queue/dead_letter.ts";
+import { NotReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
 import { deadLetterPages, type LaneDeadLetter } from "../queue/inspector.ts";
 import { announceLane } from "../queue/lanes.ts";
 import { allLanes } from "./all_lanes.ts";
@@ -22,7 +23,8 @@ export type ReplayTarget = { all: true } | { all?: false; id: string; tenant?: s
 
 /** What happened to one chosen dead letter, in the order they were tried. */
 export type ReplayStep =
-  | { replayed: true; id: string; newId: string; jobId?: string; tenant?: string }
+  /** `unreplicated`: replayed on the primary, but too few replicas acknowledged it in time (why, in words). */
+  | { replayed: true; id: string; newId: string; jobId?: string; tenant?: string; unreplicated?: string }
   | { replayed: false; id: string; message: string };
 
 /** The answer to a replay. */
@@ -31,15 +33,26 @@ export type ReplayReport =
   | { kind: "none" }
   /** The id names dead letters in more than one lane (each lane numbers its own): nothing done. */
   | { kind: "ambiguous"; lanes: (string | null)[] }
-  | { kind: "done"; steps: ReplayStep[]; replayed: number; refused: number };
+  | {
+    kind: "done";
+    steps: ReplayStep[];
+    replayed: number;
+    refused: number;
+    /** Replayed steps that too few replicas acknowledged in time (REDIS_MIN_REPLICAS_ACK). */
+    unreplicated: number;
+    /** Chosen dead letters not tried: the replay stopped at the first one the replicas did not acknowledge. */
+    untried: number;
+  };
 
 /**
  * Replays the dead letters `target` names. Replaying twice is harmless. It
  * refuses, by name, a dead letter whose job is already done or cancelled,
- * or that is truncated or too old.
+ * or that is truncated or too old. With `ack` (REDIS_MIN_REPLICAS_ACK) each
+ * replay waits for the replicas, and the first one they do not acknowledge
+ * in time ends the run (the next ones would only wait as long).
  */
 export async function replayDeadLetters(
-  { redis, sql }: { redis: RedisClient; sql: Sql },
+  { redis, sql, ack }: { redis: RedisClient; sql: Sql; ack?: ReplicaAck },
   keys: ServiceKeys | JobKeys,
   target: ReplayTarget,
   /** Told of each step as it happens, so a replay that fails midway has said what it did before. */
@@ -60,7 +73,8 @@ export async function replayDeadLetters(
     steps.push(step);
     onStep?.(step);
   };
-  for (const d of chosen) {
+  let untried = 0;
+  for (const [i, d] of chosen.entries()) {
     const jobId = d.fields.job_id;
     const lane = d.lane.keys;
     const named = `(job ${jobId ?? "?"}, tenant ${d.fields.tenant ?? "?"})`;
@@ -80,8 +94,33 @@ export async function replayDeadLetters(
         });
         continue;
       }
-      newId = await replayDeadLetter(redis, lane, d.id, jobId ? markQueuedOnReplay(lane, jobId) : undefined);
+      newId = await replayDeadLetter(redis, lane, d.id, jobId ? markQueuedOnReplay(lane, jobId) : undefined, { ack });
     } catch (error) {
+      if (error instanceof ReplayNotReplicated) {
+        // In the lane's stream on the primary all the same: wake the workers, and say what is not yet safe.
+        if (d.lane.tenant !== null && "lane" in keys) await announceLane(redis, keys.registry, d.lane.tenant);
+        record({
+          replayed: true,
+          id: d.id,
+          newId: error.newId,
+          jobId,
+          tenant: d.fields.tenant,
+          unreplicated: error.message,
+        });
+        untried = chosen.length - i - 1;
+        break;
+      }
+      if (error instanceof NotReplicated) {
+        // No connection came free to wait on: the replay did not run. Postgres said "undecided" already, and
+        // the dead letter is still there, so replaying again finishes it.
+        record({
+          replayed: false,
+          id: d.id,
+          message: `Dead letter ${d.id} ${named} is not replayed: ${error.message}.`,
+        });
+        untried = chosen.length - i - 1;
+        break;
+      }
       if (!(error instanceof DeadLetterTruncated) && !(error instanceof DeadLetterExpired)) throw error;
       record({ replayed: false, id: d.id, message: `${error.message} ${named}` });
       continue;
@@ -98,7 +137,8 @@ export async function replayDeadLetters(
     record({ replayed: true, id: d.id, newId, jobId, tenant: d.fields.tenant });
   }
   const replayed = steps.filter((s) => s.replayed).length;
-  return { kind: "done", steps, replayed, refused: steps.length - replayed };
+  const unreplicated = steps.filter((s) => s.replayed && s.unreplicated).length;
+  return { kind: "done", steps, replayed, refused: steps.length - replayed, unreplicated, untried };
 }
 
 /** The one line that sums up a replay, as `dlq replay` ends with and the console shows. */
@@ -112,7 +152,11 @@ export function replaySummary(report: ReplayReport, target: ReplayTarget): strin
     }; add --tenant T to say which. Nothing done.`;
   }
   return `${report.replayed} dead letter(s) replayed.` +
-    (report.refused ? ` ${report.refused} could not be (see above).` : "");
+    (report.refused ? ` ${report.refused} could not be (see above).` : "") +
+    (report.unreplicated ? ` ${report.unreplicated} not yet acknowledged by enough Redis replicas (see above).` : "") +
+    (report.untried
+      ? ` Stopped there: ${report.untried} not tried; replay again once the replicas have caught up.`
+      : "");
 }
 
 /** The task and version a dead letter's payload names (summarize v1 for a summary job or an unreadable one). */

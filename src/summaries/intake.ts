@@ -9,6 +9,7 @@ import { KeyReused } from "../idempotency/errors.ts";
 import { canonicalJson } from "../idempotency/fingerprint.ts";
 import { encodeScope, jobIdFor, type Scope } from "../idempotency/scope.ts";
 import { defineScript } from "../redis/script.ts";
+import { notReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
 import { markQueued } from "./job_status.ts";
 import type { ServiceKeys } from "./keys.ts";
 import { announceLane, laneKnownArgs } from "../queue/lanes.ts";
@@ -68,13 +69,22 @@ export interface Intake {
 //           lane (the lane id), wake (the channel to publish it on, '' for none) }.
 // ARGV[2]   the payload (the request's JSON).
 // ARGV[3]   the stored answer (the record).
+// ARGV[4]   '1' when a WAIT follows (REDIS_MIN_REPLICAS_ACK): a found record is then written again, expiry
+//           unchanged, because WAIT covers only its own connection's writes and the record may have been
+//           written on another one (a first attempt answered 503, another API process) and not replicated yet.
 // Returns the existing record (or ours, stored again, when the key's record expired but the job is still
 // known: it is not enqueued twice and its status is left alone), 1 when the lane is full, 2 when the whole
 // queue is full and this lane holds its share of it (nothing written either way), or false after enqueuing,
 // making the lane known and storing ours.
 const INTAKE = defineScript(`
 local stored = redis.call('GET', KEYS[1])
-if stored then return stored end
+if stored then
+  if ARGV[4] == '1' then
+    local at = redis.call('PEXPIRETIME', KEYS[1])
+    if at > 0 then redis.call('PEXPIREAT', KEYS[1], at) end
+  end
+  return stored
+end
 local a = cjson.decode(ARGV[1])
 if redis.call('EXISTS', KEYS[3]) == 1 then
   redis.call('SET', KEYS[1], ARGV[3], 'EX', a.record_ttl_s)
@@ -117,9 +127,13 @@ export interface IntakeFaults {
   afterScript?(): Promise<void>;
 }
 
-/** Creates the intake on `redis`; records live `resultTtlS` (IDEMPOTENCY_RESULT_TTL_S). */
+/**
+ * Creates the intake on `redis`; records live `resultTtlS` (IDEMPOTENCY_RESULT_TTL_S). With `ack`
+ * (REDIS_MIN_REPLICAS_ACK), the script and a WAIT share one round trip, and an answer is given only once the
+ * replicas have the record: a new job's, or a replayed one's.
+ */
 export function createIntake(
-  { redis, log, faults }: { redis: RedisClient; log?: Logger; faults?: IntakeFaults },
+  { redis, log, faults, ack }: { redis: RedisClient; log?: Logger; faults?: IntakeFaults; ack?: ReplicaAck },
   { keys, resultTtlS, path, maxQueued, maxQueuedPerTenant }: {
     keys: ServiceKeys;
     resultTtlS: number;
@@ -175,7 +189,8 @@ export function createIntake(
     // The whole queue's size is known only across lanes (other slots), so it is read at most once a second.
     const share = await fullQueueShare();
     const known = laneKnownArgs(redis, keys.registry, scope.tenant, lane.stream);
-    const stored = await INTAKE.run(redis, [keyFor(scope), lane.stream, lane.job(jobId), ...known.keys], [
+    const scriptKeys = [keyFor(scope), lane.stream, lane.job(jobId), ...known.keys];
+    const args = [
       JSON.stringify({
         job_id: jobId,
         tenant: scope.tenant,
@@ -189,7 +204,10 @@ export function createIntake(
       }),
       run ? run.payload : JSON.stringify(request),
       record,
-    ]) as string | number | null;
+      ack ? "1" : "0",
+    ];
+    const acked = ack ? await ack.run(INTAKE, scriptKeys, args) : undefined;
+    const stored = (acked ? acked.result : await INTAKE.run(redis, scriptKeys, args)) as string | number | null;
     if (stored === 1) throw new QueueFull(`tenant ${scope.tenant}'s queue is full`, RETRY_AFTER_S);
     if (stored === 2) throw new QueueFull("the queue is full", RETRY_AFTER_S);
     // The script made the lane known (on one server it announced it too), so no crash from here on can
@@ -202,9 +220,14 @@ export function createIntake(
         log?.warn("lane_announce_failed", { tenant: scope.tenant, error })
       );
     }
-    if (stored === null) return { response, replayed: false, jobId };
-    const previous = JSON.parse(stored as string) as StoredRecord;
-    if (previous.fp !== fingerprint) throw new KeyReused();
+    const previous = stored === null ? null : JSON.parse(stored as string) as StoredRecord;
+    // A reused key is refused whatever the replicas hold: nothing of this request's was written.
+    if (previous && previous.fp !== fingerprint) throw new KeyReused();
+    // Not promised until the replicas have it. The record may stay on the primary: the client's retry with
+    // the same key then finds it (a replay, waited for again) or, if a failover lost it, enqueues the job
+    // under the same id; either way one job id, and the commit's primary key on it keeps its effects to one.
+    if (ack && acked && !acked.replicated) throw notReplicated(ack, acked.acked);
+    if (previous === null) return { response, replayed: false, jobId };
     const { status, body, headers } = previous;
     return { response: { status, body, headers }, replayed: true, jobId };
   };
