@@ -80,9 +80,12 @@ async function startUpLines(url: string): Promise<string> {
 }
 
 Deno.test("a pool on a primary and its synchronous standby follows a failover without a restart", async (t) => {
-  const pg = await startPgStandby();
   let sql: Sql | undefined;
   const r = await createTestRedis();
+  const pg = await startPgStandby().catch(async (error) => {
+    await r.close();
+    throw error;
+  });
   const mail = startFakeMail();
   // The second job's model call takes a second, so a wait on it starts before its commit.
   const model = startFakeModel((_, prompt) => ({ kind: "ok", delayMs: prompt.includes("SLOW") ? 1_000 : 0 }));
