@@ -112,6 +112,14 @@ export async function connectRedis(
   }
 }
 
+/** A connection attempt to one host that takes longer fails; with several hosts the next attempt tries the next. */
+const PG_CONNECT_TIMEOUT_S = 3;
+/**
+ * Idle pool connections close after this: after a failover none lingers on a host that went away without
+ * closing its sockets, and the next query connects to whichever host is the primary then.
+ */
+const PG_IDLE_TIMEOUT_S = 60;
+
 /**
  * ioredis's client, as a Sentinel client: its failover detector keeps a
  * subscription to `+switch-master` open on the sentinels, which ioredis
@@ -181,14 +189,24 @@ export async function connectSentinel(
 }
 
 /**
- * Connects to Postgres and checks that it answers.
+ * Connects to Postgres and checks that it answers. DATABASE_URL may list
+ * several hosts with `target_session_attrs=read-write` (or `primary`): every
+ * new connection then tries them in turn until one is the primary, so after
+ * a failover the pool reconnects to the promoted standby, and so does the
+ * LISTEN connection (postgres.js LISTENs again on its own).
  * @throws {DependencyDown} naming the URL and how to start Postgres.
  */
 export async function connectPostgres(url: string, options: { max?: number } = {}): Promise<Sql> {
+  const target = new URLSearchParams(/\?([^#]*)/.exec(url)?.[1]).get("target_session_attrs");
   const sql = postgres(url, {
     max: options.max ?? 10,
     onnotice: () => {},
-    connect_timeout: STARTUP_TIMEOUT_MS / 1000,
+    connect_timeout: PG_CONNECT_TIMEOUT_S,
+    idle_timeout: PG_IDLE_TIMEOUT_S,
+    // postgres.js 3.4 tells read-write by default_transaction_read_only alone, which a hot standby of
+    // Postgres 14+ reports as off: it would connect to the standby, and every write would fail there
+    // (hapostgres/pg_auto_failover#970). `primary` tells by in_hot_standby, as libpq does for read-write.
+    ...(target === "read-write" ? { target_session_attrs: "primary" as const } : {}),
     connection: { application_name: "oncely" },
   });
   try {

@@ -27,8 +27,12 @@ const schema = z.object({
     "is not a redis:// or rediss:// URL, nor a comma-separated list of them (for example redis://127.0.0.1:6379/0), " +
       "nor a redis+sentinel:// URL",
   ).superRefine(checkSentinelUrl).default("redis://127.0.0.1:6379"),
-  DATABASE_URL: url(["postgres:", "postgresql:"], "postgres://postgres@127.0.0.1:5432/postgres")
-    .default("postgres://postgres@127.0.0.1:5432/postgres"),
+  // One host, or several (`postgres://u@h1:5432,h2:5432/db?target_session_attrs=read-write`): see parseConfig.
+  DATABASE_URL: z.string().trim().refine(
+    (value) => postgresHosts(value) !== undefined,
+    "is not a postgres:// or postgresql:// URL with one host, or a comma-separated list of host:port " +
+      "(an IPv6 address only alone; for example postgres://postgres@127.0.0.1:5432/postgres)",
+  ).default("postgres://postgres@127.0.0.1:5432/postgres"),
   HOST: z.string().trim().min(1, "must not be empty").default("127.0.0.1"),
   PORT: int(0, 65535).default(8000),
   AUTH_MODE: z.enum(["api-key", "trusted-header"], "must be api-key or trusted-header").default("api-key"),
@@ -145,6 +149,7 @@ export function parseConfig(env: Record<string, string | undefined>): Config {
         `must be at least 3600 while it is set (got ${raw.OUTBOX_RETENTION_S})`,
     );
   }
+  checkPostgresTarget(raw.DATABASE_URL);
   const llm = raw.LLM_PROVIDER ?? (raw.OPENAI_API_KEY ? "openai" : "extractive");
   if (llm === "openai" && !raw.OPENAI_API_KEY) {
     throw new ConfigError("OPENAI_API_KEY", "Cannot start: OPENAI_API_KEY must be set when LLM_PROVIDER=openai");
@@ -156,14 +161,18 @@ export function parseConfig(env: Record<string, string | undefined>): Config {
   return { ...raw, LLM_PROVIDER: llm, MAIL_PROVIDER: mail };
 }
 
-/** Replaces the password in a connection URL, so it can be printed. */
+/** Replaces the password in a connection URL (a multi-host one too), so it can be printed. */
 export function redactUrl(value: string): string {
   try {
     const u = new URL(value);
     if (u.password) u.password = "***";
     return u.toString();
   } catch {
-    return "(unparseable URL)";
+    // `new URL` refuses a list of hosts; the user-info is everything between "//" and the first "@".
+    const multiHost = /^([a-z][a-z0-9+.-]*:\/\/)(?:([^:@/]*):[^@/]*@)?([^/?#]*,[^/?#]*)(.*)$/i.exec(value);
+    if (!multiHost) return "(unparseable URL)";
+    const [, scheme, user, hosts, rest] = multiHost;
+    return `${scheme}${user === undefined ? "" : `${user}:***@`}${hosts}${rest}`;
   }
 }
 
@@ -249,4 +258,52 @@ function checkSentinelUrl(value: string, ctx: z.RefinementCtx): void {
   } catch (error) {
     ctx.addIssue({ code: "custom", message: (error as Error).message });
   }
+
+/**
+ * The `host:port` of each host a Postgres URL names, as postgres.js reads
+ * them: one host, or a comma-separated list (a host without a port gets the
+ * first host's, else 5432). An IPv6 literal is taken only alone: postgres.js
+ * splits a list at every colon.
+ * @returns undefined when `value` is not such a URL.
+ */
+export function postgresHosts(value: string): string[] | undefined {
+  const match = /^postgres(?:ql)?:\/\/(?:[^@/?#]*@)?([^/?#]*)/i.exec(value);
+  if (!match) return undefined;
+  const parts = match[1]!.split(",");
+  try {
+    const hostsAt = match[0].length - match[1]!.length;
+    const first = new URL(value.slice(0, hostsAt) + parts[0] + value.slice(match[0].length));
+    if (parts.length === 1) return [`${first.hostname}:${first.port || "5432"}`];
+    return parts.map((part) => {
+      if (!/^[^:[\]]+(:\d{1,5})?$/.test(part)) throw new TypeError(`not a host:port: ${part}`);
+      const u = new URL(`postgres://${part}/`);
+      return `${u.hostname}:${u.port || first.port || "5432"}`;
+    });
+  } catch {
+    return undefined;
+  }
+}
+
+/** The `target_session_attrs` values under which every connection lands on a server that takes writes. */
+const WRITABLE_TARGETS = ["read-write", "primary"];
+
+/**
+ * Several hosts are only safe when the client picks the writable one;
+ * otherwise the pool would connect to whichever answers first, a standby
+ * too, and every write there fails.
+ * @throws {ConfigError} for several hosts without `target_session_attrs=read-write` (or `primary`), or any
+ * other target (which would aim the service at a standby).
+ */
+function checkPostgresTarget(databaseUrl: string): void {
+  const target = new URLSearchParams(/\?([^#]*)/.exec(databaseUrl)?.[1]).get("target_session_attrs") ?? undefined;
+  const hosts = postgresHosts(databaseUrl)!;
+  if (target === undefined ? hosts.length === 1 : WRITABLE_TARGETS.includes(target)) return;
+  throw new ConfigError(
+    "DATABASE_URL",
+    target === undefined
+      ? `Cannot start: DATABASE_URL lists ${hosts.length} hosts (${hosts.join(",")}) but no ` +
+        "target_session_attrs: add ?target_session_attrs=read-write, or writes could go to a standby"
+      : `Cannot start: DATABASE_URL's target_session_attrs must be read-write or primary (got "${target}"): ` +
+        "the service writes, and a standby refuses writes",
+  );
 }

@@ -1,6 +1,6 @@
 import { type Command, COMMAND_TABLE, type NetNeeds } from "./commands.ts";
 import type { Config } from "./config.ts";
-import { CONFIG_VARIABLES, isSentinelUrl, parseSentinelUrl, SENTINEL_DEFAULT_PORT } from "./config.ts";
+import { CONFIG_VARIABLES, isSentinelUrl, parseSentinelUrl, postgresHosts, SENTINEL_DEFAULT_PORT } from "./config.ts";
 
 const DEFAULT_PORTS: Record<string, string> = {
   "redis:": "6379",
@@ -48,7 +48,10 @@ export function requiredHosts(config: Config, needs: NetNeeds): Record<string, s
     // Every seed of a cluster, or every sentinel, and the nodes the launcher discovered from them.
     redisHosts(config.REDIS_URL).forEach((host, i) => (out[i ? `REDIS_URL[${i}]` : "REDIS_URL"] = host));
   }
-  if (needs.postgres) out.DATABASE_URL = hostOf(config.DATABASE_URL);
+  if (needs.postgres) {
+    // Every host of a multi-host URL: after a failover the client connects to another one.
+    postgresHosts(config.DATABASE_URL)!.forEach((host, i) => (out[i ? `DATABASE_URL[${i}]` : "DATABASE_URL"] = host));
+  }
   if (needs.listen) out["HOST/PORT"] = `${config.HOST.replace(/^\[|\]$/g, "")}:${config.PORT}`;
   if (needs.metrics && config.METRICS_PORT !== undefined) {
     out.METRICS_PORT = `${config.HOST.replace(/^\[|\]$/g, "")}:${config.METRICS_PORT}`;

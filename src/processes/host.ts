@@ -6,7 +6,8 @@
 import { connectPostgres, connectRedis, DependencyDown } from "../clients.ts";
 import { type Command, COMMAND_TABLE, type CommandSpec } from "../commands.ts";
 import type { ClientNeeds, ClientsOf } from "./run_context.ts";
-import type { Config } from "../config.ts";
+import { type Config, postgresHosts } from "../config.ts";
+import { checkCommitDurability } from "../db/commit_durability.ts";
 import { createLogger } from "../log/logger.ts";
 import { missingNetPermissions } from "../permissions.ts";
 
@@ -30,7 +31,15 @@ export async function runCommand(
     sql?: Awaited<ReturnType<typeof connectPostgres>>;
   } = {};
   try {
-    if (spec.clients.sql) opened.sql = await connectPostgres(config.DATABASE_URL);
+    if (spec.clients.sql) {
+      opened.sql = await connectPostgres(config.DATABASE_URL);
+      if (postgresHosts(config.DATABASE_URL)!.length > 1) {
+        // A warning, not a refusal: an asynchronous standby is a choice (speed over acknowledged commits).
+        await checkCommitDurability({ sql: opened.sql, log }).catch((error) =>
+          log.warn("postgres_durability_unknown", { error })
+        );
+      }
+    }
     if (spec.clients.redis) {
       opened.redis = await connectRedis(config.REDIS_URL, { name: "oncely", failFast: spec.failFast });
     }
