@@ -258,6 +258,7 @@ function checkSentinelUrl(value: string, ctx: z.RefinementCtx): void {
   } catch (error) {
     ctx.addIssue({ code: "custom", message: (error as Error).message });
   }
+}
 
 /**
  * The `host:port` of each host a Postgres URL names, as postgres.js reads
