@@ -144,6 +144,8 @@ interface Delivery {
   tenant: string;
   run: RunJob;
   log: Logger;
+  /** Attempts recorded so far: a repair call's attempts continue the first call's numbering. */
+  recorded: number;
 }
 
 /** One model call of a run: the user message and how to ask. */
@@ -310,7 +312,7 @@ function parseDelivery(job: Job, message: StreamMessage): Delivery {
   const log = job.log.child(
     run.summary ? { job_id, tenant, msg_id: message.id } : { job_id, tenant, task: run.task, msg_id: message.id },
   );
-  return { message, job_id, tenant, run, log };
+  return { message, job_id, tenant, run, log, recorded: 0 };
 }
 
 /**
@@ -411,12 +413,8 @@ function endedBy({ job_id, message, log }: Delivery, outcome: Outcome, stage: st
 }
 
 /** One attempt's span, log line and `model_attempts` row. */
-function recordAttempt(
-  job: Job,
-  { job_id, tenant, message, log, run }: Delivery,
-  report: AttemptReport,
-  model: string,
-): void {
+function recordAttempt(job: Job, delivery: Delivery, report: AttemptReport, model: string): void {
+  const { job_id, tenant, message, log, run } = delivery;
   if (report.started_at_ms !== undefined) {
     recordSpan("model.attempt", {
       startMs: report.started_at_ms,
@@ -437,7 +435,9 @@ function recordAttempt(
   const { details, ...logged } = report;
   log[report.outcome === "ok" ? "debug" : "info"]("model_attempt", { ...logged, ...details });
   job.options.onAttempt?.({ ...report, job_id });
-  const row = attemptRow(report, {
+  // Numbered across the delivery's calls (a repair call's first attempt follows the first call's last), so each
+  // row of `model_attempts` names one call.
+  const row = attemptRow(report.started_at_ms === undefined ? report : { ...report, attempt: ++delivery.recorded }, {
     job_id,
     tenant,
     delivery: message.deliveries,

@@ -187,6 +187,10 @@ Deno.test("runs of a task: structured output, repair, failures, notifications", 
         return doc.body.attempts === 2 ? doc : undefined;
       });
       assert.deepEqual(got.body.tokens, { prompt: 2, completion: 2 });
+      // The repair call's attempt follows the first call's in the record: one row per call.
+      const rows = await db.sql<{ attempt: number }[]>`
+        SELECT attempt FROM model_attempts WHERE job_id = ${a.body.run_id} ORDER BY started_at`;
+      assert.deepEqual(rows.map((r) => r.attempt), [1, 2]);
       // The repair call sent the first answer back, then what was wrong with it.
       const repair = model.bodies.at(-1) as { messages: { role: string; content: string }[] };
       assert.equal(repair.messages.at(-2)!.role, "assistant");
