@@ -17,8 +17,11 @@ export function publicError(reason: string): string {
   if (status) return `model_rejected: ${status}`;
   if (reason.includes("cannot be stored")) return "storage_rejected";
   // The worker's own words about the tenant's schema and the pointer into the answer: no provider text.
-  const invalid = /output_invalid: at "[^"]{0,200}"/.exec(reason);
-  if (invalid) return invalid[0];
+  const invalid = /output_invalid: at "([^"]*)"/.exec(reason);
+  if (invalid) {
+    const pointer = invalid[1]!;
+    return `output_invalid: at "${pointer.length > 200 ? `${pointer.slice(0, 200)}…` : pointer}"`;
+  }
   if (/GateRefused|tokens-per-minute limit|request too large/i.test(reason)) return "too_large";
   if (/malformed job (payload|message)/.test(reason)) return "malformed_job";
   // Built by the worker from labels alone (error classes, statuses): nothing of the provider's text.

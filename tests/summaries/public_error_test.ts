@@ -12,3 +12,15 @@ Deno.test("publicError() passes on only the worker's own labels, never a provide
   assert.equal(publicError("permanent: the summary cannot be stored: invalid byte sequence"), "storage_rejected");
   assert.equal(publicError("anything at all"), "failed");
 });
+
+Deno.test("a failed run's error names the pointer into the answer, shortened when long", () => {
+  assert.equal(
+    publicError('permanent: output_invalid: at "/a/0": the answer does not match'),
+    'output_invalid: at "/a/0"',
+  );
+  const long = "/x".repeat(150);
+  assert.equal(
+    publicError(`permanent: output_invalid: at "${long}": the answer does not match`),
+    `output_invalid: at "${long.slice(0, 200)}…"`,
+  );
+});
