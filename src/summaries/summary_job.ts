@@ -74,6 +74,14 @@ class JobDecided extends Error {
   }
 }
 
+/** The between-attempts check of the job's outcome failed (Postgres did not answer): transient, never permanent. */
+class DecidedCheckFailed extends Error {
+  constructor(jobId: string, options: ErrorOptions) {
+    super(`the outcome of job ${jobId} could not be read between attempts`, options);
+    this.name = "DecidedCheckFailed";
+  }
+}
+
 /** SQLSTATE class 22, "data exception": the value itself is wrong, so a retry fails the same way. */
 const DATA_EXCEPTION_CLASS = "22";
 
@@ -382,8 +390,11 @@ async function callModel(
       signal,
       describe: describeAttempt,
       // A cancel (or another delivery's commit or dead letter) during an attempt stops the job before its next call.
+      // A check Postgres cannot answer (a failover, a terminated connection) is transient, not the model's verdict.
       beforeRetry: async () => {
-        const now = await job.decided(job_id);
+        const now = await job.decided(job_id).catch((cause) => {
+          throw new DecidedCheckFailed(job_id, { cause });
+        });
         if (now) throw new JobDecided(job_id, now);
       },
       onAttempt: (report) => recordAttempt(job, delivery, report, call.model),
@@ -391,6 +402,8 @@ async function callModel(
     return completion.text;
   } catch (error) {
     if (error instanceof JobDecided) return { skipped: endedBy(delivery, error.outcome, "between_attempts") };
+    // Postgres's error, left to leave the message pending: without this it read as a permanent model error.
+    if (error instanceof DecidedCheckFailed) throw error.cause;
     // Transient: leave the message pending; redelivery brings a fresh budget.
     if (signal.aborted || error instanceof DeadlineExceeded || error instanceof GateUnavailable) throw error;
     if (isRetryable(error)) throw error;

@@ -11,7 +11,7 @@
  *
  *   deno task chaos [--jobs N] [--duration S] [--redis-restart] [--pg-terminate] [--no-kills] [--seed N]
  *                   [--provider-limit RPS] [--cluster] [--new-tenants] [--drain-timeout S] [--poison N]
- *                   [--poison-runs N]
+ *                   [--poison-runs N] [--pg-failover [--pg-async]]
  *
  * Among the jobs are N (default 3) poison documents, on which the model always
  * hangs: each must be dead-lettered (after MAX_DELIVERIES=5 deliveries, charged
@@ -49,6 +49,10 @@
  * but never done is reported as stranded, with its tenant and lane. The drain
  * timeout defaults to 60 s in this mode (past the workers' 30 s lane sweep).
  *
+ * With --pg-failover, Postgres is a primary and a synchronous standby (an
+ * asynchronous one with --pg-async), DATABASE_URL lists both, and mid-run the
+ * primary is stopped (immediate) and the standby promoted: see pg_failover.ts.
+ *
  * It uses a fresh Postgres database and an empty Redis database index (or,
  * with --redis-restart, its own redis-server with AOF on in a temporary
  * directory), and cleans up afterwards. All traffic stays on 127.0.0.1.
@@ -77,6 +81,7 @@ import { type LocalCluster, startLocalCluster } from "../support/redis_cluster.t
 import { connectRedis, type RedisClient } from "../../src/clients.ts";
 import { freePort } from "../support/free_port.ts";
 import { seededRandom } from "../support/random.ts";
+import { pgFailoverMode, startPgFailover } from "./pg_failover.ts";
 
 const args = Deno.args;
 const flag = (name: string) => args.includes(`--${name}`);
@@ -104,6 +109,7 @@ const TICKET_INDEX = /\bTicket (\d+):/;
 const REDIS_RESTART = flag("redis-restart");
 const CLUSTER = flag("cluster");
 const PG_TERMINATE = flag("pg-terminate");
+const PG_FAILOVER = pgFailoverMode(args);
 const NO_KILLS = flag("no-kills");
 const PROVIDER_LIMIT = option("provider-limit", 0);
 const SEED = option("seed", Date.now() % 1_000_000);
@@ -153,7 +159,8 @@ const model = startFakeModel((n, prompt) => {
 const mail = startFakeMail(() => (random() < 0.1 ? { kind: "status", status: 500 } : { kind: "ok" }));
 
 // ---------------------------------------------------------------- Redis and Postgres
-const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_chaos" });
+const pgPair = PG_FAILOVER ? await startPgFailover(PG_FAILOVER) : undefined;
+const db = pgPair?.db ?? await createScratchDatabase(ADMIN_URL, { prefix: "oncely_chaos" });
 let redisUrl: string;
 let ownRedis: { port: number; dir: string; child?: Deno.ChildProcess } | undefined;
 
@@ -635,6 +642,11 @@ async function killLoop() {
       events.push(`cluster master ${cluster!.nodes[index]} killed (SIGKILL) and restarted from its AOF`);
       continue;
     }
+    if (pgPair && !pgPair.done && elapsed > 0.5) {
+      // No kill lands until the API's /readyz is 200 again: its recovery is measured in one process.
+      events.push(await pgPair.failover({ port: apiPort, child: () => procs.find((p) => p.task === "api")!.child }));
+      continue;
+    }
     if (!pgTerminated && elapsed > 0.6) {
       pgTerminated = true;
       const admin = postgres(ADMIN_URL, { max: 1, onnotice: () => {} });
@@ -922,6 +934,7 @@ const rows: [string, string][] = [
       CLUSTER && "redis cluster",
       REDIS_RESTART && "redis restart",
       PG_TERMINATE && "pg_terminate_backend",
+      pgPair && `postgres failover (${pgPair.synchronous ? "synchronous" : "asynchronous"} standby)`,
     ]
       .filter(Boolean).join(", ") ||
     "process kills",
@@ -936,6 +949,7 @@ const rows: [string, string][] = [
   ["processes killed (SIGKILL)", String(kills)],
   ["processes that exited on their own", selfExits.length ? selfExits.join(", ") : "0"],
   ...events.map((e): [string, string] => ["infrastructure event", e]),
+  ...(pgPair?.rows() ?? []),
   ["jobs lost (accepted but never done)", String(lost)],
   ["dead-lettered", String(dead)],
   ["poison documents and runs dead-lettered (failed) / expected", `${poisonDead} (${poisonDecided}) / ${poison.size}`],
@@ -1056,7 +1070,9 @@ const ok = !failure && stoppedCleanly && stuck.length === 0 && lost === 0 && dup
   dupOutboxKeys === 0 && outboxUnexpected === 0 &&
   stranded.length === 0 &&
   poisonDead === poison.size && poisonDecided === poison.size && otherDead === 0 && poisonDone === 0 &&
-  (!NEW_TENANTS || (doneWithoutOutbox === 0 && outboxUnknown === 0 && misnamed.length === 0));
+  (!NEW_TENANTS || (doneWithoutOutbox === 0 && outboxUnknown === 0 && misnamed.length === 0)) &&
+  (pgPair?.ok() ?? true);
+if (pgPair && !pgPair.ok()) console.error(`chaos run failed: ${pgPair.problem()}`);
 if (failure) console.error(`chaos run failed: ${failure instanceof Error ? failure.message : failure}`);
 if (stuck.length > 0) console.error(`did not exit within 15 s of SIGTERM (then SIGKILLed): ${stuck.join(", ")}`);
 if (stranded.length > 0) {

@@ -219,6 +219,55 @@ Deno.test("summary job", async (t) => {
       }
     });
 
+    await t.step(
+      "Postgres failing the between-attempts check (a failover) leaves the job pending, not dead-lettered",
+      async () => {
+        await reset();
+        // The one query in flight when the primary crashes fails, as postgres.js failed it in the chaos run; the
+        // next ones reach the new primary (the dead-letter step's too, so a wrong verdict would be stored).
+        let breakNext = false;
+        const sql = new Proxy(db.sql, {
+          apply: (target, self, args) => {
+            if (!breakNext) return Reflect.apply(target, self, args);
+            breakNext = false;
+            return Promise.reject(
+              Object.assign(new Error("write CONNECTION_CLOSED 127.0.0.1:5432"), { code: "CONNECTION_CLOSED" }),
+            );
+          },
+        });
+        // The first call answers 503, and the check of the job's outcome before the second one fails.
+        const model = startFakeModel((n) => {
+          breakNext = n === 1;
+          return n === 1 ? { kind: "status", status: 503 } : { kind: "ok" };
+        });
+        const llm = createOpenAiLlm({ apiKey: "k", model: "m", baseURL: model.url });
+        const w = summaryWorker({ redis: r.redis, sql, llm, keys }, { consumer: "w", job: jobOptions });
+        try {
+          const jobId = crypto.randomUUID();
+          await enqueue(jobId);
+          await w.runOnce(0);
+          await w.drain();
+          assert.equal(model.requests, 1, "no call after the failed check");
+          assert.equal((await listDeadLetters(r.redis, keys)).length, 0);
+          assert.equal(await pending(), 1);
+          assert.equal(await r.redis.hget(keys.job(jobId), "status"), "queued");
+          // The redelivery does the job.
+          const b = makeWorker("w-b", llm, { claimIdleMs: 0 });
+          try {
+            assert.equal(await b.runOnce(0), 1);
+            await b.drain();
+          } finally {
+            await b.close();
+          }
+          assert.equal(await pending(), 0);
+          assert.deepEqual(await counts(), [1, 1]);
+        } finally {
+          await w.close();
+          await model.close();
+        }
+      },
+    );
+
     await t.step("a 400-class model error is dead-lettered after one call and the job reads as failed", async () => {
       await reset();
       const model = startFakeModel(() => ({

@@ -88,10 +88,14 @@ async function query<T>(port: number, text: string): Promise<T[]> {
 /**
  * Starts a primary and a standby. `synchronous: false` leaves the standby
  * asynchronous (`synchronous_standby_names` empty), the risky set-up the
- * service warns about.
+ * service warns about. `maxConnections` is both servers' max_connections
+ * (the standby's may not be lower than the primary's): the chaos run's five
+ * processes and their restarts need more than the default 60.
  * @throws {Error} naming the step that failed; whatever was started is stopped and removed first.
  */
-export async function startPgStandby({ synchronous = true, migrations = true } = {}): Promise<PgStandby> {
+export async function startPgStandby(
+  { synchronous = true, migrations = true, maxConnections = 60 } = {},
+): Promise<PgStandby> {
   const run = await serverCommand();
   const dir = await Deno.makeTempDir({ prefix: "oncely-pg-standby-" });
   if (Deno.uid() === 0) {
@@ -110,7 +114,7 @@ export async function startPgStandby({ synchronous = true, migrations = true } =
       "wal_level = replica",
       "max_wal_senders = 4",
       "hot_standby = on",
-      "max_connections = 60",
+      `max_connections = ${maxConnections}`,
       "shared_buffers = 16MB",
       // The standby reports its flush position often, so a synchronous COMMIT waits for little more than its fsync.
       "wal_receiver_status_interval = 1s",
