@@ -12,6 +12,7 @@
  *   deno task chaos [--jobs N] [--duration S] [--redis-restart] [--pg-terminate] [--no-kills] [--seed N]
  *                   [--provider-limit RPS] [--cluster] [--new-tenants] [--drain-timeout S] [--poison N]
  *                   [--poison-runs N] [--pg-failover [--pg-async]]
+ *                   [--sentinel [--replicas-ack N] [--ack-timeout-ms MS]]
  *
  * Among the jobs are N (default 3) poison documents, on which the model always
  * hangs: each must be dead-lettered (after MAX_DELIVERIES=5 deliveries, charged
@@ -30,6 +31,20 @@
  * With --cluster, Redis is a local three-master Redis Cluster with AOF on
  * (fsync always) in a temporary directory, REDIS_URL lists its nodes, and one
  * master's process is SIGKILLed and restarted mid-run.
+ *
+ * With --sentinel, Redis is a primary with AOF, one replica and three
+ * sentinels (tests/support/redis_sentinel.ts), REDIS_URL is their
+ * redis+sentinel:// URL, and every process gets the permission set the
+ * launcher derives for it, probe included (main.ts launchFlags), checked to
+ * name the primary, the replica and the three sentinels. Every process runs
+ * with REDIS_MIN_REPLICAS_ACK=1 (--replicas-ack N; 0 turns it off) and
+ * REDIS_ACK_TIMEOUT_MS=500. Mid-run, once every process has logged its
+ * start, the primary is SIGKILLed and a sentinel promotes the replica; no
+ * process is killed until the API that answered /readyz 200 before the kill
+ * answers 200 again, which must happen within 10 s of the promotion (the
+ * times are reported). Later the old primary comes back as a replica of the
+ * new one. Until then the new master has no replica, so with N=1 intake
+ * answers 503 (retried with the same key, like any 5xx).
  *
  * With --provider-limit, the fake model also enforces RPS requests in any
  * sliding second with OpenAI's x-ratelimit-* headers and 429 bodies (the
@@ -78,7 +93,9 @@ import { startFakeMail } from "../support/fake_mail_server.ts";
 import { limitedProvider, startFakeModel, STRUCTURED_MARKERS } from "../support/fake_model_server.ts";
 import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
 import { type LocalCluster, startLocalCluster } from "../support/redis_cluster.ts";
+import { type RedisSentinel, startRedisSentinel } from "../support/redis_sentinel.ts";
 import { connectRedis, type RedisClient } from "../../src/clients.ts";
+import { launchFlags } from "../../main.ts";
 import { freePort } from "../support/free_port.ts";
 import { seededRandom } from "../support/random.ts";
 import { pgFailoverMode, startPgFailover } from "./pg_failover.ts";
@@ -108,6 +125,20 @@ const POISON_RUNS = option("poison-runs", 4);
 const TICKET_INDEX = /\bTicket (\d+):/;
 const REDIS_RESTART = flag("redis-restart");
 const CLUSTER = flag("cluster");
+const SENTINEL = flag("sentinel");
+/** With --sentinel: REDIS_MIN_REPLICAS_ACK for every process (0: a 202 waits for no replica). */
+const REPLICAS_ACK = option("replicas-ack", SENTINEL ? 1 : 0);
+const ACK_TIMEOUT_MS = option("ack-timeout-ms", 500);
+if (!SENTINEL && (args.includes("--replicas-ack") || args.includes("--ack-timeout-ms"))) {
+  console.error("--replicas-ack and --ack-timeout-ms need --sentinel (only that mode starts a replica)");
+  Deno.exit(2);
+}
+if (SENTINEL && (CLUSTER || flag("redis-restart"))) {
+  console.error("--sentinel starts its own Redis: it does not go with --cluster or --redis-restart");
+  Deno.exit(2);
+}
+/** With --sentinel: the most the API may take to answer /readyz 200 again after the sentinels promote the replica. */
+const READYZ_BOUND_MS = 10_000;
 const PG_TERMINATE = flag("pg-terminate");
 const PG_FAILOVER = pgFailoverMode(args);
 const NO_KILLS = flag("no-kills");
@@ -199,9 +230,13 @@ async function startOwnRedis() {
 }
 
 let cluster: LocalCluster | undefined;
+let sentinel: RedisSentinel | undefined;
 if (CLUSTER) {
   cluster = await startLocalCluster({ aof: true });
   redisUrl = cluster.nodes.join(",");
+} else if (SENTINEL) {
+  sentinel = await startRedisSentinel();
+  redisUrl = sentinel.url;
 } else if (REDIS_RESTART) {
   ownRedis = { port: freePort(), dir: await Deno.makeTempDir({ prefix: "oncely-chaos-redis-" }) };
   await startOwnRedis();
@@ -209,7 +244,8 @@ if (CLUSTER) {
 } else {
   redisUrl = await emptyRedisDatabase("redis://127.0.0.1:6379/0");
 }
-const redisAdmin: RedisClient = CLUSTER
+// On a cluster, or behind the sentinels (a client that follows the failover), the service's own client.
+const redisAdmin: RedisClient = CLUSTER || SENTINEL
   ? await connectRedis(redisUrl)
   : new Redis(redisUrl, { maxRetriesPerRequest: null });
 redisAdmin.on("error", () => {});
@@ -345,6 +381,7 @@ const env: Record<string, string> = {
   LOG_LEVEL: "info",
   NO_COLOR: "1",
   LLM_BREAKER_COOLDOWN_S: "1",
+  ...(SENTINEL ? { REDIS_MIN_REPLICAS_ACK: String(REPLICAS_ACK), REDIS_ACK_TIMEOUT_MS: String(ACK_TIMEOUT_MS) } : {}),
 };
 const config = parseConfig(env);
 const MAIN = decodeURIComponent(new URL("../../main.ts", import.meta.url).pathname);
@@ -354,15 +391,33 @@ const MIGRATIONS = decodeURIComponent(new URL("../../migrations/", import.meta.u
  * What `deno task <task>` runs for this configuration: main.ts with the
  * permission set derived from the configured URLs. Started directly (not
  * through the launcher), so a SIGKILL hits the service process itself.
+ * Behind Sentinel the URL names only the sentinels, so the set is the
+ * launcher's own (its probe asks them for the nodes), derived again for
+ * every start as `deno task` would, and checked to name every node.
  */
-function taskArgs(task: Command): string[] {
-  return ["run", ...permissionFlags(task, config, MIGRATIONS), MAIN, task];
+async function taskArgs(task: Command): Promise<string[]> {
+  if (!sentinel) return ["run", ...permissionFlags(task, config, MIGRATIONS), MAIN, task];
+  const flags = await launchFlags(task, config);
+  // The relay's set must keep every node out, the others' must let every node in.
+  const net = flags.find((f) => f.startsWith("--deny-net=")) ?? flags.find((f) => f.startsWith("--allow-net="));
+  const named = new Set(net?.slice(net.indexOf("=") + 1).split(","));
+  const nodes = [sentinel.primaryPort, sentinel.replicaPort, ...sentinel.sentinelPorts];
+  const missing = nodes.filter((port) => !named.has(`127.0.0.1:${port}`));
+  if (missing.length > 0) {
+    throw new Error(`the launcher's permission set for ${task} leaves out Redis nodes ${missing.join(", ")}: ${net}`);
+  }
+  launcherSets++;
+  return ["run", ...flags, MAIN, task];
 }
+/** With --sentinel: permission sets the launcher derived, each checked to name every node. */
+let launcherSets = 0;
 
 interface Proc {
   name: string;
   task: Command;
   child: Deno.ChildProcess;
+  /** Settles once the process has logged its start (the API listens; a worker has its Redis connection). */
+  started: Promise<void>;
   /** Settles once both pipes are drained into the log file and its handles closed (and so flushed). */
   logged: Promise<unknown>;
 }
@@ -374,20 +429,43 @@ const killedByUs = new Set<Deno.ChildProcess>();
 async function spawn(name: string, task: Command): Promise<Proc> {
   const open = () => Deno.open(`${logDir}/${name}.log`, { append: true, create: true });
   const [out, err] = [await open(), await open()];
-  const child = new Deno.Command(Deno.execPath(), { args: taskArgs(task), env, stdout: "piped", stderr: "piped" })
+  const child = new Deno.Command(Deno.execPath(), { args: await taskArgs(task), env, stdout: "piped", stderr: "piped" })
     .spawn();
+  let markStarted!: () => void;
+  const started = new Promise<void>((resolve) => (markStarted = resolve));
   // Keep the pipes drained into the log file (a full pipe would stall the process). One handle per pipe: a
   // handle's writable takes one writer, so a second pipeTo onto it fails at once and leaves that pipe undrained,
   // and the service logs to stderr: after 64 KiB its next line blocks it for good, deaf even to SIGTERM. Each pipe
   // closes its handle when the process is gone; the writable buffers, and only that close writes out the rest.
   const logged = Promise.all([
     child.stdout.pipeTo(out.writable).catch(() => {}),
-    child.stderr.pipeTo(err.writable).catch(() => {}),
+    child.stderr.pipeThrough(startWatch(markStarted)).pipeTo(err.writable).catch(() => {}),
   ]);
   child.status.then((status) => {
     if (!killedByUs.has(child)) selfExits.push(`${name} (exit ${status.code})`);
   });
-  return { name, task, child, logged };
+  return { name, task, child, started, logged };
+}
+
+/** The line each process logs once it is up: the API listening, a worker connected, a relay running. */
+const START_EVENT = /"event":"(api_listening|worker_started|relay_started)"/;
+
+/** Passes a process's log through unchanged, and calls `onStart` once its start line has gone by. */
+function startWatch(onStart: () => void): TransformStream<Uint8Array, Uint8Array> {
+  const decoder = new TextDecoder();
+  let tail = "", seen = false;
+  return new TransformStream({
+    transform(chunk, controller) {
+      if (!seen) {
+        const text = tail + decoder.decode(chunk, { stream: true });
+        // The end of this chunk is kept, in case the start line straddles two.
+        tail = text.slice(-100);
+        seen = START_EVENT.test(text);
+        if (seen) onStart();
+      }
+      controller.enqueue(chunk);
+    },
+  });
 }
 
 for (
@@ -481,6 +559,10 @@ type PostResult = { jobId: string } | { jobId: null; answered: boolean };
 
 /** POSTs from new tenants in flight now (sent, not yet answered): what an aimed API kill cuts off. */
 let freshInFlight = 0;
+/** When each 202 was answered, and each 503 saying too few replicas acknowledged the job (--sentinel). */
+const answered202At: number[] = [], notReplicatedAt: number[] = [];
+/** How the API words a 503 for a job too few replicas acknowledged in time (src/summaries/api.ts). */
+const NOT_REPLICATED = "not yet confirmed on enough replicas";
 
 async function postOnce(path: string, key: string, body: string, apiKey: string, fresh = false): Promise<PostResult> {
   postRequests++;
@@ -493,7 +575,9 @@ async function postOnce(path: string, key: string, body: string, apiKey: string,
       signal: AbortSignal.timeout(5_000),
     });
     const text = await res.text();
+    if (res.status === 503 && text.includes(NOT_REPLICATED)) notReplicatedAt.push(performance.now());
     if (res.status === 202) {
+      answered202At.push(performance.now());
       const answer = JSON.parse(text) as { job_id?: string; run_id?: string };
       return { jobId: answer.job_id ?? answer.run_id! };
     }
@@ -617,10 +701,143 @@ async function masterOf(key: string): Promise<number> {
   return cluster!.nodes.indexOf(`redis://127.0.0.1:${owner[2]![1]}`);
 }
 
+/** With --sentinel: what the failover came to (times are `performance.now()`). */
+interface Failover {
+  killedPort: number;
+  killedAt: number;
+  promotedPort: number;
+  /** Every sentinel names the new master, and it has taken the role. */
+  promotedAt: number;
+  /** The API process that was ready before the kill, and was not restarted before it was ready again. */
+  apiPid: number;
+  /** The first /readyz answer other than 200 after the kill, and the first 200 after that. */
+  notReadyAt?: number;
+  readyAgainAt?: number;
+  /**
+   * The new master first lists a replica online (the old primary, synced). Its stream starts with the replica's
+   * first acknowledgement, up to a second later: from then on a WAIT can be answered.
+   */
+  replicaOnlineAt?: number;
+  /** The old primary in sync as a replica of the new master, and listed healthy by every sentinel. */
+  oldPrimaryBackAt?: number;
+}
+let failover: Failover | undefined;
+/** Why the failover part of a --sentinel run failed, if it did. */
+let failoverProblem: string | undefined;
+
+/** One /readyz of the API: its status, or 0 without an answer within 3 s. */
+async function readyzStatus(): Promise<number> {
+  try {
+    const res = await fetch(`http://127.0.0.1:${apiPort}/readyz`, { signal: AbortSignal.timeout(3_000) });
+    await res.body?.cancel();
+    return res.status;
+  } catch {
+    return 0;
+  }
+}
+
+/**
+ * --sentinel: SIGKILLs the primary and waits for the promotion, then until the API answers /readyz 200 again.
+ * The kill loop awaits this, so no process is killed meanwhile: the API measured is the one that was ready before
+ * the kill, never restarted. Each process must have started first: one starting while no master answers exits 1 by
+ * design (`Cannot start: ...`), as it would under any supervisor.
+ */
+async function failOverPrimary(): Promise<void> {
+  const bound = new AbortController();
+  const allStarted = await Promise.race([
+    Promise.all(procs.map((p) => p.started)).then(() => true),
+    sleep(20_000, bound.signal).then(() => false, () => false),
+  ]);
+  bound.abort();
+  if (!allStarted) throw new Error(`not every process had logged its start 20 s after the failover was due`);
+  for (const end = performance.now() + 10_000; (await readyzStatus()) !== 200; await sleep(100)) {
+    if (performance.now() > end) throw new Error("the API's /readyz was not 200 before the primary's kill");
+  }
+  const api = procs.find((p) => p.task === "api")!;
+  let apiExited = false;
+  api.child.status.then(() => (apiExited = true));
+  const killedPort = await sentinel!.killPrimary();
+  const killedAt = performance.now();
+  const f: Failover = { killedPort, killedAt, promotedPort: 0, promotedAt: NaN, apiPid: api.child.pid };
+  failover = f;
+  let deadline = killedAt + 30_000;
+  // A poll every 100 ms, each on its own: one held up by a ping that times out (1 s) does not delay the next.
+  const watching = (async () => {
+    const polls: Promise<void>[] = [];
+    while (f.readyAgainAt === undefined && performance.now() < deadline) {
+      polls.push(
+        readyzStatus().then((status) => {
+          if (status !== 200) f.notReadyAt ??= performance.now();
+          else if (f.notReadyAt !== undefined) f.readyAgainAt ??= performance.now();
+        }),
+      );
+      await sleep(100);
+    }
+    await Promise.all(polls);
+  })();
+  try {
+    const promoted = await sentinel!.waitForFailover(20_000);
+    f.promotedPort = promoted.port;
+    f.promotedAt = killedAt + promoted.afterKillMs;
+    deadline = f.promotedAt + READYZ_BOUND_MS;
+  } finally {
+    deadline = Math.min(deadline, performance.now() + READYZ_BOUND_MS);
+    await watching;
+  }
+  events.push(
+    `redis primary :${killedPort} killed (SIGKILL); the sentinels promoted :${f.promotedPort} ${
+      seconds(f.promotedAt - killedAt)
+    } later`,
+  );
+  if (apiExited) failoverProblem = `the API process (pid ${f.apiPid}) exited during the failover`;
+  else if (f.notReadyAt === undefined) {
+    failoverProblem = "the API's /readyz never answered other than 200 after the kill";
+  } else if (f.readyAgainAt === undefined) {
+    failoverProblem = `the API's /readyz was not 200 again within ${READYZ_BOUND_MS / 1000} s of the promotion`;
+  }
+}
+
+/** --sentinel: the old primary comes back, from its own files, as a replica of the new master. */
+async function bringBackOldPrimary(): Promise<void> {
+  const f = failover;
+  if (!f) return;
+  const restartAt = performance.now();
+  // The harness's own client is on the new master. It may list the replica online a moment after the replica
+  // reports its link up, which is when the restart is over.
+  let giveUpAt = Infinity;
+  const online = (async () => {
+    while (performance.now() < giveUpAt && f.replicaOnlineAt === undefined) {
+      const info = await redisAdmin.info("replication").catch(() => "");
+      if (/^slave\d+:.*state=online/m.test(info)) f.replicaOnlineAt = performance.now();
+      else await sleep(50);
+    }
+  })();
+  try {
+    await sentinel!.restartOldPrimary();
+  } catch (error) {
+    failoverProblem ??= `the old primary did not come back: ${error}`;
+    return;
+  } finally {
+    giveUpAt = performance.now() + 10_000;
+    await online;
+  }
+  f.oldPrimaryBackAt = performance.now();
+  events.push(
+    `old primary :${f.killedPort} restarted as a replica of :${f.promotedPort}: online ${
+      f.replicaOnlineAt === undefined ? "(not seen)" : seconds(f.replicaOnlineAt - f.killedAt)
+    }, listed healthy by the sentinels ${seconds(f.oldPrimaryBackAt - f.killedAt)} after its kill (restart begun ${
+      seconds(restartAt - f.killedAt)
+    } after)`,
+  );
+}
+
+const seconds = (ms: number) => `${(ms / 1000).toFixed(1)} s`;
+
 async function killLoop() {
   const end = performance.now() + DURATION_S * 1000;
   const outages = outageLoop(end);
   let redisRestarted = !REDIS_RESTART, pgTerminated = !PG_TERMINATE, masterRestarted = !CLUSTER;
+  let failedOver = !SENTINEL, oldPrimaryBack = !SENTINEL;
   while (performance.now() < end) {
     await sleep(1_000 + random() * 2_000);
     if (performance.now() >= end) break;
@@ -645,6 +862,16 @@ async function killLoop() {
     if (pgPair && !pgPair.done && elapsed > 0.5) {
       // No kill lands until the API's /readyz is 200 again: its recovery is measured in one process.
       events.push(await pgPair.failover({ port: apiPort, child: () => procs.find((p) => p.task === "api")!.child }));
+      continue;
+    }
+    if (!failedOver && elapsed > 0.4) {
+      failedOver = true;
+      await failOverPrimary().catch((error) => (failoverProblem ??= `failover: ${error}`));
+      continue;
+    }
+    if (!oldPrimaryBack && elapsed > 0.6) {
+      oldPrimaryBack = true;
+      await bringBackOldPrimary();
       continue;
     }
     if (!pgTerminated && elapsed > 0.6) {
@@ -676,6 +903,9 @@ async function killLoop() {
     procs[procs.indexOf(victim)] = replacement;
   }
   await outages;
+  if (!failedOver) failoverProblem = "the kill period ended before the primary's kill was due (raise --duration)";
+  // Until it is back, the new master has no replica, and with --replicas-ack 1 intake accepts nothing.
+  if (!oldPrimaryBack) await bringBackOldPrimary();
   killing = false;
 }
 
@@ -932,6 +1162,7 @@ const rows: [string, string][] = [
     [
       NEW_TENANTS && "new tenants",
       CLUSTER && "redis cluster",
+      SENTINEL && `redis sentinel failover, REDIS_MIN_REPLICAS_ACK=${REPLICAS_ACK}`,
       REDIS_RESTART && "redis restart",
       PG_TERMINATE && "pg_terminate_backend",
       pgPair && `postgres failover (${pgPair.synchronous ? "synchronous" : "asynchronous"} standby)`,
@@ -950,6 +1181,7 @@ const rows: [string, string][] = [
   ["processes that exited on their own", selfExits.length ? selfExits.join(", ") : "0"],
   ...events.map((e): [string, string] => ["infrastructure event", e]),
   ...(pgPair?.rows() ?? []),
+  ...(SENTINEL ? sentinelRows() : []),
   ["jobs lost (accepted but never done)", String(lost)],
   ["dead-lettered", String(dead)],
   ["poison documents and runs dead-lettered (failed) / expected", `${poisonDead} (${poisonDecided}) / ${poison.size}`],
@@ -1008,6 +1240,44 @@ function newTenantRows(): [string, string][] {
   ];
 }
 
+function sentinelRows(): [string, string][] {
+  const f = failover;
+  if (!f) return [["failover", failoverProblem ?? "did not happen"]];
+  const after = (at: number | undefined) => (at === undefined ? "never" : seconds(at - f.killedAt));
+  const between = (list: number[], from: number, to: number) => list.filter((t) => t >= from && t < to).length;
+  const refused = notReplicatedAt.filter((t) => t >= f.killedAt);
+  const online = f.replicaOnlineAt ?? Infinity;
+  return [
+    ["replicas that must acknowledge a job before its 202 (timeout)", `${REPLICAS_ACK} (${ACK_TIMEOUT_MS} ms)`],
+    ["permission sets the launcher derived (each naming primary, replica, 3 sentinels)", String(launcherSets)],
+    [
+      `API /readyz after the primary's kill (pid ${f.apiPid}, not restarted): not ready / ready again`,
+      `${after(f.notReadyAt)} / ${after(f.readyAgainAt)} after the kill (${
+        f.readyAgainAt === undefined ? "never" : seconds(f.readyAgainAt - f.promotedAt)
+      } after the promotion; bound ${READYZ_BOUND_MS / 1000} s)`,
+    ],
+    [
+      "POSTs answered 503 for too few replica acks: before the kill / after it (first, last)",
+      `${notReplicatedAt.length - refused.length} / ${refused.length}${
+        refused.length ? ` (${after(refused[0])}, ${after(refused.at(-1))} after the kill)` : ""
+      }`,
+    ],
+    [
+      "first 202 after the kill / the new master's replica seen online (50 ms polls)",
+      `${after(answered202At.find((t) => t >= f.killedAt))} / ${after(f.replicaOnlineAt)} after the kill`,
+    ],
+    ["202s answered in the second before the kill", String(between(answered202At, f.killedAt - 1_000, f.killedAt))],
+    // With acks required no 202 comes before the replica acknowledges, about when the poll sees it online, so a count
+    // before that moment would measure only the poll's lag; without them it counts jobs held by one node only.
+    ...(REPLICAS_ACK === 0
+      ? [[
+        "202s answered after the kill before the new master's replica was online (the job on one node only)",
+        String(between(answered202At, f.killedAt, online)),
+      ] as [string, string]]
+      : []),
+  ];
+}
+
 /** One stranded job: its tenant, how its POST went, its status record, and whether its lane can be found. */
 async function describeStranded(s: Submission): Promise<string> {
   const lane = redisKeys.lane(s.plan.tenant);
@@ -1048,9 +1318,10 @@ await Promise.all(procs.map((p) => p.logged));
 await model.close();
 await mail.close();
 await receiver.close();
-if (!CLUSTER) await (redisAdmin as Redis).flushdb().catch(() => {});
+if (!CLUSTER && !SENTINEL) await (redisAdmin as Redis).flushdb().catch(() => {});
 await redisAdmin.quit().catch(() => redisAdmin.disconnect());
 await cluster?.stop();
+await sentinel?.stop();
 if (ownRedis) {
   ownRedis.child?.kill("SIGKILL");
   await ownRedis.child?.status;
@@ -1071,9 +1342,11 @@ const ok = !failure && stoppedCleanly && stuck.length === 0 && lost === 0 && dup
   stranded.length === 0 &&
   poisonDead === poison.size && poisonDecided === poison.size && otherDead === 0 && poisonDone === 0 &&
   (!NEW_TENANTS || (doneWithoutOutbox === 0 && outboxUnknown === 0 && misnamed.length === 0)) &&
-  (pgPair?.ok() ?? true);
+  (pgPair?.ok() ?? true) &&
+  failoverProblem === undefined;
 if (pgPair && !pgPair.ok()) console.error(`chaos run failed: ${pgPair.problem()}`);
 if (failure) console.error(`chaos run failed: ${failure instanceof Error ? failure.message : failure}`);
+if (failoverProblem) console.error(`sentinel failover: ${failoverProblem}`);
 if (stuck.length > 0) console.error(`did not exit within 15 s of SIGTERM (then SIGKILLed): ${stuck.join(", ")}`);
 if (stranded.length > 0) {
   const tenants = [...new Set(stranded.map((s) => s.plan.tenant))];
