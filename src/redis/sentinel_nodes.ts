@@ -48,8 +48,14 @@ async function ask(host: string, port: number, service: string): Promise<string[
  * (one that does not answer, or does not know the service, adds nothing).
  */
 export async function sentinelNodes(target: SentinelUrl): Promise<string[]> {
+  // Each sentinel within its own time, the connect included: one on a host that drops packets would otherwise
+  // hold the whole probe past the launcher's limit, and the answers of those that replied would be lost.
   const answers = await Promise.all(
-    target.sentinels.map(({ host, port }) => ask(host, port, target.service).catch(() => [])),
+    target.sentinels.map(({ host, port }) => {
+      let timer: ReturnType<typeof setTimeout> | undefined;
+      const late = new Promise<string[]>((resolve) => (timer = setTimeout(() => resolve([]), ASK_TIMEOUT_MS)));
+      return Promise.race([ask(host, port, target.service).catch(() => []), late]).finally(() => clearTimeout(timer));
+    }),
   );
   return [...new Set(answers.flat())];
 }

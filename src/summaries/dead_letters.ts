@@ -111,8 +111,11 @@ export async function replayDeadLetters(
         break;
       }
       if (error instanceof NotReplicated) {
-        // No connection came free to wait on: the replay did not run. Postgres said "undecided" already, and
-        // the dead letter is still there, so replaying again finishes it.
+        // No connection came free to wait on: the replay did not run and the dead letter is still there. Put
+        // Postgres's decision back (it was taken back above), as for a dead letter gone meanwhile below.
+        if (jobId && JOB_ID.test(jobId) && d.fields.tenant) {
+          await failJob(sql, jobId, d.fields.tenant, d.reason, runOf(d.fields.payload));
+        }
         record({
           replayed: false,
           id: d.id,
