@@ -1,4 +1,5 @@
 import { z } from "zod";
+import { parsePrices } from "./provider/prices.ts";
 
 const int = (min: number, max = Number.MAX_SAFE_INTEGER) =>
   z.string().trim().regex(/^\d+$/, `must be a whole number`).transform(Number)
@@ -75,6 +76,17 @@ const schema = z.object({
     .transform(Number).optional(),
   LLM_PRICE_OUT_PER_MTOK: z.string().trim().regex(/^\d+(\.\d+)?$/, "must be a price, such as 1.60")
     .transform(Number).optional(),
+  // Prices per model, JSON {"MODEL": {"in", "out", "batch_in"?, "batch_out"?}} in USD per million tokens.
+  LLM_PRICES: z.string().trim().transform((text, ctx) => {
+    const parsed = parsePrices(text);
+    if (typeof parsed === "string") {
+      ctx.addIssue({ code: "custom", message: parsed });
+      return z.NEVER;
+    }
+    return parsed;
+  }).optional(),
+  // The cache's default for tasks that do not set cache_ttl_s; 0 = off.
+  RESULT_CACHE_TTL_S: int(0, 365 * 24 * 3600).default(0),
   ADMIN_TOKEN: z.string().trim().min(16, "must be at least 16 characters").optional(),
   WEBHOOK_ALLOW_HTTP: bool.default(false),
   WEBHOOK_ALLOW_PRIVATE: bool.default(false),
