@@ -86,8 +86,8 @@ export const COMMAND_TABLE = {
     run: async () => (await import("./processes/admin_commands.ts")).runMigrate,
   }),
   tenant: command({
-    net: { postgres: true },
-    clients: { sql: true },
+    net: { redis: true, postgres: true },
+    clients: { redis: true, sql: true },
     run: async () => (await import("./processes/admin_commands.ts")).runTenant,
   }),
   dlq: command({

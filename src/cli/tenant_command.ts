@@ -6,10 +6,25 @@ import { MAIL_DOMAINS } from "../tenants/mail_domains.ts";
 import { WEBHOOK_HOSTS } from "../tenants/webhook_hosts.ts";
 import { ensureWebhookSecret, rotateWebhookSecret } from "../tenants/webhook_secrets.ts";
 import { parseTenantWeight, setTenantWeight, TENANT_WEIGHTS_TTL_MS } from "../tenants/tenant_weights.ts";
+import type { RedisClient } from "../clients.ts";
+import { KEY_PREFIX } from "../summaries/keys.ts";
+import { parseBudgetArgs, setTenantBudget } from "../tenants/tenant_budgets.ts";
+import {
+  budgetKey,
+  type BudgetView,
+  hasBudget,
+  limitsOf,
+  loadBudgets,
+  seedFromRecord,
+  type TenantBudget,
+  viewsOf,
+} from "../budgets/budgets.ts";
+import { type Limits, readBudgetState } from "../budgets/budget_scripts.ts";
 
 const USAGE = "Usage: deno task tenant create NAME | list [--json] | revoke NAME | rotate-webhook-secret NAME" +
   " | allow-domain NAME DOMAIN | allow-domain NAME --any | allow-webhook-host NAME HOST" +
-  " | allow-webhook-host NAME --any | set NAME --weight N";
+  " | allow-webhook-host NAME --any | set NAME --weight N" +
+  " | budget NAME [--usd-per-day X] [--usd-per-month X] [--tokens-per-day N] [--tokens-per-month N] | budget NAME --none";
 
 /** Runs `command`; a bad argument (a `TypeError` from validation) is printed and exits 2. */
 async function usageErrorsAs2(command: () => Promise<number>): Promise<number> {
@@ -29,21 +44,40 @@ async function usageErrorsAs2(command: () => Promise<number>): Promise<number> {
  * secret.
  * @returns the process exit code.
  */
-export async function tenantCommand(sql: Sql, args: string[], out = console.log): Promise<number> {
+export async function tenantCommand(
+  sql: Sql,
+  args: string[],
+  out = console.log,
+  { redis, prefix = KEY_PREFIX }: { redis?: RedisClient; prefix?: string } = {},
+): Promise<number> {
   const [action, name] = args;
   const run = action === "list"
     ? list
+    : action === "budget" && name
+    ? budget
     : name && action !== undefined && Object.hasOwn(ACTIONS, action)
     ? ACTIONS[action as keyof typeof ACTIONS]
     : undefined;
-  const code = run ? await run(sql, name ?? "", args, out) : undefined;
+  const code = run ? await run(sql, name ?? "", args, out, { redis, prefix }) : undefined;
   if (code !== undefined) return code;
   console.error(USAGE);
   return 2;
 }
 
+/** Where budgets' spend lives (Redis), for `budget` and `list`. */
+interface Spend {
+  redis?: RedisClient;
+  prefix: string;
+}
+
 /** One action: its exit code, or undefined for a usage error. */
-type Action = (sql: Sql, name: string, args: string[], out: (line: string) => void) => Promise<number | undefined>;
+type Action = (
+  sql: Sql,
+  name: string,
+  args: string[],
+  out: (line: string) => void,
+  spend?: Spend,
+) => Promise<number | undefined>;
 
 const withinCache = `within ${ALLOW_LIST_CACHE_MS / 1000} seconds`;
 
@@ -91,16 +125,22 @@ const ACTIONS = {
   }),
 } satisfies Record<string, Action>;
 
-async function list(sql: Sql, _name: string, args: string[], out: (line: string) => void) {
+async function list(sql: Sql, _name: string, args: string[], out: (line: string) => void, spend?: Spend) {
   const rows = await listTenants(sql);
-  printRows(
-    rows.map((r) => ({
+  const budgets = await loadBudgets(sql);
+  const shown = await Promise.all(rows.map(async (r) => {
+    const budget = budgets.get(r.name);
+    return {
       name: r.name,
       weight: r.weight,
       active_keys: r.active_keys,
       revoked_keys: r.revoked_keys,
+      budget: budget && hasBudget(budget) ? describeBudgets(await budgetViews(budget, r.name, spend)) : "-",
       created_at: r.created_at.toISOString(),
-    })),
+    };
+  }));
+  printRows(
+    shown,
     { json: args.includes("--json"), out, empty: "No tenants yet. Create one with: deno task tenant create NAME" },
   );
   return 0;
@@ -160,5 +200,52 @@ async function setWeight(sql: Sql, name: string, args: string[], out: (line: str
     `Tenant "${name}" has weight ${weight} in the fair share of the model provider ` +
       `(workers use it within ${TENANT_WEIGHTS_TTL_MS / 1000} seconds).`,
   );
+  return 0;
+}
+
+/** A tenant's budgets with what is spent (and reserved), when Redis is at hand; the limits alone otherwise. */
+async function budgetViews(budget: TenantBudget, tenant: string, spend?: Spend): Promise<BudgetView[]> {
+  const state = spend?.redis
+    ? await readBudgetState(spend.redis, budgetKey(spend.prefix, tenant))
+    : { now: Date.now(), day: 0, month: 0, spent: [0, 0, 0, 0] as Limits, reserved: [0, 0, 0, 0] as Limits };
+  return viewsOf(limitsOf(budget), state);
+}
+
+/** `usd/day 4.2/10 (reserved 0.3), tokens/month 120000/1000000`. */
+function describeBudgets(views: BudgetView[]): string {
+  const n = (unit: string, x: number) => unit === "usd" ? String(Math.round(x * 1e6) / 1e6) : String(x);
+  return views.map((v) =>
+    `${v.unit}/${v.period} ${n(v.unit, v.spent)}/${n(v.unit, v.limit)}` +
+    (v.reserved > 0 ? ` (reserved ${n(v.unit, v.reserved)})` : "")
+  ).join(", ");
+}
+
+/**
+ * `budget NAME [--usd-per-day X] ...` sets (or with `none`, clears) limits; `budget NAME --none` clears every
+ * one; `budget NAME` alone shows them. A new limit counts what the tenant spent earlier in the period (from
+ * `model_attempts`). Workers and the API use the change within a few seconds.
+ */
+async function budget(sql: Sql, name: string, args: string[], out: (line: string) => void, spend?: Spend) {
+  let change;
+  try {
+    change = parseBudgetArgs(args.slice(2));
+  } catch (error) {
+    if (!(error instanceof TypeError)) throw error;
+    console.error(error.message);
+    console.error(USAGE);
+    return 2;
+  }
+  const after = await setTenantBudget(sql, name, change);
+  if (after === null) {
+    console.error(`No tenant named ${JSON.stringify(name)}`);
+    return 1;
+  }
+  if (spend?.redis && hasBudget(after)) await seedFromRecord(spend.redis, sql, spend.prefix, name);
+  if (!hasBudget(after)) {
+    out(`Tenant "${name}" has no budget: its spending is not limited.`);
+    return 0;
+  }
+  const changed = Object.keys(change).length > 0 ? " (in force within a few seconds)" : "";
+  out(`Tenant "${name}" budgets${changed}: ${describeBudgets(await budgetViews(after, name, spend))}`);
   return 0;
 }

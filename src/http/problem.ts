@@ -10,6 +10,7 @@ const TITLES: Record<number, string> = {
   413: "Content Too Large",
   415: "Unsupported Media Type",
   422: "Unprocessable Content",
+  429: "Too Many Requests",
   500: "Internal Server Error",
   501: "Not Implemented",
   503: "Service Unavailable",

@@ -19,8 +19,8 @@ export async function runMigrate({ clients, log }: RunContext<{ sql: true }>): P
 }
 
 /** `deno task tenant ...`. */
-export function runTenant({ clients, args }: RunContext<{ sql: true }>): Promise<number> {
-  return tenantCommand(clients.sql, args);
+export function runTenant({ clients, args }: RunContext<{ redis: true; sql: true }>): Promise<number> {
+  return tenantCommand(clients.sql, args, console.log, { redis: clients.redis });
 }
 
 /** `deno task tasks list | show ...`. */

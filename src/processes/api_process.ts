@@ -9,6 +9,9 @@ import { SUMMARIES, type SummaryApiDeps, summaryRoutes } from "../summaries/api.
 import { createIntake } from "../summaries/intake.ts";
 import { taskRoutes } from "../tasks/api.ts";
 import { type RunApiDeps, runRoutes } from "../tasks/runs_api.ts";
+import { createBudgets } from "../budgets/budgets.ts";
+import { budgetEvents } from "../budgets/budget_metrics.ts";
+import { createPrices } from "../provider/prices.ts";
 import { createTaskCache, type TaskCache } from "../tasks/task_cache.ts";
 import { createSchemaValidators } from "../tasks/validator.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
@@ -132,6 +135,12 @@ export async function serveApi(
     keys,
     recipients: createRecipientPolicy({ sql }),
     maxBodyBytes: config.MAX_BODY_BYTES,
+    budgets: createBudgets({ redis, sql, log }, {
+      prefix: keys.prefix,
+      prices: createPrices(config),
+      events: budgetEvents(registry),
+    }),
+    defaultModel: config.LLM_PROVIDER === "openai" ? config.OPENAI_MODEL : "extractive",
   });
   const server = Deno.serve({
     hostname: config.HOST,

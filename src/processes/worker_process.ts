@@ -8,6 +8,9 @@ import { createSchemaValidators } from "../tasks/validator.ts";
 import { buildFlow, buildLlm, providerLabel } from "./_model.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
 import type { ComponentDeps } from "./_deps.ts";
+import { createBudgets, warnUnpricedModels } from "../budgets/budgets.ts";
+import { budgetEvents } from "../budgets/budget_metrics.ts";
+import { createPrices } from "../provider/prices.ts";
 
 /** Runs a summary worker until `signal` aborts, then drains it within the grace period. */
 export async function startWorker(
@@ -22,6 +25,9 @@ export async function startWorker(
   if (flow) providerGauges(registry, flow, providerLabel(config));
   // Model answers are validated under a deadline: a tenant's output schema cannot stall this process.
   const validators = createSchemaValidators();
+  const prices = createPrices(config);
+  const budgets = createBudgets({ redis, sql, log }, { prefix: keys.prefix, prices, events: budgetEvents(registry) });
+  await warnUnpricedModels({ sql, log }, config, prices);
   const worker = createSummaryWorker({
     redis,
     sql,
@@ -30,6 +36,7 @@ export async function startWorker(
     flow,
     tasks: createTaskCache(sql),
     validate: validators.validate,
+    budgets,
   }, {
     keys,
     events: workerEvents(metrics),

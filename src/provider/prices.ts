@@ -67,8 +67,18 @@ export function parsePrices(text: string): Record<string, ModelPrice> | string {
 
 /** The price table from the configuration. */
 export function createPrices(
-  config: { LLM_PRICES?: Record<string, ModelPrice>; LLM_PRICE_IN_PER_MTOK?: number; LLM_PRICE_OUT_PER_MTOK?: number },
+  config: {
+    LLM_PRICES?: Record<string, ModelPrice>;
+    LLM_PRICE_IN_PER_MTOK?: number;
+    LLM_PRICE_OUT_PER_MTOK?: number;
+    LLM_PROVIDER?: string;
+  },
 ): Prices {
+  // The built-in extractive summariser calls no model: it costs nothing.
+  if (config.LLM_PROVIDER === "extractive") {
+    const free = { in: 0, out: 0 };
+    return { of: () => free, models: [], pricedByDefault: true };
+  }
   if (config.LLM_PRICES) {
     const table = config.LLM_PRICES;
     return {

@@ -46,6 +46,8 @@ export interface LaneReaderOptions {
   shares: LaneShares;
   /** The most messages of one lane pending across all consumers (0 or none: no cap). */
   laneMaxInFlight?: number;
+  /** Lanes not to read for now (a tenant whose budget is spent); asked on every read. */
+  skip?: (lane: QueueNames) => boolean;
   /** Each lane's weight; asked once per read. Default: every lane weighs 1. */
   weights?: () => Promise<(lane: QueueNames) => number>;
 }
@@ -85,7 +87,8 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
    * jobs, and a tenant of large documents does not take the provider's tokens from one of small ones.
    */
   async function read(free: number, block: number, start: (lane: QueueNames, m: StreamMessage) => void) {
-    const lanes = await source.active();
+    const active = await source.active();
+    const lanes = options.skip ? active.filter((lane) => !options.skip!(lane)) : active;
     let started = 0;
     let capped = false;
     if (lanes.length > 0) {

@@ -13,7 +13,8 @@ import { type AckItem, createAckBatcher } from "./ack_batcher.ts";
 import { createGroupCache } from "./consumer_group.ts";
 import { createConsumerPruner, pruneIdle } from "./consumer_pruner.ts";
 import { deadLetter, type DeadLetterHook } from "./dead_letter.ts";
-import { PermanentJobError } from "./errors.ts";
+import { JobDeferred, PermanentJobError } from "./errors.ts";
+import { requeue } from "./requeue.ts";
 import { createHeartbeat, heartbeatInterval } from "./heartbeat.ts";
 import { createLaneReader } from "./lane_reader.ts";
 import { createLaneShares, type LaneCharge } from "./lane_shares.ts";
@@ -32,6 +33,8 @@ export interface WorkerEvents {
   acked?(message: StreamMessage, durationMs: number): void;
   failed?(message: StreamMessage, error: unknown): void;
   deadLettered?(message: StreamMessage, reason: string): void;
+  /** The message went back to the end of its lane (a {@linkcode JobDeferred}), without spending a delivery. */
+  deferred?(message: StreamMessage, reason: string): void;
   /** The dead-letter stream's caps (length, age) dropped `count` older entries. */
   deadLettersTrimmed?(count: number): void;
   inFlight?(count: number): void;
@@ -90,6 +93,10 @@ export interface StreamWorkerOptions {
    * Throwing leaves the message pending, to be decided on a later delivery.
    */
   beforeDeadLetter?: (message: StreamMessage, reason: string) => Promise<boolean | string>;
+  /** Lanes not to read new messages from for now (a tenant whose budget is spent). */
+  skip?: (lane: QueueNames) => boolean;
+  /** After a deferred message went back to its lane (to wake whoever may take it). */
+  onDeferred?: (lane: QueueNames, message: StreamMessage, error: JobDeferred) => Promise<void>;
   events?: WorkerEvents;
   /**
    * Asked before each read: how many messages the downstream can start soon.
@@ -378,6 +385,17 @@ function createMessageProcessor(
     } catch (error) {
       if (error instanceof PermanentJobError) {
         await bury(lane, message, `permanent: ${error.message}`, msgLog);
+        return;
+      }
+      if (error instanceof JobDeferred) {
+        // If the requeue fails, the message stays pending and is redelivered later, as after any failure.
+        const again = await requeue(redis, lane, message);
+        release(lane, message.id);
+        msgLog.info("message_deferred", { reason: error.message, requeued_as: again });
+        if (again !== null) {
+          events.deferred?.(message, error.message);
+          await options.onDeferred?.(lane, message, error);
+        }
         return;
       }
       // Leave it pending: XAUTOCLAIM redelivers it after claimIdleMs, which

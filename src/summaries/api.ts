@@ -13,6 +13,12 @@ import type { Logger } from "../log/logger.ts";
 import type { ApiMetrics } from "../metrics/metrics.ts";
 import type { Authenticate } from "../tenants/authenticator.ts";
 import { type Intake, type IntakeResult, QueueFull } from "./intake.ts";
+import { BudgetExhausted, type Budgets, ModelUnpriced, worstCaseTokens } from "../budgets/budgets.ts";
+import { summaryPrompt } from "../llm/llm.ts";
+import { SUMMARIZE_DEFINITION } from "../tasks/definition.ts";
+
+/** The problem type of a 429 for a spent budget. */
+export const BUDGET_EXHAUSTED = "urn:oncely:problem:budget-exhausted";
 import { NotReplicated } from "../redis/replica_ack.ts";
 import { cancelJob } from "../jobs/job_store.ts";
 import { jobDocument } from "./job_document.ts";
@@ -53,6 +59,31 @@ export interface SummaryApiDeps {
   };
   /** The API's counters (replays, key reuse, validation errors). */
   metrics?: { api: ApiMetrics };
+  /** Tenant budgets: a tenant whose budget a new run's worst case no longer fits is answered 429. */
+  budgets?: Budgets;
+  /** The model a task without one (and every summary) is asked (OPENAI_MODEL), for the budget's price. */
+  defaultModel?: string;
+  /** Called for every 429 a tenant is answered (the console's chart of refusals). */
+  refused?: (tenant: string) => void;
+}
+
+/**
+ * The refusal a new job of `tenant` gets from its budgets, if any: its worst case (the rendered messages and
+ * the output cap, at `model`'s price) no longer fits what the tenant has spent. Undefined without a budget.
+ */
+export async function budgetRefusal(
+  deps: SummaryApiDeps,
+  tenant: string,
+  { model, messages, maxOutputTokens }: { model?: string; messages: readonly string[]; maxOutputTokens: number },
+): Promise<BudgetExhausted | undefined> {
+  if (!deps.budgets || !(await deps.budgets.of(tenant))) return undefined;
+  const name = model ?? deps.defaultModel ?? "unknown";
+  try {
+    return await deps.budgets.check(tenant, name, worstCaseTokens(messages, maxOutputTokens));
+  } catch (error) {
+    if (error instanceof ModelUnpriced) throw new HttpError(422, `${error.message}: the run could never be priced`);
+    throw error;
+  }
 }
 
 /** What a `Prefer: wait` came to: the job's document, and whether it finished within the wait. */
@@ -234,6 +265,15 @@ export async function answerSubmission(
     if (waited) headers["preference-applied"] = waited.applied;
     return json(response.status, response.body, headers);
   } catch (error) {
+    if (error instanceof BudgetExhausted) {
+      deps.refused?.(tenant);
+      throw new HttpError(
+        429,
+        `${error.message}; it is whole again when the ${error.budget.period} ends (UTC), or when it is raised`,
+        { "retry-after": String(error.retryAfterS) },
+        { type: BUDGET_EXHAUSTED, extra: { title: "Budget exhausted", budget: error.budget } },
+      );
+    }
     if (error instanceof QueueFull) {
       throw new HttpError(503, `${error.message}; try again later`, { "retry-after": String(error.retryAfterS) });
     }
@@ -270,12 +310,16 @@ export function summaryRoutes(deps: SummaryApiDeps): Router {
     }
     await checkNotify(deps, tenant, parsed.data.notify);
     const scope = { tenant, method: "POST", path: SUMMARIES, key };
+    const refuse = await budgetRefusal(deps, tenant, {
+      messages: [summaryPrompt(parsed.data.text)],
+      maxOutputTokens: SUMMARIZE_DEFINITION.max_output_tokens,
+    });
     // With tracing on, the job's trace continues from this request's span (Deno.serve's) in the worker.
     return await answerSubmission(
       deps,
       req,
       tenant,
-      () => intake.submit({ scope, request: parsed.data, traceparent: currentTraceparent() }),
+      () => intake.submit({ scope, request: parsed.data, traceparent: currentTraceparent(), refuse }),
       {
         enqueued: (jobId) => log.info("job_enqueued", { job_id: jobId, tenant }),
         finished: (_, waited) => Promise.resolve(waited.document),

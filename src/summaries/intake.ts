@@ -47,13 +47,15 @@ export interface Intake {
    * Enqueues the job unless the scope already has a record.
    * @throws {KeyReused} when the scope's record is for another body.
    */
-  submit(input: { scope: Scope; request: SummaryRequest; traceparent?: string }): Promise<IntakeResult>;
+  submit(input: { scope: Scope; request: SummaryRequest; traceparent?: string; refuse?: Error }): Promise<IntakeResult>;
   /**
    * Enqueues a task run unless the scope already has a record: `request` (the body as the client sent it)
    * is the fingerprint, `run.payload` what the worker reads; the answer names a run at `/v1/runs/{id}`.
    * @throws {KeyReused} when the scope's record is for another body.
    */
-  submitRun(input: { scope: Scope; request: unknown; run: RunSubmission; traceparent?: string }): Promise<IntakeResult>;
+  submitRun(
+    input: { scope: Scope; request: unknown; run: RunSubmission; traceparent?: string; refuse?: Error },
+  ): Promise<IntakeResult>;
   /** The Redis key of a scope's record. */
   keyFor(scope: Scope): string;
 }
@@ -66,7 +68,8 @@ export interface Intake {
 // ARGV[1]   JSON: { job_id, tenant, traceparent ('' when not tracing: the message then has no such field),
 //           record_ttl_s (the stored answer's lifetime), cap (the lane's cap, 0 = none), share (the lane's share
 //           of a full queue, 0 = the queue is not full), status (the status record's change, `markQueued`),
-//           lane (the lane id), wake (the channel to publish it on, '' for none) }.
+//           lane (the lane id), wake (the channel to publish it on, '' for none), refuse (1: a new job is refused,
+//           the tenant's budget is spent; a replay is still answered) }.
 // ARGV[2]   the payload (the request's JSON).
 // ARGV[3]   the stored answer (the record).
 // ARGV[4]   '1' when a WAIT follows (REDIS_MIN_REPLICAS_ACK): a found record is then written again, expiry
@@ -74,7 +77,7 @@ export interface Intake {
 //           written on another one (a first attempt answered 503, another API process) and not replicated yet.
 // Returns the existing record (or ours, stored again, when the key's record expired but the job is still
 // known: it is not enqueued twice and its status is left alone), 1 when the lane is full, 2 when the whole
-// queue is full and this lane holds its share of it (nothing written either way), or false after enqueuing,
+// queue is full and this lane holds its share of it, 3 when refused (nothing written in these), or false after enqueuing,
 // making the lane known and storing ours.
 const INTAKE = defineScript(`
 local stored = redis.call('GET', KEYS[1])
@@ -90,6 +93,7 @@ if redis.call('EXISTS', KEYS[3]) == 1 then
   redis.call('SET', KEYS[1], ARGV[3], 'EX', a.record_ttl_s)
   return ARGV[3]
 end
+if a.refuse == 1 then return 3 end
 if a.cap > 0 and redis.call('XLEN', KEYS[2]) >= a.cap then return 1 end
 if a.share > 0 and redis.call('XLEN', KEYS[2]) >= a.share then return 2 end
 if a.traceparent ~= '' then
@@ -174,7 +178,14 @@ export function createIntake(
   // visible characters) and not hashed, since every hash costs the request path several microseconds.
   const keyFor = (scope: Scope) => keys.lane(scope.tenant).idempotency(encodeScope(scope));
   const enqueue = async (
-    { scope, request, traceparent, run }: { scope: Scope; request: unknown; traceparent?: string; run?: RunSubmission },
+    { scope, request, traceparent, run, refuse }: {
+      scope: Scope;
+      request: unknown;
+      traceparent?: string;
+      run?: RunSubmission;
+      /** Refuse a new job with this error (a spent budget); a replay of the key is still answered. */
+      refuse?: Error;
+    },
   ): Promise<IntakeResult> => {
     // One hash covers the scope and the body's canonical JSON: the job id. A key reused with another body
     // after its record expired therefore names a new job, never the old job's result, and the job id is
@@ -197,6 +208,7 @@ export function createIntake(
         traceparent: traceparent ?? "",
         record_ttl_s: resultTtlS,
         cap: maxQueuedPerTenant ?? 0,
+        refuse: refuse ? 1 : 0,
         share,
         status: markQueued(scope.tenant, run),
         lane: known.lane,
@@ -210,6 +222,7 @@ export function createIntake(
     const stored = (acked ? acked.result : await INTAKE.run(redis, scriptKeys, args)) as string | number | null;
     if (stored === 1) throw new QueueFull(`tenant ${scope.tenant}'s queue is full`, RETRY_AFTER_S);
     if (stored === 2) throw new QueueFull("the queue is full", RETRY_AFTER_S);
+    if (stored === 3) throw refuse;
     // The script made the lane known (on one server it announced it too), so no crash from here on can
     // hide the job from the workers' sweep. The announce only wakes them now rather than at the sweep:
     // after the enqueue, never before (a worker taking the lane off the active set looks again after).

@@ -1,8 +1,9 @@
 import type { Sql } from "postgres";
 import { z } from "zod";
-import { type CallOptions, estimateTokens, type LLM } from "../llm/llm.ts";
+import { type CallOptions, estimateTokens, type LLM, MAX_OUTPUT_TOKENS } from "../llm/llm.ts";
 import type { Logger } from "../log/logger.ts";
-import { PermanentJobError } from "../queue/errors.ts";
+import { JobDeferred, PermanentJobError } from "../queue/errors.ts";
+import { BudgetExhausted, type Budgets, type HeldReservation, worstCaseTokens } from "../budgets/budgets.ts";
 import type { StreamMessage } from "../queue/message.ts";
 import { isRetryable } from "../retry/classify.ts";
 import type { Clock } from "../retry/clock.ts";
@@ -133,6 +134,10 @@ export interface SummaryJobDeps {
   tasks?: TaskCache;
   /** Validates a model's answer against a task's output schema, compiled once per `key`. */
   validate?: (key: string, schema: unknown, instance: unknown) => Promise<SchemaViolation[]>;
+  /** Tenant budgets: every call's worst case is reserved before it and settled after it. */
+  budgets?: Budgets;
+  /** A run's budget is spent: told before the run is deferred, so its tenant's lane is not read meanwhile. */
+  budgetExhausted?: (error: BudgetExhausted) => void;
 }
 
 /** Handles one delivery of a summary job. */
@@ -226,6 +231,13 @@ function modelCall(job: Job, { name, definition }: LoadedTask, input: Record<str
         : { jsonSchema: { name: name.replace(/[^a-zA-Z0-9_-]/g, "_"), schema: definition.output_schema } }),
     },
   };
+}
+
+/** A call's worst case for the budgets: every message it sends and every output token it may write. */
+function worstCaseOf({ prompt, options }: ModelCall) {
+  const messages = [prompt, ...(options.system === undefined ? [] : [options.system])];
+  for (const turn of options.followUp ?? []) messages.push(turn.content);
+  return worstCaseTokens(messages, options.maxOutputTokens ?? MAX_OUTPUT_TOKENS);
 }
 
 /** What is wrong with an answer, in words the model can act on, and where (a JSON pointer into the answer). */
@@ -373,11 +385,38 @@ async function callModel(
   const { job_id } = delivery;
   try {
     const completion = await callWithRetries((s) => llm.complete(call.prompt, { ...call.options, signal: s }), {
-      gate: flow && {
-        acquire: (s) => {
-          const permit = first ?? flow.acquire(estimated, s, job_id);
+      gate: (flow || job.budgets) && {
+        acquire: async (s) => {
+          const pending = first;
           first = undefined;
-          return permit;
+          // The budget first: a run its tenant cannot afford must not hold a permit others could use.
+          let held: HeldReservation | undefined;
+          try {
+            held = await job.budgets?.reserve(delivery.tenant, call.model, worstCaseOf(call));
+          } catch (error) {
+            await pending?.then((permit) => permit.settle({ aborted: true }), () => {}).catch(() => {});
+            throw error;
+          }
+          let permit: Permit | undefined;
+          try {
+            permit = await (pending ?? flow?.acquire(estimated, s, job_id));
+          } catch (error) {
+            await held?.settle({ notSent: true }).catch(() => {});
+            throw error;
+          }
+          if (!held) return permit!;
+          return {
+            waitedMs: permit?.waitedMs ?? 0,
+            settle: async (outcome) => {
+              // A call aborted while it ran (a stop) may have been billed: charged its reservation.
+              const end = outcome.aborted ? { error: new Error("aborted while in flight") } : outcome;
+              const [absorbed] = await Promise.all([
+                permit ? permit.settle(outcome) : false,
+                held.settle(end).catch((error) => delivery.log.warn("budget_settle_failed", { error })),
+              ]);
+              return absorbed;
+            },
+          };
         },
       },
       deadline,
@@ -402,6 +441,12 @@ async function callModel(
     return completion.text;
   } catch (error) {
     if (error instanceof JobDecided) return { skipped: endedBy(delivery, error.outcome, "between_attempts") };
+    if (error instanceof BudgetExhausted) {
+      // Back to the end of its lane, no delivery spent; the lane is not read until the budget fits again.
+      job.budgetExhausted?.(error);
+      delivery.log.info("run_waiting_for_budget", { budget: error.budget, retry_after_s: error.retryAfterS });
+      throw new JobDeferred(error.message, { cause: error });
+    }
     // Postgres's error, left to leave the message pending: without this it read as a permanent model error.
     if (error instanceof DecidedCheckFailed) throw error.cause;
     // Transient: leave the message pending; redelivery brings a fresh budget.

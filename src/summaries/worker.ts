@@ -18,6 +18,9 @@ import { notifyJob } from "./job_waiter.ts";
 import { keepDrainingLegacyStream } from "./legacy_drain.ts";
 import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
 import { createAttemptLog, describeFailures } from "./attempt_log.ts";
+import { type BudgetExhausted, budgetKey, type Budgets } from "../budgets/budgets.ts";
+import { announceLane } from "../queue/lanes.ts";
+import { sleep } from "../async/timeout.ts";
 
 /** The summary prompt's characters besides the document. */
 const PROMPT_FRAME = summaryPrompt("").length;
@@ -45,15 +48,26 @@ export interface SummaryWorkerOptions {
 
 /** The summary worker: the stream worker running the summary job. The caller closes it. */
 export function createSummaryWorker(
-  deps: { redis: RedisClient; sql: Sql; llm: LLM; log: Logger } & Pick<SummaryJobDeps, "flow" | "tasks" | "validate">,
+  deps:
+    & { redis: RedisClient; sql: Sql; llm: LLM; log: Logger }
+    & Pick<
+      SummaryJobDeps,
+      "flow" | "tasks" | "validate" | "budgets"
+    >,
   options: SummaryWorkerOptions,
 ): StreamWorker {
   const committer = createGroupCommitter({ sql: deps.sql, log: deps.log });
   // Every model attempt is recorded, in batches, off the commit path.
   const attempts = createAttemptLog({ sql: deps.sql, log: deps.log });
   const share = tokenShare(deps, options);
-  const job = createSummaryJob({ ...deps, committer, attempts }, { ...options.job, onAttempt: share.onAttempt });
   const keys = options.keys;
+  const blocks = deps.budgets && "lane" in keys
+    ? budgetBlocks({ ...deps, budgets: deps.budgets }, keys, share.tenantOf)
+    : undefined;
+  const job = createSummaryJob({ ...deps, committer, attempts, budgetExhausted: blocks?.exhausted }, {
+    ...options.job,
+    onAttempt: share.onAttempt,
+  });
   const lanes = "lane" in keys
     ? createLaneRegistry({ redis: deps.redis, log: deps.log }, {
       keys: keys.registry,
@@ -100,15 +114,20 @@ export function createSummaryWorker(
     },
     // With a shared provider limit, jobs wait in the stream until a permit is near, not in this process.
     gate: deps.flow && tokenGate(deps.flow, share.averageCost),
+    // A tenant whose budget is spent: its runs wait in its lane, which is not read until the budget fits again.
+    skip: blocks?.skip,
+    onDeferred: blocks?.deferred,
   }, job);
   return {
     ...worker,
     async run(signal) {
+      const stopBlocks = blocks?.start(signal);
       // Whatever an upgrade left in the stream of releases before lanes moves into the lanes, beside the first
       // reads and then every 30 s while the worker runs; the moved jobs are read from their lanes like any other.
       const drained = "lane" in keys ? keepDrainingLegacyStream(deps, { keys, signal }) : undefined;
       await worker.run(signal);
       await drained;
+      await stopBlocks;
     },
     get inFlight() {
       return worker.inFlight;
@@ -149,6 +168,8 @@ function tokenShare(deps: { sql: Sql; log: Logger }, options: SummaryWorkerOptio
   let average = 0;
   return {
     averageCost: () => average || estimateTokens(""),
+    /** The tenant of a lane the registry named. */
+    tenantOf: (lane: QueueNames) => tenants.get(lane.stream),
     laneOf(lane: (tenant: string) => JobKeys) {
       return (tenant: string) => {
         const keys = lane(tenant);
@@ -217,5 +238,66 @@ function tokenGate(flow: ProviderFlow, averageCost: () => number) {
     if (room < 0) return { permits: 0, waitMs: Math.ceil(-room) };
     const fit = Math.floor(room / (averageCost() * msPerToken)) + 1 - flow.waiting;
     return fit > 0 ? { permits: Math.min(gate.permits, fit), waitMs: gate.waitMs } : { permits: 0, waitMs: 50 };
+  };
+}
+
+/** How often a worker asks whether a blocked tenant's budget fits again. */
+const BUDGET_RECHECK_MS = 1_000;
+/** How long a blocked tenant's `waiting_until` mark lasts unless a worker renews it (GET's `waiting_for`). */
+const BUDGET_WAITING_MARK_MS = 5_000;
+
+/**
+ * The tenants whose budgets are spent, as this worker knows them: their lanes are not read (their runs wait
+ * there, spending no deliveries), and once a second the worker asks whether the refused worst case fits again
+ * (the period ended, the budget was raised, reservations in flight settled); then it reads them again at once.
+ * While a tenant is blocked, its budget hash carries `waiting_until`, which `GET /v1/runs/{id}` reads.
+ */
+function budgetBlocks(
+  deps: { redis: RedisClient; log: Logger; budgets: Budgets },
+  keys: ServiceKeys,
+  tenantOf: (lane: QueueNames) => string | undefined,
+) {
+  const blocked = new Map<string, BudgetExhausted>();
+  const mark = (tenant: string) =>
+    deps.redis.hset(budgetKey(keys.prefix, tenant), "waiting_until", Date.now() + BUDGET_WAITING_MARK_MS)
+      .catch((error) => deps.log.warn("budget_mark_failed", { tenant, error }));
+  const wake = (tenant: string) =>
+    announceLane(deps.redis, keys.registry, tenant).catch((error) =>
+      deps.log.warn("lane_announce_failed", { tenant, error })
+    );
+  async function recheck(): Promise<void> {
+    for (const [tenant, error] of blocked) {
+      const fits = Date.now() >= error.untilMs || await deps.budgets.fitsAgain(error).catch((e) => {
+        deps.log.warn("budget_recheck_failed", { tenant, error: e });
+        return false;
+      });
+      if (fits) {
+        blocked.delete(tenant);
+        deps.log.info("budget_fits_again", { tenant });
+        await deps.redis.hdel(budgetKey(keys.prefix, tenant), "waiting_until").catch(() => {});
+        await wake(tenant);
+      } else await mark(tenant);
+    }
+  }
+  return {
+    exhausted(error: BudgetExhausted) {
+      if (!blocked.has(error.tenant)) mark(error.tenant);
+      blocked.set(error.tenant, error);
+    },
+    skip(lane: QueueNames): boolean {
+      if (blocked.size === 0) return false;
+      const tenant = tenantOf(lane);
+      return tenant !== undefined && blocked.has(tenant);
+    },
+    // The lane keeps its place among the lanes with work: this worker reads it again once the budget fits.
+    async deferred(_lane: QueueNames, message: StreamMessage) {
+      if (message.fields.tenant) await wake(message.fields.tenant);
+    },
+    async start(signal: AbortSignal): Promise<void> {
+      while (!signal.aborted) {
+        await sleep(BUDGET_RECHECK_MS, signal).catch(() => {});
+        if (!signal.aborted && blocked.size > 0) await recheck();
+      }
+    },
   };
 }

@@ -9,6 +9,7 @@ import { HttpError } from "../http/problem.ts";
 import { json, Router } from "../http/router.ts";
 import {
   answerSubmission,
+  budgetRefusal,
   cancelJobOf,
   checkNotify,
   FINISHED,
@@ -18,12 +19,13 @@ import {
 } from "../summaries/api.ts";
 import { jobDocument, type JobFound } from "../summaries/job_document.ts";
 import { currentTraceparent } from "../tracing.ts";
-import { RENDER_LIMITS, renderedChars, TASK_NAME } from "./definition.ts";
+import { RENDER_LIMITS, renderedChars, renderTemplate, TASK_NAME } from "./definition.ts";
 import { type SchemaViolation, unstorableJson } from "./json_schema.ts";
 import { ValidationTimeout } from "./validator.ts";
 import type { RunPayload } from "./run_payload.ts";
 import { type RunDocument, RunRequest } from "./run_schemas.ts";
 import type { TaskCache } from "./task_cache.ts";
+import { budgetKey } from "../budgets/budgets.ts";
 
 /** What the run routes need beyond the summary API's. */
 export interface RunApiDeps extends SummaryApiDeps {
@@ -51,6 +53,16 @@ function runDocument({ document, tokens, run }: Pick<JobFound, "document" | "tok
     attempts: document.attempts ?? 0,
     tokens,
   };
+}
+
+/**
+ * A queued run's `waiting_for`: `budget` while a worker finds its tenant's budget spent (the mark a blocked
+ * tenant's budget carries, renewed every second by the worker that holds its runs back).
+ */
+async function withWaiting(deps: RunApiDeps, tenant: string, document: RunDocument): Promise<RunDocument> {
+  if (document.status !== "queued" || !deps.budgets || !(await deps.budgets.of(tenant))) return document;
+  const until = Number(await deps.redis.hget(budgetKey(deps.keys.prefix, tenant), "waiting_until"));
+  return until > Date.now() ? { ...document, waiting_for: "budget" } : document;
 }
 
 /** A 422 whose problem document names the place in the request body. */
@@ -96,6 +108,15 @@ export function runRoutes(deps: RunApiDeps): Router {
     }
     if (request.notify !== undefined) await checkNotify(deps, tenant, request.notify);
     const scope = { tenant, method: "POST", path: `/v1/tasks/${name}/runs`, key };
+    const { definition } = task;
+    const refuse = deps.budgets && await budgetRefusal(deps, tenant, {
+      model: Array.isArray(definition.model) ? definition.model[0] : definition.model,
+      messages: [
+        renderTemplate(definition.prompt, request.input),
+        ...(definition.system === undefined ? [] : [renderTemplate(definition.system, request.input)]),
+      ],
+      maxOutputTokens: definition.max_output_tokens,
+    });
     const payload: RunPayload = {
       task: task.name,
       version: task.version,
@@ -112,6 +133,7 @@ export function runRoutes(deps: RunApiDeps): Router {
           request,
           run: { task: task.name, version: task.version, payload: JSON.stringify(payload) },
           traceparent: currentTraceparent(),
+          refuse,
         }),
       {
         enqueued: (jobId) =>
@@ -142,7 +164,7 @@ export function runRoutes(deps: RunApiDeps): Router {
       }
       if (waited) headers["preference-applied"] = waited.applied;
     }
-    return json(200, runDocument(found), headers);
+    return json(200, await withWaiting(deps, tenant, runDocument(found)), headers);
   }
 
   async function cancelRun(req: Request, runId: string): Promise<Response> {

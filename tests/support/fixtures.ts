@@ -3,6 +3,7 @@
  * way the processes do, with test-friendly defaults. Tests and the bench
  * pass their own clients and override only what they are about.
  */
+import type { Budgets } from "../../src/budgets/budgets.ts";
 import type { RedisClient } from "../../src/clients.ts";
 import type { Sql } from "postgres";
 import type { LLM } from "../../src/llm/llm.ts";
@@ -74,12 +75,13 @@ export const GATEWAY_SECRET_FOR_TESTS = "test-gateway-secret-0123456789";
 
 /** A summary worker with short timings: redelivery after a minute, small budgets, fast backoff. */
 export function summaryWorker(
-  { redis, sql, llm, keys, flow, log = silentLogger }: {
+  { redis, sql, llm, keys, flow, budgets, log = silentLogger }: {
     redis: RedisClient;
     sql: Sql;
     llm: LLM;
     keys: ServiceKeys | JobKeys;
     flow?: ProviderFlow;
+    budgets?: Budgets;
     log?: Logger;
   },
   overrides: Partial<SummaryWorkerOptions> = {},
@@ -90,6 +92,7 @@ export function summaryWorker(
     llm,
     log,
     flow,
+    budgets,
     tasks: createTaskCache(sql),
     validate: createSchemaValidators().validate,
   }, {

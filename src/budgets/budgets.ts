@@ -1,0 +1,424 @@
+/**
+ * Tenant budgets: limits in USD and tokens per UTC day and month, kept in
+ * Postgres (`tenant budget`), enforced in Redis (see `budget_scripts.ts`).
+ *
+ * Every process reads the limits of the tenants that have any (one small
+ * query, at most every `ttlMs`), so a raised budget takes effect within
+ * seconds without a restart; a tenant without a budget costs no Redis round
+ * trip at all. Before each model call a worker reserves the call's worst
+ * case (see {@linkcode worstCaseTokens}) against every budget and settles it
+ * at the charge afterwards (see `charge.ts`); intake refuses a run whose
+ * worst case no longer fits what is spent.
+ */
+import type { Sql } from "postgres";
+import type { RedisClient } from "../clients.ts";
+import type { Logger } from "../log/logger.ts";
+import { GateRefused } from "../retry/errors.ts";
+import { type CallEnd, type CallTokens, chargeOf } from "./charge.ts";
+import { costNanos, type ModelPrice, nanosToUsd, type Prices, usdToNanos } from "../provider/prices.ts";
+import {
+  type BudgetState,
+  type Limits,
+  readBudgetState,
+  type ReserveReply,
+  runReserve,
+  runSettle,
+  seedBudgetState,
+} from "./budget_scripts.ts";
+
+/** A tenant's limits as set (`tenant budget`); absent = none. */
+export interface TenantBudget {
+  usd_per_day?: number;
+  usd_per_month?: number;
+  tokens_per_day?: number;
+  tokens_per_month?: number;
+}
+
+/** The budgets in the scripts' order, as the API names them. */
+export const BUDGETS = [
+  { period: "day", unit: "tokens" },
+  { period: "day", unit: "usd" },
+  { period: "month", unit: "tokens" },
+  { period: "month", unit: "usd" },
+] as const;
+
+/** One budget as `GET /v1/usage`, `tenant list` and the console show it. */
+export interface BudgetView {
+  period: "day" | "month";
+  unit: "usd" | "tokens";
+  limit: number;
+  spent: number;
+  reserved: number;
+  /** When the period ends and the budget is whole again (ISO 8601, UTC). */
+  resets_at: string;
+}
+
+/** The Redis key of a tenant's budget state: under the tenant's lane tag, so in its lane's slot. */
+export function budgetKey(prefix: string, tenant: string): string {
+  return `${prefix}:{t:${tenant}}:budget`;
+}
+
+/** Whether any limit is set. */
+export function hasBudget(budget: TenantBudget | undefined): budget is TenantBudget {
+  return budget !== undefined && Object.values(budget).some((v) => v !== undefined && v !== null);
+}
+
+/** The limits in the scripts' units and order; -1 = none. */
+export function limitsOf(b: TenantBudget): Limits {
+  const n = (v: number | undefined, f: (x: number) => number) => v === undefined || v === null ? -1 : f(v);
+  const whole = (x: number) => Math.floor(x);
+  return [
+    n(b.tokens_per_day, whole),
+    n(b.usd_per_day, usdToNanos),
+    n(b.tokens_per_month, whole),
+    n(b.usd_per_month, usdToNanos),
+  ];
+}
+
+/**
+ * A call's worst case in tokens: the prompt's UTF-8 length in bytes (no byte-level BPE token is shorter than a
+ * byte, so this bounds what any such tokenizer counts), a few tokens per message for the chat format, and every
+ * output token it may write.
+ */
+export function worstCaseTokens(messages: readonly string[], maxOutputTokens: number): CallTokens {
+  const encoder = new TextEncoder();
+  let bytes = 0;
+  for (const m of messages) bytes += encoder.encode(m).length;
+  return { prompt: bytes + 8 * messages.length + 8, completion: maxOutputTokens };
+}
+
+/** When the period that began at Redis time `now` ends: the next UTC midnight, or the first of next month. */
+export function periodEnd(period: "day" | "month", now: number): number {
+  const d = new Date(now);
+  return period === "day"
+    ? Date.UTC(d.getUTCFullYear(), d.getUTCMonth(), d.getUTCDate() + 1)
+    : Date.UTC(d.getUTCFullYear(), d.getUTCMonth() + 1, 1);
+}
+
+/**
+ * A budget the call's worst case does not fit: why, and until when (the period's end). A refusal of the gate:
+ * the retry policy passes it on unchanged, and the job defers the run (see {@linkcode JobDeferred}).
+ */
+export class BudgetExhausted extends GateRefused {
+  constructor(
+    readonly tenant: string,
+    readonly budget: { period: "day" | "month"; unit: "usd" | "tokens"; limit: number; spent: number },
+    readonly untilMs: number,
+    readonly now: number,
+    /** The refused worst case, in tokens: what must fit again before the tenant's runs go on. */
+    readonly worst: { tokens: number; nanos: number },
+  ) {
+    super(
+      `tenant ${tenant}'s ${budget.unit === "usd" ? "USD" : "token"} budget per ${budget.period} is spent ` +
+        `(${budget.spent} of ${budget.limit}${budget.unit === "usd" ? " USD" : " tokens"})`,
+    );
+    this.name = "BudgetExhausted";
+  }
+
+  /** Seconds until the period ends (Retry-After). */
+  get retryAfterS(): number {
+    return Math.max(1, Math.ceil((this.untilMs - this.now) / 1000));
+  }
+}
+
+/** A USD budget, but the model has no price: its calls cannot be bounded. */
+export class ModelUnpriced extends GateRefused {
+  constructor(readonly model: string, tenant: string) {
+    super(`model ${model} has no price (LLM_PRICES) and tenant ${tenant} has a USD budget`);
+    this.name = "ModelUnpriced";
+  }
+}
+
+function exhausted(tenant: string, reply: ReserveReply, worst: { tokens: number; nanos: number }): BudgetExhausted {
+  const { period, unit } = BUDGETS[reply.budget]!;
+  const money = (n: number) => Math.round(nanosToUsd(n) * 1e6) / 1e6;
+  return new BudgetExhausted(
+    tenant,
+    {
+      period,
+      unit,
+      limit: unit === "usd" ? money(reply.limit) : reply.limit,
+      spent: unit === "usd" ? money(reply.spent) : reply.spent,
+    },
+    periodEnd(period, reply.now),
+    reply.now,
+    worst,
+  );
+}
+
+/** Reads every tenant's limits from Postgres. */
+export async function loadBudgets(sql: Sql): Promise<Map<string, TenantBudget>> {
+  const rows = await sql<
+    {
+      name: string;
+      usd_day: string | null;
+      usd_month: string | null;
+      tok_day: string | null;
+      tok_month: string | null;
+    }[]
+  >`
+    SELECT name, budget_usd_day::text AS usd_day, budget_usd_month::text AS usd_month,
+      budget_tokens_day::text AS tok_day, budget_tokens_month::text AS tok_month
+    FROM tenants
+    WHERE budget_usd_day IS NOT NULL OR budget_usd_month IS NOT NULL
+      OR budget_tokens_day IS NOT NULL OR budget_tokens_month IS NOT NULL`;
+  const num = (v: string | null) => v === null ? undefined : Number(v);
+  return new Map(rows.map((r) => [r.name, {
+    ...(r.usd_day === null ? {} : { usd_per_day: num(r.usd_day) }),
+    ...(r.usd_month === null ? {} : { usd_per_month: num(r.usd_month) }),
+    ...(r.tok_day === null ? {} : { tokens_per_day: num(r.tok_day) }),
+    ...(r.tok_month === null ? {} : { tokens_per_month: num(r.tok_month) }),
+  }]));
+}
+
+/** What a budget reports, for metrics and logs. */
+export interface BudgetEvents {
+  /** After a settlement: the tenant's spend and reservations now, per budget. */
+  state?(tenant: string, spent: Limits, reserved: Limits): void;
+  /** A budget crossed 80% or reached 100% of its limit (once per period). */
+  threshold?(tenant: string, budget: (typeof BUDGETS)[number], percent: 80 | 100): void;
+  /** A reservation or an intake was refused. */
+  refused?(tenant: string, where: "worker" | "intake"): void;
+}
+
+/** A reservation held for one call. */
+export interface HeldReservation {
+  /** Releases the reservation and charges what the call cost (see `charge.ts`). */
+  settle(end: CallEnd): Promise<void>;
+  /** The charge the settlement made, once settled. */
+  readonly charged?: CallTokens & { nanos?: number };
+}
+
+/** The budgets of every tenant, as one process uses them. */
+export interface Budgets {
+  /** The tenant's limits (read again from Postgres at most every `ttlMs`). */
+  of(tenant: string): Promise<TenantBudget | undefined>;
+  /**
+   * Reserves a call's worst case against the tenant's budgets. @returns undefined when the tenant has none.
+   * @throws {BudgetExhausted} when it does not fit; {@linkcode ModelUnpriced} for a USD budget and no price.
+   */
+  reserve(tenant: string, model: string, worst: CallTokens): Promise<HeldReservation | undefined>;
+  /** Intake's question: does a run's worst case still fit what the tenant has spent? @returns the refusal, if any. */
+  check(tenant: string, model: string, worst: CallTokens): Promise<BudgetExhausted | undefined>;
+  /** The tenant's budgets now (none without a budget). */
+  views(tenant: string): Promise<BudgetView[]>;
+  /** Whether a blocked tenant's refused worst case fits again (the period ended, the budget was raised, calls settled). */
+  fitsAgain(error: BudgetExhausted, model?: string): Promise<boolean>;
+}
+
+/** Options for {@linkcode createBudgets}. */
+export interface BudgetsOptions {
+  prefix: string;
+  prices: Prices;
+  /** How long limits read from Postgres are used; default 2 s. */
+  ttlMs?: number;
+  events?: BudgetEvents;
+}
+
+/** Creates the budgets of one process. */
+export function createBudgets(
+  { redis, sql, log }: { redis: RedisClient; sql: Sql; log: Logger },
+  options: BudgetsOptions,
+): Budgets {
+  const ttlMs = options.ttlMs ?? 2_000;
+  const events = options.events ?? {};
+  let loaded: { at: number; budgets: Map<string, TenantBudget> } | undefined;
+  let loading: Promise<Map<string, TenantBudget>> | undefined;
+
+  async function all(): Promise<Map<string, TenantBudget>> {
+    if (loaded && performance.now() - loaded.at < ttlMs) return loaded.budgets;
+    loading ??= loadBudgets(sql).then((budgets) => {
+      loaded = { at: performance.now(), budgets };
+      return budgets;
+    }, (error) => {
+      // Postgres unreachable: the last limits known stand (none known: the error goes to the caller).
+      if (loaded) {
+        log.warn("budgets_unreadable", { error });
+        return loaded.budgets;
+      }
+      throw error;
+    }).finally(() => loading = undefined);
+    return await loading;
+  }
+
+  async function of(tenant: string) {
+    const budget = (await all()).get(tenant);
+    return hasBudget(budget) ? budget : undefined;
+  }
+
+  function priceFor(tenant: string, budget: TenantBudget, model: string): ModelPrice | undefined {
+    const price = options.prices.of(model);
+    if (!price && (budget.usd_per_day !== undefined || budget.usd_per_month !== undefined)) {
+      throw new ModelUnpriced(model, tenant);
+    }
+    return price;
+  }
+
+  const key = (tenant: string) => budgetKey(options.prefix, tenant);
+
+  return {
+    of,
+    async reserve(tenant, model, worst) {
+      const budget = await of(tenant);
+      if (!budget) return undefined;
+      const price = priceFor(tenant, budget, model);
+      const limits = limitsOf(budget);
+      const held = {
+        tokens: worst.prompt + worst.completion,
+        nanos: price ? costNanos(price, worst.prompt, worst.completion) : 0,
+      };
+      const reply = await runReserve(redis, key(tenant), limits, held, "reserve");
+      if (!reply.ok) {
+        events.refused?.(tenant, "worker");
+        const error = exhausted(tenant, reply, held);
+        if (reply.newly) {
+          log.warn("budget_reached", {
+            tenant,
+            period: error.budget.period,
+            unit: error.budget.unit,
+            percent: 100,
+            limit: error.budget.limit,
+            spent: error.budget.spent,
+          });
+          events.threshold?.(tenant, BUDGETS[reply.budget]!, 100);
+        }
+        throw error;
+      }
+      let charged: (CallTokens & { nanos?: number }) | undefined;
+      return {
+        get charged() {
+          return charged;
+        },
+        async settle(end) {
+          const charge = chargeOf(end, worst);
+          const nanos = price ? costNanos(price, charge.prompt, charge.completion) : 0;
+          charged = { prompt: charge.prompt, completion: charge.completion, ...(price ? { nanos } : {}) };
+          const after = await runSettle(redis, key(tenant), reply, held, {
+            tokens: charge.prompt + charge.completion,
+            nanos,
+          }, limits);
+          events.state?.(tenant, after.spent, after.reserved);
+          for (const { budget: i, percent } of after.marks) {
+            const b = BUDGETS[i]!;
+            const limit = limits[i]!;
+            log[percent === 100 ? "warn" : "info"]("budget_reached", {
+              tenant,
+              period: b.period,
+              unit: b.unit,
+              percent,
+              limit: b.unit === "usd" ? nanosToUsd(limit) : limit,
+              spent: b.unit === "usd" ? nanosToUsd(after.spent[i]!) : after.spent[i],
+            });
+            events.threshold?.(tenant, b, percent);
+          }
+        },
+      };
+    },
+    async check(tenant, model, worst) {
+      const budget = await of(tenant);
+      if (!budget) return undefined;
+      const price = priceFor(tenant, budget, model);
+      const held = {
+        tokens: worst.prompt + worst.completion,
+        nanos: price ? costNanos(price, worst.prompt, worst.completion) : 0,
+      };
+      const reply = await runReserve(redis, key(tenant), limitsOf(budget), held, "check");
+      if (reply.ok) return undefined;
+      events.refused?.(tenant, "intake");
+      return exhausted(tenant, reply, held);
+    },
+    async views(tenant) {
+      const budget = await of(tenant);
+      if (!budget) return [];
+      return viewsOf(limitsOf(budget), await readBudgetState(redis, key(tenant)));
+    },
+    async fitsAgain(error) {
+      const budget = await of(error.tenant);
+      if (!budget) return true;
+      const reply = await runReserve(redis, key(error.tenant), limitsOf(budget), error.worst, "check");
+      if (!reply.ok) return false;
+      // What is spent leaves room; so must what is reserved in flight, or the run would be refused again at once.
+      const state = await readBudgetState(redis, key(error.tenant));
+      const limits = limitsOf(budget);
+      return limits.every((limit, i) => {
+        if (limit < 0) return true;
+        const want = i % 2 === 0 ? error.worst.tokens : error.worst.nanos;
+        return state.spent[i]! + state.reserved[i]! + want <= limit;
+      });
+    },
+  };
+}
+
+/** The budgets with a limit, as the API shows them (USD as dollars). */
+export function viewsOf(limits: Limits, state: BudgetState): BudgetView[] {
+  const views: BudgetView[] = [];
+  limits.forEach((limit, i) => {
+    if (limit < 0) return;
+    const { period, unit } = BUDGETS[i]!;
+    const show = (n: number) => unit === "usd" ? nanosToUsd(n) : n;
+    views.push({
+      period,
+      unit,
+      limit: show(limit),
+      spent: show(state.spent[i]!),
+      reserved: show(state.reserved[i]!),
+      resets_at: new Date(periodEnd(period, state.now)).toISOString(),
+    });
+  });
+  return views;
+}
+
+/** Raises the tenant's current spend in Redis to what `model_attempts` recorded (a budget set mid-period). */
+export async function seedFromRecord(redis: RedisClient, sql: Sql, prefix: string, tenant: string): Promise<void> {
+  const [row] = await sql<{ day_tok: string; day_usd: string; month_tok: string; month_usd: string }[]>`
+    SELECT
+      COALESCE(sum(COALESCE(prompt_tokens, 0) + COALESCE(completion_tokens, 0))
+        FILTER (WHERE started_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'), 0)::text AS day_tok,
+      COALESCE(sum(cost_usd) FILTER (WHERE started_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'), 0)::text AS day_usd,
+      COALESCE(sum(COALESCE(prompt_tokens, 0) + COALESCE(completion_tokens, 0)), 0)::text AS month_tok,
+      COALESCE(sum(cost_usd), 0)::text AS month_usd
+    FROM model_attempts
+    WHERE tenant = ${tenant}
+      AND started_at >= date_trunc('month', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'`;
+  const usd = (v: string) => Math.ceil(Number(v) * 1e9);
+  await seedBudgetState(redis, budgetKey(prefix, tenant), [
+    Number(row!.day_tok),
+    usd(row!.day_usd),
+    Number(row!.month_tok),
+    usd(row!.month_usd),
+  ]);
+}
+
+/**
+ * At start-up: names every model in use (the default and every task's) that has no price while some tenant
+ * has a USD budget. Such a model's runs of those tenants fail (their cost could not be bounded).
+ */
+export async function warnUnpricedModels(
+  { sql, log }: { sql: Sql; log: Logger },
+  config: { OPENAI_MODEL: string; LLM_PROVIDER: string },
+  prices: Prices,
+): Promise<string[]> {
+  const budgets = await loadBudgets(sql);
+  const usd = [...budgets].filter(([, b]) => b.usd_per_day !== undefined || b.usd_per_month !== undefined);
+  if (usd.length === 0) return [];
+  const rows = await sql<{ model: string }[]>`
+    SELECT DISTINCT m AS model FROM tasks,
+      jsonb_array_elements_text(CASE jsonb_typeof(definition->'model')
+        WHEN 'array' THEN definition->'model'
+        WHEN 'string' THEN jsonb_build_array(definition->'model')
+        ELSE '[]'::jsonb END) AS m`;
+  const models = new Set([
+    config.LLM_PROVIDER === "openai" ? config.OPENAI_MODEL : "extractive",
+    ...rows.map((r) => r.model),
+  ]);
+  const missing = [...models].filter((model) => !prices.of(model)).sort();
+  if (missing.length > 0) {
+    log.error("budget_models_unpriced", {
+      models: missing,
+      tenants: usd.map(([name]) => name).slice(0, 20),
+      detail: "these models have no price in LLM_PRICES (or LLM_PRICE_IN/OUT_PER_MTOK) while tenants have USD " +
+        "budgets: those tenants' runs on them fail until a price is set",
+    });
+  }
+  return missing;
+}

@@ -1,0 +1,229 @@
+/**
+ * Tenant budgets end to end: the real API handler and two real workers
+ * (WORKER_CONCURRENCY=32 each) calling a fake model through the real openai
+ * SDK; the fake reports token counts from the prompt's length, as a provider
+ * does. The budget is enforced by reservations in Redis; the provider's own
+ * count is what the test holds it to.
+ */
+import assert from "node:assert/strict";
+import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
+import { serviceKeys } from "../../src/summaries/keys.ts";
+import { createApiKey } from "../../src/tenants/tenant_store.ts";
+import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
+import { silentLogger } from "../../src/log/logger.ts";
+import { budgetKey, createBudgets, worstCaseTokens } from "../../src/budgets/budgets.ts";
+import { readBudgetState, runReserve } from "../../src/budgets/budget_scripts.ts";
+import { createPrices } from "../../src/provider/prices.ts";
+import { startFakeModel } from "../support/fake_model_server.ts";
+import { apiHandler, summaryWorker } from "../support/fixtures.ts";
+import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
+
+const TASK = {
+  prompt: "Echo: {{input.text}}",
+  input_schema: {
+    type: "object",
+    properties: { text: { type: "string" } },
+    required: ["text"],
+    additionalProperties: false,
+  },
+  max_output_tokens: 40,
+};
+
+/** What the fake provider reports for a prompt: about four characters a token, and 20 completion tokens. */
+const usageOf = (prompt: string) => ({ prompt_tokens: Math.ceil(prompt.length / 4) + 8, completion_tokens: 20 });
+
+/** A document of a fixed length, so every run costs the same. */
+const doc = (tenant: string, i: number) => `${tenant} document ${String(i).padStart(4, "0")} `.padEnd(120, "x");
+
+Deno.test("budgets: a tenant is stopped at its budget with 0 overshoot, waits, and goes on when it is raised", async (t) => {
+  const db = await createTestDatabase();
+  const r = await createTestRedis();
+  const keys = serviceKeys(r.prefix);
+  // Tokens the provider reported per tenant (the prompt names the tenant), and calls that hang for ever.
+  const reported = new Map<string, number>();
+  const model = startFakeModel((_, prompt) => {
+    if (prompt.includes("[[hang]]")) return { kind: "hang" };
+    if (prompt.includes("[[fail]]")) return { kind: "status", status: 400 };
+    const usage = usageOf(prompt);
+    const tenant = /^Echo: (\w+) /.exec(prompt)?.[1] ?? "?";
+    reported.set(tenant, (reported.get(tenant) ?? 0) + usage.prompt_tokens + usage.completion_tokens);
+    return { kind: "ok", usage, content: "ok", delayMs: 30 };
+  });
+  const prices = createPrices({ LLM_PRICES: { "default-model": { in: 0.4, out: 1.6 } } });
+  const budgets = () =>
+    createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger }, { prefix: r.prefix, prices, ttlMs: 200 });
+  const api = apiHandler({ redis: r.redis, sql: db.sql, keys }, {
+    authMode: "api-key",
+    budgets: budgets(),
+    defaultModel: "default-model",
+  });
+  const tokens = new Map<string, string>();
+  for (const tenant of ["acme", "other", "slow"]) tokens.set(tenant, await createApiKey(db.sql, tenant));
+  const llm = createOpenAiLlm({ apiKey: "sk-test", model: "default-model", baseURL: model.url });
+  const workers = [1, 2].map((n) =>
+    summaryWorker({ redis: r.redis, sql: db.sql, llm, keys, budgets: budgets() }, {
+      concurrency: 32,
+      consumer: `w${n}`,
+      job: { perCallTimeoutMs: 400, maxAttempts: 1, budgetMs: 5_000 },
+    })
+  );
+  const stop = new AbortController();
+  const running = workers.map((w) => w.run(stop.signal));
+  const call = async (
+    tenant: string,
+    method: string,
+    path: string,
+    body?: unknown,
+    headers: Record<string, string> = {},
+  ) => {
+    const res = await api(
+      new Request(`http://api${path}`, {
+        method,
+        headers: { authorization: `Bearer ${tokens.get(tenant)}`, "content-type": "application/json", ...headers },
+        body: body === undefined ? undefined : JSON.stringify(body),
+      }),
+    );
+    return { status: res.status, headers: res.headers, body: await res.json() };
+  };
+  const post = (tenant: string, i: number, text = doc(tenant, i)) =>
+    call(tenant, "POST", "/v1/tasks/echo/runs", { input: { text } }, {
+      "idempotency-key": `${tenant}-run-${String(i).padStart(8, "0")}`,
+    });
+  const statuses = async (tenant: string) => {
+    const rows = await db.sql<{ outcome: string; n: number }[]>`
+      SELECT outcome, count(*)::int AS n FROM job_outcomes WHERE tenant = ${tenant} GROUP BY outcome`;
+    return Object.fromEntries(rows.map((row) => [row.outcome, row.n])) as Record<string, number>;
+  };
+  // One run's cost as the provider counts it: the budget is worth exactly ten of them.
+  const perRun = usageOf(`Echo: ${doc("acme", 0)}`);
+  const perRunTokens = perRun.prompt_tokens + perRun.completion_tokens;
+  const budget = 10 * perRunTokens;
+  const worst = worstCaseTokens([`Echo: ${doc("acme", 0)}`], TASK.max_output_tokens);
+  const worstRun = worst.prompt + worst.completion;
+  try {
+    for (const tenant of ["acme", "other", "slow"]) {
+      const put = await call(tenant, "PUT", "/v1/tasks/echo", TASK);
+      assert.equal(put.status, 201);
+    }
+    await setTenantBudget(db.sql, "acme", { "--tokens-per-day": budget });
+
+    const ids: string[] = [];
+    await t.step("64 runs against a budget worth 10: at most the budget is spent, the rest wait", async () => {
+      const [acme, other] = await Promise.all([
+        Promise.all(Array.from({ length: 64 }, (_, i) => post("acme", i))),
+        Promise.all(Array.from({ length: 20 }, (_, i) => post("other", i))),
+      ]);
+      for (const a of [...acme, ...other]) assert.equal(a.status, 202, JSON.stringify(a.body));
+      ids.push(...acme.map((a) => a.body.run_id as string));
+      // Another tenant, posting at the same time, is served as if nothing happened.
+      await waitFor("the other tenant's 20 runs", async () => (await statuses("other")).done === 20, 20_000);
+      // The budgeted tenant settles: nothing in flight, its runs held back.
+      await waitFor("acme's runs held back for the budget", async () => {
+        const state = await readBudgetState(r.redis, budgetKey(r.prefix, "acme"));
+        const doc = await call("acme", "GET", `/v1/runs/${ids.at(-1)}`);
+        // Settled: nothing in flight, and what is left of the budget no longer fits one run's worst case.
+        return state.reserved[0] === 0 && state.spent[0]! + worstRun > budget && doc.body.status === "queued" &&
+          doc.body.waiting_for === "budget";
+      }, 20_000);
+      const done = (await statuses("acme")).done ?? 0;
+      assert.ok(done >= 1 && done <= 10, `${done} runs finished`);
+      // 0 overshoot, by the provider's own count.
+      assert.ok(reported.get("acme")! <= budget, `provider reported ${reported.get("acme")} tokens of ${budget}`);
+      const state = await readBudgetState(r.redis, budgetKey(r.prefix, "acme"));
+      assert.equal(state.spent[0], reported.get("acme"), "the budget's spend is the provider's count, to the token");
+      // The rest are queued, waiting for the budget, and none is failed or dead-lettered.
+      const outcomes = await statuses("acme");
+      assert.equal(outcomes.failed, undefined);
+      assert.equal(await r.redis.xlen(keys.lane("acme").dead), 0);
+      let waiting = 0;
+      for (const id of ids) {
+        const run = await call("acme", "GET", `/v1/runs/${id}`);
+        if (run.body.status === "queued") {
+          assert.equal(run.body.waiting_for, "budget");
+          waiting++;
+        } else assert.equal(run.body.status, "done");
+      }
+      assert.equal(waiting, 64 - done);
+      // Waiting spent no deliveries: nothing of acme's is pending, every entry waits undelivered in the lane.
+      const pending = await r.redis.xpending(keys.lane("acme").stream, keys.lane("acme").group) as [number];
+      assert.equal(pending[0], 0);
+      assert.equal(await r.redis.xlen(keys.lane("acme").stream), 64 - done);
+    });
+
+    await t.step("a new POST is refused with 429, Retry-After and the budget; a replay is still answered", async () => {
+      const refused = await post("acme", 1000);
+      assert.equal(refused.status, 429);
+      const retryAfter = Number(refused.headers.get("retry-after"));
+      assert.ok(retryAfter >= 1 && retryAfter <= 86_400, `Retry-After ${retryAfter}`);
+      assert.equal(refused.body.title, "Budget exhausted");
+      assert.equal(refused.body.budget.period, "day");
+      assert.equal(refused.body.budget.unit, "tokens");
+      assert.equal(refused.body.budget.limit, budget);
+      assert.equal(refused.body.budget.spent, reported.get("acme"));
+      const replay = await post("acme", 0);
+      assert.equal(replay.status, 202);
+      assert.equal(replay.headers.get("idempotent-replayed"), "true");
+      // The other tenant still gets 202.
+      assert.equal((await post("other", 1000)).status, 202);
+    });
+
+    await t.step("raising the budget lets the waiting runs finish", async () => {
+      const started = performance.now();
+      await setTenantBudget(db.sql, "acme", { "--tokens-per-day": 1_000_000 });
+      await waitFor("all 64 of acme's runs done", async () => (await statuses("acme")).done === 64, 30_000);
+      console.log(`  the waiting runs finished ${Math.round(performance.now() - started)} ms after the raise`);
+      assert.equal(await r.redis.xlen(keys.lane("acme").dead), 0);
+      // Each run made exactly one call.
+      assert.equal(reported.get("acme"), 64 * perRunTokens);
+    });
+
+    await t.step("a call that times out after it was sent is charged its whole reservation", async () => {
+      await setTenantBudget(db.sql, "slow", { "--tokens-per-month": 1_000_000 });
+      await new Promise((resolve) => setTimeout(resolve, 300)); // past the budgets' 200 ms cache in this test
+      const text = "slow [[hang]]";
+      const posted = await post("slow", 1, text);
+      assert.equal(posted.status, 202);
+      const hung = worstCaseTokens([`Echo: ${text}`], TASK.max_output_tokens);
+      await waitFor("the timed-out call's charge", async () => {
+        const state = await readBudgetState(r.redis, budgetKey(r.prefix, "slow"));
+        return state.spent[2] === hung.prompt + hung.completion && state.reserved[2] === 0;
+      }, 10_000);
+      // A call the provider refused (a 400) is not billed: released, not charged.
+      const before = (await readBudgetState(r.redis, budgetKey(r.prefix, "slow"))).spent[2];
+      assert.equal((await post("slow", 2, "slow [[fail]]")).status, 202);
+      await waitFor("the refused run failed", async () => (await statuses("slow")).failed === 1, 10_000);
+      const after = await readBudgetState(r.redis, budgetKey(r.prefix, "slow"));
+      assert.equal(after.spent[2], before);
+      assert.equal(after.reserved[2], 0);
+    });
+  } finally {
+    stop.abort();
+    await Promise.all(running);
+    for (const w of workers) await w.close();
+    await model.close();
+    await r.close();
+    await db.close();
+  }
+});
+
+Deno.test("budget scripts: 200 reservations at once never pass the limit, and settle at the charge", async () => {
+  const r = await createTestRedis();
+  try {
+    const key = budgetKey(r.prefix, "t");
+    const limits: [number, number, number, number] = [1_000, -1, -1, 5_000_000];
+    const replies = await Promise.all(
+      Array.from({ length: 200 }, () => runReserve(r.redis, key, limits, { tokens: 10, nanos: 30_000 }, "reserve")),
+    );
+    assert.equal(replies.filter((x) => x.ok).length, 100);
+    const refused = replies.find((x) => !x.ok)!;
+    assert.equal(refused.budget, 0); // tokens per day
+    assert.equal(refused.spent, 0);
+    assert.equal(refused.reserved, 1_000);
+    const state = await readBudgetState(r.redis, key);
+    assert.deepEqual(state.reserved, [1_000, 3_000_000, 1_000, 3_000_000]);
+    // The intake's question ignores reservations: nothing is spent yet.
+    assert.ok((await runReserve(r.redis, key, limits, { tokens: 10, nanos: 0 }, "check")).ok);
+  } finally {
+    await r.close();
+  }
+});
