@@ -47,6 +47,13 @@ export interface AttemptRow {
   error: string | null;
   task: string;
   version: number;
+  /**
+   * What the call was charged, in USD as an exact decimal (nano-dollars): the reported usage at the model's
+   * price, or the reservation of a call that may have run without reporting any; null when the model has no price.
+   */
+  cost_usd: string | null;
+  /** The deployment that served the call (the model's name until deployments exist). */
+  deployment: string;
 }
 
 /**
@@ -267,14 +274,15 @@ export async function insertAttempts(sql: Queryable, rows: AttemptRow[]): Promis
   const col = <K extends keyof AttemptRow>(k: K) => rows.map((r) => r[k]);
   await sql`
     INSERT INTO model_attempts (job_id, tenant, delivery, attempt, started_at, duration_ms, outcome, status,
-      prompt_tokens, completion_tokens, provider_request_id, model, error, task, version)
+      prompt_tokens, completion_tokens, provider_request_id, model, error, task, version, cost_usd, deployment)
     SELECT * FROM unnest(
       ${col("job_id")}::uuid[], ${col("tenant")}::text[], ${col("delivery")}::int[], ${col("attempt")}::int[],
       ${col("started_at").map((d) => d.toISOString())}::timestamptz[], ${col("duration_ms")}::float8[],
       ${col("outcome")}::text[], ${col("status") as (number | null)[]}::int[],
       ${col("prompt_tokens") as (number | null)[]}::int[], ${col("completion_tokens") as (number | null)[]}::int[],
       ${col("provider_request_id") as (string | null)[]}::text[], ${col("model")}::text[],
-      ${col("error") as (string | null)[]}::text[], ${col("task")}::text[], ${col("version")}::int[]
+      ${col("error") as (string | null)[]}::text[], ${col("task")}::text[], ${col("version")}::int[],
+      ${col("cost_usd") as (string | null)[]}::numeric[], ${col("deployment")}::text[]
     )`;
 }
 
@@ -282,7 +290,7 @@ export async function insertAttempts(sql: Queryable, rows: AttemptRow[]): Promis
 export async function attemptsOf(sql: Queryable, jobId: string): Promise<JobAttempt[]> {
   return await sql<JobAttempt[]>`
     SELECT delivery, attempt, started_at, duration_ms, outcome, status, prompt_tokens, completion_tokens,
-      provider_request_id, model, error
+      provider_request_id, model, error, task, version, cost_usd, deployment
     FROM model_attempts WHERE job_id = ${jobId} ORDER BY started_at`;
 }
 

@@ -4,6 +4,7 @@ import { attemptObserver, flowEvents, providerGauges, queueGauges, workerEvents 
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createSummaryWorker } from "../summaries/worker.ts";
 import { createTaskCache } from "../tasks/task_cache.ts";
+import { createPrices } from "../provider/prices.ts";
 import { createSchemaValidators } from "../tasks/validator.ts";
 import { buildFlow, buildLlm, providerLabel } from "./_model.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
@@ -30,6 +31,7 @@ export async function startWorker(
     flow,
     tasks: createTaskCache(sql),
     validate: validators.validate,
+    prices: createPrices(config),
   }, {
     keys,
     events: workerEvents(metrics),

@@ -45,7 +45,9 @@ export interface SummaryWorkerOptions {
 
 /** The summary worker: the stream worker running the summary job. The caller closes it. */
 export function createSummaryWorker(
-  deps: { redis: RedisClient; sql: Sql; llm: LLM; log: Logger } & Pick<SummaryJobDeps, "flow" | "tasks" | "validate">,
+  deps:
+    & { redis: RedisClient; sql: Sql; llm: LLM; log: Logger }
+    & Pick<SummaryJobDeps, "flow" | "tasks" | "validate" | "prices">,
   options: SummaryWorkerOptions,
 ): StreamWorker {
   const committer = createGroupCommitter({ sql: deps.sql, log: deps.log });

@@ -12,6 +12,7 @@ import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import type { Mailer } from "../../src/mail/mailer.ts";
 import { createRelay, type Deferral, type Relay, type RelayOptions } from "../../src/outbox/relay.ts";
 import type { ProviderFlow } from "../../src/provider/flow_control.ts";
+import type { Prices } from "../../src/provider/prices.ts";
 import type { StreamWorker } from "../../src/queue/stream_worker.ts";
 import { type ApiDeps, createApiHandler } from "../../src/processes/api_process.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";
@@ -74,12 +75,14 @@ export const GATEWAY_SECRET_FOR_TESTS = "test-gateway-secret-0123456789";
 
 /** A summary worker with short timings: redelivery after a minute, small budgets, fast backoff. */
 export function summaryWorker(
-  { redis, sql, llm, keys, flow, log = silentLogger }: {
+  { redis, sql, llm, keys, flow, prices, log = silentLogger }: {
     redis: RedisClient;
     sql: Sql;
     llm: LLM;
     keys: ServiceKeys | JobKeys;
     flow?: ProviderFlow;
+    /** Model prices: each attempt's `cost_usd` (NULL without). */
+    prices?: Prices;
     log?: Logger;
   },
   overrides: Partial<SummaryWorkerOptions> = {},
@@ -90,6 +93,7 @@ export function summaryWorker(
     llm,
     log,
     flow,
+    prices,
     tasks: createTaskCache(sql),
     validate: createSchemaValidators().validate,
   }, {
