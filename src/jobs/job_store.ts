@@ -217,6 +217,8 @@ export interface JobReadRow {
   tokens: number | null;
   prompt_tokens: number | null;
   completion_tokens: number | null;
+  /** What its calls were charged in USD, of those with a price; null when none had one. */
+  cost_usd: number | null;
 }
 
 /**
@@ -229,7 +231,7 @@ export async function readJob(sql: Queryable, jobId: string, tenant: string): Pr
   const [row] = await sql<JobReadRow[]>`
     SELECT coalesce(o.tenant, s.tenant) AS tenant, coalesce(o.outcome, CASE WHEN s.job_id IS NOT NULL THEN 'done' END)
         AS outcome, o.error, s.summary, o.task, o.version, r.output, r.model, r.run_id IS NOT NULL AS has_result,
-      a.attempts, a.tokens, a.prompt_tokens, a.completion_tokens
+      a.attempts, a.tokens, a.prompt_tokens, a.completion_tokens, a.cost_usd
     FROM (SELECT ${jobId}::uuid AS job_id) j
     LEFT JOIN job_outcomes o USING (job_id) LEFT JOIN summaries s USING (job_id)
     LEFT JOIN run_results r ON r.run_id = j.job_id
@@ -237,7 +239,8 @@ export async function readJob(sql: Queryable, jobId: string, tenant: string): Pr
       SELECT count(*)::int AS attempts,
         (sum(coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)))::int AS tokens,
         (sum(coalesce(prompt_tokens, 0)))::int AS prompt_tokens,
-        (sum(coalesce(completion_tokens, 0)))::int AS completion_tokens
+        (sum(coalesce(completion_tokens, 0)))::int AS completion_tokens,
+        sum(cost_usd)::float8 AS cost_usd
       FROM model_attempts m WHERE m.job_id = j.job_id AND m.tenant = ${tenant}
     ) a`;
   return row!;
