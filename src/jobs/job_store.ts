@@ -412,34 +412,71 @@ export async function runOutputsOf(sql: Queryable, runIds: string[]): Promise<Ma
   return new Map(found.map((f) => [f.run_id, f.output]));
 }
 
-/** One line of the usage report by task: a tenant's calls to one model for one task version. */
-export interface TaskAttemptUsage extends AttemptUsage {
+/**
+ * One line of the usage report by task: a tenant's calls to one model for one task version, what they were
+ * charged, and the runs the result cache answered instead (with what the hits saved).
+ */
+export interface TaskAttemptUsage extends Omit<AttemptUsage, "p50_ms" | "p99_ms"> {
   task: string;
   version: number;
+  /** Null on a line of cache hits only. */
+  p50_ms: number | null;
+  p99_ms: number | null;
+  /** What the calls were charged (`cost_usd`), in nano-dollars; null when none of them had a price. */
+  cost_nanos: number | null;
+  /** Calls recorded without a price (their model had none), which `cost_nanos` leaves out. */
+  unpriced_calls: number;
+  /** Runs answered from the result cache (`cache_hits`), and the source runs' tokens and cost they saved. */
+  cache_hits: number;
+  saved_prompt_tokens: number;
+  saved_completion_tokens: number;
+  /** Null when no hit's source had a price. */
+  saved_nanos: number | null;
 }
 
 /**
- * Model attempts per tenant, task, task version and model since `sinceS`
- * seconds ago (of `tenant` only, if given). A summary job's attempts are
- * those of `summarize` version 1.
+ * Model attempts and cache hits per tenant, task, task version and model since `sinceS` seconds ago (of
+ * `tenant` only, if given). A summary job's attempts are those of `summarize` version 1. Costs are summed
+ * as exact decimals and returned in whole nano-dollars, so that sums of lines stay exact.
  */
 export async function taskAttemptUsage(
   sql: Queryable,
   { tenant, sinceS }: { tenant?: string; sinceS: number },
 ): Promise<TaskAttemptUsage[]> {
+  const own = () => tenant === undefined ? sql`` : sql`AND tenant = ${tenant}`;
   return await sql<TaskAttemptUsage[]>`
-    SELECT tenant, task, version, model, count(*)::int AS calls, count(DISTINCT job_id)::int AS jobs,
-      coalesce(sum(prompt_tokens), 0)::bigint::float8 AS prompt_tokens,
-      coalesce(sum(completion_tokens), 0)::bigint::float8 AS completion_tokens,
-      (count(*) FILTER (WHERE outcome <> 'ok'))::int AS failures,
-      (count(*) - count(DISTINCT job_id))::int AS retries,
-      round(percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p50_ms,
-      round(percentile_cont(0.99) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p99_ms
-    FROM model_attempts
-    WHERE started_at >= now() - ${sinceS} * interval '1 second'
-      ${tenant === undefined ? sql`` : sql`AND tenant = ${tenant}`}
-    GROUP BY tenant, task, version, model
-    ORDER BY tenant, task, version, model`;
+    WITH a AS (
+      SELECT tenant, task, version, model, count(*)::int AS calls, count(DISTINCT job_id)::int AS jobs,
+        coalesce(sum(prompt_tokens), 0)::bigint::float8 AS prompt_tokens,
+        coalesce(sum(completion_tokens), 0)::bigint::float8 AS completion_tokens,
+        (count(*) FILTER (WHERE outcome <> 'ok'))::int AS failures,
+        (count(*) - count(DISTINCT job_id))::int AS retries,
+        round(percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p50_ms,
+        round(percentile_cont(0.99) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p99_ms,
+        (sum(cost_usd) * 1000000000)::bigint::float8 AS cost_nanos,
+        (count(*) FILTER (WHERE cost_usd IS NULL))::int AS unpriced_calls
+      FROM model_attempts
+      WHERE started_at >= now() - ${sinceS} * interval '1 second' ${own()}
+      GROUP BY tenant, task, version, model
+    ), h AS (
+      SELECT tenant, task, version, model, count(*)::int AS cache_hits,
+        sum(saved_prompt_tokens)::bigint::float8 AS saved_prompt_tokens,
+        sum(saved_completion_tokens)::bigint::float8 AS saved_completion_tokens,
+        (sum(saved_usd) * 1000000000)::bigint::float8 AS saved_nanos
+      FROM cache_hits
+      WHERE created_at >= now() - ${sinceS} * interval '1 second' ${own()}
+      GROUP BY tenant, task, version, model
+    )
+    SELECT coalesce(a.tenant, h.tenant) AS tenant, coalesce(a.task, h.task) AS task,
+      coalesce(a.version, h.version) AS version, coalesce(a.model, h.model) AS model,
+      coalesce(a.calls, 0) AS calls, coalesce(a.jobs, 0) AS jobs,
+      coalesce(a.prompt_tokens, 0) AS prompt_tokens, coalesce(a.completion_tokens, 0) AS completion_tokens,
+      coalesce(a.failures, 0) AS failures, coalesce(a.retries, 0) AS retries, a.p50_ms, a.p99_ms,
+      a.cost_nanos, coalesce(a.unpriced_calls, 0) AS unpriced_calls,
+      coalesce(h.cache_hits, 0) AS cache_hits, coalesce(h.saved_prompt_tokens, 0) AS saved_prompt_tokens,
+      coalesce(h.saved_completion_tokens, 0) AS saved_completion_tokens, h.saved_nanos
+    FROM a FULL JOIN h ON a.tenant = h.tenant AND a.task = h.task AND a.version = h.version AND a.model = h.model
+    ORDER BY 1, 2, 3, 4`;
 }
 
 /** A decided run as the console shows it: how it ended, its task version, and its result. */
