@@ -20,6 +20,7 @@ import { startJobWaiter } from "../summaries/job_waiter.ts";
 import { buildFlow, providerLabel } from "./_model.ts";
 import { replicaAckOf } from "./_replica_ack.ts";
 import { problem } from "../http/problem.ts";
+import { type UsageApiDeps, usageRoutes } from "../usage/usage_api.ts";
 
 /** What the API process's handler needs: the summary API's, and the console and `/metrics`. */
 export interface ApiDeps extends SummaryApiDeps {
@@ -35,6 +36,8 @@ export interface ApiDeps extends SummaryApiDeps {
   /** Validates run inputs against input schemas (`SchemaValidators`); validators of this handler's own when unset. */
   validate?: RunApiDeps["validate"];
   validateNow?: RunApiDeps["validateNow"];
+  /** The tenant's budgets for `GET /v1/usage`; without it, the report's `budgets` is empty. */
+  budgets?: UsageApiDeps["budgets"];
 }
 
 /**
@@ -65,6 +68,7 @@ export function createApiHandler(deps: ApiDeps): (req: Request, client?: Client)
     .route(summaryRoutes(deps))
     .route(taskRoutes(runs))
     .route(runRoutes(runs))
+    .route(usageRoutes(deps))
     .route(healthRoutes(deps))
     .on("/openapi.json", { GET: () => json(200, openApi) })
     .on("/metrics", {
