@@ -100,6 +100,8 @@ export interface SummaryJob {
   attempts?: number;
   /** Prompt and completion tokens together. */
   tokens?: number;
+  /** What those calls were charged, when the model has a price. */
+  cost_usd?: number;
 }
 
 /** The `202` of `POST /v1/summaries`. */

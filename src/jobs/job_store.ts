@@ -47,6 +47,13 @@ export interface AttemptRow {
   error: string | null;
   task: string;
   version: number;
+  /**
+   * What the call was charged, in USD as an exact decimal (nano-dollars): the reported usage at the model's
+   * price, or the reservation of a call that may have run without reporting any; null when the model has no price.
+   */
+  cost_usd: string | null;
+  /** The deployment that served the call (the model's name until deployments exist). */
+  deployment: string;
 }
 
 /**
@@ -210,6 +217,8 @@ export interface JobReadRow {
   tokens: number | null;
   prompt_tokens: number | null;
   completion_tokens: number | null;
+  /** What its calls were charged in USD, of those with a price; null when none had one. */
+  cost_usd: number | null;
 }
 
 /**
@@ -222,7 +231,7 @@ export async function readJob(sql: Queryable, jobId: string, tenant: string): Pr
   const [row] = await sql<JobReadRow[]>`
     SELECT coalesce(o.tenant, s.tenant) AS tenant, coalesce(o.outcome, CASE WHEN s.job_id IS NOT NULL THEN 'done' END)
         AS outcome, o.error, s.summary, o.task, o.version, r.output, r.model, r.run_id IS NOT NULL AS has_result,
-      a.attempts, a.tokens, a.prompt_tokens, a.completion_tokens
+      a.attempts, a.tokens, a.prompt_tokens, a.completion_tokens, a.cost_usd
     FROM (SELECT ${jobId}::uuid AS job_id) j
     LEFT JOIN job_outcomes o USING (job_id) LEFT JOIN summaries s USING (job_id)
     LEFT JOIN run_results r ON r.run_id = j.job_id
@@ -230,7 +239,8 @@ export async function readJob(sql: Queryable, jobId: string, tenant: string): Pr
       SELECT count(*)::int AS attempts,
         (sum(coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)))::int AS tokens,
         (sum(coalesce(prompt_tokens, 0)))::int AS prompt_tokens,
-        (sum(coalesce(completion_tokens, 0)))::int AS completion_tokens
+        (sum(coalesce(completion_tokens, 0)))::int AS completion_tokens,
+        sum(cost_usd)::float8 AS cost_usd
       FROM model_attempts m WHERE m.job_id = j.job_id AND m.tenant = ${tenant}
     ) a`;
   return row!;
@@ -267,14 +277,15 @@ export async function insertAttempts(sql: Queryable, rows: AttemptRow[]): Promis
   const col = <K extends keyof AttemptRow>(k: K) => rows.map((r) => r[k]);
   await sql`
     INSERT INTO model_attempts (job_id, tenant, delivery, attempt, started_at, duration_ms, outcome, status,
-      prompt_tokens, completion_tokens, provider_request_id, model, error, task, version)
+      prompt_tokens, completion_tokens, provider_request_id, model, error, task, version, cost_usd, deployment)
     SELECT * FROM unnest(
       ${col("job_id")}::uuid[], ${col("tenant")}::text[], ${col("delivery")}::int[], ${col("attempt")}::int[],
       ${col("started_at").map((d) => d.toISOString())}::timestamptz[], ${col("duration_ms")}::float8[],
       ${col("outcome")}::text[], ${col("status") as (number | null)[]}::int[],
       ${col("prompt_tokens") as (number | null)[]}::int[], ${col("completion_tokens") as (number | null)[]}::int[],
       ${col("provider_request_id") as (string | null)[]}::text[], ${col("model")}::text[],
-      ${col("error") as (string | null)[]}::text[], ${col("task")}::text[], ${col("version")}::int[]
+      ${col("error") as (string | null)[]}::text[], ${col("task")}::text[], ${col("version")}::int[],
+      ${col("cost_usd") as (string | null)[]}::numeric[], ${col("deployment")}::text[]
     )`;
 }
 
@@ -282,7 +293,7 @@ export async function insertAttempts(sql: Queryable, rows: AttemptRow[]): Promis
 export async function attemptsOf(sql: Queryable, jobId: string): Promise<JobAttempt[]> {
   return await sql<JobAttempt[]>`
     SELECT delivery, attempt, started_at, duration_ms, outcome, status, prompt_tokens, completion_tokens,
-      provider_request_id, model, error
+      provider_request_id, model, error, task, version, cost_usd, deployment
     FROM model_attempts WHERE job_id = ${jobId} ORDER BY started_at`;
 }
 
@@ -401,34 +412,71 @@ export async function runOutputsOf(sql: Queryable, runIds: string[]): Promise<Ma
   return new Map(found.map((f) => [f.run_id, f.output]));
 }
 
-/** One line of the usage report by task: a tenant's calls to one model for one task version. */
-export interface TaskAttemptUsage extends AttemptUsage {
+/**
+ * One line of the usage report by task: a tenant's calls to one model for one task version, what they were
+ * charged, and the runs the result cache answered instead (with what the hits saved).
+ */
+export interface TaskAttemptUsage extends Omit<AttemptUsage, "p50_ms" | "p99_ms"> {
   task: string;
   version: number;
+  /** Null on a line of cache hits only. */
+  p50_ms: number | null;
+  p99_ms: number | null;
+  /** What the calls were charged (`cost_usd`), in nano-dollars; null when none of them had a price. */
+  cost_nanos: number | null;
+  /** Calls recorded without a price (their model had none), which `cost_nanos` leaves out. */
+  unpriced_calls: number;
+  /** Runs answered from the result cache (`cache_hits`), and the source runs' tokens and cost they saved. */
+  cache_hits: number;
+  saved_prompt_tokens: number;
+  saved_completion_tokens: number;
+  /** Null when no hit's source had a price. */
+  saved_nanos: number | null;
 }
 
 /**
- * Model attempts per tenant, task, task version and model since `sinceS`
- * seconds ago (of `tenant` only, if given). A summary job's attempts are
- * those of `summarize` version 1.
+ * Model attempts and cache hits per tenant, task, task version and model since `sinceS` seconds ago (of
+ * `tenant` only, if given). A summary job's attempts are those of `summarize` version 1. Costs are summed
+ * as exact decimals and returned in whole nano-dollars, so that sums of lines stay exact.
  */
 export async function taskAttemptUsage(
   sql: Queryable,
   { tenant, sinceS }: { tenant?: string; sinceS: number },
 ): Promise<TaskAttemptUsage[]> {
+  const own = () => tenant === undefined ? sql`` : sql`AND tenant = ${tenant}`;
   return await sql<TaskAttemptUsage[]>`
-    SELECT tenant, task, version, model, count(*)::int AS calls, count(DISTINCT job_id)::int AS jobs,
-      coalesce(sum(prompt_tokens), 0)::bigint::float8 AS prompt_tokens,
-      coalesce(sum(completion_tokens), 0)::bigint::float8 AS completion_tokens,
-      (count(*) FILTER (WHERE outcome <> 'ok'))::int AS failures,
-      (count(*) - count(DISTINCT job_id))::int AS retries,
-      round(percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p50_ms,
-      round(percentile_cont(0.99) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p99_ms
-    FROM model_attempts
-    WHERE started_at >= now() - ${sinceS} * interval '1 second'
-      ${tenant === undefined ? sql`` : sql`AND tenant = ${tenant}`}
-    GROUP BY tenant, task, version, model
-    ORDER BY tenant, task, version, model`;
+    WITH a AS (
+      SELECT tenant, task, version, model, count(*)::int AS calls, count(DISTINCT job_id)::int AS jobs,
+        coalesce(sum(prompt_tokens), 0)::bigint::float8 AS prompt_tokens,
+        coalesce(sum(completion_tokens), 0)::bigint::float8 AS completion_tokens,
+        (count(*) FILTER (WHERE outcome <> 'ok'))::int AS failures,
+        (count(*) - count(DISTINCT job_id))::int AS retries,
+        round(percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p50_ms,
+        round(percentile_cont(0.99) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p99_ms,
+        (sum(cost_usd) * 1000000000)::bigint::float8 AS cost_nanos,
+        (count(*) FILTER (WHERE cost_usd IS NULL))::int AS unpriced_calls
+      FROM model_attempts
+      WHERE started_at >= now() - ${sinceS} * interval '1 second' ${own()}
+      GROUP BY tenant, task, version, model
+    ), h AS (
+      SELECT tenant, task, version, model, count(*)::int AS cache_hits,
+        sum(saved_prompt_tokens)::bigint::float8 AS saved_prompt_tokens,
+        sum(saved_completion_tokens)::bigint::float8 AS saved_completion_tokens,
+        (sum(saved_usd) * 1000000000)::bigint::float8 AS saved_nanos
+      FROM cache_hits
+      WHERE created_at >= now() - ${sinceS} * interval '1 second' ${own()}
+      GROUP BY tenant, task, version, model
+    )
+    SELECT coalesce(a.tenant, h.tenant) AS tenant, coalesce(a.task, h.task) AS task,
+      coalesce(a.version, h.version) AS version, coalesce(a.model, h.model) AS model,
+      coalesce(a.calls, 0) AS calls, coalesce(a.jobs, 0) AS jobs,
+      coalesce(a.prompt_tokens, 0) AS prompt_tokens, coalesce(a.completion_tokens, 0) AS completion_tokens,
+      coalesce(a.failures, 0) AS failures, coalesce(a.retries, 0) AS retries, a.p50_ms, a.p99_ms,
+      a.cost_nanos, coalesce(a.unpriced_calls, 0) AS unpriced_calls,
+      coalesce(h.cache_hits, 0) AS cache_hits, coalesce(h.saved_prompt_tokens, 0) AS saved_prompt_tokens,
+      coalesce(h.saved_completion_tokens, 0) AS saved_completion_tokens, h.saved_nanos
+    FROM a FULL JOIN h ON a.tenant = h.tenant AND a.task = h.task AND a.version = h.version AND a.model = h.model
+    ORDER BY 1, 2, 3, 4`;
 }
 
 /** A decided run as the console shows it: how it ended, its task version, and its result. */

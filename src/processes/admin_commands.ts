@@ -51,8 +51,7 @@ export function runProvider({ config, clients, args, log }: RunContext<{ redis: 
 }
 
 /** `deno task usage [--tenant T] [--since 24h] [--json]`. */
-export function runUsage({ config, clients, args }: RunContext<{ sql: true }>): Promise<number> {
-  return usageCommand(clients.sql, args, {
-    prices: { inPerMTok: config.LLM_PRICE_IN_PER_MTOK, outPerMTok: config.LLM_PRICE_OUT_PER_MTOK },
-  });
+export function runUsage({ clients, args }: RunContext<{ sql: true }>): Promise<number> {
+  // Costs are read from the record (`cost_usd`, at each model's price when the call was recorded).
+  return usageCommand(clients.sql, args);
 }

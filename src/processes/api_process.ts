@@ -23,6 +23,7 @@ import { startJobWaiter } from "../summaries/job_waiter.ts";
 import { buildFlow, providerLabel } from "./_model.ts";
 import { replicaAckOf } from "./_replica_ack.ts";
 import { problem } from "../http/problem.ts";
+import { usageRoutes } from "../usage/usage_api.ts";
 
 /** What the API process's handler needs: the summary API's, and the console and `/metrics`. */
 export interface ApiDeps extends SummaryApiDeps {
@@ -68,6 +69,7 @@ export function createApiHandler(deps: ApiDeps): (req: Request, client?: Client)
     .route(summaryRoutes(deps))
     .route(taskRoutes(runs))
     .route(runRoutes(runs))
+    .route(usageRoutes(deps))
     .route(healthRoutes(deps))
     .on("/openapi.json", { GET: () => json(200, openApi) })
     .on("/metrics", {

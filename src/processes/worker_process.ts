@@ -4,13 +4,13 @@ import { attemptObserver, flowEvents, providerGauges, queueGauges, workerEvents 
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createSummaryWorker } from "../summaries/worker.ts";
 import { createTaskCache } from "../tasks/task_cache.ts";
+import { createPrices } from "../provider/prices.ts";
 import { createSchemaValidators } from "../tasks/validator.ts";
 import { buildFlow, buildLlm, providerLabel } from "./_model.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
 import type { ComponentDeps } from "./_deps.ts";
 import { createBudgets, warnUnpricedModels } from "../budgets/budgets.ts";
 import { budgetEvents } from "../budgets/budget_metrics.ts";
-import { createPrices } from "../provider/prices.ts";
 
 /** Runs a summary worker until `signal` aborts, then drains it within the grace period. */
 export async function startWorker(
@@ -37,6 +37,7 @@ export async function startWorker(
     tasks: createTaskCache(sql),
     validate: validators.validate,
     budgets,
+    prices,
   }, {
     keys,
     events: workerEvents(metrics),

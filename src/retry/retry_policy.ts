@@ -30,6 +30,11 @@ export interface AttemptDetails {
   request_id?: string;
   model?: string;
   error_class?: string;
+  /**
+   * What the call is charged on: the usage the provider `reported`, the `reserved` worst case of a call that
+   * may have run without reporting any (a timeout after it was sent), or `none` (refused, never sent).
+   */
+  charge?: "reported" | "reserved" | "none";
 }
 
 /**

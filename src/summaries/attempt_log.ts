@@ -8,7 +8,9 @@
 import type { Sql } from "postgres";
 import { type AttemptRow, failedAttemptsOf, insertAttempts } from "../jobs/job_store.ts";
 import type { Logger } from "../log/logger.ts";
-import type { AttemptReport } from "../retry/retry_policy.ts";
+import type { AttemptDetails, AttemptReport } from "../retry/retry_policy.ts";
+import { type CallTokens, chargeNanos } from "../budgets/charge.ts";
+import type { ModelPrice } from "../provider/prices.ts";
 
 /** Buffers attempts and writes them in batches. */
 export interface AttemptLog {
@@ -22,7 +24,16 @@ export interface AttemptLog {
 /** The row for a report of `callWithRetries`; null for an attempt that never started (a spent budget). */
 export function attemptRow(
   report: AttemptReport,
-  job: { job_id: string; tenant: string; delivery: number; model: string; task: string; version: number },
+  job: {
+    job_id: string;
+    tenant: string;
+    delivery: number;
+    model: string;
+    task: string;
+    version: number;
+    deployment: string;
+    cost_usd: string | null;
+  },
 ): AttemptRow | null {
   if (report.started_at_ms === undefined) return null;
   const d = report.details ?? {};
@@ -40,6 +51,32 @@ export function attemptRow(
     model: job.model,
     error: report.outcome === "ok" ? null : (d.error_class ?? report.reason ?? "unknown"),
   };
+}
+
+/**
+ * What an attempt is charged, in USD as an exact decimal string, at `price` (null without one): its
+ * {@linkcode AttemptDetails.charge} basis (`chargeOf`'s rule) read as the reported usage, the reservation, or
+ * nothing. A call that may have run without reporting usage costs its reservation, never zero.
+ */
+export function attemptCost(
+  details: AttemptDetails | undefined,
+  reserved: CallTokens,
+  price: ModelPrice | undefined,
+): string | null {
+  if (price === undefined) return null;
+  const basis = details?.charge ?? "none";
+  const tokens = basis === "reported"
+    ? { prompt: details?.prompt_tokens ?? 0, completion: details?.completion_tokens ?? 0 }
+    : basis === "reserved"
+    ? reserved
+    : { prompt: 0, completion: 0 };
+  return decimalUsd(chargeNanos(tokens, price)!);
+}
+
+/** Whole nano-dollars as an exact decimal of USD (`1234` is "0.000001234"), for a `numeric` column. */
+function decimalUsd(nanos: number): string {
+  const digits = String(nanos).padStart(10, "0");
+  return `${digits.slice(0, -9)}.${digits.slice(-9)}`;
 }
 
 /** Starts a log that flushes every `everyMs` or at `maxBatch` rows, whichever comes first. */

@@ -33,7 +33,8 @@ export async function jobDocument(
     readJob(sql, jobId, tenant),
     readJobRecord(redis, keys, jobId, tenant),
   ]);
-  const usage = decided.attempts > 0 ? { attempts: decided.attempts, tokens: decided.tokens ?? 0 } : {};
+  const cost = decided.cost_usd === null ? {} : { cost_usd: decided.cost_usd };
+  const usage = decided.attempts > 0 ? { attempts: decided.attempts, tokens: decided.tokens ?? 0, ...cost } : {};
   const tokens = { prompt: decided.prompt_tokens ?? 0, completion: decided.completion_tokens ?? 0 };
   // Another tenant's job is indistinguishable from an unknown one.
   if (decided.outcome) {

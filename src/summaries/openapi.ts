@@ -10,6 +10,8 @@ import {
 import { MAX_WAIT_S } from "./job_waiter.ts";
 import { TaskDefinition, TaskDocument } from "../tasks/definition.ts";
 import { RunAccepted, RunDocument, RunRequest } from "../tasks/run_schemas.ts";
+import { UsageDocument } from "../usage/usage_schemas.ts";
+import { DEFAULT_SINCE, MAX_SINCE_S } from "../usage/since.ts";
 
 /** An RFC 9457 problem document. */
 export const Problem = z.object({
@@ -36,6 +38,7 @@ export const ROUTES = [
   { method: "post", path: "/v1/tasks/{name}/runs" },
   { method: "get", path: "/v1/runs/{run_id}" },
   { method: "delete", path: "/v1/runs/{run_id}" },
+  { method: "get", path: "/v1/usage" },
   { method: "get", path: "/healthz" },
   { method: "get", path: "/readyz" },
   { method: "get", path: "/metrics" },
@@ -368,6 +371,31 @@ function taskPaths() {
   };
 }
 
+/** The usage report's path. */
+function usagePaths() {
+  return {
+    "/v1/usage": {
+      get: {
+        operationId: "getUsage",
+        summary: "Your own model calls, tokens, cost, cache hits and budgets, in total, by task version and by model",
+        parameters: [{
+          name: "since",
+          in: "query",
+          required: false,
+          schema: { type: "string", pattern: "^[0-9]{1,9}[smhd]$", default: DEFAULT_SINCE, examples: ["7d"] },
+          description: `How far back: a number and a unit (s, m, h, d), 1s to ${MAX_SINCE_S / 86_400}d`,
+        }],
+        responses: {
+          ...ALWAYS,
+          "200": { description: "The report", content: json("Usage") },
+          "400": problem("since is not a number and a unit within bounds, or the query has another parameter"),
+          "401": problem("Missing or bad credentials"),
+        },
+      },
+    },
+  };
+}
+
 /** The service's own paths: health, readiness, metrics and this document. */
 function servicePaths() {
   return {
@@ -454,11 +482,12 @@ export function openApiDocument(): Record<string, unknown> {
         SummaryAccepted: schema(SummaryAccepted),
         SummaryStatus: schema(SummaryStatus),
         SummaryWebhook: schema(SummaryWebhook),
+        Usage: schema(UsageDocument),
         Problem: schema(Problem),
       },
     },
     security: [{ apiKey: [] }],
     webhooks: summaryWebhooks(),
-    paths: { ...summaryPaths(), ...taskPaths(), ...servicePaths() },
+    paths: { ...summaryPaths(), ...taskPaths(), ...usagePaths(), ...servicePaths() },
   };
 }

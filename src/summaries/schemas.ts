@@ -48,6 +48,9 @@ export const SummaryStatus = z.object({
   error: z.string().optional(),
   attempts: z.number().int().optional().describe("Model calls made for this job so far (recorded within a second)"),
   tokens: z.number().int().optional().describe("Prompt and completion tokens of those calls, as the provider counted"),
+  cost_usd: z.number().optional().describe(
+    "What those calls were charged at the model's price (LLM_PRICES), when it has one",
+  ),
 });
 export type SummaryStatus = z.infer<typeof SummaryStatus>;
 

@@ -12,7 +12,9 @@ import { DeadlineExceeded, GateUnavailable } from "../retry/errors.ts";
 import type { Permit, ProviderFlow } from "../provider/flow_control.ts";
 import { type AttemptDetails, type AttemptReport, callWithRetries } from "../retry/retry_policy.ts";
 import type { Completion } from "../llm/llm.ts";
-import { type AttemptLog, attemptRow } from "./attempt_log.ts";
+import { attemptCost, type AttemptLog, attemptRow } from "./attempt_log.ts";
+import { type CallTokens, chargeOf } from "../budgets/charge.ts";
+import type { Prices } from "../provider/prices.ts";
 import type { Outcome } from "../jobs/job_store.ts";
 import { type Committed, createDecidedCheck, type GroupCommitter } from "./commit.ts";
 import { contextFrom, currentTraceparent, inSpan, recordSpan } from "../tracing.ts";
@@ -37,20 +39,28 @@ export interface SummaryJobOptions {
   model?: string;
 }
 
-/** An attempt's tokens, request id and model from the completion, or its error's class and request id. */
+const NO_TOKENS: CallTokens = { prompt: 0, completion: 0 };
+
+/**
+ * An attempt's tokens, request id and model from the completion, or its error's class and request id; and what
+ * it is charged on (`chargeOf`'s rule, read while the error is at hand).
+ */
 function describeAttempt({ value, error }: { value?: Completion; error?: unknown }): AttemptDetails {
+  const charge = chargeOf({ value, error }, NO_TOKENS).basis;
   if (value) {
     return {
       prompt_tokens: value.usage?.prompt_tokens,
       completion_tokens: value.usage?.completion_tokens,
       request_id: value.requestId,
       model: value.model,
+      charge,
     };
   }
   const headers = (error as { headers?: unknown })?.headers;
   return {
     error_class: error instanceof Error ? error.name : "Error",
     request_id: headers instanceof Headers ? headers.get("x-request-id") ?? undefined : undefined,
+    charge,
   };
 }
 
@@ -138,6 +148,8 @@ export interface SummaryJobDeps {
   budgets?: Budgets;
   /** A run's budget is spent: told before the run is deferred, so its tenant's lane is not read meanwhile. */
   budgetExhausted?: (error: BudgetExhausted) => void;
+  /** Model prices (LLM_PRICES): each attempt's `cost_usd`; without them, or for a model without one, NULL. */
+  prices?: Prices;
 }
 
 /** Handles one delivery of a summary job. */
@@ -436,7 +448,7 @@ async function callModel(
         });
         if (now) throw new JobDecided(job_id, now);
       },
-      onAttempt: (report) => recordAttempt(job, delivery, report, call.model),
+      onAttempt: (report) => recordAttempt(job, delivery, report, call, estimated),
     });
     return completion.text;
   } catch (error) {
@@ -470,8 +482,18 @@ function endedBy({ job_id, message, log }: Delivery, outcome: Outcome, stage: st
   return outcome === "done" ? "duplicate" : outcome;
 }
 
-/** One attempt's span, log line and `model_attempts` row. */
-function recordAttempt(job: Job, delivery: Delivery, report: AttemptReport, model: string): void {
+/**
+ * What a call reserves against budgets, and is charged when it may have run without reporting usage: the
+ * estimated prompt tokens (`estimated` less the output cap) and the whole output cap as completion.
+ */
+function reservationOf(call: ModelCall, estimated: number): CallTokens {
+  const completion = call.options.maxOutputTokens ?? 0;
+  return { prompt: Math.max(0, estimated - completion), completion };
+}
+
+/** One attempt's span, log line and `model_attempts` row (with its cost, see {@linkcode attemptCost}). */
+function recordAttempt(job: Job, delivery: Delivery, report: AttemptReport, call: ModelCall, estimated: number): void {
+  const { model } = call;
   const { job_id, tenant, message, log, run } = delivery;
   if (report.started_at_ms !== undefined) {
     recordSpan("model.attempt", {
@@ -502,6 +524,10 @@ function recordAttempt(job: Job, delivery: Delivery, report: AttemptReport, mode
     model,
     task: run.task,
     version: run.version,
+    deployment: model,
+    cost_usd: report.started_at_ms === undefined
+      ? null
+      : attemptCost(report.details, worstCaseOf(call), job.prices?.of(model)),
   });
   if (row) job.attempts?.record(row);
 }

@@ -34,6 +34,10 @@ export const RunDocument = z.object({
   model: z.string().optional().describe("The model asked (a done run of a task)"),
   attempts: z.number().int().describe("Model calls made for this run so far (recorded within a second)"),
   tokens: z.object({ prompt: z.number().int(), completion: z.number().int() }),
+  cost_usd: z.number().optional().describe(
+    "What its calls were charged at the model's price (LLM_PRICES): the reported usage, or the reservation of a " +
+      "call that timed out after it was sent; absent when the model has no price",
+  ),
   waiting_for: z.enum(["budget", "provider", "batch"]).optional().describe(
     "Why a queued run is not running: its tenant's budget is spent (it goes on when the period ends or the " +
       "budget is raised)",

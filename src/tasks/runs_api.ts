@@ -52,6 +52,7 @@ function runDocument({ document, tokens, run }: Pick<JobFound, "document" | "tok
     ...(run.model === undefined ? {} : { model: run.model }),
     attempts: document.attempts ?? 0,
     tokens,
+    ...(document.cost_usd === undefined ? {} : { cost_usd: document.cost_usd }),
   };
 }
 

@@ -150,6 +150,30 @@ Deno.test("budgets: a tenant is stopped at its budget with 0 overshoot, waits, a
       assert.equal(await r.redis.xlen(keys.lane("acme").stream), 64 - done);
     });
 
+    await t.step(
+      "GET /v1/usage shows the budget with the provider's count as spent, and this tenant's tokens",
+      async () => {
+        const usage = await call("acme", "GET", "/v1/usage?since=1h");
+        assert.equal(usage.status, 200);
+        assert.equal(usage.body.budgets.length, 1);
+        const [view] = usage.body.budgets;
+        assert.deepEqual([view.period, view.unit, view.limit, view.spent, view.reserved], [
+          "day",
+          "tokens",
+          budget,
+          reported.get("acme"),
+          0,
+        ]);
+        // Attempts are recorded in batches, within a second.
+        await waitFor("the attempts' record to hold every call", async () => {
+          const { tokens } = (await call("acme", "GET", "/v1/usage?since=1h")).body.totals;
+          return tokens.prompt + tokens.completion === reported.get("acme");
+        });
+        // Another tenant sees its own (none), never acme's.
+        assert.deepEqual((await call("other", "GET", "/v1/usage")).body.budgets, []);
+      },
+    );
+
     await t.step("a new POST is refused with 429, Retry-After and the budget; a replay is still answered", async () => {
       const refused = await post("acme", 1000);
       assert.equal(refused.status, 429);

@@ -120,6 +120,8 @@ Deno.test("retention", async (t) => {
         error: null,
         task: "summarize",
         version: 1,
+        cost_usd: null,
+        deployment: "extractive",
       });
       const old = new Date(Date.now() - 31 * DAY_MS);
       await insertAttempts(sql, [attempt(old), attempt(old), attempt(old), attempt(new Date())]);

@@ -13,6 +13,7 @@ import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import type { Mailer } from "../../src/mail/mailer.ts";
 import { createRelay, type Deferral, type Relay, type RelayOptions } from "../../src/outbox/relay.ts";
 import type { ProviderFlow } from "../../src/provider/flow_control.ts";
+import type { Prices } from "../../src/provider/prices.ts";
 import type { StreamWorker } from "../../src/queue/stream_worker.ts";
 import { type ApiDeps, createApiHandler } from "../../src/processes/api_process.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";
@@ -75,13 +76,15 @@ export const GATEWAY_SECRET_FOR_TESTS = "test-gateway-secret-0123456789";
 
 /** A summary worker with short timings: redelivery after a minute, small budgets, fast backoff. */
 export function summaryWorker(
-  { redis, sql, llm, keys, flow, budgets, log = silentLogger }: {
+  { redis, sql, llm, keys, flow, budgets, prices, log = silentLogger }: {
     redis: RedisClient;
     sql: Sql;
     llm: LLM;
     keys: ServiceKeys | JobKeys;
     flow?: ProviderFlow;
     budgets?: Budgets;
+    /** Model prices: each attempt's `cost_usd` (NULL without). */
+    prices?: Prices;
     log?: Logger;
   },
   overrides: Partial<SummaryWorkerOptions> = {},
@@ -93,6 +96,7 @@ export function summaryWorker(
     log,
     flow,
     budgets,
+    prices,
     tasks: createTaskCache(sql),
     validate: createSchemaValidators().validate,
   }, {

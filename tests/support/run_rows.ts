@@ -22,17 +22,46 @@ export interface AttemptRowSpec {
   delivery?: number;
   attempt?: number;
   error?: string | null;
+  /** What the call was charged, an exact decimal of USD (NULL when unset: no price). */
+  costUsd?: string | null;
 }
 
 /** Inserts one `model_attempts` row. */
 export async function recordAttempt(sql: Sql, a: AttemptRowSpec): Promise<void> {
   await sql`
     INSERT INTO model_attempts (job_id, tenant, task, version, delivery, attempt, started_at, duration_ms, outcome,
-      status, prompt_tokens, completion_tokens, provider_request_id, model, error)
+      status, prompt_tokens, completion_tokens, provider_request_id, model, error, cost_usd, deployment)
     VALUES (${a.runId}, ${a.tenant}, ${a.task ?? "summarize"}, ${a.version ?? 1}, ${a.delivery ?? 1},
       ${a.attempt ?? 1}, ${a.startedAt ?? new Date()}, ${a.durationMs ?? 100}, ${a.outcome ?? "ok"},
       ${a.status === undefined ? 200 : a.status}, ${a.promptTokens ?? null}, ${a.completionTokens ?? null},
-      ${`req_${crypto.randomUUID()}`}, ${a.model ?? "gpt-test"}, ${a.error ?? null})`;
+      ${`req_${crypto.randomUUID()}`}, ${a.model ?? "gpt-test"}, ${a.error ?? null}, ${a.costUsd ?? null}::numeric,
+      ${a.model ?? "gpt-test"})`;
+}
+
+/** A run answered from the result cache: its `cache_hits` row, with what it saved. */
+export interface CacheHitSpec {
+  runId: string;
+  tenant: string;
+  task?: string;
+  version?: number;
+  model?: string | null;
+  sourceRunId?: string;
+  savedPromptTokens?: number;
+  savedCompletionTokens?: number;
+  /** An exact decimal of USD; NULL when unset (the source had no price). */
+  savedUsd?: string | null;
+  createdAt?: Date;
+}
+
+/** Inserts one `cache_hits` row. */
+export async function recordCacheHit(sql: Sql, h: CacheHitSpec): Promise<void> {
+  await sql`
+    INSERT INTO cache_hits (run_id, tenant, task, version, model, source_run_id, saved_prompt_tokens,
+      saved_completion_tokens, saved_usd, created_at)
+    VALUES (${h.runId}, ${h.tenant}, ${h.task ?? "summarize"}, ${h.version ?? 1},
+      ${h.model === undefined ? "gpt-test" : h.model}, ${h.sourceRunId ?? crypto.randomUUID()},
+      ${h.savedPromptTokens ?? 0}, ${h.savedCompletionTokens ?? 0}, ${h.savedUsd ?? null}::numeric,
+      ${h.createdAt ?? new Date()})`;
 }
 
 /** A finished run: its outcome, and for a done task run its input and output. */
