@@ -171,6 +171,11 @@ function summaryPaths() {
             "Body failed validation, the key was used with another body, or the webhook URL was refused " +
               "(not https, a private address, credentials) or the tenant has no signing secret",
           ),
+          "429": problem(
+            "The tenant's budget is spent (title `Budget exhausted`, with `budget: {period, unit, limit, spent}`); " +
+              "nothing was stored; Retry-After is the seconds until the budget's period ends",
+            { "Retry-After": { schema: { type: "integer" } } },
+          ),
           "503": problem("The queue, or the tenant's part of it, is over its cap", {
             "Retry-After": { schema: { type: "string" } },
           }),
@@ -320,6 +325,11 @@ function taskPaths() {
             "The body failed validation, or the input does not match the version's input schema: errors[].pointer " +
               "names the first failing place (/input/...); priority and expires_in are not available yet and are " +
               "refused; the key was used with another body",
+          ),
+          "429": problem(
+            "The tenant's budget is spent (title `Budget exhausted`, with `budget: {period, unit, limit, spent}`); " +
+              "nothing was stored; Retry-After is the seconds until the budget's period ends",
+            { "Retry-After": { schema: { type: "integer" } } },
           ),
           "503": problem("The queue is full; nothing was stored", { "Retry-After": { schema: { type: "integer" } } }),
         },
