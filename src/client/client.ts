@@ -26,6 +26,7 @@ import type {
   SummaryJob,
   Task,
   TaskDefinition,
+  Usage,
 } from "./documents.ts";
 import { FINISHED_RUN_STATUSES } from "./documents.ts";
 import { OncelyError } from "./errors.ts";
@@ -33,6 +34,7 @@ import type { RetryPolicy } from "./_retry.ts";
 import { abortableSleep, backoffMs, retryAfterMs, retryDelayMs } from "./_retry.ts";
 
 export type {
+  BudgetView,
   JsonSchema,
   Notify,
   Problem,
@@ -46,6 +48,8 @@ export type {
   SummaryReadyEvent,
   Task,
   TaskDefinition,
+  Usage,
+  UsageFigures,
   WebhookEvent,
 } from "./documents.ts";
 export { FINISHED_RUN_STATUSES } from "./documents.ts";
@@ -192,6 +196,8 @@ export interface OncelyClient {
    * @throws {OncelyError} 422 for a body that fails validation, 503 when the queue stays full.
    */
   summarize(options: SummarizeOptions): Promise<SubmittedSummary>;
+  /** The tenant's own calls, tokens, cost, cache hits and budgets over the last `since` (default `24h`). */
+  usage(options?: CallOptions & { since?: string }): Promise<Usage>;
 }
 
 interface Answer<T> {
@@ -296,6 +302,11 @@ export function createClient(options: ClientOptions): OncelyClient {
     async getTask(name, version, options = {}) {
       const path = `/v1/tasks/${encodeURIComponent(name)}` + (version === undefined ? "" : `/versions/${version}`);
       return (await send<Task>("GET", path, { signal: options.signal })).body;
+    },
+
+    async usage(options = {}) {
+      const query = options.since === undefined ? "" : `?since=${encodeURIComponent(options.since)}`;
+      return (await send<Usage>("GET", `/v1/usage${query}`, { signal: options.signal })).body;
     },
 
     async listTasks(options = {}) {

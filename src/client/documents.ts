@@ -131,3 +131,37 @@ export interface RunEvent<Output = unknown> {
 
 /** Any webhook Oncely sends. */
 export type WebhookEvent = SummaryReadyEvent | RunEvent;
+
+/** Calls, tokens, cost and cache hits of some of a tenant's runs (`GET /v1/usage`). */
+export interface UsageFigures {
+  calls: number;
+  failures: number;
+  tokens: { prompt: number; completion: number };
+  /** Null when none of the calls had a price. */
+  cost_usd: number | null;
+  unpriced_calls: number;
+  cache_hits: number;
+  /** What the cache hits would have cost. */
+  saved: { tokens: { prompt: number; completion: number }; cost_usd: number | null };
+}
+
+/** One of the tenant's budgets, with what is spent and held by calls in flight. */
+export interface BudgetView {
+  period: "day" | "month";
+  unit: "usd" | "tokens";
+  limit: number;
+  spent: number;
+  reserved: number;
+  /** When the period ends (ISO 8601, UTC). */
+  resets_at: string;
+}
+
+/** `GET /v1/usage`: the calling tenant's own figures. */
+export interface Usage {
+  since: string;
+  from: string;
+  totals: UsageFigures;
+  by_task: (UsageFigures & { task: string; version: number })[];
+  by_model: (UsageFigures & { model: string })[];
+  budgets: BudgetView[];
+}

@@ -417,6 +417,16 @@ Deno.test({
       assert.ok(refused instanceof OncelyError);
       assert.equal(refused.status, 422);
       assert.ok(refused.problem.errors?.[0]?.pointer !== undefined, JSON.stringify(refused.problem));
+
+      // usage(): the tenant's own calls, by task; the two runs' calls are there (recorded within a second).
+      let usage = await oncely.usage({ since: "1h" });
+      for (let i = 0; i < 50 && (usage.by_task.find((t) => t.task === "ticket")?.calls ?? 0) < 2; i++) {
+        await new Promise((resolve) => setTimeout(resolve, 100));
+        usage = await oncely.usage({ since: "1h" });
+      }
+      assert.equal(usage.since, "1h");
+      assert.equal(usage.by_task.find((t) => t.task === "ticket")?.calls, 2);
+      assert.deepEqual(usage.budgets, []);
     } finally {
       await worker.stop();
       await api.close();
