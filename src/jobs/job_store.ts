@@ -254,14 +254,6 @@ export interface DecidedJob {
   summary: string | null;
 }
 
-/** The job's outcome and summary: one row if it is decided, none otherwise. */
-export async function decidedJob(sql: Queryable, jobId: string): Promise<DecidedJob | undefined> {
-  const [decided] = await sql<DecidedJob[]>`
-    SELECT o.tenant, o.outcome, o.decided_at, s.summary
-    FROM job_outcomes o LEFT JOIN summaries s USING (job_id) WHERE o.job_id = ${jobId}`;
-  return decided;
-}
-
 /** A model attempt of a known job, as the console's job page lists it. */
 export type JobAttempt = Omit<AttemptRow, "job_id" | "tenant">;
 
@@ -335,26 +327,6 @@ export interface AttemptUsage {
   retries: number;
   p50_ms: number;
   p99_ms: number;
-}
-
-/** Model attempts per tenant and model since `sinceS` seconds ago (of `tenant` only, if given). */
-export async function attemptUsage(
-  sql: Queryable,
-  { tenant, sinceS }: { tenant?: string; sinceS: number },
-): Promise<AttemptUsage[]> {
-  return await sql<AttemptUsage[]>`
-    SELECT tenant, model, count(*)::int AS calls, count(DISTINCT job_id)::int AS jobs,
-      coalesce(sum(prompt_tokens), 0)::bigint::float8 AS prompt_tokens,
-      coalesce(sum(completion_tokens), 0)::bigint::float8 AS completion_tokens,
-      (count(*) FILTER (WHERE outcome <> 'ok'))::int AS failures,
-      (count(*) - count(DISTINCT job_id))::int AS retries,
-      round(percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p50_ms,
-      round(percentile_cont(0.99) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p99_ms
-    FROM model_attempts
-    WHERE started_at >= now() - ${sinceS} * interval '1 second'
-      ${tenant === undefined ? sql`` : sql`AND tenant = ${tenant}`}
-    GROUP BY tenant, model
-    ORDER BY tenant, model`;
 }
 
 /**
