@@ -42,6 +42,8 @@ export type ReplayReport =
     unreplicated: number;
     /** Chosen dead letters not tried: the replay stopped at the first one the replicas did not acknowledge. */
     untried: number;
+    /** Replayed ones whose lane announce failed: the workers find them at the lane sweep (within 30 s). */
+    unannounced: number;
   };
 
 /**
@@ -73,6 +75,13 @@ export async function replayDeadLetters(
     steps.push(step);
     onStep?.(step);
   };
+  // The replay is done once its script ran: an announce that fails (a node failing over) only delays the workers
+  // until the lane sweep finds the lane, so it must not turn a replay that happened into an error.
+  let unannounced = 0;
+  const wake = async (tenant: string | null) => {
+    if (tenant === null || !("lane" in keys)) return;
+    await announceLane(redis, keys.registry, tenant).catch(() => unannounced++);
+  };
   let untried = 0;
   for (const [i, d] of chosen.entries()) {
     const jobId = d.fields.job_id;
@@ -98,7 +107,7 @@ export async function replayDeadLetters(
     } catch (error) {
       if (error instanceof ReplayNotReplicated) {
         // In the lane's stream on the primary all the same: wake the workers, and say what is not yet safe.
-        if (d.lane.tenant !== null && "lane" in keys) await announceLane(redis, keys.registry, d.lane.tenant);
+        await wake(d.lane.tenant);
         record({
           replayed: true,
           id: d.id,
@@ -136,12 +145,12 @@ export async function replayDeadLetters(
       continue;
     }
     // Back in its lane's stream: tell the workers, as an enqueue does.
-    if (d.lane.tenant !== null && "lane" in keys) await announceLane(redis, keys.registry, d.lane.tenant);
+    await wake(d.lane.tenant);
     record({ replayed: true, id: d.id, newId, jobId, tenant: d.fields.tenant });
   }
   const replayed = steps.filter((s) => s.replayed).length;
   const unreplicated = steps.filter((s) => s.replayed && s.unreplicated).length;
-  return { kind: "done", steps, replayed, refused: steps.length - replayed, unreplicated, untried };
+  return { kind: "done", steps, replayed, refused: steps.length - replayed, unreplicated, untried, unannounced };
 }
 
 /** The one line that sums up a replay, as `dlq replay` ends with and the console shows. */
@@ -159,6 +168,9 @@ export function replaySummary(report: ReplayReport, target: ReplayTarget): strin
     (report.unreplicated ? ` ${report.unreplicated} not yet acknowledged by enough Redis replicas (see above).` : "") +
     (report.untried
       ? ` Stopped there: ${report.untried} not tried; replay again once the replicas have caught up.`
+      : "") +
+    (report.unannounced
+      ? ` ${report.unannounced} could not be announced to the workers (Redis refused); they find them within 30 s.`
       : "");
 }
 
