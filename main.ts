@@ -118,7 +118,7 @@ async function launch(command: Command, args: string[], config: Config): Promise
  */
 export async function launchFlags(command: Command, config: Config): Promise<string[]> {
   const net = COMMAND_TABLE[command].net;
-  let derived = net.redis || deniesRedis(net) ? await withRedisNodes(config) : config;
+  let derived = net.redis || deniesRedis(net) ? await withRedisNodes(config, { required: deniesRedis(net) }) : config;
   if (deniesRedis(net)) derived = await withResolvedRedis(derived);
   return permissionFlags(command, derived, MIGRATIONS);
 }
@@ -153,9 +153,19 @@ async function probe(flags: string[], args: string[], env: Record<string, string
  * permission set. A standalone server, or one that does not answer, adds
  * nothing.
  */
-async function withRedisNodes(config: Config): Promise<Config> {
+async function withRedisNodes(config: Config, { required = false } = {}): Promise<Config> {
   const out = await probe(redisProbeFlags(config), ["redis-nodes"], { REDIS_URL: config.REDIS_URL });
-  return withRedisHosts(config, (out ?? "").split("\n").map((line) => line.trim()).filter(Boolean));
+  const nodes = (out ?? "").split("\n").map((line) => line.trim()).filter(Boolean);
+  if (required && nodes.length === 0 && isSentinelUrl(config.REDIS_URL)) {
+    // The relay's set denies Redis by address: behind Sentinel only the sentinels can say where the nodes are.
+    // Without their answer it would deny the sentinels alone, and a webhook could reach the Redis nodes.
+    throw new ConfigError(
+      "REDIS_URL",
+      "Cannot start: no sentinel in REDIS_URL named the Redis master and replicas within " +
+        `${PROBE_TIMEOUT_MS / 1000} s, and the relay must deny them by address; start it once a sentinel answers`,
+    );
+  }
+  return withRedisHosts(config, nodes);
 }
 
 /**
@@ -246,7 +256,15 @@ async function main(argv: string[]): Promise<number> {
     }
     throw error;
   }
-  if (launching) return await launch(command as Command, args, config);
+  if (launching) {
+    try {
+      return await launch(command as Command, args, config);
+    } catch (error) {
+      if (!(error instanceof ConfigError)) throw error;
+      console.error(error.message);
+      return 2;
+    }
+  }
   const log = createLogger({ level: config.LOG_LEVEL }).child({ process: command });
   const { runCommand } = await import("./src/processes/host.ts");
   return await runCommand(command as Command, { config, args, shutdown: () => shutdownSignal(log) });

@@ -92,3 +92,18 @@ Deno.test("the launcher spawns Deno.execPath(), and its permission set allows no
     await db.close();
   }
 });
+
+Deno.test("behind Sentinel, the relay is not launched when no sentinel names the Redis nodes it must deny", async () => {
+  const { launchFlags } = await import("../main.ts");
+  const { parseConfig, ConfigError } = await import("../src/config.ts");
+  // Nothing listens on port 1: the probe finds no master and no replica.
+  const config = parseConfig({ REDIS_URL: "redis+sentinel://127.0.0.1:1/mymaster" });
+  await assert.rejects(launchFlags("relay", config), (error: unknown) => {
+    assert.ok(error instanceof ConfigError);
+    assert.match(error.message, /^Cannot start: no sentinel in REDIS_URL named the Redis master/);
+    return true;
+  });
+  // A process that only uses Redis still starts: its client finds the nodes itself once a sentinel answers.
+  const flags = await launchFlags("worker", config);
+  assert.ok(flags.some((f) => f.startsWith("--allow-net=") && f.includes("127.0.0.1:1")));
+});
