@@ -7,6 +7,12 @@ export interface StreamMessage {
   deliveries: number;
 }
 
+/** When a stream entry was added (its id's milliseconds): when the job was accepted. Undefined for a malformed id. */
+export function entryTimeMs(id: string): number | undefined {
+  const ms = Number(id.split("-")[0]);
+  return id !== "" && Number.isFinite(ms) ? ms : undefined;
+}
+
 /**
  * Turns Redis's flat `[k, v, k, v]` reply (a stream entry's fields, or an
  * `XINFO` record, whose values may be numbers) into an object.
