@@ -67,19 +67,35 @@ export async function refusalsPerMinute(
   return minutes;
 }
 
-const counters = new WeakMap<Registry, Counter<"tenant" | "status">>();
+/** How many tenants get a series of their own in `oncely_tenant_refusals_total`; the rest count as "other". */
+export const REFUSAL_SERIES_TENANTS = 100;
 
-/** `oncely_tenant_refusals_total{tenant, status}` in `registry`, registered once however often it is asked for. */
-export function refusalCounter(registry: Registry): Counter<"tenant" | "status"> {
-  let counter = counters.get(registry);
-  if (!counter) {
-    counter = new Counter({
+/** Counts a tenant's refusals by status. */
+export type RefusalCounter = (tenant: string, status: number) => void;
+
+const counters = new WeakMap<Registry, RefusalCounter>();
+
+/**
+ * `oncely_tenant_refusals_total{tenant, status}` in `registry`, registered once however often it is asked for.
+ * Its labels stay bounded: the first {@linkcode REFUSAL_SERIES_TENANTS} tenants refused get their own series,
+ * any later one counts under `tenant="other"` (the console's chart, from Redis, has every tenant).
+ */
+export function refusalCounter(registry: Registry): RefusalCounter {
+  let count = counters.get(registry);
+  if (!count) {
+    const counter = new Counter({
       name: "oncely_tenant_refusals_total",
-      help: "Requests the API refused a tenant with 429 (over its budget, or another limit), by tenant and status.",
+      help: "Requests the API refused a tenant with 429 (over its budget, or another limit), by tenant and status; " +
+        `tenants beyond the first ${REFUSAL_SERIES_TENANTS} refused are counted as "other".`,
       labelNames: ["tenant", "status"] as const,
       registers: [registry],
     });
-    counters.set(registry, counter);
+    const named = new Set<string>();
+    count = (tenant, status) => {
+      if (!named.has(tenant) && named.size < REFUSAL_SERIES_TENANTS) named.add(tenant);
+      counter.inc({ tenant: named.has(tenant) ? tenant : "other", status: String(status) });
+    };
+    counters.set(registry, count);
   }
-  return counter;
+  return count;
 }

@@ -97,7 +97,7 @@ export function createApiHandler(apiDeps: ApiDeps): (req: Request, client?: Clie
     const tenant = response.status === 429 ? tenants.get(req) : undefined;
     if (tenant !== undefined) {
       recordRefusal(deps.redis, deps.keys.prefix, tenant, 429);
-      refusals?.inc({ tenant, status: "429" });
+      refusals?.(tenant, 429);
     }
     return response;
   };

@@ -18,7 +18,12 @@ import { windowEndingAt } from "../../src/console/usage_pages.ts";
 import { HttpError } from "../../src/http/problem.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { apiMetrics, createRegistry } from "../../src/metrics/metrics.ts";
-import { recordRefusal, refusalsPerMinute } from "../../src/metrics/refusals.ts";
+import {
+  recordRefusal,
+  REFUSAL_SERIES_TENANTS,
+  refusalCounter,
+  refusalsPerMinute,
+} from "../../src/metrics/refusals.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { launchBrowser } from "../support/browser.ts";
@@ -423,4 +428,16 @@ Deno.test("a 429 answered to a tenant is recorded per minute for it, and counted
     await r.close();
     await db.close();
   }
+});
+
+Deno.test("oncely_tenant_refusals_total stays bounded: tenants past the first 100 count as other", async () => {
+  const registry = createRegistry();
+  const count = refusalCounter(registry);
+  assert.equal(refusalCounter(registry), count, "registered once per registry");
+  for (let i = 0; i < REFUSAL_SERIES_TENANTS + 5; i++) count(`tenant-${i}`, 429);
+  count("tenant-0", 429);
+  const text = await registry.metrics();
+  assert.match(text, /oncely_tenant_refusals_total\{tenant="tenant-0",status="429"\} 2/);
+  assert.match(text, /oncely_tenant_refusals_total\{tenant="other",status="429"\} 5/);
+  assert.equal(text.match(/^oncely_tenant_refusals_total\{/gm)?.length, REFUSAL_SERIES_TENANTS + 1);
 });
