@@ -10,7 +10,7 @@ import { DeadLetterExpired, DeadLetterTruncated, replayDeadLetter, ReplayNotRepl
 import { NotReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
 import { deadLetterPages, type LaneDeadLetter } from "../queue/inspector.ts";
 import { announceLane } from "../queue/lanes.ts";
-import { entryTimeMs } from "../queue/message.ts";
+import { acceptedMsOf } from "../queue/message.ts";
 import { allLanes } from "./all_lanes.ts";
 import { failJob, type RunOf, SUMMARY_RUN } from "../jobs/job_store.ts";
 import { runOfPayload } from "../tasks/run_payload.ts";
@@ -117,7 +117,7 @@ export async function replayDeadLetters(
         if (jobId && JOB_ID.test(jobId) && d.fields.tenant) {
           await failJob(sql, jobId, d.fields.tenant, d.reason, {
             ...runOf(d.fields.payload),
-            acceptedMs: entryTimeMs(d.original_id),
+            acceptedMs: acceptedMsOf({ id: d.original_id, fields: d.fields }),
           });
         }
         record({
@@ -137,7 +137,7 @@ export async function replayDeadLetters(
       if (jobId && JOB_ID.test(jobId) && d.fields.tenant) {
         await failJob(sql, jobId, d.fields.tenant, d.reason, {
           ...runOf(d.fields.payload),
-          acceptedMs: entryTimeMs(d.original_id),
+          acceptedMs: acceptedMsOf({ id: d.original_id, fields: d.fields }),
         });
       }
       continue;

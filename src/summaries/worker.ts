@@ -5,7 +5,7 @@ import { estimateTokens, estimateTokensOfLength, type LLM, summaryPrompt } from 
 import { FLOW_DEFAULTS, type ProviderFlow } from "../provider/flow_control.ts";
 import type { Logger } from "../log/logger.ts";
 import { createStreamWorker, type StreamWorker, type WorkerEvents } from "../queue/stream_worker.ts";
-import { entryTimeMs, type QueueNames, type StreamMessage } from "../queue/message.ts";
+import { acceptedMsOf, type QueueNames, type StreamMessage } from "../queue/message.ts";
 import { createTenantWeights, TENANT_WEIGHT } from "../tenants/tenant_weights.ts";
 import { createGroupCommitter, failRun } from "./commit.ts";
 import { runOfPayload } from "../tasks/run_payload.ts";
@@ -96,7 +96,7 @@ export function createSummaryWorker(
       // provider served other jobs meanwhile).
       const how = reason.startsWith("exceeded") ? await describeFailures(deps.sql, jobId).catch(() => null) : null;
       const full = how ? `${reason}: ${how}` : reason;
-      const job = { jobId, tenant, acceptedMs: entryTimeMs(message.id) };
+      const job = { jobId, tenant, acceptedMs: acceptedMsOf(message) };
       return (await failRunOf(deps.sql, message.fields.payload, job, full)) === "failed" && full;
     },
     events: {
