@@ -15,7 +15,8 @@
 import assert from "node:assert/strict";
 import { createConsole } from "../../src/console/console.ts";
 import { windowEndingAt } from "../../src/console/usage_pages.ts";
-import { HttpError } from "../../src/http/problem.ts";
+import { createBudgets } from "../../src/budgets/budgets.ts";
+import { createPrices } from "../../src/provider/prices.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { apiMetrics, createRegistry } from "../../src/metrics/metrics.ts";
 import {
@@ -376,17 +377,20 @@ Deno.test("the usage page and the queue charts draw exactly the seeded figures, 
   }
 });
 
-Deno.test("a 429 answered to a tenant is recorded per minute for it, and counted in /metrics", async () => {
+Deno.test("a 429 for a spent budget is recorded per minute for its tenant, and counted in /metrics", async () => {
   const db = await createTestDatabase();
   const r = await createTestRedis();
   const keys = serviceKeys(r.prefix);
   const registry = createRegistry();
   try {
+    // acme's daily budget is one token: every new run's worst case is over it, and the API answers 429.
     await createApiKey(db.sql, "acme");
-    // A refusal decided after authentication, as the budget's is.
+    await db.sql`UPDATE tenants SET budget_tokens_day = 1 WHERE name = 'acme'`;
+    const prices = createPrices({ LLM_PRICES: { "default-model": { in: 0.4, out: 1.6 } } });
     const handler = apiHandler({ redis: r.redis, sql: db.sql, keys }, {
       metrics: { api: apiMetrics(registry), registry },
-      recipients: () => Promise.reject(new HttpError(429, "Budget exhausted", { "retry-after": "60" })),
+      budgets: createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger }, { prefix: r.prefix, prices }),
+      defaultModel: "default-model",
     });
     const before = Date.now();
     for (let i = 0; i < 3; i++) {
@@ -402,7 +406,7 @@ Deno.test("a 429 answered to a tenant is recorded per minute for it, and counted
         }),
       );
       assert.equal(res.status, 429);
-      await res.body?.cancel();
+      assert.equal((await res.json()).title, "Budget exhausted");
     }
     const unauthenticated = await handler(new Request("http://api/v1/summaries", { method: "POST" }));
     assert.equal(unauthenticated.status, 401);
