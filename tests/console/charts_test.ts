@@ -14,6 +14,7 @@
  */
 import assert from "node:assert/strict";
 import { createConsole } from "../../src/console/console.ts";
+import { formatCount, formatUsd } from "../../src/console/charts.ts";
 import { windowEndingAt } from "../../src/console/usage_pages.ts";
 import { createBudgets } from "../../src/budgets/budgets.ts";
 import { createPrices } from "../../src/provider/prices.ts";
@@ -106,9 +107,12 @@ Deno.test("the usage page and the queue charts draw exactly the seeded figures, 
   const int = (lo: number, hi: number) => lo + Math.floor(random() * (hi - lo + 1));
   const hours = windowEndingAt(NOW, HOUR, 24);
   const minutes = windowEndingAt(NOW, MINUTE, 60);
-  /** A time inside `bucket`, never after NOW. */
+  // GET /v1/usage?since=24h counts from 24 hours before its request, the page from 24 hours before the end of
+  // NOW's minute: no row is written within 3 minutes of the window's start, where the two differ.
+  const margin = 3 * MINUTE;
+  /** A time inside `bucket`, never after NOW, nor near the 24 hours' start. */
   const inside = (b: { startMs: number; endMs: number }) =>
-    Math.min(b.startMs + int(1_000, b.endMs - b.startMs - 1_000), NOW - 1_000);
+    Math.min(Math.max(b.startMs + int(1_000, b.endMs - b.startMs - 1_000), hours.window.fromMs + margin), NOW - 1_000);
 
   const calls: Call[] = [];
   const call = (tenant: string, at: number): Call => ({
@@ -127,8 +131,8 @@ Deno.test("the usage page and the queue charts draw exactly the seeded figures, 
   // Before the window on the window's first day (the running total since midnight counts them), and on the day
   // before (nothing counts them).
   const firstDay = Math.floor(hours.window.fromMs / DAY) * DAY;
-  if (hours.window.fromMs - firstDay > 2_000) {
-    calls.push(call("acme", int(firstDay + 1_000, hours.window.fromMs - 1_000)));
+  if (hours.window.fromMs - firstDay > margin + 2_000) {
+    calls.push(call("acme", int(firstDay + 1_000, hours.window.fromMs - margin)));
   }
   calls.push(call("acme", firstDay - 10 * MINUTE));
   const hits: Hit[] = [];
@@ -161,7 +165,7 @@ Deno.test("the usage page and the queue charts draw exactly the seeded figures, 
     }
   }
 
-  await createApiKey(db.sql, "acme");
+  const acmeKey = await createApiKey(db.sql, "acme");
   await createApiKey(db.sql, "globex");
   await db.sql`
     INSERT INTO model_attempts (job_id, tenant, delivery, attempt, started_at, duration_ms, outcome, status,
@@ -290,6 +294,31 @@ Deno.test("the usage page and the queue charts draw exactly the seeded figures, 
         assert.equal((body.match(/<summary>Figures<\/summary>/g) ?? []).length, 4);
       },
     );
+
+    await t.step("the usage page's figures are GET /v1/usage's, for the same tenant and 24 hours", async () => {
+      const res = await handler(
+        new Request("http://api/v1/usage?since=24h", { headers: { authorization: `Bearer ${acmeKey}` } }),
+      );
+      assert.equal(res.status, 200);
+      const { totals } = await res.json();
+      const { body } = await get("/console/usage?tenant=acme");
+      const sum = (id: string, series: string) => valuesOf(body, id, series).reduce((a, b) => a! + (b ?? 0), 0)!;
+      assert.equal(sum("usage-calls", "calls"), totals.calls);
+      assert.equal(sum("usage-tokens", "prompt"), totals.tokens.prompt);
+      assert.equal(sum("usage-tokens", "completion"), totals.tokens.completion);
+      assert.ok(Math.abs(sum("usage-spend", "spend") - totals.cost_usd) < 1e-9, `${totals.cost_usd}`);
+      assert.equal(sum("usage-cache", "hits"), totals.cache_hits);
+      assert.equal(dd(body, "total-calls"), formatCount(totals.calls));
+      assert.equal(
+        dd(body, "total-cost"),
+        formatUsd(totals.cost_usd) + (totals.unpriced_calls ? ` (${totals.unpriced_calls} calls unpriced)` : ""),
+      );
+      const saved = totals.saved;
+      assert.equal(
+        dd(body, "total-saved"),
+        `${formatCount(saved.tokens.prompt + saved.tokens.completion)} tokens, ${formatUsd(saved.cost_usd ?? 0)}`,
+      );
+    });
 
     await t.step("all tenants: the sums; another tenant without a budget: no budget line", async () => {
       const all = await get("/console/usage");
