@@ -10,6 +10,10 @@ th{background:#eef1f5} .reason,.excerpt{font-family:ui-monospace,monospace;font-
 .figures{display:grid;grid-template-columns:max-content 1fr;gap:.2rem 1rem} .figures dt{color:#556}
 form.inline{display:inline} pre{background:#fff;border:1px solid #e3e6ea;padding:.6rem;white-space:pre-wrap}
 .login{max-width:24rem;margin:4rem auto}
+.charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:1rem;margin:1rem 0}
+figure.plot{margin:0;background:#fff;border:1px solid #e3e6ea;padding:.5rem} figure.plot figcaption{font-weight:600}
+svg.chart{display:block;width:100%;height:auto} figure.plot summary{color:#556;cursor:pointer}
+form.selector{margin:.4rem 0} .switch{color:#556}
 `;
 
 export const JS = `

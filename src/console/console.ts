@@ -20,6 +20,7 @@ import { html } from "./html.ts";
 import { page } from "./layout.ts";
 import { deadLettersPage, jobPage, outboxPage, providerPage, queuesPage, workersPage } from "./pages.ts";
 import { taskPage, tasksPage } from "./task_pages.ts";
+import { usagePage } from "./usage_pages.ts";
 import { type ConsoleClient, createSessions, type SignedInRequest } from "./session.ts";
 
 export type { ConsoleClient } from "./session.ts";
@@ -42,6 +43,8 @@ export interface ConsoleDeps {
   ack?: ReplicaAck;
   /** The shared limiter and breaker, as `deno task provider status` prints it; absent without one. */
   providerStatus?: () => Promise<string[]>;
+  /** The time the charts end at (epoch ms); `Date.now` unless a test fixes it. */
+  now?: () => number;
 }
 
 /** The console's handler for requests whose path starts with `/console`. */
@@ -81,7 +84,10 @@ async function signedIn(request: SignedInRequest): Promise<Response> {
   }
   const url = new URL(req.url);
   const note = url.searchParams.get("note")?.slice(0, 300) ?? undefined;
-  if (path === "/console" || path === "/console/") return await queuesPage(deps, view, note);
+  if (path === "/console" || path === "/console/") {
+    return await queuesPage(deps, view, note, url.searchParams.get("window") ?? undefined);
+  }
+  if (path === "/console/usage") return await usagePage(deps, view, url.searchParams.get("tenant") || undefined);
   if (path === "/console/workers") return await workersPage(deps, view);
   if (path === "/console/dead-letters") return await deadLettersPage(deps, view, note);
   if (path === "/console/outbox") return await outboxPage(deps, view, note);

@@ -9,13 +9,18 @@ import { BUILT_IN_TASK } from "../tasks/definition.ts";
 import { traceIdOf } from "../tracing.ts";
 import type { ConsoleDeps } from "./console.ts";
 import { Html, html } from "./html.ts";
+import { queueCharts } from "./usage_pages.ts";
 import { actionButton, ago, jobLink, page, PAGE_ROWS, prettyJson, table, taskLink, type View } from "./layout.ts";
 
 /** What the pages read. */
-export type PageDeps = Pick<ConsoleDeps, "redis" | "sql" | "keys" | "providerStatus">;
+export type PageDeps = Pick<ConsoleDeps, "redis" | "sql" | "keys" | "providerStatus" | "now">;
 
-/** Each lane: its depth, in-flight count, jobs done in the last minute, and how long its oldest entry waits. */
-export async function queuesPage({ redis, sql, keys }: PageDeps, view: View, note?: string): Promise<Response> {
+/**
+ * Each lane: its depth, in-flight count, jobs done in the last minute, and how long its oldest entry waits;
+ * then the charts of throughput and latency (over the last hour, or 24 hours with `window` "24h").
+ */
+export async function queuesPage(deps: PageDeps, view: View, note?: string, window?: string): Promise<Response> {
+  const { redis, sql, keys } = deps;
   const lanes = await allLanes(redis, keys);
   const done = new Map((await doneLastMinute(sql)).map((r) => [r.tenant, r.n]));
   const rows = await Promise.all(lanes.map(async (lane) => {
@@ -31,16 +36,12 @@ export async function queuesPage({ redis, sql, keys }: PageDeps, view: View, not
       html`${oldestMs === undefined ? "" : ago(oldestMs)}`,
     ];
   }));
-  return page(
-    view,
-    "Queues",
-    table(
-      ["tenant", "queued (in the stream)", "in flight", "done in the last minute", "oldest waiting"],
-      rows,
-      "No lanes yet.",
-    ),
-    { note },
+  const lanesTable = table(
+    ["tenant", "queued (in the stream)", "in flight", "done in the last minute", "oldest waiting"],
+    rows,
+    "No lanes yet.",
   );
+  return page(view, "Queues", html`${lanesTable}${await queueCharts(deps, window)}`, { note });
 }
 
 /** Each consumer over all lanes: how many lanes it reads, its pending entries, how long it has been idle. */

@@ -27,7 +27,12 @@ export const SUMMARY_RUN: RunOf = { task: "summarize", version: 1 };
  * or a task run's input, output and model (in `run_results`).
  */
 export type JobResultRow =
-  & { jobId: string; tenant: string }
+  & {
+    jobId: string;
+    tenant: string;
+    /** When the job was accepted (its stream entry's time, epoch ms): `job_outcomes.accepted_at`, for latency. */
+    acceptedMs?: number;
+  }
   & ({ summary: string } | (RunOf & { input: unknown; output: unknown; model: string | null }));
 
 /** One model call as recorded in `model_attempts`. */
@@ -81,11 +86,12 @@ export async function completeJobs(sql: Queryable, jobs: JobResultRow[]): Promis
         ${jobs.map((j) => ("summary" in j ? j.summary : null))}::text[],
         ${jobs.map((j) => (run(j) ? JSON.stringify(run(j)!.input) : null))}::text[],
         ${jobs.map((j) => (run(j) ? JSON.stringify(run(j)!.output) : null))}::text[],
-        ${jobs.map((j) => run(j)?.model ?? null)}::text[]
-      ) AS t(job_id, tenant, task, version, summary, input, output, model)
+        ${jobs.map((j) => run(j)?.model ?? null)}::text[],
+        ${jobs.map((j) => j.acceptedMs ?? null)}::float8[]
+      ) AS t(job_id, tenant, task, version, summary, input, output, model, accepted_ms)
     ), decided AS (
-      INSERT INTO job_outcomes (job_id, tenant, outcome, task, version)
-      SELECT job_id, tenant, 'done', task, version FROM input
+      INSERT INTO job_outcomes (job_id, tenant, outcome, task, version, accepted_at)
+      SELECT job_id, tenant, 'done', task, version, to_timestamp(accepted_ms / 1000) FROM input
       ON CONFLICT (job_id) DO NOTHING
       RETURNING job_id
     ), summarised AS (
@@ -151,11 +157,12 @@ export async function failJob(
   jobId: string,
   tenant: string,
   error: string,
-  { task, version }: RunOf = SUMMARY_RUN,
+  { task, version, acceptedMs }: RunOf & { acceptedMs?: number } = SUMMARY_RUN,
 ): Promise<Outcome> {
   const inserted = await sql`
-    INSERT INTO job_outcomes (job_id, tenant, outcome, error, task, version)
-    SELECT ${jobId}::uuid, ${tenant}, 'failed', ${error.slice(0, 500)}, ${task}, ${version}
+    INSERT INTO job_outcomes (job_id, tenant, outcome, error, task, version, accepted_at)
+    SELECT ${jobId}::uuid, ${tenant}, 'failed', ${error.slice(0, 500)}, ${task}, ${version},
+      to_timestamp(${acceptedMs ?? null}::float8 / 1000)
     WHERE NOT EXISTS (SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid)
     ON CONFLICT (job_id) DO NOTHING
     RETURNING job_id`;

@@ -24,6 +24,7 @@ import { buildFlow, providerLabel } from "./_model.ts";
 import { replicaAckOf } from "./_replica_ack.ts";
 import { problem } from "../http/problem.ts";
 import { usageRoutes } from "../usage/usage_api.ts";
+import { recordRefusal, refusalCounter } from "../metrics/refusals.ts";
 
 /** What the API process's handler needs: the summary API's, and the console and `/metrics`. */
 export interface ApiDeps extends SummaryApiDeps {
@@ -47,8 +48,20 @@ export interface ApiDeps extends SummaryApiDeps {
  * as a plain `(req, client) => Promise<Response>`, so tests can call it
  * without a port and `serveApi` hands it to `Deno.serve`.
  */
-export function createApiHandler(deps: ApiDeps): (req: Request, client?: Client) => Promise<Response> {
+export function createApiHandler(apiDeps: ApiDeps): (req: Request, client?: Client) => Promise<Response> {
+  // Every 429 a tenant is answered is counted for it (the console's usage chart): the tenant is the one its
+  // request authenticated as, wherever the refusal was decided.
+  const tenants = new WeakMap<Request, string>();
+  const deps: ApiDeps = {
+    ...apiDeps,
+    authenticate: async (req) => {
+      const tenant = await apiDeps.authenticate(req);
+      tenants.set(req, tenant);
+      return tenant;
+    },
+  };
   const { console: operatorConsole, metrics } = deps;
+  const refusals = metrics && refusalCounter(metrics.registry);
   const own = deps.validate ? undefined : createSchemaValidators();
   const runs: RunApiDeps = {
     ...deps,
@@ -78,7 +91,16 @@ export function createApiHandler(deps: ApiDeps): (req: Request, client?: Client)
           ? metricsResponse(metrics.registry, { token: metrics.token, headers: req.headers })
           : problem(404, "Metrics are not enabled in this process"),
     });
-  return router.handler({ log: deps.log, metrics: metrics?.api });
+  const handle = router.handler({ log: deps.log, metrics: metrics?.api });
+  return async (req, client) => {
+    const response = await handle(req, client);
+    const tenant = response.status === 429 ? tenants.get(req) : undefined;
+    if (tenant !== undefined) {
+      recordRefusal(deps.redis, deps.keys.prefix, tenant, 429);
+      refusals?.(tenant, 429);
+    }
+    return response;
+  };
 }
 
 /** Serves the API on HOST:PORT until `signal` aborts, then finishes in-flight requests. */

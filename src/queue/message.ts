@@ -7,6 +7,21 @@ export interface StreamMessage {
   deliveries: number;
 }
 
+/** When a stream entry was added (its id's milliseconds). Undefined for a malformed id. */
+export function entryTimeMs(id: string): number | undefined {
+  const ms = Number(id.split("-")[0]);
+  return id !== "" && Number.isFinite(ms) ? ms : undefined;
+}
+
+/**
+ * When the job of a message was accepted: its `accepted_ms` field when it has one (a message put back in its
+ * lane as a new entry keeps its first entry's time there), else its entry id's time.
+ */
+export function acceptedMsOf({ id, fields }: { id: string; fields: Record<string, string> }): number | undefined {
+  const kept = Number(fields.accepted_ms ?? NaN);
+  return Number.isFinite(kept) ? kept : entryTimeMs(id);
+}
+
 /**
  * Turns Redis's flat `[k, v, k, v]` reply (a stream entry's fields, or an
  * `XINFO` record, whose values may be numbers) into an object.

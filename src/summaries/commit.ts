@@ -17,6 +17,8 @@ export interface SummaryResult {
   notify: Notify;
   /** The committing delivery's trace context: the relay's send continues that trace. */
   traceparent?: string;
+  /** When the job was accepted (its stream entry's time, epoch ms), for the console's latency chart. */
+  acceptedMs?: number;
 }
 
 /** A finished task run ready to commit: its output, what it ran, and where its notification goes (if anywhere). */
@@ -30,6 +32,7 @@ export interface TaskRunResult extends jobs.RunOf {
   model: string | null;
   notify?: Notify;
   traceparent?: string;
+  acceptedMs?: number;
 }
 
 /** What a worker commits: a summary job's summary, or a task run's output. */
@@ -127,7 +130,7 @@ export async function commitResults(sql: Sql, results: JobResult[]): Promise<Set
  */
 export async function failRun(
   sql: Sql,
-  run: { jobId: string; tenant: string; notify?: Notify } & jobs.RunOf,
+  run: { jobId: string; tenant: string; notify?: Notify; acceptedMs?: number } & jobs.RunOf,
   reason: string,
   { summary }: { summary: boolean },
 ): Promise<Outcome> {

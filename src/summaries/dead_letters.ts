@@ -10,6 +10,7 @@ import { DeadLetterExpired, DeadLetterTruncated, replayDeadLetter, ReplayNotRepl
 import { NotReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
 import { deadLetterPages, type LaneDeadLetter } from "../queue/inspector.ts";
 import { announceLane } from "../queue/lanes.ts";
+import { acceptedMsOf } from "../queue/message.ts";
 import { allLanes } from "./all_lanes.ts";
 import { failJob, type RunOf, SUMMARY_RUN } from "../jobs/job_store.ts";
 import { runOfPayload } from "../tasks/run_payload.ts";
@@ -123,7 +124,10 @@ export async function replayDeadLetters(
         // No connection came free to wait on: the replay did not run and the dead letter is still there. Put
         // Postgres's decision back (it was taken back above), as for a dead letter gone meanwhile below.
         if (jobId && JOB_ID.test(jobId) && d.fields.tenant) {
-          await failJob(sql, jobId, d.fields.tenant, d.reason, runOf(d.fields.payload));
+          await failJob(sql, jobId, d.fields.tenant, d.reason, {
+            ...runOf(d.fields.payload),
+            acceptedMs: acceptedMsOf({ id: d.original_id, fields: d.fields }),
+          });
         }
         record({
           replayed: false,
@@ -140,7 +144,10 @@ export async function replayDeadLetters(
     if (newId === null) {
       // Gone meanwhile (replayed by someone else, or trimmed): put the decision back unless the job moved on.
       if (jobId && JOB_ID.test(jobId) && d.fields.tenant) {
-        await failJob(sql, jobId, d.fields.tenant, d.reason, runOf(d.fields.payload));
+        await failJob(sql, jobId, d.fields.tenant, d.reason, {
+          ...runOf(d.fields.payload),
+          acceptedMs: acceptedMsOf({ id: d.original_id, fields: d.fields }),
+        });
       }
       continue;
     }

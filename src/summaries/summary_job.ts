@@ -4,7 +4,7 @@ import { type CallOptions, estimateTokens, type LLM, MAX_OUTPUT_TOKENS } from ".
 import type { Logger } from "../log/logger.ts";
 import { JobDeferred, PermanentJobError } from "../queue/errors.ts";
 import { BudgetExhausted, type Budgets, type HeldReservation, worstCaseTokens } from "../budgets/budgets.ts";
-import type { StreamMessage } from "../queue/message.ts";
+import { acceptedMsOf, type StreamMessage } from "../queue/message.ts";
 import { isRetryable } from "../retry/classify.ts";
 import type { Clock } from "../retry/clock.ts";
 import { Deadline } from "../retry/deadline.ts";
@@ -547,10 +547,11 @@ async function commit(
       () => {
         const traceparent = currentTraceparent();
         const { task, version, input, notify } = run;
+        const acceptedMs = acceptedMsOf(message);
         return job.committer.commit(
           run.summary
-            ? { jobId: job_id, tenant, summary: output as string, notify: notify!, traceparent }
-            : { jobId: job_id, tenant, task, version, input, output, model, notify, traceparent },
+            ? { jobId: job_id, tenant, summary: output as string, notify: notify!, traceparent, acceptedMs }
+            : { jobId: job_id, tenant, task, version, input, output, model, notify, traceparent, acceptedMs },
         );
       },
     );

@@ -5,7 +5,7 @@ import { estimateTokens, estimateTokensOfLength, type LLM, summaryPrompt } from 
 import { FLOW_DEFAULTS, type ProviderFlow } from "../provider/flow_control.ts";
 import type { Logger } from "../log/logger.ts";
 import { createStreamWorker, type StreamWorker, type WorkerEvents } from "../queue/stream_worker.ts";
-import type { QueueNames, StreamMessage } from "../queue/message.ts";
+import { acceptedMsOf, type QueueNames, type StreamMessage } from "../queue/message.ts";
 import { createTenantWeights, TENANT_WEIGHT } from "../tenants/tenant_weights.ts";
 import { createGroupCommitter, failRun } from "./commit.ts";
 import { runOfPayload } from "../tasks/run_payload.ts";
@@ -96,7 +96,8 @@ export function createSummaryWorker(
       // provider served other jobs meanwhile).
       const how = reason.startsWith("exceeded") ? await describeFailures(deps.sql, jobId).catch(() => null) : null;
       const full = how ? `${reason}: ${how}` : reason;
-      return (await failRunOf(deps.sql, message.fields.payload, { jobId, tenant }, full)) === "failed" && full;
+      const job = { jobId, tenant, acceptedMs: acceptedMsOf(message) };
+      return (await failRunOf(deps.sql, message.fields.payload, job, full)) === "failed" && full;
     },
     events: {
       ...options.events,
@@ -141,7 +142,12 @@ export function createSummaryWorker(
  * Decides the job of a message failed; a task run's failure notification is written with the decision. A
  * payload that cannot be read (the malformed job being dead-lettered) is decided failed as a summary job.
  */
-function failRunOf(sql: Sql, payload: string | undefined, job: { jobId: string; tenant: string }, reason: string) {
+function failRunOf(
+  sql: Sql,
+  payload: string | undefined,
+  job: { jobId: string; tenant: string; acceptedMs?: number },
+  reason: string,
+) {
   let run;
   try {
     run = runOfPayload(payload ?? "");

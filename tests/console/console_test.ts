@@ -151,7 +151,8 @@ Deno.test("the console in headless Chromium: sign in, see a dead letter, replay 
       );
       assert.ok(queues.some((row) => row[0] === "acme"), JSON.stringify(queues));
       await notPwned("queues");
-      await browser.screenshot(`${shots}/queues.png`);
+      // queues.png, the page with its charts drawn from known data, comes from charts_test.ts.
+      await browser.screenshot(`${shots}/queues-live.png`);
       await browser.goto(`${base}/console/workers`);
       assert.match(await browser.eval<string>("document.querySelector('tbody').innerText"), /test/);
       await browser.screenshot(`${shots}/workers.png`);

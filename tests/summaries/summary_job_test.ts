@@ -89,6 +89,9 @@ Deno.test("summary job", async (t) => {
         assert.equal(row!.dedupe_key, `summary_ready:${jobId}`);
         assert.equal(row!.payload.to, "ops@example.com");
         assert.equal(row!.payload.job_id, jobId);
+        // Its outcome says when it was accepted: the stream entry's milliseconds (the console's latency chart).
+        const [outcome] = await db.sql`SELECT accepted_at FROM job_outcomes WHERE job_id = ${jobId}`;
+        assert.equal((outcome!.accepted_at as Date).getTime(), Number(id.split("-")[0]));
         // Two relay passes send one email.
         const mail = startFakeMail();
         try {
@@ -287,6 +290,9 @@ Deno.test("summary job", async (t) => {
         assert.equal(dead.length, 1);
         assert.equal(dead[0]!.fields.tenant, "acme");
         assert.match(dead[0]!.reason, /^permanent: UpstreamHttpError: Upstream answered 400/);
+        const [outcome] = await db.sql`SELECT outcome, accepted_at FROM job_outcomes WHERE job_id = ${jobId}`;
+        assert.equal(outcome!.outcome, "failed");
+        assert.equal((outcome!.accepted_at as Date).getTime(), Number(dead[0]!.original_id.split("-")[0]));
         assert.deepEqual(await counts(), [0, 0]);
         assert.equal(await r.redis.hget(keys.job(jobId), "status"), "failed");
       } finally {
