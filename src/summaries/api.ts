@@ -63,8 +63,6 @@ export interface SummaryApiDeps {
   budgets?: Budgets;
   /** The model a task without one (and every summary) is asked (OPENAI_MODEL), for the budget's price. */
   defaultModel?: string;
-  /** Called for every 429 a tenant is answered (the console's chart of refusals). */
-  refused?: (tenant: string) => void;
 }
 
 /**
@@ -266,7 +264,6 @@ export async function answerSubmission(
     return json(response.status, response.body, headers);
   } catch (error) {
     if (error instanceof BudgetExhausted) {
-      deps.refused?.(tenant);
       throw new HttpError(
         429,
         `${error.message}; it is whole again when the ${error.budget.period} ends (UTC), or when it is raised`,
