@@ -28,7 +28,7 @@ export const SUMMARY_RUN: RunOf = { task: "summarize", version: 1 };
  */
 export type JobResultRow =
   & { jobId: string; tenant: string }
-  & ({ summary: string } | (RunOf & { input: unknown; output: unknown; model: string | null }));
+  & ({ summary: string } | (RunOf & { input: unknown; output: unknown; model: string | null; cached?: boolean }));
 
 /** One model call as recorded in `model_attempts`. */
 export interface AttemptRow {
@@ -74,8 +74,9 @@ export async function completeJobs(sql: Queryable, jobs: JobResultRow[]): Promis
         ${jobs.map((j) => ("summary" in j ? j.summary : null))}::text[],
         ${jobs.map((j) => (run(j) ? JSON.stringify(run(j)!.input) : null))}::text[],
         ${jobs.map((j) => (run(j) ? JSON.stringify(run(j)!.output) : null))}::text[],
-        ${jobs.map((j) => run(j)?.model ?? null)}::text[]
-      ) AS t(job_id, tenant, task, version, summary, input, output, model)
+        ${jobs.map((j) => run(j)?.model ?? null)}::text[],
+        ${jobs.map((j) => run(j)?.cached ?? false)}::bool[]
+      ) AS t(job_id, tenant, task, version, summary, input, output, model, cached)
     ), decided AS (
       INSERT INTO job_outcomes (job_id, tenant, outcome, task, version)
       SELECT job_id, tenant, 'done', task, version FROM input
@@ -88,8 +89,8 @@ export async function completeJobs(sql: Queryable, jobs: JobResultRow[]): Promis
       ON CONFLICT (job_id) DO NOTHING
       RETURNING job_id
     ), ran AS (
-      INSERT INTO run_results (run_id, tenant, input, output, model)
-      SELECT job_id, tenant, input::jsonb, output::jsonb, model FROM input JOIN decided USING (job_id)
+      INSERT INTO run_results (run_id, tenant, input, output, model, cached)
+      SELECT job_id, tenant, input::jsonb, output::jsonb, model, cached FROM input JOIN decided USING (job_id)
       WHERE summary IS NULL
       ON CONFLICT (run_id) DO NOTHING
       RETURNING run_id AS job_id
@@ -210,6 +211,8 @@ export interface JobReadRow {
   tokens: number | null;
   prompt_tokens: number | null;
   completion_tokens: number | null;
+  /** Answered from the result cache (a task run's `run_results.cached`, or any run's `cache_hits` row). */
+  cached: boolean;
 }
 
 /**
@@ -222,7 +225,8 @@ export async function readJob(sql: Queryable, jobId: string, tenant: string): Pr
   const [row] = await sql<JobReadRow[]>`
     SELECT coalesce(o.tenant, s.tenant) AS tenant, coalesce(o.outcome, CASE WHEN s.job_id IS NOT NULL THEN 'done' END)
         AS outcome, o.error, s.summary, o.task, o.version, r.output, r.model, r.run_id IS NOT NULL AS has_result,
-      a.attempts, a.tokens, a.prompt_tokens, a.completion_tokens
+      a.attempts, a.tokens, a.prompt_tokens, a.completion_tokens,
+      coalesce(r.cached, false) OR EXISTS (SELECT 1 FROM cache_hits h WHERE h.run_id = j.job_id) AS cached
     FROM (SELECT ${jobId}::uuid AS job_id) j
     LEFT JOIN job_outcomes o USING (job_id) LEFT JOIN summaries s USING (job_id)
     LEFT JOIN run_results r ON r.run_id = j.job_id

@@ -1,6 +1,9 @@
 import type { RunContext } from "./run_context.ts";
 import { createRegistry, workerMetrics } from "../metrics/metrics.ts";
+import { resultCacheMetrics } from "../metrics/metrics.ts";
 import { attemptObserver, flowEvents, providerGauges, queueGauges, workerEvents } from "../metrics/wire.ts";
+import { resultCacheEvents } from "../metrics/wire.ts";
+import { createPrices } from "../provider/prices.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createSummaryWorker } from "../summaries/worker.ts";
 import { createTaskCache } from "../tasks/task_cache.ts";
@@ -45,6 +48,11 @@ export async function startWorker(
       maxAttempts: config.LLM_MAX_ATTEMPTS,
       onAttempt: attemptObserver(metrics),
       model: config.LLM_PROVIDER === "openai" ? config.OPENAI_MODEL : "extractive",
+    },
+    cache: {
+      defaultTtlS: config.RESULT_CACHE_TTL_S,
+      prices: createPrices(config),
+      events: resultCacheEvents(resultCacheMetrics(registry)),
     },
   });
   log.info("worker_started", {

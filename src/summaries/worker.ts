@@ -18,6 +18,7 @@ import { notifyJob } from "./job_waiter.ts";
 import { keepDrainingLegacyStream } from "./legacy_drain.ts";
 import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
 import { createAttemptLog, describeFailures } from "./attempt_log.ts";
+import { createResultCache, type ResultCacheOptions } from "../cache/result_cache.ts";
 
 /** The summary prompt's characters besides the document. */
 const PROMPT_FRAME = summaryPrompt("").length;
@@ -37,6 +38,8 @@ export interface SummaryWorkerOptions {
   maxDeliveries: number;
   concurrency: number;
   job: SummaryJobOptions;
+  /** The result cache's default TTL (RESULT_CACHE_TTL_S), prices and events; unset, only tasks with `cache_ttl_s` cache. */
+  cache?: Omit<ResultCacheOptions, "defaultTtlS"> & { defaultTtlS?: number };
   blockMs?: number;
   graceMs?: number;
   heartbeatMs?: number;
@@ -52,8 +55,14 @@ export function createSummaryWorker(
   // Every model attempt is recorded, in batches, off the commit path.
   const attempts = createAttemptLog({ sql: deps.sql, log: deps.log });
   const share = tokenShare(deps, options);
-  const job = createSummaryJob({ ...deps, committer, attempts }, { ...options.job, onAttempt: share.onAttempt });
   const keys = options.keys;
+  // Always there: a task version's cache_ttl_s turns it on for its runs even when RESULT_CACHE_TTL_S is 0.
+  const cache = createResultCache(deps, {
+    ...options.cache,
+    defaultTtlS: options.cache?.defaultTtlS ?? 0,
+    keys: "lane" in keys ? (tenant) => keys.lane(tenant) : () => keys,
+  });
+  const job = createSummaryJob({ ...deps, committer, attempts, cache }, { ...options.job, onAttempt: share.onAttempt });
   const lanes = "lane" in keys
     ? createLaneRegistry({ redis: deps.redis, log: deps.log }, {
       keys: keys.registry,
