@@ -62,6 +62,15 @@ const PREFER = {
   description: `wait=N (N at most ${MAX_WAIT_S}): answer 200 with the finished job's document if it finishes ` +
     "within N seconds, with Preference-Applied: wait=N; otherwise the usual answer",
 };
+/** `Cache-Control: no-cache` on a POST: the job or run skips the result cache's lookup. */
+const CACHE_CONTROL = {
+  name: "Cache-Control",
+  in: "header",
+  required: false,
+  schema: { type: "string", examples: ["no-cache"] },
+  description: "no-cache: do not reuse an earlier identical result (the result cache, on when the task version's " +
+    "cache_ttl_s or RESULT_CACHE_TTL_S is above 0); the model is called, and its result may be reused later",
+};
 const APPLIED = {
   "Preference-Applied": {
     schema: { type: "string" },
@@ -131,13 +140,17 @@ function summaryPaths() {
       post: {
         operationId: "createSummary",
         summary: "Submit a document to summarise, at most once per Idempotency-Key",
-        parameters: [{
-          name: "Idempotency-Key",
-          in: "header",
-          required: true,
-          schema: schema(IdempotencyKey),
-          description: "16 to 128 visible ASCII characters; scoped to your tenant, method and path",
-        }, PREFER],
+        parameters: [
+          {
+            name: "Idempotency-Key",
+            in: "header",
+            required: true,
+            schema: schema(IdempotencyKey),
+            description: "16 to 128 visible ASCII characters; scoped to your tenant, method and path",
+          },
+          PREFER,
+          CACHE_CONTROL,
+        ],
         requestBody: { required: true, content: json("SummaryRequest") },
         responses: {
           ...ALWAYS,
@@ -281,13 +294,18 @@ function taskPaths() {
       post: {
         operationId: "startRun",
         summary: "Run a task version on one input, at most once per Idempotency-Key",
-        parameters: [TASK_NAME_PARAM, {
-          name: "Idempotency-Key",
-          in: "header",
-          required: true,
-          schema: schema(IdempotencyKey),
-          description: "16 to 128 visible ASCII characters; scoped to your tenant, method and path (so per task)",
-        }, PREFER],
+        parameters: [
+          TASK_NAME_PARAM,
+          {
+            name: "Idempotency-Key",
+            in: "header",
+            required: true,
+            schema: schema(IdempotencyKey),
+            description: "16 to 128 visible ASCII characters; scoped to your tenant, method and path (so per task)",
+          },
+          PREFER,
+          CACHE_CONTROL,
+        ],
         requestBody: { required: true, content: json("RunRequest") },
         responses: {
           ...ALWAYS,

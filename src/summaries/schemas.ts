@@ -48,6 +48,9 @@ export const SummaryStatus = z.object({
   error: z.string().optional(),
   attempts: z.number().int().optional().describe("Model calls made for this job so far (recorded within a second)"),
   tokens: z.number().int().optional().describe("Prompt and completion tokens of those calls, as the provider counted"),
+  cached: z.literal(true).optional().describe(
+    "The summary was reused from an earlier identical job (the result cache): no model call, no tokens",
+  ),
 });
 export type SummaryStatus = z.infer<typeof SummaryStatus>;
 

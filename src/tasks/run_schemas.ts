@@ -34,5 +34,9 @@ export const RunDocument = z.object({
   model: z.string().optional().describe("The model asked (a done run of a task)"),
   attempts: z.number().int().describe("Model calls made for this run so far (recorded within a second)"),
   tokens: z.object({ prompt: z.number().int(), completion: z.number().int() }),
+  cached: z.literal(true).optional().describe(
+    "The output was reused from an earlier done run of the same task version, model and input (the result " +
+      "cache): no model call, so no attempts and no tokens",
+  ),
 });
 export type RunDocument = z.infer<typeof RunDocument>;

@@ -22,6 +22,7 @@ import { RENDER_LIMITS, renderedChars, TASK_NAME } from "./definition.ts";
 import { type SchemaViolation, unstorableJson } from "./json_schema.ts";
 import { ValidationTimeout } from "./validator.ts";
 import type { RunPayload } from "./run_payload.ts";
+import { skipsCache } from "../cache/result_cache.ts";
 import { type RunDocument, RunRequest } from "./run_schemas.ts";
 import type { TaskCache } from "./task_cache.ts";
 
@@ -50,6 +51,7 @@ function runDocument({ document, tokens, run }: Pick<JobFound, "document" | "tok
     ...(run.model === undefined ? {} : { model: run.model }),
     attempts: document.attempts ?? 0,
     tokens,
+    ...(document.cached ? { cached: true as const } : {}),
   };
 }
 
@@ -101,6 +103,7 @@ export function runRoutes(deps: RunApiDeps): Router {
       version: task.version,
       input: request.input,
       notify: request.notify,
+      ...(skipsCache(req.headers) ? { no_cache: true as const } : {}),
     };
     return await answerSubmission(
       deps,
