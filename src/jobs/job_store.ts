@@ -75,7 +75,7 @@ export async function completeJobs(sql: Queryable, jobs: JobResultRow[]): Promis
         ${jobs.map((j) => (run(j) ? JSON.stringify(run(j)!.input) : null))}::text[],
         ${jobs.map((j) => (run(j) ? JSON.stringify(run(j)!.output) : null))}::text[],
         ${jobs.map((j) => run(j)?.model ?? null)}::text[],
-        ${jobs.map((j) => run(j)?.cached ?? false)}::bool[]
+        ${jobs.map((j) => (run(j)?.cached ? "t" : "f"))}::text[]::bool[]
       ) AS t(job_id, tenant, task, version, summary, input, output, model, cached)
     ), decided AS (
       INSERT INTO job_outcomes (job_id, tenant, outcome, task, version)
