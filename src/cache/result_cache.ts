@@ -140,8 +140,7 @@ export function createResultCache(
     forRun(run) {
       const ttlS = run.ttlS ?? options.defaultTtlS;
       if (ttlS <= 0) return undefined;
-      // Key-order independent: equal inputs hash equally however the client spelled them.
-      const hash = sha256Hex(canonicalJson([run.tenant, run.task, run.version, run.model, run.input]));
+      const hash = cacheKeyHash(run);
       const lane = keys(run.tenant);
       const entryKey = lane.cacheEntry(hash);
       const lockKey = lane.cacheLock(hash);
@@ -232,6 +231,14 @@ export function createResultCache(
       };
     },
   };
+}
+
+/**
+ * What names a run's cache entry: the hash of its tenant, task, version, model and input, the input in canonical
+ * JSON (key-order independent: equal inputs hash equally however the client spelled them).
+ */
+export function cacheKeyHash(run: Pick<CacheableRun, "tenant" | "task" | "version" | "model" | "input">): string {
+  return sha256Hex(canonicalJson([run.tenant, run.task, run.version, run.model, run.input]));
 }
 
 function parseEntry(text: string): CacheEntry | undefined {
