@@ -84,7 +84,12 @@ export interface CacheableRun {
 
 /** What a lookup came to: a hit (the source's output and what reusing it saved), or a miss. */
 export type Claim =
-  | { hit: CacheHit; output: unknown }
+  | {
+    hit: CacheHit;
+    output: unknown;
+    /** Whether the run waited for another run in flight to compute it (in-flight dedupe). */
+    waited: boolean;
+  }
   | {
     hit?: undefined;
     /** Whether this run now holds the entry's lock (the others wait for its result). */
@@ -182,7 +187,7 @@ export function createResultCache(
                   completionTokens: entry.completion_tokens,
                   savedUsd: savedUsd(entry.model, entry.prompt_tokens, entry.completion_tokens),
                 };
-                return { hit, output: entry.output };
+                return { hit, output: entry.output, waited };
               }
               // Not an entry this release can read: the run computes its own result (and stores it over it).
               log.warn("result_cache_entry_unreadable", ctx);

@@ -213,7 +213,7 @@ async function throughCache(
       const claim = await cache.claim(signal, Deadline.after(job.options.budgetMs, job.options.clock));
       if (claim.hit) {
         const model = claim.hit.model ?? call.model;
-        return await commit(job, delivery, { output: claim.output, model, cacheHit: claim.hit });
+        return await commit(job, delivery, { output: claim.output, model, cacheHit: claim.hit, waited: claim.waited });
       }
       // A run that waited for another's result may have been cancelled meanwhile: it looks again before paying.
       checked = !claim.waited;
@@ -537,7 +537,7 @@ function recordAttempt(job: Job, delivery: Delivery, report: AttemptReport, mode
 async function commit(
   job: Job,
   delivery: Delivery,
-  { output, model, cacheHit }: { output: unknown; model: string; cacheHit?: CacheHit },
+  { output, model, cacheHit, waited }: { output: unknown; model: string; cacheHit?: CacheHit; waited?: boolean },
 ) {
   const { job_id, tenant, run, message, log } = delivery;
   let committed: Committed;
@@ -571,7 +571,8 @@ async function commit(
     cancelled: "job_cancelled",
     failed: "job_failed_elsewhere",
   }[committed];
-  log.info(event, { stage: "commit", deliveries: message.deliveries, ...(cacheHit ? { cached: true } : {}) });
+  const hit = cacheHit ? { cached: true, source_run_id: cacheHit.sourceRunId, waited } : {};
+  log.info(event, { stage: "commit", deliveries: message.deliveries, ...hit });
   if (committed === "failed") throw new JobFailedElsewhere(job_id);
   // Only a result this run computed fills the cache (best effort, never thrown), with what its calls cost.
   if (committed === "done" && !cacheHit && delivery.cache) {

@@ -7,7 +7,7 @@
  */
 import assert from "node:assert/strict";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
-import { silentLogger } from "../../src/log/logger.ts";
+import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import { createRegistry, resultCacheMetrics } from "../../src/metrics/metrics.ts";
 import { resultCacheEvents } from "../../src/metrics/wire.ts";
 import { createPrices } from "../../src/provider/prices.ts";
@@ -22,7 +22,7 @@ import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
-import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
+import { createTestDatabase, createTestRedis, recordingLogger, waitFor } from "../_support.ts";
 
 const OBJECT = (properties: Record<string, unknown>, required = Object.keys(properties)) => ({
   type: "object",
@@ -115,6 +115,7 @@ Deno.test("the result cache: off at a TTL of 0, keyed per tenant, waiters take o
       assert.deepEqual(got, {
         hit: { sourceRunId: "run-a", model: "m", promptTokens: 5, completionTokens: 7, savedUsd: null },
         output: { x: 1 },
+        waited: true,
       });
       // Another tenant, model or version is another entry.
       for (const other of [{ tenant: "globex" }, { model: "m2" }, { version: 2 }]) {
@@ -171,7 +172,7 @@ Deno.test("runs with the result cache", async (t) => {
   // identical runs are in flight together.
   let badAnswers = 0;
   const model = startFakeModel((_, prompt) => {
-    const delayMs = prompt.includes("Hold") ? 800 : 300;
+    const delayMs = prompt.includes("Hold") || prompt.includes("Printer on fire") ? 800 : 300;
     if (badAnswers > 0) {
       badAnswers--;
       return { kind: "ok", delayMs, content: "{}", usage: USAGE };
@@ -184,7 +185,9 @@ Deno.test("runs with the result cache", async (t) => {
   const globex = await createApiKey(db.sql, "globex");
   const llm = createOpenAiLlm({ apiKey: "sk-test", model: "default-model", baseURL: model.url });
   const registry = createRegistry();
-  const worker = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, {
+  const lines = recordingLogger();
+  const log = createLogger({ write: lines.write });
+  const worker = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys, log }, {
     concurrency: 32,
     cache: {
       // RESULT_CACHE_TTL_S: summaries (and tasks that set no cache_ttl_s) cache too.
@@ -301,6 +304,12 @@ Deno.test("runs with the result cache", async (t) => {
       assert.equal(attempts!.n, 1, "a hit writes no model_attempts row");
       assert.equal(await lookups("acme", "hit"), 49);
       assert.equal(await lookups("acme", "miss"), 1);
+      // In flight together: with 32 runs at once and a slow model, at least the other 31 of the first 32 waited for
+      // the one call (the rest may have come after it and found the entry).
+      const done = lines.lines.filter((l) => l.event === "job_done" && ids.includes(l.job_id as string));
+      const waited = done.filter((l) => l.cached && l.waited).length;
+      assert.ok(waited >= 31, `${waited} runs waited`);
+      console.log(`50 identical runs: 1 model call, ${waited} hits waited for it in flight, ${49 - waited} came after`);
     });
 
     await t.step("with Cache-Control: no-cache, each of 50 identical runs makes its own call", async () => {
