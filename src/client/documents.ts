@@ -100,6 +100,8 @@ export interface SummaryJob {
   attempts?: number;
   /** Prompt and completion tokens together. */
   tokens?: number;
+  /** True when the summary was reused from an earlier identical job (the result cache). */
+  cached?: boolean;
 }
 
 /** The `202` of `POST /v1/summaries`. */
