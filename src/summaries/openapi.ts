@@ -71,6 +71,8 @@ const CACHE_CONTROL = {
   description: "no-cache: do not reuse an earlier identical result (the result cache, on when the task version's " +
     "cache_ttl_s or RESULT_CACHE_TTL_S is above 0); the model is called, and its result may be reused later",
 };
+/** The optional headers of a POST that starts a job or run. */
+const POST_OPTIONS = [PREFER, CACHE_CONTROL];
 const APPLIED = {
   "Preference-Applied": {
     schema: { type: "string" },
@@ -140,17 +142,13 @@ function summaryPaths() {
       post: {
         operationId: "createSummary",
         summary: "Submit a document to summarise, at most once per Idempotency-Key",
-        parameters: [
-          {
-            name: "Idempotency-Key",
-            in: "header",
-            required: true,
-            schema: schema(IdempotencyKey),
-            description: "16 to 128 visible ASCII characters; scoped to your tenant, method and path",
-          },
-          PREFER,
-          CACHE_CONTROL,
-        ],
+        parameters: [{
+          name: "Idempotency-Key",
+          in: "header",
+          required: true,
+          schema: schema(IdempotencyKey),
+          description: "16 to 128 visible ASCII characters; scoped to your tenant, method and path",
+        }, ...POST_OPTIONS],
         requestBody: { required: true, content: json("SummaryRequest") },
         responses: {
           ...ALWAYS,
@@ -294,18 +292,13 @@ function taskPaths() {
       post: {
         operationId: "startRun",
         summary: "Run a task version on one input, at most once per Idempotency-Key",
-        parameters: [
-          TASK_NAME_PARAM,
-          {
-            name: "Idempotency-Key",
-            in: "header",
-            required: true,
-            schema: schema(IdempotencyKey),
-            description: "16 to 128 visible ASCII characters; scoped to your tenant, method and path (so per task)",
-          },
-          PREFER,
-          CACHE_CONTROL,
-        ],
+        parameters: [TASK_NAME_PARAM, {
+          name: "Idempotency-Key",
+          in: "header",
+          required: true,
+          schema: schema(IdempotencyKey),
+          description: "16 to 128 visible ASCII characters; scoped to your tenant, method and path (so per task)",
+        }, ...POST_OPTIONS],
         requestBody: { required: true, content: json("RunRequest") },
         responses: {
           ...ALWAYS,
