@@ -9,7 +9,8 @@ import { groupLag, laneStats } from "../queue/inspector.ts";
 import type { WorkerEvents } from "../queue/stream_worker.ts";
 import type { AttemptReport } from "../retry/retry_policy.ts";
 import type { FlowEvents, ProviderFlow } from "../provider/flow_control.ts";
-import { type RelayMetrics, type ResultCacheMetrics, scrapeGauge, type WorkerMetrics } from "./metrics.ts";
+import { type RelayMetrics, scrapeGauge, type WorkerMetrics } from "./metrics.ts";
+import type { ResultCacheMetrics } from "./metrics.ts";
 import type { ResultCacheEvents } from "../cache/result_cache.ts";
 
 /** Worker events that feed the worker metrics. */
