@@ -102,6 +102,8 @@ export interface SummaryJob {
   tokens?: number;
   /** What those calls were charged, when the model has a price. */
   cost_usd?: number;
+  /** True when the summary was reused from an earlier identical job (the result cache). */
+  cached?: boolean;
 }
 
 /** The `202` of `POST /v1/summaries`. */

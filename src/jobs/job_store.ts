@@ -33,7 +33,7 @@ export type JobResultRow =
     /** When the job was accepted (its stream entry's time, epoch ms): `job_outcomes.accepted_at`, for latency. */
     acceptedMs?: number;
   }
-  & ({ summary: string } | (RunOf & { input: unknown; output: unknown; model: string | null }));
+  & ({ summary: string } | (RunOf & { input: unknown; output: unknown; model: string | null; cached?: boolean }));
 
 /** One model call as recorded in `model_attempts`. */
 export interface AttemptRow {
@@ -87,8 +87,9 @@ export async function completeJobs(sql: Queryable, jobs: JobResultRow[]): Promis
         ${jobs.map((j) => (run(j) ? JSON.stringify(run(j)!.input) : null))}::text[],
         ${jobs.map((j) => (run(j) ? JSON.stringify(run(j)!.output) : null))}::text[],
         ${jobs.map((j) => run(j)?.model ?? null)}::text[],
-        ${jobs.map((j) => j.acceptedMs ?? null)}::float8[]
-      ) AS t(job_id, tenant, task, version, summary, input, output, model, accepted_ms)
+        ${jobs.map((j) => j.acceptedMs ?? null)}::float8[],
+        ${jobs.map((j) => (run(j)?.cached ? "t" : "f"))}::text[]::bool[]
+      ) AS t(job_id, tenant, task, version, summary, input, output, model, accepted_ms, cached)
     ), decided AS (
       INSERT INTO job_outcomes (job_id, tenant, outcome, task, version, accepted_at)
       SELECT job_id, tenant, 'done', task, version, to_timestamp(accepted_ms / 1000) FROM input
@@ -101,8 +102,8 @@ export async function completeJobs(sql: Queryable, jobs: JobResultRow[]): Promis
       ON CONFLICT (job_id) DO NOTHING
       RETURNING job_id
     ), ran AS (
-      INSERT INTO run_results (run_id, tenant, input, output, model)
-      SELECT job_id, tenant, input::jsonb, output::jsonb, model FROM input JOIN decided USING (job_id)
+      INSERT INTO run_results (run_id, tenant, input, output, model, cached)
+      SELECT job_id, tenant, input::jsonb, output::jsonb, model, cached FROM input JOIN decided USING (job_id)
       WHERE summary IS NULL
       ON CONFLICT (run_id) DO NOTHING
       RETURNING run_id AS job_id
@@ -226,6 +227,8 @@ export interface JobReadRow {
   completion_tokens: number | null;
   /** What its calls were charged in USD, of those with a price; null when none had one. */
   cost_usd: number | null;
+  /** Answered from the result cache (a task run's `run_results.cached`, or any run's `cache_hits` row). */
+  cached: boolean;
 }
 
 /**
@@ -238,7 +241,8 @@ export async function readJob(sql: Queryable, jobId: string, tenant: string): Pr
   const [row] = await sql<JobReadRow[]>`
     SELECT coalesce(o.tenant, s.tenant) AS tenant, coalesce(o.outcome, CASE WHEN s.job_id IS NOT NULL THEN 'done' END)
         AS outcome, o.error, s.summary, o.task, o.version, r.output, r.model, r.run_id IS NOT NULL AS has_result,
-      a.attempts, a.tokens, a.prompt_tokens, a.completion_tokens, a.cost_usd
+      a.attempts, a.tokens, a.prompt_tokens, a.completion_tokens, a.cost_usd,
+      coalesce(r.cached, false) OR EXISTS (SELECT 1 FROM cache_hits h WHERE h.run_id = j.job_id) AS cached
     FROM (SELECT ${jobId}::uuid AS job_id) j
     LEFT JOIN job_outcomes o USING (job_id) LEFT JOIN summaries s USING (job_id)
     LEFT JOIN run_results r ON r.run_id = j.job_id

@@ -256,3 +256,21 @@ export function serveMetrics(
     return new Response("not found", { status: 404 });
   });
 }
+
+/** Result-cache metrics (worker). */
+export interface ResultCacheMetrics {
+  lookups: Counter<"tenant" | "result">;
+}
+
+/** Registers the result-cache metrics. */
+export function resultCacheMetrics(registry: Registry): ResultCacheMetrics {
+  return {
+    lookups: new Counter({
+      name: "oncely_result_cache_lookups_total",
+      help: "Result-cache lookups by tenant and result: hit (the run reused a done run's output, no model call) " +
+        "or miss (it called the model). Runs with the cache off or Cache-Control: no-cache are not counted.",
+      labelNames: ["tenant", "result"] as const,
+      registers: [registry],
+    }),
+  };
+}

@@ -10,6 +10,8 @@ import type { WorkerEvents } from "../queue/stream_worker.ts";
 import type { AttemptReport } from "../retry/retry_policy.ts";
 import type { FlowEvents, ProviderFlow } from "../provider/flow_control.ts";
 import { type RelayMetrics, scrapeGauge, type WorkerMetrics } from "./metrics.ts";
+import type { ResultCacheMetrics } from "./metrics.ts";
+import type { ResultCacheEvents } from "../cache/result_cache.ts";
 
 /** Worker events that feed the worker metrics. */
 export function workerEvents(m: WorkerMetrics): WorkerEvents {
@@ -151,4 +153,22 @@ export function providerGauges(registry: Registry, flow: ProviderFlow, provider:
       }
     },
   });
+}
+
+/** How many tenants `oncely_result_cache_lookups_total` names in one process; later ones count as `tenant="other"`. */
+export const CACHE_METRIC_TENANTS = 1_000;
+
+/** Result-cache lookups that feed its metrics, one series pair per tenant (bounded). */
+export function resultCacheEvents(m: ResultCacheMetrics): ResultCacheEvents {
+  const named = new Set<string>();
+  return {
+    lookup(tenant, result) {
+      if (!named.has(tenant) && named.size < CACHE_METRIC_TENANTS) {
+        named.add(tenant);
+        // Both series exist from the tenant's first lookup, so a hit ratio never divides by an absent series.
+        for (const r of ["hit", "miss"]) m.lookups.inc({ tenant, result: r }, 0);
+      }
+      m.lookups.inc({ tenant: named.has(tenant) ? tenant : "other", result });
+    },
+  };
 }

@@ -1,6 +1,13 @@
 import type { RunContext } from "./run_context.ts";
-import { createRegistry, workerMetrics } from "../metrics/metrics.ts";
-import { attemptObserver, flowEvents, providerGauges, queueGauges, workerEvents } from "../metrics/wire.ts";
+import { createRegistry, resultCacheMetrics, workerMetrics } from "../metrics/metrics.ts";
+import {
+  attemptObserver,
+  flowEvents,
+  providerGauges,
+  queueGauges,
+  resultCacheEvents,
+  workerEvents,
+} from "../metrics/wire.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createSummaryWorker } from "../summaries/worker.ts";
 import { createTaskCache } from "../tasks/task_cache.ts";
@@ -53,6 +60,11 @@ export async function startWorker(
       maxAttempts: config.LLM_MAX_ATTEMPTS,
       onAttempt: attemptObserver(metrics),
       model: config.LLM_PROVIDER === "openai" ? config.OPENAI_MODEL : "extractive",
+    },
+    cache: {
+      defaultTtlS: config.RESULT_CACHE_TTL_S,
+      prices,
+      events: resultCacheEvents(resultCacheMetrics(registry)),
     },
   });
   log.info("worker_started", {

@@ -4,10 +4,12 @@
  * batch)`) until a batch deletes fewer than the batch size, so no statement
  * holds many locks or runs long (River's `job_cleaner` is the model). Each
  * delete is its table's owner's: the outbox store's for sent rows, the job
- * store's for summaries, outcomes and model attempts.
+ * store's for summaries, outcomes and model attempts, the cache-hit store's
+ * for cache hits.
  */
 import type { Sql } from "postgres";
 import * as jobs from "../jobs/job_store.ts";
+import * as cacheHits from "../cache/cache_hit_store.ts";
 import type { Logger } from "../log/logger.ts";
 import * as outbox from "../outbox/outbox_store.ts";
 import { DEAD_LETTER_BOUNDS } from "../queue/dead_letter.ts";
@@ -45,7 +47,10 @@ export interface RetentionOptions {
    * unsent (pending or failed: the relay needs them). Unset, summaries (and outcome rows) are kept.
    */
   summaryRetentionMs?: number;
-  /** MODEL_ATTEMPTS_RETENTION_S in ms: the record of model attempts older than this is deleted; unset, kept. */
+  /**
+   * MODEL_ATTEMPTS_RETENTION_S in ms: the record of model attempts, and of cache hits, older than this is deleted;
+   * unset, kept.
+   */
   attemptRetentionMs?: number;
   everyMs?: number;
   firstPassAfterMs?: number;
@@ -94,6 +99,11 @@ export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options
       total += await drain(
         "model_attempts",
         (limit) => jobs.deleteExpiredAttempts(sql, { olderThanMs: attemptAgeMs, limit }),
+      );
+      // The record of cache hits (what each saved) is kept as long as the record of the calls it stands for.
+      total += await drain(
+        "cache_hits",
+        (limit) => cacheHits.deleteExpiredCacheHits(sql, { olderThanMs: attemptAgeMs, limit }),
       );
     }
     const summaryAgeMs = options.summaryRetentionMs;

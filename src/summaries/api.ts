@@ -28,6 +28,8 @@ import { checkWebhookUrl, WebhookRefused } from "../webhooks/addresses.ts";
 import { currentTraceparent } from "../tracing.ts";
 import type { ServiceKeys } from "./keys.ts";
 import { IdempotencyKey, idempotencyKeyOf, SummaryRequest, type SummaryStatus } from "./schemas.ts";
+import { skipsCache } from "../cache/result_cache.ts";
+import { summaryPayload } from "../tasks/run_payload.ts";
 
 /** What the summary API needs. */
 export interface SummaryApiDeps {
@@ -316,7 +318,14 @@ export function summaryRoutes(deps: SummaryApiDeps): Router {
       deps,
       req,
       tenant,
-      () => intake.submit({ scope, request: parsed.data, traceparent: currentTraceparent(), refuse }),
+      () =>
+        intake.submit({
+          scope,
+          request: parsed.data,
+          traceparent: currentTraceparent(),
+          payload: summaryPayload(parsed.data, { noCache: skipsCache(req.headers) }),
+          refuse,
+        }),
       {
         enqueued: (jobId) => log.info("job_enqueued", { job_id: jobId, tenant }),
         finished: (_, waited) => Promise.resolve(waited.document),

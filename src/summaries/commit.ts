@@ -4,6 +4,7 @@ import * as jobs from "../jobs/job_store.ts";
 import type { Outcome } from "../jobs/job_store.ts";
 import type { Logger } from "../log/logger.ts";
 import * as outbox from "../outbox/outbox_store.ts";
+import { type CacheHit, type CacheHitRow, insertCacheHits } from "../cache/cache_hit_store.ts";
 import { publicError } from "./public_error.ts";
 
 /** Where a job's result goes: an email address, or a webhook URL. */
@@ -19,6 +20,8 @@ export interface SummaryResult {
   traceparent?: string;
   /** When the job was accepted (its stream entry's time, epoch ms), for the console's latency chart. */
   acceptedMs?: number;
+  /** Set when the summary is a cached one: its `cache_hits` row is written in the commit's transaction. */
+  cacheHit?: CacheHit;
 }
 
 /** A finished task run ready to commit: its output, what it ran, and where its notification goes (if anywhere). */
@@ -33,6 +36,8 @@ export interface TaskRunResult extends jobs.RunOf {
   notify?: Notify;
   traceparent?: string;
   acceptedMs?: number;
+  /** Set when the output is a cached one (`run_results.cached`): its `cache_hits` row is written with it. */
+  cacheHit?: CacheHit;
 }
 
 /** What a worker commits: a summary job's summary, or a task run's output. */
@@ -115,12 +120,23 @@ function outboxRowFor(r: JobResult): outbox.NewOutboxRow | undefined {
 export async function commitResults(sql: Sql, results: JobResult[]): Promise<Set<string>> {
   if (results.length === 0) return new Set();
   return await sql.begin(async (tx) => {
-    const committed = await jobs.completeJobs(tx, results);
+    const committed = await jobs.completeJobs(
+      tx,
+      results.map((r) => ("task" in r && r.cacheHit ? { ...r, cached: true } : r)),
+    );
     // The outbox row references the result (by job id) instead of holding a second copy of it.
     const rows = results.filter((r) => committed.has(r.jobId)).map(outboxRowFor);
     await outbox.insertOutboxRows(tx, rows.filter((r) => r !== undefined));
+    // A cached result records what it reused, with it: a hit is counted exactly when its run is done.
+    await insertCacheHits(tx, results.filter((r) => r.cacheHit && committed.has(r.jobId)).map(cacheHitRow));
     return committed;
   });
+}
+
+/** The `cache_hits` row of a cached result. */
+function cacheHitRow(r: JobResult): CacheHitRow {
+  const { task, version } = "task" in r ? r : jobs.SUMMARY_RUN;
+  return { runId: r.jobId, tenant: r.tenant, task, version, ...r.cacheHit! };
 }
 
 /**

@@ -47,7 +47,17 @@ export interface Intake {
    * Enqueues the job unless the scope already has a record.
    * @throws {KeyReused} when the scope's record is for another body.
    */
-  submit(input: { scope: Scope; request: SummaryRequest; traceparent?: string; refuse?: Error }): Promise<IntakeResult>;
+  submit(
+    input: {
+      scope: Scope;
+      request: SummaryRequest;
+      traceparent?: string;
+      /** The stream payload (`summaryPayload`); the request's JSON when unset. Never part of the fingerprint. */
+      payload?: string;
+      /** Refuse a new job with this error (a spent budget); a replay of the key is still answered. */
+      refuse?: Error;
+    },
+  ): Promise<IntakeResult>;
   /**
    * Enqueues a task run unless the scope already has a record: `request` (the body as the client sent it)
    * is the fingerprint, `run.payload` what the worker reads; the answer names a run at `/v1/runs/{id}`.
@@ -178,13 +188,14 @@ export function createIntake(
   // visible characters) and not hashed, since every hash costs the request path several microseconds.
   const keyFor = (scope: Scope) => keys.lane(scope.tenant).idempotency(encodeScope(scope));
   const enqueue = async (
-    { scope, request, traceparent, run, refuse }: {
+    { scope, request, traceparent, run, payload, refuse }: {
       scope: Scope;
       request: unknown;
       traceparent?: string;
       run?: RunSubmission;
       /** Refuse a new job with this error (a spent budget); a replay of the key is still answered. */
       refuse?: Error;
+      payload?: string;
     },
   ): Promise<IntakeResult> => {
     // One hash covers the scope and the body's canonical JSON: the job id. A key reused with another body
@@ -214,7 +225,7 @@ export function createIntake(
         lane: known.lane,
         wake: known.wake,
       }),
-      run ? run.payload : JSON.stringify(request),
+      run ? run.payload : payload ?? JSON.stringify(request),
       record,
       ack ? "1" : "0",
     ];

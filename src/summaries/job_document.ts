@@ -49,13 +49,19 @@ export async function jobDocument(
       if (decided.outcome === "failed") document.error = publicError(decided.error ?? found?.record.error ?? "");
       return { document, recordKey: found?.key, tokens, run };
     }
+    // A run answered from the result cache says so (it made no model call, so it has no attempts or tokens).
+    const cached = decided.cached ? { cached: true as const } : {};
     if (decided.has_result) {
       const result = { output: decided.output, ...(decided.model === null ? {} : { model: decided.model }) };
-      return { document: { job_id: jobId, status: "done", ...usage }, tokens, run: { ...run, ...result } };
+      return { document: { job_id: jobId, status: "done", ...usage, ...cached }, tokens, run: { ...run, ...result } };
     }
     // Done, but its summary is past SUMMARY_RETENTION_S: as if unknown.
     if (decided.summary === null) return null;
-    return { document: { job_id: jobId, status: "done", summary: decided.summary, ...usage }, tokens, run };
+    return {
+      document: { job_id: jobId, status: "done", summary: decided.summary, ...usage, ...cached },
+      tokens,
+      run,
+    };
   }
   if (!found) return null;
   const { record, key: recordKey } = found;

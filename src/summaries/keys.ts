@@ -17,6 +17,10 @@ export interface JobKeys {
   idempotency(scopeHash: string): string;
   /** Marks that the pre-lane stream's entry `entryId` was moved into this lane (see `legacy_drain.ts`). */
   movedFromLegacy(entryId: string): string;
+  /** A result cache entry (`cache/result_cache.ts`), by its key's hash: in the tenant's slot. */
+  cacheEntry(keyHash: string): string;
+  /** The lock of the one run computing a cache entry (in-flight dedupe), beside the entry. */
+  cacheLock(keyHash: string): string;
 }
 
 /** The prefix of every Redis key the service writes. */
@@ -70,6 +74,8 @@ function keysUnder(tag: string): JobKeys {
     job: (jobId) => `${tag}:job:${jobId}`,
     idempotency: (scopeHash) => `${tag}:idem:${scopeHash}`,
     movedFromLegacy: (entryId) => `${tag}:moved:${entryId}`,
+    cacheEntry: (keyHash) => `${tag}:cache:${keyHash}`,
+    cacheLock: (keyHash) => `${tag}:cache_lock:${keyHash}`,
   };
 }
 

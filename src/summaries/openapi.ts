@@ -65,6 +65,17 @@ const PREFER = {
   description: `wait=N (N at most ${MAX_WAIT_S}): answer 200 with the finished job's document if it finishes ` +
     "within N seconds, with Preference-Applied: wait=N; otherwise the usual answer",
 };
+/** `Cache-Control: no-cache` on a POST: the job or run skips the result cache's lookup. */
+const CACHE_CONTROL = {
+  name: "Cache-Control",
+  in: "header",
+  required: false,
+  schema: { type: "string", examples: ["no-cache"] },
+  description: "no-cache: do not reuse an earlier identical result (the result cache, on when the task version's " +
+    "cache_ttl_s or RESULT_CACHE_TTL_S is above 0); the model is called, and its result may be reused later",
+};
+/** The optional headers of a POST that starts a job or run. */
+const POST_OPTIONS = [PREFER, CACHE_CONTROL];
 const APPLIED = {
   "Preference-Applied": {
     schema: { type: "string" },
@@ -140,7 +151,7 @@ function summaryPaths() {
           required: true,
           schema: schema(IdempotencyKey),
           description: "16 to 128 visible ASCII characters; scoped to your tenant, method and path",
-        }, PREFER],
+        }, ...POST_OPTIONS],
         requestBody: { required: true, content: json("SummaryRequest") },
         responses: {
           ...ALWAYS,
@@ -295,7 +306,7 @@ function taskPaths() {
           required: true,
           schema: schema(IdempotencyKey),
           description: "16 to 128 visible ASCII characters; scoped to your tenant, method and path (so per task)",
-        }, PREFER],
+        }, ...POST_OPTIONS],
         requestBody: { required: true, content: json("RunRequest") },
         responses: {
           ...ALWAYS,

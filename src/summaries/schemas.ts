@@ -51,6 +51,9 @@ export const SummaryStatus = z.object({
   cost_usd: z.number().optional().describe(
     "What those calls were charged at the model's price (LLM_PRICES), when it has one",
   ),
+  cached: z.literal(true).optional().describe(
+    "The summary was reused from an earlier identical job (the result cache): no model call, no tokens",
+  ),
 });
 export type SummaryStatus = z.infer<typeof SummaryStatus>;
 

@@ -23,6 +23,8 @@ import { type LoadedTask, SUMMARIZE_TASK, type TaskCache } from "../tasks/task_c
 import { RENDER_LIMITS, renderedChars, renderTemplate } from "../tasks/definition.ts";
 import { type SchemaViolation, unstorableJson } from "../tasks/json_schema.ts";
 import { ValidationTimeout } from "../tasks/validator.ts";
+import type { ResultCache, RunCache } from "../cache/result_cache.ts";
+import type { CacheHit } from "../cache/cache_hit_store.ts";
 
 /** Options for {@linkcode createSummaryJob}. */
 export interface SummaryJobOptions {
@@ -150,6 +152,8 @@ export interface SummaryJobDeps {
   budgetExhausted?: (error: BudgetExhausted) => void;
   /** Model prices (LLM_PRICES): each attempt's `cost_usd`; without them, or for a model without one, NULL. */
   prices?: Prices;
+  /** The result cache; without it, every run calls the model. */
+  cache?: ResultCache;
 }
 
 /** Handles one delivery of a summary job. */
@@ -171,6 +175,10 @@ interface Delivery {
   log: Logger;
   /** Attempts recorded so far: a repair call's attempts continue the first call's numbering. */
   recorded: number;
+  /** The tokens this delivery's model calls used, as reported: what its result costs (a cache entry's). */
+  usage: { prompt: number; completion: number };
+  /** The result cache as this run sees it, when it is on for the run: a done result fills it. */
+  cache?: RunCache;
 }
 
 /** One model call of a run: the user message and how to ask. */
@@ -185,6 +193,68 @@ async function deliver(job: Job, message: StreamMessage, signal: AbortSignal): P
   const delivery = parseDelivery(job, message);
   const task = await loadTask(job, delivery);
   const call = modelCall(job, task, delivery.run.input);
+  // Off for this run (a TTL of 0), the cache costs nothing: no hash, no Redis, and the first permit is asked for
+  // in this tick as before.
+  const cache = job.cache?.forRun({
+    tenant: delivery.tenant,
+    runId: delivery.job_id,
+    task: task.name,
+    version: task.version,
+    model: call.model,
+    input: delivery.run.input,
+    ttlS: task.definition.cache_ttl_s,
+    noCache: delivery.run.noCache === true,
+  });
+  if (cache) return await throughCache(job, delivery, { task, call, cache, signal });
+  return await answer(job, delivery, { task, call, signal });
+}
+
+/**
+ * A run with the result cache on: the pre-check, then the lookup, before any permit is asked for and any model
+ * call. A hit commits the source's output (through the committer, so a cancel or another delivery still decides
+ * once). A miss answers from the model, holding the entry's lock so that identical runs wait for this one
+ * instead of calling too, and fills the entry once done. The lock MUST be released however the delivery ends
+ * (failed, cancelled, thrown): the waiters take over only then, or when its lease lapses.
+ */
+async function throughCache(
+  job: Job,
+  delivery: Delivery,
+  { task, call, cache, signal }: { task: LoadedTask; call: ModelCall; cache: RunCache; signal: AbortSignal },
+): Promise<Committed> {
+  const skip = await preCheck(job, delivery, () => Promise.resolve());
+  if (skip) return skip;
+  delivery.cache = cache;
+  try {
+    let checked = true;
+    if (cache.lookup) {
+      const claim = await cache.claim(signal, Deadline.after(job.options.budgetMs, job.options.clock));
+      if (claim.hit) {
+        const model = claim.hit.model ?? call.model;
+        return await commit(job, delivery, { output: claim.output, model, cacheHit: claim.hit, waited: claim.waited });
+      }
+      // A run that waited for another's result may have been cancelled meanwhile: it looks again before paying.
+      checked = !claim.waited;
+    }
+    return await answer(job, delivery, { task, call, signal, checked });
+  } finally {
+    await cache.release();
+  }
+}
+
+/**
+ * The run's answer from the model (its first permit asked for at once), committed. `checked`: the pre-check
+ * has just been made.
+ */
+async function answer(
+  job: Job,
+  delivery: Delivery,
+  { task, call, signal, checked = false }: {
+    task: LoadedTask;
+    call: ModelCall;
+    signal: AbortSignal;
+    checked?: boolean;
+  },
+): Promise<Committed> {
   const estimated = estimateTokens(call.prompt + (call.options.system ?? ""), task.definition.max_output_tokens);
   // Ask for the first permit now, in the same tick the worker started this job: the worker's next look at
   // the gate then counts this job as waiting, so it does not read more jobs than permits are coming.
@@ -195,7 +265,7 @@ async function deliver(job: Job, message: StreamMessage, signal: AbortSignal): P
     early.abort(new Error(why));
     await first?.then((permit) => permit.settle({ aborted: true }), () => {}).catch(() => {});
   };
-  const skip = await preCheck(job, delivery, releaseFirst);
+  const skip = checked ? undefined : await preCheck(job, delivery, releaseFirst);
   if (skip) return skip;
   // One budget for the delivery, the repair call included.
   const deadline = Deadline.after(job.options.budgetMs, job.options.clock);
@@ -344,7 +414,7 @@ function parseDelivery(job: Job, message: StreamMessage): Delivery {
   const log = job.log.child(
     run.summary ? { job_id, tenant, msg_id: message.id } : { job_id, tenant, task: run.task, msg_id: message.id },
   );
-  return { message, job_id, tenant, run, log, recorded: 0 };
+  return { message, job_id, tenant, run, log, recorded: 0, usage: { prompt: 0, completion: 0 } };
 }
 
 /**
@@ -514,6 +584,8 @@ function recordAttempt(job: Job, delivery: Delivery, report: AttemptReport, call
   }
   const { details, ...logged } = report;
   log[report.outcome === "ok" ? "debug" : "info"]("model_attempt", { ...logged, ...details });
+  delivery.usage.prompt += details?.prompt_tokens ?? 0;
+  delivery.usage.completion += details?.completion_tokens ?? 0;
   job.options.onAttempt?.({ ...report, job_id });
   // Numbered across the delivery's calls (a repair call's first attempt follows the first call's last), so each
   // row of `model_attempts` names one call.
@@ -535,9 +607,10 @@ function recordAttempt(job: Job, delivery: Delivery, report: AttemptReport, call
 /** The result and its outbox row in one transaction (batched with other jobs' by the committer). */
 async function commit(
   job: Job,
-  { job_id, tenant, run, message, log }: Delivery,
-  { output, model }: { output: unknown; model: string },
+  delivery: Delivery,
+  { output, model, cacheHit, waited }: { output: unknown; model: string; cacheHit?: CacheHit; waited?: boolean },
 ) {
+  const { job_id, tenant, run, message, log } = delivery;
   let committed: Committed;
   try {
     committed = await inSpan(
@@ -550,8 +623,8 @@ async function commit(
         const acceptedMs = acceptedMsOf(message);
         return job.committer.commit(
           run.summary
-            ? { jobId: job_id, tenant, summary: output as string, notify: notify!, traceparent, acceptedMs }
-            : { jobId: job_id, tenant, task, version, input, output, model, notify, traceparent, acceptedMs },
+            ? { jobId: job_id, tenant, summary: output as string, notify: notify!, traceparent, acceptedMs, cacheHit }
+            : { jobId: job_id, tenant, task, version, input, output, model, notify, traceparent, acceptedMs, cacheHit },
         );
       },
     );
@@ -570,7 +643,13 @@ async function commit(
     cancelled: "job_cancelled",
     failed: "job_failed_elsewhere",
   }[committed];
-  log.info(event, { stage: "commit", deliveries: message.deliveries });
+  const hit = cacheHit ? { cached: true, source_run_id: cacheHit.sourceRunId, waited } : {};
+  log.info(event, { stage: "commit", deliveries: message.deliveries, ...hit });
   if (committed === "failed") throw new JobFailedElsewhere(job_id);
+  // Only a result this run computed fills the cache (best effort, never thrown), with what its calls cost.
+  if (committed === "done" && !cacheHit && delivery.cache) {
+    const { prompt, completion } = delivery.usage;
+    await delivery.cache.fill({ output, model, promptTokens: prompt, completionTokens: completion });
+  }
   return committed;
 }

@@ -21,6 +21,7 @@ import { createAttemptLog, describeFailures } from "./attempt_log.ts";
 import { type BudgetExhausted, budgetKey, type Budgets } from "../budgets/budgets.ts";
 import { announceLane } from "../queue/lanes.ts";
 import { sleep } from "../async/timeout.ts";
+import { createResultCache, type ResultCacheOptions } from "../cache/result_cache.ts";
 
 /** The summary prompt's characters besides the document. */
 const PROMPT_FRAME = summaryPrompt("").length;
@@ -40,6 +41,8 @@ export interface SummaryWorkerOptions {
   maxDeliveries: number;
   concurrency: number;
   job: SummaryJobOptions;
+  /** The result cache's default TTL (RESULT_CACHE_TTL_S), prices and events; unset, only tasks with `cache_ttl_s` cache. */
+  cache?: Omit<ResultCacheOptions, "defaultTtlS"> & { defaultTtlS?: number };
   blockMs?: number;
   graceMs?: number;
   heartbeatMs?: number;
@@ -61,7 +64,13 @@ export function createSummaryWorker(
   const blocks = deps.budgets && "lane" in keys
     ? budgetBlocks({ ...deps, budgets: deps.budgets }, keys, share.tenantOf)
     : undefined;
-  const job = createSummaryJob({ ...deps, committer, attempts, budgetExhausted: blocks?.exhausted }, {
+  // Always there: a task version's cache_ttl_s turns it on for its runs even when RESULT_CACHE_TTL_S is 0.
+  const cache = createResultCache(deps, {
+    ...options.cache,
+    defaultTtlS: options.cache?.defaultTtlS ?? 0,
+    keys: "lane" in keys ? (tenant) => keys.lane(tenant) : () => keys,
+  });
+  const job = createSummaryJob({ ...deps, committer, attempts, cache, budgetExhausted: blocks?.exhausted }, {
     ...options.job,
     onAttempt: share.onAttempt,
   });

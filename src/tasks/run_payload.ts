@@ -16,6 +16,8 @@ export const RunPayload = z.object({
   // Checked as an object, not copied key by key: a record would drop a key named __proto__ that intake accepted.
   input: z.custom<Record<string, unknown>>((v) => typeof v === "object" && v !== null && !Array.isArray(v)),
   notify: z.union([z.string(), WebhookTarget]).optional(),
+  /** `Cache-Control: no-cache` on the POST: the run skips the result cache's lookup. Absent in older payloads. */
+  no_cache: z.literal(true).optional(),
 });
 export type RunPayload = z.infer<typeof RunPayload>;
 
@@ -27,6 +29,16 @@ export interface RunJob {
   notify?: Notify;
   /** A job of `POST /v1/summaries`: its result is a summary (the `summaries` table, `summary.ready`). */
   summary: boolean;
+  /** The POST said `Cache-Control: no-cache`: no result-cache lookup. */
+  noCache?: boolean;
+}
+
+/**
+ * The stream payload of a summary job: its request, plus `no_cache` only when the POST said
+ * `Cache-Control: no-cache` (so every other payload is the request alone, as releases before the cache wrote it).
+ */
+export function summaryPayload(request: SummaryRequest, { noCache = false } = {}): string {
+  return JSON.stringify(noCache ? { ...request, no_cache: true } : request);
 }
 
 /**
@@ -36,8 +48,17 @@ export interface RunJob {
 export function runOfPayload(payload: string): RunJob {
   const value: unknown = JSON.parse(payload);
   if (value !== null && typeof value === "object" && "task" in value) {
-    return { ...RunPayload.parse(value), summary: false };
+    const { no_cache, ...run } = RunPayload.parse(value);
+    return { ...run, summary: false, ...(no_cache ? { noCache: true } : {}) };
   }
-  const request = SummaryRequest.parse(value);
-  return { ...SUMMARY_RUN, input: { text: request.text }, notify: request.notify, summary: true };
+  // The request is checked as strictly as at intake, without the one field intake may add.
+  const { no_cache, ...rest } = (value ?? {}) as { no_cache?: unknown };
+  const request = SummaryRequest.parse(no_cache === true ? rest : value);
+  return {
+    ...SUMMARY_RUN,
+    input: { text: request.text },
+    notify: request.notify,
+    summary: true,
+    ...(no_cache === true ? { noCache: true } : {}),
+  };
 }

@@ -42,5 +42,9 @@ export const RunDocument = z.object({
     "Why a queued run is not running: its tenant's budget is spent (it goes on when the period ends or the " +
       "budget is raised)",
   ),
+  cached: z.literal(true).optional().describe(
+    "The output was reused from an earlier done run of the same task version, model and input (the result " +
+      "cache): no model call, so no attempts and no tokens",
+  ),
 });
 export type RunDocument = z.infer<typeof RunDocument>;

@@ -23,6 +23,7 @@ import { RENDER_LIMITS, renderedChars, renderTemplate, TASK_NAME } from "./defin
 import { type SchemaViolation, unstorableJson } from "./json_schema.ts";
 import { ValidationTimeout } from "./validator.ts";
 import type { RunPayload } from "./run_payload.ts";
+import { skipsCache } from "../cache/result_cache.ts";
 import { type RunDocument, RunRequest } from "./run_schemas.ts";
 import type { TaskCache } from "./task_cache.ts";
 import { budgetKey } from "../budgets/budgets.ts";
@@ -53,6 +54,7 @@ function runDocument({ document, tokens, run }: Pick<JobFound, "document" | "tok
     attempts: document.attempts ?? 0,
     tokens,
     ...(document.cost_usd === undefined ? {} : { cost_usd: document.cost_usd }),
+    ...(document.cached ? { cached: true as const } : {}),
   };
 }
 
@@ -123,6 +125,7 @@ export function runRoutes(deps: RunApiDeps): Router {
       version: task.version,
       input: request.input,
       notify: request.notify,
+      ...(skipsCache(req.headers) ? { no_cache: true as const } : {}),
     };
     return await answerSubmission(
       deps,

@@ -1,0 +1,14 @@
+import { defineScript } from "../redis/script.ts";
+
+// FILL: stores a done run's entry for the TTL, and ends the entry's lock if the run holds it (in one step, so a
+// waiter polling for the entry never finds the lock free and the entry missing, which would cost a second call).
+// KEYS[1]  the entry (`cacheEntry`).
+// KEYS[2]  the entry's lock (`cacheLock`; both share the tenant's hash tag).
+// ARGV[1]  the entry: JSON { source_run_id, output, model, prompt_tokens, completion_tokens }.
+// ARGV[2]  the entry's TTL in ms.
+// ARGV[3]  the run's id: the lock is deleted only while it holds this value.
+// Returns 1.
+export const FILL_SCRIPT = defineScript(`
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if redis.call('GET', KEYS[2]) == ARGV[3] then redis.call('DEL', KEYS[2]) end
+return 1`);
