@@ -67,7 +67,7 @@ const RESERVE = defineScript(`
 -- ARGV[8]  mode: 'reserve' (counts what is reserved in flight and holds the worst case) or 'check' (an intake's
 --          question: would it fit what is spent, reservations aside; holds nothing)
 -- Returns {ok, budget (1..4, the first that refused; 0 when ok), limit, spent, reserved, now ms, day, month,
--- newly (1 when this refusal is the first of the period for that budget: it has just been reached)}.
+-- newly (the marks, 80 and/or 100, this refusal is the first of the period to reach, comma-separated)}.
 local key = KEYS[1]
 local lim = {tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}
 local tok, usd, ttl, mode = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
@@ -79,20 +79,25 @@ for i = 1, 4 do
   local held = reserved[i]
   if mode == 'check' then held = 0 end
   if lim[i] >= 0 and spent[i] + held + want[i] > lim[i] then
-    local newly = 0
+    -- Refused: the budget is reached (100%), and so is 80% if spend had not passed it yet (a worst case can be
+    -- refused below 80% spent). Each mark once per period.
+    local newly = {}
     if mode == 'reserve' then
       local flags = redis.call('HGET', key, p[i] .. ':flags') or ''
-      local mark = '100' .. unit[i]
-      if not string.find(flags, mark, 1, true) then
-        newly = 1
-        redis.call('HSET', key, p[i] .. ':flags', flags .. mark .. ',')
+      for _, pct in ipairs({80, 100}) do
+        local mark = pct .. unit[i]
+        if not string.find(flags, mark, 1, true) then
+          newly[#newly + 1] = pct
+          flags = flags .. mark .. ','
+        end
       end
+      if #newly > 0 then redis.call('HSET', key, p[i] .. ':flags', flags) end
       redis.call('PEXPIRE', key, ttl)
     end
-    return {0, i, lim[i], spent[i], reserved[i], now, day, month, newly}
+    return {0, i, lim[i], spent[i], reserved[i], now, day, month, table.concat(newly, ',')}
   end
 end
-if mode == 'check' then return {1, 0, 0, 0, 0, now, day, month, 0} end
+if mode == 'check' then return {1, 0, 0, 0, 0, now, day, month, ''} end
 -- Forget periods older than the previous one (a late settlement of the previous period still finds its fields).
 local function roll(name, cur, prefix)
   local old = tonumber(redis.call('HGET', key, name))
@@ -114,7 +119,7 @@ redis.call('HINCRBY', key, 'd' .. day .. ':rusd', usd)
 redis.call('HINCRBY', key, 'm' .. month .. ':rtok', tok)
 redis.call('HINCRBY', key, 'm' .. month .. ':rusd', usd)
 redis.call('PEXPIRE', key, ttl)
-return {1, 0, 0, 0, 0, now, day, month, 0}
+return {1, 0, 0, 0, 0, now, day, month, ''}
 `);
 
 const SETTLE = defineScript(`
@@ -209,8 +214,8 @@ export interface ReserveReply {
   now: number;
   day: number;
   month: number;
-  /** Whether this refusal is the period's first for that budget. */
-  newly: boolean;
+  /** The marks (80, 100) this refusal is the period's first to reach for that budget. */
+  newly: (80 | 100)[];
 }
 
 /** Runs the reserve script (mode `reserve`) or its intake question (mode `check`). */
@@ -237,7 +242,7 @@ export async function runReserve(
     now: r[5]!,
     day: r[6]!,
     month: r[7]!,
-    newly: r[8] === 1,
+    newly: String(r[8] ?? "").split(",").filter(Boolean).map(Number) as (80 | 100)[],
   };
 }
 

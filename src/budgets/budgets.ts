@@ -271,16 +271,16 @@ export function createBudgets(
       if (!reply.ok) {
         events.refused?.(tenant, "worker");
         const error = exhausted(tenant, reply, held);
-        if (reply.newly) {
-          log.warn("budget_reached", {
+        for (const percent of reply.newly) {
+          log[percent === 100 ? "warn" : "info"]("budget_reached", {
             tenant,
             period: error.budget.period,
             unit: error.budget.unit,
-            percent: 100,
+            percent,
             limit: error.budget.limit,
             spent: error.budget.spent,
           });
-          events.threshold?.(tenant, BUDGETS[reply.budget]!, 100);
+          events.threshold?.(tenant, BUDGETS[reply.budget]!, percent);
         }
         throw error;
       }

@@ -10,10 +10,12 @@ import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
-import { silentLogger } from "../../src/log/logger.ts";
-import { budgetKey, createBudgets, worstCaseTokens } from "../../src/budgets/budgets.ts";
+import { createLogger, silentLogger } from "../../src/log/logger.ts";
+import { budgetKey, createBudgets, warnUnpricedModels, worstCaseTokens } from "../../src/budgets/budgets.ts";
 import { readBudgetState, runReserve } from "../../src/budgets/budget_scripts.ts";
 import { createPrices } from "../../src/provider/prices.ts";
+import { createRegistry } from "../../src/metrics/metrics.ts";
+import { budgetEvents } from "../../src/budgets/budget_metrics.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import { apiHandler, summaryWorker } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
@@ -50,8 +52,14 @@ Deno.test("budgets: a tenant is stopped at its budget with 0 overshoot, waits, a
     return { kind: "ok", usage, content: "ok", delayMs: 30 };
   });
   const prices = createPrices({ LLM_PRICES: { "default-model": { in: 0.4, out: 1.6 } } });
+  const registry = createRegistry();
   const budgets = () =>
-    createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger }, { prefix: r.prefix, prices, ttlMs: 200 });
+    createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger }, {
+      prefix: r.prefix,
+      prices,
+      ttlMs: 200,
+      events: budgetEvents(registry),
+    });
   const api = apiHandler({ redis: r.redis, sql: db.sql, keys }, {
     authMode: "api-key",
     budgets: budgets(),
@@ -122,8 +130,9 @@ Deno.test("budgets: a tenant is stopped at its budget with 0 overshoot, waits, a
         const state = await readBudgetState(r.redis, budgetKey(r.prefix, "acme"));
         const doc = await call("acme", "GET", `/v1/runs/${ids.at(-1)}`);
         // Settled: nothing in flight, and what is left of the budget no longer fits one run's worst case.
+        const done = (await statuses("acme")).done ?? 0;
         return state.reserved[0] === 0 && state.spent[0]! + worstRun > budget && doc.body.status === "queued" &&
-          doc.body.waiting_for === "budget";
+          doc.body.waiting_for === "budget" && done + await r.redis.xlen(keys.lane("acme").stream) === 64;
       }, 20_000);
       const done = (await statuses("acme")).done ?? 0;
       console.log(`  ${done} of 64 runs finished within the budget`);
@@ -174,6 +183,25 @@ Deno.test("budgets: a tenant is stopped at its budget with 0 overshoot, waits, a
         assert.deepEqual((await call("other", "GET", "/v1/usage")).body.budgets, []);
       },
     );
+
+    await t.step("metrics: the 80% and 100% marks once each, spend and refusals per tenant", async () => {
+      const text = await registry.metrics();
+      const line = (name: string, labels: string) =>
+        text.split("\n").find((l) => l.startsWith(`${name}{${labels}}`))?.split(" ").at(-1);
+      assert.equal(
+        line("oncely_budget_threshold_reached_total", 'tenant="acme",period="day",unit="tokens",percent="80"'),
+        "1",
+      );
+      assert.equal(
+        line("oncely_budget_threshold_reached_total", 'tenant="acme",period="day",unit="tokens",percent="100"'),
+        "1",
+      );
+      assert.equal(
+        line("oncely_budget_spent", 'tenant="acme",period="day",unit="tokens"'),
+        String(reported.get("acme")),
+      );
+      assert.ok(Number(line("oncely_budget_refusals_total", 'tenant="acme",where="worker"')) >= 1);
+    });
 
     await t.step("a new POST is refused with 429, Retry-After and the budget; a replay is still answered", async () => {
       const refused = await post("acme", 1000);
@@ -250,5 +278,25 @@ Deno.test("budget scripts: 200 reservations at once never pass the limit, and se
     assert.ok((await runReserve(r.redis, key, limits, { tokens: 10, nanos: 0 }, "check")).ok);
   } finally {
     await r.close();
+  }
+});
+
+Deno.test("start-up names the models in use that have no price while a tenant has a USD budget", async () => {
+  const db = await createTestDatabase();
+  try {
+    await createApiKey(db.sql, "acme");
+    await db.sql`INSERT INTO tasks (tenant, name, version, definition)
+      VALUES ('acme', 'triage', 1, ${db.sql.json({ prompt: "x", model: ["priced", "unpriced-b"] })})`;
+    const config = { OPENAI_MODEL: "unpriced-a", LLM_PROVIDER: "openai" };
+    const prices = createPrices({ LLM_PRICES: { priced: { in: 1, out: 2 } } });
+    // No USD budget: nothing to say.
+    assert.deepEqual(await warnUnpricedModels({ sql: db.sql, log: silentLogger }, config, prices), []);
+    await setTenantBudget(db.sql, "acme", { "--usd-per-month": 10 });
+    const lines: string[] = [];
+    const log = createLogger({ level: "error", write: (line) => lines.push(line) });
+    assert.deepEqual(await warnUnpricedModels({ sql: db.sql, log }, config, prices), ["unpriced-a", "unpriced-b"]);
+    assert.match(lines.join(""), /budget_models_unpriced/);
+  } finally {
+    await db.close();
   }
 });
