@@ -518,7 +518,7 @@ async function callModel(
         });
         if (now) throw new JobDecided(job_id, now);
       },
-      onAttempt: (report) => recordAttempt(job, delivery, report, call, estimated),
+      onAttempt: (report) => recordAttempt(job, delivery, report, call),
     });
     return completion.text;
   } catch (error) {
@@ -552,17 +552,8 @@ function endedBy({ job_id, message, log }: Delivery, outcome: Outcome, stage: st
   return outcome === "done" ? "duplicate" : outcome;
 }
 
-/**
- * What a call reserves against budgets, and is charged when it may have run without reporting usage: the
- * estimated prompt tokens (`estimated` less the output cap) and the whole output cap as completion.
- */
-function reservationOf(call: ModelCall, estimated: number): CallTokens {
-  const completion = call.options.maxOutputTokens ?? 0;
-  return { prompt: Math.max(0, estimated - completion), completion };
-}
-
 /** One attempt's span, log line and `model_attempts` row (with its cost, see {@linkcode attemptCost}). */
-function recordAttempt(job: Job, delivery: Delivery, report: AttemptReport, call: ModelCall, estimated: number): void {
+function recordAttempt(job: Job, delivery: Delivery, report: AttemptReport, call: ModelCall): void {
   const { model } = call;
   const { job_id, tenant, message, log, run } = delivery;
   if (report.started_at_ms !== undefined) {
