@@ -11,11 +11,18 @@
  * tokens per month, USD per month. USD are whole nano-dollars (see
  * `prices.ts`). A limit of -1 is no limit.
  *
- * Fields: `d<day>:tok|usd|rtok|rusd` (spent and reserved, day = days since
- * the epoch), `m<month>:...` (month = year * 12 + month - 1), `d<day>:flags`
- * / `m<month>:flags` (thresholds already announced), `day` / `month` (the
- * newest periods seen, for clean-up). A reservation settles against the
- * periods it was made in, so the previous day and month are kept.
+ * Fields: `d<day>:tok|usd` (spent; day = days since the epoch),
+ * `m<month>:tok|usd` (month = year * 12 + month - 1), `d<day>:flags` /
+ * `m<month>:flags` (thresholds already announced), `day` / `month` (the
+ * newest periods seen, for clean-up), and the reservations: per lease epoch
+ * of 15 minutes (`r<epoch>:tok|usd`, the epochs listed in `open`; a day and
+ * a month are whole epochs, so an epoch's day and month are its own). A
+ * reservation settles in its own epoch. One still open an epoch later
+ * belongs to a call whose settlement never came (its worker was killed, or
+ * Redis refused the settle): it may have been billed, so it is charged as
+ * spent to its day and month, and a late settlement corrects it by the
+ * difference. A reservation therefore counts as in flight for at most 30
+ * minutes.
  */
 import type { RedisClient } from "../clients.ts";
 import { defineScript } from "../redis/script.ts";
@@ -26,36 +33,83 @@ export type Limits = [number, number, number, number];
 /** How long a tenant's budget hash outlives its last use: past the previous month. */
 export const BUDGET_STATE_TTL_MS = 70 * 24 * 3600 * 1000;
 
-const PERIODS = `
+/** A reservation's lease epoch: 15 minutes (a day is 96 of them, so no epoch spans two days or two months). */
+export const RESERVATION_EPOCH_MS = 15 * 60_000;
+
+const PRELUDE = `
+local LEASE = ${RESERVATION_EPOCH_MS}
+-- The civil month of a day number (H. Hinnant's days_from_civil, inverted), as year * 12 + month - 1.
+local function month_of(d)
+  local z = d + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local mon = mp + 3
+  if mp >= 10 then mon = mp - 9 end
+  local year = yoe + era * 400
+  if mon <= 2 then year = year + 1 end
+  return year * 12 + mon - 1
+end
+local function day_of(e) return math.floor(e * LEASE / 86400000) end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local day = math.floor(now / 86400000)
--- The civil month of a day number (H. Hinnant's days_from_civil, inverted).
-local z = day + 719468
-local era = math.floor(z / 146097)
-local doe = z - era * 146097
-local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
-local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
-local mp = math.floor((5 * doy + 2) / 153)
-local mon = mp + 3
-if mp >= 10 then mon = mp - 9 end
-local year = yoe + era * 400
-if mon <= 2 then year = year + 1 end
-local month = year * 12 + mon - 1
-`;
-
-const READ = `
-local function fields(d, m)
-  local p = {'d' .. d, 'd' .. d, 'm' .. m, 'm' .. m}
-  local unit = {'tok', 'usd', 'tok', 'usd'}
-  local spent, reserved = {}, {}
-  local h = redis.call('HMGET', key, p[1] .. ':tok', p[2] .. ':usd', p[3] .. ':tok', p[4] .. ':usd',
-    p[1] .. ':rtok', p[2] .. ':rusd', p[3] .. ':rtok', p[4] .. ':rusd')
+local month = month_of(day)
+local epoch = math.floor(now / LEASE)
+local unit = {'tok', 'usd', 'tok', 'usd'}
+local p = {'d' .. day, 'd' .. day, 'm' .. month, 'm' .. month}
+-- HINCRBY by n, never by 0 (nothing to do) nor by -0 (Lua's way of writing a negative zero, which HINCRBY refuses).
+local function incr(field, n)
+  if n == 0 then return tonumber(redis.call('HGET', key, field)) or 0 end
+  if n < 0 then return redis.call('HINCRBY', key, field, 0 - math.abs(n)) end
+  return redis.call('HINCRBY', key, field, n)
+end
+-- The current periods' spend and reservations. Reservations of epochs before the previous one never settled:
+-- with write, they are charged as spent to their own day and month (when those are the current or previous
+-- ones) and forgotten; without, they are counted as spent in what is returned.
+local function state(write)
+  local list = redis.call('HGET', key, 'open') or ''
+  local keep, listed = {}, 0
+  local reserved = {0, 0, 0, 0}
+  local late = {0, 0, 0, 0}
+  for e in string.gmatch(list, '[^,]+') do
+    listed = listed + 1
+    local n = tonumber(e)
+    local h = redis.call('HMGET', key, 'r' .. n .. ':tok', 'r' .. n .. ':usd')
+    local amount = {math.max(0, tonumber(h[1]) or 0), math.max(0, tonumber(h[2]) or 0)}
+    local ed = day_of(n)
+    local em = month_of(ed)
+    if n < epoch - 1 then
+      for i = 1, 4 do
+        local a = amount[(i - 1) % 2 + 1]
+        local period = ed
+        if i > 2 then period = em end
+        local current = day
+        if i > 2 then current = month end
+        if period == current then late[i] = late[i] + a end
+        if write and a > 0 and period >= current - 1 then
+          if i <= 2 then incr('d' .. ed .. ':' .. unit[i], a) else incr('m' .. em .. ':' .. unit[i], a) end
+        end
+      end
+      if write then redis.call('HDEL', key, 'r' .. n .. ':tok', 'r' .. n .. ':usd') end
+    else
+      keep[#keep + 1] = e
+      for i = 1, 4 do
+        local a = amount[(i - 1) % 2 + 1]
+        if (i <= 2 and ed == day) or (i > 2 and em == month) then reserved[i] = reserved[i] + a end
+      end
+    end
+  end
+  if write and #keep ~= listed then redis.call('HSET', key, 'open', table.concat(keep, ',')) end
+  local h = redis.call('HMGET', key, p[1] .. ':tok', p[2] .. ':usd', p[3] .. ':tok', p[4] .. ':usd')
+  local spent = {}
   for i = 1, 4 do
     spent[i] = tonumber(h[i]) or 0
-    reserved[i] = math.max(0, tonumber(h[i + 4]) or 0)
+    if not write then spent[i] = spent[i] + late[i] end
   end
-  return p, unit, spent, reserved
+  return spent, reserved
 end
 `;
 
@@ -65,39 +119,46 @@ const RESERVE = defineScript(`
 -- ARGV[1..4]  the limits (tokens/day, nano-USD/day, tokens/month, nano-USD/month; -1 = none)
 -- ARGV[5]  the worst case's tokens   ARGV[6]  its nano-USD   ARGV[7]  the hash's TTL in ms
 -- ARGV[8]  mode: 'reserve' (counts what is reserved in flight and holds the worst case) or 'check' (an intake's
---          question: would it fit what is spent, reservations aside; holds nothing)
--- Returns {ok, budget (1..4, the first that refused; 0 when ok), limit, spent, reserved, now ms, day, month,
--- newly (the marks, 80 and/or 100, this refusal is the first of the period to reach, comma-separated)}.
+--          question: would it fit what is spent, reservations aside; writes nothing)
+-- Returns {ok, budget (1..4, the refusing one whose period ends last; 0 when ok), limit, spent, reserved, now ms, day,
+-- month, newly (the marks, 80 and/or 100, this refusal is the first of the period to reach, comma-separated),
+-- never (1: the worst case alone is over a limit), epoch (the reservation's, when ok)}.
 local key = KEYS[1]
 local lim = {tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}
 local tok, usd, ttl, mode = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
-${PERIODS}
-${READ}
-local p, unit, spent, reserved = fields(day, month)
+${PRELUDE}
+local spent, reserved = state(mode == 'reserve')
 local want = {tok, usd, tok, usd}
+-- The budget that refuses: of those that would pass their limit, the one whose period ends last (a month's
+-- after a day's), so Retry-After and the wait name when the call can fit again. never: the worst case alone
+-- is over a limit, so no period's end makes it fit.
+local refusing, never = 0, 0
 for i = 1, 4 do
   local held = reserved[i]
   if mode == 'check' then held = 0 end
-  if lim[i] >= 0 and spent[i] + held + want[i] > lim[i] then
-    -- Refused: the budget is reached (100%), and so is 80% if spend had not passed it yet (a worst case can be
-    -- refused below 80% spent). Each mark once per period.
-    local newly = {}
-    if mode == 'reserve' then
-      local flags = redis.call('HGET', key, p[i] .. ':flags') or ''
-      for _, pct in ipairs({80, 100}) do
-        local mark = pct .. unit[i]
-        if not string.find(flags, mark, 1, true) then
-          newly[#newly + 1] = pct
-          flags = flags .. mark .. ','
-        end
-      end
-      if #newly > 0 then redis.call('HSET', key, p[i] .. ':flags', flags) end
-      redis.call('PEXPIRE', key, ttl)
-    end
-    return {0, i, lim[i], spent[i], reserved[i], now, day, month, table.concat(newly, ',')}
-  end
+  if lim[i] >= 0 and spent[i] + held + want[i] > lim[i] then refusing = i end
+  if lim[i] >= 0 and want[i] > lim[i] then never = 1 end
 end
-if mode == 'check' then return {1, 0, 0, 0, 0, now, day, month, ''} end
+if refusing > 0 then
+  local i = refusing
+  -- Refused: the budget is reached (100%), and so is 80% if spend had not passed it yet (a worst case can be
+  -- refused below 80% spent). Each mark once per period; a worst case over the limit itself marks nothing.
+  local newly = {}
+  if mode == 'reserve' and never == 0 then
+    local flags = redis.call('HGET', key, p[i] .. ':flags') or ''
+    for _, pct in ipairs({80, 100}) do
+      local mark = pct .. unit[i]
+      if not string.find(flags, mark, 1, true) then
+        newly[#newly + 1] = pct
+        flags = flags .. mark .. ','
+      end
+    end
+    if #newly > 0 then redis.call('HSET', key, p[i] .. ':flags', flags) end
+    redis.call('PEXPIRE', key, ttl)
+  end
+  return {0, i, lim[i], spent[i], reserved[i], now, day, month, table.concat(newly, ','), never, 0}
+end
+if mode == 'check' then return {1, 0, 0, 0, 0, now, day, month, '', 0, 0} end
 -- Forget periods older than the previous one (a late settlement of the previous period still finds its fields).
 local function roll(name, cur, prefix)
   local old = tonumber(redis.call('HGET', key, name))
@@ -106,7 +167,7 @@ local function roll(name, cur, prefix)
     for _, q in ipairs({old - 1, old}) do
       if q < cur - 1 then
         local f = prefix .. q
-        redis.call('HDEL', key, f .. ':tok', f .. ':usd', f .. ':rtok', f .. ':rusd', f .. ':flags')
+        redis.call('HDEL', key, f .. ':tok', f .. ':usd', f .. ':flags')
       end
     end
   end
@@ -114,52 +175,61 @@ local function roll(name, cur, prefix)
 end
 roll('day', day, 'd')
 roll('month', month, 'm')
-redis.call('HINCRBY', key, 'd' .. day .. ':rtok', tok)
-redis.call('HINCRBY', key, 'd' .. day .. ':rusd', usd)
-redis.call('HINCRBY', key, 'm' .. month .. ':rtok', tok)
-redis.call('HINCRBY', key, 'm' .. month .. ':rusd', usd)
+incr('r' .. epoch .. ':tok', tok)
+incr('r' .. epoch .. ':usd', usd)
+local list = redis.call('HGET', key, 'open') or ''
+if not string.find(',' .. list .. ',', ',' .. epoch .. ',', 1, true) then
+  if list == '' then list = tostring(epoch) else list = list .. ',' .. epoch end
+  redis.call('HSET', key, 'open', list)
+end
 redis.call('PEXPIRE', key, ttl)
-return {1, 0, 0, 0, 0, now, day, month, ''}
+return {1, 0, 0, 0, 0, now, day, month, '', 0, epoch}
 `);
 
 const SETTLE = defineScript(`
--- Settle: a call reserved in (day, month) ended: its reservation goes, its charge is spent.
+-- Settle: a call reserved in lease epoch e ended: its reservation goes, its charge is spent in e's day and month.
 -- KEYS[1]  the tenant's budget hash
--- ARGV[1] day  ARGV[2] month  ARGV[3] reserved tokens  ARGV[4] reserved nano-USD  ARGV[5] charged tokens
--- ARGV[6] charged nano-USD  ARGV[7..10] the limits (for the 80% and 100% marks)  ARGV[11] the hash's TTL in ms
--- Returns {spent x4, reserved x4, marks}: marks lists the thresholds this settlement crossed first in its period,
--- as 'budget:percent' separated by commas (budget 1..4, percent 80 or 100).
+-- ARGV[1] the reservation's epoch  ARGV[2] reserved tokens  ARGV[3] reserved nano-USD  ARGV[4] charged tokens
+-- ARGV[5] charged nano-USD  ARGV[6..9] the limits (for the 80% and 100% marks)  ARGV[10] the hash's TTL in ms
+-- Returns {spent x4, reserved x4 (the current periods', after this), marks}: marks lists the thresholds this
+-- settlement crossed first in its period, as 'budget:percent' separated by commas (budget 1..4, percent 80 or 100).
 local key = KEYS[1]
-local day, month = ARGV[1], ARGV[2]
-local rtok, rusd, ctok, cusd = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local lim = {tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])}
-local ttl = tonumber(ARGV[11])
-local p = {'d' .. day, 'd' .. day, 'm' .. month, 'm' .. month}
-local unit = {'tok', 'usd', 'tok', 'usd'}
+local e = tonumber(ARGV[1])
+local rtok, rusd, ctok, cusd = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local lim = {tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])}
+local ttl = tonumber(ARGV[10])
+${PRELUDE}
+local ed = day_of(e)
+local em = month_of(ed)
+local own = {'d' .. ed, 'd' .. ed, 'm' .. em, 'm' .. em}
 local held = {rtok, rusd, rtok, rusd}
 local charged = {ctok, cusd, ctok, cusd}
-local out, marks = {}, {}
+local list = redis.call('HGET', key, 'open') or ''
+local open = string.find(',' .. list .. ',', ',' .. e .. ',', 1, true) ~= nil
+if open then
+  incr('r' .. e .. ':tok', 0 - rtok)
+  incr('r' .. e .. ':usd', 0 - rusd)
+end
+local marks = {}
 for i = 1, 4 do
-  -- (0 - x, not -x: Lua writes -0 for a zero, which HINCRBY refuses.)
-  local reserved = tonumber(redis.call('HGET', key, p[i] .. ':r' .. unit[i])) or 0
-  if held[i] ~= 0 then reserved = redis.call('HINCRBY', key, p[i] .. ':r' .. unit[i], 0 - held[i]) end
-  if reserved < 0 then
-    -- Its period's fields were forgotten meanwhile (a call across two period ends): nothing is left to release.
-    redis.call('HSET', key, p[i] .. ':r' .. unit[i], 0)
-    reserved = 0
+  -- An epoch no longer open was charged its whole reservation already: only the difference is left to charge.
+  local charge = charged[i]
+  if not open then charge = charged[i] - held[i] end
+  local field = own[i] .. ':' .. unit[i]
+  local before = tonumber(redis.call('HGET', key, field)) or 0
+  local after = incr(field, charge)
+  if after < 0 then
+    redis.call('HSET', key, field, 0)
+    after = 0
   end
-  local before = tonumber(redis.call('HGET', key, p[i] .. ':' .. unit[i])) or 0
-  local spent = before
-  if charged[i] > 0 then spent = redis.call('HINCRBY', key, p[i] .. ':' .. unit[i], charged[i]) end
-  out[i], out[i + 4] = spent, reserved
-  if lim[i] > 0 then
+  if lim[i] > 0 and own[i] == p[i] then
     for _, pct in ipairs({80, 100}) do
       local at = lim[i] * pct / 100
-      if before < at and spent >= at then
-        local flags = redis.call('HGET', key, p[i] .. ':flags') or ''
+      if before < at and after >= at then
+        local flags = redis.call('HGET', key, own[i] .. ':flags') or ''
         local mark = pct .. unit[i]
         if not string.find(flags, mark, 1, true) then
-          redis.call('HSET', key, p[i] .. ':flags', flags .. mark .. ',')
+          redis.call('HSET', key, own[i] .. ':flags', flags .. mark .. ',')
           marks[#marks + 1] = i .. ':' .. pct
         end
       end
@@ -167,18 +237,17 @@ for i = 1, 4 do
   end
 end
 redis.call('PEXPIRE', key, ttl)
-out[9] = table.concat(marks, ',')
-return out
+local spent, reserved = state(false)
+return {spent[1], spent[2], spent[3], spent[4], reserved[1], reserved[2], reserved[3], reserved[4], table.concat(marks, ',')}
 `);
 
 const READ_STATE = defineScript(`
--- Read: the current periods' spend and reservations.
+-- Read: the current periods' spend and reservations (reservations that never settled count as spent).
 -- KEYS[1]  the tenant's budget hash
 -- Returns {now ms, day, month, spent x4, reserved x4}.
 local key = KEYS[1]
-${PERIODS}
-${READ}
-local _, _, spent, reserved = fields(day, month)
+${PRELUDE}
+local spent, reserved = state(false)
 return {now, day, month, spent[1], spent[2], spent[3], spent[4], reserved[1], reserved[2], reserved[3], reserved[4]}
 `);
 
@@ -189,18 +258,26 @@ const SEED = defineScript(`
 -- ARGV[1..4]  spent by Postgres's record, in the budgets' order   ARGV[5]  the hash's TTL in ms
 -- Returns 1.
 local key = KEYS[1]
-${PERIODS}
-local p = {'d' .. day .. ':tok', 'd' .. day .. ':usd', 'm' .. month .. ':tok', 'm' .. month .. ':usd'}
+${PRELUDE}
 for i = 1, 4 do
-  local have = tonumber(redis.call('HGET', key, p[i])) or 0
+  local field = p[i] .. ':' .. unit[i]
+  local have = tonumber(redis.call('HGET', key, field)) or 0
   local seen = tonumber(ARGV[i])
-  if seen > have then redis.call('HSET', key, p[i], seen) end
+  if seen > have then redis.call('HSET', key, field, seen) end
 end
 redis.call('HSETNX', key, 'day', day)
 redis.call('HSETNX', key, 'month', month)
 redis.call('PEXPIRE', key, tonumber(ARGV[5]))
 return 1
 `);
+
+/**
+ * A whole, non-negative number for a script: HINCRBY refuses anything else, and Redis does not undo a script's
+ * earlier writes when a later command fails.
+ */
+function whole(n: number): number {
+  return Number.isFinite(n) ? Math.max(0, Math.ceil(n)) : 0;
+}
 
 /** A reservation's answer: held (ok) or refused by the first budget that would pass its limit. */
 export interface ReserveReply {
@@ -216,6 +293,10 @@ export interface ReserveReply {
   month: number;
   /** The marks (80, 100) this refusal is the period's first to reach for that budget. */
   newly: (80 | 100)[];
+  /** The worst case alone is over a limit: no period's end makes it fit (only a raised budget). */
+  never: boolean;
+  /** The reservation's lease epoch (when ok): its settlement names it. */
+  epoch: number;
 }
 
 /** Runs the reserve script (mode `reserve`) or its intake question (mode `check`). */
@@ -228,21 +309,24 @@ export async function runReserve(
 ): Promise<ReserveReply> {
   const r = await RESERVE.run(redis, [key], [
     ...limits,
-    worst.tokens,
-    worst.nanos,
+    whole(worst.tokens),
+    whole(worst.nanos),
     BUDGET_STATE_TTL_MS,
     mode,
-  ]) as number[];
+  ]) as (number | string)[];
+  const n = (i: number) => Number(r[i]);
   return {
-    ok: r[0] === 1,
-    budget: r[1]! - 1,
-    limit: r[2]!,
-    spent: r[3]!,
-    reserved: r[4]!,
-    now: r[5]!,
-    day: r[6]!,
-    month: r[7]!,
+    ok: n(0) === 1,
+    budget: n(1) - 1,
+    limit: n(2),
+    spent: n(3),
+    reserved: n(4),
+    now: n(5),
+    day: n(6),
+    month: n(7),
     newly: String(r[8] ?? "").split(",").filter(Boolean).map(Number) as (80 | 100)[],
+    never: n(9) === 1,
+    epoch: n(10),
   };
 }
 
@@ -257,18 +341,17 @@ export interface SettleReply {
 export async function runSettle(
   redis: RedisClient,
   key: string,
-  at: { day: number; month: number },
+  at: { epoch: number },
   reserved: { tokens: number; nanos: number },
   charged: { tokens: number; nanos: number },
   limits: Limits,
 ): Promise<SettleReply> {
   const r = await SETTLE.run(redis, [key], [
-    at.day,
-    at.month,
-    reserved.tokens,
-    reserved.nanos,
-    charged.tokens,
-    charged.nanos,
+    at.epoch,
+    whole(reserved.tokens),
+    whole(reserved.nanos),
+    whole(charged.tokens),
+    whole(charged.nanos),
     ...limits,
     BUDGET_STATE_TTL_MS,
   ]) as (number | string)[];

@@ -121,6 +121,25 @@ export class BudgetExhausted extends GateRefused {
   }
 }
 
+/**
+ * A call whose worst case alone is over one of the tenant's limits: no period's end makes it fit, so the run
+ * fails (at intake, a 422) instead of waiting for ever and holding its tenant's lane back.
+ */
+export class BudgetTooSmall extends GateRefused {
+  constructor(
+    readonly tenant: string,
+    readonly budget: { period: "day" | "month"; unit: "usd" | "tokens"; limit: number },
+    readonly worst: number,
+  ) {
+    super(
+      `the run's worst case (${worst}${budget.unit === "usd" ? " USD" : " tokens"}: its prompt and every output ` +
+        `token it may write) is over tenant ${tenant}'s whole budget per ${budget.period} ` +
+        `(${budget.limit}${budget.unit === "usd" ? " USD" : " tokens"})`,
+    );
+    this.name = "BudgetTooSmall";
+  }
+}
+
 /** A USD budget, but the model has no price: its calls cannot be bounded. */
 export class ModelUnpriced extends GateRefused {
   constructor(readonly model: string, tenant: string) {
@@ -129,9 +148,21 @@ export class ModelUnpriced extends GateRefused {
   }
 }
 
+const money = (n: number) => Math.round(nanosToUsd(n) * 1e6) / 1e6;
+
+/** The worst case is over a limit by itself: the refusal that no wait ends. */
+function tooSmall(tenant: string, limits: Limits, worst: { tokens: number; nanos: number }): BudgetTooSmall {
+  const i = limits.findIndex((limit, j) => limit >= 0 && (j % 2 === 0 ? worst.tokens : worst.nanos) > limit);
+  const { period, unit } = BUDGETS[i]!;
+  return new BudgetTooSmall(
+    tenant,
+    { period, unit, limit: unit === "usd" ? money(limits[i]!) : limits[i]! },
+    unit === "usd" ? money(worst.nanos) : worst.tokens,
+  );
+}
+
 function exhausted(tenant: string, reply: ReserveReply, worst: { tokens: number; nanos: number }): BudgetExhausted {
   const { period, unit } = BUDGETS[reply.budget]!;
-  const money = (n: number) => Math.round(nanosToUsd(n) * 1e6) / 1e6;
   return new BudgetExhausted(
     tenant,
     {
@@ -195,11 +226,15 @@ export interface Budgets {
   of(tenant: string): Promise<TenantBudget | undefined>;
   /**
    * Reserves a call's worst case against the tenant's budgets. @returns undefined when the tenant has none.
-   * @throws {BudgetExhausted} when it does not fit; {@linkcode ModelUnpriced} for a USD budget and no price.
+   * @throws {BudgetExhausted} when it does not fit now; {@linkcode BudgetTooSmall} when it never can;
+   * {@linkcode ModelUnpriced} for a USD budget and no price.
    */
   reserve(tenant: string, model: string, worst: CallTokens): Promise<HeldReservation | undefined>;
-  /** Intake's question: does a run's worst case still fit what the tenant has spent? @returns the refusal, if any. */
-  check(tenant: string, model: string, worst: CallTokens): Promise<BudgetExhausted | undefined>;
+  /**
+   * Intake's question: does a run's worst case still fit what the tenant has spent? @returns the refusal, if any:
+   * spent for now ({@linkcode BudgetExhausted}), or never ({@linkcode BudgetTooSmall}).
+   */
+  check(tenant: string, model: string, worst: CallTokens): Promise<BudgetExhausted | BudgetTooSmall | undefined>;
   /** The tenant's budgets now (none without a budget). */
   views(tenant: string): Promise<BudgetView[]>;
   /** Whether a blocked tenant's refused worst case fits again (the period ended, the budget was raised, calls settled). */
@@ -268,6 +303,7 @@ export function createBudgets(
         nanos: price ? costNanos(price, worst.prompt, worst.completion) : 0,
       };
       const reply = await runReserve(redis, key(tenant), limits, held, "reserve");
+      if (!reply.ok && reply.never) throw tooSmall(tenant, limits, held);
       if (!reply.ok) {
         events.refused?.(tenant, "worker");
         const error = exhausted(tenant, reply, held);
@@ -324,6 +360,7 @@ export function createBudgets(
       };
       const reply = await runReserve(redis, key(tenant), limitsOf(budget), held, "check");
       if (reply.ok) return undefined;
+      if (reply.never) return tooSmall(tenant, limitsOf(budget), held);
       events.refused?.(tenant, "intake");
       return exhausted(tenant, reply, held);
     },

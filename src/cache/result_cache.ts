@@ -11,6 +11,7 @@
  * commits `done`; the others poll for the entry and take the lock over when
  * its holder ends without filling it (failed, cancelled, crashed).
  */
+import { JobDeferred } from "../queue/errors.ts";
 import { z } from "zod";
 import type { RedisClient } from "../clients.ts";
 import { sha256Hex } from "../crypto/digest.ts";
@@ -19,7 +20,6 @@ import type { Logger } from "../log/logger.ts";
 import { costNanos, nanosToUsd, type Prices } from "../provider/prices.ts";
 import { type Clock, systemClock } from "../retry/clock.ts";
 import type { Deadline } from "../retry/deadline.ts";
-import { DeadlineExceeded } from "../retry/errors.ts";
 import type { JobKeys } from "../summaries/keys.ts";
 import type { CacheHit } from "./cache_hit_store.ts";
 import { CLAIM_SCRIPT } from "./claim_script.ts";
@@ -202,7 +202,9 @@ export function createResultCache(
             // Another run computes this entry: look again after a pause, within this delivery's deadline.
             waited = true;
             const left = deadline.remaining();
-            if (left <= 0) throw new DeadlineExceeded("the delivery's deadline passed waiting for a cached result");
+            // Still held by a live run after this delivery's whole budget (its call waits for a permit, a pause, a
+            // budget): back to the end of the lane, spending no delivery, rather than failing as a run that timed out.
+            if (left <= 0) throw new JobDeferred("still waiting for an identical run's result (its call is in flight)");
             await clock.sleep(Math.min(pauseMs, left), signal);
             pauseMs = Math.min(pauseMs * 2, pollMaxMs);
           }

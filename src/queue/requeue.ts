@@ -13,6 +13,12 @@ if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return false end
 redis.call('XDEL', KEYS[1], ARGV[2])
 return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))`);
 
+/** Deliveries the message's job had before it was last deferred (`prior_deliveries`), 0 for most. */
+export function priorDeliveries(message: StreamMessage): number {
+  const n = Number(message.fields.prior_deliveries ?? 0);
+  return Number.isSafeInteger(n) && n > 0 ? n : 0;
+}
+
 /**
  * Puts `message` back at the end of `lane`. The entry keeps its fields, and `accepted_ms` (when the job was
  * first accepted: the first entry id's time) so that latency still counts from acceptance.
@@ -21,6 +27,10 @@ return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))`);
 export async function requeue(redis: RedisClient, lane: QueueNames, message: StreamMessage): Promise<string | null> {
   const fields = { ...message.fields };
   fields.accepted_ms ??= message.id.split("-")[0]!;
+  // The deliveries before this one still count toward MAX_DELIVERIES (the deferred delivery itself does not), so
+  // a run that keeps failing cannot start afresh by being deferred.
+  const prior = priorDeliveries(message) + message.deliveries - 1;
+  if (prior > 0) fields.prior_deliveries = String(prior);
   const flat = Object.entries(fields).flat();
   return (await REQUEUE.run(redis, [lane.stream], [lane.group, message.id, ...flat])) as string | null;
 }

@@ -14,7 +14,7 @@ import { createGroupCache } from "./consumer_group.ts";
 import { createConsumerPruner, pruneIdle } from "./consumer_pruner.ts";
 import { deadLetter, type DeadLetterHook } from "./dead_letter.ts";
 import { JobDeferred, PermanentJobError } from "./errors.ts";
-import { requeue } from "./requeue.ts";
+import { priorDeliveries, requeue } from "./requeue.ts";
 import { createHeartbeat, heartbeatInterval } from "./heartbeat.ts";
 import { createLaneReader } from "./lane_reader.ts";
 import { createLaneShares, type LaneCharge } from "./lane_shares.ts";
@@ -376,7 +376,8 @@ function createMessageProcessor(
   return async (lane, message) => {
     const started = performance.now();
     const msgLog = log.child({ msg_id: message.id, job_id: message.fields.job_id, tenant: message.fields.tenant });
-    if (message.deliveries > options.maxDeliveries) {
+    // Deliveries before a deferral count too (see `requeue.ts`).
+    if (message.deliveries + priorDeliveries(message) > options.maxDeliveries) {
       await bury(lane, message, `exceeded ${options.maxDeliveries} deliveries`, msgLog);
       return;
     }

@@ -13,7 +13,7 @@ import type { Logger } from "../log/logger.ts";
 import type { ApiMetrics } from "../metrics/metrics.ts";
 import type { Authenticate } from "../tenants/authenticator.ts";
 import { type Intake, type IntakeResult, QueueFull } from "./intake.ts";
-import { BudgetExhausted, type Budgets, ModelUnpriced, worstCaseTokens } from "../budgets/budgets.ts";
+import { BudgetExhausted, type Budgets, BudgetTooSmall, ModelUnpriced, worstCaseTokens } from "../budgets/budgets.ts";
 import { summaryPrompt } from "../llm/llm.ts";
 import { SUMMARIZE_DEFINITION } from "../tasks/definition.ts";
 
@@ -75,14 +75,22 @@ export async function budgetRefusal(
   deps: SummaryApiDeps,
   tenant: string,
   { model, messages, maxOutputTokens }: { model?: string; messages: readonly string[]; maxOutputTokens: number },
-): Promise<BudgetExhausted | undefined> {
+): Promise<Error | undefined> {
   if (!deps.budgets || !(await deps.budgets.of(tenant))) return undefined;
   const name = model ?? deps.defaultModel ?? "unknown";
+  // Each refusal is returned, not thrown: the intake script applies it only to a new job, so a replay of an
+  // accepted key is answered as stored whatever the budget says now.
   try {
-    return await deps.budgets.check(tenant, name, worstCaseTokens(messages, maxOutputTokens));
+    const refusal = await deps.budgets.check(tenant, name, worstCaseTokens(messages, maxOutputTokens));
+    if (refusal instanceof BudgetTooSmall) {
+      return new HttpError(422, `${refusal.message}; raise the budget or lower max_output_tokens`);
+    }
+    return refusal;
   } catch (error) {
-    if (error instanceof ModelUnpriced) throw new HttpError(422, `${error.message}: the run could never be priced`);
-    throw error;
+    if (error instanceof ModelUnpriced) return new HttpError(422, `${error.message}: the run could never be priced`);
+    // Redis did not answer: the workers still enforce the budget before every call.
+    deps.log.warn("budget_check_failed", { tenant, error });
+    return undefined;
   }
 }
 

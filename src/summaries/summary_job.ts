@@ -4,6 +4,7 @@ import { type CallOptions, estimateTokens, type LLM, MAX_OUTPUT_TOKENS } from ".
 import type { Logger } from "../log/logger.ts";
 import { JobDeferred, PermanentJobError } from "../queue/errors.ts";
 import { BudgetExhausted, type Budgets, type HeldReservation, worstCaseTokens } from "../budgets/budgets.ts";
+import type { CallEnd } from "../budgets/charge.ts";
 import { acceptedMsOf, type StreamMessage } from "../queue/message.ts";
 import { isRetryable } from "../retry/classify.ts";
 import type { Clock } from "../retry/clock.ts";
@@ -315,10 +316,27 @@ function modelCall(job: Job, { name, definition }: LoadedTask, input: Record<str
   };
 }
 
+/**
+ * Settles a call's reservation, trying again twice over a second when Redis refuses: one left unsettled is held
+ * as in flight for up to 30 minutes, then charged whole (see `budget_scripts.ts`).
+ */
+async function settleBudget(held: HeldReservation, end: CallEnd, log: Logger): Promise<void> {
+  for (let attempt = 1;; attempt++) {
+    try {
+      return await held.settle(end);
+    } catch (error) {
+      if (attempt >= 3) return log.warn("budget_settle_failed", { error });
+      await new Promise((resolve) => setTimeout(resolve, 250 * attempt));
+    }
+  }
+}
+
 /** A call's worst case for the budgets: every message it sends and every output token it may write. */
 function worstCaseOf({ prompt, options }: ModelCall) {
   const messages = [prompt, ...(options.system === undefined ? [] : [options.system])];
   for (const turn of options.followUp ?? []) messages.push(turn.content);
+  // A structured-output call sends its schema too (response_format), which the provider counts as prompt tokens.
+  if (options.jsonSchema) messages.push(options.jsonSchema.name + JSON.stringify(options.jsonSchema.schema));
   return worstCaseTokens(messages, options.maxOutputTokens ?? MAX_OUTPUT_TOKENS);
 }
 
@@ -471,19 +489,15 @@ async function callModel(
         acquire: async (s) => {
           const pending = first;
           first = undefined;
-          // The budget first: a run its tenant cannot afford must not hold a permit others could use.
+          const permit: Permit | undefined = await (pending ?? flow?.acquire(estimated, s, job_id));
+          // The budget once the call may go: a reservation is held only while its call runs (not through a wait
+          // for the provider), so one that is never settled (its worker killed) is a call that may have been billed.
           let held: HeldReservation | undefined;
           try {
             held = await job.budgets?.reserve(delivery.tenant, call.model, worstCaseOf(call));
           } catch (error) {
-            await pending?.then((permit) => permit.settle({ aborted: true }), () => {}).catch(() => {});
-            throw error;
-          }
-          let permit: Permit | undefined;
-          try {
-            permit = await (pending ?? flow?.acquire(estimated, s, job_id));
-          } catch (error) {
-            await held?.settle({ notSent: true }).catch(() => {});
+            // Refused (or the budget unreadable): the permit goes back unused.
+            await permit?.settle({ aborted: true }).catch(() => {});
             throw error;
           }
           if (!held) return permit!;
@@ -494,7 +508,7 @@ async function callModel(
               const end = outcome.aborted ? { error: new Error("aborted while in flight") } : outcome;
               const [absorbed] = await Promise.all([
                 permit ? permit.settle(outcome) : false,
-                held.settle(end).catch((error) => delivery.log.warn("budget_settle_failed", { error })),
+                settleBudget(held, end, delivery.log),
               ]);
               return absorbed;
             },

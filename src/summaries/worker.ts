@@ -293,8 +293,11 @@ function budgetBlocks(
   }
   return {
     exhausted(error: BudgetExhausted) {
-      if (!blocked.has(error.tenant)) mark(error.tenant);
-      blocked.set(error.tenant, error);
+      const known = blocked.get(error.tenant);
+      if (!known) mark(error.tenant);
+      // The smallest worst case refused is what must fit again: a large run refused must not hold back the
+      // tenant's smaller ones once they fit.
+      if (!known || error.worst.tokens < known.worst.tokens) blocked.set(error.tenant, error);
     },
     skip(lane: QueueNames): boolean {
       if (blocked.size === 0) return false;

@@ -117,6 +117,8 @@ export function runRoutes(deps: RunApiDeps): Router {
       messages: [
         renderTemplate(definition.prompt, request.input),
         ...(definition.system === undefined ? [] : [renderTemplate(definition.system, request.input)]),
+        // The output schema goes with the call (response_format) and is counted as prompt tokens.
+        ...(definition.output_schema === undefined ? [] : [JSON.stringify(definition.output_schema)]),
       ],
       maxOutputTokens: definition.max_output_tokens,
     });

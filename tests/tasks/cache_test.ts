@@ -12,7 +12,7 @@ import { createRegistry, resultCacheMetrics } from "../../src/metrics/metrics.ts
 import { resultCacheEvents } from "../../src/metrics/wire.ts";
 import { createPrices } from "../../src/provider/prices.ts";
 import { Deadline } from "../../src/retry/deadline.ts";
-import { DeadlineExceeded } from "../../src/retry/errors.ts";
+import { JobDeferred } from "../../src/queue/errors.ts";
 import { createRetention } from "../../src/retention/retention.ts";
 import { cacheKeyHash, createResultCache, skipsCache } from "../../src/cache/result_cache.ts";
 import { commitResults } from "../../src/summaries/commit.ts";
@@ -150,13 +150,14 @@ Deno.test("the result cache: off at a TTL of 0, keyed per tenant, waiters take o
       assert.equal(await r.redis.get(lock), null);
     });
 
-    await t.step("a live holder keeps its lease; a waiter gives up at its own deadline", async () => {
+    await t.step("a live holder keeps its lease; a waiter at its own deadline goes back to its lane", async () => {
       const cache = cacheWith(60);
       const a = cache.forRun(run("run-f", { input: { q: 3 } }))!;
       assert.deepEqual(await a.claim(signal, deadline()), { held: true, waited: false });
       const b = cache.forRun(run("run-g", { input: { q: 3 } }))!;
       // Longer than the 300 ms lease: only the holder's renewal keeps the lock.
-      await assert.rejects(b.claim(signal, Deadline.after(800)), DeadlineExceeded);
+      // Deferred (back to the end of its lane, no delivery spent), not failed like a run that timed out.
+      await assert.rejects(b.claim(signal, Deadline.after(800)), JobDeferred);
       await a.release();
     });
   } finally {
