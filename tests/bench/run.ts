@@ -37,6 +37,9 @@ import { type TokenShareRun, tokenShareRun } from "./token_share.ts";
 import { fmt, median, quantile } from "./stats.ts";
 import { RUN_BODY, storedDefinition, TRIAGE_BODIES, triageInput } from "./triage_task.ts";
 import { putTaskVersion } from "../../src/jobs/task_store.ts";
+import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
+import { budgetKey } from "../../src/budgets/budgets.ts";
+import { type Limits, readBudgetState, runReserve, runSettle } from "../../src/budgets/budget_scripts.ts";
 
 const ADMIN_URL = Deno.env.get("BENCH_DATABASE_URL") ?? "postgres://postgres@127.0.0.1:5432/postgres";
 const REDIS_URL = Deno.env.get("BENCH_REDIS_URL") ?? "redis://127.0.0.1:6379/0";
@@ -483,14 +486,30 @@ async function benchWorker() {
   });
 }
 
+/** Redis's own CPU time so far (user + system, every thread), in ms, from `INFO cpu`. */
+async function redisCpuMs(redis: Redis): Promise<number> {
+  const info = await redis.info("cpu");
+  const field = (name: string) => Number(new RegExp(`^${name}:([\\d.]+)`, "m").exec(info)?.[1] ?? NaN);
+  return (field("used_cpu_user") + field("used_cpu_sys")) * 1000;
+}
+
+/** A difference with its sign. */
+const signed = (n: number, digits: number) => `${n >= 0 ? "+" : ""}${fmt(n, digits)}`;
+
+/** Prices for every model, in the budget rows' runs with and without a budget alike. */
+const BENCH_PRICES = { LLM_PRICE_IN_PER_MTOK: "0.4", LLM_PRICE_OUT_PER_MTOK: "1.6" };
+
 /**
- * The real worker process (main.ts worker, the openai SDK over HTTP) over `jobs` jobs; jobs/s and CPU ms per
- * job. Summary jobs, or with `task`, runs of that task (stored as version 1 first).
+ * The real worker process (main.ts worker, the openai SDK over HTTP) over `jobs` jobs; jobs/s, CPU ms per job
+ * (the worker's, the fake model's, Redis's). Summary jobs, or with `task`, runs of that task (stored as version 1
+ * first). With `budget`, the tenant has budgets in tokens and USD per day that the jobs never reach, so every
+ * call is reserved and settled (checked afterwards: the budget's spend is every call's reported usage).
  */
 async function workerProcessRun(
   model: { url: string; pid: number },
   jobs: number,
   task?: { name: string; body: unknown },
+  options: { budget?: boolean; env?: Record<string, string> } = {},
 ) {
   const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
   const url = await emptyRedisDatabase(REDIS_URL);
@@ -504,12 +523,18 @@ async function workerProcessRun(
     LLM_RPM: "",
     LLM_TPM: "",
     LOG_LEVEL: "info",
+    ...options.env,
   });
   try {
     const keys = serviceKeys(KEY_PREFIX);
     if (task) await putTaskVersion(db.sql, "bench", task.name, storedDefinition(task.body));
+    if (options.budget) {
+      await createApiKey(db.sql, "bench");
+      await setTenantBudget(db.sql, "bench", { "--tokens-per-day": 1e12, "--usd-per-day": 1e6 });
+    }
     const before = await cpuMs(worker.pid);
     const modelBefore = await cpuMs(model.pid);
+    const redisBefore = await redisCpuMs(redis);
     const started = performance.now();
     await Promise.all(Array.from({ length: jobs }, (_, i) =>
       task
@@ -539,15 +564,26 @@ async function workerProcessRun(
     const seconds = (performance.now() - started) / 1000;
     const after = await cpuMs(worker.pid);
     const modelAfter = await cpuMs(model.pid);
+    const redisAfter = await redisCpuMs(redis);
     const { done } = await decided();
     const results = task ? await countRows(db.sql, "run_results") : await countRows(db.sql, "summaries");
     if (done !== jobs || results !== jobs) {
       throw new Error(`worker process: ${done}/${jobs} done, ${results} results written`);
     }
+    if (options.budget) {
+      // Every call reserved and settled: the fake model reports 1 + 1 tokens a call, and one call a job.
+      const { spent, reserved } = await readBudgetState(redis, budgetKey(KEY_PREFIX, "bench"));
+      if (spent[0] !== 2 * jobs || reserved[0] !== 0) {
+        throw new Error(
+          `worker process: the budget spent ${spent[0]} tokens (reserved ${reserved[0]}) for ${jobs} jobs`,
+        );
+      }
+    }
     return {
       perSecond: jobs / seconds,
       cpuMsPerJob: (after - before) / jobs,
       modelCpuMsPerJob: (modelAfter - modelBefore) / jobs,
+      redisCpuMsPerJob: (redisAfter - redisBefore) / jobs,
     };
   } finally {
     await worker.stop();
@@ -626,6 +662,96 @@ async function benchWorkerProcessTasks() {
         ratio: `${fmt(rate("json") / rate("text"), 2)}x`,
         value: rate("json"),
         baselineValue: rate("text"),
+      });
+    } finally {
+      await model.stop();
+    }
+  }
+}
+
+/**
+ * The two budget scripts alone, as a worker runs them around one call (reserve, then settle at the charge), one
+ * caller after another, against a PING round trip on the same connection: what a budget adds to one call's path.
+ */
+async function benchBudgetScripts() {
+  const n = smoke ? 200 : 5_000;
+  const url = await emptyRedisDatabase(REDIS_URL);
+  const redis = new Redis(url, { maxRetriesPerRequest: 1 });
+  try {
+    const key = budgetKey(KEY_PREFIX, "bench");
+    // Budgets in tokens and USD per day, never reached; a call's worst case and its charge as a summary's.
+    const limits: Limits = [1e12, 1e15, -1, -1];
+    const worst = { tokens: 1_400, nanos: 1_800_000 }, charge = { tokens: 150, nanos: 100_000 };
+    const pairs: number[] = [], pings: number[] = [];
+    for (let i = 0; i < n + 200; i++) {
+      let t = performance.now();
+      const reply = await runReserve(redis, key, limits, worst, "reserve");
+      await runSettle(redis, key, reply, worst, charge, limits);
+      if (i >= 200) pairs.push((performance.now() - t) * 1000);
+      t = performance.now();
+      await redis.ping();
+      if (i >= 200) pings.push((performance.now() - t) * 1000);
+    }
+    const { spent, reserved } = await readBudgetState(redis, key);
+    if (spent[0] !== (n + 200) * charge.tokens || reserved[0] !== 0) {
+      throw new Error(`budget scripts: spent ${spent[0]}, reserved ${reserved[0]} after ${n + 200} calls`);
+    }
+    rows.push({
+      benchmark:
+        "Budget scripts alone: reserve + settle around one call, one caller, sequential, tokens and USD per day",
+      result: `p50 ${fmt(median(pairs))} µs, p99 ${fmt(quantile(pairs, 0.99))} µs per call`,
+      baseline: `PING round trip, same connection: p50 ${fmt(median(pings))} µs, p99 ${fmt(quantile(pings, 0.99))} µs`,
+      ratio: `${fmt(median(pairs) / median(pings), 1)}x`,
+      value: median(pairs),
+      baselineValue: median(pings),
+    });
+  } finally {
+    await redis.flushdb().catch(() => {});
+    await redis.quit();
+  }
+}
+
+/**
+ * The cost of the budgets on the worker's path: the real worker process over summary jobs of a tenant with a
+ * budget (each call reserved before and settled after, two more scripts in Redis) against the same jobs of a
+ * tenant without one (no Redis round trip for budgets), on one fake model process, alternating.
+ */
+async function benchWorkerProcessBudget() {
+  await benchBudgetScripts();
+  // Smoke: only that both paths run, so only the instant model and a few jobs.
+  for (const delayMs of smoke ? [0] : [200, 0]) {
+    const jobs = smoke ? 100 : delayMs ? 6_000 : 5_000;
+    const model = await startModelProcess(delayMs);
+    const label = delayMs ? `${delayMs} ms model` : "instant model";
+    try {
+      const runs: Record<"budget" | "none", Awaited<ReturnType<typeof workerProcessRun>>[]> = { budget: [], none: [] };
+      for (let i = 0; i < RUNS; i++) {
+        const order = i % 2 === 0 ? (["budget", "none"] as const) : (["none", "budget"] as const);
+        for (const kind of order) {
+          progress(
+            `worker process, budgets: ${jobs} jobs, ${label}, ${kind === "budget" ? "with" : "without"} (run ${i + 1})`,
+          );
+          const run = await workerProcessRun(model, jobs, undefined, { budget: kind === "budget", env: BENCH_PRICES });
+          const cpuText = `worker CPU ${fmt(run.cpuMsPerJob, 2)}, Redis CPU ${fmt(run.redisCpuMsPerJob, 3)} ms/job`;
+          progress(`worker process, budgets: ${kind}: ${fmt(run.perSecond)}/s, ${cpuText}`);
+          runs[kind].push(run);
+        }
+      }
+      const rate = (kind: keyof typeof runs) => median(runs[kind].map((x) => x.perSecond));
+      const cpu = (kind: keyof typeof runs) => median(runs[kind].map((x) => x.cpuMsPerJob));
+      const redisCpu = (kind: keyof typeof runs) => median(runs[kind].map((x) => x.redisCpuMsPerJob));
+      rows.push({
+        benchmark: `Worker jobs/s, tenant with a budget (tokens and USD per day: every call reserved and settled), ` +
+          `real worker process, openai SDK over HTTP, ${label}, WORKER_CONCURRENCY=256`,
+        result: `${fmt(rate("budget"))}/s; worker CPU ${fmt(cpu("budget"), 2)} ms/job (${
+          signed(cpu("budget") - cpu("none"), 2)
+        }), Redis CPU ${fmt(redisCpu("budget"), 3)} ms/job (${signed(redisCpu("budget") - redisCpu("none"), 3)})`,
+        baseline: `same jobs, tenant without a budget, same run: ${fmt(rate("none"))}/s; worker CPU ${
+          fmt(cpu("none"), 2)
+        } ms/job, Redis CPU ${fmt(redisCpu("none"), 3)} ms/job`,
+        ratio: `${fmt(rate("budget") / rate("none"), 2)}x`,
+        value: rate("budget"),
+        baselineValue: rate("none"),
       });
     } finally {
       await model.stop();
@@ -1163,6 +1289,7 @@ const sections: Record<string, () => Promise<void>> = {
   worker: benchWorker,
   "worker-process": benchWorkerProcess,
   "worker-process-tasks": benchWorkerProcessTasks,
+  "worker-process-budget": benchWorkerProcessBudget,
   queue: benchQueue,
   fairness: benchFairness,
   "token-share": benchTokenShare,

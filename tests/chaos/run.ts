@@ -12,7 +12,7 @@
  *   deno task chaos [--jobs N] [--duration S] [--redis-restart] [--pg-terminate] [--no-kills] [--seed N]
  *                   [--provider-limit RPS] [--cluster] [--new-tenants] [--drain-timeout S] [--poison N]
  *                   [--poison-runs N] [--pg-failover [--pg-async]]
- *                   [--sentinel [--replicas-ack N] [--ack-timeout-ms MS]]
+ *                   [--sentinel [--replicas-ack N] [--ack-timeout-ms MS]] [--budgets]
  *
  * Among the jobs are N (default 3) poison documents, on which the model always
  * hangs: each must be dead-lettered (after MAX_DELIVERIES=5 deliveries, charged
@@ -64,6 +64,11 @@
  * but never done is reported as stranded, with its tenant and lane. The drain
  * timeout defaults to 60 s in this mode (past the workers' 30 s lane sweep).
  *
+ * With --budgets, two tenants get a budget (tokens, USD) that the run's load
+ * spends partway through the kill period, the fake model reports usage from
+ * each request's length, and the run holds the provider's own count to the
+ * budgets; see budgets.ts.
+ *
  * With --pg-failover, Postgres is a primary and a synchronous standby (an
  * asynchronous one with --pg-async), DATABASE_URL lists both, and mid-run the
  * primary is stopped (immediate) and the standby promoted: see pg_failover.ts.
@@ -90,7 +95,7 @@ import { jobIdFor } from "../../src/idempotency/scope.ts";
 import { allLanes } from "../../src/summaries/all_lanes.ts";
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
-import { limitedProvider, startFakeModel, STRUCTURED_MARKERS } from "../support/fake_model_server.ts";
+import { type ChatBody, limitedProvider, startFakeModel, STRUCTURED_MARKERS } from "../support/fake_model_server.ts";
 import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
 import { type LocalCluster, startLocalCluster } from "../support/redis_cluster.ts";
 import { type RedisSentinel, startRedisSentinel } from "../support/redis_sentinel.ts";
@@ -99,6 +104,9 @@ import { launchFlags } from "../../main.ts";
 import { freePort } from "../support/free_port.ts";
 import { seededRandom } from "../support/random.ts";
 import { pgFailoverMode, startPgFailover } from "./pg_failover.ts";
+import { burstJobs, chaosBudgets, PRICE_ENV, RAISE_AT } from "./budgets.ts";
+import { MAX_OUTPUT_TOKENS, summaryPrompt } from "../../src/llm/llm.ts";
+import { createPrices } from "../../src/provider/prices.ts";
 
 const args = Deno.args;
 const flag = (name: string) => args.includes(`--${name}`);
@@ -119,6 +127,7 @@ const DRAIN_TIMEOUT_S = option("drain-timeout", NEW_TENANTS ? 60 : 180);
 const POISON = option("poison", 3);
 const poisonIndices = new Set(Array.from({ length: Math.min(POISON, Math.floor(JOBS / 8)) }, (_, k) => 4 * k + 4));
 const POISON_MARK = "POISON-DOCUMENT";
+const BODY_WORDS = "revenue costs growth board plan quarter market customer contract region team".split(" ");
 /** Poison runs: at most one per tenant of the four, early in the run. */
 const POISON_RUNS = option("poison-runs", 4);
 /** How a run's ticket starts (`Ticket <job index>:`), so the fake model's requests name their run. */
@@ -143,6 +152,11 @@ const PG_TERMINATE = flag("pg-terminate");
 const PG_FAILOVER = pgFailoverMode(args);
 const NO_KILLS = flag("no-kills");
 const PROVIDER_LIMIT = option("provider-limit", 0);
+const BUDGETS = flag("budgets");
+if (BUDGETS && NEW_TENANTS) {
+  console.error("--budgets puts two of the four usual tenants on a budget: it does not go with --new-tenants");
+  Deno.exit(2);
+}
 const SEED = option("seed", Date.now() % 1_000_000);
 const random = seededRandom(SEED);
 const pick = <T>(items: T[]) => items[Math.floor(random() * items.length)]!;
@@ -185,6 +199,8 @@ const model = startFakeModel((n, prompt) => {
     kind: "ok",
     delayMs: 5 + Math.floor(random() * 30),
     headers: gate?.kind === "ok" ? gate.headers : undefined,
+    // With budgets, the provider bills what it was sent and what it wrote, as a real one does.
+    ...(BUDGETS ? { usage: "realistic" as const } : {}),
   };
 });
 const mail = startFakeMail(() => (random() < 0.1 ? { kind: "status", status: 500 } : { kind: "ok" }));
@@ -242,7 +258,8 @@ if (CLUSTER) {
   await startOwnRedis();
   redisUrl = `redis://127.0.0.1:${ownRedis.port}/0`;
 } else {
-  redisUrl = await emptyRedisDatabase("redis://127.0.0.1:6379/0");
+  // CHAOS_REDIS_URL: another server than the shared local one (whose empty database indexes other runs pick too).
+  redisUrl = await emptyRedisDatabase(Deno.env.get("CHAOS_REDIS_URL") ?? "redis://127.0.0.1:6379/0");
 }
 // On a cluster, or behind the sentinels (a client that follows the failover), the service's own client.
 const redisAdmin: RedisClient = CLUSTER || SENTINEL
@@ -382,6 +399,7 @@ const env: Record<string, string> = {
   NO_COLOR: "1",
   LLM_BREAKER_COOLDOWN_S: "1",
   ...(SENTINEL ? { REDIS_MIN_REPLICAS_ACK: String(REPLICAS_ACK), REDIS_ACK_TIMEOUT_MS: String(ACK_TIMEOUT_MS) } : {}),
+  ...(BUDGETS ? PRICE_ENV : {}),
 };
 const config = parseConfig(env);
 const MAIN = decodeURIComponent(new URL("../../main.ts", import.meta.url).pathname);
@@ -468,6 +486,67 @@ function startWatch(onStart: () => void): TransformStream<Uint8Array, Uint8Array
   });
 }
 
+// ---------------------------------------------------------------- budgets
+/** The first model call of job i, as the worker sends it: what --budgets sizes the budgets by. */
+function firstCall(i: number): ChatBody {
+  const common = { model: config.OPENAI_MODEL, max_completion_tokens: MAX_OUTPUT_TOKENS };
+  if (!isRun(i)) return { ...common, messages: [{ role: "user", content: summaryPrompt(document(i)) }] };
+  return {
+    ...common,
+    messages: [{ role: "user", content: TRIAGE.prompt.replace("{{input.ticket}}", ticket(i)) }],
+    response_format: { type: "json_schema", json_schema: { schema: TRIAGE.output_schema } },
+  };
+}
+/** The job a model request is for: every document names its job (`of job <i>.`), summaries' and runs' alike. */
+const JOB_NAMED = /\bof job (\d+)\./;
+function jobOfRequest(body: ChatBody): number | undefined {
+  const named = JOB_NAMED.exec(body.messages?.find((m) => m.role === "user")?.content ?? "");
+  return named ? Number(named[1]) : undefined;
+}
+/** `deno task tenant ARGS...` against this run's service (retried: it may meet a restarting Redis). */
+async function tenantCommand(args: string[]): Promise<string> {
+  for (let attempt = 1;; attempt++) {
+    const out = await new Deno.Command(Deno.execPath(), {
+      args: [...(await taskArgs("tenant")), ...args],
+      env,
+      stdout: "piped",
+      stderr: "piped",
+    }).output();
+    if (out.success) return new TextDecoder().decode(out.stdout);
+    if (attempt === 5) {
+      throw new Error(`tenant ${args.join(" ")} exited ${out.code}: ${new TextDecoder().decode(out.stderr).trim()}`);
+    }
+    await sleep(1_000);
+  }
+}
+/** A GET of the API as `tenant`: its status and JSON body, or null without an answer. */
+async function getAs(tenant: string, path: string) {
+  try {
+    const res = await fetch(`http://127.0.0.1:${apiPort}${path}`, {
+      headers: { authorization: `Bearer ${apiKeys.get(tenant)}` },
+      signal: AbortSignal.timeout(3_000),
+    });
+    return { status: res.status, body: await res.json() as Record<string, unknown> };
+  } catch {
+    return null;
+  }
+}
+const budgetMode = BUDGETS
+  ? chaosBudgets({
+    sql: db.sql,
+    redis: redisAdmin,
+    keys: serviceKeys(KEY_PREFIX),
+    prices: createPrices(config),
+    model,
+    jobs: plans.map((p, i) => ({ tenant: p.tenant, body: firstCall(i) })),
+    jobOf: jobOfRequest,
+    tenantCommand,
+    get: getAs,
+    start: () => started,
+  })
+  : undefined;
+await budgetMode?.setUp();
+
 for (
   const [name, task] of [["api", "api"], ["worker-1", "worker"], ["worker-2", "worker"], ["relay-1", "relay"], [
     "relay-2",
@@ -531,7 +610,6 @@ const taskTenants = new Set(plans.map((p) => p.tenant)).size;
 const accepted = new Map<string, string>(); // idempotency key -> job id
 let submitted = 0, postRequests = 0;
 let killing = true;
-const BODY_WORDS = "revenue costs growth board plan quarter market customer contract region team".split(" ");
 
 function document(i: number): string {
   const poison = poisonIndices.has(i) ? ` ${POISON_MARK}: the model hangs on this one.` : "";
@@ -554,8 +632,11 @@ function ticket(i: number): string {
   return `Ticket ${i}: ${document(i)}${marker}`;
 }
 
-/** A 202's job id, or null and whether the API answered at all (a 409 or 5xx) or not (refused, reset, timed out). */
-type PostResult = { jobId: string } | { jobId: null; answered: boolean };
+/**
+ * A 202's job id, or null and whether the API answered at all (a 409 or 5xx) or not (refused, reset, timed out),
+ * and whether the answer was a budget's 429 (--budgets: the key was refused).
+ */
+type PostResult = { jobId: string } | { jobId: null; answered: boolean; refused?: boolean };
 
 /** POSTs from new tenants in flight now (sent, not yet answered): what an aimed API kill cuts off. */
 let freshInFlight = 0;
@@ -564,8 +645,16 @@ const answered202At: number[] = [], notReplicatedAt: number[] = [];
 /** How the API words a 503 for a job too few replicas acknowledged in time (src/summaries/api.ts). */
 const NOT_REPLICATED = "not yet confirmed on enough replicas";
 
-async function postOnce(path: string, key: string, body: string, apiKey: string, fresh = false): Promise<PostResult> {
+async function postOnce(
+  path: string,
+  key: string,
+  body: string,
+  tenant: string,
+  fresh = false,
+): Promise<PostResult> {
   postRequests++;
+  const apiKey = apiKeys.get(tenant)!;
+  const sentAt = performance.now();
   if (fresh) freshInFlight++;
   try {
     const res = await fetch(`http://127.0.0.1:${apiPort}${path}`, {
@@ -576,8 +665,12 @@ async function postOnce(path: string, key: string, body: string, apiKey: string,
     });
     const text = await res.text();
     if (res.status === 503 && text.includes(NOT_REPLICATED)) notReplicatedAt.push(performance.now());
+    if (res.status === 429 && budgetMode?.refusal(tenant, key, sentAt, res, text)) {
+      return { jobId: null, answered: true, refused: true };
+    }
     if (res.status === 202) {
       answered202At.push(performance.now());
+      budgetMode?.acceptedAt(key, performance.now());
       const answer = JSON.parse(text) as { job_id?: string; run_id?: string };
       return { jobId: answer.job_id ?? answer.run_id! };
     }
@@ -610,6 +703,28 @@ const submissions: Submission[] = [];
 const abandoned = new Map<string, Submission>();
 /** Keys whose 202 named another job than the one the harness derived (the harness's own mistake). */
 const misnamed: string[] = [];
+/** --budgets: clients refused 429 that come back with their key once the budgets are raised. */
+const comeBack: (() => Promise<void>)[] = [];
+
+/** Records a key's 202. */
+function accept(s: Submission, jobId: string) {
+  if (jobId !== s.jobId) misnamed.push(s.key);
+  accepted.set(s.key, jobId);
+  if (s.webhook) webhookJobs.add(jobId);
+  if (s.run) runJobs.add(jobId);
+}
+
+/**
+ * Whether a POST's answer is a refusal the client stops at: a budget's 429 before the budgets were raised. Just
+ * after the raise the processes may still hold the old limits for up to 2 s: the client tries again, but a 429
+ * well after the raise is a failure.
+ */
+function stopsAt(r: PostResult, key: string): boolean {
+  if (r.jobId !== null || !r.refused) return false;
+  if (!budgetMode?.raised) return true;
+  if (budgetMode.graceOver()) throw new Error(`POST for ${key} answered 429 long after the budgets were raised`);
+  return false;
+}
 
 /**
  * One logical request: sent, then retried 1-3 times (sometimes concurrently), then until it gets a 202. A client
@@ -619,7 +734,6 @@ async function submit(i: number) {
   const plan = plans[i]!;
   // Padded so that a small --seed still makes a key of the 16 characters the API asks for at least.
   const key = `chaos-${String(SEED).padStart(6, "0")}-${String(i).padStart(6, "0")}`;
-  const apiKey = apiKeys.get(plan.tenant)!;
   const notify = wantsWebhook(i) ? { webhook: `${receiver.url}/${plan.tenant}` } : `user${i}@example.com`;
   const run = isRun(i);
   const request = run ? { input: { ticket: ticket(i) }, notify } : { text: document(i), notify };
@@ -628,8 +742,8 @@ async function submit(i: number) {
   const jobIdOf = jobIdFor({ tenant: plan.tenant, method: "POST", path, key }, canonicalJson(request));
   const submission = { i, key, jobId: jobIdOf, webhook: wantsWebhook(i), run, plan };
   submissions.push(submission);
-  const post = () => postOnce(path, key, body, apiKey, plan.fresh);
-  const ids: (string | null)[] = [];
+  const post = () => postOnce(path, key, body, plan.tenant, plan.fresh);
+  const results: PostResult[] = [];
   if (!plan.retries && !isPoison(i)) {
     const only = await post();
     if (only.jobId === null && !only.answered) {
@@ -637,25 +751,47 @@ async function submit(i: number) {
       submitted++;
       return;
     }
-    ids.push(only.jobId); // answered 409 or 5xx: the client knows it was refused, and tries again below
+    results.push(only); // answered 409 or 5xx: the client knows it was refused, and tries again below
   } else {
     const copies = 2 + Math.floor(random() * 3); // the first send and 1-3 retries
     const concurrent = random() < 0.3;
-    if (concurrent) ids.push(...(await Promise.all(Array.from({ length: copies }, post))).map((r) => r.jobId));
-    else for (let c = 0; c < copies; c++) ids.push((await post()).jobId);
+    if (concurrent) results.push(...await Promise.all(Array.from({ length: copies }, post)));
+    else {
+      for (let c = 0; c < copies; c++) {
+        results.push(await post());
+        if (stopsAt(results.at(-1)!, key)) break;
+      }
+    }
   }
-  let jobId = ids.find((id) => id !== null) ?? null;
+  let jobId = results.find((r) => r.jobId !== null)?.jobId ?? null;
+  let refused = jobId === null && results.some((r) => stopsAt(r, key));
   const end = performance.now() + 120_000;
-  for (let delay = 100; jobId === null && performance.now() < end; delay = Math.min(delay * 2, 1_000)) {
+  for (let delay = 100; jobId === null && !refused && performance.now() < end; delay = Math.min(delay * 2, 1_000)) {
     await sleep(delay + random() * 100);
-    jobId = (await post()).jobId;
+    const r = await post();
+    jobId = r.jobId;
+    refused = stopsAt(r, key);
+  }
+  submitted++;
+  if (refused) {
+    // Refused, not accepted: half the clients come back with the same key once the budget is raised (nothing
+    // of the refusal may stick to the key), half give up (the key must then have left nothing, or, if an
+    // earlier POST of it that got no answer was taken in after all, be done once, as an unanswered key is).
+    if (!budgetMode!.comesBack()) abandoned.set(key, submission);
+    else {
+      comeBack.push(async () => {
+        for (let delay = 100;; delay = Math.min(delay * 2, 1_000)) {
+          const r = await post();
+          if (r.jobId !== null) return accept(submission, r.jobId);
+          stopsAt(r, key);
+          await sleep(delay + random() * 100);
+        }
+      });
+    }
+    return;
   }
   if (jobId === null) throw new Error(`POST for ${key} never got a 202 in 120 s`);
-  if (jobId !== jobIdOf) misnamed.push(key);
-  accepted.set(key, jobId);
-  if (wantsWebhook(i)) webhookJobs.add(jobId);
-  if (run) runJobs.add(jobId);
-  submitted++;
+  accept(submission, jobId);
 }
 
 // ---------------------------------------------------------------- chaos
@@ -980,6 +1116,24 @@ async function submitInWaves() {
   }));
 }
 
+/** Settles once every client has submitted its job (or stopped at a refusal). */
+let submissionsFinished!: () => void;
+const submissionsDone = new Promise<void>((resolve) => (submissionsFinished = resolve));
+
+/**
+ * --budgets: at RAISE_AT of the kill period, checks the budgeted tenants and raises their budgets; once every
+ * client has submitted, the refused clients that come back post their keys again until they get a 202.
+ */
+async function budgetPhase(): Promise<void> {
+  const due = started + RAISE_AT * DURATION_S * 1000;
+  if (due > performance.now()) await sleep(due - performance.now());
+  const taken = submissions.filter((s) => accepted.has(s.key))
+    .map((s) => ({ tenant: s.plan.tenant, jobId: accepted.get(s.key)!, run: s.run }));
+  await budgetMode!.raise(taken, poisonJobs());
+  await submissionsDone;
+  await Promise.all(comeBack.splice(0).map((retry) => retry()));
+}
+
 const redisKeys = serviceKeys(KEY_PREFIX);
 /** The submissions among `list` whose intake script ran (the job's status record exists) or whose job is done. */
 async function intakeRanFor(list: Submission[]): Promise<Submission[]> {
@@ -999,26 +1153,38 @@ let failure: unknown;
 let drainSeconds = NaN;
 try {
   const chaos = killLoop();
+  // Its error (if any) is kept until it is awaited, after the submissions.
+  const budgetsRaised = budgetMode ? budgetPhase().then(() => undefined, (error: unknown) => ({ error })) : undefined;
   const progress = setInterval(() => {
     countDone().then((n) => (done = n), () => {});
+    budgetMode?.poll().catch(() => {});
     drawProgress();
   }, 250);
   try {
     if (NEW_TENANTS) await submitInWaves();
     else {
-      // Submit with 16 clients in parallel, spread over most of the kill period.
+      // Submit with 16 clients in parallel, spread over most of the kill period; with --budgets, most of the
+      // budgeted tenants' jobs at once, as the kill period starts.
       const spacingMs = (DURATION_S * 800) / Math.max(1, JOBS);
+      const burst = budgetMode ? burstJobs(plans.map((p) => p.tenant)) : new Set<number>();
       let next = 0;
-      await Promise.all(Array.from({ length: 16 }, async () => {
-        while (next < JOBS) {
-          const i = next++;
-          const due = started + i * spacingMs;
-          if (due > performance.now()) await sleep(due - performance.now());
-          await submit(i);
-        }
-      }));
+      await Promise.all([
+        ...Array.from({ length: 16 }, async () => {
+          while (next < JOBS) {
+            const i = next++;
+            if (burst.has(i)) continue;
+            const due = started + i * spacingMs;
+            if (due > performance.now()) await sleep(due - performance.now());
+            await submit(i);
+          }
+        }),
+        ...[...burst].map(submit),
+      ]);
     }
+    submissionsFinished();
     await chaos;
+    const budgetError = await budgetsRaised;
+    if (budgetError) throw budgetError.error;
     const drainStart = performance.now();
     const end = drainStart + DRAIN_TIMEOUT_S * 1000;
     const expected = new Set(accepted.values());
@@ -1154,6 +1320,7 @@ const poisonDead = deadIds?.filter((id) => id !== undefined && poison.has(id)).l
 const otherDead = dead - poisonDead;
 const poisonDone = [...poison].filter((id) => doneIds.has(id)).length;
 const poisonDecided = await poisonFailed().catch(() => -1);
+await budgetMode?.finish().catch((error) => console.error(`could not read the budgets at the end: ${error}`));
 
 const rows: [string, string][] = [
   ["seed", String(SEED)],
@@ -1166,6 +1333,7 @@ const rows: [string, string][] = [
       REDIS_RESTART && "redis restart",
       PG_TERMINATE && "pg_terminate_backend",
       pgPair && `postgres failover (${pgPair.synchronous ? "synchronous" : "asynchronous"} standby)`,
+      BUDGETS && "tenant budgets",
     ]
       .filter(Boolean).join(", ") ||
     "process kills",
@@ -1182,6 +1350,7 @@ const rows: [string, string][] = [
   ...events.map((e): [string, string] => ["infrastructure event", e]),
   ...(pgPair?.rows() ?? []),
   ...(SENTINEL ? sentinelRows() : []),
+  ...(budgetMode?.rows() ?? []),
   ["jobs lost (accepted but never done)", String(lost)],
   ["dead-lettered", String(dead)],
   ["poison documents and runs dead-lettered (failed) / expected", `${poisonDead} (${poisonDecided}) / ${poison.size}`],
@@ -1342,11 +1511,12 @@ const ok = !failure && stoppedCleanly && stuck.length === 0 && lost === 0 && dup
   stranded.length === 0 &&
   poisonDead === poison.size && poisonDecided === poison.size && otherDead === 0 && poisonDone === 0 &&
   (!NEW_TENANTS || (doneWithoutOutbox === 0 && outboxUnknown === 0 && misnamed.length === 0)) &&
-  (pgPair?.ok() ?? true) &&
+  (pgPair?.ok() ?? true) && (budgetMode?.ok() ?? true) &&
   failoverProblem === undefined;
 if (pgPair && !pgPair.ok()) console.error(`chaos run failed: ${pgPair.problem()}`);
 if (failure) console.error(`chaos run failed: ${failure instanceof Error ? failure.message : failure}`);
 if (failoverProblem) console.error(`sentinel failover: ${failoverProblem}`);
+for (const problem of budgetMode?.problems() ?? []) console.error(`budgets: ${problem}`);
 if (stuck.length > 0) console.error(`did not exit within 15 s of SIGTERM (then SIGKILLed): ${stuck.join(", ")}`);
 if (stranded.length > 0) {
   const tenants = [...new Set(stranded.map((s) => s.plan.tenant))];

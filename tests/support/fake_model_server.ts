@@ -13,8 +13,11 @@ export type ModelBehaviour =
     kind: "ok";
     delayMs?: number;
     headers?: Record<string, string>;
-    /** The token counts the answer reports (default 1 and 1). */
-    usage?: { prompt_tokens: number; completion_tokens: number };
+    /**
+     * The token counts the answer reports (default 1 and 1); `realistic`: counted from the request and the
+     * answer, as a provider bills them (see {@linkcode realisticUsage}).
+     */
+    usage?: Usage | "realistic";
     /**
      * The answer's text (JSON or not, for structured output). Unset: for a `json_schema` request, a value valid
      * against the schema (see {@linkcode STRUCTURED_MARKERS} for asking for a bad one); else an extractive
@@ -40,6 +43,54 @@ function structuredAnswer(schema: unknown, firstPrompt: string, repair: boolean)
   return JSON.stringify(instanceOf(schema));
 }
 
+/** Token counts as the provider reports them in a completion's `usage`. */
+export interface Usage {
+  prompt_tokens: number;
+  completion_tokens: number;
+}
+
+/** A Chat Completions request body, as far as the fake reads it. */
+export type ChatBody = {
+  messages?: { role?: string; content?: string }[];
+  model?: string;
+  max_completion_tokens?: number;
+  response_format?: { type?: string; json_schema?: { schema?: unknown } };
+};
+
+/**
+ * What a provider bills for a request and its answer, counted from their lengths at about four characters a
+ * token (rounded up): each message's content plus 4 tokens of chat framing, 3 more that prime the answer, and
+ * a structured request's JSON schema, which providers count as prompt; the answer's text, at most the request's
+ * `max_completion_tokens`.
+ */
+export function realisticUsage(body: ChatBody, answer: string): Usage {
+  const tokens = (text: string) => Math.ceil(text.length / 4);
+  let prompt = 3;
+  for (const m of body.messages ?? []) prompt += tokens(m.content ?? "") + 4;
+  const schema = body.response_format?.type === "json_schema" ? body.response_format.json_schema?.schema : undefined;
+  if (schema !== undefined) prompt += tokens(JSON.stringify(schema));
+  const cap = body.max_completion_tokens ?? Infinity;
+  return { prompt_tokens: prompt, completion_tokens: Math.min(cap, Math.max(1, tokens(answer))) };
+}
+
+/**
+ * The text the fake answers `body` with unless told otherwise: for a `json_schema` request, a value valid
+ * against the schema (see {@linkcode STRUCTURED_MARKERS} for asking for a bad one); else an extractive summary
+ * of the last message (the document, without the summary instruction).
+ */
+export function defaultAnswer(body: ChatBody): string {
+  if (body.response_format?.type === "json_schema") {
+    return structuredAnswer(
+      body.response_format.json_schema?.schema,
+      body.messages?.find((m) => m.role === "user")?.content ?? "",
+      body.messages?.some((m) => m.role === "assistant") ?? false,
+    );
+  }
+  const prompt = body.messages?.at(-1)?.content ?? "";
+  const text = prompt.startsWith(SUMMARY_INSTRUCTION) ? prompt.slice(SUMMARY_INSTRUCTION.length) : prompt;
+  return summariseExtractively(text.trim()) || "(empty)";
+}
+
 /** A running fake model. */
 export interface FakeModelServer {
   /** Base URL for the SDK, ending in `/v1`. */
@@ -50,6 +101,10 @@ export interface FakeModelServer {
   prompts: string[];
   /** The request bodies received, in order, as sent (messages, model, response_format, ...). */
   bodies: Record<string, unknown>[];
+  /** When each request arrived (performance.now()), by request (n - 1). */
+  arrivedAt: number[];
+  /** The usage each request's answer reported, by request (n - 1); undefined for a request not answered `ok`. */
+  usages: (Usage | undefined)[];
   close(): Promise<void>;
 }
 
@@ -57,7 +112,7 @@ export interface FakeModelServer {
 export function completionBody(
   content: string,
   model = "fake-model",
-  usage: { prompt_tokens: number; completion_tokens: number } = { prompt_tokens: 1, completion_tokens: 1 },
+  usage: Usage = { prompt_tokens: 1, completion_tokens: 1 },
 ) {
   return {
     id: `chatcmpl-${crypto.randomUUID()}`,
@@ -84,36 +139,32 @@ export function startFakeModel(
   respond: (n: number, prompt: string) => ModelBehaviour = () => ({ kind: "ok" }),
 ): FakeModelServer {
   const hangs = new Set<() => void>();
-  const state = { requests: 0, prompts: [] as string[], bodies: [] as Record<string, unknown>[] };
+  const state = {
+    requests: 0,
+    prompts: [] as string[],
+    bodies: [] as Record<string, unknown>[],
+    usages: [] as (Usage | undefined)[],
+    arrivedAt: [] as number[],
+  };
   const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, async (req) => {
     if (!new URL(req.url).pathname.endsWith("/chat/completions")) return new Response("not found", { status: 404 });
-    const body = await req.json() as {
-      messages?: { role?: string; content?: string }[];
-      model?: string;
-      response_format?: { type?: string; json_schema?: { schema?: unknown } };
-    };
+    const arrived = performance.now();
+    const body = await req.json() as ChatBody;
     const prompt = body.messages?.at(-1)?.content ?? "";
     const n = ++state.requests;
     state.prompts.push(prompt);
     state.bodies.push(body);
+    state.arrivedAt.push(arrived);
     const behaviour = respond(n, prompt);
     switch (behaviour.kind) {
       case "ok": {
         if (behaviour.delayMs) await new Promise((r) => setTimeout(r, behaviour.delayMs));
-        const text = prompt.startsWith(SUMMARY_INSTRUCTION) ? prompt.slice(SUMMARY_INSTRUCTION.length) : prompt;
-        const structured = body.response_format?.type === "json_schema"
-          ? structuredAnswer(
-            body.response_format.json_schema?.schema,
-            body.messages?.find((m) => m.role === "user")?.content ?? "",
-            body.messages?.some((m) => m.role === "assistant") ?? false,
-          )
-          : undefined;
+        const content = behaviour.content ?? defaultAnswer(body);
+        const usage = behaviour.usage === "realistic" ? realisticUsage(body, content) : behaviour.usage;
+        // Billed once answered, whether or not the caller is still there to read it.
+        state.usages[n - 1] = usage ?? { prompt_tokens: 1, completion_tokens: 1 };
         return Response.json(
-          completionBody(
-            behaviour.content ?? structured ?? (summariseExtractively(text.trim()) || "(empty)"),
-            body.model,
-            behaviour.usage,
-          ),
+          completionBody(content, body.model, usage),
           { headers: { "x-request-id": `req_${n}`, ...behaviour.headers } },
         );
       }
@@ -153,6 +204,12 @@ export function startFakeModel(
     },
     get bodies() {
       return state.bodies;
+    },
+    get usages() {
+      return state.usages;
+    },
+    get arrivedAt() {
+      return state.arrivedAt;
     },
     async close() {
       for (const release of hangs) release();
