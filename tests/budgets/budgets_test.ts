@@ -132,7 +132,9 @@ Deno.test("budgets: a tenant is stopped at its budget with 0 overshoot, waits, a
         // Settled: nothing in flight, and what is left of the budget no longer fits one run's worst case.
         const done = (await statuses("acme")).done ?? 0;
         return state.reserved[0] === 0 && state.spent[0]! + worstRun > budget && doc.body.status === "queued" &&
-          doc.body.waiting_for === "budget" && done + await r.redis.xlen(keys.lane("acme").stream) === 64;
+          doc.body.waiting_for === "budget" && done + await r.redis.xlen(keys.lane("acme").stream) === 64 &&
+          // Every call charged belongs to a committed run (a settled call's run commits just after).
+          state.spent[0] === done * perRunTokens;
       }, 20_000);
       const done = (await statuses("acme")).done ?? 0;
       console.log(`  ${done} of 64 runs finished within the budget`);
