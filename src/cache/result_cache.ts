@@ -54,6 +54,9 @@ export interface ResultCacheEvents {
   lookup?(tenant: string, result: "hit" | "miss"): void;
 }
 
+/** The longest an entry is kept, whatever a task's `cache_ttl_s` says: a year. */
+const MAX_TTL_S = 365 * 24 * 3600;
+
 /** Options for {@linkcode createResultCache}. */
 export interface ResultCacheOptions {
   /** RESULT_CACHE_TTL_S: the TTL of runs whose task version sets no `cache_ttl_s` (summaries too); 0 = off. */
@@ -143,8 +146,9 @@ export function createResultCache(
 
   return {
     forRun(run) {
-      const ttlS = run.ttlS ?? options.defaultTtlS;
-      if (ttlS <= 0) return undefined;
+      // At most a year (RESULT_CACHE_TTL_S's own bound): a task's cache_ttl_s has none, and PX must stay an integer.
+      const ttlS = Math.min(run.ttlS ?? options.defaultTtlS, MAX_TTL_S);
+      if (!(ttlS > 0)) return undefined;
       const hash = cacheKeyHash(run);
       const lane = keys(run.tenant);
       const entryKey = lane.cacheEntry(hash);
