@@ -12,7 +12,7 @@ import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
 import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import { budgetKey, createBudgets, warnUnpricedModels, worstCaseTokens } from "../../src/budgets/budgets.ts";
-import { readBudgetState, runReserve } from "../../src/budgets/budget_scripts.ts";
+import { readBudgetState, RESERVATION_EPOCH_MS, runReserve, runSettle } from "../../src/budgets/budget_scripts.ts";
 import { createPrices } from "../../src/provider/prices.ts";
 import { createRegistry } from "../../src/metrics/metrics.ts";
 import { budgetEvents } from "../../src/budgets/budget_metrics.ts";
@@ -300,5 +300,42 @@ Deno.test("start-up names the models in use that have no price while a tenant ha
     assert.match(lines.join(""), /budget_models_unpriced/);
   } finally {
     await db.close();
+  }
+});
+
+Deno.test("a reservation never settled (its worker killed mid-call) is charged as spent an epoch later", async () => {
+  const r = await createTestRedis();
+  try {
+    const key = budgetKey(r.prefix, "t");
+    const limits: [number, number, number, number] = [1_000, -1, -1, -1];
+    // A worker reserves, then is killed before it settles: its reservation is held, not spent.
+    const held = await runReserve(r.redis, key, limits, { tokens: 300, nanos: 0 }, "reserve");
+    assert.ok(held.ok);
+    let state = await readBudgetState(r.redis, key);
+    assert.equal(state.spent[0], 0);
+    assert.equal(state.reserved[0], 300);
+    // Two lease epochs later (the bucket moved back in time, as the clock would have moved on): read, it counts
+    // as spent; the next reservation charges it for good.
+    const old = held.epoch - 2;
+    const dayOf = (epoch: number) => Math.floor(epoch * RESERVATION_EPOCH_MS / 86_400_000);
+    if (dayOf(old) !== dayOf(held.epoch)) {
+      console.log("  (within 30 minutes after UTC midnight: the forged epoch would be yesterday's; not checked now)");
+      return;
+    }
+    const tokens = await r.redis.hget(key, `r${held.epoch}:tok`);
+    await r.redis.hdel(key, `r${held.epoch}:tok`, `r${held.epoch}:usd`);
+    await r.redis.hset(key, `r${old}:tok`, tokens!, "open", String(old));
+    state = await readBudgetState(r.redis, key);
+    assert.deepEqual([state.spent[0], state.reserved[0]], [300, 0]);
+    const next = await runReserve(r.redis, key, limits, { tokens: 800, nanos: 0 }, "reserve");
+    assert.equal(next.ok, false, "300 charged + 800 would pass 1,000");
+    assert.equal(next.spent, 300);
+    assert.equal(await r.redis.hget(key, `r${old}:tok`), null);
+    // The killed call's late settlement (say the call did answer, for 120 tokens) corrects the charge.
+    await runSettle(r.redis, key, { epoch: old }, { tokens: 300, nanos: 0 }, { tokens: 120, nanos: 0 }, limits);
+    state = await readBudgetState(r.redis, key);
+    assert.deepEqual([state.spent[0], state.reserved[0]], [120, 0]);
+  } finally {
+    await r.close();
   }
 });
