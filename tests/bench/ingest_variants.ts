@@ -15,6 +15,7 @@ import { createIntake } from "../../src/summaries/intake.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { SummaryRequest } from "../../src/summaries/schemas.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
+import { bareHandler, floorHandler } from "./baseline_handlers.ts";
 
 /** The variants, each adding one step to the one before. */
 export const VARIANTS = [
@@ -26,6 +27,7 @@ export const VARIANTS = [
   ["log", "+ the job_enqueued log line"],
   ["handler", "the API handler with an intake that does nothing"],
   ["api", "the API handler with the real one-script intake"],
+  ["floor", "bare Deno.serve plus the one Redis script an accepted POST must run (the design's floor)"],
 ] as const;
 
 if (import.meta.main) {
@@ -66,7 +68,9 @@ if (import.meta.main) {
   const nothing = { keyFor: () => "", submit: accept, submitRun: accept };
   const index = VARIANTS.findIndex(([name]) => name === variant);
   const handler = variant === "bare"
-    ? async (req: Request) => (await req.json(), accepted())
+    ? bareHandler()
+    : variant === "floor"
+    ? floorHandler(redis, prefix!)
     : variant === "handler" || variant === "api"
     ? createApiHandler({
       redis,
