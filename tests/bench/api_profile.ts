@@ -143,7 +143,6 @@ if (import.meta.main) {
     );
     child.kill("SIGTERM");
     await child.status;
-    await drained;
     const file = [...Deno.readDirSync(out)].find((e) => e.name.endsWith(".cpuprofile"));
     if (!file) throw new Error(`no .cpuprofile in ${out}`);
     const profile = JSON.parse(await Deno.readTextFile(`${out}/${file.name}`)) as CpuProfile;
