@@ -51,14 +51,15 @@ export interface ApiDeps extends SummaryApiDeps {
 export function createApiHandler(apiDeps: ApiDeps): (req: Request, client?: Client) => Promise<Response> {
   // Every 429 a tenant is answered is counted for it (the console's usage chart): the tenant is the one its
   // request authenticated as, wherever the refusal was decided.
-  const tenants = new WeakMap<Request, string>();
+  // In flight only: each request's entry goes when it is answered (a WeakMap's entries cost the collector more).
+  const tenants = new Map<Request, string>();
   const deps: ApiDeps = {
     ...apiDeps,
-    authenticate: async (req) => {
-      const tenant = await apiDeps.authenticate(req);
-      tenants.set(req, tenant);
-      return tenant;
-    },
+    authenticate: (req) =>
+      apiDeps.authenticate(req).then((tenant) => {
+        tenants.set(req, tenant);
+        return tenant;
+      }),
   };
   const { console: operatorConsole, metrics } = deps;
   const refusals = metrics && refusalCounter(metrics.registry);
@@ -93,9 +94,15 @@ export function createApiHandler(apiDeps: ApiDeps): (req: Request, client?: Clie
     });
   const handle = router.handler({ log: deps.log, metrics: metrics?.api });
   return async (req, client) => {
-    const response = await handle(req, client);
-    const tenant = response.status === 429 ? tenants.get(req) : undefined;
-    if (tenant !== undefined) {
+    let response: Response;
+    let tenant: string | undefined;
+    try {
+      response = await handle(req, client);
+    } finally {
+      tenant = tenants.get(req);
+      tenants.delete(req);
+    }
+    if (tenant !== undefined && response.status === 429) {
       recordRefusal(deps.redis, deps.keys.prefix, tenant, 429);
       refusals?.(tenant, 429);
     }

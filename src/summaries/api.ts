@@ -263,7 +263,7 @@ export async function answerSubmission(
       enqueued(jobId);
     }
     if (deps.waiter) headers.vary = "prefer";
-    const waited = await waitIfPreferred(deps, req, tenant, jobId);
+    const waited = deps.waiter && req.headers.has("prefer") ? await waitIfPreferred(deps, req, tenant, jobId) : null;
     if (waited?.finished) {
       return json(200, await finished(jobId, waited), { ...headers, "preference-applied": waited.applied });
     }

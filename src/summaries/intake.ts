@@ -113,8 +113,8 @@ if a.traceparent ~= '' then
 else
   redis.call('XADD', KEYS[2], '*', 'job_id', a.job_id, 'tenant', a.tenant, 'payload', ARGV[2])
 end
+-- The record is new (EXISTS said so above): it has no field to delete (a.status.del).
 redis.call('HSET', KEYS[3], unpack(a.status.set))
-redis.call('HDEL', KEYS[3], unpack(a.status.del))
 redis.call('EXPIRE', KEYS[3], a.status.ttl_s)
 for i = 4, #KEYS do redis.call('SADD', KEYS[i], a.lane) end
 if a.wake ~= '' then redis.call('PUBLISH', a.wake, a.lane) end
@@ -258,7 +258,7 @@ export function createIntake(
       ({ lane, known, head } = summaryTenant(scope.tenant));
     }
     // The whole queue's size is known only across lanes (other slots), so it is read at most once a second.
-    const share = await fullQueueShare();
+    const share = maxQueued ? await fullQueueShare() : 0;
     const scriptKeys = [keyFor(scope), lane.stream, lane.job(jobId), ...known.keys];
     const args = [
       // The head, then the job's own fields: `cjson.decode` reads them in any order.
