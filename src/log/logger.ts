@@ -36,6 +36,8 @@ const encoder = new TextEncoder();
  * milliseconds of `info` lines.
  */
 export const LOG_FLUSH_MS = 10;
+/** The most bytes POSIX writes to a pipe at once, never interleaved with another writer's. */
+const PIPE_BUF = 4096;
 /** Pending bytes (UTF-16 units) above which the lines are written at once rather than at the next flush. */
 const FLUSH_CHARS = 64 * 1024;
 
@@ -50,7 +52,18 @@ function flush() {
   pending = [];
   pendingChars = 0;
   const bytes = encoder.encode(text);
-  for (let written = 0; written < bytes.length;) written += Deno.stderr.writeSync(bytes.subarray(written));
+  // Several processes may share one stderr pipe (`api --parallel`): a write of at most PIPE_BUF bytes is never
+  // interleaved with another process's, so the lines go out in writes that size, each ending at a line's end
+  // (a longer line alone).
+  for (let start = 0; start < bytes.length;) {
+    let end = bytes.length;
+    if (end - start > PIPE_BUF) {
+      const last = bytes.lastIndexOf(0x0a, start + PIPE_BUF - 1);
+      end = last >= start ? last + 1 : bytes.indexOf(0x0a, start + PIPE_BUF) + 1 || bytes.length;
+    }
+    for (let at = start; at < end;) at += Deno.stderr.writeSync(bytes.subarray(at, end));
+    start = end;
+  }
 }
 function stderrWriter(line: string, urgent: boolean) {
   pending.push(line + "\n");

@@ -93,6 +93,27 @@ Deno.test("a warn or error line is written at once, after every info line before
 Deno.test("info lines still waiting are written when the process exits, or dies of an uncaught error", async () => {
   assert.deepEqual(await loggedBy(`log.info("a"); log.info("b"); Deno.exit(0);`), ["a", "b"]);
   assert.deepEqual(await loggedBy(`log.info("a"); log.info("b");`), ["a", "b"]);
+  // A line longer than a pipe's atomic write goes out whole, between the others.
+  assert.deepEqual(
+    await loggedBy(`log.info("a"); log.info("long", { x: "y".repeat(10_000) }); log.info("b");`),
+    ["a", "long", "b"],
+  );
   assert.deepEqual(await loggedBy(`log.info("a"); setTimeout(() => { throw new Error("boom"); }, 0);`), ["a"]);
   assert.deepEqual(await loggedBy(`log.info("a"); Promise.reject(new Error("boom"));`), ["a"]);
+});
+
+Deno.test("processes sharing one stderr pipe never interleave parts of lines", async () => {
+  const logger = new URL("../../src/log/logger.ts", import.meta.url).href;
+  const code = `import { createLogger } from "${logger}"; const log = createLogger({ level: "info" });
+    for (let i = 0; i < 4000; i++) log.info("line", { i, pad: "x".repeat(150 + (i % 50)) });`;
+  const deno = Deno.execPath();
+  // Two processes writing at once into the pipe of the shell that started them, as `api --parallel` does.
+  const out = await new Deno.Command("sh", {
+    args: ["-c", `"$0" eval "$1" & "$0" eval "$1" & wait`, deno, code],
+    stdout: "null",
+    stderr: "piped",
+  }).output();
+  const lines = new TextDecoder().decode(out.stderr).split("\n").filter(Boolean);
+  assert.equal(lines.length, 8000);
+  for (const line of lines) assert.equal(JSON.parse(line).event, "line");
 });
