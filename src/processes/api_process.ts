@@ -25,6 +25,7 @@ import { replicaAckOf } from "./_replica_ack.ts";
 import { problem } from "../http/problem.ts";
 import { usageRoutes } from "../usage/usage_api.ts";
 import { recordRefusal, refusalCounter } from "../metrics/refusals.ts";
+import { REUSE_PORT_ARG } from "../launcher/parallel.ts";
 
 /** What the API process's handler needs: the summary API's, and the console and `/metrics`. */
 export interface ApiDeps extends SummaryApiDeps {
@@ -110,10 +111,14 @@ export function createApiHandler(apiDeps: ApiDeps): (req: Request, client?: Clie
   };
 }
 
-/** Serves the API on HOST:PORT until `signal` aborts, then finishes in-flight requests. */
+/**
+ * Serves the API on HOST:PORT until `signal` aborts, then finishes in-flight requests. With `reusePort`
+ * (`deno task api --parallel`), other processes may listen on the same port and share its connections.
+ */
 export async function serveApi(
   { config, redis, sql, log, registry }: ComponentDeps,
   signal: AbortSignal,
+  { reusePort = false }: { reusePort?: boolean } = {},
 ): Promise<void> {
   const keys = serviceKeys(KEY_PREFIX);
   // One LISTEN connection serves every `Prefer: wait` request of this process.
@@ -176,7 +181,8 @@ export async function serveApi(
   const server = Deno.serve({
     hostname: config.HOST,
     port: config.PORT,
-    onListen: ({ hostname, port }) => log.info("api_listening", { url: `http://${hostname}:${port}` }),
+    ...(reusePort ? { reusePort } : {}),
+    onListen: ({ hostname, port }) => log.info("api_listening", { url: `http://${hostname}:${port}`, pid: Deno.pid }),
     // Anything the handler did not turn into a response: one JSON log line and a problem document, never
     // Deno's plain-text 500 with a stack trace on stderr.
     onError: (error) => {
@@ -192,8 +198,17 @@ export async function serveApi(
   log.info("api_stopped");
 }
 
-/** `deno task api`. */
-export async function runApi({ config, clients, log, shutdown }: RunContext<{ redis: true; sql: true }>) {
-  await serveApi({ config, ...clients, log, registry: createRegistry() }, shutdown());
+/**
+ * `deno task api`; `main.ts api --reuse-port` is one of the processes of `deno task api --parallel`, started by
+ * the launcher (`src/launcher/parallel.ts`).
+ */
+export async function runApi({ config, clients, log, shutdown, args }: RunContext<{ redis: true; sql: true }>) {
+  const unknown = args.filter((arg) => arg !== REUSE_PORT_ARG);
+  if (unknown.length > 0) {
+    console.error(`Usage: deno task api [--parallel[=N]] (got ${JSON.stringify(unknown.join(" "))})`);
+    return 2;
+  }
+  const reusePort = args.includes(REUSE_PORT_ARG);
+  await serveApi({ config, ...clients, log, registry: createRegistry() }, shutdown(), { reusePort });
   return 0;
 }

@@ -5,6 +5,7 @@
  * shipper's: written (their cost is measured), never read by the bench.
  */
 import { cpuMs } from "./worker_process.ts";
+import { descendantsMatching } from "../support/process_tree.ts";
 
 const ROOT = decodeURIComponent(new URL("../../", import.meta.url).pathname);
 
@@ -17,33 +18,14 @@ export interface ApiServer {
   stop(): Promise<void>;
 }
 
-/** The pids of the processes whose parent is `pid`. */
-async function childrenOf(pid: number): Promise<number[]> {
-  const out = await new Deno.Command("ps", { args: ["-o", "pid=", "--ppid", String(pid)], stdout: "piped" }).output();
-  return new TextDecoder().decode(out.stdout).split("\n").map((s) => Number(s.trim())).filter((n) => n > 0);
-}
-
-/** The command line of `pid`, its arguments separated by spaces. */
-async function commandLine(pid: number): Promise<string> {
-  const out = await new Deno.Command("cat", { args: [`/proc/${pid}/cmdline`], stdout: "piped" }).output();
-  return new TextDecoder().decode(out.stdout).replaceAll("\0", " ");
-}
-
-/** Every process below `pid` that runs `main.ts api` (not the launcher, `main.ts launch api`). */
-async function apiProcesses(pid: number): Promise<number[]> {
-  const found: number[] = [];
-  for (const child of await childrenOf(pid)) {
-    if (/main\.ts api\b/.test(await commandLine(child))) found.push(child);
-    else found.push(...await apiProcesses(child));
-  }
-  return found;
-}
-
 /**
- * Starts `deno task api` (with `--parallel=N` when `parallel` is set) with `env`, and resolves once every API
- * process has logged `api_listening`.
+ * Starts `deno task api` (with `--parallel=N` when `parallel` is set) with `env`, in `root` (this checkout, or
+ * another one to compare with), and resolves once every API process has logged `api_listening`.
  */
-export async function startApi(env: Record<string, string>, { parallel }: { parallel?: number } = {}) {
+export async function startApi(
+  env: Record<string, string>,
+  { parallel, root = ROOT }: { parallel?: number; root?: string } = {},
+) {
   const logFile = await Deno.makeTempFile({ prefix: "oncely-bench-api-", suffix: ".log" });
   const expected = parallel ?? 1;
   const child = new Deno.Command("sh", {
@@ -55,7 +37,7 @@ export async function startApi(env: Record<string, string>, { parallel }: { para
       "api",
       ...(parallel ? [`--parallel=${parallel}`] : []),
     ],
-    cwd: ROOT,
+    cwd: root,
     env: { ...env, NO_COLOR: "1", ONCELY_BENCH_LOG: logFile },
     stdout: "null",
     stdin: "null",
@@ -75,7 +57,8 @@ export async function startApi(env: Record<string, string>, { parallel }: { para
       if (performance.now() > end) throw new Error(`the API did not start: ${log.slice(-500)}`);
       await new Promise((r) => setTimeout(r, 100));
     }
-    const pids = await apiProcesses(child.pid);
+    // `main.ts api`, not the launcher (`main.ts launch api`).
+    const pids = await descendantsMatching(child.pid, /main\.ts api\b/);
     if (pids.length !== expected) throw new Error(`expected ${expected} API processes, found ${pids.length}`);
     return {
       pids,

@@ -45,7 +45,7 @@ const smoke = Deno.args.includes("--smoke");
 const jsonAt = Deno.args.indexOf("--json");
 const jsonFile = jsonAt >= 0 ? Deno.args[jsonAt + 1] ?? "bench-results.json" : undefined;
 const only = Deno.args.find((a) => a.startsWith("--only="))?.slice("--only=".length).split(",");
-const RUNS = smoke ? 1 : 3;
+const RUNS = smoke ? 1 : Number(Deno.env.get("BENCH_RUNS") ?? 3);
 const progress = (msg: string) => console.error(`[bench] ${msg}`);
 
 /** One line of the results table. */
@@ -147,7 +147,7 @@ const INGEST_LOAD = "64 connections, a unique Idempotency-Key per POST";
 /**
  * Intake against both of its baselines, in one run: the real API (`deno task api`, one process), a bare
  * `Deno.serve` that parses the same JSON, and the design's floor (bare plus the one Redis script an accepted
- * POST must run). All servers run side by side, and each round loads
+ * POST must run); and the same API with `--parallel=2`. All servers run side by side, and each round loads
  * each of them in turn, the order rotating, so the machine's load moves them alike; medians of the rounds.
  */
 async function benchIngest() {
@@ -165,12 +165,14 @@ async function benchIngest() {
     const server = await startIngestServer(mode, port, db.url, r.prefix);
     return { port, cpuMs: () => cpuMs(server.pid), stop: server.stop };
   };
-  const api = async (parallel?: number) => {
+  const api = async (parallel?: number, root?: string) => {
     const port = freePort();
     const env = { DATABASE_URL: db.url, REDIS_URL: apiRedisUrl, PORT: String(port), LOG_LEVEL: "info" };
-    const server = await startApi(env, { parallel });
+    const server = await startApi(env, { parallel, root });
     return { port, cpuMs: server.cpuMs, stop: server.stop };
   };
+  // BENCH_INGEST_BEFORE=DIR: another checkout's API (an earlier commit, `git archive` into DIR) in the same rounds.
+  const before = Deno.env.get("BENCH_INGEST_BEFORE");
   const load = async (name: string, seconds: number, tag: string, sameKey = false) => {
     const server = servers[name]!;
     const before = await server.cpuMs();
@@ -193,11 +195,13 @@ async function benchIngest() {
     return { ...result, cpuUs };
   };
   try {
-    progress("ingest: starting bare, floor and api");
+    progress("ingest: starting bare, floor, api and api --parallel=2");
     servers.bare = await baseline("bare");
     servers.floor = await baseline("floor");
     servers.api = await api();
-    const names = ["bare", "floor", "api"];
+    servers.parallel = await api(2);
+    if (before) servers.before = await api(undefined, before);
+    const names = ["bare", "floor", "api", "parallel", ...(before ? ["before"] : [])];
     // Every path compiled by the JIT before any is measured.
     for (const name of names) await load(name, smoke ? 1 : 3, "warm");
     const results: Record<string, (HttpLoad & { cpuUs: number })[]> = {};
@@ -212,7 +216,7 @@ async function benchIngest() {
     for (let i = 0; i < RUNS; i++) replays.push(await load("api", seconds, `replay-${i}`, true));
     const m = Object.fromEntries(names.map((name) => [name, medianRun(results[name]!)]));
     const cpu = (name: string) => median(results[name]!.map((x) => x.cpuUs));
-    const { bare, floor, api: one } = m as Record<string, ReturnType<typeof medianRun>>;
+    const { bare, floor, api: one, parallel } = m as Record<string, ReturnType<typeof medianRun>>;
     const by = generatorLabel(results.api![0]!.generator);
     const latency = (x: ReturnType<typeof medianRun>) => `p50 ${fmt(x.p50, 1)} ms, p99 ${fmt(x.p99, 1)} ms`;
     const toBare = one!.rps / bare!.rps, toFloor = one!.rps / floor!.rps;
@@ -235,6 +239,26 @@ async function benchIngest() {
       value: one!.rps,
       baselineValue: floor!.rps,
     });
+    rows.push({
+      benchmark: `Ingest POST/s, deno task api --parallel=2 (two API processes on one port), ${INGEST_LOAD}, ${by}; ` +
+        `${navigator.hardwareConcurrency} cores shared with wrk (2 threads) and Redis`,
+      result: `${fmt(parallel!.rps)}/s (${latency(parallel!)}); API CPU ${fmt(cpu("parallel"))} µs/request (both)`,
+      baseline: `one process, same rounds: ${fmt(one!.rps)}/s; bare Deno.serve ${fmt(bare!.rps)}/s`,
+      ratio: `${fmt(parallel!.rps / one!.rps, 2)}x one process; ${fmt(parallel!.rps / bare!.rps, 2)}x bare`,
+      value: parallel!.rps,
+      baselineValue: one!.rps,
+    });
+    if (before) {
+      const earlier = m.before!;
+      rows.push({
+        benchmark: `Ingest POST/s, the API of ${before} (BENCH_INGEST_BEFORE), one process, in the same rounds`,
+        result: `${fmt(earlier.rps)}/s (${latency(earlier)}); API CPU ${fmt(cpu("before"))} µs/request`,
+        baseline: `this checkout's API ${fmt(one!.rps)}/s`,
+        ratio: `${fmt(one!.rps / earlier.rps, 2)}x (this / that)`,
+        value: earlier.rps,
+        baselineValue: one!.rps,
+      });
+    }
     const replay = medianRun(replays);
     rows.push({
       benchmark: `Ingest POST/s, replay of one key, one API process, 64 connections, ${by}`,
