@@ -15,6 +15,8 @@ export interface ApiServer {
   pids: number[];
   /** CPU time (user + system) of every API process so far, in ms. */
   cpuMs(): Promise<number>;
+  /** The peak resident memory of every API process so far, in MiB (`VmHWM`), summed. */
+  peakRssMiB(): Promise<number>;
   stop(): Promise<void>;
 }
 
@@ -66,6 +68,14 @@ export async function startApi(
         let total = 0;
         for (const pid of pids) total += await cpuMs(pid);
         return total;
+      },
+      async peakRssMiB() {
+        let kib = 0;
+        for (const pid of pids) {
+          const out = await new Deno.Command("cat", { args: [`/proc/${pid}/status`], stdout: "piped" }).output();
+          kib += Number(/VmHWM:\s+(\d+) kB/.exec(new TextDecoder().decode(out.stdout))?.[1] ?? NaN);
+        }
+        return kib / 1024;
       },
       stop,
     } satisfies ApiServer;

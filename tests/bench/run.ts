@@ -158,7 +158,7 @@ async function benchIngest() {
   const key = await createApiKey(db.sql, "bench");
   const seconds = smoke ? 1 : 5;
   const runId = crypto.randomUUID().slice(0, 8);
-  type Server = { port: number; cpuMs(): Promise<number>; stop(): Promise<void> };
+  type Server = { port: number; cpuMs(): Promise<number>; peakRssMiB?(): Promise<number>; stop(): Promise<void> };
   const servers: Record<string, Server> = {};
   const baseline = async (mode: "bare" | "floor") => {
     const port = freePort();
@@ -169,7 +169,7 @@ async function benchIngest() {
     const port = freePort();
     const env = { DATABASE_URL: db.url, REDIS_URL: apiRedisUrl, PORT: String(port), LOG_LEVEL: "info" };
     const server = await startApi(env, { parallel, root });
-    return { port, cpuMs: server.cpuMs, stop: server.stop };
+    return { port, cpuMs: server.cpuMs, peakRssMiB: server.peakRssMiB, stop: server.stop };
   };
   // BENCH_INGEST_BEFORE=DIR: another checkout's API (an earlier commit, `git archive` into DIR) in the same rounds.
   const before = Deno.env.get("BENCH_INGEST_BEFORE");
@@ -215,6 +215,7 @@ async function benchIngest() {
     const replays: HttpLoad[] = [];
     for (let i = 0; i < RUNS; i++) replays.push(await load("api", seconds, `replay-${i}`, true));
     const m = Object.fromEntries(names.map((name) => [name, medianRun(results[name]!)]));
+    const rss = async (name: string) => `peak RSS ${fmt(await servers[name]!.peakRssMiB!())} MiB`;
     const cpu = (name: string) => median(results[name]!.map((x) => x.cpuUs));
     const { bare, floor, api: one, parallel } = m as Record<string, ReturnType<typeof medianRun>>;
     const by = generatorLabel(results.api![0]!.generator);
@@ -222,7 +223,7 @@ async function benchIngest() {
     const toBare = one!.rps / bare!.rps, toFloor = one!.rps / floor!.rps;
     rows.push({
       benchmark: `Ingest POST/s, real API (deno task api), one process, ${INGEST_LOAD}, ${by}`,
-      result: `${fmt(one!.rps)}/s (${latency(one!)}); API CPU ${fmt(cpu("api"))} µs/request`,
+      result: `${fmt(one!.rps)}/s (${latency(one!)}); API CPU ${fmt(cpu("api"))} µs/request, ${await rss("api")}`,
       baseline: `bare Deno.serve ${fmt(bare!.rps)}/s (${latency(bare!)}); CPU ${fmt(cpu("bare"))} µs/request`,
       ratio: `${fmt(toBare, 2)}x`,
       goal: `>= 0.4x, p99 <= 25 ms ${toBare >= 0.4 && one!.p99 <= 25 ? "(met)" : "(NOT met)"}`,
@@ -252,7 +253,9 @@ async function benchIngest() {
       const earlier = m.before!;
       rows.push({
         benchmark: `Ingest POST/s, the API of ${before} (BENCH_INGEST_BEFORE), one process, in the same rounds`,
-        result: `${fmt(earlier.rps)}/s (${latency(earlier)}); API CPU ${fmt(cpu("before"))} µs/request`,
+        result: `${fmt(earlier.rps)}/s (${latency(earlier)}); API CPU ${fmt(cpu("before"))} µs/request, ${await rss(
+          "before",
+        )}`,
         baseline: `this checkout's API ${fmt(one!.rps)}/s`,
         ratio: `${fmt(one!.rps / earlier.rps, 2)}x (this / that)`,
         value: earlier.rps,
