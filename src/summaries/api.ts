@@ -263,7 +263,10 @@ export async function answerSubmission(
       enqueued(jobId);
     }
     if (deps.waiter) headers.vary = "prefer";
-    const waited = deps.waiter && req.headers.has("prefer") ? await waitIfPreferred(deps, req, tenant, jobId) : null;
+    // `get`, not `has`: on a request of Deno.serve, `has` copies every header into JavaScript first.
+    const waited = deps.waiter && req.headers.get("prefer") !== null
+      ? await waitIfPreferred(deps, req, tenant, jobId)
+      : null;
     if (waited?.finished) {
       return json(200, await finished(jobId, waited), { ...headers, "preference-applied": waited.applied });
     }
