@@ -114,7 +114,7 @@ if (import.meta.main) {
     stdout: "null",
     stderr: "piped",
   }).spawn();
-  // Its log lines are read and dropped, as a log shipper would.
+  // Its log lines go down a pipe, read and dropped here, as a log shipper (journald, docker) reads them.
   const drained = child.stderr.pipeTo(new WritableStream());
   try {
     const base = `http://127.0.0.1:${port}`;
@@ -143,6 +143,7 @@ if (import.meta.main) {
     );
     child.kill("SIGTERM");
     await child.status;
+    await drained;
     const file = [...Deno.readDirSync(out)].find((e) => e.name.endsWith(".cpuprofile"));
     if (!file) throw new Error(`no .cpuprofile in ${out}`);
     const profile = JSON.parse(await Deno.readTextFile(`${out}/${file.name}`)) as CpuProfile;
