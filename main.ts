@@ -17,6 +17,7 @@ import {
   parseSentinelUrl,
 } from "./src/config.ts";
 import { createLogger, type Logger } from "./src/log/logger.ts";
+import { PARALLEL_KILL_AFTER_MS, parallelArgs, REUSE_PORT_ARG, superviseParallel } from "./src/launcher/parallel.ts";
 import {
   deniesRedis,
   lookupAddresses,
@@ -105,7 +106,57 @@ async function spawnDeno(args: string[]): Promise<number> {
  * <command>`, and exits with its code.
  */
 async function launch(command: Command, args: string[], config: Config): Promise<number> {
+  let parallel;
+  try {
+    parallel = parallelArgs(args, navigator.hardwareConcurrency);
+  } catch (error) {
+    if (!(error instanceof TypeError)) throw error;
+    console.error(`Cannot start: ${error.message}`);
+    return 2;
+  }
+  if (parallel.processes !== undefined) {
+    if (command !== "api") {
+      console.error(
+        `Cannot start: --parallel applies to the api only (got "${command}"); start more ${command} processes`,
+      );
+      return 2;
+    }
+    if (Deno.build.os !== "linux") {
+      console.error(`Cannot start: --parallel shares HOST:PORT with SO_REUSEPORT, which balances only on Linux`);
+      return 2;
+    }
+    return await launchParallel(parallel.processes, parallel.rest, config);
+  }
   return await spawnDeno(["run", ...await launchFlags(command, config), SELF, command, ...args]);
+}
+
+/**
+ * `deno task api --parallel[=N]`: N API processes, each with the api's permission set, sharing HOST:PORT
+ * (`src/launcher/parallel.ts` says how they are supervised). Deno 2.9 allows `reusePort` only with
+ * `--unstable-net`, a feature flag that grants no permission.
+ */
+async function launchParallel(processes: number, args: string[], config: Config): Promise<number> {
+  const flags = await launchFlags("api", config);
+  const log = createLogger({ level: config.LOG_LEVEL }).child({ process: "launcher" });
+  return await superviseParallel(
+    () =>
+      new Deno.Command(Deno.execPath(), {
+        args: ["run", "--unstable-net", ...flags, SELF, "api", REUSE_PORT_ARG, ...args],
+        stdin: "null",
+        stdout: "inherit",
+        stderr: "inherit",
+      }).spawn(),
+    processes,
+    {
+      watchParent,
+      events: {
+        started: (pids) => log.info("api_parallel_started", { processes: pids.length, pids }),
+        lost: (pid, status) =>
+          log.error("api_process_exited", { pid, code: status.code, signal: status.signal, action: "stopping all" }),
+        killed: (pid) => log.error("api_process_killed", { pid, after_ms: PARALLEL_KILL_AFTER_MS }),
+      },
+    },
+  );
 }
 
 /**

@@ -46,6 +46,7 @@ Deno.test("the launcher loads the configuration's parser and nothing of the serv
     "main.ts",
     "src/commands.ts",
     "src/config.ts",
+    "src/launcher/parallel.ts", // supervises `api --parallel`; imports nothing
     "src/log/logger.ts",
     "src/permissions.ts",
     "src/provider/prices.ts", // parses LLM_PRICES; imports nothing

@@ -1,3 +1,4 @@
+import { createDeadlineQueue, type Deadline, type DeadlineQueue } from "../async/deadline_queue.ts";
 import { HttpError } from "./problem.ts";
 
 /** How long a request body may take to arrive, however it is sent. */
@@ -28,6 +29,17 @@ export interface BodyLimits {
   /** How long the whole body may take to arrive; default {@linkcode BODY_DEADLINE_MS}. */
   deadlineMs?: number;
 }
+
+/** The bodies' deadlines, one queue (and one timer) per deadline length. */
+const deadlineQueues = new Map<number, DeadlineQueue>();
+function deadlineQueue(ms: number): DeadlineQueue {
+  let queue = deadlineQueues.get(ms);
+  if (!queue) deadlineQueues.set(ms, queue = createDeadlineQueue(ms));
+  return queue;
+}
+
+/** UTF-8 that refuses malformed bytes; without `stream`, each `decode` stands alone. */
+const utf8 = new TextDecoder("utf-8", { fatal: true });
 
 const tooLarge = (maxBytes: number) => new HttpError(413, `Request body exceeds ${maxBytes} bytes`);
 
@@ -80,20 +92,20 @@ export async function readBody(
   }
   const chunks: Uint8Array[] = [];
   let size = 0;
-  let timer: ReturnType<typeof setTimeout> | undefined;
   // A client that sends its body a byte at a time must not hold the request (and its connection) open.
-  const late = new Promise<"late">((resolve) => timer = setTimeout(() => resolve("late"), deadlineMs));
+  const queue = deadlineQueue(deadlineMs);
+  let deadline!: Deadline;
+  const late = new Promise<undefined>((resolve) => deadline = queue.set(resolve as () => void));
   try {
     for (;;) {
-      const reading = reader.read();
-      reading.catch(() => {}); // when the deadline wins, the read may fail later, unobserved
-      let next: ReadableStreamReadResult<Uint8Array> | "late";
+      let next: ReadableStreamReadResult<Uint8Array> | undefined;
       try {
-        next = await Promise.race([reading, late]);
+        // When the deadline wins, the read may still fail later: the race has already handled it.
+        next = await Promise.race([reader.read(), late]);
       } catch (cause) {
         throw new HttpError(400, "The request body could not be read to its end", {}, { cause });
       }
-      if (next === "late") {
+      if (next === undefined) {
         releaseAfterResponse(reader);
         // No Connection header of ours: Deno sends `connection: close` itself when it closes the socket (as it
         // does here, the body released), and a second copy made two on the wire.
@@ -108,7 +120,7 @@ export async function readBody(
       chunks.push(next.value);
     }
   } finally {
-    clearTimeout(timer);
+    queue.clear(deadline);
   }
   if (chunks.length === 1) return chunks[0]!;
   const bytes = new Uint8Array(size);
@@ -122,7 +134,9 @@ export async function readBody(
 
 /** The media type of `req`, lower case, without parameters ("" when absent). */
 function mediaType(req: Request): string {
-  return (req.headers.get("content-type") ?? "").split(";")[0]!.trim().toLowerCase();
+  const header = req.headers.get("content-type");
+  if (header === null) return "";
+  return header === "application/json" ? header : header.split(";")[0]!.trim().toLowerCase();
 }
 
 /**
@@ -144,7 +158,7 @@ export async function readJsonBody(
   if (bytes.length === 0) throw new HttpError(400, "Request body is empty; expected a JSON object");
   let text: string;
   try {
-    text = new TextDecoder("utf-8", { fatal: true }).decode(bytes);
+    text = utf8.decode(bytes);
   } catch (cause) {
     throw new HttpError(400, "Request body is not valid UTF-8", {}, { cause });
   }

@@ -107,8 +107,16 @@ export class Router {
   }
 
   /** Answers `req` at `path`; throws what a handler throws (an `HttpError` for 405 and 501). */
-  async dispatch(req: Request, path: string, client?: Client): Promise<Response> {
-    const found = this.#find(path);
+  dispatch(req: Request, path: string, client?: Client): Promise<Response> {
+    return this.#answer(req, path, this.#find(path), client);
+  }
+
+  async #answer(
+    req: Request,
+    path: string,
+    found: { route: Route; params: string[] } | undefined,
+    client?: Client,
+  ): Promise<Response> {
     if (!found) {
       if (!STANDARD_METHODS.has(req.method)) throw new HttpError(501, "This server does not implement that method");
       return problem(404, `No route for ${req.method} ${path}`);
@@ -141,10 +149,12 @@ export class Router {
       const started = performance.now();
       // A malformed Host header (`Host: a b`) makes the request's URL unparseable: a client error, not a 500.
       const path = URL.parse(req.url)?.pathname;
+      // Found once: the route answers the request and labels it in metrics.
+      const found = path === undefined ? undefined : this.#find(path);
       let response: Response;
       try {
         if (path === undefined) throw new HttpError(400, "The request's Host header or target is not a valid URL");
-        response = await this.dispatch(req, path, client);
+        response = await this.#answer(req, path, found, client);
       } catch (error) {
         response = errorResponse(error, log, { method: req.method, path: path ?? "(malformed)" });
       }
@@ -154,7 +164,7 @@ export class Router {
       if (metrics) {
         // Bounded labels: a client may send any path and any token as its method.
         const labels = {
-          route: path === undefined ? "other" : this.label(path),
+          route: found?.route.label ?? "other",
           method: served.has(req.method) ? req.method : "other",
         };
         metrics.requests.inc({ ...labels, status: String(response.status) });

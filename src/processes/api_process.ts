@@ -25,6 +25,7 @@ import { replicaAckOf } from "./_replica_ack.ts";
 import { problem } from "../http/problem.ts";
 import { usageRoutes } from "../usage/usage_api.ts";
 import { recordRefusal, refusalCounter } from "../metrics/refusals.ts";
+import { REUSE_PORT_ARG } from "../launcher/parallel.ts";
 
 /** What the API process's handler needs: the summary API's, and the console and `/metrics`. */
 export interface ApiDeps extends SummaryApiDeps {
@@ -51,14 +52,15 @@ export interface ApiDeps extends SummaryApiDeps {
 export function createApiHandler(apiDeps: ApiDeps): (req: Request, client?: Client) => Promise<Response> {
   // Every 429 a tenant is answered is counted for it (the console's usage chart): the tenant is the one its
   // request authenticated as, wherever the refusal was decided.
-  const tenants = new WeakMap<Request, string>();
+  // In flight only: each request's entry goes when it is answered (a WeakMap's entries cost the collector more).
+  const tenants = new Map<Request, string>();
   const deps: ApiDeps = {
     ...apiDeps,
-    authenticate: async (req) => {
-      const tenant = await apiDeps.authenticate(req);
-      tenants.set(req, tenant);
-      return tenant;
-    },
+    authenticate: (req) =>
+      apiDeps.authenticate(req).then((tenant) => {
+        tenants.set(req, tenant);
+        return tenant;
+      }),
   };
   const { console: operatorConsole, metrics } = deps;
   const refusals = metrics && refusalCounter(metrics.registry);
@@ -93,9 +95,15 @@ export function createApiHandler(apiDeps: ApiDeps): (req: Request, client?: Clie
     });
   const handle = router.handler({ log: deps.log, metrics: metrics?.api });
   return async (req, client) => {
-    const response = await handle(req, client);
-    const tenant = response.status === 429 ? tenants.get(req) : undefined;
-    if (tenant !== undefined) {
+    let response: Response;
+    let tenant: string | undefined;
+    try {
+      response = await handle(req, client);
+    } finally {
+      tenant = tenants.get(req);
+      tenants.delete(req);
+    }
+    if (tenant !== undefined && response.status === 429) {
       recordRefusal(deps.redis, deps.keys.prefix, tenant, 429);
       refusals?.(tenant, 429);
     }
@@ -103,10 +111,14 @@ export function createApiHandler(apiDeps: ApiDeps): (req: Request, client?: Clie
   };
 }
 
-/** Serves the API on HOST:PORT until `signal` aborts, then finishes in-flight requests. */
+/**
+ * Serves the API on HOST:PORT until `signal` aborts, then finishes in-flight requests. With `reusePort`
+ * (`deno task api --parallel`), other processes may listen on the same port and share its connections.
+ */
 export async function serveApi(
   { config, redis, sql, log, registry }: ComponentDeps,
   signal: AbortSignal,
+  { reusePort = false }: { reusePort?: boolean } = {},
 ): Promise<void> {
   const keys = serviceKeys(KEY_PREFIX);
   // One LISTEN connection serves every `Prefer: wait` request of this process.
@@ -169,7 +181,8 @@ export async function serveApi(
   const server = Deno.serve({
     hostname: config.HOST,
     port: config.PORT,
-    onListen: ({ hostname, port }) => log.info("api_listening", { url: `http://${hostname}:${port}` }),
+    ...(reusePort ? { reusePort } : {}),
+    onListen: ({ hostname, port }) => log.info("api_listening", { url: `http://${hostname}:${port}`, pid: Deno.pid }),
     // Anything the handler did not turn into a response: one JSON log line and a problem document, never
     // Deno's plain-text 500 with a stack trace on stderr.
     onError: (error) => {
@@ -185,8 +198,17 @@ export async function serveApi(
   log.info("api_stopped");
 }
 
-/** `deno task api`. */
-export async function runApi({ config, clients, log, shutdown }: RunContext<{ redis: true; sql: true }>) {
-  await serveApi({ config, ...clients, log, registry: createRegistry() }, shutdown());
+/**
+ * `deno task api`; `main.ts api --reuse-port` is one of the processes of `deno task api --parallel`, started by
+ * the launcher (`src/launcher/parallel.ts`).
+ */
+export async function runApi({ config, clients, log, shutdown, args }: RunContext<{ redis: true; sql: true }>) {
+  const unknown = args.filter((arg) => arg !== REUSE_PORT_ARG);
+  if (unknown.length > 0) {
+    console.error(`Usage: deno task api [--parallel[=N]] (got ${JSON.stringify(unknown.join(" "))})`);
+    return 2;
+  }
+  const reusePort = args.includes(REUSE_PORT_ARG);
+  await serveApi({ config, ...clients, log, registry: createRegistry() }, shutdown(), { reusePort });
   return 0;
 }

@@ -20,13 +20,11 @@ export function defineScript(lua: string): Script {
   return {
     sha,
     lua,
-    async run(redis, keys, args) {
-      try {
-        return await redis.evalsha(sha, keys.length, ...keys, ...args);
-      } catch (error) {
+    run(redis, keys, args) {
+      return redis.evalsha(sha, keys.length, ...keys, ...args).catch((error) => {
         if (!(error instanceof Error) || !error.message.startsWith("NOSCRIPT")) throw error;
-        return await redis.eval(lua, keys.length, ...keys, ...args);
-      }
+        return redis.eval(lua, keys.length, ...keys, ...args);
+      });
     },
   };
 }

@@ -27,9 +27,15 @@ import { type JobWaiter, preferredWaitS } from "./job_waiter.ts";
 import { checkWebhookUrl, WebhookRefused } from "../webhooks/addresses.ts";
 import { currentTraceparent } from "../tracing.ts";
 import type { ServiceKeys } from "./keys.ts";
-import { IdempotencyKey, idempotencyKeyOf, SummaryRequest, type SummaryStatus } from "./schemas.ts";
+import {
+  IDEMPOTENCY_KEY,
+  idempotencyKeyOf,
+  parseSummaryRequest,
+  type SummaryRequest,
+  type SummaryStatus,
+} from "./schemas.ts";
 import { skipsCache } from "../cache/result_cache.ts";
-import { summaryPayload } from "../tasks/run_payload.ts";
+import { summaryForms } from "../tasks/run_payload.ts";
 
 /** What the summary API needs. */
 export interface SummaryApiDeps {
@@ -231,7 +237,7 @@ export function idempotencyKeyFrom(req: Request): string {
   const header = req.headers.get("idempotency-key");
   if (header === null) throw new HttpError(400, "Idempotency-Key header is required");
   const key = idempotencyKeyOf(header);
-  if (!IdempotencyKey.safeParse(key).success) {
+  if (!IDEMPOTENCY_KEY.test(key)) {
     throw new HttpError(400, "Idempotency-Key must be 16 to 128 visible ASCII characters");
   }
   return key;
@@ -265,7 +271,10 @@ export async function answerSubmission(
       enqueued(jobId);
     }
     if (deps.waiter) headers.vary = "prefer";
-    const waited = await waitIfPreferred(deps, req, tenant, jobId);
+    // `get`, not `has`: on a request of Deno.serve, `has` copies every header into JavaScript first.
+    const waited = deps.waiter && req.headers.get("prefer") !== null
+      ? await waitIfPreferred(deps, req, tenant, jobId)
+      : null;
     if (waited?.finished) {
       return json(200, await finished(jobId, waited), { ...headers, "preference-applied": waited.applied });
     }
@@ -309,7 +318,7 @@ export function summaryRoutes(deps: SummaryApiDeps): Router {
     const tenant = await authenticate(req);
     const key = idempotencyKeyFrom(req);
     const raw = await readJsonBody(req, deps.maxBodyBytes, { deadlineMs: deps.bodyDeadlineMs });
-    const parsed = SummaryRequest.safeParse(raw);
+    const parsed = parseSummaryRequest(raw);
     if (!parsed.success) {
       deps.metrics?.api.validationErrors.inc();
       const errors = parsed.error.issues.map((i) => ({ path: i.path.join("."), message: i.message }));
@@ -331,7 +340,7 @@ export function summaryRoutes(deps: SummaryApiDeps): Router {
           scope,
           request: parsed.data,
           traceparent: currentTraceparent(),
-          payload: summaryPayload(parsed.data, { noCache: skipsCache(req.headers) }),
+          ...summaryForms(parsed.data, { noCache: skipsCache(req.headers) }),
           refuse,
         }),
       {

@@ -34,6 +34,30 @@ export const SummaryRequest = z.strictObject({
 });
 export type SummaryRequest = z.infer<typeof SummaryRequest>;
 
+/** zod's pattern for `z.email()` (no global flag: `test` keeps no state). */
+const EMAIL = z.regexes.email;
+
+/**
+ * Parses a `POST /v1/summaries` body as {@linkcode SummaryRequest} does, answering the common case (an email
+ * recipient) with a few checks: zod's own email pattern, the lengths and the storability, on a plain object
+ * with exactly the two fields. Anything else, every refusal included, is zod's to answer, so the answers
+ * (and the errors) are zod's. zod's parse was 2% of the API's CPU under load, for a body of two strings.
+ */
+export function parseSummaryRequest(raw: unknown): z.ZodSafeParseResult<SummaryRequest> {
+  if (typeof raw === "object" && raw !== null && !Array.isArray(raw)) {
+    const { text, notify } = raw as Record<string, unknown>;
+    if (
+      typeof text === "string" && typeof notify === "string" && Object.keys(raw).length === 2 &&
+      Object.hasOwn(raw, "text") && Object.hasOwn(raw, "notify") &&
+      text.length >= 1 && text.length <= 200_000 && isStorable(text) &&
+      notify.length <= 320 && EMAIL.test(notify) && isStorable(notify)
+    ) {
+      return { success: true, data: { text, notify } };
+    }
+  }
+  return SummaryRequest.safeParse(raw);
+}
+
 /** Body of the 202 response. */
 export const SummaryAccepted = z.object({
   job_id: z.uuid(),
@@ -57,8 +81,11 @@ export const SummaryStatus = z.object({
 });
 export type SummaryStatus = z.infer<typeof SummaryStatus>;
 
+/** An `Idempotency-Key`'s characters: 16 to 128 visible ASCII characters. */
+export const IDEMPOTENCY_KEY = /^[\x21-\x7e]{16,128}$/;
+
 /** `Idempotency-Key`: 16 to 128 visible ASCII characters. */
-export const IdempotencyKey = z.string().regex(/^[\x21-\x7e]{16,128}$/);
+export const IdempotencyKey = z.string().regex(IDEMPOTENCY_KEY);
 
 /**
  * The key an `Idempotency-Key` header names. The IETF draft defines the
@@ -68,6 +95,7 @@ export const IdempotencyKey = z.string().regex(/^[\x21-\x7e]{16,128}$/);
  * `\"` and `\\` escapes); what remains must be a valid bare key.
  */
 export function idempotencyKeyOf(header: string): string {
+  if (header.charCodeAt(0) !== 0x22 /* " */) return header;
   const quoted = /^"((?:[^"\\]|\\["\\])*)"$/.exec(header);
   return quoted ? quoted[1]!.replace(/\\(["\\])/g, "$1") : header;
 }

@@ -8,6 +8,7 @@ import { z } from "zod";
 import { SUMMARY_RUN } from "../jobs/job_store.ts";
 import { SummaryRequest, WebhookTarget } from "../summaries/schemas.ts";
 import type { Notify } from "../summaries/commit.ts";
+import { canonicalJson } from "../idempotency/fingerprint.ts";
 
 /** The stream payload of a task run (a summary job's is its `SummaryRequest`). */
 export const RunPayload = z.object({
@@ -39,6 +40,26 @@ export interface RunJob {
  */
 export function summaryPayload(request: SummaryRequest, { noCache = false } = {}): string {
   return JSON.stringify(noCache ? { ...request, no_cache: true } : request);
+}
+
+/**
+ * A summary job's stream payload (as {@linkcode summaryPayload} writes it) and its request's canonical JSON (as
+ * `canonicalJson` writes it: what the job id hashes), each field serialised once for both.
+ */
+export function summaryForms(
+  request: SummaryRequest,
+  { noCache = false } = {},
+): { payload: string; canonical: string } {
+  const keys = Object.keys(request);
+  if (typeof request.notify !== "string" || keys.length !== 2 || keys[0] !== "text" || keys[1] !== "notify") {
+    return { payload: summaryPayload(request, { noCache }), canonical: canonicalJson(request) };
+  }
+  const text = JSON.stringify(request.text);
+  const notify = JSON.stringify(request.notify);
+  return {
+    payload: `{"text":${text},"notify":${notify}${noCache ? ',"no_cache":true' : ""}}`,
+    canonical: `{"notify":${notify},"text":${text}}`,
+  };
 }
 
 /**

@@ -1,9 +1,11 @@
 /**
  * The server side of the ingest benchmark, run as its own process so the load
  * generator does not share its CPU. `api`: the real handler with Redis and
- * Postgres. `bare`: a plain Deno.serve handler that parses the same JSON and
- * returns the same 202, the ceiling of the HTTP layer.
- * Usage: ingest_server.ts api|bare PORT DATABASE_URL REDIS_URL PREFIX
+ * Postgres (the real process is `main.ts api`: `run.ts` starts that for the
+ * ingest rows). `bare`: a plain Deno.serve handler that parses the same JSON
+ * and returns the same 202, the ceiling of the HTTP layer. `floor`: `bare`
+ * plus the one Redis script an accepted POST must run (`baseline_handlers.ts`).
+ * Usage: ingest_server.ts api|bare|floor PORT DATABASE_URL REDIS_URL PREFIX
  */
 import { connectPostgres, connectRedis } from "../../src/clients.ts";
 import { createIntake } from "../../src/summaries/intake.ts";
@@ -12,19 +14,17 @@ import { createApiHandler } from "../../src/processes/api_process.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
+import { bareHandler, floorHandler } from "./baseline_handlers.ts";
 
 const [mode, port, databaseUrl, redisUrl, prefix] = Deno.args;
 const close: (() => Promise<unknown>)[] = [];
 let handler: (req: Request) => Promise<Response>;
 if (mode === "bare") {
-  const id = crypto.randomUUID();
-  handler = async (req) => {
-    await req.json();
-    return new Response(JSON.stringify({ job_id: id, status: "queued" }), {
-      status: 202,
-      headers: { "content-type": "application/json", location: `/v1/summaries/${id}` },
-    });
-  };
+  handler = bareHandler();
+} else if (mode === "floor") {
+  const redis = await connectRedis(redisUrl!, { failFast: true });
+  close.push(() => redis.quit());
+  handler = floorHandler(redis, prefix!);
 } else {
   // The real logger at the default level: one line per accepted job goes to stderr, as in production.
   const log = createLogger({ level: "info" });

@@ -28,6 +28,7 @@ import { VARIANTS } from "./ingest_variants.ts";
 import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
 import { SUMMARY_READY_KEY_PREFIX } from "../../src/summaries/commit.ts";
 import { cpuMs, sdkCeiling, startModelProcess, startServiceProcess, startWorkerProcess } from "./worker_process.ts";
+import { startApi } from "./api_server.ts";
 import { completionBody } from "../support/fake_model_server.ts";
 import { Redis } from "ioredis";
 import { enqueueJob, enqueueRunToLane, enqueueToLane } from "../support/enqueue.ts";
@@ -47,7 +48,7 @@ const smoke = Deno.args.includes("--smoke");
 const jsonAt = Deno.args.indexOf("--json");
 const jsonFile = jsonAt >= 0 ? Deno.args[jsonAt + 1] ?? "bench-results.json" : undefined;
 const only = Deno.args.find((a) => a.startsWith("--only="))?.slice("--only=".length).split(",");
-const RUNS = smoke ? 1 : 3;
+const RUNS = smoke ? 1 : Number(Deno.env.get("BENCH_RUNS") ?? 3);
 const progress = (msg: string) => console.error(`[bench] ${msg}`);
 
 /** One line of the results table. */
@@ -143,70 +144,141 @@ async function startIngestServer(
   };
 }
 
+/** How the ingest rows' loads were taken, for their labels. */
+const INGEST_LOAD = "64 connections, a unique Idempotency-Key per POST";
+
+/**
+ * Intake against both of its baselines, in one run: the real API (`deno task api`, one process), a bare
+ * `Deno.serve` that parses the same JSON, and the design's floor (bare plus the one Redis script an accepted
+ * POST must run); and the same API with `--parallel=2`. All servers run side by side, and each round loads
+ * each of them in turn, the order rotating, so the machine's load moves them alike; medians of the rounds.
+ */
 async function benchIngest() {
   const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
   const r = await createScratchRedis(REDIS_URL, "oncely_bench");
+  // The API processes use the service's fixed key names: a Redis database nobody else uses.
+  const apiRedisUrl = await emptyRedisDatabase(REDIS_URL);
   const key = await createApiKey(db.sql, "bench");
   const seconds = smoke ? 1 : 5;
-  let generator = "";
-  const run = async (mode: "api" | "bare", sameKey: boolean) => {
+  const runId = crypto.randomUUID().slice(0, 8);
+  type Server = { port: number; cpuMs(): Promise<number>; peakRssMiB?(): Promise<number>; stop(): Promise<void> };
+  const servers: Record<string, Server> = {};
+  const baseline = async (mode: "bare" | "floor") => {
     const port = freePort();
     const server = await startIngestServer(mode, port, db.url, r.prefix);
-    const runId = crypto.randomUUID().slice(0, 8);
-    const load = {
-      url: `http://127.0.0.1:${port}/v1/summaries`,
+    return { port, cpuMs: () => cpuMs(server.pid), stop: server.stop };
+  };
+  const api = async (parallel?: number, root?: string) => {
+    const port = freePort();
+    const env = { DATABASE_URL: db.url, REDIS_URL: apiRedisUrl, PORT: String(port), LOG_LEVEL: "info" };
+    const server = await startApi(env, { parallel, root });
+    return { port, cpuMs: server.cpuMs, peakRssMiB: server.peakRssMiB, stop: server.stop };
+  };
+  // BENCH_INGEST_BEFORE=DIR: another checkout's API (an earlier commit, `git archive` into DIR) in the same rounds.
+  const before = Deno.env.get("BENCH_INGEST_BEFORE");
+  const load = async (name: string, seconds: number, tag: string, sameKey = false) => {
+    const server = servers[name]!;
+    const before = await server.cpuMs();
+    const result = await postLoad({
+      url: `http://127.0.0.1:${server.port}/v1/summaries`,
       headers: {
         authorization: `Bearer ${key}`,
         "content-type": "application/json",
         ...(sameKey ? { "idempotency-key": `bench-replay-${runId}` } : {}),
       },
       body: BODY,
+      vary: sameKey ? undefined : { header: "idempotency-key", prefix: `bench-${name}-${runId}-${tag}-` },
       connections: 64,
+      seconds,
       expectStatus: 202,
-    };
-    try {
-      const warm = { ...load, seconds: 1, vary: { header: "idempotency-key", prefix: `bench-warm-${runId}-` } };
-      await postLoad(sameKey ? { ...load, seconds: 1 } : warm, progress);
-      const results: HttpLoad[] = [];
-      for (let i = 0; i < RUNS; i++) {
-        const vary = sameKey ? undefined : { header: "idempotency-key", prefix: `bench-${runId}-${i}-` };
-        results.push(await postLoad({ ...load, seconds, vary }, progress));
-      }
-      const errors = results.reduce((n, x) => n + x.errors, 0);
-      if (errors > 0) throw new Error(`ingest ${mode}: ${errors} requests were not answered 202`);
-      generator = results[0]!.generator;
-      return medianRun(results);
-    } finally {
-      await server.stop();
-    }
+    }, progress);
+    if (result.errors > 0) throw new Error(`ingest ${name}: ${result.errors} requests were not answered 202`);
+    const cpuUs = ((await server.cpuMs()) - before) * 1000 / (result.perSecond * seconds);
+    progress(`ingest: ${name}: ${fmt(result.perSecond)}/s, p99 ${fmt(result.p99, 1)} ms, ${fmt(cpuUs)} µs CPU/req`);
+    return { ...result, cpuUs };
   };
   try {
-    progress("ingest: bare Deno.serve baseline");
-    const bare = await run("bare", false);
-    progress("ingest: real API, unique keys");
-    const api = await run("api", false);
-    progress("ingest: real API, replays");
-    const replay = await run("api", true);
-    const ratio = api.rps / bare.rps;
-    const by = generatorLabel(generator);
+    progress("ingest: starting bare, floor, api and api --parallel=2");
+    servers.bare = await baseline("bare");
+    servers.floor = await baseline("floor");
+    servers.api = await api();
+    servers.parallel = await api(2);
+    if (before) servers.before = await api(undefined, before);
+    const names = ["bare", "floor", "api", "parallel", ...(before ? ["before"] : [])];
+    // Every path compiled by the JIT before any is measured.
+    for (const name of names) await load(name, smoke ? 1 : 3, "warm");
+    const results: Record<string, (HttpLoad & { cpuUs: number })[]> = {};
+    for (let i = 0; i < RUNS; i++) {
+      const order = [...names.slice(i % names.length), ...names.slice(0, i % names.length)];
+      for (const name of order) {
+        progress(`ingest: ${name}, unique keys, ${seconds} s (round ${i + 1})`);
+        (results[name] ??= []).push(await load(name, seconds, String(i)));
+      }
+    }
+    const replays: HttpLoad[] = [];
+    for (let i = 0; i < RUNS; i++) replays.push(await load("api", seconds, `replay-${i}`, true));
+    const m = Object.fromEntries(names.map((name) => [name, medianRun(results[name]!)]));
+    const rss = async (name: string) => `peak RSS ${fmt(await servers[name]!.peakRssMiB!())} MiB`;
+    const cpu = (name: string) => median(results[name]!.map((x) => x.cpuUs));
+    const { bare, floor, api: one, parallel } = m as Record<string, ReturnType<typeof medianRun>>;
+    const by = generatorLabel(results.api![0]!.generator);
+    const latency = (x: ReturnType<typeof medianRun>) => `p50 ${fmt(x.p50, 1)} ms, p99 ${fmt(x.p99, 1)} ms`;
+    const toBare = one!.rps / bare!.rps, toFloor = one!.rps / floor!.rps;
     rows.push({
-      benchmark: `Ingest POST/s, unique keys, 64 connections, ${by}`,
-      result: `${fmt(api.rps)}/s (p50 ${fmt(api.p50, 1)} ms, p99 ${fmt(api.p99, 1)} ms)`,
-      baseline: `bare Deno.serve ${fmt(bare.rps)}/s (p50 ${fmt(bare.p50, 1)} ms, p99 ${fmt(bare.p99, 1)} ms)`,
-      ratio: `${fmt(ratio, 2)}x`,
-      goal: `>= 0.4x, p99 <= 25 ms ${ratio >= 0.4 && api.p99 <= 25 ? "(met)" : "(NOT met)"}`,
-      value: api.rps,
-      baselineValue: bare.rps,
+      benchmark: `Ingest POST/s, real API (deno task api), one process, ${INGEST_LOAD}, ${by}`,
+      result: `${fmt(one!.rps)}/s (${latency(one!)}); API CPU ${fmt(cpu("api"))} µs/request, ${await rss("api")}`,
+      baseline: `bare Deno.serve ${fmt(bare!.rps)}/s (${latency(bare!)}); CPU ${fmt(cpu("bare"))} µs/request`,
+      ratio: `${fmt(toBare, 2)}x`,
+      goal: `>= 0.4x, p99 <= 25 ms ${toBare >= 0.4 && one!.p99 <= 25 ? "(met)" : "(NOT met)"}`,
+      value: one!.rps,
+      baselineValue: bare!.rps,
     });
     rows.push({
-      benchmark: `Ingest POST/s, replay of one key, 64 connections, ${by}`,
-      result: `${fmt(replay.rps)}/s (p50 ${fmt(replay.p50, 1)} ms, p99 ${fmt(replay.p99, 1)} ms)`,
-      baseline: `bare Deno.serve ${fmt(bare.rps)}/s`,
-      ratio: `${fmt(replay.rps / bare.rps, 2)}x`,
+      benchmark: `Ingest POST/s, the same API process against the design's floor`,
+      result: `${fmt(one!.rps)}/s`,
+      baseline: `bare Deno.serve + the one Redis script (record + stream entry, ioredis) ${fmt(floor!.rps)}/s ` +
+        `(${latency(floor!)}); CPU ${fmt(cpu("floor"))} µs/request`,
+      ratio: `${fmt(toFloor, 2)}x`,
+      goal: `>= 0.8x ${toFloor >= 0.8 ? "(met)" : "(NOT met)"}`,
+      value: one!.rps,
+      baselineValue: floor!.rps,
+    });
+    rows.push({
+      benchmark: `Ingest POST/s, deno task api --parallel=2 (two API processes on one port), ${INGEST_LOAD}, ${by}; ` +
+        `${navigator.hardwareConcurrency} cores shared with wrk (2 threads) and Redis`,
+      result: `${fmt(parallel!.rps)}/s (${latency(parallel!)}); API CPU ${fmt(cpu("parallel"))} µs/request (both)`,
+      baseline: `one process, same rounds: ${fmt(one!.rps)}/s; bare Deno.serve ${fmt(bare!.rps)}/s`,
+      ratio: `${fmt(parallel!.rps / one!.rps, 2)}x one process; ${fmt(parallel!.rps / bare!.rps, 2)}x bare`,
+      value: parallel!.rps,
+      baselineValue: one!.rps,
+    });
+    if (before) {
+      const earlier = m.before!;
+      rows.push({
+        benchmark: `Ingest POST/s, the API of ${before} (BENCH_INGEST_BEFORE), one process, in the same rounds`,
+        result: `${fmt(earlier.rps)}/s (${latency(earlier)}); API CPU ${fmt(cpu("before"))} µs/request, ${await rss(
+          "before",
+        )}`,
+        baseline: `this checkout's API ${fmt(one!.rps)}/s`,
+        ratio: `${fmt(one!.rps / earlier.rps, 2)}x (this / that)`,
+        value: earlier.rps,
+        baselineValue: one!.rps,
+      });
+    }
+    const replay = medianRun(replays);
+    rows.push({
+      benchmark: `Ingest POST/s, replay of one key, one API process, 64 connections, ${by}`,
+      result: `${fmt(replay.rps)}/s (${latency(replay)})`,
+      baseline: `bare Deno.serve ${fmt(bare!.rps)}/s`,
+      ratio: `${fmt(replay.rps / bare!.rps, 2)}x`,
       value: replay.rps,
-      baselineValue: bare.rps,
+      baselineValue: bare!.rps,
     });
   } finally {
+    for (const server of Object.values(servers)) await server.stop();
+    const redis = new Redis(apiRedisUrl, { maxRetriesPerRequest: 1 });
+    await redis.flushdb().catch(() => {});
+    await redis.quit().catch(() => redis.disconnect());
     await r.close();
     await db.close();
   }

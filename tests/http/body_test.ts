@@ -107,6 +107,26 @@ Deno.test("readBody() returns the bytes of a body within the limit, declared or 
   );
 });
 
+Deno.test("readJsonBody() takes any spelling of a JSON media type, reads non-ASCII text, refuses the rest", async () => {
+  const post = (type: string | null, body: string | Uint8Array<ArrayBuffer> = '{"a":"é€"}') =>
+    readJsonBody(
+      new Request("http://x", { method: "POST", body, headers: type === null ? {} : { "content-type": type } }),
+      1024,
+    );
+  for (const type of ["application/json", "Application/JSON; charset=utf-8", " application/problem+json "]) {
+    assert.deepEqual(await post(type), { a: "é€" }, type);
+  }
+  for (const type of [null, "text/plain", "application/jsonx"]) {
+    await assert.rejects(post(type), (e: HttpError) => e.status === 415, String(type));
+  }
+  // The same decoder serves every request: a malformed body refuses that body only.
+  await assert.rejects(
+    post("application/json", new Uint8Array([0x7b, 0xff, 0x7d])),
+    (e: HttpError) => e.status === 400,
+  );
+  assert.deepEqual(await post("application/json"), { a: "é€" });
+});
+
 Deno.test("readFormBody() parses a form within the limits and refuses anything else", async () => {
   const form = (body: string, type = "application/x-www-form-urlencoded") =>
     new Request("http://x", { method: "POST", headers: { "content-type": type }, body });

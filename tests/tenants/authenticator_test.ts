@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
 import type { Sql } from "postgres";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
-import { createApiKey } from "../../src/tenants/tenant_store.ts";
+import { createApiKey, revokeTenant } from "../../src/tenants/tenant_store.ts";
 import { createTestDatabase } from "../_support.ts";
 
 Deno.test("API-key lookups: unknown ids are cached apart and a flood of them never evicts a good key", async () => {
@@ -25,6 +25,90 @@ Deno.test("API-key lookups: unknown ids are cached apart and a flood of them nev
     assert.equal(queries, 51, "a repeated unknown id is answered from its cache");
     assert.equal(await as(good), "acme");
     assert.equal(queries, 51, "the good key was not evicted by 50 misses in a cache of 10");
+  } finally {
+    await db.close();
+  }
+});
+
+/** An authenticator on a fake clock, and a way to ask it for a key's tenant. */
+function clocked(sql: Sql, cacheTtlMs: number) {
+  let t = 0;
+  let queries = 0;
+  const counting = ((...args: Parameters<Sql>) => {
+    queries++;
+    return (sql as unknown as (...a: unknown[]) => unknown)(...args);
+  }) as unknown as Sql;
+  const auth = createAuthenticator({ sql: counting }, { mode: "api-key", cacheTtlMs, now: () => t });
+  return {
+    as: (authorization: string) => auth(new Request("http://api/", { headers: { authorization } })),
+    advance: (ms: number) => (t += ms),
+    queries: () => queries,
+  };
+}
+
+Deno.test("a revoked key stops working once its cached row is cacheTtlMs old, however often it was used", async () => {
+  const db = await createTestDatabase();
+  try {
+    const { as, advance, queries } = clocked(db.sql, 10_000);
+    const key = await createApiKey(db.sql, "acme");
+    assert.equal(await as(`Bearer ${key}`), "acme");
+    for (let i = 0; i < 20; i++) assert.equal(await as(`Bearer ${key}`), "acme");
+    assert.equal(queries(), 1, "answered from the cache");
+    await revokeTenant(db.sql, "acme");
+    advance(9_999);
+    assert.equal(await as(`Bearer ${key}`), "acme", "within the TTL the cached row still answers (documented)");
+    advance(2);
+    await assert.rejects(as(`Bearer ${key}`), /not valid/);
+    await assert.rejects(as(`Bearer ${key}`), /not valid/);
+    assert.equal(queries(), 2, "the row was read again once, then its absence cached");
+  } finally {
+    await db.close();
+  }
+});
+
+Deno.test("a key verified before stays valid each time its row is read again, once per cacheTtlMs", async () => {
+  const db = await createTestDatabase();
+  try {
+    const { as, advance, queries } = clocked(db.sql, 1_000);
+    const key = await createApiKey(db.sql, "acme");
+    for (let i = 0; i < 5; i++) {
+      assert.equal(await as(`Bearer ${key}`), "acme");
+      advance(1_001);
+    }
+    assert.equal(queries(), 5, "one read per TTL");
+  } finally {
+    await db.close();
+  }
+});
+
+Deno.test("a wrong secret for a known, verified id is never accepted, in any spelling", async () => {
+  const db = await createTestDatabase();
+  try {
+    const { as } = clocked(db.sql, 60_000);
+    const key = await createApiKey(db.sql, "acme");
+    const other = await createApiKey(db.sql, "other");
+    assert.equal(await as(`Bearer ${key}`), "acme");
+    const [, id, secret] = /^onc_([0-9a-f]{12})_(.+)$/.exec(key)!;
+    const flip = (c: string) => (c === "A" ? "B" : "A");
+    const wrong = [
+      // Every single-character change of the secret, at every place.
+      ...[...secret!].map((c, i) => `onc_${id}_${secret!.slice(0, i)}${flip(c)}${secret!.slice(i + 1)}`),
+      `onc_${id}_${/^onc_[0-9a-f]{12}_(.+)$/.exec(other)![1]}`, // another tenant's secret
+      `onc_${id}_${secret!.slice(0, -1)}`,
+      `onc_${id}_${secret}A`,
+      `onc_${id}_${secret!.toUpperCase() === secret ? secret!.toLowerCase() : secret!.toUpperCase()}`,
+    ];
+    for (const presented of wrong) {
+      for (const spelling of [`Bearer ${presented}`, `bearer  ${presented} `]) {
+        await assert.rejects(as(spelling), /not valid|malformed/, spelling);
+      }
+    }
+    // Other spellings of the right key are the same key; the key itself still works.
+    assert.equal(await as(`bearer   ${key}  `), "acme");
+    assert.equal(await as(`Bearer ${key}`), "acme");
+    assert.equal(await as(`Bearer ${other}`), "other");
+    await assert.rejects(as(`Bearer ${key} extra`), /malformed/);
+    await assert.rejects(as(`Basic ${key}`), /malformed/);
   } finally {
     await db.close();
   }
