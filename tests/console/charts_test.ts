@@ -12,11 +12,12 @@
  * A 429 answered through the API is recorded for its tenant, in Redis and in
  * `oncely_tenant_refusals_total`.
  */
+import { seedBudgetState } from "../../src/budgets/budget_scripts.ts";
 import assert from "node:assert/strict";
 import { createConsole } from "../../src/console/console.ts";
 import { formatCount, formatUsd } from "../../src/console/charts.ts";
 import { windowEndingAt } from "../../src/console/usage_pages.ts";
-import { createBudgets } from "../../src/budgets/budgets.ts";
+import { budgetKey, createBudgets } from "../../src/budgets/budgets.ts";
 import { createPrices } from "../../src/provider/prices.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { apiMetrics, createRegistry } from "../../src/metrics/metrics.ts";
@@ -412,9 +413,11 @@ Deno.test("a 429 for a spent budget is recorded per minute for its tenant, and c
   const keys = serviceKeys(r.prefix);
   const registry = createRegistry();
   try {
-    // acme's daily budget is one token: every new run's worst case is over it, and the API answers 429.
+    // acme's daily budget of 5,000 tokens is nearly spent: a new run's worst case no longer fits, so the API
+    // answers 429 (a worst case over the whole budget would be a 422: it could never fit).
     await createApiKey(db.sql, "acme");
-    await db.sql`UPDATE tenants SET budget_tokens_day = 1 WHERE name = 'acme'`;
+    await db.sql`UPDATE tenants SET budget_tokens_day = 5000 WHERE name = 'acme'`;
+    await seedBudgetState(r.redis, budgetKey(r.prefix, "acme"), [4_900, 0, 4_900, 0]);
     const prices = createPrices({ LLM_PRICES: { "default-model": { in: 0.4, out: 1.6 } } });
     const handler = apiHandler({ redis: r.redis, sql: db.sql, keys }, {
       metrics: { api: apiMetrics(registry), registry },
