@@ -285,7 +285,11 @@ export function createProviderFlow(
     },
     acquire: (estimatedTokens, signal, jobId = "") => acquire(flow, estimatedTokens, signal, jobId),
     async ready() {
-      const [raw, ms] = await ask(flow, 0, "peek");
+      // Once per read, never behind a batch of takes in flight: its own round trip.
+      const [reply] = await runAcquire(redis, options.key, acquireSettings, [
+        { mode: "peek", est: 0, probe_id: "", job: "" },
+      ]);
+      const [raw, ms] = reply!;
       const permits = Math.max(0, raw - (flow.waiting - flow.suspects));
       // Permits this process's own waiters will take are not there for new jobs: look again shortly.
       return { permits, waitMs: permits > 0 ? 0 : raw > 0 ? 50 : ms };

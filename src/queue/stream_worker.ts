@@ -216,7 +216,11 @@ export function createStreamWorker(
     let free = options.concurrency - slots.running();
     if (free <= 0) return 0;
     gateWaitMs = 0;
+    let lanes: Promise<QueueNames[]> | undefined;
     if (options.gate) {
+      // The lanes with work are looked up beside the gate: a read waits for one round trip before its take, not two.
+      lanes = reader.lanes();
+      lanes.catch(() => {}); // observed by the read; none when the gate says no
       const { permits, waitMs } = await options.gate();
       if (permits <= 0) {
         gateWaitMs = Math.max(1, waitMs);
@@ -226,7 +230,7 @@ export function createStreamWorker(
     }
     let started = await reclaimer.reclaim(free, startReclaimed);
     free -= started;
-    if (free > 0) started += await reader.read(free, started > 0 ? 0 : block, startNew);
+    if (free > 0) started += await reader.read(free, started > 0 ? 0 : block, startNew, lanes);
     return started;
   }
 

@@ -201,6 +201,15 @@ export interface GroupCommitter {
   commit(result: JobResult): Promise<Committed>;
 }
 
+/** Defaults of {@linkcode createGroupCommitter}. */
+export const COMMIT_DEFAULTS = {
+  /**
+   * Commits in flight at once (each on its own connection of the pool). Jobs that finish while all are in flight
+   * wait for one to end and share the next: with too few, a burst of finished jobs queues behind one round trip.
+   */
+  inFlight: 4,
+} as const;
+
 /**
  * Group commit without added latency: the first job commits at once; jobs
  * that finish while that transaction is in flight are committed together in
@@ -244,7 +253,7 @@ export function createGroupCommitter(
       const outcome = outcomes.get(r.jobId)!;
       return firstIndex.get(r.jobId) === i || typeof outcome === "object" ? outcome : "duplicate";
     });
-  }, { maxBatch: options.maxBatch ?? 500, maxInFlight: options.inFlight ?? 2 });
+  }, { maxBatch: options.maxBatch ?? 500, maxInFlight: options.inFlight ?? COMMIT_DEFAULTS.inFlight });
   return {
     async commit(result) {
       const outcome = await commit(result);
