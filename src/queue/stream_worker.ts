@@ -24,8 +24,12 @@ import { createReclaimer } from "./reclaimer.ts";
 
 export { ensureGroup } from "./consumer_group.ts";
 
-/** Handles one message. Resolve to acknowledge; throw to leave it pending for redelivery. */
-export type MessageHandler = (message: StreamMessage, signal: AbortSignal) => Promise<unknown>;
+/**
+ * Handles one message. Resolve to acknowledge; throw to leave it pending for redelivery. A handler may call
+ * `finishing()` once only its last, short step is left (the summary job: its commit, after the model call): the
+ * worker then reads the message that will take its slot, so the slot is filled the moment it frees.
+ */
+export type MessageHandler = (message: StreamMessage, signal: AbortSignal, finishing: () => void) => Promise<unknown>;
 
 /** Counters a worker reports; wire them to metrics. */
 export interface WorkerEvents {
@@ -54,6 +58,8 @@ export const STREAM_WORKER_DEFAULTS = {
   readRetryMs: 500,
   /** The longest wait for the gate's permits before it is asked again (a finished job may give some back). */
   maxGateWaitMs: 1_000,
+  /** The wait before asking the gate again when the permits it has are all for messages read ahead. */
+  readAheadGateWaitMs: 50,
 } as const;
 
 /** Options for {@linkcode createStreamWorker}. */
@@ -134,7 +140,10 @@ export interface StreamWorkerFaults {
 
 /** A running consumer. */
 export interface StreamWorker {
-  /** One iteration: reclaim idle messages, read new ones into free slots, start their handlers. @returns how many were started. */
+  /**
+   * One iteration: reclaim idle messages, read new ones into free slots (and for finishing handlers' slots, read
+   * ahead), start their handlers. @returns how many were taken.
+   */
   runOnce(blockMs?: number): Promise<number>;
   /** Loops until `signal` aborts, then drains in-flight handlers up to the grace period. */
   run(signal: AbortSignal): Promise<void>;
@@ -204,8 +213,8 @@ export function createStreamWorker(
     events.delivered?.(message, source);
     // Charged before the handler runs: its slot and its share are released together.
     const charge = shares.charge(lane.stream, options.cost?.(message) ?? 1);
-    slots.occupy(lane, message, charge, (settle) =>
-      processMessage(lane, message)
+    slots.occupy(lane, message, charge, (settle, finishing) =>
+      processMessage(lane, message, finishing)
         .catch((error) => log.error("message_processing_error", { msg_id: message.id, error }))
         .finally(settle));
   }
@@ -213,7 +222,7 @@ export function createStreamWorker(
   const startReclaimed = (lane: QueueNames, m: StreamMessage) => start(lane, m, "reclaimed");
 
   async function runOnce(block = blockMs): Promise<number> {
-    let free = options.concurrency - slots.running();
+    let free = slots.wanted();
     if (free <= 0) return 0;
     gateWaitMs = 0;
     let lanes: Promise<QueueNames[]> | undefined;
@@ -222,11 +231,13 @@ export function createStreamWorker(
       lanes = reader.lanes();
       lanes.catch(() => {}); // observed by the read; none when the gate says no
       const { permits, waitMs } = await options.gate();
-      if (permits <= 0) {
-        gateWaitMs = Math.max(1, waitMs);
+      // Messages read ahead will ask for their permits as soon as they start: they count as waiting already.
+      const usable = permits - slots.readAhead();
+      if (usable <= 0) {
+        gateWaitMs = Math.max(1, permits > 0 ? STREAM_WORKER_DEFAULTS.readAheadGateWaitMs : waitMs);
         return 0;
       }
-      free = Math.min(free, permits);
+      free = Math.min(free, usable);
     }
     let started = await reclaimer.reclaim(free, startReclaimed);
     free -= started;
@@ -241,7 +252,7 @@ export function createStreamWorker(
     signal.addEventListener("abort", wake);
     try {
       while (!signal.aborted) {
-        if (slots.running() >= options.concurrency) {
+        if (slots.wanted() <= 0) {
           await slots.freed(Infinity, signal);
           continue;
         }
@@ -255,10 +266,11 @@ export function createStreamWorker(
           await sleep(STREAM_WORKER_DEFAULTS.readRetryMs, signal).catch(() => {});
         }
       }
-      // Stop reading; let in-flight handlers finish within the grace period.
+      // Stop reading; let in-flight handlers finish within the grace period (those read ahead start as slots free).
       if (!(await settlesWithin(slots.drain(), graceMs))) {
         // Abandoned messages stay pending and are reclaimed by another worker.
-        log.warn("worker_abandoned_in_flight", { count: slots.running() });
+        log.warn("worker_abandoned_in_flight", { count: slots.running() + slots.readAhead() });
+        slots.abandonReadAhead();
         handlerAbort.abort(new Error("worker stopping"));
         await settlesWithin(slots.drain(), STREAM_WORKER_DEFAULTS.abortedSettleMs);
       }
@@ -279,6 +291,7 @@ export function createStreamWorker(
       return slots.running();
     },
     close() {
+      slots.abandonReadAhead();
       handlerAbort.abort(new Error("worker closed"));
       return Promise.resolve();
     },
@@ -287,40 +300,85 @@ export function createStreamWorker(
 
 /**
  * The worker's slots: every message this consumer holds and has not yet acked (heartbeats keep those), and the
- * subset whose handler still runs, which use up concurrency. Messages are known by lane and id: two lanes'
- * streams may use the same entry ids.
+ * subset whose handler still runs, which use up concurrency. A handler that says it is finishing (only a short
+ * last step left) lets one message be read ahead for its slot: it waits here, held, and starts the moment a slot
+ * frees, so at most `concurrency` handlers run and at most as many messages wait as handlers are finishing.
+ * Messages are known by lane and id: two lanes' streams may use the same entry ids.
  */
 function createSlots(
-  options: Pick<StreamWorkerOptions, "events">,
+  options: Pick<StreamWorkerOptions, "events" | "concurrency">,
   released: (message: StreamMessage, charge: LaneCharge) => void,
 ) {
   const tag = (lane: QueueNames, id: string) => `${lane.stream}\n${id}`;
   const held = new Map<string, { task: Promise<void>; lane: QueueNames; id: string }>();
   const running = new Map<string, { message: StreamMessage; charge: LaneCharge }>();
+  // Running handlers that said they are finishing: each may have one successor read ahead.
+  const finishing = new Set<string>();
+  // Messages read ahead, in the order they were read: each starts (or is abandoned) once.
+  const readAhead: { start(): void; abandon(): void }[] = [];
   let slotFreed: (() => void) | undefined;
   const release = (key: string) => {
     const entry = running.get(key);
     if (!entry) return;
     running.delete(key);
+    finishing.delete(key);
     released(entry.message, entry.charge);
+    readAhead.shift()?.start();
     options.events?.inFlight?.(running.size);
     slotFreed?.();
   };
   return {
     running: () => running.size,
+    /** How many messages a read may take now: one per free slot, and one per finishing handler not yet served. */
+    wanted: () => Math.max(0, options.concurrency - running.size) + Math.max(0, finishing.size - readAhead.length),
+    /** Messages read ahead, not started yet. */
+    readAhead: () => readAhead.length,
     heldCount: () => held.size,
     held: (): AckItem[] => [...held.values()].map(({ lane, id }) => ({ lane, id })),
     holds: (lane: QueueNames, id: string) => held.has(tag(lane, id)),
-    /** Takes a slot for `message` while `run` runs; `run` calls the function it is given once it is done. */
-    occupy(lane: QueueNames, message: StreamMessage, charge: LaneCharge, run: (settle: () => void) => Promise<void>) {
+    /**
+     * Takes a slot for `message` while `run` runs, at once if one is free, else as soon as one frees (it was read
+     * ahead). `run` calls `settle` once it is done, and may call `finishing` before.
+     */
+    occupy(
+      lane: QueueNames,
+      message: StreamMessage,
+      charge: LaneCharge,
+      run: (settle: () => void, finishing: () => void) => Promise<void>,
+    ) {
       const key = tag(lane, message.id);
-      running.set(key, { message, charge });
-      const task = run(() => {
-        release(key);
-        held.delete(key);
-      });
+      const go = () => {
+        running.set(key, { message, charge });
+        options.events?.inFlight?.(running.size);
+        return run(() => {
+          release(key);
+          held.delete(key);
+        }, () => {
+          if (!running.has(key) || finishing.has(key)) return;
+          finishing.add(key);
+          slotFreed?.();
+        });
+      };
+      if (running.size < options.concurrency) {
+        held.set(key, { task: go(), lane, id: message.id });
+        return;
+      }
+      // Abandoned (a stop past its grace): never started, it stays pending for another worker to reclaim.
+      const task = new Promise<void>((resolve) =>
+        readAhead.push({
+          start: () => void go().then(resolve),
+          abandon: () => {
+            held.delete(key);
+            released(message, charge);
+            resolve();
+          },
+        })
+      );
       held.set(key, { task, lane, id: message.id });
-      options.events?.inFlight?.(running.size);
+    },
+    /** Gives up the messages read ahead and not started: they stay pending, reclaimed by another worker. */
+    abandonReadAhead() {
+      for (const entry of readAhead.splice(0)) entry.abandon();
     },
     /** The handler is done (its work committed): the slot is free, though the ack may still be under way. */
     release: (lane: QueueNames, id: string) => release(tag(lane, id)),
@@ -354,7 +412,7 @@ function createMessageProcessor(
     release: (lane: QueueNames, id: string) => void;
     signal: AbortSignal;
   },
-): (lane: QueueNames, message: StreamMessage) => Promise<void> {
+): (lane: QueueNames, message: StreamMessage, finishing: () => void) => Promise<void> {
   const events = options.events ?? {};
 
   /** Dead-letters `message`, unless its job turns out to be decided already: then acks it. */
@@ -377,25 +435,27 @@ function createMessageProcessor(
     }
   }
 
-  return async (lane, message) => {
+  return async (lane, message, finishing) => {
     const started = performance.now();
-    const msgLog = log.child({ msg_id: message.id, job_id: message.fields.job_id, tenant: message.fields.tenant });
+    // Made only when a line is logged: most messages log nothing here.
+    const msgLog = () =>
+      log.child({ msg_id: message.id, job_id: message.fields.job_id, tenant: message.fields.tenant });
     if (message.deliveries > options.maxDeliveries) {
-      await bury(lane, message, `exceeded ${options.maxDeliveries} deliveries`, msgLog);
+      await bury(lane, message, `exceeded ${options.maxDeliveries} deliveries`, msgLog());
       return;
     }
     try {
-      await handler(message, signal);
+      await handler(message, signal, finishing);
     } catch (error) {
       if (error instanceof PermanentJobError) {
-        await bury(lane, message, `permanent: ${error.message}`, msgLog);
+        await bury(lane, message, `permanent: ${error.message}`, msgLog());
         return;
       }
       if (error instanceof JobDeferred) {
         // If the requeue fails, the message stays pending and is redelivered later, as after any failure.
         const again = await requeue(redis, lane, message);
         release(lane, message.id);
-        msgLog.info("message_deferred", { reason: error.message, requeued_as: again });
+        msgLog().info("message_deferred", { reason: error.message, requeued_as: again });
         if (again !== null) {
           events.deferred?.(message, error.message);
           await options.onDeferred?.(lane, message, error);
@@ -405,7 +465,7 @@ function createMessageProcessor(
       // Leave it pending: XAUTOCLAIM redelivers it after claimIdleMs, which
       // doubles as a coarse backoff between deliveries.
       events.failed?.(message, error);
-      msgLog.warn("message_failed", { deliveries: message.deliveries, error });
+      msgLog().warn("message_failed", { deliveries: message.deliveries, error });
       return;
     }
     // The slot is free once the work is committed; the ack can finish in the background.

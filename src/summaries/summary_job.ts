@@ -121,14 +121,14 @@ const Fields = z.object({ job_id: z.uuid(), tenant: z.string().min(1), payload: 
 export function createSummaryJob(deps: SummaryJobDeps, options: SummaryJobOptions): SummaryJob {
   const job: Job = { ...deps, options, decided: createDecidedCheck(deps.sql), modelName: options.model ?? "unknown" };
   // Each delivery is a span of the job's trace (continued from the POST's), after its time in the queue.
-  return (message, signal) => {
+  return (message, signal, finishing) => {
     const parent = contextFrom(message.fields.traceparent);
     const attributes = { "job.id": message.fields.job_id, tenant: message.fields.tenant, delivery: message.deliveries };
     const enqueuedMs = Number(message.id.split("-")[0]);
     if (message.deliveries === 1 && message.fields.traceparent && Number.isFinite(enqueuedMs)) {
       recordSpan("job.queued", { startMs: enqueuedMs, endMs: Date.now(), attributes, parent });
     }
-    return inSpan("job.delivery", attributes, () => deliver(job, message, signal), parent);
+    return inSpan("job.delivery", attributes, () => deliver(job, message, signal, finishing), parent);
   };
 }
 
@@ -156,8 +156,11 @@ export interface SummaryJobDeps {
   cache?: ResultCache;
 }
 
-/** Handles one delivery of a summary job. */
-export type SummaryJob = (message: StreamMessage, signal: AbortSignal) => Promise<Committed>;
+/**
+ * Handles one delivery of a summary job. `finishing` is called once only the commit is left (the model's part is
+ * over): the worker may then read the job that takes its slot next.
+ */
+export type SummaryJob = (message: StreamMessage, signal: AbortSignal, finishing?: () => void) => Promise<Committed>;
 
 /** What one summary job's deliveries share. */
 interface Job extends SummaryJobDeps {
@@ -179,6 +182,8 @@ interface Delivery {
   usage: { prompt: number; completion: number };
   /** The result cache as this run sees it, when it is on for the run: a done result fills it. */
   cache?: RunCache;
+  /** Tells the worker that only the commit is left. */
+  finishing?: () => void;
 }
 
 /** One model call of a run: the user message and how to ask. */
@@ -189,8 +194,13 @@ interface ModelCall {
   model: string;
 }
 
-async function deliver(job: Job, message: StreamMessage, signal: AbortSignal): Promise<Committed> {
-  const delivery = parseDelivery(job, message);
+async function deliver(
+  job: Job,
+  message: StreamMessage,
+  signal: AbortSignal,
+  finishing: (() => void) | undefined,
+): Promise<Committed> {
+  const delivery = { ...parseDelivery(job, message), finishing };
   const task = await loadTask(job, delivery);
   const call = modelCall(job, task, delivery.run.input);
   // Off for this run (a TTL of 0), the cache costs nothing: no hash, no Redis, and the first permit is asked for
@@ -611,6 +621,7 @@ async function commit(
   { output, model, cacheHit, waited }: { output: unknown; model: string; cacheHit?: CacheHit; waited?: boolean },
 ) {
   const { job_id, tenant, run, message, log } = delivery;
+  delivery.finishing?.();
   let committed: Committed;
   try {
     committed = await inSpan(

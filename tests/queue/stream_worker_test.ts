@@ -361,6 +361,77 @@ Deno.test("stream worker", async (t) => {
         await w.close();
       }
     });
+
+    await t.step(
+      "a finishing handler's successor is read ahead and starts as its slot frees; never more than `concurrency` run",
+      async () => {
+        await reset();
+        for (let i = 0; i < 6; i++) await add({ job_id: `j${i}`, tenant: "acme" });
+        let running = 0, peak = 0;
+        const started: string[] = [];
+        const commits = new Map<string, () => void>();
+        const w = worker(r, "c1", async (m, _signal, finishing) => {
+          running++;
+          peak = Math.max(peak, running);
+          started.push(m.fields.job_id!);
+          // The model's part is over at once; the commit waits until the test lets it go.
+          finishing();
+          await new Promise<void>((res) => commits.set(m.fields.job_id!, res));
+          running--;
+        }, { concurrency: 2 });
+        try {
+          assert.equal(await w.runOnce(), 2);
+          await waitFor("both finishing", () => commits.size === 2);
+          // One successor per finishing handler: read, held, not started.
+          assert.equal(await w.runOnce(), 2);
+          assert.equal(await w.runOnce(), 0, "no more than one successor per finishing handler");
+          assert.deepEqual(started, ["j0", "j1"]);
+          assert.equal(w.inFlight, 2);
+          assert.equal((await pendingOf(r)).length, 4, "the successors are delivered to this consumer");
+          commits.get("j0")!();
+          await waitFor("j2 started in j0's slot", () => started.includes("j2"));
+          assert.deepEqual(started, ["j0", "j1", "j2"], "it starts the moment the slot frees, without a read");
+          for (const id of ["j1", "j2"]) commits.get(id)!();
+          await waitFor("j3 started", () => started.includes("j3"));
+          for (let i = 0; i < 10 && started.length < 6; i++) {
+            await w.runOnce();
+            for (const [id, go] of commits) if (started.includes(id)) go();
+            await new Promise((res) => setTimeout(res, 10));
+          }
+          for (const go of commits.values()) go();
+          await w.drain();
+          assert.deepEqual(started, ["j0", "j1", "j2", "j3", "j4", "j5"]);
+          assert.equal(peak, 2);
+          await waitFor("all acked", async () => (await pendingOf(r)).length === 0);
+        } finally {
+          await w.close();
+        }
+      },
+    );
+
+    await t.step("a stop past its grace leaves messages read ahead pending, never started", async () => {
+      await reset();
+      await add({ job_id: "stuck", tenant: "acme" });
+      await add({ job_id: "next", tenant: "acme" });
+      const started: string[] = [];
+      const w = worker(r, "c1", async (m, signal, finishing) => {
+        started.push(m.fields.job_id!);
+        finishing();
+        await new Promise((_, reject) => signal.addEventListener("abort", () => reject(signal.reason)));
+      }, { concurrency: 1, graceMs: 200 });
+      const stop = new AbortController();
+      const running = w.run(stop.signal);
+      try {
+        await waitFor("the successor read ahead", async () => (await pendingOf(r)).length === 2);
+        stop.abort();
+        await running;
+        assert.deepEqual(started, ["stuck"]);
+        assert.equal((await pendingOf(r)).length, 2, "both stay pending for another worker to reclaim");
+        assert.equal(w.inFlight, 0);
+      } finally {
+        await w.close();
+      }
+    });
   } finally {
     await r.close();
   }
