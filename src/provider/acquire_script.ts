@@ -33,9 +33,10 @@ const ACQUIRE = defineScript(`
 -- ARGV[1]  JSON: the flow's settings {cfg_rpm, cfg_tpm, max_ahead_ms, lease_ms, margin, horizon_ms,
 --          suspect_delay_ms, state_ttl_ms}
 -- ARGV[2]  JSON: the requests, in order: [{mode, est (tokens), probe_id, job ('' = unknown)}, ...]
--- Returns {code, ms, detail} for each request, in order, flat. Mode take: code 1 = permit booked ms from now,
--- 2 = probe permit (lease held by the probe id), 0 = ask again in ms, -1 = this call can never fit the token
--- limit. Mode peek: code = permits within the horizon, ms = wait before asking again. Mode confirm /
+-- Returns {code, ms, detail} for each request, in order, flat. Mode take: code 1 = permit booked ms from now
+-- (detail 'unpaced' when no limit is in force, the breaker is closed, nothing is paused and no call has failed
+-- since the last success: the caller may then lease permits for a while), 2 = probe permit (lease held by the
+-- probe id), 0 = ask again in ms, -1 = this call can never fit the token limit. Mode peek: code = permits within the horizon, ms = wait before asking again. Mode confirm /
 -- confirm_probe: a booked slot has come; code 1 = go, 0 = the breaker or a pause stopped it meanwhile (ask again
 -- in ms).
 local key = KEYS[1]
@@ -102,6 +103,7 @@ local function one(mode, est, probe_id, job)
     redis.call('HSET', key, 'probe_until', now + lease, 'probe_id', probe_id)
     return 2, math.ceil(wait), 'probe'
   end
+  if req_iv == 0 and tok_iv == 0 and n(h[10]) == 0 then return 1, 0, 'unpaced' end
   return 1, math.ceil(wait), 'permit'
 end
 local out = {}

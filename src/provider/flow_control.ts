@@ -57,6 +57,19 @@ export const FLOW_DEFAULTS = {
   /** How long an idle provider's state is kept. */
   stateTtlMs: 7 * 24 * 3600 * 1000,
   /**
+   * While no limit is in force (none configured, none learned from the headers), the breaker is closed, nothing
+   * is paused and no call has failed since the last success, Redis says so with a permit, and the process may
+   * then grant permits itself, without a round trip, for this long after that answer...
+   */
+  leaseMs: 200,
+  /**
+   * ...and at most this many. So a process starts at most this many calls, within at most `leaseMs`, after
+   * another process opened the breaker, was paused by a 429 or learned a limit. Nothing is reserved by a lease:
+   * there is nothing to give back when a process stops or dies. A failure this process sees, or a limit in an
+   * answer's headers, ends its lease at once.
+   */
+  leasePermits: 256,
+  /**
    * The most requests (or outcomes) one script call decides. Callers that ask while a call is in flight share
    * the next one, decided in order exactly as that many calls in a row would be: one round trip per batch.
    */
@@ -174,6 +187,8 @@ export interface ProviderFlow {
   status(): Promise<ProviderStatus>;
   /** Callers of this process waiting for a permit now. */
   readonly waiting: number;
+  /** Permits this process may still grant itself without asking Redis: its lease's (0 without one). */
+  readonly leased: number;
   /** Resolves once every outcome reported so far is applied (or failed to be): before a process exits. */
   settled(): Promise<void>;
 }
@@ -222,6 +237,10 @@ interface Flow {
   report: (outcome: SettleOutcome) => Promise<SettleReply>;
   /** The last outcome reported: once it is applied, all before it are (they are applied in order). */
   lastReport: Promise<unknown>;
+  /** This process's lease of unpaced permits, when it has one (see `FLOW_DEFAULTS.leaseMs`). */
+  lease: { until: number; left: number } | undefined;
+  /** Failures this process reported that are not applied yet: no lease is taken meanwhile. */
+  unappliedFailures: number;
 }
 
 /**
@@ -277,14 +296,20 @@ export function createProviderFlow(
       maxInFlight: 1,
     }),
     lastReport: Promise.resolve(),
+    lease: undefined,
+    unappliedFailures: 0,
   };
   const settled = () => flow.lastReport.then(() => {}, () => {});
   return {
     get waiting() {
       return flow.waiting;
     },
+    get leased() {
+      return leased(flow) ? flow.lease!.left : 0;
+    },
     acquire: (estimatedTokens, signal, jobId = "") => acquire(flow, estimatedTokens, signal, jobId),
     async ready() {
+      if (leased(flow)) return { permits: Math.max(0, UNLIMITED - (flow.waiting - flow.suspects)), waitMs: 0 };
       // Once per read, never behind a batch of takes in flight: its own round trip.
       const [reply] = await runAcquire(redis, options.key, acquireSettings, [
         { mode: "peek", est: 0, probe_id: "", job: "" },
@@ -313,8 +338,36 @@ function ask(
   return flow.ask({ mode, est: estimated, probe_id: probeId, job: jobId });
 }
 
+/** What the acquire script's peek answers when nothing limits the calls. */
+const UNLIMITED = 1_000_000;
+
+/** Whether this process holds a lease of unpaced permits now (and still has one to grant). */
+function leased(flow: Flow): boolean {
+  const lease = flow.lease;
+  if (lease && lease.left > 0 && performance.now() < lease.until) return true;
+  flow.lease = undefined;
+  return false;
+}
+
 /** Waits for a permit: see {@linkcode ProviderFlow.acquire}. */
-async function acquire(flow: Flow, estimatedTokens: number, signal: AbortSignal | undefined, jobId: string) {
+async function acquire(
+  flow: Flow,
+  estimatedTokens: number,
+  signal: AbortSignal | undefined,
+  jobId: string,
+): Promise<Permit> {
+  signal?.throwIfAborted();
+  if (leased(flow)) {
+    // Unpaced, and said so less than `leaseMs` ago: granted here, without a round trip.
+    flow.lease!.left--;
+    flow.events.granted?.(0, false);
+    const permit: Permit = {
+      waitedMs: 0,
+      probe: false,
+      settle: (outcome) => settle(flow, estimatedTokens, "", outcome, jobId),
+    };
+    return permit;
+  }
   const started = performance.now();
   flow.waiting++;
   let booked = false;
@@ -331,6 +384,9 @@ async function acquire(flow: Flow, estimatedTokens: number, signal: AbortSignal 
       if (code > 0) {
         const probe = code === 2;
         const probeId = probe ? id : "";
+        if (reason === "unpaced" && flow.unappliedFailures === 0) {
+          flow.lease = { until: performance.now() + FLOW_DEFAULTS.leaseMs, left: FLOW_DEFAULTS.leasePermits };
+        }
         if (!booked) flow.waiting--;
         booked = true;
         try {
@@ -399,6 +455,10 @@ function settle(
   const usage = outcome.value?.usage;
   if (usage) events.tokens?.(usage);
   if (kind === "rate_limited" || kind === "quota") events.limited?.(kind);
+  // A failure may open the breaker or pause everyone, and a limit in the headers paces everyone: this process
+  // stops granting permits itself at once, and takes no lease until a failure's report is applied.
+  const failure = kind !== "ok" && kind !== "aborted";
+  if (failure || h.limitRequests !== undefined || h.limitTokens !== undefined) flow.lease = undefined;
   const reported = flow.report({
     kind,
     est: estimated,
@@ -416,6 +476,10 @@ function settle(
     job: jobId,
   }).then((reply) => applied(flow, outcome, reply));
   flow.lastReport = reported;
+  if (failure) {
+    flow.unappliedFailures++;
+    reported.then(() => flow.unappliedFailures--, () => flow.unappliedFailures--);
+  }
   // Only a failure can be absorbed: the caller of a success or an abort does not wait for the round trip. A
   // report that fails is lost, as before (the caller ignored it): the reservation stays booked, and the next
   // success closes what this one would have.
