@@ -101,6 +101,11 @@ export interface StreamWorkerOptions {
   beforeDeadLetter?: (message: StreamMessage, reason: string) => Promise<boolean | string>;
   /** Lanes not to read new messages from for now (a tenant whose budget is spent). */
   skip?: (lane: QueueNames) => boolean;
+  /**
+   * Told of each message read ahead, which waits for a slot (see {@linkcode MessageHandler}): its handler may
+   * start then what it can do before it runs.
+   */
+  readAhead?: (message: StreamMessage) => void;
   /** After a deferred message went back to its lane (to wake whoever may take it). */
   onDeferred?: (lane: QueueNames, message: StreamMessage, error: JobDeferred) => Promise<void>;
   events?: WorkerEvents;
@@ -306,7 +311,7 @@ export function createStreamWorker(
  * Messages are known by lane and id: two lanes' streams may use the same entry ids.
  */
 function createSlots(
-  options: Pick<StreamWorkerOptions, "events" | "concurrency">,
+  options: Pick<StreamWorkerOptions, "events" | "concurrency" | "readAhead">,
   released: (message: StreamMessage, charge: LaneCharge) => void,
 ) {
   const tag = (lane: QueueNames, id: string) => `${lane.stream}\n${id}`;
@@ -363,6 +368,7 @@ function createSlots(
         held.set(key, { task: go(), lane, id: message.id });
         return;
       }
+      options.readAhead?.(message);
       // Abandoned (a stop past its grace): never started, it stays pending for another worker to reclaim.
       const task = new Promise<void>((resolve) =>
         readAhead.push({

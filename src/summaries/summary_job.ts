@@ -119,9 +119,15 @@ const Fields = z.object({ job_id: z.uuid(), tenant: z.string().min(1), payload: 
  * @throws the retryable error, or {@linkcode DeadlineExceeded}, to leave the message pending.
  */
 export function createSummaryJob(deps: SummaryJobDeps, options: SummaryJobOptions): SummaryJob {
-  const job: Job = { ...deps, options, decided: createDecidedCheck(deps.sql), modelName: options.model ?? "unknown" };
+  const job: Job = {
+    ...deps,
+    options,
+    decided: createDecidedCheck(deps.sql),
+    modelName: options.model ?? "unknown",
+    prepared: new Map(),
+  };
   // Each delivery is a span of the job's trace (continued from the POST's), after its time in the queue.
-  return (message, signal, finishing) => {
+  const handle = (message: StreamMessage, signal: AbortSignal, finishing?: () => void) => {
     const parent = contextFrom(message.fields.traceparent);
     const attributes = { "job.id": message.fields.job_id, tenant: message.fields.tenant, delivery: message.deliveries };
     const enqueuedMs = Number(message.id.split("-")[0]);
@@ -130,6 +136,25 @@ export function createSummaryJob(deps: SummaryJobDeps, options: SummaryJobOption
     }
     return inSpan("job.delivery", attributes, () => deliver(job, message, signal, finishing), parent);
   };
+  return Object.assign(handle, {
+    prepare(message: StreamMessage) {
+      const jobId = message.fields.job_id;
+      if (!jobId) return;
+      // Bounded: a delivery takes its entry when it starts; only messages abandoned at a stop could pile up.
+      if (job.prepared.size >= MAX_PREPARED) job.prepared.clear();
+      const outcome = job.decided(jobId);
+      outcome.catch(() => {}); // observed by the delivery's pre-check
+      job.prepared.set(preparedKey(message), outcome);
+    },
+  });
+}
+
+/** The most pre-checks made ahead and not yet taken by their deliveries. */
+const MAX_PREPARED = 10_000;
+
+/** A message's entry among the pre-checks made ahead: its id and job (two lanes may use the same entry ids). */
+function preparedKey(message: StreamMessage): string {
+  return `${message.fields.job_id}\n${message.id}`;
 }
 
 /** What {@linkcode createSummaryJob} needs. */
@@ -158,15 +183,20 @@ export interface SummaryJobDeps {
 
 /**
  * Handles one delivery of a summary job. `finishing` is called once only the commit is left (the model's part is
- * over): the worker may then read the job that takes its slot next.
+ * over): the worker may then read the job that takes its slot next. `prepare` makes the pre-check of a message
+ * read ahead while it waits for its slot, so that its model call can start the moment it runs.
  */
-export type SummaryJob = (message: StreamMessage, signal: AbortSignal, finishing?: () => void) => Promise<Committed>;
+export type SummaryJob =
+  & ((message: StreamMessage, signal: AbortSignal, finishing?: () => void) => Promise<Committed>)
+  & { prepare(message: StreamMessage): void };
 
 /** What one summary job's deliveries share. */
 interface Job extends SummaryJobDeps {
   options: SummaryJobOptions;
   decided: (jobId: string) => Promise<Outcome | undefined>;
   modelName: string;
+  /** Pre-checks made when messages were read ahead (`prepare`), by message, until their deliveries take them. */
+  prepared: Map<string, Promise<Outcome | undefined>>;
 }
 
 /** One delivery's job, read from its message. */
@@ -439,8 +469,12 @@ async function preCheck(
   releaseFirst: (why: string) => Promise<void>,
 ): Promise<Committed | undefined> {
   let outcome: Outcome | undefined;
+  // Made when the message was read ahead, if it was: a cancel seen then stops the call as well as one seen now.
+  const key = preparedKey(message);
+  const prepared = job.prepared.get(key);
+  job.prepared.delete(key);
   try {
-    outcome = await job.decided(job_id);
+    outcome = await (prepared ?? job.decided(job_id));
   } catch (error) {
     await releaseFirst("pre-check failed");
     throw error;
