@@ -26,8 +26,9 @@ export { ensureGroup } from "./consumer_group.ts";
 
 /**
  * Handles one message. Resolve to acknowledge; throw to leave it pending for redelivery. A handler may call
- * `finishing()` once only its last, short step is left (the summary job: its commit, after the model call): the
- * worker then reads the message that will take its slot, so the slot is filled the moment it frees.
+ * `finishing()` once only its last, short step is left (the summary job: its commit, after the model call): it
+ * then gives its slot to the next message (at most `concurrency` handlers finish without one), and the worker
+ * reads one more message ahead, to wait for the next slot that frees.
  */
 export type MessageHandler = (message: StreamMessage, signal: AbortSignal, finishing: () => void) => Promise<unknown>;
 
@@ -75,7 +76,10 @@ export interface StreamWorkerOptions {
   claimIdleMs: number;
   /** Deliveries allowed before a message is dead-lettered. */
   maxDeliveries: number;
-  /** Handlers running at once in this process. */
+  /**
+   * Handlers running at once in this process before they say they are finishing (see {@linkcode MessageHandler}):
+   * for the summary job, model calls in flight. As many more may be finishing without a slot.
+   */
   concurrency: number;
   /** How long one read waits for new messages; default `STREAM_WORKER_DEFAULTS.blockMs`. */
   blockMs?: number;
@@ -304,11 +308,13 @@ export function createStreamWorker(
 }
 
 /**
- * The worker's slots: every message this consumer holds and has not yet acked (heartbeats keep those), and the
- * subset whose handler still runs, which use up concurrency. A handler that says it is finishing (only a short
- * last step left) lets one message be read ahead for its slot: it waits here, held, and starts the moment a slot
- * frees, so at most `concurrency` handlers run and at most as many messages wait as handlers are finishing.
- * Messages are known by lane and id: two lanes' streams may use the same entry ids.
+ * The worker's slots: every message this consumer holds and has not yet acked (heartbeats keep those), the
+ * handlers running, and the slots they use up. A handler holds a slot until it says it is finishing (only a short
+ * last step left: the summary job's commit, after its model call) or ends; so at most `concurrency` handlers are
+ * before that point, and at most `concurrency` more past it (a finishing handler keeps its slot while as many
+ * already finish without one). For each handler finishing without its slot, one message may be read ahead: it
+ * waits here, held, and starts the moment a slot frees. Messages are known by lane and id: two lanes' streams
+ * may use the same entry ids.
  */
 function createSlots(
   options: Pick<StreamWorkerOptions, "events" | "concurrency" | "readAhead">,
@@ -316,34 +322,63 @@ function createSlots(
 ) {
   const tag = (lane: QueueNames, id: string) => `${lane.stream}\n${id}`;
   const held = new Map<string, { task: Promise<void>; lane: QueueNames; id: string }>();
-  const running = new Map<string, { message: StreamMessage; charge: LaneCharge }>();
-  // Running handlers that said they are finishing: each may have one successor read ahead.
-  const finishing = new Set<string>();
+  // Every running handler, and which of them hold a slot.
+  const handlers = new Map<string, { message: StreamMessage; charge: LaneCharge }>();
+  const slotted = new Set<string>();
+  // Running handlers past `finishing`, without a slot; and those that kept theirs because as many were.
+  const unslotted = new Set<string>();
+  const refused = new Set<string>();
   // Messages read ahead, in the order they were read: each starts (or is abandoned) once.
   const readAhead: { start(): void; abandon(): void }[] = [];
-  let slotFreed: (() => void) | undefined;
-  const release = (key: string) => {
-    const entry = running.get(key);
-    if (!entry) return;
-    running.delete(key);
-    finishing.delete(key);
-    released(entry.message, entry.charge);
+  let changed: (() => void) | undefined;
+  const inFlight = () => options.events?.inFlight?.(handlers.size);
+  /** A slot is free: the first message read ahead takes it. */
+  const freeSlot = (key: string) => {
+    slotted.delete(key);
     readAhead.shift()?.start();
-    options.events?.inFlight?.(running.size);
-    slotFreed?.();
+  };
+  const release = (key: string) => {
+    const entry = handlers.get(key);
+    if (!entry) return;
+    handlers.delete(key);
+    refused.delete(key);
+    if (slotted.has(key)) freeSlot(key);
+    if (unslotted.delete(key)) {
+      // Room to finish without a slot: the first handler that had to keep its slot gives it up now.
+      const next = refused.values().next();
+      if (!next.done) {
+        refused.delete(next.value);
+        unslotted.add(next.value);
+        freeSlot(next.value);
+      }
+    }
+    released(entry.message, entry.charge);
+    inFlight();
+    changed?.();
+  };
+  const finishing = (key: string) => {
+    if (!slotted.has(key) || refused.has(key)) return;
+    if (unslotted.size >= options.concurrency) {
+      refused.add(key);
+      return;
+    }
+    unslotted.add(key);
+    freeSlot(key);
+    changed?.();
   };
   return {
-    running: () => running.size,
-    /** How many messages a read may take now: one per free slot, and one per finishing handler not yet served. */
-    wanted: () => Math.max(0, options.concurrency - running.size) + Math.max(0, finishing.size - readAhead.length),
+    /** Handlers running, with a slot or finishing without one. */
+    running: () => handlers.size,
+    /** How many messages a read may take now: one per free slot, and one per handler finishing without a slot. */
+    wanted: () => Math.max(0, options.concurrency - slotted.size) + Math.max(0, unslotted.size - readAhead.length),
     /** Messages read ahead, not started yet. */
     readAhead: () => readAhead.length,
     heldCount: () => held.size,
     held: (): AckItem[] => [...held.values()].map(({ lane, id }) => ({ lane, id })),
     holds: (lane: QueueNames, id: string) => held.has(tag(lane, id)),
     /**
-     * Takes a slot for `message` while `run` runs, at once if one is free, else as soon as one frees (it was read
-     * ahead). `run` calls `settle` once it is done, and may call `finishing` before.
+     * Runs `message`'s handler in a slot, at once if one is free, else as soon as one frees (it was read ahead).
+     * `run` calls `settle` once it is done, and may call `finishing` before.
      */
     occupy(
       lane: QueueNames,
@@ -353,18 +388,15 @@ function createSlots(
     ) {
       const key = tag(lane, message.id);
       const go = () => {
-        running.set(key, { message, charge });
-        options.events?.inFlight?.(running.size);
+        handlers.set(key, { message, charge });
+        slotted.add(key);
+        inFlight();
         return run(() => {
           release(key);
           held.delete(key);
-        }, () => {
-          if (!running.has(key) || finishing.has(key)) return;
-          finishing.add(key);
-          slotFreed?.();
-        });
+        }, () => finishing(key));
       };
-      if (running.size < options.concurrency) {
+      if (slotted.size < options.concurrency) {
         held.set(key, { task: go(), lane, id: message.id });
         return;
       }
@@ -388,18 +420,18 @@ function createSlots(
     },
     /** The handler is done (its work committed): the slot is free, though the ack may still be under way. */
     release: (lane: QueueNames, id: string) => release(tag(lane, id)),
-    wake: () => slotFreed?.(),
-    /** Waits up to `ms`, or until a handler finishes or `signal` aborts. */
+    wake: () => changed?.(),
+    /** Waits up to `ms`, or until a slot frees (a handler finishes or ends) or `signal` aborts. */
     freed(ms: number, signal: AbortSignal): Promise<void> {
       if (signal.aborted) return Promise.resolve();
       return new Promise<void>((resolve) => {
         const done = () => {
           clearTimeout(timer);
-          if (slotFreed === done) slotFreed = undefined;
+          if (changed === done) changed = undefined;
           resolve();
         };
         const timer = Number.isFinite(ms) ? setTimeout(done, ms) : undefined;
-        slotFreed = done;
+        changed = done;
       });
     },
     drain: async () => {
