@@ -26,18 +26,32 @@ export interface LoggerOptions {
 
 const encoder = new TextEncoder();
 
-// Lines logged in the same turn of the event loop go out in one write: under
-// load that is one syscall per burst instead of one per line.
+/** How long a line may wait to share its write with later ones, and how much may wait. */
+const STDERR_BATCH = { ms: 5, bytes: 64 * 1024 } as const;
+
+// Lines logged within a few milliseconds go out in one write: under load (a worker logs a line per job) that is
+// one syscall, and one wake-up of whatever reads the pipe, per batch instead of per line. Whatever is left is
+// written when the process exits.
 let pending: string[] = [];
+let pendingBytes = 0;
+let timer: ReturnType<typeof setTimeout> | undefined;
 function flush() {
+  if (timer !== undefined) clearTimeout(timer);
+  timer = undefined;
   const text = pending.join("");
   pending = [];
+  pendingBytes = 0;
   const bytes = encoder.encode(text);
   for (let written = 0; written < bytes.length;) written += Deno.stderr.writeSync(bytes.subarray(written));
 }
 function stderrWriter(line: string) {
-  if (pending.length === 0) queueMicrotask(flush);
   pending.push(line + "\n");
+  pendingBytes += line.length + 1;
+  if (pendingBytes >= STDERR_BATCH.bytes) flush();
+  else if (timer === undefined) {
+    timer = setTimeout(flush, STDERR_BATCH.ms);
+    Deno.unrefTimer(timer);
+  }
 }
 globalThis.addEventListener("unload", () => pending.length && flush());
 
