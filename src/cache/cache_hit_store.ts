@@ -1,10 +1,10 @@
 /**
  * The cache-hit store: the one module that writes and deletes `cache_hits`,
  * one row per run answered from the result cache (what it reused and what it
- * saved). The commit writes the rows in its transaction, through
- * {@linkcode insertCacheHits}; retention deletes old ones.
+ * saved). The commit writes the rows in its statement, through
+ * {@linkcode insertCacheHitsOf}; retention deletes old ones.
  */
-import { deleteBatch, type ExpiryBatch, olderThan, type Queryable } from "../db/queryable.ts";
+import { deleteBatch, type ExpiryBatch, type Fragment, olderThan, type Queryable } from "../db/queryable.ts";
 
 /** A run answered from the cache: the done run whose output it reused, and what that run's calls cost. */
 export interface CacheHit {
@@ -25,18 +25,23 @@ export interface CacheHitRow extends CacheHit {
   version: number;
 }
 
-/** Inserts cache-hit rows, in one statement; a row already there (a run committed once) is left as it is. */
-export async function insertCacheHits(sql: Queryable, rows: CacheHitRow[]): Promise<void> {
-  if (rows.length === 0) return;
+/**
+ * The part of another store's statement that inserts the cache-hit rows of the runs it decided: only rows whose
+ * run is in `decided` (a relation of that statement with a `job_id uuid` column); a row already there (a run
+ * committed once) is left as it is.
+ */
+export function insertCacheHitsOf(sql: Queryable, rows: CacheHitRow[], decided: Fragment): Fragment {
   const col = <K extends keyof CacheHitRow>(k: K) => rows.map((r) => r[k]);
-  await sql`
+  return sql`
     INSERT INTO cache_hits (run_id, tenant, task, version, model, source_run_id, saved_prompt_tokens,
       saved_completion_tokens, saved_usd)
     SELECT * FROM unnest(
       ${col("runId")}::uuid[], ${col("tenant")}::text[], ${col("task")}::text[], ${col("version")}::int[],
       ${col("model") as (string | null)[]}::text[], ${col("sourceRunId")}::uuid[], ${col("promptTokens")}::int[],
       ${col("completionTokens")}::int[], ${col("savedUsd").map((u) => u === null ? null : String(u))}::numeric[]
-    )
+    ) AS t(run_id, tenant, task, version, model, source_run_id, saved_prompt_tokens, saved_completion_tokens,
+      saved_usd)
+    WHERE t.run_id IN (SELECT job_id FROM ${decided})
     ON CONFLICT (run_id) DO NOTHING`;
 }
 

@@ -68,14 +68,25 @@ export interface AttemptRow {
  * before, and summaries are written for exactly those. When two deliveries
  * race, both paid for the model, but one writes. When a cancel races the
  * commit, the same primary key decides: the second INSERT waits for the first
- * transaction and then conflicts. Run it in the transaction that writes the
- * job's other effects (its outbox row), so a job is either done with all its
- * effects or decided otherwise with none.
+ * transaction and then conflicts. The job's other effects (its outbox row) are
+ * written by the same statement: `alsoWrite` gets the relation of the job ids
+ * it decides done (`job_id uuid`) and returns other stores' statements that
+ * write only for those, so a job is either done with all its effects or
+ * decided otherwise with none, in one round trip.
  * @returns the job ids this call decided done.
  */
-export async function completeJobs(sql: Queryable, jobs: JobResultRow[]): Promise<Set<string>> {
+export async function completeJobs(
+  sql: Queryable,
+  jobs: JobResultRow[],
+  alsoWrite: (decided: Fragment) => Fragment[] = () => [],
+): Promise<Set<string>> {
   if (jobs.length === 0) return new Set();
   const run = (j: JobResultRow) => ("summary" in j ? null : j);
+  // Each other store's statement is one more data-modifying CTE: Postgres runs every one of them to completion.
+  const also = alsoWrite(sql`committed`).reduce(
+    (query, statement, i) => sql`${query}, ${sql(`also_${i}`)} AS (${statement})`,
+    sql``,
+  );
   const rows = await sql<{ job_id: string }[]>`
     WITH input AS (
       SELECT * FROM unnest(
@@ -107,8 +118,10 @@ export async function completeJobs(sql: Queryable, jobs: JobResultRow[]): Promis
       WHERE summary IS NULL
       ON CONFLICT (run_id) DO NOTHING
       RETURNING run_id AS job_id
-    )
-    SELECT job_id::text FROM summarised UNION ALL SELECT job_id::text FROM ran`;
+    ), committed AS (
+      SELECT job_id FROM summarised UNION ALL SELECT job_id FROM ran
+    )${also}
+    SELECT job_id::text FROM committed`;
   return new Set(rows.map((r) => r.job_id));
 }
 

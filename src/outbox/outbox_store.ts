@@ -71,6 +71,26 @@ export async function insertOutboxRows(sql: Queryable, rows: NewOutboxRow[]): Pr
     ON CONFLICT (dedupe_key) DO NOTHING`;
 }
 
+/**
+ * The part of another store's statement that adds the rows of the jobs it decided: each row names its job, and
+ * only rows whose job is in `decided` (a relation of that statement with a `job_id uuid` column) are added; a
+ * row whose dedupe key is taken is not. One statement with what the rows announce, so both commit or neither.
+ */
+export function insertOutboxRowsOf(
+  sql: Queryable,
+  rows: (NewOutboxRow & { jobId: string })[],
+  decided: Fragment,
+): Fragment {
+  return sql`
+    INSERT INTO outbox (topic, dedupe_key, payload)
+    SELECT t.topic, t.dedupe_key, t.payload::jsonb FROM unnest(
+      ${rows.map((r) => r.jobId)}::uuid[], ${rows.map((r) => r.topic)}::text[],
+      ${rows.map((r) => r.dedupeKey)}::text[], ${rows.map((r) => r.payload)}::text[]
+    ) AS t(job_id, topic, dedupe_key, payload)
+    WHERE t.job_id IN (SELECT job_id FROM ${decided})
+    ON CONFLICT (dedupe_key) DO NOTHING`;
+}
+
 /** Whether a row with any of these dedupe keys exists, sent or not. */
 export async function hasRowWithKey(sql: Queryable, dedupeKeys: string[]): Promise<boolean> {
   const [row] = await sql<{ found: boolean }[]>`

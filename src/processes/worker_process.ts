@@ -78,6 +78,8 @@ export async function startWorker(
     await worker.run(signal);
   } finally {
     await worker.close();
+    // Successes are reported to the shared limiter in the background: the last of them land before the exit.
+    await flow?.settled();
     await validators.close();
     log.info("worker_stopped", { consumer });
   }

@@ -11,8 +11,9 @@ import { createHash } from "node:crypto";
 import { sleep } from "../async/timeout.ts";
 import type { Completion, Usage } from "../llm/llm.ts";
 import type { Logger } from "../log/logger.ts";
-import { runAcquire } from "./acquire_script.ts";
-import { runSettle } from "./settle_script.ts";
+import { createBatcher } from "../async/batcher.ts";
+import { type AcquireReply, type AcquireRequest, type AcquireSettings, runAcquire } from "./acquire_script.ts";
+import { runSettle, type SettleOutcome, type SettleReply, type SettleSettings } from "./settle_script.ts";
 import { readProviderState } from "./status_script.ts";
 import { type FailureKind, failureKindOf, headersOf, reasonOf, retryAfterMs } from "../retry/classify.ts";
 import { GateRefused } from "../retry/errors.ts";
@@ -55,6 +56,24 @@ export const FLOW_DEFAULTS = {
   maxPauseMs: 5 * 60_000,
   /** How long an idle provider's state is kept. */
   stateTtlMs: 7 * 24 * 3600 * 1000,
+  /**
+   * While no limit is in force (none configured, none learned from the headers), the breaker is closed, nothing
+   * is paused and no call has failed since the last success, Redis says so with a permit, and the process may
+   * then grant permits itself, without a round trip, for this long after that answer...
+   */
+  leaseMs: 200,
+  /**
+   * ...and at most this many. So a process starts at most this many calls, within at most `leaseMs`, after
+   * another process opened the breaker, was paused by a 429 or learned a limit. Nothing is reserved by a lease:
+   * there is nothing to give back when a process stops or dies. A failure this process sees, or a limit in an
+   * answer's headers, ends its lease at once.
+   */
+  leasePermits: 256,
+  /**
+   * The most requests (or outcomes) one script call decides. Callers that ask while a call is in flight share
+   * the next one, decided in order exactly as that many calls in a row would be: one round trip per batch.
+   */
+  maxBatch: 256,
 } as const;
 
 /** Breaker states: `closed` calls freely, `open` calls nothing, `half_open` lets one probe through. */
@@ -109,7 +128,10 @@ export interface Permit {
   readonly probe: boolean;
   /**
    * Reports the call's outcome: settles the token reservation, learns from
-   * the headers, and moves the pause and the breaker.
+   * the headers, and moves the pause and the breaker. A success or an abort
+   * is reported in the background, in order with this process's other
+   * outcomes (it can change nothing for the caller): its promise resolves at
+   * once with false. A failure's resolves once it is applied.
    * @returns whether flow control took the failure on itself (a 429, an
    * exhausted quota, an outage): the job should wait and try again without
    * counting an attempt.
@@ -161,9 +183,14 @@ export interface ProviderFlow {
    * or else `waitMs` until it is worth asking again.
    */
   ready(): Promise<{ permits: number; waitMs: number }>;
+  /** The shared state, once this process's outcomes reported so far are applied. */
   status(): Promise<ProviderStatus>;
   /** Callers of this process waiting for a permit now. */
   readonly waiting: number;
+  /** Permits this process may still grant itself without asking Redis: its lease's (0 without one). */
+  readonly leased: number;
+  /** Resolves once every outcome reported so far is applied (or failed to be): before a process exits. */
+  settled(): Promise<void>;
 }
 
 /** The Redis key of a provider's state: one per base URL, model and API key (the key is hashed). */
@@ -191,12 +218,8 @@ function countArg(value: unknown): number | undefined {
 
 /** What one flow control's functions share. */
 interface Flow {
-  redis: RedisClient;
   log: Logger;
   options: ProviderFlowOptions;
-  threshold: number;
-  margin: number;
-  maxAheadMs: number;
   cfgRpm: number;
   cfgTpm: number;
   random: () => number;
@@ -208,6 +231,16 @@ interface Flow {
    * worker from reading a fresh job, which is the probe they are waiting for.
    */
   suspects: number;
+  /** Asks the acquire script; requests made while one call is in flight share the next. */
+  ask: (request: AcquireRequest) => Promise<AcquireReply>;
+  /** Reports outcomes to the settle script, one batch at a time, in the order they were reported. */
+  report: (outcome: SettleOutcome) => Promise<SettleReply>;
+  /** The last outcome reported: once it is applied, all before it are (they are applied in order). */
+  lastReport: Promise<unknown>;
+  /** This process's lease of unpaced permits, when it has one (see `FLOW_DEFAULTS.leaseMs`). */
+  lease: { until: number; left: number } | undefined;
+  /** Failures this process reported that are not applied yet: no lease is taken meanwhile. */
+  unappliedFailures: number;
 }
 
 /**
@@ -218,63 +251,123 @@ export function createProviderFlow(
   { redis, log }: { redis: RedisClient; log: Logger },
   options: ProviderFlowOptions,
 ): ProviderFlow {
+  const threshold = options.failureThreshold ?? FLOW_DEFAULTS.failureThreshold;
+  const margin = options.margin ?? FLOW_DEFAULTS.margin;
+  const maxAheadMs = options.maxAheadMs ?? FLOW_DEFAULTS.maxAheadMs;
+  const cfgRpm = options.rpm ?? 0;
+  const cfgTpm = options.tpm ?? 0;
+  const acquireSettings: AcquireSettings = {
+    cfg_rpm: cfgRpm,
+    cfg_tpm: cfgTpm,
+    max_ahead_ms: maxAheadMs,
+    lease_ms: options.probeLeaseMs,
+    margin,
+    horizon_ms: FLOW_DEFAULTS.horizonMs,
+    suspect_delay_ms: FLOW_DEFAULTS.suspectProbeDelayMs,
+    state_ttl_ms: FLOW_DEFAULTS.stateTtlMs,
+  };
+  const settleSettings: SettleSettings = {
+    threshold,
+    cooldown_ms: options.cooldownMs,
+    max_cooldown_ms: options.cooldownMs * FLOW_DEFAULTS.maxCooldownFactor,
+    growth: FLOW_DEFAULTS.cooldownGrowth,
+    margin,
+    cfg_tpm: cfgTpm,
+    min_pause_ms: FLOW_DEFAULTS.minPauseMs,
+    max_pause_ms: FLOW_DEFAULTS.maxPauseMs,
+    window_ms: FLOW_DEFAULTS.recentWindowMs,
+    bad_ttl_ms: FLOW_DEFAULTS.badJobTtlMs,
+  };
   const flow: Flow = {
-    redis,
     log,
     options,
-    threshold: options.failureThreshold ?? FLOW_DEFAULTS.failureThreshold,
-    margin: options.margin ?? FLOW_DEFAULTS.margin,
-    maxAheadMs: options.maxAheadMs ?? FLOW_DEFAULTS.maxAheadMs,
-    cfgRpm: options.rpm ?? 0,
-    cfgTpm: options.tpm ?? 0,
+    cfgRpm,
+    cfgTpm,
     random: options.random ?? Math.random,
     events: options.events ?? {},
     waiting: 0,
     suspects: 0,
+    ask: createBatcher((requests) => runAcquire(redis, options.key, acquireSettings, requests), {
+      maxBatch: FLOW_DEFAULTS.maxBatch,
+    }),
+    // One batch at a time: the outcomes reach Redis in the order this process reported them.
+    report: createBatcher((outcomes) => runSettle(redis, options.key, settleSettings, outcomes), {
+      maxBatch: FLOW_DEFAULTS.maxBatch,
+      maxInFlight: 1,
+    }),
+    lastReport: Promise.resolve(),
+    lease: undefined,
+    unappliedFailures: 0,
   };
+  const settled = () => flow.lastReport.then(() => {}, () => {});
   return {
     get waiting() {
       return flow.waiting;
     },
+    get leased() {
+      return leased(flow) ? flow.lease!.left : 0;
+    },
     acquire: (estimatedTokens, signal, jobId = "") => acquire(flow, estimatedTokens, signal, jobId),
     async ready() {
-      const [raw, ms] = await ask(flow, 0, "peek");
+      if (leased(flow)) return { permits: Math.max(0, UNLIMITED - (flow.waiting - flow.suspects)), waitMs: 0 };
+      // Once per read, never behind a batch of takes in flight: its own round trip.
+      const [reply] = await runAcquire(redis, options.key, acquireSettings, [
+        { mode: "peek", est: 0, probe_id: "", job: "" },
+      ]);
+      const [raw, ms] = reply!;
       const permits = Math.max(0, raw - (flow.waiting - flow.suspects));
       // Permits this process's own waiters will take are not there for new jobs: look again shortly.
       return { permits, waitMs: permits > 0 ? 0 : raw > 0 ? 50 : ms };
     },
     async status() {
+      await settled();
       const { now, fields } = await readProviderState(redis, options.key);
       return statusOf(fields, now, flow);
     },
+    settled,
   };
 }
 
 function ask(
   flow: Flow,
   estimated: number,
-  mode: "take" | "peek" | "confirm" | "confirm_probe",
+  mode: AcquireRequest["mode"],
   probeId = "",
   jobId = "",
 ) {
-  return runAcquire(flow.redis, flow.options.key, {
-    cfg_rpm: flow.cfgRpm,
-    cfg_tpm: flow.cfgTpm,
-    est: estimated,
-    max_ahead_ms: flow.maxAheadMs,
-    lease_ms: flow.options.probeLeaseMs,
-    margin: flow.margin,
-    mode,
-    horizon_ms: FLOW_DEFAULTS.horizonMs,
-    probe_id: probeId,
-    job: jobId,
-    suspect_delay_ms: FLOW_DEFAULTS.suspectProbeDelayMs,
-    state_ttl_ms: FLOW_DEFAULTS.stateTtlMs,
-  });
+  return flow.ask({ mode, est: estimated, probe_id: probeId, job: jobId });
+}
+
+/** What the acquire script's peek answers when nothing limits the calls. */
+const UNLIMITED = 1_000_000;
+
+/** Whether this process holds a lease of unpaced permits now (and still has one to grant). */
+function leased(flow: Flow): boolean {
+  const lease = flow.lease;
+  if (lease && lease.left > 0 && performance.now() < lease.until) return true;
+  flow.lease = undefined;
+  return false;
 }
 
 /** Waits for a permit: see {@linkcode ProviderFlow.acquire}. */
-async function acquire(flow: Flow, estimatedTokens: number, signal: AbortSignal | undefined, jobId: string) {
+async function acquire(
+  flow: Flow,
+  estimatedTokens: number,
+  signal: AbortSignal | undefined,
+  jobId: string,
+): Promise<Permit> {
+  signal?.throwIfAborted();
+  if (leased(flow)) {
+    // Unpaced, and said so less than `leaseMs` ago: granted here, without a round trip.
+    flow.lease!.left--;
+    flow.events.granted?.(0, false);
+    const permit: Permit = {
+      waitedMs: 0,
+      probe: false,
+      settle: (outcome) => settle(flow, estimatedTokens, "", outcome, jobId),
+    };
+    return permit;
+  }
   const started = performance.now();
   flow.waiting++;
   let booked = false;
@@ -291,12 +384,15 @@ async function acquire(flow: Flow, estimatedTokens: number, signal: AbortSignal 
       if (code > 0) {
         const probe = code === 2;
         const probeId = probe ? id : "";
+        if (reason === "unpaced" && flow.unappliedFailures === 0) {
+          flow.lease = { until: performance.now() + FLOW_DEFAULTS.leaseMs, left: FLOW_DEFAULTS.leasePermits };
+        }
         if (!booked) flow.waiting--;
         booked = true;
         try {
           if (ms > 0) await sleep(ms, signal);
         } catch (error) {
-          if (probe) await settle(flow, estimatedTokens, probeId, { aborted: true }, jobId).catch(() => {});
+          if (probe) await release(flow, estimatedTokens, probeId, jobId);
           throw error;
         }
         // A slot booked ahead is checked again when it comes: the breaker may have opened, or a 429
@@ -304,7 +400,7 @@ async function acquire(flow: Flow, estimatedTokens: number, signal: AbortSignal 
         if (ms > 0) {
           const [go, again] = await ask(flow, estimatedTokens, probe ? "confirm_probe" : "confirm");
           if (go !== 1) {
-            if (probe) await settle(flow, estimatedTokens, probeId, { aborted: true }, jobId);
+            if (probe) await release(flow, estimatedTokens, probeId, jobId);
             flow.waiting++;
             booked = false;
             await sleep(again + flow.random() * 20, signal);
@@ -334,15 +430,21 @@ async function acquire(flow: Flow, estimatedTokens: number, signal: AbortSignal 
   }
 }
 
+/** Gives a probe's slot back at once (its call never went out), and waits until that is applied. */
+async function release(flow: Flow, estimated: number, probeId: string, jobId: string): Promise<void> {
+  await settle(flow, estimated, probeId, { aborted: true }, jobId);
+  await flow.lastReport.catch(() => {});
+}
+
 /** Reports a call's outcome: see {@linkcode Permit.settle}. */
-async function settle(
+function settle(
   flow: Flow,
   estimated: number,
   probeId: string,
   outcome: PermitOutcome,
   jobId = "",
 ): Promise<boolean> {
-  const { options, events, log } = flow;
+  const { events } = flow;
   const kind: FailureKind | "ok" | "aborted" = outcome.aborted
     ? "aborted"
     : outcome.error === undefined
@@ -353,7 +455,11 @@ async function settle(
   const usage = outcome.value?.usage;
   if (usage) events.tokens?.(usage);
   if (kind === "rate_limited" || kind === "quota") events.limited?.(kind);
-  const [absorbed, from, to, reason, askedMs, pauseReason, attribution] = await runSettle(flow.redis, options.key, {
+  // A failure may open the breaker or pause everyone, and a limit in the headers paces everyone: this process
+  // stops granting permits itself at once, and takes no lease until a failure's report is applied.
+  const failure = kind !== "ok" && kind !== "aborted";
+  if (failure || h.limitRequests !== undefined || h.limitTokens !== undefined) flow.lease = undefined;
+  const reported = flow.report({
     kind,
     est: estimated,
     // A call the provider refused or never got costs no tokens; a timed-out one may have run, so it keeps them.
@@ -367,18 +473,29 @@ async function settle(
     remaining_tok: countArg(h.remainingTokens) ?? -1,
     reset_req_ms: durationArg(h.resetRequestsMs),
     reset_tok_ms: durationArg(h.resetTokensMs),
-    threshold: flow.threshold,
-    cooldown_ms: options.cooldownMs,
-    max_cooldown_ms: options.cooldownMs * FLOW_DEFAULTS.maxCooldownFactor,
-    growth: FLOW_DEFAULTS.cooldownGrowth,
-    margin: flow.margin,
-    cfg_tpm: flow.cfgTpm,
-    min_pause_ms: FLOW_DEFAULTS.minPauseMs,
-    max_pause_ms: FLOW_DEFAULTS.maxPauseMs,
     job: jobId,
-    window_ms: FLOW_DEFAULTS.recentWindowMs,
-    bad_ttl_ms: FLOW_DEFAULTS.badJobTtlMs,
-  });
+  }).then((reply) => applied(flow, outcome, reply));
+  flow.lastReport = reported;
+  if (failure) {
+    flow.unappliedFailures++;
+    reported.then(() => flow.unappliedFailures--, () => flow.unappliedFailures--);
+  }
+  // Only a failure can be absorbed: the caller of a success or an abort does not wait for the round trip. A
+  // report that fails is lost, as before (the caller ignored it): the reservation stays booked, and the next
+  // success closes what this one would have.
+  if (kind === "ok" || kind === "aborted") {
+    reported.catch(() => {});
+    return Promise.resolve(false);
+  }
+  return reported;
+}
+
+/** What an applied outcome changed, told to the events and the log. @returns whether it was absorbed. */
+function applied(
+  { options, events, log }: Flow,
+  outcome: PermitOutcome,
+  [absorbed, from, to, reason, askedMs, pauseReason, attribution]: SettleReply,
+): boolean {
   if (attribution) events.failed?.(attribution, reasonOf(outcome.error));
   if (askedMs > 0) {
     log.warn("provider_pause_capped", { reason: pauseReason, asked_ms: askedMs, applied_ms: FLOW_DEFAULTS.maxPauseMs });

@@ -56,9 +56,17 @@ export interface LaneReaderOptions {
 export interface LaneReader {
   /**
    * Reads up to `free` new messages, passing each to `start`; with none to take, waits up to `block` ms for a
-   * wake-up. @returns how many were started.
+   * wake-up. `lanes`: the lanes with work, when the caller looked them up already (see `lanes()`).
+   * @returns how many were started.
    */
-  read(free: number, block: number, start: (lane: QueueNames, message: StreamMessage) => void): Promise<number>;
+  read(
+    free: number,
+    block: number,
+    start: (lane: QueueNames, message: StreamMessage) => void,
+    lanes?: Promise<QueueNames[]>,
+  ): Promise<number>;
+  /** The lanes with work now, for a `read` that follows: a caller may look them up beside another round trip. */
+  lanes(): Promise<QueueNames[]>;
 }
 
 /** Creates the reader of one worker. */
@@ -86,8 +94,13 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
    * behind, ties in turn starting one lane further on every call, so one tenant's backlog never stalls another's
    * jobs, and a tenant of large documents does not take the provider's tokens from one of small ones.
    */
-  async function read(free: number, block: number, start: (lane: QueueNames, m: StreamMessage) => void) {
-    const active = await source.active();
+  async function read(
+    free: number,
+    block: number,
+    start: (lane: QueueNames, m: StreamMessage) => void,
+    ahead?: Promise<QueueNames[]>,
+  ) {
+    const active = await (ahead ?? source.active());
     const lanes = options.skip ? active.filter((lane) => !options.skip!(lane)) : active;
     let started = 0;
     let capped = false;
@@ -129,5 +142,5 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
     return started;
   }
 
-  return { read };
+  return { read, lanes: () => source.active() };
 }

@@ -24,8 +24,13 @@ import { createReclaimer } from "./reclaimer.ts";
 
 export { ensureGroup } from "./consumer_group.ts";
 
-/** Handles one message. Resolve to acknowledge; throw to leave it pending for redelivery. */
-export type MessageHandler = (message: StreamMessage, signal: AbortSignal) => Promise<unknown>;
+/**
+ * Handles one message. Resolve to acknowledge; throw to leave it pending for redelivery. A handler may call
+ * `finishing()` once only its last, short step is left (the summary job: its commit, after the model call): it
+ * then gives its slot to the next message (at most `concurrency` handlers finish without one), and the worker
+ * reads one more message ahead, to wait for the next slot that frees.
+ */
+export type MessageHandler = (message: StreamMessage, signal: AbortSignal, finishing: () => void) => Promise<unknown>;
 
 /** Counters a worker reports; wire them to metrics. */
 export interface WorkerEvents {
@@ -54,6 +59,8 @@ export const STREAM_WORKER_DEFAULTS = {
   readRetryMs: 500,
   /** The longest wait for the gate's permits before it is asked again (a finished job may give some back). */
   maxGateWaitMs: 1_000,
+  /** The wait before asking the gate again when the permits it has are all for messages read ahead. */
+  readAheadGateWaitMs: 50,
 } as const;
 
 /** Options for {@linkcode createStreamWorker}. */
@@ -69,7 +76,10 @@ export interface StreamWorkerOptions {
   claimIdleMs: number;
   /** Deliveries allowed before a message is dead-lettered. */
   maxDeliveries: number;
-  /** Handlers running at once in this process. */
+  /**
+   * Handlers running at once in this process before they say they are finishing (see {@linkcode MessageHandler}):
+   * for the summary job, model calls in flight. As many more may be finishing without a slot.
+   */
   concurrency: number;
   /** How long one read waits for new messages; default `STREAM_WORKER_DEFAULTS.blockMs`. */
   blockMs?: number;
@@ -95,6 +105,11 @@ export interface StreamWorkerOptions {
   beforeDeadLetter?: (message: StreamMessage, reason: string) => Promise<boolean | string>;
   /** Lanes not to read new messages from for now (a tenant whose budget is spent). */
   skip?: (lane: QueueNames) => boolean;
+  /**
+   * Told of each message read ahead, which waits for a slot (see {@linkcode MessageHandler}): its handler may
+   * start then what it can do before it runs.
+   */
+  readAhead?: (message: StreamMessage) => void;
   /** After a deferred message went back to its lane (to wake whoever may take it). */
   onDeferred?: (lane: QueueNames, message: StreamMessage, error: JobDeferred) => Promise<void>;
   events?: WorkerEvents;
@@ -134,7 +149,10 @@ export interface StreamWorkerFaults {
 
 /** A running consumer. */
 export interface StreamWorker {
-  /** One iteration: reclaim idle messages, read new ones into free slots, start their handlers. @returns how many were started. */
+  /**
+   * One iteration: reclaim idle messages, read new ones into free slots (and for finishing handlers' slots, read
+   * ahead), start their handlers. @returns how many were taken.
+   */
   runOnce(blockMs?: number): Promise<number>;
   /** Loops until `signal` aborts, then drains in-flight handlers up to the grace period. */
   run(signal: AbortSignal): Promise<void>;
@@ -204,8 +222,8 @@ export function createStreamWorker(
     events.delivered?.(message, source);
     // Charged before the handler runs: its slot and its share are released together.
     const charge = shares.charge(lane.stream, options.cost?.(message) ?? 1);
-    slots.occupy(lane, message, charge, (settle) =>
-      processMessage(lane, message)
+    slots.occupy(lane, message, charge, (settle, finishing) =>
+      processMessage(lane, message, finishing)
         .catch((error) => log.error("message_processing_error", { msg_id: message.id, error }))
         .finally(settle));
   }
@@ -213,20 +231,26 @@ export function createStreamWorker(
   const startReclaimed = (lane: QueueNames, m: StreamMessage) => start(lane, m, "reclaimed");
 
   async function runOnce(block = blockMs): Promise<number> {
-    let free = options.concurrency - slots.running();
+    let free = slots.wanted();
     if (free <= 0) return 0;
     gateWaitMs = 0;
+    let lanes: Promise<QueueNames[]> | undefined;
     if (options.gate) {
+      // The lanes with work are looked up beside the gate: a read waits for one round trip before its take, not two.
+      lanes = reader.lanes();
+      lanes.catch(() => {}); // observed by the read; none when the gate says no
       const { permits, waitMs } = await options.gate();
-      if (permits <= 0) {
-        gateWaitMs = Math.max(1, waitMs);
+      // Messages read ahead will ask for their permits as soon as they start: they count as waiting already.
+      const usable = permits - slots.readAhead();
+      if (usable <= 0) {
+        gateWaitMs = Math.max(1, permits > 0 ? STREAM_WORKER_DEFAULTS.readAheadGateWaitMs : waitMs);
         return 0;
       }
-      free = Math.min(free, permits);
+      free = Math.min(free, usable);
     }
     let started = await reclaimer.reclaim(free, startReclaimed);
     free -= started;
-    if (free > 0) started += await reader.read(free, started > 0 ? 0 : block, startNew);
+    if (free > 0) started += await reader.read(free, started > 0 ? 0 : block, startNew, lanes);
     return started;
   }
 
@@ -237,7 +261,7 @@ export function createStreamWorker(
     signal.addEventListener("abort", wake);
     try {
       while (!signal.aborted) {
-        if (slots.running() >= options.concurrency) {
+        if (slots.wanted() <= 0) {
           await slots.freed(Infinity, signal);
           continue;
         }
@@ -251,10 +275,11 @@ export function createStreamWorker(
           await sleep(STREAM_WORKER_DEFAULTS.readRetryMs, signal).catch(() => {});
         }
       }
-      // Stop reading; let in-flight handlers finish within the grace period.
+      // Stop reading; let in-flight handlers finish within the grace period (those read ahead start as slots free).
       if (!(await settlesWithin(slots.drain(), graceMs))) {
         // Abandoned messages stay pending and are reclaimed by another worker.
-        log.warn("worker_abandoned_in_flight", { count: slots.running() });
+        log.warn("worker_abandoned_in_flight", { count: slots.running() + slots.readAhead() });
+        slots.abandonReadAhead();
         handlerAbort.abort(new Error("worker stopping"));
         await settlesWithin(slots.drain(), STREAM_WORKER_DEFAULTS.abortedSettleMs);
       }
@@ -275,6 +300,7 @@ export function createStreamWorker(
       return slots.running();
     },
     close() {
+      slots.abandonReadAhead();
       handlerAbort.abort(new Error("worker closed"));
       return Promise.resolve();
     },
@@ -282,56 +308,130 @@ export function createStreamWorker(
 }
 
 /**
- * The worker's slots: every message this consumer holds and has not yet acked (heartbeats keep those), and the
- * subset whose handler still runs, which use up concurrency. Messages are known by lane and id: two lanes'
- * streams may use the same entry ids.
+ * The worker's slots: every message this consumer holds and has not yet acked (heartbeats keep those), the
+ * handlers running, and the slots they use up. A handler holds a slot until it says it is finishing (only a short
+ * last step left: the summary job's commit, after its model call) or ends; so at most `concurrency` handlers are
+ * before that point, and at most `concurrency` more past it (a finishing handler keeps its slot while as many
+ * already finish without one). For each handler finishing without its slot, one message may be read ahead: it
+ * waits here, held, and starts the moment a slot frees. Messages are known by lane and id: two lanes' streams
+ * may use the same entry ids.
  */
 function createSlots(
-  options: Pick<StreamWorkerOptions, "events">,
+  options: Pick<StreamWorkerOptions, "events" | "concurrency" | "readAhead">,
   released: (message: StreamMessage, charge: LaneCharge) => void,
 ) {
   const tag = (lane: QueueNames, id: string) => `${lane.stream}\n${id}`;
   const held = new Map<string, { task: Promise<void>; lane: QueueNames; id: string }>();
-  const running = new Map<string, { message: StreamMessage; charge: LaneCharge }>();
-  let slotFreed: (() => void) | undefined;
+  // Every running handler, and which of them hold a slot.
+  const handlers = new Map<string, { message: StreamMessage; charge: LaneCharge }>();
+  const slotted = new Set<string>();
+  // Running handlers past `finishing`, without a slot; and those that kept theirs because as many were.
+  const unslotted = new Set<string>();
+  const refused = new Set<string>();
+  // Messages read ahead, in the order they were read: each starts (or is abandoned) once.
+  const readAhead: { start(): void; abandon(): void }[] = [];
+  let changed: (() => void) | undefined;
+  const inFlight = () => options.events?.inFlight?.(handlers.size);
+  /** A slot is free: the first message read ahead takes it. */
+  const freeSlot = (key: string) => {
+    slotted.delete(key);
+    readAhead.shift()?.start();
+  };
   const release = (key: string) => {
-    const entry = running.get(key);
+    const entry = handlers.get(key);
     if (!entry) return;
-    running.delete(key);
+    handlers.delete(key);
+    refused.delete(key);
+    if (slotted.has(key)) freeSlot(key);
+    if (unslotted.delete(key)) {
+      // Room to finish without a slot: the first handler that had to keep its slot gives it up now.
+      const next = refused.values().next();
+      if (!next.done) {
+        refused.delete(next.value);
+        unslotted.add(next.value);
+        freeSlot(next.value);
+      }
+    }
     released(entry.message, entry.charge);
-    options.events?.inFlight?.(running.size);
-    slotFreed?.();
+    inFlight();
+    changed?.();
+  };
+  const finishing = (key: string) => {
+    if (!slotted.has(key) || refused.has(key)) return;
+    if (unslotted.size >= options.concurrency) {
+      refused.add(key);
+      return;
+    }
+    unslotted.add(key);
+    freeSlot(key);
+    changed?.();
   };
   return {
-    running: () => running.size,
+    /** Handlers running, with a slot or finishing without one. */
+    running: () => handlers.size,
+    /** How many messages a read may take now: one per free slot, and one per handler finishing without a slot. */
+    wanted: () => Math.max(0, options.concurrency - slotted.size) + Math.max(0, unslotted.size - readAhead.length),
+    /** Messages read ahead, not started yet. */
+    readAhead: () => readAhead.length,
     heldCount: () => held.size,
     held: (): AckItem[] => [...held.values()].map(({ lane, id }) => ({ lane, id })),
     holds: (lane: QueueNames, id: string) => held.has(tag(lane, id)),
-    /** Takes a slot for `message` while `run` runs; `run` calls the function it is given once it is done. */
-    occupy(lane: QueueNames, message: StreamMessage, charge: LaneCharge, run: (settle: () => void) => Promise<void>) {
+    /**
+     * Runs `message`'s handler in a slot, at once if one is free, else as soon as one frees (it was read ahead).
+     * `run` calls `settle` once it is done, and may call `finishing` before.
+     */
+    occupy(
+      lane: QueueNames,
+      message: StreamMessage,
+      charge: LaneCharge,
+      run: (settle: () => void, finishing: () => void) => Promise<void>,
+    ) {
       const key = tag(lane, message.id);
-      running.set(key, { message, charge });
-      const task = run(() => {
-        release(key);
-        held.delete(key);
-      });
+      const go = () => {
+        handlers.set(key, { message, charge });
+        slotted.add(key);
+        inFlight();
+        return run(() => {
+          release(key);
+          held.delete(key);
+        }, () => finishing(key));
+      };
+      if (slotted.size < options.concurrency) {
+        held.set(key, { task: go(), lane, id: message.id });
+        return;
+      }
+      options.readAhead?.(message);
+      // Abandoned (a stop past its grace): never started, it stays pending for another worker to reclaim.
+      const task = new Promise<void>((resolve) =>
+        readAhead.push({
+          start: () => void go().then(resolve),
+          abandon: () => {
+            held.delete(key);
+            released(message, charge);
+            resolve();
+          },
+        })
+      );
       held.set(key, { task, lane, id: message.id });
-      options.events?.inFlight?.(running.size);
+    },
+    /** Gives up the messages read ahead and not started: they stay pending, reclaimed by another worker. */
+    abandonReadAhead() {
+      for (const entry of readAhead.splice(0)) entry.abandon();
     },
     /** The handler is done (its work committed): the slot is free, though the ack may still be under way. */
     release: (lane: QueueNames, id: string) => release(tag(lane, id)),
-    wake: () => slotFreed?.(),
-    /** Waits up to `ms`, or until a handler finishes or `signal` aborts. */
+    wake: () => changed?.(),
+    /** Waits up to `ms`, or until a slot frees (a handler finishes or ends) or `signal` aborts. */
     freed(ms: number, signal: AbortSignal): Promise<void> {
       if (signal.aborted) return Promise.resolve();
       return new Promise<void>((resolve) => {
         const done = () => {
           clearTimeout(timer);
-          if (slotFreed === done) slotFreed = undefined;
+          if (changed === done) changed = undefined;
           resolve();
         };
         const timer = Number.isFinite(ms) ? setTimeout(done, ms) : undefined;
-        slotFreed = done;
+        changed = done;
       });
     },
     drain: async () => {
@@ -350,7 +450,7 @@ function createMessageProcessor(
     release: (lane: QueueNames, id: string) => void;
     signal: AbortSignal;
   },
-): (lane: QueueNames, message: StreamMessage) => Promise<void> {
+): (lane: QueueNames, message: StreamMessage, finishing: () => void) => Promise<void> {
   const events = options.events ?? {};
 
   /** Dead-letters `message`, unless its job turns out to be decided already: then acks it. */
@@ -373,26 +473,28 @@ function createMessageProcessor(
     }
   }
 
-  return async (lane, message) => {
+  return async (lane, message, finishing) => {
     const started = performance.now();
-    const msgLog = log.child({ msg_id: message.id, job_id: message.fields.job_id, tenant: message.fields.tenant });
+    // Made only when a line is logged: most messages log nothing here.
+    const msgLog = () =>
+      log.child({ msg_id: message.id, job_id: message.fields.job_id, tenant: message.fields.tenant });
     // Deliveries before a deferral count too (see `requeue.ts`).
     if (message.deliveries + priorDeliveries(message) > options.maxDeliveries) {
-      await bury(lane, message, `exceeded ${options.maxDeliveries} deliveries`, msgLog);
+      await bury(lane, message, `exceeded ${options.maxDeliveries} deliveries`, msgLog());
       return;
     }
     try {
-      await handler(message, signal);
+      await handler(message, signal, finishing);
     } catch (error) {
       if (error instanceof PermanentJobError) {
-        await bury(lane, message, `permanent: ${error.message}`, msgLog);
+        await bury(lane, message, `permanent: ${error.message}`, msgLog());
         return;
       }
       if (error instanceof JobDeferred) {
         // If the requeue fails, the message stays pending and is redelivered later, as after any failure.
         const again = await requeue(redis, lane, message);
         release(lane, message.id);
-        msgLog.info("message_deferred", { reason: error.message, requeued_as: again });
+        msgLog().info("message_deferred", { reason: error.message, requeued_as: again });
         if (again !== null) {
           events.deferred?.(message, error.message);
           await options.onDeferred?.(lane, message, error);
@@ -402,7 +504,7 @@ function createMessageProcessor(
       // Leave it pending: XAUTOCLAIM redelivers it after claimIdleMs, which
       // doubles as a coarse backoff between deliveries.
       events.failed?.(message, error);
-      msgLog.warn("message_failed", { deliveries: message.deliveries, error });
+      msgLog().warn("message_failed", { deliveries: message.deliveries, error });
       return;
     }
     // The slot is free once the work is committed; the ack can finish in the background.

@@ -4,7 +4,7 @@ import * as jobs from "../jobs/job_store.ts";
 import type { Outcome } from "../jobs/job_store.ts";
 import type { Logger } from "../log/logger.ts";
 import * as outbox from "../outbox/outbox_store.ts";
-import { type CacheHit, type CacheHitRow, insertCacheHits } from "../cache/cache_hit_store.ts";
+import { type CacheHit, type CacheHitRow, insertCacheHitsOf } from "../cache/cache_hit_store.ts";
 import { publicError } from "./public_error.ts";
 
 /** Where a job's result goes: an email address, or a webhook URL. */
@@ -108,29 +108,32 @@ function outboxRowFor(r: JobResult): outbox.NewOutboxRow | undefined {
 }
 
 /**
- * Commits summaries and their outbox rows in one transaction. The job
- * store's {@linkcode jobs.completeJobs} is the exactly-once guard: it
- * decides done, and stores summaries for, only jobs nobody decided before;
- * outbox rows are written for exactly those, in the same transaction. When
- * two deliveries race, both paid for the model, but one writes. When a cancel
- * races the commit, `job_outcomes`' primary key decides, so a job is either
- * done with its effects or cancelled with none.
+ * Commits summaries and their outbox rows in one statement (one round trip,
+ * one transaction). The job store's {@linkcode jobs.completeJobs} is the
+ * exactly-once guard: it decides done, and stores summaries for, only jobs
+ * nobody decided before; outbox rows are written for exactly those, in the
+ * same statement. When two deliveries race, both paid for the model, but one
+ * writes. When a cancel races the commit, `job_outcomes`' primary key
+ * decides, so a job is either done with its effects or cancelled with none.
  * @returns the job ids this call committed; the others were already done, or cancelled.
  */
 export async function commitResults(sql: Sql, results: JobResult[]): Promise<Set<string>> {
   if (results.length === 0) return new Set();
-  return await sql.begin(async (tx) => {
-    const committed = await jobs.completeJobs(
-      tx,
-      results.map((r) => ("task" in r && r.cacheHit ? { ...r, cached: true } : r)),
-    );
-    // The outbox row references the result (by job id) instead of holding a second copy of it.
-    const rows = results.filter((r) => committed.has(r.jobId)).map(outboxRowFor);
-    await outbox.insertOutboxRows(tx, rows.filter((r) => r !== undefined));
-    // A cached result records what it reused, with it: a hit is counted exactly when its run is done.
-    await insertCacheHits(tx, results.filter((r) => r.cacheHit && committed.has(r.jobId)).map(cacheHitRow));
-    return committed;
+  // The outbox row references the result (by job id) instead of holding a second copy of it.
+  const rows = results.flatMap((r) => {
+    const row = outboxRowFor(r);
+    return row ? [{ ...row, jobId: r.jobId }] : [];
   });
+  // A cached result records what it reused, with it: a hit is counted exactly when its run is done.
+  const hits = results.filter((r) => r.cacheHit).map(cacheHitRow);
+  return await jobs.completeJobs(
+    sql,
+    results.map((r) => ("task" in r && r.cacheHit ? { ...r, cached: true } : r)),
+    (decided) => [
+      ...(rows.length > 0 ? [outbox.insertOutboxRowsOf(sql, rows, decided)] : []),
+      ...(hits.length > 0 ? [insertCacheHitsOf(sql, hits, decided)] : []),
+    ],
+  );
 }
 
 /** The `cache_hits` row of a cached result. */
@@ -198,6 +201,15 @@ export interface GroupCommitter {
   commit(result: JobResult): Promise<Committed>;
 }
 
+/** Defaults of {@linkcode createGroupCommitter}. */
+export const COMMIT_DEFAULTS = {
+  /**
+   * Commits in flight at once (each on its own connection of the pool). Jobs that finish while all are in flight
+   * wait for one to end and share the next: with too few, a burst of finished jobs queues behind one round trip.
+   */
+  inFlight: 4,
+} as const;
+
 /**
  * Group commit without added latency: the first job commits at once; jobs
  * that finish while that transaction is in flight are committed together in
@@ -241,7 +253,7 @@ export function createGroupCommitter(
       const outcome = outcomes.get(r.jobId)!;
       return firstIndex.get(r.jobId) === i || typeof outcome === "object" ? outcome : "duplicate";
     });
-  }, { maxBatch: options.maxBatch ?? 500, maxInFlight: options.inFlight ?? 2 });
+  }, { maxBatch: options.maxBatch ?? 500, maxInFlight: options.inFlight ?? COMMIT_DEFAULTS.inFlight });
   return {
     async commit(result) {
       const outcome = await commit(result);

@@ -120,17 +120,42 @@ const Fields = z.object({ job_id: z.uuid(), tenant: z.string().min(1), payload: 
  * @throws the retryable error, or {@linkcode DeadlineExceeded}, to leave the message pending.
  */
 export function createSummaryJob(deps: SummaryJobDeps, options: SummaryJobOptions): SummaryJob {
-  const job: Job = { ...deps, options, decided: createDecidedCheck(deps.sql), modelName: options.model ?? "unknown" };
+  const job: Job = {
+    ...deps,
+    options,
+    decided: createDecidedCheck(deps.sql),
+    modelName: options.model ?? "unknown",
+    prepared: new Map(),
+  };
   // Each delivery is a span of the job's trace (continued from the POST's), after its time in the queue.
-  return (message, signal) => {
+  const handle = (message: StreamMessage, signal: AbortSignal, finishing?: () => void) => {
     const parent = contextFrom(message.fields.traceparent);
     const attributes = { "job.id": message.fields.job_id, tenant: message.fields.tenant, delivery: message.deliveries };
     const enqueuedMs = Number(message.id.split("-")[0]);
     if (message.deliveries === 1 && message.fields.traceparent && Number.isFinite(enqueuedMs)) {
       recordSpan("job.queued", { startMs: enqueuedMs, endMs: Date.now(), attributes, parent });
     }
-    return inSpan("job.delivery", attributes, () => deliver(job, message, signal), parent);
+    return inSpan("job.delivery", attributes, () => deliver(job, message, signal, finishing), parent);
   };
+  return Object.assign(handle, {
+    prepare(message: StreamMessage) {
+      const jobId = message.fields.job_id;
+      if (!jobId) return;
+      // Bounded: a delivery takes its entry when it starts; only messages abandoned at a stop could pile up.
+      if (job.prepared.size >= MAX_PREPARED) job.prepared.clear();
+      const outcome = job.decided(jobId);
+      outcome.catch(() => {}); // observed by the delivery's pre-check
+      job.prepared.set(preparedKey(message), outcome);
+    },
+  });
+}
+
+/** The most pre-checks made ahead and not yet taken by their deliveries. */
+const MAX_PREPARED = 10_000;
+
+/** A message's entry among the pre-checks made ahead: its id and job (two lanes may use the same entry ids). */
+function preparedKey(message: StreamMessage): string {
+  return `${message.fields.job_id}\n${message.id}`;
 }
 
 /** What {@linkcode createSummaryJob} needs. */
@@ -157,14 +182,22 @@ export interface SummaryJobDeps {
   cache?: ResultCache;
 }
 
-/** Handles one delivery of a summary job. */
-export type SummaryJob = (message: StreamMessage, signal: AbortSignal) => Promise<Committed>;
+/**
+ * Handles one delivery of a summary job. `finishing` is called once only the commit is left (the model's part is
+ * over): the worker may then read the job that takes its slot next. `prepare` makes the pre-check of a message
+ * read ahead while it waits for its slot, so that its model call can start the moment it runs.
+ */
+export type SummaryJob =
+  & ((message: StreamMessage, signal: AbortSignal, finishing?: () => void) => Promise<Committed>)
+  & { prepare(message: StreamMessage): void };
 
 /** What one summary job's deliveries share. */
 interface Job extends SummaryJobDeps {
   options: SummaryJobOptions;
   decided: (jobId: string) => Promise<Outcome | undefined>;
   modelName: string;
+  /** Pre-checks made when messages were read ahead (`prepare`), by message, until their deliveries take them. */
+  prepared: Map<string, Promise<Outcome | undefined>>;
 }
 
 /** One delivery's job, read from its message. */
@@ -180,6 +213,8 @@ interface Delivery {
   usage: { prompt: number; completion: number };
   /** The result cache as this run sees it, when it is on for the run: a done result fills it. */
   cache?: RunCache;
+  /** Tells the worker that only the commit is left. */
+  finishing?: () => void;
 }
 
 /** One model call of a run: the user message and how to ask. */
@@ -190,8 +225,13 @@ interface ModelCall {
   model: string;
 }
 
-async function deliver(job: Job, message: StreamMessage, signal: AbortSignal): Promise<Committed> {
-  const delivery = parseDelivery(job, message);
+async function deliver(
+  job: Job,
+  message: StreamMessage,
+  signal: AbortSignal,
+  finishing: (() => void) | undefined,
+): Promise<Committed> {
+  const delivery = { ...parseDelivery(job, message), finishing };
   const task = await loadTask(job, delivery);
   const call = modelCall(job, task, delivery.run.input);
   // Off for this run (a TTL of 0), the cache costs nothing: no hash, no Redis, and the first permit is asked for
@@ -447,8 +487,12 @@ async function preCheck(
   releaseFirst: (why: string) => Promise<void>,
 ): Promise<Committed | undefined> {
   let outcome: Outcome | undefined;
+  // Made when the message was read ahead, if it was: a cancel seen then stops the call as well as one seen now.
+  const key = preparedKey(message);
+  const prepared = job.prepared.get(key);
+  job.prepared.delete(key);
   try {
-    outcome = await job.decided(job_id);
+    outcome = await (prepared ?? job.decided(job_id));
   } catch (error) {
     await releaseFirst("pre-check failed");
     throw error;
@@ -616,6 +660,7 @@ async function commit(
   { output, model, cacheHit, waited }: { output: unknown; model: string; cacheHit?: CacheHit; waited?: boolean },
 ) {
   const { job_id, tenant, run, message, log } = delivery;
+  delivery.finishing?.();
   let committed: Committed;
   try {
     committed = await inSpan(

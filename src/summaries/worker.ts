@@ -123,6 +123,8 @@ export function createSummaryWorker(
     gate: deps.flow && tokenGate(deps.flow, share.averageCost),
     // A tenant whose budget is spent: its runs wait in its lane, which is not read until the budget fits again.
     skip: blocks?.skip,
+    // A job read ahead makes its pre-check while it waits for its slot.
+    readAhead: job.prepare,
     onDeferred: blocks?.deferred,
   }, job);
   return {

@@ -41,6 +41,7 @@ import { putTaskVersion } from "../../src/jobs/task_store.ts";
 import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
 import { budgetKey } from "../../src/budgets/budgets.ts";
 import { type Limits, readBudgetState, runReserve, runSettle } from "../../src/budgets/budget_scripts.ts";
+import { announceLane } from "../../src/queue/lanes.ts";
 
 const ADMIN_URL = Deno.env.get("BENCH_DATABASE_URL") ?? "postgres://postgres@127.0.0.1:5432/postgres";
 const REDIS_URL = Deno.env.get("BENCH_REDIS_URL") ?? "redis://127.0.0.1:6379/0";
@@ -571,11 +572,19 @@ const signed = (n: number, digits: number) => `${n >= 0 ? "+" : ""}${fmt(n, digi
 /** Prices for every model, in the budget rows' runs with and without a budget alike. */
 const BENCH_PRICES = { LLM_PRICE_IN_PER_MTOK: "0.4", LLM_PRICE_OUT_PER_MTOK: "1.6" };
 
+/** Jobs a worker process runs first, unmeasured, as the SDK alone makes its calls after a warm-up. */
+const WORKER_WARM_UP_JOBS = 500;
+
 /**
- * The real worker process (main.ts worker, the openai SDK over HTTP) over `jobs` jobs; jobs/s, CPU ms per job
- * (the worker's, the fake model's, Redis's). Summary jobs, or with `task`, runs of that task (stored as version 1
- * first). With `budget`, the tenant has budgets in tokens and USD per day that the jobs never reach, so every
- * call is reserved and settled (checked afterwards: the budget's spend is every call's reported usage).
+ * The real worker process (main.ts worker, the openai SDK over HTTP) over a backlog of `jobs` jobs; jobs/s and
+ * CPU ms per job. Summary jobs, or with `task`, runs of that task (stored as version 1 first). As the SDK alone
+ * is measured after a warm-up, the worker first runs a few hundred jobs unmeasured (its connections open, its
+ * code compiled, the provider's limits learned); then the backlog is queued without a wake-up, and the clock
+ * starts when the lane is announced: what is measured is the worker draining a queue, not the bench's own
+ * enqueuing competing with it for the machine's two cores.
+ * With `budget`, the tenant has budgets in tokens and USD per day that the jobs never reach, so every call is
+ * reserved and settled (checked afterwards: the budget's spend is every call's reported usage). CPU ms per job is
+ * the worker's, the fake model's and Redis's.
  */
 async function workerProcessRun(
   model: { url: string; pid: number },
@@ -604,50 +613,64 @@ async function workerProcessRun(
       await createApiKey(db.sql, "bench");
       await setTenantBudget(db.sql, "bench", { "--tokens-per-day": 1e12, "--usd-per-day": 1e6 });
     }
-    const before = await cpuMs(worker.pid);
-    const modelBefore = await cpuMs(model.pid);
-    const redisBefore = await redisCpuMs(redis);
-    const started = performance.now();
-    await Promise.all(Array.from({ length: jobs }, (_, i) =>
+    const enqueue = (i: number, announce: boolean) =>
       task
         ? enqueueRunToLane(redis, keys, {
           jobId: crypto.randomUUID(),
           tenant: "bench",
           run: { task: task.name, version: 1, input: triageInput(i) },
-        })
-        : enqueueToLane(redis, keys, {
+        }, { announce })
+        : announce
+        ? enqueueToLane(redis, keys, { jobId: crypto.randomUUID(), tenant: "bench", request: JSON.parse(BODY) })
+        : enqueueJob(redis, keys.lane("bench"), {
           jobId: crypto.randomUUID(),
           tenant: "bench",
           request: JSON.parse(BODY),
-        })));
-    const end = performance.now() + 180_000;
+        });
     // Every job decided (a run whose answer failed its schema is decided failed): then all must be done.
     const decided = async () => {
       const [row] = await db.sql<{ n: number; done: number }[]>`
         SELECT count(*)::int AS n, (count(*) FILTER (WHERE outcome = 'done'))::int AS done FROM job_outcomes`;
       return row!;
     };
-    for (;;) {
-      const { n } = await decided();
-      if (n >= jobs) break;
-      if (performance.now() > end) throw new Error(`worker process: ${n}/${jobs} decided in 180 s`);
+    const until = async (n: number, what: string) => {
+      const end = performance.now() + 180_000;
+      for (;;) {
+        if ((await decided()).n >= n) return;
+        if (performance.now() > end) throw new Error(`worker process: ${what}: fewer than ${n} decided in 180 s`);
+        await sleep(20);
+      }
+    };
+    const warmUp = smoke ? 20 : WORKER_WARM_UP_JOBS;
+    await Promise.all(Array.from({ length: warmUp }, (_, i) => enqueue(i, true)));
+    await until(warmUp, "warm-up");
+    // The worker has found the lane empty and left it: the backlog below waits unseen until it is announced.
+    for (const end = performance.now() + 10_000; await redis.sismember(keys.registry.active, "bench");) {
+      if (performance.now() > end) throw new Error("worker process: the lane stayed active after the warm-up");
       await sleep(20);
     }
+    await Promise.all(Array.from({ length: jobs }, (_, i) => enqueue(warmUp + i, false)));
+    const before = await cpuMs(worker.pid);
+    const modelBefore = await cpuMs(model.pid);
+    const redisBefore = await redisCpuMs(redis);
+    const started = performance.now();
+    await announceLane(redis, keys.registry, "bench");
+    await until(warmUp + jobs, "backlog");
     const seconds = (performance.now() - started) / 1000;
     const after = await cpuMs(worker.pid);
     const modelAfter = await cpuMs(model.pid);
     const redisAfter = await redisCpuMs(redis);
     const { done } = await decided();
     const results = task ? await countRows(db.sql, "run_results") : await countRows(db.sql, "summaries");
-    if (done !== jobs || results !== jobs) {
-      throw new Error(`worker process: ${done}/${jobs} done, ${results} results written`);
+    if (done !== warmUp + jobs || results !== warmUp + jobs) {
+      throw new Error(`worker process: ${done}/${warmUp + jobs} done, ${results} results written`);
     }
     if (options.budget) {
       // Every call reserved and settled: the fake model reports 1 + 1 tokens a call, and one call a job.
       const { spent, reserved } = await readBudgetState(redis, budgetKey(KEY_PREFIX, "bench"));
-      if (spent[0] !== 2 * jobs || reserved[0] !== 0) {
+      if (spent[0] !== 2 * (warmUp + jobs) || reserved[0] !== 0) {
         throw new Error(
-          `worker process: the budget spent ${spent[0]} tokens (reserved ${reserved[0]}) for ${jobs} jobs`,
+          `worker process: the budget spent ${spent[0]} tokens (reserved ${reserved[0]}) for ${warmUp + jobs} jobs`,
         );
       }
     }
@@ -665,6 +688,11 @@ async function workerProcessRun(
   }
 }
 
+/**
+ * The real worker process against its ceilings, in one run, medians of three: with a 200 ms model, the SDK alone
+ * on the same fake model at the same concurrency (goal: 0.9x); with an instant model, the lower of the SDK alone
+ * and `pgbench` running the same per-job transaction (goal: 0.75x).
+ */
 async function benchWorkerProcess() {
   for (const delayMs of [200, 0]) {
     const jobs = smoke ? 300 : delayMs ? 6_000 : 5_000;
@@ -673,24 +701,36 @@ async function benchWorkerProcess() {
     try {
       const sdk: { perSecond: number; cpuMsPerCall: number }[] = [];
       const ours: { perSecond: number; cpuMsPerJob: number }[] = [];
+      const pg: number[] = [];
       for (let i = 0; i < RUNS; i++) {
         progress(`worker process: ${jobs} jobs, ${label}, concurrency 256: SDK alone, then the worker (run ${i + 1})`);
         sdk.push(await sdkCeiling(model.url, 256, jobs));
         ours.push(await workerProcessRun(model, jobs));
+        if (!delayMs) pg.push(await pgbenchPerJobTransaction(smoke ? 1 : 5));
+        progress(
+          `worker process: SDK alone ${fmt(sdk.at(-1)!.perSecond)}/s, worker ${fmt(ours.at(-1)!.perSecond)}/s` +
+            (delayMs ? "" : `, pgbench ${fmt(pg.at(-1)!)} tx/s`),
+        );
       }
       const rate = median(ours.map((x) => x.perSecond));
       const ceiling = median(sdk.map((x) => x.perSecond));
       const cpuJob = median(ours.map((x) => x.cpuMsPerJob));
       const cpuCall = median(sdk.map((x) => x.cpuMsPerCall));
+      const floor = delayMs ? ceiling : Math.min(ceiling, median(pg));
+      const goal = delayMs ? 0.9 : 0.75;
       rows.push({
         benchmark: `Worker jobs/s, real worker process, openai SDK over HTTP, ${label}, WORKER_CONCURRENCY=256`,
         result: `${fmt(rate)}/s; CPU ${fmt(cpuJob, 2)} ms/job, of which ${
           fmt(cpuJob - cpuCall, 2)
         } ms beyond the SDK call`,
-        baseline: `SDK alone, same model and concurrency: ${fmt(ceiling)} calls/s, CPU ${fmt(cpuCall, 2)} ms/call`,
-        ratio: `${fmt(rate / ceiling, 2)}x`,
+        baseline: `SDK alone, same model and concurrency: ${fmt(ceiling)} calls/s, CPU ${fmt(cpuCall, 2)} ms/call` +
+          (delayMs ? "" : `; pgbench, same per-job transaction, 16 clients: ${fmt(median(pg))} tx/s`),
+        ratio: `${fmt(rate / floor, 2)}x`,
+        goal: `>= ${goal}x ${delayMs ? "of the SDK alone" : "of the lower"} ${
+          rate / floor >= goal ? "(met)" : "(NOT met)"
+        }`,
         value: rate,
-        baselineValue: ceiling,
+        baselineValue: floor,
       });
     } finally {
       await model.stop();

@@ -462,6 +462,90 @@ Deno.test("provider flow control", async (t) => {
       },
     );
 
+    await t.step(
+      "with no limit in force, permits are leased: another process's open breaker stops this one within leaseMs",
+      async () => {
+        const a = flowFor({ cooldownMs: 5_000 });
+        const b = createProviderFlow({ redis: r.redis, log: createLogger({ write: () => {} }) }, {
+          key: (await a.status()).key,
+          cooldownMs: 5_000,
+          probeLeaseMs: 2_000,
+        });
+        // Learning: one call at a time until an answer; this provider sends no limits, so nothing paces.
+        await (await a.acquire(10)).settle({ value: { text: "ok" } });
+        await a.settled();
+        assert.equal(a.leased, 0);
+        await a.acquire(10);
+        assert.equal(a.leased, FLOW_DEFAULTS.leasePermits, "Redis said unpaced: the next permits are this process's");
+        await a.acquire(10);
+        assert.equal(a.leased, FLOW_DEFAULTS.leasePermits - 1, "granted here, without a round trip");
+        // Another process sees three distinct jobs fail: the breaker opens.
+        for (const job of ["x", "y", "z"]) {
+          await (await b.acquire(1, undefined, job)).settle({ error: apiError(503, null) });
+        }
+        assert.equal((await b.status()).breaker.state, "open");
+        // The bounded error: within its lease, this process still grants...
+        const late = await a.acquire(10);
+        assert.equal(late.waitedMs, 0);
+        await late.settle({ aborted: true });
+        // ...and once it has lapsed, it asks Redis, which says no.
+        await new Promise((res) => setTimeout(res, FLOW_DEFAULTS.leaseMs + 20));
+        assert.equal(a.leased, 0);
+        const stop = new AbortController();
+        const next = a.acquire(10, stop.signal);
+        next.catch(() => {});
+        await new Promise((res) => setTimeout(res, 100));
+        assert.equal(a.waiting, 1, "the breaker holds it");
+        stop.abort();
+        await assert.rejects(next);
+      },
+    );
+
+    await t.step("a failure this process sees, or a limit in an answer's headers, ends its lease at once", async () => {
+      const flow = flowFor();
+      await (await flow.acquire(10)).settle({ value: { text: "ok" } });
+      await flow.settled();
+      await flow.acquire(10);
+      assert.ok(flow.leased > 0);
+      const failed = (await flow.acquire(10, undefined, "j")).settle({ error: apiError(503, null) });
+      assert.equal(flow.leased, 0, "at once, before the failure is applied");
+      assert.equal(await failed, false);
+      await flow.acquire(10);
+      assert.equal(flow.leased, 0, "no lease while a call has failed since the last success");
+      await (await flow.acquire(10, undefined, "k")).settle({ value: { text: "ok" } });
+      await flow.settled();
+      await flow.acquire(10);
+      assert.ok(flow.leased > 0, "a success elsewhere clears the failure: leased again");
+      await (await flow.acquire(10)).settle({
+        value: { text: "ok", headers: new Headers(rateLimitHeaders(600, 599)) },
+      });
+      assert.equal(flow.leased, 0);
+      await flow.settled();
+      await flow.acquire(10);
+      assert.equal(flow.leased, 0, "paced now: every permit is booked in Redis");
+    });
+
+    await t.step("two flows asking in batches on one key never pass the limit in any second", async () => {
+      const a = flowFor({ rpm: 1200 });
+      const b = createProviderFlow({ redis: r.redis, log: createLogger({ write: () => {} }) }, {
+        key: (await a.status()).key,
+        rpm: 1200,
+        cooldownMs: 300,
+        probeLeaseMs: 2_000,
+      });
+      const started = performance.now();
+      const grants = await Promise.all(
+        Array.from({ length: 50 }, (_, i) => (i % 2 ? a : b).acquire(10).then(() => performance.now() - started)),
+      );
+      grants.sort((x, y) => x - y);
+      // 1,200/min is 20 a second; the limiter paces at 97% of it.
+      for (let i = 0; i < grants.length; i++) {
+        const within = grants.filter((g) => g >= grants[i]! && g < grants[i]! + 1_000).length;
+        assert.ok(within <= 20, `${within} permits in the second from ${Math.round(grants[i]!)} ms`);
+      }
+      assert.equal(a.leased + b.leased, 0, "a limit in force: nothing is leased");
+    });
+
     await t.step("a 401 opens the breaker like insufficient_quota, and is absorbed", async () => {
       const log = recordingLogger();
       const flow = flowFor({ rpm: 60_000 }, createLogger(log));

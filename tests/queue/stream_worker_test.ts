@@ -361,6 +361,82 @@ Deno.test("stream worker", async (t) => {
         await w.close();
       }
     });
+
+    await t.step(
+      "a finishing handler gives its slot to the next message; as many more are read ahead; the caps hold",
+      async () => {
+        await reset();
+        for (let i = 0; i < 8; i++) await add({ job_id: `j${i}`, tenant: "acme" });
+        const started: string[] = [];
+        const commits = new Map<string, () => void>();
+        let before = 0, peakBefore = 0, peakAll = 0;
+        const w = worker(r, "c1", async (m, _signal, finishing) => {
+          started.push(m.fields.job_id!);
+          before++;
+          peakBefore = Math.max(peakBefore, before);
+          peakAll = Math.max(peakAll, w.inFlight);
+          // The model's part is over at once; the commit waits until the test lets it go.
+          await new Promise((res) => setTimeout(res, 1));
+          before--;
+          finishing();
+          await new Promise<void>((res) => commits.set(m.fields.job_id!, res));
+        }, { concurrency: 2 });
+        try {
+          assert.equal(await w.runOnce(), 2);
+          await waitFor("j0 and j1 committing", () => commits.size === 2);
+          // Both slots are free while j0 and j1 commit: two start at once, two more wait read ahead.
+          assert.equal(await w.runOnce(), 4);
+          await waitFor("j2 and j3 committing", () => commits.size === 4);
+          assert.deepEqual(started, ["j0", "j1", "j2", "j3"]);
+          assert.equal(w.inFlight, 4, "two finishing without a slot, two keeping theirs: the cap of finishing ones");
+          assert.equal(await w.runOnce(), 0, "no slot, and as many read ahead as handlers finish without one");
+          assert.equal((await pendingOf(r)).length, 6, "the messages read ahead are delivered to this consumer");
+          commits.get("j0")!();
+          // j2 finishes without its slot in j0's place; j4 takes j2's slot at once, without a read.
+          await waitFor("j4 started", () => started.includes("j4"));
+          assert.deepEqual(started, ["j0", "j1", "j2", "j3", "j4"]);
+          for (let i = 0; i < 20 && started.length < 8; i++) {
+            for (const [id, go] of commits) if (started.includes(id)) go();
+            await w.runOnce();
+            await new Promise((res) => setTimeout(res, 5));
+          }
+          for (let i = 0; i < 20 && commits.size < 8; i++) await new Promise((res) => setTimeout(res, 5));
+          for (const go of commits.values()) go();
+          await w.drain();
+          assert.deepEqual(started, ["j0", "j1", "j2", "j3", "j4", "j5", "j6", "j7"]);
+          assert.equal(peakBefore, 2, "never more than `concurrency` before finishing");
+          assert.ok(peakAll <= 4, `never more than twice \`concurrency\` in all (${peakAll})`);
+          await waitFor("all acked", async () => (await pendingOf(r)).length === 0);
+        } finally {
+          await w.close();
+        }
+      },
+    );
+
+    await t.step("a stop past its grace leaves messages read ahead pending, never started", async () => {
+      await reset();
+      for (const id of ["stuck1", "stuck2", "next"]) await add({ job_id: id, tenant: "acme" });
+      const started: string[] = [];
+      const w = worker(r, "c1", async (m, signal, finishing) => {
+        started.push(m.fields.job_id!);
+        finishing();
+        await new Promise((_, reject) => signal.addEventListener("abort", () => reject(signal.reason)));
+      }, { concurrency: 1, graceMs: 200 });
+      const stop = new AbortController();
+      const running = w.run(stop.signal);
+      try {
+        // stuck1 finishes without its slot, stuck2 takes it (and keeps it: one is finishing already), next waits.
+        await waitFor("all three delivered", async () => (await pendingOf(r)).length === 3);
+        assert.deepEqual(started, ["stuck1", "stuck2"]);
+        stop.abort();
+        await running;
+        assert.deepEqual(started, ["stuck1", "stuck2"], "the one read ahead never starts");
+        assert.equal((await pendingOf(r)).length, 3, "all stay pending for another worker to reclaim");
+        assert.equal(w.inFlight, 0);
+      } finally {
+        await w.close();
+      }
+    });
   } finally {
     await r.close();
   }

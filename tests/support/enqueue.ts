@@ -49,13 +49,15 @@ export async function enqueueJob(
 
 /**
  * Enqueues a run of a task into the tenant's lane, as `POST /v1/tasks/{name}/runs` does after validating its
- * input (the payload names the version, which must exist for the worker), and announces the lane.
+ * input (the payload names the version, which must exist for the worker), and announces the lane (unless
+ * `announce` is false: a bench queues a backlog first, then announces it once).
  * @returns the stream entry id.
  */
 export async function enqueueRunToLane(
   redis: RedisClient,
   keys: ServiceKeys,
   job: { jobId: string; tenant: string; run: RunPayload },
+  { announce = true }: { announce?: boolean } = {},
 ): Promise<string> {
   const lane = keys.lane(job.tenant);
   const id = await ENQUEUE.run(redis, [lane.stream, lane.job(job.jobId)], [
@@ -64,7 +66,7 @@ export async function enqueueRunToLane(
     JSON.stringify(job.run),
     JSON.stringify(markQueued(job.tenant, job.run)),
   ]);
-  await announceLane(redis, keys.registry, job.tenant);
+  if (announce) await announceLane(redis, keys.registry, job.tenant);
   return id as string;
 }
 
