@@ -487,12 +487,13 @@ async function preCheck(
   releaseFirst: (why: string) => Promise<void>,
 ): Promise<Committed | undefined> {
   let outcome: Outcome | undefined;
-  // Made when the message was read ahead, if it was: a cancel seen then stops the call as well as one seen now.
+  // Made when the message was read ahead, if it was. Only a decision found then is final (a job decided stays
+  // decided); "not decided" may be stale by the time a slot frees (a cancel since), so it is asked again now.
   const key = preparedKey(message);
   const prepared = job.prepared.get(key);
   job.prepared.delete(key);
   try {
-    outcome = await (prepared ?? job.decided(job_id));
+    outcome = (await prepared) ?? await job.decided(job_id);
   } catch (error) {
     await releaseFirst("pre-check failed");
     throw error;
