@@ -9,7 +9,7 @@ import { KeyReused } from "../idempotency/errors.ts";
 import { canonicalJson } from "../idempotency/fingerprint.ts";
 import { encodeScope, jobIdFor, type Scope } from "../idempotency/scope.ts";
 import { defineScript } from "../redis/script.ts";
-import { notReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
+import { type AckedRun, notReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
 import { markQueued } from "./job_status.ts";
 import type { JobKeys, ServiceKeys } from "./keys.ts";
 import { announceLane, type LaneKnown, laneKnownArgs } from "../queue/lanes.ts";
@@ -72,54 +72,89 @@ export interface Intake {
   keyFor(scope: Scope): string;
 }
 
-// INTAKE: the idempotency check, the enqueue, the job's status record and the stored answer, in one step.
-// KEYS[1]   the scope's idempotency record.
-// KEYS[2]   the lane's stream.
-// KEYS[3]   the job's status record (the three share the lane's hash tag).
-// KEYS[4…]  the registry sets that make the lane known (`laneKnownArgs`): its home on a cluster.
-// ARGV[1]   JSON: { job_id, tenant, traceparent ('' when not tracing: the message then has no such field),
-//           record_ttl_s (the stored answer's lifetime), cap (the lane's cap, 0 = none), share (the lane's share
-//           of a full queue, 0 = the queue is not full), status (the status record's change, `markQueued`),
-//           lane (the lane id), wake (the channel to publish it on, '' for none), refuse (1: a new job is refused,
-//           the tenant's budget is spent; a replay is still answered) }.
-// ARGV[2]   the payload (the request's JSON).
-// ARGV[3]   the stored answer (the record).
-// ARGV[4]   '1' when a WAIT follows (REDIS_MIN_REPLICAS_ACK): a found record is then written again, expiry
-//           unchanged, because WAIT covers only its own connection's writes and the record may have been
-//           written on another one (a first attempt answered 503, another API process) and not replicated yet.
-// Returns the existing record (or ours, stored again, when the key's record expired but the job is still
-// known: it is not enqueued twice and its status is left alone), 1 when the lane is full, 2 when the whole
-// queue is full and this lane holds its share of it, 3 when refused (nothing written in these), or false after enqueuing,
-// making the lane known and storing ours.
+// INTAKE: the idempotency check, the enqueue, the job's status record and the stored answer, in one step, for
+// each of a batch of submissions (`createIntake` sends the submissions that arrive together in one call).
+// KEYS[1…n]   the registry sets that make a lane known (`laneKnownArgs`; on a cluster, the lane's home): the same
+//             for every submission of the batch (a batch is one tenant's on a cluster).
+// KEYS[n+1…]  three per submission: the scope's idempotency record, the lane's stream, the job's status record
+//             (the three share the lane's hash tag).
+// ARGV[1]     '1' when a WAIT follows (REDIS_MIN_REPLICAS_ACK): a found record is then written again, expiry
+//             unchanged, because WAIT covers only its own connection's writes and the record may have been
+//             written on another one (a first attempt answered 503, another API process) and not replicated yet.
+// ARGV[2]     n.
+// ARGV[3]     JSON: the heads, what the batch's submissions of one tenant (and task version) share:
+//             [{ tenant, cap (the lane's cap, 0 = none), status (the status record's change, `markQueued`),
+//             lane (the lane id) }, …].
+// ARGV[4]     the stored answer's lifetime in seconds. ARGV[5] the lane's share of a full queue (0 = the queue is
+//             not full). ARGV[6] the channel to publish a lane on when it gets work, '' for none.
+// ARGV[7…]    six per submission: its head (1-based), the job id, the traceparent ('' when not tracing: the
+//             message then has no such field), '1' when a new job is refused (the tenant's budget is spent; a
+//             replay is still answered), the payload (the stream entry's), the stored answer (the record).
+// Returns, per submission: the existing record (or ours, stored again, when the key's record expired but the
+// job is still known: it is not enqueued twice and its status is left alone), 1 when the lane is full, 2 when
+// the whole queue is full and this lane holds its share of it, 3 when refused (nothing written in these), or 0
+// after enqueuing, making the lane known and storing ours, or an error reply (a key of the wrong type) that is
+// that submission's alone. The submissions run in order, so a second one with the same key finds the first's
+// record.
 const INTAKE = defineScript(`
-local stored = redis.call('GET', KEYS[1])
-if stored then
-  if ARGV[4] == '1' then
-    local at = redis.call('PEXPIRETIME', KEYS[1])
-    if at > 0 then redis.call('PEXPIREAT', KEYS[1], at) end
+local n = tonumber(ARGV[2])
+local heads = cjson.decode(ARGV[3])
+local ttl = ARGV[4]
+local share = tonumber(ARGV[5])
+local added = {}
+local function submit(k, a)
+  local record, stream, job = KEYS[k], KEYS[k + 1], KEYS[k + 2]
+  local h = heads[tonumber(ARGV[a])]
+  local stored = redis.call('GET', record)
+  if stored then
+    if ARGV[1] == '1' then
+      local at = redis.call('PEXPIRETIME', record)
+      if at > 0 then redis.call('PEXPIREAT', record, at) end
+    end
+    return stored
   end
-  return stored
+  if redis.call('EXISTS', job) == 1 then
+    redis.call('SET', record, ARGV[a + 5], 'EX', ttl)
+    return ARGV[a + 5]
+  end
+  if ARGV[a + 3] == '1' then return 3 end
+  if h.cap > 0 and redis.call('XLEN', stream) >= h.cap then return 1 end
+  if share > 0 and redis.call('XLEN', stream) >= share then return 2 end
+  if ARGV[a + 2] ~= '' then
+    redis.call('XADD', stream, '*', 'job_id', ARGV[a + 1], 'tenant', h.tenant, 'payload', ARGV[a + 4],
+      'traceparent', ARGV[a + 2])
+  else
+    redis.call('XADD', stream, '*', 'job_id', ARGV[a + 1], 'tenant', h.tenant, 'payload', ARGV[a + 4])
+  end
+  -- The record is new (EXISTS said so above): it has no field to delete (status.del).
+  redis.call('HSET', job, unpack(h.status.set))
+  redis.call('EXPIRE', job, h.status.ttl_s)
+  if not added[h.lane] then
+    added[h.lane] = true
+    for i = 1, n do redis.call('SADD', KEYS[i], h.lane) end
+    if ARGV[6] ~= '' then redis.call('PUBLISH', ARGV[6], h.lane) end
+  end
+  redis.call('SET', record, ARGV[a + 5], 'EX', ttl)
+  return 0
 end
-local a = cjson.decode(ARGV[1])
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('SET', KEYS[1], ARGV[3], 'EX', a.record_ttl_s)
-  return ARGV[3]
+local out = {}
+local a = 7
+for k = n + 1, #KEYS, 3 do
+  -- One submission's error (a key of the wrong type) is its own: the others of the batch go on.
+  local ok, result = pcall(submit, k, a)
+  if ok then
+    out[#out + 1] = result
+  elseif type(result) == 'table' and result.err then
+    out[#out + 1] = result
+  else
+    out[#out + 1] = { err = tostring(result) }
+  end
+  a = a + 6
 end
-if a.refuse == 1 then return 3 end
-if a.cap > 0 and redis.call('XLEN', KEYS[2]) >= a.cap then return 1 end
-if a.share > 0 and redis.call('XLEN', KEYS[2]) >= a.share then return 2 end
-if a.traceparent ~= '' then
-  redis.call('XADD', KEYS[2], '*', 'job_id', a.job_id, 'tenant', a.tenant, 'payload', ARGV[2], 'traceparent', a.traceparent)
-else
-  redis.call('XADD', KEYS[2], '*', 'job_id', a.job_id, 'tenant', a.tenant, 'payload', ARGV[2])
-end
--- The record is new (EXISTS said so above): it has no field to delete (a.status.del).
-redis.call('HSET', KEYS[3], unpack(a.status.set))
-redis.call('EXPIRE', KEYS[3], a.status.ttl_s)
-for i = 4, #KEYS do redis.call('SADD', KEYS[i], a.lane) end
-if a.wake ~= '' then redis.call('PUBLISH', a.wake, a.lane) end
-redis.call('SET', KEYS[1], ARGV[3], 'EX', a.record_ttl_s)
-return false`);
+return out`);
+
+/** The intake script's SHA-1, for counting its calls (`INFO commandstats` names only EVALSHA). */
+export const INTAKE_SHA = INTAKE.sha;
 
 type StoredRecord = { fp: string } & IntakeResponse;
 
@@ -199,20 +234,13 @@ export function createIntake(
   // The scope's unambiguous encoding is the key: bounded (a validated tenant name and a key of at most 128
   // visible characters) and not hashed, since every hash costs the request path several microseconds.
   const keyFor = (scope: Scope) => keys.lane(scope.tenant).idempotency(encodeScope(scope));
-  /** The fields of the script's JSON argument that do not change from one job of the tenant to the next. */
-  const argumentHead = (tenant: string, known: LaneKnown, run?: RunSubmission) =>
-    JSON.stringify({
-      tenant,
-      record_ttl_s: resultTtlS,
-      cap: maxQueuedPerTenant ?? 0,
-      status: markQueued(tenant, run),
-      lane: known.lane,
-      wake: known.wake,
-    }).slice(0, -1);
+  /** What the script's submissions of one tenant (and task version) share: their entry in its heads. */
+  const headOf = (tenant: string, known: LaneKnown, run?: RunSubmission) =>
+    JSON.stringify({ tenant, cap: maxQueuedPerTenant ?? 0, status: markQueued(tenant, run), lane: known.lane });
   /**
    * What a tenant's summary jobs share in the script's call: its lane, the sets that make the lane known, and
-   * the head of the JSON argument (every field but the job's own). Built once per tenant: serialising the whole
-   * argument per request was most of `enqueue`'s own time in a `--cpu-prof` under load.
+   * its head. Built once per tenant: serialising the whole argument per request was most of `enqueue`'s own time
+   * in a `--cpu-prof` under load.
    */
   const tenants = new Map<string, { lane: JobKeys; known: LaneKnown; head: string }>();
   const summaryTenant = (tenant: string) => {
@@ -220,12 +248,13 @@ export function createIntake(
     if (!found) {
       const lane = keys.lane(tenant);
       const known = laneKnownArgs(redis, keys.registry, tenant, lane.stream);
-      found = { lane, known, head: argumentHead(tenant, known) };
+      found = { lane, known, head: headOf(tenant, known) };
       if (tenants.size >= 10_000) tenants.delete(tenants.keys().next().value!);
       tenants.set(tenant, found);
     }
     return found;
   };
+  const batches = createIntakeBatches(redis, ack, resultTtlS, () => maxQueued ? fullQueueShare() : 0);
   const enqueue = async (
     { scope, request, traceparent, run, payload, refuse, canonical }: {
       scope: Scope;
@@ -253,24 +282,19 @@ export function createIntake(
     if (run) {
       lane = keys.lane(scope.tenant);
       known = laneKnownArgs(redis, keys.registry, scope.tenant, lane.stream);
-      head = argumentHead(scope.tenant, known, run);
+      head = headOf(scope.tenant, known, run);
     } else {
       ({ lane, known, head } = summaryTenant(scope.tenant));
     }
-    // The whole queue's size is known only across lanes (other slots), so it is read at most once a second.
-    const share = maxQueued ? await fullQueueShare() : 0;
-    const scriptKeys = [keyFor(scope), lane.stream, lane.job(jobId), ...known.keys];
-    const args = [
-      // The head, then the job's own fields: `cjson.decode` reads them in any order.
-      `${head},"job_id":"${jobId}","traceparent":${JSON.stringify(traceparent ?? "")},"refuse":${
-        refuse ? 1 : 0
-      },"share":${share}}`,
-      run ? run.payload : payload ?? JSON.stringify(request),
-      record,
-      ack ? "1" : "0",
-    ];
-    const acked = ack ? await ack.run(INTAKE, scriptKeys, args) : undefined;
-    const stored = (acked ? acked.result : await INTAKE.run(redis, scriptKeys, args)) as string | number | null;
+    const { stored, acked } = await batches.submit(
+      // On one server every lane's known sets are the same two: one batch for all tenants. On a cluster a batch
+      // is one tenant's, its keys in the lane's slot.
+      redis.isCluster ? scope.tenant : "",
+      known,
+      head,
+      [keyFor(scope), lane.stream, lane.job(jobId)],
+      [jobId, traceparent ?? "", refuse ? "1" : "0", run ? run.payload : payload ?? JSON.stringify(request), record],
+    );
     if (stored === 1) throw new QueueFull(`tenant ${scope.tenant}'s queue is full`, RETRY_AFTER_S);
     if (stored === 2) throw new QueueFull("the queue is full", RETRY_AFTER_S);
     if (stored === 3) throw refuse;
@@ -279,12 +303,12 @@ export function createIntake(
     // after the enqueue, never before (a worker taking the lane off the active set looks again after).
     // A replay announces too: the client's retry may be all that follows a crash right here.
     await faults?.afterScript?.();
-    if (!known.announced || stored !== null) {
+    if (!known.announced || stored !== 0) {
       announceLane(redis, keys.registry, scope.tenant).catch((error) =>
         log?.warn("lane_announce_failed", { tenant: scope.tenant, error })
       );
     }
-    const previous = stored === null ? null : JSON.parse(stored as string) as StoredRecord;
+    const previous = stored === 0 ? null : JSON.parse(stored as string) as StoredRecord;
     // A reused key is refused whatever the replicas hold: nothing of this request's was written.
     if (previous && previous.fp !== fingerprint) throw new KeyReused();
     // Not promised until the replicas have it. The record may stay on the primary: the client's retry with
@@ -299,5 +323,118 @@ export function createIntake(
     keyFor,
     submit: enqueue,
     submitRun: enqueue,
+  };
+}
+
+/** Submissions that arrive together share one script call: at most this many in one call. */
+const BATCH_MAX = 64;
+/** At most about this many bytes of payloads and answers in one call (a larger submission goes alone). */
+const BATCH_MAX_BYTES = 512 * 1024;
+/** Calls in flight per batch; submissions that arrive meanwhile wait for one to return, and go together. */
+const BATCH_IN_FLIGHT = 2;
+
+/** What the script said of one submission, and what the replicas acknowledged of its call. */
+interface Outcome {
+  stored: string | number;
+  acked?: AckedRun;
+}
+
+interface Submission {
+  head: string;
+  keys: string[];
+  args: string[];
+  bytes: number;
+  resolve(outcome: Outcome): void;
+  reject(error: unknown): void;
+}
+
+/**
+ * Group intake: the submissions that arrive while a batch's calls are in flight (or in the same turn of the
+ * event loop) go to Redis in one call of the script, as a group commit does. With little load each goes
+ * alone, at once; under load, a call and its reply, the script's start and the lane's announcement are paid
+ * once per batch rather than once per POST (the API's Redis client and Redis itself were most of an accepted
+ * POST's cost in a profile under wrk). Nothing is answered before its own batch's call has returned.
+ */
+function createIntakeBatches(
+  redis: RedisClient,
+  ack: ReplicaAck | undefined,
+  resultTtlS: number,
+  share: () => Promise<number> | number,
+) {
+  const queues = new Map<string, { known: LaneKnown; waiting: Submission[]; inFlight: number; scheduled: boolean }>();
+  type Queue = typeof queues extends Map<string, infer Q> ? Q : never;
+  const run = async (known: LaneKnown, batch: Submission[]) => {
+    try {
+      const heads: string[] = [];
+      const index = new Map<string, number>();
+      const keys = [...known.keys];
+      const args = [
+        ack ? "1" : "0",
+        String(known.keys.length),
+        "",
+        String(resultTtlS),
+        String(await share()),
+        known.wake,
+      ];
+      for (const submission of batch) {
+        let head = index.get(submission.head);
+        if (head === undefined) {
+          heads.push(submission.head);
+          index.set(submission.head, head = heads.length);
+        }
+        keys.push(submission.keys[0]!, submission.keys[1]!, submission.keys[2]!);
+        args.push(String(head));
+        for (const arg of submission.args) args.push(arg);
+      }
+      args[2] = `[${heads.join(",")}]`;
+      const acked = ack ? await ack.run(INTAKE, keys, args) : undefined;
+      const results = (acked ? acked.result : await INTAKE.run(redis, keys, args)) as (string | number | Error)[];
+      if (!Array.isArray(results) || results.length !== batch.length) {
+        throw new Error(`The intake script answered ${batch.length} submissions with ${JSON.stringify(results)}`);
+      }
+      batch.forEach((submission, i) => {
+        const stored = results[i];
+        if (stored instanceof Error) submission.reject(stored);
+        else submission.resolve({ stored: stored!, acked });
+      });
+    } catch (error) {
+      for (const submission of batch) submission.reject(error);
+    }
+  };
+  const flush = (id: string, queue: Queue) => {
+    queue.scheduled = false;
+    while (queue.waiting.length > 0 && queue.inFlight < BATCH_IN_FLIGHT) {
+      let count = 0;
+      let bytes = 0;
+      while (
+        count < queue.waiting.length && count < BATCH_MAX &&
+        (count === 0 || bytes + queue.waiting[count]!.bytes <= BATCH_MAX_BYTES)
+      ) bytes += queue.waiting[count++]!.bytes;
+      queue.inFlight++;
+      run(queue.known, queue.waiting.splice(0, count)).finally(() => {
+        queue.inFlight--;
+        if (queue.waiting.length > 0) flush(id, queue);
+        else if (queue.inFlight === 0 && queues.get(id) === queue) queues.delete(id);
+      });
+    }
+  };
+  return {
+    /**
+     * Runs one submission's part of the script (`keys`: its record, stream and status record; `args`: its
+     * job id, traceparent, refusal, payload and answer) in the next call of batch `id`, whose submissions all
+     * share `known`.
+     */
+    submit(id: string, known: LaneKnown, head: string, keys: string[], args: string[]): Promise<Outcome> {
+      let queue = queues.get(id);
+      if (!queue) queues.set(id, queue = { known, waiting: [], inFlight: 0, scheduled: false });
+      const { promise, resolve, reject } = Promise.withResolvers<Outcome>();
+      queue.waiting.push({ head, keys, args, bytes: args[3]!.length + args[4]!.length, resolve, reject });
+      if (!queue.scheduled && queue.inFlight < BATCH_IN_FLIGHT) {
+        queue.scheduled = true;
+        const scheduled = queue;
+        queueMicrotask(() => flush(id, scheduled));
+      }
+      return promise;
+    },
   };
 }
