@@ -112,6 +112,8 @@ export interface StreamWorkerOptions {
   readAhead?: (message: StreamMessage) => void;
   /** After a deferred message went back to its lane (to wake whoever may take it). */
   onDeferred?: (lane: QueueNames, message: StreamMessage, error: JobDeferred) => Promise<void>;
+  /** After a stop, a message read ahead and never started went back to the end of its lane (no delivery spent). */
+  onHandedBack?: (lane: QueueNames, message: StreamMessage) => Promise<void>;
   events?: WorkerEvents;
   /**
    * Asked before each read: how many messages the downstream can start soon.
@@ -254,6 +256,23 @@ export function createStreamWorker(
     return started;
   }
 
+  /** Puts messages read ahead and never started back at the end of their lanes; one that fails stays pending. */
+  async function handBack(entries: { lane: QueueNames; message: StreamMessage }[]): Promise<void> {
+    if (entries.length === 0) return;
+    let handedBack = 0;
+    await Promise.all(entries.map(async ({ lane, message }) => {
+      try {
+        if (await requeue(redis, lane, message) === null) return;
+        handedBack++;
+        await options.onHandedBack?.(lane, message);
+      } catch (error) {
+        // Still pending for this consumer: another worker reclaims it after claimIdleMs.
+        log.warn("worker_hand_back_failed", { msg_id: message.id, job_id: message.fields.job_id, error });
+      }
+    }));
+    log.info("worker_handed_back", { read_ahead: entries.length, requeued: handedBack });
+  }
+
   async function run(signal: AbortSignal): Promise<void> {
     const stopHeartbeat = heartbeat.start();
     const stopPruner = pruner.start();
@@ -275,7 +294,10 @@ export function createStreamWorker(
           await sleep(STREAM_WORKER_DEFAULTS.readRetryMs, signal).catch(() => {});
         }
       }
-      // Stop reading; let in-flight handlers finish within the grace period (those read ahead start as slots free).
+      // Stop reading. Messages read ahead never start now: each goes back to the end of its lane at once (no
+      // delivery spent), so no model call begins after the stop and another worker can take it without waiting
+      // for a reclaim. Then let the running handlers finish within the grace period.
+      await handBack(slots.abandonReadAhead());
       if (!(await settlesWithin(slots.drain(), graceMs))) {
         // Abandoned messages stay pending and are reclaimed by another worker.
         log.warn("worker_abandoned_in_flight", { count: slots.running() + slots.readAhead() });
@@ -329,7 +351,7 @@ function createSlots(
   const unslotted = new Set<string>();
   const refused = new Set<string>();
   // Messages read ahead, in the order they were read: each starts (or is abandoned) once.
-  const readAhead: { start(): void; abandon(): void }[] = [];
+  const readAhead: { lane: QueueNames; message: StreamMessage; start(): void; abandon(): void }[] = [];
   let changed: (() => void) | undefined;
   const inFlight = () => options.events?.inFlight?.(handlers.size);
   /** A slot is free: the first message read ahead takes it. */
@@ -404,6 +426,8 @@ function createSlots(
       // Abandoned (a stop past its grace): never started, it stays pending for another worker to reclaim.
       const task = new Promise<void>((resolve) =>
         readAhead.push({
+          lane,
+          message,
           start: () => void go().then(resolve),
           abandon: () => {
             held.delete(key);
@@ -414,9 +438,11 @@ function createSlots(
       );
       held.set(key, { task, lane, id: message.id });
     },
-    /** Gives up the messages read ahead and not started: they stay pending, reclaimed by another worker. */
-    abandonReadAhead() {
-      for (const entry of readAhead.splice(0)) entry.abandon();
+    /** Gives up the messages read ahead and not started (they stay pending until handed back or reclaimed). */
+    abandonReadAhead(): { lane: QueueNames; message: StreamMessage }[] {
+      const entries = readAhead.splice(0);
+      for (const entry of entries) entry.abandon();
+      return entries;
     },
     /** The handler is done (its work committed): the slot is free, though the ack may still be under way. */
     release: (lane: QueueNames, id: string) => release(tag(lane, id)),

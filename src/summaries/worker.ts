@@ -126,6 +126,17 @@ export function createSummaryWorker(
     // A job read ahead makes its pre-check while it waits for its slot.
     readAhead: job.prepare,
     onDeferred: blocks?.deferred,
+    // A job read ahead and handed back at a stop: the other workers are told its lane has work.
+    onHandedBack: "lane" in keys
+      ? async (_lane, message) => {
+        const tenant = message.fields.tenant;
+        if (tenant) {
+          await announceLane(deps.redis, keys.registry, tenant).catch((error) =>
+            deps.log.warn("lane_announce_failed", { tenant, error })
+          );
+        }
+      }
+      : undefined,
   }, job);
   return {
     ...worker,

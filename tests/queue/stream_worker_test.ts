@@ -413,15 +413,20 @@ Deno.test("stream worker", async (t) => {
       },
     );
 
-    await t.step("a stop past its grace leaves messages read ahead pending, never started", async () => {
+    await t.step("a stop hands back messages read ahead at once: never started, no delivery spent", async () => {
       await reset();
       for (const id of ["stuck1", "stuck2", "next"]) await add({ job_id: id, tenant: "acme" });
       const started: string[] = [];
+      const handedBack: string[] = [];
       const w = worker(r, "c1", async (m, signal, finishing) => {
         started.push(m.fields.job_id!);
         finishing();
         await new Promise((_, reject) => signal.addEventListener("abort", () => reject(signal.reason)));
-      }, { concurrency: 1, graceMs: 200 });
+      }, {
+        concurrency: 1,
+        graceMs: 200,
+        onHandedBack: (_lane: unknown, m: StreamMessage) => Promise.resolve(void handedBack.push(m.fields.job_id!)),
+      });
       const stop = new AbortController();
       const running = w.run(stop.signal);
       try {
@@ -431,8 +436,49 @@ Deno.test("stream worker", async (t) => {
         stop.abort();
         await running;
         assert.deepEqual(started, ["stuck1", "stuck2"], "the one read ahead never starts");
-        assert.equal((await pendingOf(r)).length, 3, "all stay pending for another worker to reclaim");
+        assert.deepEqual(handedBack, ["next"]);
+        assert.equal((await pendingOf(r)).length, 2, "the two abandoned past the grace stay pending for reclaim");
+        // `next` is a new entry at the end of the stream, delivered to no one, with no delivery counted.
+        const entries = await r.redis.xrange(n.stream, "-", "+");
+        const last = entries[entries.length - 1]!;
+        const fields = Object.fromEntries(
+          last[1].reduce<string[][]>(
+            (pairs, v, i) => (i % 2 ? pairs[pairs.length - 1]!.push(v) : pairs.push([v]), pairs),
+            [],
+          ),
+        );
+        assert.equal(fields.job_id, "next");
+        assert.equal(fields.prior_deliveries, undefined);
+        assert.ok(!(await pendingOf(r)).some(([id]) => id === last[0]));
         assert.equal(w.inFlight, 0);
+      } finally {
+        await w.close();
+      }
+    });
+
+    await t.step("a stop within the grace: a slot that frees does not start the message read ahead", async () => {
+      await reset();
+      for (const id of ["a", "b", "c"]) await add({ job_id: id, tenant: "acme" });
+      const started: string[] = [];
+      const release = gate();
+      const w = worker(r, "c1", async (m, _signal, finishing) => {
+        started.push(m.fields.job_id!);
+        finishing();
+        await release.opened;
+      }, { concurrency: 1, graceMs: 5_000 });
+      const stop = new AbortController();
+      const running = w.run(stop.signal);
+      try {
+        // a finishes without its slot, b takes it (and keeps it), c is read ahead.
+        await waitFor("all three delivered", async () => (await pendingOf(r)).length === 3);
+        assert.deepEqual(started, ["a", "b"]);
+        stop.abort();
+        // The running handlers finish well within the grace, after the stop: b's slot frees.
+        setTimeout(release.open, 50);
+        await running;
+        assert.deepEqual(started, ["a", "b"]);
+        assert.equal((await pendingOf(r)).length, 0, "a and b acknowledged, c handed back");
+        assert.equal(await r.redis.xlen(n.stream), 1, "c waits in the stream for any worker");
       } finally {
         await w.close();
       }
