@@ -120,12 +120,15 @@ const RESERVE = defineScript(`
 -- ARGV[5]  the worst case's tokens   ARGV[6]  its nano-USD   ARGV[7]  the hash's TTL in ms
 -- ARGV[8]  mode: 'reserve' (counts what is reserved in flight and holds the worst case) or 'check' (an intake's
 --          question: would it fit what is spent, reservations aside; writes nothing)
+-- ARGV[9]  '1': answer {-1} (and write nothing) when the hash was never seeded from Postgres's record (it was
+--          lost: a flush, a failover without persistence, an eviction; or it predates the seeded mark)
 -- Returns {ok, budget (1..4, the refusing one whose period ends last; 0 when ok), limit, spent, reserved, now ms, day,
 -- month, newly (the marks, 80 and/or 100, this refusal is the first of the period to reach, comma-separated),
 -- never (1: the worst case alone is over a limit), epoch (the reservation's, when ok)}.
 local key = KEYS[1]
 local lim = {tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}
 local tok, usd, ttl, mode = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
+if ARGV[9] == '1' and redis.call('HEXISTS', key, 'seeded') == 0 then return {-1} end
 ${PRELUDE}
 local spent, reserved = state(mode == 'reserve')
 local want = {tok, usd, tok, usd}
@@ -244,16 +247,17 @@ return {spent[1], spent[2], spent[3], spent[4], reserved[1], reserved[2], reserv
 const READ_STATE = defineScript(`
 -- Read: the current periods' spend and reservations (reservations that never settled count as spent).
 -- KEYS[1]  the tenant's budget hash
--- Returns {now ms, day, month, spent x4, reserved x4}.
+-- Returns {now ms, day, month, spent x4, reserved x4, seeded (1 or 0)}.
 local key = KEYS[1]
 ${PRELUDE}
 local spent, reserved = state(false)
-return {now, day, month, spent[1], spent[2], spent[3], spent[4], reserved[1], reserved[2], reserved[3], reserved[4]}
+return {now, day, month, spent[1], spent[2], spent[3], spent[4], reserved[1], reserved[2], reserved[3], reserved[4],
+  redis.call('HEXISTS', key, 'seeded')}
 `);
 
 const SEED = defineScript(`
 -- Seed: raises the current periods' spend to at least what Postgres recorded (a budget set in the middle of a
--- day counts the day's spend so far).
+-- day counts the day's spend so far; a hash lost in Redis is rebuilt), and marks the hash seeded.
 -- KEYS[1]  the tenant's budget hash
 -- ARGV[1..4]  spent by Postgres's record, in the budgets' order   ARGV[5]  the hash's TTL in ms
 -- Returns 1.
@@ -267,6 +271,7 @@ for i = 1, 4 do
 end
 redis.call('HSETNX', key, 'day', day)
 redis.call('HSETNX', key, 'month', month)
+redis.call('HSET', key, 'seeded', 1)
 redis.call('PEXPIRE', key, tonumber(ARGV[5]))
 return 1
 `);
@@ -297,6 +302,8 @@ export interface ReserveReply {
   never: boolean;
   /** The reservation's lease epoch (when ok): its settlement names it. */
   epoch: number;
+  /** Asked with `requireSeeded`, the hash was never seeded: nothing was decided or written. */
+  unseeded: boolean;
 }
 
 /** Runs the reserve script (mode `reserve`) or its intake question (mode `check`). */
@@ -306,6 +313,7 @@ export async function runReserve(
   limits: Limits,
   worst: { tokens: number; nanos: number },
   mode: "reserve" | "check",
+  { requireSeeded = false }: { requireSeeded?: boolean } = {},
 ): Promise<ReserveReply> {
   const r = await RESERVE.run(redis, [key], [
     ...limits,
@@ -313,8 +321,25 @@ export async function runReserve(
     whole(worst.nanos),
     BUDGET_STATE_TTL_MS,
     mode,
+    requireSeeded ? "1" : "0",
   ]) as (number | string)[];
   const n = (i: number) => Number(r[i]);
+  if (n(0) === -1) {
+    return {
+      ok: false,
+      budget: -1,
+      limit: 0,
+      spent: 0,
+      reserved: 0,
+      now: 0,
+      day: 0,
+      month: 0,
+      newly: [],
+      never: false,
+      epoch: 0,
+      unseeded: true,
+    };
+  }
   return {
     ok: n(0) === 1,
     budget: n(1) - 1,
@@ -327,6 +352,7 @@ export async function runReserve(
     newly: String(r[8] ?? "").split(",").filter(Boolean).map(Number) as (80 | 100)[],
     never: n(9) === 1,
     epoch: n(10),
+    unseeded: false,
   };
 }
 
@@ -370,6 +396,8 @@ export interface BudgetState {
   month: number;
   spent: Limits;
   reserved: Limits;
+  /** The hash was seeded from Postgres's record (see the seed script); false when it was lost, or never made. */
+  seeded: boolean;
 }
 
 /** Runs the read script. */
@@ -381,6 +409,7 @@ export async function readBudgetState(redis: RedisClient, key: string): Promise<
     month: r[2]!,
     spent: [r[3]!, r[4]!, r[5]!, r[6]!],
     reserved: [r[7]!, r[8]!, r[9]!, r[10]!],
+    seeded: r[11] === 1,
   };
 }
 

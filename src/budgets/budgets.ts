@@ -290,6 +290,34 @@ export function createBudgets(
   }
 
   const key = (tenant: string) => budgetKey(options.prefix, tenant);
+  /**
+   * Rebuilds a tenant's budget state from Postgres's record when Redis lost it (a flush, a failover without
+   * persistence, an eviction): its spend this day and month becomes what `model_attempts` recorded, never less
+   * than what the hash holds. One seed per tenant at a time; every caller waits for it.
+   */
+  const seeding = new Map<string, Promise<void>>();
+  const seed = (tenant: string) => {
+    let running = seeding.get(tenant);
+    if (!running) {
+      running = seedFromRecord(redis, sql, options.prefix, tenant)
+        .then(() => log.info("budget_state_seeded", { tenant }))
+        .finally(() => seeding.delete(tenant));
+      seeding.set(tenant, running);
+    }
+    return running;
+  };
+  /** The reserve script, after a seed if the tenant's hash was never seeded. */
+  const ask = async (
+    tenant: string,
+    limits: Limits,
+    worst: { tokens: number; nanos: number },
+    mode: "reserve" | "check",
+  ) => {
+    const reply = await runReserve(redis, key(tenant), limits, worst, mode, { requireSeeded: true });
+    if (!reply.unseeded) return reply;
+    await seed(tenant);
+    return await runReserve(redis, key(tenant), limits, worst, mode);
+  };
 
   return {
     of,
@@ -302,7 +330,7 @@ export function createBudgets(
         tokens: worst.prompt + worst.completion,
         nanos: price ? costNanos(price, worst.prompt, worst.completion) : 0,
       };
-      const reply = await runReserve(redis, key(tenant), limits, held, "reserve");
+      const reply = await ask(tenant, limits, held, "reserve");
       if (!reply.ok && reply.never) throw tooSmall(tenant, limits, held);
       if (!reply.ok) {
         events.refused?.(tenant, "worker");
@@ -358,7 +386,7 @@ export function createBudgets(
         tokens: worst.prompt + worst.completion,
         nanos: price ? costNanos(price, worst.prompt, worst.completion) : 0,
       };
-      const reply = await runReserve(redis, key(tenant), limitsOf(budget), held, "check");
+      const reply = await ask(tenant, limitsOf(budget), held, "check");
       if (reply.ok) return undefined;
       if (reply.never) return tooSmall(tenant, limitsOf(budget), held);
       events.refused?.(tenant, "intake");
@@ -367,12 +395,17 @@ export function createBudgets(
     async views(tenant) {
       const budget = await of(tenant);
       if (!budget) return [];
-      return viewsOf(limitsOf(budget), await readBudgetState(redis, key(tenant)));
+      let state = await readBudgetState(redis, key(tenant));
+      if (!state.seeded) {
+        await seed(tenant);
+        state = await readBudgetState(redis, key(tenant));
+      }
+      return viewsOf(limitsOf(budget), state);
     },
     async fitsAgain(error) {
       const budget = await of(error.tenant);
       if (!budget) return true;
-      const reply = await runReserve(redis, key(error.tenant), limitsOf(budget), error.worst, "check");
+      const reply = await ask(error.tenant, limitsOf(budget), error.worst, "check");
       if (!reply.ok) return false;
       // What is spent leaves room; so must what is reserved in flight, or the run would be refused again at once.
       const state = await readBudgetState(redis, key(error.tenant));

@@ -205,9 +205,14 @@ async function setWeight(sql: Sql, name: string, args: string[], out: (line: str
 
 /** A tenant's budgets with what is spent (and reserved), when Redis is at hand; the limits alone otherwise. */
 async function budgetViews(budget: TenantBudget, tenant: string, spend?: Spend): Promise<BudgetView[]> {
-  const state = spend?.redis
-    ? await readBudgetState(spend.redis, budgetKey(spend.prefix, tenant))
-    : { now: Date.now(), day: 0, month: 0, spent: [0, 0, 0, 0] as Limits, reserved: [0, 0, 0, 0] as Limits };
+  const state = spend?.redis ? await readBudgetState(spend.redis, budgetKey(spend.prefix, tenant)) : {
+    now: Date.now(),
+    day: 0,
+    month: 0,
+    spent: [0, 0, 0, 0] as Limits,
+    reserved: [0, 0, 0, 0] as Limits,
+    seeded: false,
+  };
   return viewsOf(limitsOf(budget), state);
 }
 

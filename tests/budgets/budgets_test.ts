@@ -339,3 +339,41 @@ Deno.test("a reservation never settled (its worker killed mid-call) is charged a
     await r.close();
   }
 });
+
+Deno.test("a budget's state lost in Redis (a flush, a failover) is rebuilt from the record before the next call", async () => {
+  const db = await createTestDatabase();
+  const r = await createTestRedis();
+  try {
+    await createApiKey(db.sql, "acme");
+    await setTenantBudget(db.sql, "acme", { "--tokens-per-day": 1_000 });
+    // Today the tenant's calls used 800 tokens, as the worker recorded them.
+    await db.sql`INSERT INTO model_attempts
+      (job_id, tenant, delivery, attempt, started_at, duration_ms, outcome, prompt_tokens, completion_tokens, model)
+      VALUES (${crypto.randomUUID()}, 'acme', 1, 1, now(), 10, 'ok', 500, 200, 'm'),
+             (${crypto.randomUUID()}, 'acme', 1, 1, now(), 10, 'ok', 80, 20, 'm')`;
+    const budgets = createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger }, {
+      prefix: r.prefix,
+      prices: createPrices({}),
+      ttlMs: 200,
+    });
+    const key = budgetKey(r.prefix, "acme");
+    // No state in Redis at all (never made, or lost): a call worth 300 more does not fit the 200 left.
+    await assert.rejects(budgets.reserve("acme", "m", { prompt: 250, completion: 50 }), /budget/i);
+    assert.equal((await readBudgetState(r.redis, key)).spent[0], 800);
+    // One worth 150 does, and is held.
+    const held = await budgets.reserve("acme", "m", { prompt: 100, completion: 50 });
+    assert.ok(held);
+    // Redis loses the tenant's state again (the reservation with it): the next question rebuilds it first.
+    await r.redis.del(key);
+    assert.deepEqual((await budgets.views("acme")).map((v) => v.spent), [800]);
+    await r.redis.del(key);
+    assert.ok(await budgets.check("acme", "m", { prompt: 250, completion: 50 }), "refused at intake too");
+    await r.redis.del(key);
+    assert.ok(await budgets.reserve("acme", "m", { prompt: 100, completion: 50 }));
+    const state = await readBudgetState(r.redis, key);
+    assert.deepEqual([state.spent[0], state.reserved[0], state.seeded], [800, 150, true]);
+  } finally {
+    await r.close();
+    await db.close();
+  }
+});
