@@ -37,7 +37,14 @@ export async function startServiceProcess(
   readyEvent: string,
 ): Promise<WorkerProcess> {
   const child = new Deno.Command(Deno.execPath(), {
-    args: ["run", ...permissionFlags(command, parseConfig(env), MIGRATIONS), MAIN, command],
+    args: [
+      "run",
+      ...permissionFlags(command, parseConfig(env), MIGRATIONS),
+      // BENCH_CPU_PROF=DIR: each service process writes a V8 CPU profile there when it stops (for `--cpu-prof`).
+      ...(Deno.env.get("BENCH_CPU_PROF") ? ["--cpu-prof", `--cpu-prof-dir=${Deno.env.get("BENCH_CPU_PROF")}`] : []),
+      MAIN,
+      command,
+    ],
     env: { ...env, NO_COLOR: "1" },
     stdout: "null",
     stderr: "piped",
