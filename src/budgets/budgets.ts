@@ -13,6 +13,7 @@
 import type { Sql } from "postgres";
 import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
+import type { BudgetView } from "../usage/usage_schemas.ts";
 import { GateRefused } from "../retry/errors.ts";
 import { type CallEnd, type CallTokens, chargeOf } from "./charge.ts";
 import { costNanos, type ModelPrice, nanosToUsd, type Prices, usdToNanos } from "../provider/prices.ts";
@@ -42,16 +43,8 @@ export const BUDGETS = [
   { period: "month", unit: "usd" },
 ] as const;
 
-/** One budget as `GET /v1/usage`, `tenant list` and the console show it. */
-export interface BudgetView {
-  period: "day" | "month";
-  unit: "usd" | "tokens";
-  limit: number;
-  spent: number;
-  reserved: number;
-  /** When the period ends and the budget is whole again (ISO 8601, UTC). */
-  resets_at: string;
-}
+/** One budget as `GET /v1/usage`, `tenant list` and the console show it: the usage document's schema is its one definition. */
+export type { BudgetView };
 
 /** The Redis key of a tenant's budget state: under the tenant's lane tag, so in its lane's slot. */
 export function budgetKey(prefix: string, tenant: string): string {
