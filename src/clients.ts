@@ -1,7 +1,7 @@
 import { Cluster, Redis, type RedisOptions } from "ioredis";
 import postgres, { type Sql } from "postgres";
 import { withTimeout } from "./async/timeout.ts";
-import { isSentinelUrl, parseSentinelUrl, redactUrl, type SentinelUrl } from "./config.ts";
+import { isSentinelUrl, parseSentinelUrl, postgresHosts, redactUrl, type SentinelUrl } from "./config.ts";
 
 /** A dependency that did not answer at start-up; the message says how to start it. */
 export class DependencyDown extends Error {
@@ -112,6 +112,42 @@ export async function connectRedis(
   }
 }
 
+/**
+ * A Postgres URL with several hosts, those that answer first. postgres.js tries the hosts in order for every new
+ * connection and moves to the next after a socket error, but not after CONNECT_TIMEOUT (3.4.9): a first host that
+ * is powered off or hung (no refusal, no answer) would fail start-up, and the first attempt of every new pool
+ * connection. So at start-up each host is asked once, all at once, within the connect timeout, and the ones that
+ * answer go first, in their order; the rest follow (one may be back later). Any server that answers counts: which
+ * one takes writes is still decided by `target_session_attrs`. A URL with one host is returned as it is.
+ */
+async function answeringFirst(url: string): Promise<string> {
+  const hosts = postgresHosts(url);
+  const parts = /^(postgres(?:ql)?:\/\/(?:[^@/?#]*@)?)([^/?#]*)(.*)$/is.exec(url);
+  if (!hosts || hosts.length < 2 || !parts) return url;
+  const [, head, , tail] = parts as unknown as [string, string, string, string];
+  // Asked for liveness only: a standby answers too (the role check is the pool's, per connection).
+  const probeTail = tail.replace(/([?&])target_session_attrs=[^&#]*&?/i, "$1").replace(/[?&](#|$)/, "$1");
+  const answers = await Promise.all(hosts.map(async (host) => {
+    const probe = postgres(`${head}${host}${probeTail}`, {
+      max: 1,
+      connect_timeout: PG_CONNECT_TIMEOUT_S,
+      onnotice: () => {},
+      connection: { application_name: "oncely" },
+    });
+    try {
+      await withTimeout(probe`SELECT 1`, PG_CONNECT_TIMEOUT_S * 1000 + 500, "Postgres probe");
+      return true;
+    } catch {
+      return false;
+    } finally {
+      await probe.end({ timeout: 0 }).catch(() => {});
+    }
+  }));
+  if (answers.every(Boolean) || !answers.some(Boolean)) return url;
+  const ordered = [...hosts.filter((_, i) => answers[i]), ...hosts.filter((_, i) => !answers[i])];
+  return `${head}${ordered.join(",")}${tail}`;
+}
+
 /** A connection attempt to one host that takes longer fails; with several hosts the next attempt tries the next. */
 const PG_CONNECT_TIMEOUT_S = 3;
 /**
@@ -198,7 +234,7 @@ export async function connectSentinel(
  */
 export async function connectPostgres(url: string, options: { max?: number } = {}): Promise<Sql> {
   const target = new URLSearchParams(/\?([^#]*)/.exec(url)?.[1]).get("target_session_attrs");
-  const sql = postgres(url, {
+  const sql = postgres(await answeringFirst(url), {
     max: options.max ?? 10,
     onnotice: () => {},
     connect_timeout: PG_CONNECT_TIMEOUT_S,
