@@ -124,7 +124,8 @@ const RESERVE = defineScript(`
 --          lost: a flush, a failover without persistence, an eviction; or it predates the seeded mark)
 -- Returns {ok, budget (1..4, the refusing one whose period ends last; 0 when ok), limit, spent, reserved, now ms, day,
 -- month, newly (the marks, 80 and/or 100, this refusal is the first of the period to reach, comma-separated),
--- never (1: the worst case alone is over a limit), epoch (the reservation's, when ok)}.
+-- never (1: the worst case alone is over a limit), epoch (the reservation's, when ok), inc (the hash's incarnation,
+-- when ok)}.
 local key = KEYS[1]
 local lim = {tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}
 local tok, usd, ttl, mode = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
@@ -185,8 +186,15 @@ if not string.find(',' .. list .. ',', ',' .. epoch .. ',', 1, true) then
   if list == '' then list = tostring(epoch) else list = list .. ',' .. epoch end
   redis.call('HSET', key, 'open', list)
 end
+-- The hash's incarnation: a settlement names it, so one of a reservation held in a hash since lost (and rebuilt)
+-- is told apart from one charged late in this hash.
+local inc = redis.call('HGET', key, 'inc')
+if not inc then
+  inc = t[1] .. '.' .. t[2]
+  redis.call('HSET', key, 'inc', inc)
+end
 redis.call('PEXPIRE', key, ttl)
-return {1, 0, 0, 0, 0, now, day, month, '', 0, epoch}
+return {1, 0, 0, 0, 0, now, day, month, '', 0, epoch, inc}
 `);
 
 const SETTLE = defineScript(`
@@ -194,6 +202,9 @@ const SETTLE = defineScript(`
 -- KEYS[1]  the tenant's budget hash
 -- ARGV[1] the reservation's epoch  ARGV[2] reserved tokens  ARGV[3] reserved nano-USD  ARGV[4] charged tokens
 -- ARGV[5] charged nano-USD  ARGV[6..9] the limits (for the 80% and 100% marks)  ARGV[10] the hash's TTL in ms
+-- ARGV[11] the incarnation the reservation was held in ('' when unknown): when the hash is another one now (the one
+--          that held it was lost, and rebuilt from Postgres's record), the whole charge is spent here and no
+--          reservation of this hash is touched.
 -- Returns {spent x4, reserved x4 (the current periods', after this), marks}: marks lists the thresholds this
 -- settlement crossed first in its period, as 'budget:percent' separated by commas (budget 1..4, percent 80 or 100).
 local key = KEYS[1]
@@ -209,6 +220,8 @@ local held = {rtok, rusd, rtok, rusd}
 local charged = {ctok, cusd, ctok, cusd}
 local list = redis.call('HGET', key, 'open') or ''
 local open = string.find(',' .. list .. ',', ',' .. e .. ',', 1, true) ~= nil
+local lost = ARGV[11] ~= nil and ARGV[11] ~= '' and redis.call('HGET', key, 'inc') ~= ARGV[11]
+if lost then open = false end
 if open then
   incr('r' .. e .. ':tok', 0 - rtok)
   incr('r' .. e .. ':usd', 0 - rusd)
@@ -216,8 +229,9 @@ end
 local marks = {}
 for i = 1, 4 do
   -- An epoch no longer open was charged its whole reservation already: only the difference is left to charge.
+  -- A reservation of a lost hash was never charged here: all of it is.
   local charge = charged[i]
-  if not open then charge = charged[i] - held[i] end
+  if not open and not lost then charge = charged[i] - held[i] end
   local field = own[i] .. ':' .. unit[i]
   local before = tonumber(redis.call('HGET', key, field)) or 0
   local after = incr(field, charge)
@@ -272,6 +286,7 @@ end
 redis.call('HSETNX', key, 'day', day)
 redis.call('HSETNX', key, 'month', month)
 redis.call('HSET', key, 'seeded', 1)
+redis.call('HSETNX', key, 'inc', t[1] .. '.' .. t[2])
 redis.call('PEXPIRE', key, tonumber(ARGV[5]))
 return 1
 `);
@@ -304,6 +319,8 @@ export interface ReserveReply {
   epoch: number;
   /** Asked with `requireSeeded`, the hash was never seeded: nothing was decided or written. */
   unseeded: boolean;
+  /** The hash's incarnation (when ok): the settlement names it. */
+  inc: string;
 }
 
 /** Runs the reserve script (mode `reserve`) or its intake question (mode `check`). */
@@ -338,6 +355,7 @@ export async function runReserve(
       never: false,
       epoch: 0,
       unseeded: true,
+      inc: "",
     };
   }
   return {
@@ -353,6 +371,7 @@ export async function runReserve(
     never: n(9) === 1,
     epoch: n(10),
     unseeded: false,
+    inc: String(r[11] ?? ""),
   };
 }
 
@@ -367,7 +386,7 @@ export interface SettleReply {
 export async function runSettle(
   redis: RedisClient,
   key: string,
-  at: { epoch: number },
+  at: { epoch: number; inc?: string },
   reserved: { tokens: number; nanos: number },
   charged: { tokens: number; nanos: number },
   limits: Limits,
@@ -380,6 +399,7 @@ export async function runSettle(
     whole(charged.nanos),
     ...limits,
     BUDGET_STATE_TTL_MS,
+    at.inc ?? "",
   ]) as (number | string)[];
   const marks = String(r[8] ?? "").split(",").filter(Boolean).map((mark) => {
     const [budget, percent] = mark.split(":").map(Number);

@@ -6,12 +6,15 @@ import type { QueueNames, StreamMessage } from "./message.ts";
 // deleted and added again, so it is never lost (nothing between the three) nor held twice, and its new
 // entry starts with no deliveries.
 // KEYS[1]  the stream.
-// ARGV[1]  the group.   ARGV[2]  the entry id.   ARGV[3…]  the fields, flat.
-// Returns the new entry's id, or false when the entry was no longer pending (another delivery settled it).
+// ARGV[1]  the group.   ARGV[2]  the entry id.   ARGV[3]  the consumer that holds it.   ARGV[4…]  the fields, flat.
+// Returns the new entry's id, or false when the entry is no longer this consumer's (another delivery settled it, or
+// another worker reclaimed it: its delivery is left alone).
 const REQUEUE = defineScript(`
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return false end
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #p ~= 1 or p[1][2] ~= ARGV[3] then return false end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
-return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))`);
+return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 4))`);
 
 /** Deliveries the message's job had before it was last deferred (`prior_deliveries`), 0 for most. */
 export function priorDeliveries(message: StreamMessage): number {
@@ -22,9 +25,14 @@ export function priorDeliveries(message: StreamMessage): number {
 /**
  * Puts `message` back at the end of `lane`. The entry keeps its fields, and `accepted_ms` (when the job was
  * first accepted: the first entry id's time) so that latency still counts from acceptance.
- * @returns the new entry id, or null when the entry was no longer pending.
+ * @returns the new entry id, or null when `consumer` no longer holds the entry (settled, or reclaimed by another).
  */
-export async function requeue(redis: RedisClient, lane: QueueNames, message: StreamMessage): Promise<string | null> {
+export async function requeue(
+  redis: RedisClient,
+  lane: QueueNames,
+  message: StreamMessage,
+  consumer: string,
+): Promise<string | null> {
   const fields = { ...message.fields };
   fields.accepted_ms ??= message.id.split("-")[0]!;
   // The deliveries before this one still count toward MAX_DELIVERIES (the deferred delivery itself does not), so
@@ -32,5 +40,5 @@ export async function requeue(redis: RedisClient, lane: QueueNames, message: Str
   const prior = priorDeliveries(message) + message.deliveries - 1;
   if (prior > 0) fields.prior_deliveries = String(prior);
   const flat = Object.entries(fields).flat();
-  return (await REQUEUE.run(redis, [lane.stream], [lane.group, message.id, ...flat])) as string | null;
+  return (await REQUEUE.run(redis, [lane.stream], [lane.group, message.id, consumer, ...flat])) as string | null;
 }

@@ -262,7 +262,7 @@ export function createStreamWorker(
     let handedBack = 0;
     await Promise.all(entries.map(async ({ lane, message }) => {
       try {
-        if (await requeue(redis, lane, message) === null) return;
+        if (await requeue(redis, lane, message, consumer) === null) return;
         handedBack++;
         await options.onHandedBack?.(lane, message);
       } catch (error) {
@@ -276,7 +276,11 @@ export function createStreamWorker(
   async function run(signal: AbortSignal): Promise<void> {
     const stopHeartbeat = heartbeat.start();
     const stopPruner = pruner.start();
-    const wake = () => slots.wake();
+    // From the stop on, no message starts: those a read still in flight returns wait read ahead, and go back too.
+    const wake = () => {
+      slots.stopping();
+      slots.wake();
+    };
     signal.addEventListener("abort", wake);
     try {
       while (!signal.aborted) {
@@ -297,8 +301,11 @@ export function createStreamWorker(
       // Stop reading. Messages read ahead never start now: each goes back to the end of its lane at once (no
       // delivery spent), so no model call begins after the stop and another worker can take it without waiting
       // for a reclaim. Then let the running handlers finish within the grace period.
-      await handBack(slots.abandonReadAhead());
-      if (!(await settlesWithin(slots.drain(), graceMs))) {
+      // The hand-back is bounded by the grace period too (a Redis that does not answer must not hold the stop):
+      // a message it could not put back stays pending for this consumer and is reclaimed by another worker.
+      const graceEnd = performance.now() + graceMs;
+      await settlesWithin(handBack(slots.abandonReadAhead()), graceMs);
+      if (!(await settlesWithin(slots.drain(), Math.max(0, graceEnd - performance.now())))) {
         // Abandoned messages stay pending and are reclaimed by another worker.
         log.warn("worker_abandoned_in_flight", { count: slots.running() + slots.readAhead() });
         slots.abandonReadAhead();
@@ -355,9 +362,10 @@ function createSlots(
   let changed: (() => void) | undefined;
   const inFlight = () => options.events?.inFlight?.(handlers.size);
   /** A slot is free: the first message read ahead takes it. */
+  let stopping = false;
   const freeSlot = (key: string) => {
     slotted.delete(key);
-    readAhead.shift()?.start();
+    if (!stopping) readAhead.shift()?.start();
   };
   const release = (key: string) => {
     const entry = handlers.get(key);
@@ -418,7 +426,7 @@ function createSlots(
           held.delete(key);
         }, () => finishing(key));
       };
-      if (slotted.size < options.concurrency) {
+      if (!stopping && slotted.size < options.concurrency) {
         held.set(key, { task: go(), lane, id: message.id });
         return;
       }
@@ -437,6 +445,10 @@ function createSlots(
         })
       );
       held.set(key, { task, lane, id: message.id });
+    },
+    /** The worker is stopping: no message starts from now on (each waits read ahead, to be handed back). */
+    stopping() {
+      stopping = true;
     },
     /** Gives up the messages read ahead and not started (they stay pending until handed back or reclaimed). */
     abandonReadAhead(): { lane: QueueNames; message: StreamMessage }[] {
@@ -518,7 +530,7 @@ function createMessageProcessor(
       }
       if (error instanceof JobDeferred) {
         // If the requeue fails, the message stays pending and is redelivered later, as after any failure.
-        const again = await requeue(redis, lane, message);
+        const again = await requeue(redis, lane, message, options.consumer);
         release(lane, message.id);
         msgLog().info("message_deferred", { reason: error.message, requeued_as: again });
         if (again !== null) {

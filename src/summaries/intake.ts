@@ -353,7 +353,8 @@ interface Submission {
  * event loop) go to Redis in one call of the script, as a group commit does. With little load each goes
  * alone, at once; under load, a call and its reply, the script's start and the lane's announcement are paid
  * once per batch rather than once per POST (the API's Redis client and Redis itself were most of an accepted
- * POST's cost in a profile under wrk). Nothing is answered before its own batch's call has returned.
+ * POST's cost in a profile under wrk). Nothing is answered before its own batch's call has returned. With a replica
+ * acknowledgement (REDIS_MIN_REPLICAS_ACK) every submission has its call to itself, as before.
  */
 function createIntakeBatches(
   redis: RedisClient,
@@ -425,10 +426,17 @@ function createIntakeBatches(
      * share `known`.
      */
     submit(id: string, known: LaneKnown, head: string, keys: string[], args: string[]): Promise<Outcome> {
+      const { promise, resolve, reject } = Promise.withResolvers<Outcome>();
+      const submission = { head, keys, args, bytes: args[3]!.length + args[4]!.length, resolve, reject };
+      if (ack) {
+        // With REDIS_MIN_REPLICAS_ACK each submission keeps its own call: the replica runner bounds its wait (for one
+        // of its connections and for the replicas, REDIS_ACK_TIMEOUT_MS), which a queue in front of it would not.
+        void run(known, [submission]);
+        return promise;
+      }
       let queue = queues.get(id);
       if (!queue) queues.set(id, queue = { known, waiting: [], inFlight: 0, scheduled: false });
-      const { promise, resolve, reject } = Promise.withResolvers<Outcome>();
-      queue.waiting.push({ head, keys, args, bytes: args[3]!.length + args[4]!.length, resolve, reject });
+      queue.waiting.push(submission);
       if (!queue.scheduled && queue.inFlight < BATCH_IN_FLIGHT) {
         queue.scheduled = true;
         const scheduled = queue;

@@ -377,3 +377,32 @@ Deno.test("a budget's state lost in Redis (a flush, a failover) is rebuilt from 
     await db.close();
   }
 });
+
+Deno.test("a call in flight when the budget's state is lost is charged in full by its settlement after the rebuild", async () => {
+  const db = await createTestDatabase();
+  const r = await createTestRedis();
+  try {
+    await createApiKey(db.sql, "acme");
+    await setTenantBudget(db.sql, "acme", { "--tokens-per-day": 10_000 });
+    await db.sql`INSERT INTO model_attempts
+      (job_id, tenant, delivery, attempt, started_at, duration_ms, outcome, prompt_tokens, completion_tokens, model)
+      VALUES (${crypto.randomUUID()}, 'acme', 1, 1, now(), 10, 'ok', 600, 200, 'm')`;
+    const budgets = createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger }, {
+      prefix: r.prefix,
+      prices: createPrices({}),
+      ttlMs: 200,
+    });
+    const key = budgetKey(r.prefix, "acme");
+    // A call holds its worst case (3,000 tokens); Redis loses the hash meanwhile, and it is rebuilt (800 recorded).
+    const held = (await budgets.reserve("acme", "m", { prompt: 1000, completion: 2000 }))!;
+    await r.redis.del(key);
+    assert.deepEqual((await budgets.views("acme")).map((v) => v.spent), [800]);
+    // The call ends having used 1,100 tokens: all of it is spent in the rebuilt hash (before: 800 - 1,900, so 0).
+    await held.settle({ value: { text: "x", usage: { prompt_tokens: 1000, completion_tokens: 100 } } } as never);
+    const state = await readBudgetState(r.redis, key);
+    assert.deepEqual([state.spent[0], state.reserved[0]], [1900, 0]);
+  } finally {
+    await r.close();
+    await db.close();
+  }
+});

@@ -5,6 +5,7 @@ import type { StreamMessage } from "../../src/queue/message.ts";
 import { createStreamWorker, ensureGroup, type MessageHandler } from "../../src/queue/stream_worker.ts";
 import { staticLanes } from "../../src/queue/static_lanes.ts";
 import { silentLogger } from "../../src/log/logger.ts";
+import { settlesWithin } from "../../src/async/timeout.ts";
 import { createTestRedis, type TestRedis, waitFor } from "../_support.ts";
 
 function names(prefix: string) {
@@ -479,6 +480,75 @@ Deno.test("stream worker", async (t) => {
         assert.deepEqual(started, ["a", "b"]);
         assert.equal((await pendingOf(r)).length, 0, "a and b acknowledged, c handed back");
         assert.equal(await r.redis.xlen(n.stream), 1, "c waits in the stream for any worker");
+      } finally {
+        await w.close();
+      }
+    });
+    await t.step(
+      "a stop while Redis does not answer still returns: the hand-back is bounded by the grace",
+      async () => {
+        await reset();
+        for (const id of ["a", "b", "c"]) await add({ job_id: id, tenant: "acme" });
+        let hang = false;
+        // ioredis with maxRetriesPerRequest: null while Redis is unreachable: its scripts wait for ever.
+        const redis = new Proxy(r.redis, {
+          get(target, name, receiver) {
+            const value = Reflect.get(target, name, receiver);
+            if (typeof value !== "function") return value;
+            return (...args: unknown[]) =>
+              hang && (name === "evalsha" || name === "eval") ? new Promise(() => {}) : value.apply(target, args);
+          },
+        });
+        const w = createStreamWorker({ redis, log: silentLogger }, {
+          lanes: staticLanes([names(r.prefix)]),
+          reclaimIntervalMs: 0,
+          consumer: "c1",
+          claimIdleMs: 60_000,
+          maxDeliveries: 5,
+          concurrency: 1,
+          blockMs: 10,
+          graceMs: 200,
+        }, async (_m, signal, finishing) => {
+          finishing();
+          await new Promise((_, reject) => signal.addEventListener("abort", () => reject(signal.reason)));
+        });
+        const stop = new AbortController();
+        const running = w.run(stop.signal);
+        try {
+          await waitFor("all three delivered", async () => (await pendingOf(r)).length === 3);
+          hang = true;
+          stop.abort();
+          // Before, the hand-back's requeue waited for Redis for ever, ahead of the grace period.
+          assert.ok(await settlesWithin(running, 10_000), "run() returned after the stop");
+          hang = false;
+          assert.equal((await pendingOf(r)).length, 3, "nothing handed back: all stay pending for a reclaim");
+        } finally {
+          hang = false;
+          await w.close();
+        }
+      },
+    );
+
+    await t.step("a message read ahead that another worker reclaimed is left to it at the stop", async () => {
+      await reset();
+      for (const id of ["a", "b", "c"]) await add({ job_id: id, tenant: "acme" });
+      const w = worker(r, "c1", async (_m, signal, finishing) => {
+        finishing();
+        await new Promise((_, reject) => signal.addEventListener("abort", () => reject(signal.reason)));
+      }, { concurrency: 1, graceMs: 200 });
+      const stop = new AbortController();
+      const running = w.run(stop.signal);
+      try {
+        await waitFor("all three delivered", async () => (await pendingOf(r)).length === 3);
+        const c = (await pendingOf(r))[2]![0];
+        // c1 stalled past claimIdleMs (its heartbeat failing): another worker reclaimed the message it read ahead.
+        await r.redis.xclaim(n.stream, n.group, "c2", 0, c);
+        stop.abort();
+        await running;
+        const after = await pendingOf(r);
+        assert.ok(after.some(([id, owner]) => id === c && owner === "c2"), "c2's delivery is untouched");
+        const copies = (await r.redis.xrange(n.stream, "-", "+")).filter(([, fields]) => fields[1] === "c");
+        assert.deepEqual(copies.map(([id]) => id), [c], "no second copy of the job");
       } finally {
         await w.close();
       }
