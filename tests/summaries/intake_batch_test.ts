@@ -5,6 +5,7 @@
 import assert from "node:assert/strict";
 import type { RedisClient } from "../../src/clients.ts";
 import { KeyReused } from "../../src/idempotency/errors.ts";
+import { createReplicaAck, NotReplicated, type ReplicaAck } from "../../src/redis/replica_ack.ts";
 import { createIntake, INTAKE_SHA, QueueFull } from "../../src/summaries/intake.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createTestRedis } from "../_support.ts";
@@ -137,6 +138,32 @@ Deno.test("intake: submissions that arrive together share one script call", asyn
         assert.equal(await r.redis.xlen(keys.lane("healthy").stream), 1);
       }
     });
+    await t.step(
+      "with a replica acknowledgement every POST keeps its own call (its wait bounded by the runner)",
+      async () => {
+        // No replica answers here: each call comes back NotReplicated after the runner's timeout.
+        const runner = createReplicaAck(r.redis, { replicas: 1, timeoutMs: 50 });
+        let runs = 0;
+        const ack: ReplicaAck = { ...runner, run: (...args) => (runs++, runner.run(...args)) };
+        try {
+          const intake = createIntake({ redis: r.redis, ack }, { keys, resultTtlS: 600, path: PATH });
+          const results = await Promise.allSettled(
+            Array.from({ length: 20 }, (_, i) =>
+              intake.submit({
+                scope: scope("acked", `acked-key-${String(i).padStart(8, "0")}`),
+                request: request(`a${i}`),
+              })),
+          );
+          // Batched, a queue in front of the runner let the later POSTs wait for the earlier calls' timeouts.
+          assert.equal(runs, 20);
+          for (const result of results) {
+            assert.ok(reasonOf(result) instanceof NotReplicated);
+          }
+        } finally {
+          await runner.close();
+        }
+      },
+    );
   } finally {
     await r.close();
   }
