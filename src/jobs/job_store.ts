@@ -326,7 +326,10 @@ export interface FailedAttempts {
  */
 export async function failedAttemptsOf(sql: Queryable, jobId: string): Promise<FailedAttempts | undefined> {
   const [row] = await sql<FailedAttempts[]>`
-    WITH mine AS (SELECT * FROM model_attempts WHERE job_id = ${jobId}::uuid AND outcome <> 'ok')
+    WITH mine AS (
+      -- A call aborted by a worker's stop says nothing about the job or the provider.
+      SELECT * FROM model_attempts WHERE job_id = ${jobId}::uuid AND outcome NOT IN ('ok', 'aborted')
+    )
     SELECT (SELECT count(*) FROM mine)::int AS failed,
       (SELECT string_agg(label || ' ×' || n, ', ' ORDER BY n DESC) FROM (
         SELECT coalesce('http_' || status, error, 'unknown') AS label, count(*) AS n FROM mine GROUP BY 1

@@ -106,7 +106,7 @@ export function workerMetrics(registry: Registry): WorkerMetrics {
     inFlight: new Gauge({ name: "oncely_worker_jobs_in_flight", help: "Handlers running now.", registers }),
     modelAttempts: new Counter({
       name: "oncely_model_attempts_total",
-      help: "Model call attempts by outcome (ok, retry, give_up, deadline).",
+      help: "Model call attempts by outcome (ok, retry, give_up, deadline, paused, aborted).",
       labelNames: ["outcome"] as const,
       registers,
     }),
@@ -169,7 +169,9 @@ export function workerMetrics(registry: Registry): WorkerMetrics {
   // Every series with a known, bounded label set exists from the start (0), not from its first event: a rate()
   // over a series that appears mid-way misses its first increment, and an alert on it cannot tell 0 from absent.
   for (const source of ["new", "reclaimed"]) m.deliveries.inc({ source }, 0);
-  for (const outcome of ["ok", "retry", "give_up", "deadline", "paused"]) m.modelAttempts.inc({ outcome }, 0);
+  for (const outcome of ["ok", "retry", "give_up", "deadline", "paused", "aborted"]) {
+    m.modelAttempts.inc({ outcome }, 0);
+  }
   for (const kind of ["permit", "probe"]) m.permits.inc({ kind }, 0);
   for (const kind of ["rate_limited", "quota"]) m.rateLimited.inc({ kind }, 0);
   for (const kind of ["prompt", "completion"]) m.tokens.inc({ kind }, 0);

@@ -7,8 +7,11 @@ import { AttemptTimeout, DeadlineExceeded, GateRefused, GateUnavailable } from "
 /** What one attempt reports, for logs and metrics. */
 export interface AttemptReport {
   attempt: number;
-  /** `paused`: the gate took the failure on itself (a 429, an outage); the attempt does not count. */
-  outcome: "ok" | "retry" | "give_up" | "deadline" | "paused";
+  /**
+   * `paused`: the gate took the failure on itself (a 429, an outage); the attempt does not count. `aborted`: the
+   * caller's signal stopped the call while it ran (the worker stopping past its grace): it may have been billed.
+   */
+  outcome: "ok" | "retry" | "give_up" | "deadline" | "paused" | "aborted";
   reason?: string;
   status?: number;
   /** The wait before the next attempt, in ms. */
@@ -176,6 +179,8 @@ export async function callWithRetries<T>(
       };
       if (options.signal?.aborted) {
         await permit?.settle({ aborted: true }).catch(() => {});
+        // Still one call made: its record says so, though nothing follows it.
+        onAttempt?.({ ...report, outcome: "aborted", remaining_ms: deadline.remaining() });
         throw options.signal.reason;
       }
       // The gate settles first, so the pause or the open breaker is in force before anyone's next attempt.
