@@ -115,9 +115,12 @@ const WORKER_URL = new URL("./validation_worker.ts", import.meta.url).href;
 /**
  * Starts validators. Workers start on the first validation that needs one.
  *
- * A validation waits in a queue until a Worker is free; the deadline counts from when it reaches one, so a
- * slow validation delays those behind it by at most the deadline. A Worker runs one validation at a time,
- * so a timeout terminates only the validation that ran over; the queue goes on with a fresh Worker.
+ * A validation waits in its tenant's queue until a Worker is free (the tenant is the key's first segment), and
+ * free Workers take from the tenants' queues in turn: one tenant's burst of slow validations delays another
+ * tenant's by at most one of its own per Worker, not by the whole burst. The deadline counts from when a
+ * validation reaches a Worker, so a slow one delays those behind it by at most the deadline. A Worker runs one
+ * validation at a time, so a timeout terminates only the validation that ran over; the queue goes on with a
+ * fresh Worker.
  */
 export function createSchemaValidators(options: ValidatorOptions = {}): SchemaValidators {
   const limits = { ...VALIDATION_LIMITS };
@@ -127,7 +130,7 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
   if (!(limits.workers >= 1)) throw new RangeError(`At least one validation Worker (got ${limits.workers})`);
   const cache = new Lru<string, Compiled>(limits.cacheSize);
   const slots: Slot[] = [];
-  const queue: Job[] = [];
+  const queue = createTenantQueues();
   let nextId = 0;
   let closed = false;
 
@@ -190,7 +193,7 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
   };
 
   const failWaiting = (error: Error) => {
-    for (const job of queue.splice(0)) job.reject(error);
+    for (const job of queue.takeAll()) job.reject(error);
   };
 
   const start = () => {
@@ -236,13 +239,13 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
 
   const pump = () => {
     if (closed) return;
-    while (queue.length > 0) {
+    while (queue.size > 0) {
       const idle = slots.find((slot) => slot.ready && !slot.job);
       if (!idle) break;
-      dispatch(idle, queue.shift()!);
+      dispatch(idle, queue.next()!);
     }
     const starting = slots.filter((slot) => !slot.ready).length;
-    if (queue.length > starting && slots.length < limits.workers) start();
+    if (queue.size > starting && slots.length < limits.workers) start();
   };
 
   return {
@@ -269,7 +272,7 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
         return Promise.reject(error);
       }
       return new Promise((resolve, reject) => {
-        queue.push({ id: nextId++, key, schema: entry.schema, instance, resolve, reject });
+        queue.push(tenantOf(key), { id: nextId++, key, schema: entry.schema, instance, resolve, reject });
         pump();
       });
     },
@@ -285,6 +288,48 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
       failWaiting(error);
       cache.clear();
       return Promise.resolve();
+    },
+  };
+}
+
+/** The tenant a validation key names: its first segment ("tenant/task/version/input"; "" for built-in tasks). */
+function tenantOf(key: string): string {
+  const slash = key.indexOf("/");
+  return slash < 0 ? key : key.slice(0, slash);
+}
+
+/** Validations waiting for a Worker, a queue per tenant, taken from the tenants in turn. */
+function createTenantQueues() {
+  // In turn order: a tenant served goes to the back; one whose queue empties leaves.
+  const byTenant = new Map<string, Job[]>();
+  let size = 0;
+  return {
+    /** Validations waiting, across tenants. */
+    get size() {
+      return size;
+    },
+    push(tenant: string, job: Job) {
+      const jobs = byTenant.get(tenant);
+      if (jobs) jobs.push(job);
+      else byTenant.set(tenant, [job]);
+      size++;
+    },
+    /** The first waiting validation of the tenant whose turn it is. */
+    next(): Job | undefined {
+      const first = byTenant.entries().next();
+      if (first.done) return undefined;
+      const [tenant, jobs] = first.value;
+      const job = jobs.shift()!;
+      byTenant.delete(tenant);
+      if (jobs.length > 0) byTenant.set(tenant, jobs);
+      size--;
+      return job;
+    },
+    takeAll(): Job[] {
+      const all = [...byTenant.values()].flat();
+      byTenant.clear();
+      size = 0;
+      return all;
     },
   };
 }

@@ -3,7 +3,8 @@
  * costly keywords in the caller's thread, everything else on Web Workers
  * under a deadline, with the same violations as `compileSchema(...).validate`;
  * a slow schema times out without stalling the caller and the next
- * validation gets a fresh Worker; compiled schemas are cached per key; and
+ * validation gets a fresh Worker; tenants waiting for a Worker are served in
+ * turn; compiled schemas are cached per key; and
  * the api command's permission set lets its process start the Worker.
  */
 import assert from "node:assert/strict";
@@ -199,6 +200,27 @@ Deno.test("concurrent validations each get their answer while slow ones time out
         assert.deepEqual((result as PromiseFulfilledResult<unknown>).value, expect);
       }
     }
+  } finally {
+    await validators.close();
+  }
+});
+
+Deno.test("one tenant's burst of Worker validations does not hold another tenant's behind it", async () => {
+  const validators = createSchemaValidators({ workers: 1 });
+  try {
+    // `pattern` always goes to a Worker; one Worker, so the order in which they finish is the order served.
+    const pattern = { type: "string", pattern: "^[a-z]+$" };
+    const finished: string[] = [];
+    const run = (tenant: string, i: number) =>
+      validators.validate(`${tenant}/p/1/input`, pattern, "abc").then(() => finished.push(`${tenant}${i}`));
+    const burst = Array.from({ length: 12 }, (_, i) => run("burst", i));
+    const quiet = run("quiet", 0);
+    await Promise.all([...burst, quiet]);
+    assert.equal(finished.length, 13);
+    // Served in turn: the quiet tenant's one validation waits for at most one of the burst's, not all twelve.
+    assert.ok(finished.indexOf("quiet0") <= 1, `finished in this order: ${finished.join(", ")}`);
+    // Each tenant's own validations keep their order.
+    assert.deepEqual(finished.filter((f) => f.startsWith("burst")), burst.map((_, i) => `burst${i}`));
   } finally {
     await validators.close();
   }
