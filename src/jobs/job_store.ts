@@ -448,7 +448,8 @@ export async function taskAttemptUsage(
       SELECT tenant, task, version, model, count(*)::int AS calls, count(DISTINCT job_id)::int AS jobs,
         coalesce(sum(prompt_tokens), 0)::bigint::float8 AS prompt_tokens,
         coalesce(sum(completion_tokens), 0)::bigint::float8 AS completion_tokens,
-        (count(*) FILTER (WHERE outcome <> 'ok'))::int AS failures,
+        -- A call cut off by a worker's stop is no failure of the provider's or the input's.
+        (count(*) FILTER (WHERE outcome NOT IN ('ok', 'aborted')))::int AS failures,
         (count(*) - count(DISTINCT job_id))::int AS retries,
         round(percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p50_ms,
         round(percentile_cont(0.99) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p99_ms,

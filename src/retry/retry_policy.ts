@@ -48,7 +48,8 @@ export interface AttemptGate<T> {
   acquire(signal?: AbortSignal): Promise<{
     readonly waitedMs: number;
     /** @returns true when the gate absorbed the failure: retry after its wait, without counting an attempt. */
-    settle(outcome: { value?: T; error?: unknown; aborted?: boolean }): Promise<boolean>;
+    /** `notSent`: with `aborted`, the call never went out (stopped before it started). */
+    settle(outcome: { value?: T; error?: unknown; aborted?: boolean; notSent?: boolean }): Promise<boolean>;
   }>;
 }
 
@@ -148,6 +149,12 @@ export async function callWithRetries<T>(
       });
     });
     if (permit) deadline.extend(permit.waitedMs);
+    // Stopped while the permit (or a budget's reservation) was being granted: the call never goes out, so there
+    // is no attempt to record and nothing to charge.
+    if (options.signal?.aborted) {
+      await permit?.settle({ aborted: true, notSent: true }).catch(() => {});
+      throw options.signal.reason;
+    }
     const budget = Math.min(options.perCallTimeoutMs, deadline.remaining());
     const started = clock.now();
     const started_at_ms = clock.epochNow();
@@ -178,9 +185,10 @@ export async function callWithRetries<T>(
         details: options.describe?.({ error }),
       };
       if (options.signal?.aborted) {
-        await permit?.settle({ aborted: true }).catch(() => {});
-        // Still one call made: its record says so, though nothing follows it.
+        // Still one call made: its record says so, though nothing follows it. Reported before the settlement,
+        // which may wait on Redis while the stop's last moments run out.
         onAttempt?.({ ...report, outcome: "aborted", remaining_ms: deadline.remaining() });
+        await permit?.settle({ aborted: true }).catch(() => {});
         throw options.signal.reason;
       }
       // The gate settles first, so the pause or the open breaker is in force before anyone's next attempt.

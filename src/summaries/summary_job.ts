@@ -550,7 +550,12 @@ async function callModel(
             waitedMs: permit?.waitedMs ?? 0,
             settle: async (outcome) => {
               // A call aborted while it ran (a stop) may have been billed: charged its reservation.
-              const end = outcome.aborted ? { error: new Error("aborted while in flight") } : outcome;
+              // One stopped before it went out costs nothing.
+              const end = outcome.notSent
+                ? { notSent: true }
+                : outcome.aborted
+                ? { error: new Error("aborted while in flight") }
+                : outcome;
               const [absorbed] = await Promise.all([
                 permit ? permit.settle(outcome) : false,
                 settleBudget(held, end, delivery.log),

@@ -32,7 +32,7 @@ import { budgetKey } from "../budgets/budgets.ts";
 export interface RunApiDeps extends SummaryApiDeps {
   tasks: TaskCache;
   /** Validates an input against a task's input schema, compiled once per `key`. */
-  validate: (key: string, schema: unknown, instance: unknown) => Promise<SchemaViolation[]>;
+  validate: (key: string, schema: unknown, instance: unknown, tenant?: string) => Promise<SchemaViolation[]>;
   /** The same without a wait when the validation is small (`SchemaValidators.validateNow`); undefined otherwise. */
   validateNow?: (key: string, schema: unknown, instance: unknown, units?: number) => SchemaViolation[] | undefined;
 }
@@ -99,7 +99,7 @@ export function runRoutes(deps: RunApiDeps): Router {
     if (!task) {
       throw new HttpError(404, `No task ${name}${request.version === undefined ? "" : ` version ${request.version}`}`);
     }
-    const validating = checkInput(deps, task, request.input, size.units);
+    const validating = checkInput(deps, tenant, task, request.input, size.units);
     if (validating) await validating;
     const chars = renderedChars(task.definition, request.input);
     if (chars > RENDER_LIMITS.maxChars) {
@@ -201,6 +201,7 @@ export function runRoutes(deps: RunApiDeps): Router {
  */
 function checkInput(
   deps: RunApiDeps,
+  tenant: string,
   task: { key: string; definition: { input_schema: unknown } },
   input: Record<string, unknown>,
   /** The input's size in the validators' units (from `unstorableJson`). */
@@ -215,7 +216,8 @@ function checkInput(
   }
   // A small validation is answered in this thread, without an await (the usual case on this path).
   if (now !== undefined) return refuseViolations(deps, now);
-  return deps.validate(key, task.definition.input_schema, input).then(
+  // In the tenant's turn: a built-in task's key is every tenant's.
+  return deps.validate(key, task.definition.input_schema, input, tenant).then(
     (violations) => refuseViolations(deps, violations),
     (error) => {
       throw validationFailed(deps, task.key, error);

@@ -53,11 +53,13 @@ export interface SchemaValidators {
   /**
    * Validates `instance` against `schema`, compiled once per `key` (e.g. "tenant/task/version/input"): a key
    * names one schema for good, and a later call with the same key uses the schema compiled first.
+   * `tenant`: whose turn a validation waiting for a Worker takes (default: the key's first segment; a built-in
+   * task's key, shared by every tenant, starts with "/").
    * @returns the violations, the first (deepest) first, as `CompiledSchema.validate` returns them; [] when valid.
    * @throws {ValidationTimeout} when it would take longer than the deadline.
    * @throws {SchemaRefused} when `compileSchema` refuses `schema`.
    */
-  validate(key: string, schema: unknown, instance: unknown): Promise<SchemaViolation[]>;
+  validate(key: string, schema: unknown, instance: unknown, tenant?: string): Promise<SchemaViolation[]>;
   /**
    * The fast path alone, without a wait: the violations when the validation is small enough for this
    * thread, undefined when it must go to a Worker (call `validate`).
@@ -260,7 +262,7 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
         ? entry.compiled.validate(instance)
         : undefined;
     },
-    validate(key, schema, instance) {
+    validate(key, schema, instance, tenant = tenantOf(key)) {
       if (closed) return Promise.reject(new Error("The schema validators are closed"));
       let entry: Compiled;
       try {
@@ -272,7 +274,7 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
         return Promise.reject(error);
       }
       return new Promise((resolve, reject) => {
-        queue.push(tenantOf(key), { id: nextId++, key, schema: entry.schema, instance, resolve, reject });
+        queue.push(tenant, { id: nextId++, key, schema: entry.schema, instance, resolve, reject });
         pump();
       });
     },

@@ -378,3 +378,57 @@ Deno.test("a permission denial (NotCapable) is a named, permanent error, not a c
   assert.ok(plain instanceof ConnectionError);
   assert.equal(isRetryable(plain), true);
 });
+
+Deno.test("callWithRetries() stopped while its permit is granted never calls and records nothing; stopped in flight, it records the call before its settlement", async () => {
+  const clock = fakeClock();
+  const stop = new AbortController();
+  const settled: unknown[] = [];
+  const reports: AttemptReport[] = [];
+  let calls = 0;
+  // The stop lands while the gate grants the permit (say, a budget's reservation still under way).
+  const error = await callWithRetries(() => {
+    calls++;
+    return Promise.resolve("never");
+  }, {
+    gate: {
+      acquire: () => {
+        stop.abort(new Error("stopping"));
+        return Promise.resolve({
+          waitedMs: 0,
+          settle: (o: unknown) => (settled.push(o), Promise.resolve(false)),
+        });
+      },
+    },
+    deadline: Deadline.after(10_000, clock),
+    perCallTimeoutMs: 5_000,
+    maxAttempts: 3,
+    clock,
+    signal: stop.signal,
+    onAttempt: (r) => reports.push(r),
+  }).catch((e) => e);
+  assert.equal((error as Error).message, "stopping");
+  assert.equal(calls, 0, "the call never went out");
+  assert.deepEqual(reports, [], "no attempt to record");
+  assert.deepEqual(settled, [{ aborted: true, notSent: true }], "the permit went back as never used");
+
+  // Stopped while the call runs, with a settlement that does not end (a Redis that does not answer): the attempt
+  // is recorded all the same, before the settlement.
+  const inFlight = new AbortController();
+  const recorded: AttemptReport[] = [];
+  void callWithRetries((signal) =>
+    new Promise<string>((_, reject) => {
+      signal.addEventListener("abort", () => reject(signal.reason), { once: true });
+      inFlight.abort(new Error("stopping"));
+    }), {
+    gate: { acquire: () => Promise.resolve({ waitedMs: 0, settle: () => new Promise<boolean>(() => {}) }) },
+    deadline: Deadline.after(10_000, clock),
+    perCallTimeoutMs: 5_000,
+    maxAttempts: 3,
+    clock,
+    signal: inFlight.signal,
+    onAttempt: (r) => recorded.push(r),
+  }).catch(() => {});
+  for (let i = 0; i < 20 && recorded.length === 0; i++) await Promise.resolve();
+  assert.deepEqual(recorded.map((r) => `${r.attempt}:${r.outcome}`), ["1:aborted"]);
+  assert.ok(recorded[0]!.started_at_ms !== undefined, "a call that started");
+});

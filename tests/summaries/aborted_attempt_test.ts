@@ -6,7 +6,7 @@
  */
 import assert from "node:assert/strict";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
-import { failedAttemptsOf } from "../../src/jobs/job_store.ts";
+import { failedAttemptsOf, taskAttemptUsage } from "../../src/jobs/job_store.ts";
 import { createPrices } from "../../src/provider/prices.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
@@ -60,8 +60,11 @@ Deno.test("a model call aborted by a worker's stop is recorded as an aborted att
     assert.ok(rows[0]!.error, "the row names what ended the call");
     // Charged as the budget charges it: the reservation (the worst case), never free.
     assert.ok(Number(rows[0]!.cost_usd) > 0, `cost_usd ${rows[0]!.cost_usd}`);
-    // Not a failure of the document: a dead letter's reason does not count it.
+    // Not a failure of the document: a dead letter's reason does not count it, nor does the usage report.
     assert.equal((await failedAttemptsOf(db.sql, jobId))?.failed, 0);
+    const [usage] = await taskAttemptUsage(db.sql, { tenant: "acme", sinceS: 3600 });
+    assert.equal(usage?.calls, 1);
+    assert.equal(usage?.failures, 0);
     // Not lost: still pending in its lane for another worker, and not decided.
     const lane = keys.lane("acme");
     const [pending] = await r.redis.xpending(lane.stream, lane.group) as [number];

@@ -226,6 +226,21 @@ Deno.test("one tenant's burst of Worker validations does not hold another tenant
   }
 });
 
+Deno.test("a key every tenant shares (a built-in task's) still waits in the turn of the tenant named", async () => {
+  const validators = createSchemaValidators({ workers: 1 });
+  try {
+    const pattern = { type: "string", pattern: "^[a-z]+$" };
+    const finished: string[] = [];
+    const run = (tenant: string, i: number) =>
+      validators.validate("/shared/1/input", pattern, "abc", tenant).then(() => finished.push(`${tenant}${i}`));
+    const burst = Array.from({ length: 12 }, (_, i) => run("burst", i));
+    await Promise.all([...burst, run("quiet", 0)]);
+    assert.ok(finished.indexOf("quiet0") <= 1, `finished in this order: ${finished.join(", ")}`);
+  } finally {
+    await validators.close();
+  }
+});
+
 Deno.test("a schema is compiled once per key, in this thread and on the Worker, until evicted", async () => {
   const validators = createSchemaValidators({ cacheSize: 2, workers: 1 });
   try {
