@@ -47,8 +47,11 @@ export interface DeliverySettings {
 export interface Delivery {
   /** Applies the rate-limit deferral and destination backoff to claimed rows, then loads what the rest need. */
   admit(claimed: ClaimedRow[]): Promise<ClaimedRow[]>;
-  /** Sends one admitted row and records its outcome. Never throws. */
-  send(row: ClaimedRow): Promise<void>;
+  /**
+   * Sends one admitted row and records its outcome. Never throws. `answered` is called once the provider has
+   * accepted the row, before it is marked sent (the mark is a write of ours, not a send).
+   */
+  send(row: ClaimedRow, answered?: () => void): Promise<void>;
 }
 
 /** Creates a relay's sending. */
@@ -128,7 +131,7 @@ export function createDelivery(deps: DeliveryDeps, settings: DeliverySettings): 
     return items.map(() => undefined);
   }, { maxBatch: settings.markSentMaxBatch });
 
-  async function send(row: ClaimedRow): Promise<void> {
+  async function send(row: ClaimedRow, answered?: () => void): Promise<void> {
     const started = performance.now();
     let providerId: string | undefined;
     try {
@@ -165,6 +168,7 @@ export function createDelivery(deps: DeliveryDeps, settings: DeliverySettings): 
     stats.timeSend(row, started);
     stats.succeeded(row);
     events.sent?.(row, performance.now() - started);
+    answered?.();
     await markSent({ id: row.id, providerId: providerId ?? "" })
       .catch((e) => log.error("outbox_record_failed", { outbox_id: row.id, error: e }));
   }

@@ -52,7 +52,12 @@ function count(inFlight: Map<string, number>, key: string, by: 1 | -1): number {
 export async function runRelayLoop(deps: RunLoopDeps, settings: RunLoopSettings, signal: AbortSignal): Promise<void> {
   const { sql, log, delivery, stats, stopping } = deps;
   const { batch, share, ownerShare, pollMs } = settings;
+  // Every send until its outcome is recorded; and of those, the ones holding a slot: a send holds its slot until
+  // the provider answered, and a success then gives it up while its mark is written, unless `batch` marks are
+  // being written already (so at most `batch` sends are in flight, and at most `batch` more await their marks).
   const sending = new Set<Promise<void>>();
+  let slotted = 0;
+  let marking = 0;
   const perDestination = new Map<string, number>();
   /** Sends in flight of each tenant's webhooks. */
   const perOwner = new Map<string, number>();
@@ -81,22 +86,37 @@ export async function runRelayLoop(deps: RunLoopDeps, settings: RunLoopSettings,
     const { destination, owner } = row;
     count(perDestination, destination, 1);
     if (owner !== "") count(perOwner, owner, 1);
-    const done: Promise<void> = delivery.send(row).finally(() => {
-      const wasFull = sending.size >= batch;
-      sending.delete(done);
+    slotted++;
+    let holding = true;
+    const freeSlot = () => {
+      if (!holding) return;
+      holding = false;
+      const wasFull = slotted >= batch;
+      slotted--;
       const held = count(perDestination, destination, -1);
       const ownerHeld = owner === "" ? 0 : count(perOwner, owner, -1);
       // Rows may have waited for this slot: all slots were taken, or this destination, or this tenant's
       // webhooks, were at their share (or past it, borrowed).
       if (wasFull || held >= share || ownerHeld >= ownerShare) scan = true;
       nudge();
+    };
+    let marked = false;
+    const done: Promise<void> = delivery.send(row, () => {
+      if (marking >= batch) return;
+      marking++;
+      marked = true;
+      freeSlot();
+    }).finally(() => {
+      if (marked) marking--;
+      freeSlot();
+      sending.delete(done);
     });
     sending.add(done);
   };
 
   /** Claims what the free slots and each destination's and tenant's share allow, and starts those sends. */
   const fill = async (): Promise<boolean> => {
-    const limit = batch - sending.size;
+    const limit = batch - slotted;
     const { destinations, owners } = stats.budgets(perDestination, perOwner);
     // Claimed just before their sends start: each row's lease runs from its send's start.
     const { rows, more } = await deps.claimRows({ limit, destinations, owners });
@@ -111,7 +131,7 @@ export async function runRelayLoop(deps: RunLoopDeps, settings: RunLoopSettings,
         scan = true;
         nextPoll = performance.now() + pollMs;
       }
-      if (scan && sending.size < batch) {
+      if (scan && slotted < batch) {
         scan = false;
         try {
           if (await fill()) scan = true;

@@ -215,7 +215,7 @@ export function createRelay(
 
   async function deliver(claimed: ClaimedRow[]): Promise<void> {
     const rows = await delivery.admit(claimed);
-    await Promise.all(rows.map(delivery.send));
+    await Promise.all(rows.map((row) => delivery.send(row)));
   }
 
   return {

@@ -345,6 +345,49 @@ Deno.test("outbox relay", async (t) => {
         await mail.close();
       }
     });
+    await t.step(
+      "a send gives its slot to the next row once the provider answered, while its mark is written (at most RELAY_BATCH marks pending)",
+      async () => {
+        await reset();
+        await addRows(4);
+        // The first email's answer waits until its row is locked here, so that its mark (an UPDATE) blocks.
+        let firstKey: string | null = null;
+        const mail = startFakeMail((n, key) => {
+          if (n === 1) firstKey = key;
+          return n === 1 ? { kind: "ok", delayMs: 400 } : { kind: "ok" };
+        });
+        const lock = await sql.reserve();
+        const stop = new AbortController();
+        // One slot: before, the first row held it until its mark was written, and nothing else went out.
+        const running = relayFor(mail, { batch: 1 }).run(stop.signal);
+        try {
+          await waitFor("the first send", () => firstKey !== null);
+          await lock`BEGIN`;
+          await lock`SELECT 1 FROM outbox WHERE dedupe_key = ${firstKey!} FOR UPDATE`;
+          // Its mark is blocked; its slot went to the second row, which went out too. The second keeps its slot
+          // (one mark pending already, the most for one slot), so no third goes out meanwhile.
+          await waitFor("the second email", () => mail.delivered.length === 2);
+          await new Promise((resolve) => setTimeout(resolve, 300));
+          assert.equal(mail.delivered.length, 2, "at most one send in flight and one mark pending");
+          await lock`ROLLBACK`;
+          await waitFor("every row marked sent", async () => {
+            const [row] = await sql<{ unsent: number }[]>`
+              SELECT count(*)::int AS unsent FROM outbox WHERE sent_at IS NULL`;
+            return row!.unsent === 0;
+          });
+          assert.equal(mail.delivered.length, 4);
+          assert.equal(new Set(mail.delivered.map((e) => e.idempotencyKey)).size, 4, "each row sent once");
+          assert.equal(mail.requests, 4, "and asked once");
+        } finally {
+          await lock`ROLLBACK`.catch(() => {});
+          lock.release();
+          stop.abort();
+          await running;
+          await mail.close();
+        }
+      },
+    );
+
     await t.step("a send cut off by the relay's own shutdown is neither failed nor charged an attempt", async () => {
       await reset();
       // A receiver that accepts the connection and never answers: the send outlasts the 5 s shutdown grace.
