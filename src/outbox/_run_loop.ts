@@ -102,7 +102,7 @@ export async function runRelayLoop(deps: RunLoopDeps, settings: RunLoopSettings,
     };
     let marked = false;
     const done: Promise<void> = delivery.send(row, () => {
-      if (marking >= batch) return;
+      if (marked || !holding || marking >= batch) return;
       marking++;
       marked = true;
       freeSlot();

@@ -117,9 +117,9 @@ const WORKER_URL = new URL("./validation_worker.ts", import.meta.url).href;
 /**
  * Starts validators. Workers start on the first validation that needs one.
  *
- * A validation waits in its tenant's queue until a Worker is free (the tenant is the key's first segment), and
- * free Workers take from the tenants' queues in turn: one tenant's burst of slow validations delays another
- * tenant's by at most one of its own per Worker, not by the whole burst. The deadline counts from when a
+ * A validation waits in its tenant's queue until a Worker is free (the tenant asking; by default the key's first
+ * segment), and free Workers take from the tenants' queues in turn: a validation waits for those running and at
+ * most one of each other waiting tenant's per turn, not for another tenant's whole burst. The deadline counts from when a
  * validation reaches a Worker, so a slow one delays those behind it by at most the deadline. A Worker runs one
  * validation at a time, so a timeout terminates only the validation that ran over; the queue goes on with a
  * fresh Worker.
