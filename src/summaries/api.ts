@@ -80,14 +80,19 @@ export interface SummaryApiDeps {
 export async function budgetRefusal(
   deps: SummaryApiDeps,
   tenant: string,
-  { model, messages, maxOutputTokens }: { model?: string; messages: readonly string[]; maxOutputTokens: number },
+  { model, messages, maxOutputTokens }: {
+    model?: string;
+    /** The job's messages, rendered only when the tenant has a budget. */
+    messages: () => readonly string[];
+    maxOutputTokens: number;
+  },
 ): Promise<Error | undefined> {
   if (!deps.budgets || !(await deps.budgets.of(tenant))) return undefined;
   const name = model ?? deps.defaultModel ?? "unknown";
   // Each refusal is returned, not thrown: the intake script applies it only to a new job, so a replay of an
   // accepted key is answered as stored whatever the budget says now.
   try {
-    const refusal = await deps.budgets.check(tenant, name, worstCaseTokens(messages, maxOutputTokens));
+    const refusal = await deps.budgets.check(tenant, name, worstCaseTokens(messages(), maxOutputTokens));
     if (refusal instanceof BudgetTooSmall) {
       return new HttpError(422, `${refusal.message}; raise the budget or lower max_output_tokens`);
     }
@@ -327,7 +332,7 @@ export function summaryRoutes(deps: SummaryApiDeps): Router {
     await checkNotify(deps, tenant, parsed.data.notify);
     const scope = { tenant, method: "POST", path: SUMMARIES, key };
     const refuse = await budgetRefusal(deps, tenant, {
-      messages: [summaryPrompt(parsed.data.text)],
+      messages: () => [summaryPrompt(parsed.data.text)],
       maxOutputTokens: SUMMARIZE_DEFINITION.max_output_tokens,
     });
     // With tracing on, the job's trace continues from this request's span (Deno.serve's) in the worker.

@@ -171,6 +171,11 @@ export function summaryRecord(jobId: string, path: string): string {
 /** Where runs live: a run's answer points to `/v1/runs/{run_id}`. */
 const RUNS_PATH = "/v1/runs";
 
+/** The stored answer to a run's POST, as `JSON.stringify` writes its {@linkcode StoredRecord}, from a template. */
+export function runRecord(jobId: string): string {
+  return `{"fp":"${jobId}","status":202,"body":{"run_id":"${jobId}","status":"queued"},"headers":{"location":"${RUNS_PATH}/${jobId}"}}`;
+}
+
 /** How long a client told "full" should wait before trying again. */
 const RETRY_AFTER_S = 5;
 
@@ -238,19 +243,20 @@ export function createIntake(
   const headOf = (tenant: string, known: LaneKnown, run?: RunSubmission) =>
     JSON.stringify({ tenant, cap: maxQueuedPerTenant ?? 0, status: markQueued(tenant, run), lane: known.lane });
   /**
-   * What a tenant's summary jobs share in the script's call: its lane, the sets that make the lane known, and
-   * its head. Built once per tenant: serialising the whole argument per request was most of `enqueue`'s own time
-   * in a `--cpu-prof` under load.
+   * What a tenant's summary jobs (or runs of one task version) share in the script's call: its lane, the sets
+   * that make the lane known, and its head. Built once per tenant (and version): serialising the whole argument
+   * per request was most of `enqueue`'s own time in a `--cpu-prof` under load.
    */
-  const tenants = new Map<string, { lane: JobKeys; known: LaneKnown; head: string }>();
-  const summaryTenant = (tenant: string) => {
-    let found = tenants.get(tenant);
+  const heads = new Map<string, { lane: JobKeys; known: LaneKnown; head: string }>();
+  const headFor = (tenant: string, run?: RunSubmission) => {
+    const id = run ? `${tenant}\n${run.task}\n${run.version}` : tenant;
+    let found = heads.get(id);
     if (!found) {
       const lane = keys.lane(tenant);
       const known = laneKnownArgs(redis, keys.registry, tenant, lane.stream);
-      found = { lane, known, head: headOf(tenant, known) };
-      if (tenants.size >= 10_000) tenants.delete(tenants.keys().next().value!);
-      tenants.set(tenant, found);
+      found = { lane, known, head: headOf(tenant, known, run) };
+      if (heads.size >= 10_000) heads.delete(heads.keys().next().value!);
+      heads.set(id, found);
     }
     return found;
   };
@@ -275,17 +281,8 @@ export function createIntake(
     const response: IntakeResponse = run
       ? { status: 202, body: { run_id: jobId, status: "queued" }, headers: { location: `${RUNS_PATH}/${jobId}` } }
       : { status: 202, body: { job_id: jobId, status: "queued" }, headers: { location: `${path}/${jobId}` } };
-    const record = run
-      ? JSON.stringify({ fp: fingerprint, ...response } satisfies StoredRecord)
-      : summaryRecord(jobId, path);
-    let lane: JobKeys, known: LaneKnown, head: string;
-    if (run) {
-      lane = keys.lane(scope.tenant);
-      known = laneKnownArgs(redis, keys.registry, scope.tenant, lane.stream);
-      head = headOf(scope.tenant, known, run);
-    } else {
-      ({ lane, known, head } = summaryTenant(scope.tenant));
-    }
+    const record = run ? runRecord(jobId) : summaryRecord(jobId, path);
+    const { lane, known, head } = headFor(scope.tenant, run);
     const { stored, acked } = await batches.submit(
       // On one server every lane's known sets are the same two: one batch for all tenants. On a cluster a batch
       // is one tenant's, its keys in the lane's slot.

@@ -37,6 +37,11 @@ export type SummaryRequest = z.infer<typeof SummaryRequest>;
 /** zod's pattern for `z.email()` (no global flag: `test` keeps no state). */
 const EMAIL = z.regexes.email;
 
+/** Whether `notify` is an email recipient the `notify` schema accepts, checked directly (no zod). */
+export function isPlainEmail(notify: string): boolean {
+  return notify.length <= 320 && EMAIL.test(notify) && isStorable(notify);
+}
+
 /**
  * Parses a `POST /v1/summaries` body as {@linkcode SummaryRequest} does, answering the common case (an email
  * recipient) with a few checks: zod's own email pattern, the lengths and the storability, on a plain object
@@ -50,7 +55,7 @@ export function parseSummaryRequest(raw: unknown): z.ZodSafeParseResult<SummaryR
       typeof text === "string" && typeof notify === "string" && Object.keys(raw).length === 2 &&
       Object.hasOwn(raw, "text") && Object.hasOwn(raw, "notify") &&
       text.length >= 1 && text.length <= 200_000 && isStorable(text) &&
-      notify.length <= 320 && EMAIL.test(notify) && isStorable(notify)
+      isPlainEmail(notify)
     ) {
       return { success: true, data: { text, notify } };
     }

@@ -105,6 +105,24 @@ function isDataException(error: unknown): boolean {
 }
 
 const Fields = z.object({ job_id: z.uuid(), tenant: z.string().min(1), payload: z.string() });
+/** zod's own pattern for `z.uuid()`. */
+const UUID = z.regexes.uuid();
+
+/**
+ * A job message's fields as {@linkcode Fields} reads them: the usual message (three strings, a UUID, a tenant)
+ * by a direct check, anything else by zod, whose error names what is wrong. zod's parse of the fields and of
+ * the payload was 2% of the worker's CPU under load.
+ * @throws {PermanentJobError} for a malformed message.
+ */
+export function jobFields(fields: Record<string, unknown>): z.infer<typeof Fields> {
+  const { job_id, tenant, payload } = fields;
+  if (typeof job_id === "string" && typeof tenant === "string" && typeof payload === "string" && tenant !== "") {
+    if (UUID.test(job_id)) return { job_id, tenant, payload };
+  }
+  const parsed = Fields.safeParse(fields);
+  if (!parsed.success) throw new PermanentJobError(`malformed job message: ${parsed.error.issues[0]?.message}`);
+  return parsed.data;
+}
 
 /**
  * The summary job: model call, then summary + outbox row in one transaction.
@@ -460,12 +478,10 @@ async function structuredOutput(
 }
 
 function parseDelivery(job: Job, message: StreamMessage): Delivery {
-  const fields = Fields.safeParse(message.fields);
-  if (!fields.success) throw new PermanentJobError(`malformed job message: ${fields.error.issues[0]?.message}`);
-  const { job_id, tenant } = fields.data;
+  const { job_id, tenant, payload } = jobFields(message.fields);
   let run: RunJob;
   try {
-    run = runOfPayload(fields.data.payload);
+    run = runOfPayload(payload);
   } catch (cause) {
     throw new PermanentJobError("malformed job payload", { cause });
   }

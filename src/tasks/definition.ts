@@ -149,21 +149,51 @@ export function placeholders(template: string): string[][] {
   return [...template.matchAll(PLACEHOLDER)].map((m) => m[1]!.slice(1).split("."));
 }
 
+/** An input value as a placeholder renders it: a string as it is, anything else as JSON, nothing when absent. */
+function renderedValue(input: unknown, path: readonly string[]): string {
+  let value: unknown = input;
+  for (const key of path) {
+    value = value !== null && typeof value === "object" && Object.hasOwn(value, key)
+      ? (value as Record<string, unknown>)[key]
+      : undefined;
+  }
+  if (value === undefined) return "";
+  return typeof value === "string" ? value : String(JSON.stringify(value));
+}
+
+/** A template read once: its text without placeholders, and each placeholder's path, distinct, with its count. */
+interface ParsedTemplate {
+  fixed: number;
+  paths: { path: string[]; count: number }[];
+}
+
+/** Templates read so far (a task version's on its first run), at most 1,000: past that they are read again. */
+const parsedTemplates = new Map<string, ParsedTemplate>();
+
+function parsedTemplate(template: string): ParsedTemplate {
+  let parsed = parsedTemplates.get(template);
+  if (!parsed) {
+    const byPath = new Map<string, { path: string[]; count: number }>();
+    let fixed = template.length;
+    for (const match of template.matchAll(PLACEHOLDER)) {
+      fixed -= match[0].length;
+      const found = byPath.get(match[1]!);
+      if (found) found.count++;
+      else byPath.set(match[1]!, { path: match[1]!.slice(1).split("."), count: 1 });
+    }
+    parsed = { fixed, paths: [...byPath.values()] };
+    if (parsedTemplates.size >= 1_000) parsedTemplates.clear();
+    parsedTemplates.set(template, parsed);
+  }
+  return parsed;
+}
+
 /**
  * The template with each `{{input.path}}` replaced by that input value: a string as it is, anything else as
  * JSON, and an absent value as nothing. No other text is read as a placeholder.
  */
 export function renderTemplate(template: string, input: unknown): string {
-  return template.replace(PLACEHOLDER, (_, path: string) => {
-    let value: unknown = input;
-    for (const key of path.slice(1).split(".")) {
-      value = value !== null && typeof value === "object" && Object.hasOwn(value, key)
-        ? (value as Record<string, unknown>)[key]
-        : undefined;
-    }
-    if (value === undefined) return "";
-    return typeof value === "string" ? value : JSON.stringify(value);
-  });
+  return template.replace(PLACEHOLDER, (_, path: string) => renderedValue(input, path.slice(1).split(".")));
 }
 
 /** The most characters a run's prompt and system message may come to once rendered, together. */
@@ -174,17 +204,9 @@ export const RENDER_LIMITS = { maxChars: 400_000 };
  * once per placeholder path, so a template that names a large value many times costs one measurement.
  */
 export function renderedLength(template: string, input: unknown): number {
-  const measured = new Map<string, number>();
-  let length = template.length;
-  for (const match of template.matchAll(PLACEHOLDER)) {
-    const path = match[1]!;
-    let n = measured.get(path);
-    if (n === undefined) {
-      n = renderTemplate(`{{input${path}}}`, input).length;
-      measured.set(path, n);
-    }
-    length += n - match[0].length;
-  }
+  const { fixed, paths } = parsedTemplate(template);
+  let length = fixed;
+  for (const { path, count } of paths) length += count * renderedValue(input, path).length;
   return length;
 }
 

@@ -6,7 +6,7 @@
  */
 import { z } from "zod";
 import { SUMMARY_RUN } from "../jobs/job_store.ts";
-import { SummaryRequest, WebhookTarget } from "../summaries/schemas.ts";
+import { parseSummaryRequest, SummaryRequest, WebhookTarget } from "../summaries/schemas.ts";
 import type { Notify } from "../summaries/commit.ts";
 import { canonicalJson } from "../idempotency/fingerprint.ts";
 
@@ -74,7 +74,9 @@ export function runOfPayload(payload: string): RunJob {
   }
   // The request is checked as strictly as at intake, without the one field intake may add.
   const { no_cache, ...rest } = (value ?? {}) as { no_cache?: unknown };
-  const request = SummaryRequest.parse(no_cache === true ? rest : value);
+  const parsed = parseSummaryRequest(no_cache === true ? rest : value);
+  if (!parsed.success) throw parsed.error;
+  const request = parsed.data;
   return {
     ...SUMMARY_RUN,
     input: { text: request.text },

@@ -1,5 +1,5 @@
 import { z } from "zod";
-import { SummaryRequest } from "../summaries/schemas.ts";
+import { isPlainEmail, SummaryRequest } from "../summaries/schemas.ts";
 
 /** Body of `POST /v1/tasks/{name}/runs`. Unknown fields are rejected. */
 export const RunRequest = z.strictObject({
@@ -19,6 +19,26 @@ export const RunRequest = z.strictObject({
   ),
 });
 export type RunRequest = z.infer<typeof RunRequest>;
+
+/**
+ * Parses a `POST /v1/tasks/{name}/runs` body as {@linkcode RunRequest} does, answering the common case (an
+ * object input, and no other field or an email recipient) with a few checks; anything else, every refusal
+ * included, is zod's to answer. zod's parse was 3% of the API's CPU on this path under load.
+ */
+export function parseRunRequest(raw: unknown): z.ZodSafeParseResult<RunRequest> {
+  if (typeof raw === "object" && raw !== null && !Array.isArray(raw) && Object.hasOwn(raw, "input")) {
+    const { input, notify } = raw as Record<string, unknown>;
+    const fields = Object.keys(raw).length;
+    if (typeof input === "object" && input !== null && !Array.isArray(input)) {
+      const object = input as Record<string, unknown>;
+      if (fields === 1) return { success: true, data: { input: object } };
+      if (fields === 2 && typeof notify === "string" && Object.hasOwn(raw, "notify") && isPlainEmail(notify)) {
+        return { success: true, data: { input: object, notify } };
+      }
+    }
+  }
+  return RunRequest.safeParse(raw);
+}
 
 /** Body of the 202 answer to a run. */
 export const RunAccepted = z.object({ run_id: z.uuid(), status: z.literal("queued") });

@@ -24,7 +24,7 @@ import { type SchemaViolation, unstorableJson } from "./json_schema.ts";
 import { ValidationTimeout } from "./validator.ts";
 import type { RunPayload } from "./run_payload.ts";
 import { skipsCache } from "../cache/result_cache.ts";
-import { type RunDocument, RunRequest } from "./run_schemas.ts";
+import { parseRunRequest, type RunDocument } from "./run_schemas.ts";
 import type { TaskCache } from "./task_cache.ts";
 import { budgetKey } from "../budgets/budgets.ts";
 
@@ -80,7 +80,7 @@ export function runRoutes(deps: RunApiDeps): Router {
     if (!TASK_NAME.test(name)) throw new HttpError(404, `No task ${name} for this tenant`);
     const key = idempotencyKeyFrom(req);
     const raw = await readJsonBody(req, deps.maxBodyBytes, { deadlineMs: deps.bodyDeadlineMs });
-    const parsed = RunRequest.safeParse(raw);
+    const parsed = parseRunRequest(raw);
     if (!parsed.success) {
       deps.metrics?.api.validationErrors.inc();
       const errors = parsed.error.issues.map((i) => ({ pointer: pointerOf(i.path), message: i.message }));
@@ -114,7 +114,7 @@ export function runRoutes(deps: RunApiDeps): Router {
     const { definition } = task;
     const refuse = deps.budgets && await budgetRefusal(deps, tenant, {
       model: Array.isArray(definition.model) ? definition.model[0] : definition.model,
-      messages: [
+      messages: () => [
         renderTemplate(definition.prompt, request.input),
         ...(definition.system === undefined ? [] : [renderTemplate(definition.system, request.input)]),
         // The output schema goes with the call (response_format) and is counted as prompt tokens.

@@ -6,7 +6,8 @@
  * with the most samples, by self time and by inclusive time, as shares of
  * the non-idle samples taken while the load ran.
  *
- * Usage: deno task bench:profile [--seconds=15] [--top=30] [--out=DIR]
+ * Usage: deno task bench:profile [--seconds=15] [--top=30] [--out=DIR] [--runs]
+ * (`--runs`: `POST /v1/tasks/triage/runs` of the run benchmarks' task instead of `POST /v1/summaries`.)
  * (BENCH_DATABASE_URL and BENCH_REDIS_URL as for the bench; the process uses
  * an empty Redis database index of BENCH_REDIS_URL, since its key names are fixed.)
  */
@@ -18,6 +19,7 @@ import { freePort } from "../support/free_port.ts";
 import { postLoad } from "./wrk.ts";
 import { fmt } from "./stats.ts";
 import { Redis } from "ioredis";
+import { RUN_BODY, TRIAGE_BODIES } from "./triage_task.ts";
 
 const MAIN = decodeURIComponent(new URL("../../main.ts", import.meta.url).pathname);
 const ROOT = decodeURIComponent(new URL("../../", import.meta.url).pathname);
@@ -122,10 +124,21 @@ if (import.meta.main) {
       if (i > 300) throw new Error("the API did not start");
       await new Promise((r) => setTimeout(r, 100));
     }
+    const headers = { authorization: `Bearer ${key}`, "content-type": "application/json" };
+    const runs = Deno.args.includes("--runs");
+    if (runs) {
+      const put = await fetch(`${base}/v1/tasks/triage`, {
+        method: "PUT",
+        headers,
+        body: JSON.stringify(TRIAGE_BODIES.text),
+      });
+      if (put.status !== 201) throw new Error(`PUT /v1/tasks/triage answered ${put.status}: ${await put.text()}`);
+      await put.body?.cancel();
+    }
     const load = {
-      url: `${base}/v1/summaries`,
-      headers: { authorization: `Bearer ${key}`, "content-type": "application/json" },
-      body: JSON.stringify({
+      url: runs ? `${base}/v1/tasks/triage/runs` : `${base}/v1/summaries`,
+      headers,
+      body: runs ? RUN_BODY : JSON.stringify({
         text: "Revenue rose 12% in Q3. Costs fell. The board approved the expansion plan for next year.",
         notify: "ops@example.com",
       }),

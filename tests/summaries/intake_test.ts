@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
 import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
 import { jobIdFor } from "../../src/idempotency/scope.ts";
-import { summaryRecord } from "../../src/summaries/intake.ts";
+import { runRecord, summaryRecord } from "../../src/summaries/intake.ts";
 import { randomUUID } from "node:crypto";
 
 Deno.test("job ids do not change between releases: the same scope and body name the same job as before", () => {
@@ -31,4 +31,15 @@ Deno.test("a summary's stored record is written exactly as JSON.stringify writes
     });
     assert.equal(summaryRecord(jobId, path), expected);
   }
+});
+
+Deno.test("a run's stored record is written exactly as JSON.stringify writes {fp, status, body, headers}", () => {
+  const jobId = randomUUID();
+  const expected = JSON.stringify({
+    fp: jobId,
+    status: 202,
+    body: { run_id: jobId, status: "queued" },
+    headers: { location: `/v1/runs/${jobId}` },
+  });
+  assert.equal(runRecord(jobId), expected);
 });
