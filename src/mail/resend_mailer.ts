@@ -1,4 +1,5 @@
 import { ConnectionError, isNotCapable, PermissionDenied, UpstreamHttpError } from "../retry/errors.ts";
+import { linkedSignal } from "../async/linked_signal.ts";
 import type { Mailer } from "./mailer.ts";
 import { PermanentMailError } from "./mailer.ts";
 
@@ -35,6 +36,8 @@ export function createResendMailer(options: ResendOptions): Mailer {
   return {
     async send(email, idempotencyKey, signal) {
       const timeout = AbortSignal.timeout(options.timeoutMs);
+      // Linked for this send only: the relay's stop signal outlives every send (see linkedSignal).
+      const linked = linkedSignal(signal, timeout);
       let response: Response;
       let body: string;
       try {
@@ -47,7 +50,7 @@ export function createResendMailer(options: ResendOptions): Mailer {
             "idempotency-key": idempotencyKey,
           },
           body: JSON.stringify(email),
-          signal: AbortSignal.any([signal, timeout]),
+          signal: linked.signal,
         });
         body = await response.text();
       } catch (cause) {
@@ -63,6 +66,8 @@ export function createResendMailer(options: ResendOptions): Mailer {
           );
         }
         throw new ConnectionError(`mail provider unreachable: ${(cause as Error).message}`, { cause });
+      } finally {
+        linked.unlink();
       }
       classifyMailResponse(response.status, response.headers, body);
       let providerId: string | undefined;

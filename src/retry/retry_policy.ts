@@ -1,4 +1,5 @@
 import { isRetryable, reasonOf, retryAfterMs } from "./classify.ts";
+import { linkedSignal } from "../async/linked_signal.ts";
 import type { Clock } from "./clock.ts";
 import { systemClock } from "./clock.ts";
 import type { Deadline } from "./deadline.ts";
@@ -159,7 +160,9 @@ export async function callWithRetries<T>(
     const started = clock.now();
     const started_at_ms = clock.epochNow();
     const timer = clock.timer(budget);
-    const signal = options.signal ? AbortSignal.any([timer.signal, options.signal]) : timer.signal;
+    // Linked for this attempt only: the stop signal outlives every call (see linkedSignal).
+    const linked = options.signal ? linkedSignal(timer.signal, options.signal) : undefined;
+    const signal = linked?.signal ?? timer.signal;
     let onTimeout!: () => void;
     const timedOut = new Promise<never>((_, reject) => {
       onTimeout = () => reject(new AttemptTimeout(`attempt ${attempt} exceeded ${Math.round(budget)} ms`));
@@ -172,6 +175,7 @@ export async function callWithRetries<T>(
       lastError = error;
       timer.cancel();
       timer.signal.removeEventListener("abort", onTimeout);
+      linked?.unlink();
       const duration_ms = clock.now() - started;
       const reason = reasonOf(lastError);
       const status = (lastError as { status?: unknown })?.status;
@@ -204,6 +208,7 @@ export async function callWithRetries<T>(
     }
     timer.cancel();
     timer.signal.removeEventListener("abort", onTimeout);
+    linked?.unlink();
     await permit?.settle({ value: result }).catch(() => {});
     onAttempt?.({
       attempt,

@@ -3,6 +3,7 @@
  * /v1/summaries/{job_id}`. The process mounts these routes beside the
  * console, `/metrics` and the health checks (`processes/api_process.ts`).
  */
+import { linkedSignal } from "../async/linked_signal.ts";
 import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
 import { readJsonBody } from "../http/body.ts";
@@ -197,7 +198,13 @@ async function waitFor(
       const left = deadline - performance.now();
       if (!found) return null;
       if (left <= 0 || deps.shutdown?.aborted) return { document: found.document, applied, finished: false };
-      await subscription.next(left, AbortSignal.any([req.signal, ...(deps.shutdown ? [deps.shutdown] : [])]));
+      // Linked for this wait only: the shutdown signal outlives every request (see linkedSignal).
+      const stop = linkedSignal(req.signal, ...(deps.shutdown ? [deps.shutdown] : []));
+      try {
+        await subscription.next(left, stop.signal);
+      } finally {
+        stop.unlink();
+      }
       if (req.signal.aborted) return null;
     }
   } finally {

@@ -1,4 +1,5 @@
 import type { Sql } from "postgres";
+import { linkedSignal } from "../async/linked_signal.ts";
 import { z } from "zod";
 import { type CallOptions, estimateTokens, type LLM, MAX_OUTPUT_TOKENS } from "../llm/llm.ts";
 import type { Logger } from "../log/logger.ts";
@@ -318,7 +319,9 @@ async function answer(
   // Ask for the first permit now, in the same tick the worker started this job: the worker's next look at
   // the gate then counts this job as waiting, so it does not read more jobs than permits are coming.
   const early = new AbortController();
-  const first = job.flow?.acquire(estimated, AbortSignal.any([signal, early.signal]), delivery.job_id);
+  // Linked while the permit is awaited only: the worker's stop signal outlives every job (see linkedSignal).
+  const waiting = job.flow && linkedSignal(signal, early.signal);
+  const first = waiting && job.flow!.acquire(estimated, waiting.signal, delivery.job_id).finally(waiting.unlink);
   first?.catch(() => {}); // observed below; never an unhandled rejection while the pre-check runs
   const releaseFirst = async (why: string) => {
     early.abort(new Error(why));
