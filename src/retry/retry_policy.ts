@@ -160,14 +160,15 @@ export async function callWithRetries<T>(
     const started = clock.now();
     const started_at_ms = clock.epochNow();
     const timer = clock.timer(budget);
-    // Linked for this attempt only: the stop signal outlives every call (see linkedSignal).
-    const linked = options.signal ? linkedSignal(timer.signal, options.signal) : undefined;
-    const signal = linked?.signal ?? timer.signal;
     let onTimeout!: () => void;
     const timedOut = new Promise<never>((_, reject) => {
       onTimeout = () => reject(new AttemptTimeout(`attempt ${attempt} exceeded ${Math.round(budget)} ms`));
       timer.signal.addEventListener("abort", onTimeout, { once: true });
     });
+    // Linked for this attempt only: the stop signal outlives every call (see linkedSignal). After onTimeout, so
+    // a timeout rejects timedOut before the call hears of it: the attempt fails as an AttemptTimeout.
+    const linked = options.signal ? linkedSignal(timer.signal, options.signal) : undefined;
+    const signal = linked?.signal ?? timer.signal;
     let result: T;
     try {
       result = await Promise.race([fn(signal), timedOut]);

@@ -167,8 +167,13 @@ interface ParsedTemplate {
   paths: { path: string[]; count: number }[];
 }
 
-/** Templates read so far (a task version's on its first run), at most 1,000: past that they are read again. */
+/**
+ * Templates read so far (a task version's on its first run), up to 2,000,000 characters of them in all: past
+ * that, they are all read again as they come (a template is at most 100,000).
+ */
 const parsedTemplates = new Map<string, ParsedTemplate>();
+const PARSED_TEMPLATE_CHARS = 2_000_000;
+let parsedChars = 0;
 
 function parsedTemplate(template: string): ParsedTemplate {
   let parsed = parsedTemplates.get(template);
@@ -182,8 +187,12 @@ function parsedTemplate(template: string): ParsedTemplate {
       else byPath.set(match[1]!, { path: match[1]!.slice(1).split("."), count: 1 });
     }
     parsed = { fixed, paths: [...byPath.values()] };
-    if (parsedTemplates.size >= 1_000) parsedTemplates.clear();
+    if (parsedChars + template.length > PARSED_TEMPLATE_CHARS) {
+      parsedTemplates.clear();
+      parsedChars = 0;
+    }
     parsedTemplates.set(template, parsed);
+    parsedChars += template.length;
   }
   return parsed;
 }

@@ -232,6 +232,22 @@ Deno.test("callWithRetries() with the real SDK", async (t) => {
   });
 });
 
+Deno.test("an attempt that runs out of time is an AttemptTimeout, with or without a stop signal beside it", async () => {
+  // A call that rejects the moment its signal aborts, with the signal's reason: the attempt's own timeout must
+  // still be what the caller sees (the attempt log's error class, the dead letter's reason).
+  const call = (signal: AbortSignal) =>
+    new Promise<never>((_, reject) => signal.addEventListener("abort", () => reject(signal.reason)));
+  for (const signal of [undefined, new AbortController().signal]) {
+    const error = await callWithRetries(call, {
+      deadline: Deadline.after(10_000),
+      perCallTimeoutMs: 20,
+      maxAttempts: 1,
+      signal,
+    }).catch((e) => e);
+    assert.ok(error instanceof AttemptTimeout, `${signal ? "with" : "without"} a stop signal: got ${error}`);
+  }
+});
+
 Deno.test("callWithRetries() stops before a sleep that would leave less than one useful attempt", async () => {
   const clock = fakeClock();
   let calls = 0;
