@@ -1,3 +1,6 @@
+import assert from "node:assert/strict";
+import type { z } from "zod";
+
 /** `notify` values near every edge of its schema, for the fast checks that must answer each as zod does. */
 const ADDRESSES = [
   "ops@example.com",
@@ -44,4 +47,20 @@ export function randomAddresses(random: () => number, n: number): string[] {
     out.push(s, `${s}@example.com`, `a@${s}.co`);
   }
   return out;
+}
+
+/** Asserts that a fast check answered `body` as zod did: the same verdict, data (and key order), or issues. */
+export function assertParsedAlike<T extends object>(
+  body: unknown,
+  fast: z.ZodSafeParseResult<T>,
+  zod: z.ZodSafeParseResult<T>,
+): void {
+  const label = JSON.stringify(body)?.slice(0, 120);
+  assert.equal(fast.success, zod.success, label);
+  if (fast.success && zod.success) {
+    assert.deepEqual(fast.data, zod.data, label);
+    assert.deepEqual(Object.keys(fast.data), Object.keys(zod.data), `${label}: same key order`);
+  } else {
+    assert.deepEqual(fast.error!.issues, zod.error!.issues, label);
+  }
 }
