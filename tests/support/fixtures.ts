@@ -74,6 +74,23 @@ export function apiHandler(
 /** The gateway secret of trusted-header handlers built here. */
 export const GATEWAY_SECRET_FOR_TESTS = "test-gateway-secret-0123456789";
 
+/**
+ * A tenant's client of `api`: each call sends its API key and `body` as JSON (none when undefined), and
+ * returns the answer's status, headers and parsed JSON body.
+ */
+export function jsonClient(api: (req: Request) => Promise<Response>, key: string) {
+  return async (method: string, path: string, body?: unknown, headers: Record<string, string> = {}) => {
+    const res = await api(
+      new Request(`http://api${path}`, {
+        method,
+        headers: { authorization: `Bearer ${key}`, "content-type": "application/json", ...headers },
+        body: body === undefined ? undefined : JSON.stringify(body),
+      }),
+    );
+    return { status: res.status, headers: res.headers, body: await res.json() };
+  };
+}
+
 /** A summary worker with short timings: redelivery after a minute, small budgets, fast backoff. */
 export function summaryWorker(
   { redis, sql, llm, keys, flow, budgets, prices, log = silentLogger }: {

@@ -8,7 +8,7 @@ import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createJobWaiter } from "../../src/summaries/job_waiter.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { silentLogger } from "../../src/log/logger.ts";
-import { apiHandler } from "../support/fixtures.ts";
+import { apiHandler, jsonClient } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
 
 const TASK = {
@@ -41,16 +41,7 @@ Deno.test("runs of two versions of a task, in any order, each queue a record nam
     shutdown: shutdown.signal,
   });
   const acme = await createApiKey(db.sql, "acme");
-  const call = async (method: string, path: string, body: unknown, headers: Record<string, string> = {}) => {
-    const res = await api(
-      new Request(`http://api${path}`, {
-        method,
-        headers: { authorization: `Bearer ${acme}`, "content-type": "application/json", ...headers },
-        body: JSON.stringify(body),
-      }),
-    );
-    return { status: res.status, body: await res.json() };
-  };
+  const call = jsonClient(api, acme);
   const versionOf = async (runId: string) =>
     await r.redis.hmget(keys.lane("acme").job(runId), "task", "version", "status");
   try {

@@ -12,7 +12,7 @@ import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createSchemaValidators } from "../../src/tasks/validator.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
-import { apiHandler, summaryWorker } from "../support/fixtures.ts";
+import { apiHandler, jsonClient, summaryWorker } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 
 const SLOW = "^\\d+\\d+\\d+$";
@@ -41,16 +41,7 @@ Deno.test("a pathological pattern cannot stall intake or the worker", async (t) 
   const worker = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys });
   const stop = new AbortController();
   const running = worker.run(stop.signal);
-  const call = async (method: string, path: string, body: unknown, headers: Record<string, string> = {}) => {
-    const res = await api(
-      new Request(`http://api${path}`, {
-        method,
-        headers: { authorization: `Bearer ${acme}`, "content-type": "application/json", ...headers },
-        body: JSON.stringify(body),
-      }),
-    );
-    return { status: res.status, body: await res.json() };
-  };
+  const call = jsonClient(api, acme);
   const schemaOf = (properties: Record<string, unknown>) => ({
     type: "object",
     properties,

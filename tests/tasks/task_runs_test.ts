@@ -15,7 +15,7 @@ import { silentLogger } from "../../src/log/logger.ts";
 import { startFakeModel, STRUCTURED_MARKERS } from "../support/fake_model_server.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { startFakeWebhookReceiver } from "../support/fake_webhook_receiver.ts";
-import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
+import { apiHandler, jsonClient, relayTo, summaryWorker } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 
 const TRIAGE = {
@@ -59,16 +59,7 @@ Deno.test("runs of a task: structured output, repair, failures, notifications", 
   const relay = relayTo({ sql: db.sql, mailUrl: mail.url });
   const stop = new AbortController();
   const running = [worker.run(stop.signal), relay.run(stop.signal)];
-  const call = async (method: string, path: string, body?: unknown, headers: Record<string, string> = {}) => {
-    const res = await api(
-      new Request(`http://api${path}`, {
-        method,
-        headers: { authorization: `Bearer ${acme}`, "content-type": "application/json", ...headers },
-        body: body === undefined ? undefined : JSON.stringify(body),
-      }),
-    );
-    return { status: res.status, headers: res.headers, body: await res.json() };
-  };
+  const call = jsonClient(api, acme);
   const run = (key: string, body: unknown, wait = 10) =>
     call("POST", "/v1/tasks/triage/runs", body, { "idempotency-key": key, prefer: `wait=${wait}` });
   // Entries ever added to the tenant's lane (acknowledged ones included).
