@@ -23,9 +23,18 @@
  * spent to its day and month, and a late settlement corrects it by the
  * difference. A reservation therefore counts as in flight for at most 30
  * minutes.
+ *
+ * Every reservation has an id (a UUID the worker draws), and only its own
+ * settlement removes it, once: `R:<id>` holds a live reservation (`epoch,tokens,nano-USD`), `X:<id>` one that
+ * outlived its epoch and was charged whole (a late settlement charges the difference and removes it), `D:<id>` a
+ * settlement done in a hash that never held the reservation (it was lost and rebuilt). ioredis resends, after a
+ * reconnect, every command whose reply it did not get, and Redis may already have run it: a reserve run twice
+ * finds its `R:<id>` and answers as the first did; a settle run twice finds nothing of its id left and does
+ * nothing. A reservation reinstated after a loss (see the reinstate script) is `R:<id>` again.
  */
 import type { RedisClient } from "../clients.ts";
-import { defineScript } from "../redis/script.ts";
+import { defineScript, type Script } from "../redis/script.ts";
+import type { ReplicaAck } from "../redis/replica_ack.ts";
 
 /** The four budgets' limits: tokens/day, nano-USD/day, tokens/month, nano-USD/month; -1 = none. */
 export type Limits = [number, number, number, number];
@@ -69,9 +78,29 @@ end
 -- The current periods' spend and reservations. Reservations of epochs before the previous one never settled:
 -- with write, they are charged as spent to their own day and month (when those are the current or previous
 -- ones) and forgotten; without, they are counted as spent in what is returned.
+-- Moves the ids of reservations whose epoch was just charged whole (expired[epoch]) from R: to X:, and forgets
+-- X: ids older than two days (a settlement later than that leaves the reservation charged) and D: ids older than
+-- an hour (a resend comes within seconds). One HGETALL, only when an expired epoch held something unsettled.
+local function sweep(expired)
+  local all = redis.call('HGETALL', key)
+  for i = 1, #all, 2 do
+    local f, v = all[i], all[i + 1]
+    local kind = string.sub(f, 1, 2)
+    if kind == 'R:' or kind == 'X:' or kind == 'D:' then
+      local e = tonumber(string.match(v, '^(%d+)')) or 0
+      if kind == 'R:' and expired[e] then
+        redis.call('HDEL', key, f)
+        redis.call('HSET', key, 'X:' .. string.sub(f, 3), v)
+      elseif (kind == 'X:' and e < epoch - 192) or (kind == 'D:' and e < epoch - 4) then
+        redis.call('HDEL', key, f)
+      end
+    end
+  end
+end
 local function state(write)
   local list = redis.call('HGET', key, 'open') or ''
   local keep, listed = {}, 0
+  local expired, unsettled = {}, false
   local reserved = {0, 0, 0, 0}
   local late = {0, 0, 0, 0}
   for e in string.gmatch(list, '[^,]+') do
@@ -93,7 +122,11 @@ local function state(write)
           if i <= 2 then incr('d' .. ed .. ':' .. unit[i], a) else incr('m' .. em .. ':' .. unit[i], a) end
         end
       end
-      if write then redis.call('HDEL', key, 'r' .. n .. ':tok', 'r' .. n .. ':usd') end
+      if write then
+        redis.call('HDEL', key, 'r' .. n .. ':tok', 'r' .. n .. ':usd')
+        expired[n] = true
+        if amount[1] > 0 or amount[2] > 0 then unsettled = true end
+      end
     else
       keep[#keep + 1] = e
       for i = 1, 4 do
@@ -103,6 +136,7 @@ local function state(write)
     end
   end
   if write and #keep ~= listed then redis.call('HSET', key, 'open', table.concat(keep, ',')) end
+  if unsettled then sweep(expired) end
   local h = redis.call('HMGET', key, p[1] .. ':tok', p[2] .. ':usd', p[3] .. ':tok', p[4] .. ':usd')
   local spent = {}
   for i = 1, 4 do
@@ -122,15 +156,28 @@ const RESERVE = defineScript(`
 --          question: would it fit what is spent, reservations aside; writes nothing)
 -- ARGV[9]  '1': answer {-1} (and write nothing) when the hash was never seeded from Postgres's record (it was
 --          lost: a flush, a failover without persistence, an eviction; or it predates the seeded mark)
+-- ARGV[10] the reservation's id (mode reserve): run twice (a resend), the second run finds R:<id> and answers
+--          as the first did, holding nothing more
+-- ARGV[11] the incarnation the caller's reservations in flight were held in ('' when it has none): when the hash
+--          is another one (lost and rebuilt), answer {-2, inc} and write nothing, so the caller holds them in it
+--          again (the reinstate script) before anything is decided without them
 -- Returns {ok, budget (1..4, the refusing one whose period ends last; 0 when ok), limit, spent, reserved, now ms, day,
 -- month, newly (the marks, 80 and/or 100, this refusal is the first of the period to reach, comma-separated),
 -- never (1: the worst case alone is over a limit), epoch (the reservation's, when ok), inc (the hash's incarnation,
 -- when ok)}.
 local key = KEYS[1]
 local lim = {tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}
-local tok, usd, ttl, mode = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
+local tok, usd, ttl, mode, id = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8], ARGV[10] or ''
 if ARGV[9] == '1' and redis.call('HEXISTS', key, 'seeded') == 0 then return {-1} end
+local expected = ARGV[11] or ''
+if expected ~= '' and redis.call('HGET', key, 'inc') ~= expected then return {-2, redis.call('HGET', key, 'inc') or ''} end
 ${PRELUDE}
+if mode == 'reserve' and id ~= '' then
+  local held = redis.call('HGET', key, 'R:' .. id)
+  if held then
+    return {1, 0, 0, 0, 0, now, day, month, '', 0, tonumber(string.match(held, '^(%d+)')), redis.call('HGET', key, 'inc') or ''}
+  end
+end
 local spent, reserved = state(mode == 'reserve')
 local want = {tok, usd, tok, usd}
 -- The budget that refuses: of those that would pass their limit, the one whose period ends last (a month's
@@ -181,6 +228,7 @@ roll('day', day, 'd')
 roll('month', month, 'm')
 incr('r' .. epoch .. ':tok', tok)
 incr('r' .. epoch .. ':usd', usd)
+if id ~= '' then redis.call('HSET', key, 'R:' .. id, epoch .. ',' .. tok .. ',' .. usd) end
 local list = redis.call('HGET', key, 'open') or ''
 if not string.find(',' .. list .. ',', ',' .. epoch .. ',', 1, true) then
   if list == '' then list = tostring(epoch) else list = list .. ',' .. epoch end
@@ -198,40 +246,68 @@ return {1, 0, 0, 0, 0, now, day, month, '', 0, epoch, inc}
 `);
 
 const SETTLE = defineScript(`
--- Settle: a call reserved in lease epoch e ended: its reservation goes, its charge is spent in e's day and month.
+-- Settle: a call's reservation goes, once, and its charge is spent in the reservation's day and month.
 -- KEYS[1]  the tenant's budget hash
 -- ARGV[1] the reservation's epoch  ARGV[2] reserved tokens  ARGV[3] reserved nano-USD  ARGV[4] charged tokens
 -- ARGV[5] charged nano-USD  ARGV[6..9] the limits (for the 80% and 100% marks)  ARGV[10] the hash's TTL in ms
--- ARGV[11] the incarnation the reservation was held in ('' when unknown): when the hash is another one now (the one
---          that held it was lost, and rebuilt from Postgres's record), the whole charge is spent here and no
---          reservation of this hash is touched.
--- Returns {spent x4, reserved x4 (the current periods', after this), marks}: marks lists the thresholds this
--- settlement crossed first in its period, as 'budget:percent' separated by commas (budget 1..4, percent 80 or 100).
+-- ARGV[11] the incarnation the reservation was held in ('' when unknown)  ARGV[12] the reservation's id
+-- What the id finds decides, and each way leaves nothing for a second run (a resend) to do:
+--   R:<id>  held: the reservation (as the hash recorded it) goes, the charge is spent;
+--   X:<id>  charged whole when its epoch ended: only the difference is charged;
+--   neither, in another incarnation than the one that held it (that hash was lost, and this one rebuilt from
+--   Postgres's record never held it): the whole charge is spent, and D:<id> records that it was;
+--   neither otherwise (or D:<id>): already settled, nothing is done.
+-- Returns {spent x4, reserved x4 (the current periods', after this), marks, applied (1, or 0 for a repeat), the
+-- hash's incarnation}: marks
+-- lists the thresholds this settlement crossed first in its period, as 'budget:percent' separated by commas
+-- (budget 1..4, percent 80 or 100).
 local key = KEYS[1]
 local e = tonumber(ARGV[1])
 local rtok, rusd, ctok, cusd = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local lim = {tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])}
 local ttl = tonumber(ARGV[10])
+local id = ARGV[12] or ''
 ${PRELUDE}
+local way = 'done'
+local found = redis.call('HGET', key, 'R:' .. id)
+if found then
+  way = 'held'
+else
+  found = redis.call('HGET', key, 'X:' .. id)
+  if found then
+    way = 'late'
+  elseif redis.call('HEXISTS', key, 'D:' .. id) == 0 and ARGV[11] ~= '' and redis.call('HGET', key, 'inc') ~= ARGV[11] then
+    way = 'lost'
+  end
+end
+if found then
+  local fe, ft, fu = string.match(found, '^(%d+),(%d+),(%d+)')
+  e, rtok, rusd = tonumber(fe), tonumber(ft), tonumber(fu)
+end
+if way == 'done' then
+  local spent, reserved = state(false)
+  return {spent[1], spent[2], spent[3], spent[4], reserved[1], reserved[2], reserved[3], reserved[4], '', 0,
+    redis.call('HGET', key, 'inc') or ''}
+end
 local ed = day_of(e)
 local em = month_of(ed)
 local own = {'d' .. ed, 'd' .. ed, 'm' .. em, 'm' .. em}
 local held = {rtok, rusd, rtok, rusd}
 local charged = {ctok, cusd, ctok, cusd}
-local list = redis.call('HGET', key, 'open') or ''
-local open = string.find(',' .. list .. ',', ',' .. e .. ',', 1, true) ~= nil
-local lost = ARGV[11] ~= nil and ARGV[11] ~= '' and redis.call('HGET', key, 'inc') ~= ARGV[11]
-if lost then open = false end
-if open then
+if way == 'held' then
   incr('r' .. e .. ':tok', 0 - rtok)
   incr('r' .. e .. ':usd', 0 - rusd)
+  redis.call('HDEL', key, 'R:' .. id)
+elseif way == 'late' then
+  redis.call('HDEL', key, 'X:' .. id)
+else
+  redis.call('HSET', key, 'D:' .. id, epoch)
 end
 local marks = {}
 for i = 1, 4 do
-  -- An epoch no longer open was charged its whole reservation already: only the difference is left to charge.
-  -- A reservation of a lost hash was never charged here: all of it is.
+  -- Charged whole already when its epoch ended: only the difference is left to charge.
   local charge = charged[i]
-  if not open and not lost then charge = charged[i] - held[i] end
+  if way == 'late' then charge = charged[i] - held[i] end
   local field = own[i] .. ':' .. unit[i]
   local before = tonumber(redis.call('HGET', key, field)) or 0
   local after = incr(field, charge)
@@ -255,7 +331,45 @@ for i = 1, 4 do
 end
 redis.call('PEXPIRE', key, ttl)
 local spent, reserved = state(false)
-return {spent[1], spent[2], spent[3], spent[4], reserved[1], reserved[2], reserved[3], reserved[4], table.concat(marks, ',')}
+return {spent[1], spent[2], spent[3], spent[4], reserved[1], reserved[2], reserved[3], reserved[4], table.concat(marks, ','), 1,
+  redis.call('HGET', key, 'inc') or ''}
+`);
+
+const REINSTATE = defineScript(`
+-- Reinstate: a process's reservations still in flight, held again in a hash that never saw them (the one that did
+-- was lost, and this one rebuilt from Postgres's record, which has no calls in flight). Each is added to the
+-- current epoch as R:<id> unless this hash knows its id (R:, X:, D:) or holds it already (its incarnation is this
+-- hash's): safe to run twice.
+-- KEYS[1]  the tenant's budget hash
+-- ARGV[1]  JSON: [{"id", "tok", "usd", "inc"}, ...]   ARGV[2]  the hash's TTL in ms
+-- Returns {incarnation, how many were added}.
+local key = KEYS[1]
+${PRELUDE}
+local cur = redis.call('HGET', key, 'inc')
+if not cur then
+  cur = t[1] .. '.' .. t[2]
+  redis.call('HSET', key, 'inc', cur)
+end
+local added = 0
+for _, r in ipairs(cjson.decode(ARGV[1])) do
+  local known = redis.call('HEXISTS', key, 'R:' .. r.id) == 1 or redis.call('HEXISTS', key, 'X:' .. r.id) == 1 or
+    redis.call('HEXISTS', key, 'D:' .. r.id) == 1
+  if not known and r.inc ~= cur then
+    incr('r' .. epoch .. ':tok', r.tok)
+    incr('r' .. epoch .. ':usd', r.usd)
+    redis.call('HSET', key, 'R:' .. r.id, epoch .. ',' .. r.tok .. ',' .. r.usd)
+    added = added + 1
+  end
+end
+if added > 0 then
+  local list = redis.call('HGET', key, 'open') or ''
+  if not string.find(',' .. list .. ',', ',' .. epoch .. ',', 1, true) then
+    if list == '' then list = tostring(epoch) else list = list .. ',' .. epoch end
+    redis.call('HSET', key, 'open', list)
+  end
+end
+redis.call('PEXPIRE', key, tonumber(ARGV[2]))
+return {cur, added}
 `);
 
 const READ_STATE = defineScript(`
@@ -299,6 +413,22 @@ function whole(n: number): number {
   return Number.isFinite(n) ? Math.max(0, Math.ceil(n)) : 0;
 }
 
+/**
+ * Runs a script on `redis`, or with `ack` (REDIS_MIN_REPLICAS_ACK) followed by a WAIT in the same round trip:
+ * then `replicated` says whether enough replicas have its writes.
+ */
+async function exec(
+  redis: RedisClient,
+  ack: ReplicaAck | undefined,
+  script: Script,
+  keys: string[],
+  args: (string | number)[],
+): Promise<{ result: unknown; replicated: boolean }> {
+  if (!ack) return { result: await script.run(redis, keys, args), replicated: true };
+  const { result, replicated } = await ack.run(script, keys, args);
+  return { result, replicated };
+}
+
 /** A reservation's answer: held (ok) or refused by the first budget that would pass its limit. */
 export interface ReserveReply {
   ok: boolean;
@@ -321,6 +451,12 @@ export interface ReserveReply {
   unseeded: boolean;
   /** The hash's incarnation (when ok): the settlement names it. */
   inc: string;
+  /** The reservation's id (mode reserve): only its own settlement removes it, once. */
+  id: string;
+  /** Asked with `expectInc`, the hash is another incarnation (this one, '' if none): nothing was decided. */
+  otherInc?: string;
+  /** With a replica acknowledgement: whether enough replicas have what the script wrote (true without one). */
+  replicated: boolean;
 }
 
 /** Runs the reserve script (mode `reserve`) or its intake question (mode `check`). */
@@ -330,18 +466,28 @@ export async function runReserve(
   limits: Limits,
   worst: { tokens: number; nanos: number },
   mode: "reserve" | "check",
-  { requireSeeded = false }: { requireSeeded?: boolean } = {},
+  { requireSeeded = false, id = mode === "reserve" ? crypto.randomUUID() : "", expectInc = "", ack }: {
+    requireSeeded?: boolean;
+    /** The incarnation the caller's calls in flight were reserved in: another one answers `otherInc`. */
+    expectInc?: string;
+    /** The reservation's id; a new one unless given (a caller asking again after a failure passes the same). */
+    id?: string;
+    ack?: ReplicaAck;
+  } = {},
 ): Promise<ReserveReply> {
-  const r = await RESERVE.run(redis, [key], [
+  const { result, replicated } = await exec(redis, mode === "reserve" ? ack : undefined, RESERVE, [key], [
     ...limits,
     whole(worst.tokens),
     whole(worst.nanos),
     BUDGET_STATE_TTL_MS,
     mode,
     requireSeeded ? "1" : "0",
-  ]) as (number | string)[];
+    id,
+    expectInc,
+  ]);
+  const r = result as (number | string)[];
   const n = (i: number) => Number(r[i]);
-  if (n(0) === -1) {
+  if (n(0) === -1 || n(0) === -2) {
     return {
       ok: false,
       budget: -1,
@@ -354,8 +500,11 @@ export async function runReserve(
       newly: [],
       never: false,
       epoch: 0,
-      unseeded: true,
+      unseeded: n(0) === -1,
+      otherInc: n(0) === -2 ? String(r[1] ?? "") : undefined,
       inc: "",
+      id,
+      replicated,
     };
   }
   return {
@@ -372,6 +521,8 @@ export async function runReserve(
     epoch: n(10),
     unseeded: false,
     inc: String(r[11] ?? ""),
+    id,
+    replicated,
   };
 }
 
@@ -380,18 +531,25 @@ export interface SettleReply {
   spent: Limits;
   reserved: Limits;
   marks: { budget: number; percent: 80 | 100 }[];
+  /** False when the reservation was settled already (this was a repeat, and did nothing). */
+  applied: boolean;
+  /** The hash's incarnation now. */
+  inc: string;
+  /** With a replica acknowledgement: whether enough replicas have the settlement (true without one). */
+  replicated: boolean;
 }
 
-/** Runs the settle script. */
+/** Runs the settle script: safe to run twice (see its header). */
 export async function runSettle(
   redis: RedisClient,
   key: string,
-  at: { epoch: number; inc?: string },
+  at: { epoch: number; inc?: string; id: string },
   reserved: { tokens: number; nanos: number },
   charged: { tokens: number; nanos: number },
   limits: Limits,
+  { ack }: { ack?: ReplicaAck } = {},
 ): Promise<SettleReply> {
-  const r = await SETTLE.run(redis, [key], [
+  const { result, replicated } = await exec(redis, ack, SETTLE, [key], [
     at.epoch,
     whole(reserved.tokens),
     whole(reserved.nanos),
@@ -400,13 +558,43 @@ export async function runSettle(
     ...limits,
     BUDGET_STATE_TTL_MS,
     at.inc ?? "",
-  ]) as (number | string)[];
+    at.id,
+  ]);
+  const r = result as (number | string)[];
   const marks = String(r[8] ?? "").split(",").filter(Boolean).map((mark) => {
     const [budget, percent] = mark.split(":").map(Number);
     return { budget: budget! - 1, percent: percent as 80 | 100 };
   });
   const n = (i: number) => Number(r[i]);
-  return { spent: [n(0), n(1), n(2), n(3)], reserved: [n(4), n(5), n(6), n(7)], marks };
+  return {
+    spent: [n(0), n(1), n(2), n(3)],
+    reserved: [n(4), n(5), n(6), n(7)],
+    marks,
+    applied: n(9) === 1,
+    inc: String(r[10] ?? ""),
+    replicated,
+  };
+}
+
+/** A reservation a process holds for a call in flight, as the reinstate script takes it. */
+export interface InFlight {
+  id: string;
+  tok: number;
+  usd: number;
+  /** The incarnation of the hash that held it. */
+  inc: string;
+}
+
+/** Runs the reinstate script: holds `inFlight` again in a hash that never held them. @returns the hash's incarnation. */
+export async function reinstateReservations(
+  redis: RedisClient,
+  key: string,
+  inFlight: InFlight[],
+  { ack }: { ack?: ReplicaAck } = {},
+): Promise<{ inc: string; added: number }> {
+  const { result } = await exec(redis, ack, REINSTATE, [key], [JSON.stringify(inFlight), BUDGET_STATE_TTL_MS]);
+  const [inc, added] = result as [string, number];
+  return { inc: String(inc), added: Number(added) };
 }
 
 /** The current periods' spend and reservations, at Redis's clock. */

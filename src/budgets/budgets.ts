@@ -17,10 +17,13 @@ import type { BudgetView } from "../usage/usage_schemas.ts";
 import { GateRefused } from "../retry/errors.ts";
 import { type CallEnd, type CallTokens, chargeOf } from "./charge.ts";
 import { costNanos, type ModelPrice, nanosToUsd, type Prices, usdToNanos } from "../provider/prices.ts";
+import type { ReplicaAck } from "../redis/replica_ack.ts";
 import {
   type BudgetState,
+  type InFlight,
   type Limits,
   readBudgetState,
+  reinstateReservations,
   type ReserveReply,
   runReserve,
   runSettle,
@@ -243,9 +246,23 @@ export interface BudgetsOptions {
   events?: BudgetEvents;
 }
 
-/** Creates the budgets of one process. */
+/**
+ * A reservation written on the primary that too few replicas acknowledged in time: it was released, and the call
+ * does not go out (a failover could have lost it, and the call would then count against nothing).
+ */
+export class ReservationNotReplicated extends Error {
+  constructor(readonly tenant: string) {
+    super(`tenant ${tenant}'s budget reservation was not acknowledged by enough Redis replicas in time`);
+    this.name = "ReservationNotReplicated";
+  }
+}
+
+/**
+ * Creates the budgets of one process. With `ack` (REDIS_MIN_REPLICAS_ACK > 0), every reservation and settlement
+ * is followed by a WAIT in the same round trip, so a promoted replica has every one a call was made under.
+ */
 export function createBudgets(
-  { redis, sql, log }: { redis: RedisClient; sql: Sql; log: Logger },
+  { redis, sql, log, ack }: { redis: RedisClient; sql: Sql; log: Logger; ack?: ReplicaAck },
   options: BudgetsOptions,
 ): Budgets {
   const ttlMs = options.ttlMs ?? 2_000;
@@ -284,6 +301,28 @@ export function createBudgets(
 
   const key = (tenant: string) => budgetKey(options.prefix, tenant);
   /**
+   * This process's reservations of calls in flight, by tenant. A hash lost in Redis and rebuilt from Postgres's
+   * record has none of them (the record has no calls in flight): they are held in it again (reinstated) as soon
+   * as this process sees another incarnation of the hash, or seeds it.
+   */
+  const inFlight = new Map<string, Map<string, InFlight>>();
+  /** The incarnation this process's calls in flight for the tenant were reserved in ('' when none). */
+  const incOf = (tenant: string) => {
+    const held = inFlight.get(tenant);
+    if (!held) return "";
+    for (const r of held.values()) return r.inc;
+    return "";
+  };
+  const reinstate = async (tenant: string, inc?: string) => {
+    const held = inFlight.get(tenant);
+    if (!held || held.size === 0) return;
+    const items = [...held.values()];
+    if (inc !== undefined && items.every((r) => r.inc === inc)) return;
+    const after = await reinstateReservations(redis, key(tenant), items, { ack });
+    for (const r of items) r.inc = after.inc;
+    if (after.added > 0) log.warn("budget_reservations_reinstated", { tenant, reservations: after.added });
+  };
+  /**
    * Rebuilds a tenant's budget state from Postgres's record when Redis lost it (a flush, a failover without
    * persistence, an eviction): its spend this day and month becomes what `model_attempts` recorded, never less
    * than what the hash holds. One seed per tenant at a time; every caller waits for it.
@@ -294,6 +333,7 @@ export function createBudgets(
     if (!running) {
       running = seedFromRecord(redis, sql, options.prefix, tenant)
         .then(() => log.info("budget_state_seeded", { tenant }))
+        .then(() => reinstate(tenant))
         .finally(() => seeding.delete(tenant));
       seeding.set(tenant, running);
     }
@@ -306,13 +346,23 @@ export function createBudgets(
     worst: { tokens: number; nanos: number },
     mode: "reserve" | "check",
   ) => {
-    // Lost again between the seed and the question (a flush in a loop): seeded again, a few times.
+    // One id for every try: an unseeded answer wrote nothing, and a resend of a try finds its own reservation.
+    const id = mode === "reserve" ? crypto.randomUUID() : "";
+    // Lost again between the seed and the question (a flush in a loop): seeded again, a few times. A hash of
+    // another incarnation than this process's calls in flight were reserved in holds them again first.
     for (let tries = 0; tries < 3; tries++) {
-      const reply = await runReserve(redis, key(tenant), limits, worst, mode, { requireSeeded: true });
-      if (!reply.unseeded) return reply;
-      await seed(tenant);
+      const expectInc = mode === "reserve" ? incOf(tenant) : "";
+      const reply = await runReserve(redis, key(tenant), limits, worst, mode, {
+        requireSeeded: true,
+        id,
+        ack,
+        expectInc,
+      });
+      if (reply.otherInc !== undefined) await reinstate(tenant);
+      else if (reply.unseeded) await seed(tenant);
+      else return reply;
     }
-    return await runReserve(redis, key(tenant), limits, worst, mode);
+    return await runReserve(redis, key(tenant), limits, worst, mode, { id, ack });
   };
 
   return {
@@ -344,6 +394,18 @@ export function createBudgets(
         }
         throw error;
       }
+      const own = { id: reply.id, tok: held.tokens, usd: held.nanos, inc: reply.inc };
+      if (!reply.replicated) {
+        // Released at once (a settle at nothing); should that too be lost in a failover, the reservation is
+        // charged whole when its epoch ends: never less than what may have run.
+        await runSettle(redis, key(tenant), reply, held, { tokens: 0, nanos: 0 }, limits).catch((error) =>
+          log.warn("budget_release_failed", { tenant, error })
+        );
+        throw new ReservationNotReplicated(tenant);
+      }
+      let mine = inFlight.get(tenant);
+      if (!mine) inFlight.set(tenant, mine = new Map());
+      mine.set(own.id, own);
       let charged: (CallTokens & { nanos?: number }) | undefined;
       return {
         get charged() {
@@ -353,10 +415,28 @@ export function createBudgets(
           const charge = chargeOf(end, worst);
           const nanos = price ? costNanos(price, charge.prompt, charge.completion) : 0;
           charged = { prompt: charge.prompt, completion: charge.completion, ...(price ? { nanos } : {}) };
-          const after = await runSettle(redis, key(tenant), reply, held, {
-            tokens: charge.prompt + charge.completion,
-            nanos,
-          }, limits);
+          // The call is over: no longer this process's to reinstate, whether this settlement lands or not (one that
+          // never does leaves the reservation to be charged whole when its epoch ends).
+          const mine = inFlight.get(tenant);
+          mine?.delete(own.id);
+          if (mine?.size === 0) inFlight.delete(tenant);
+          const after = await runSettle(
+            redis,
+            key(tenant),
+            { epoch: reply.epoch, inc: own.inc, id: own.id },
+            held,
+            {
+              tokens: charge.prompt + charge.completion,
+              nanos,
+            },
+            limits,
+            { ack },
+          );
+          if (!after.replicated) log.warn("budget_settle_not_replicated", { tenant });
+          // The hash was lost and rebuilt since this call was reserved: this process's other calls are held again.
+          if (after.inc !== own.inc) {
+            await reinstate(tenant, after.inc).catch((error) => log.warn("budget_reinstate_failed", { tenant, error }));
+          }
           events.state?.(tenant, after.spent, after.reserved);
           for (const { budget: i, percent } of after.marks) {
             const b = BUDGETS[i]!;

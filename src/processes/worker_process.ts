@@ -19,6 +19,7 @@ import { maybeServeMetrics } from "./_metrics_port.ts";
 import type { ComponentDeps } from "./_deps.ts";
 import { createBudgets, warnUnpricedModels } from "../budgets/budgets.ts";
 import { budgetEvents } from "../budgets/budget_metrics.ts";
+import { replicaAckOf } from "./_replica_ack.ts";
 
 /** Runs a summary worker until `signal` aborts, then drains it within the grace period. */
 export async function startWorker(
@@ -34,7 +35,13 @@ export async function startWorker(
   // Model answers are validated under a deadline: a tenant's output schema cannot stall this process.
   const validators = createSchemaValidators();
   const prices = createPrices(config);
-  const budgets = createBudgets({ redis, sql, log }, { prefix: keys.prefix, prices, events: budgetEvents(registry) });
+  // REDIS_MIN_REPLICAS_ACK: a call goes out only under a reservation the replicas have, so a promotion keeps it.
+  const ack = replicaAckOf(config, redis);
+  const budgets = createBudgets({ redis, sql, log, ack }, {
+    prefix: keys.prefix,
+    prices,
+    events: budgetEvents(registry),
+  });
   await warnUnpricedModels({ sql, log }, config, prices);
   const worker = createSummaryWorker({
     redis,
@@ -85,6 +92,7 @@ export async function startWorker(
       log.warn("flow_reports_unsettled", { waited_ms: FLOW_SETTLE_MS });
     }
     await validators.close();
+    await ack?.close();
     log.info("worker_stopped", { consumer });
   }
 }

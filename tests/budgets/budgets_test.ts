@@ -324,7 +324,7 @@ Deno.test("a reservation never settled (its worker killed mid-call) is charged a
     }
     const tokens = await r.redis.hget(key, `r${held.epoch}:tok`);
     await r.redis.hdel(key, `r${held.epoch}:tok`, `r${held.epoch}:usd`);
-    await r.redis.hset(key, `r${old}:tok`, tokens!, "open", String(old));
+    await r.redis.hset(key, `r${old}:tok`, tokens!, "open", String(old), `R:${held.id}`, `${old},300,0`);
     state = await readBudgetState(r.redis, key);
     assert.deepEqual([state.spent[0], state.reserved[0]], [300, 0]);
     const next = await runReserve(r.redis, key, limits, { tokens: 800, nanos: 0 }, "reserve");
@@ -332,7 +332,20 @@ Deno.test("a reservation never settled (its worker killed mid-call) is charged a
     assert.equal(next.spent, 300);
     assert.equal(await r.redis.hget(key, `r${old}:tok`), null);
     // The killed call's late settlement (say the call did answer, for 120 tokens) corrects the charge.
-    await runSettle(r.redis, key, { epoch: old }, { tokens: 300, nanos: 0 }, { tokens: 120, nanos: 0 }, limits);
+    const late = () =>
+      runSettle(
+        r.redis,
+        key,
+        { epoch: old, id: held.id },
+        { tokens: 300, nanos: 0 },
+        { tokens: 120, nanos: 0 },
+        limits,
+      );
+    assert.equal((await late()).applied, true);
+    state = await readBudgetState(r.redis, key);
+    assert.deepEqual([state.spent[0], state.reserved[0]], [120, 0]);
+    // Run again (a resend after a lost reply): the difference is not taken twice.
+    assert.equal((await late()).applied, false);
     state = await readBudgetState(r.redis, key);
     assert.deepEqual([state.spent[0], state.reserved[0]], [120, 0]);
   } finally {
@@ -369,9 +382,17 @@ Deno.test("a budget's state lost in Redis (a flush, a failover) is rebuilt from 
     await r.redis.del(key);
     assert.ok(await budgets.check("acme", "m", { prompt: 250, completion: 50 }), "refused at intake too");
     await r.redis.del(key);
-    assert.ok(await budgets.reserve("acme", "m", { prompt: 100, completion: 50 }));
-    const state = await readBudgetState(r.redis, key);
+    // The call of 150 is still in flight: the rebuilt hash holds it again before it decides, so another 150 no
+    // longer fits (800 + 150 + 150), and 50 does.
+    await assert.rejects(budgets.reserve("acme", "m", { prompt: 100, completion: 50 }), /budget/i);
+    let state = await readBudgetState(r.redis, key);
     assert.deepEqual([state.spent[0], state.reserved[0], state.seeded], [800, 150, true]);
+    assert.ok(await budgets.reserve("acme", "m", { prompt: 40, completion: 10 }));
+    state = await readBudgetState(r.redis, key);
+    assert.deepEqual([state.spent[0], state.reserved[0]], [800, 200]);
+    await held.settle({ value: { text: "x", usage: { prompt_tokens: 100, completion_tokens: 20 } } } as never);
+    state = await readBudgetState(r.redis, key);
+    assert.deepEqual([state.spent[0], state.reserved[0]], [920, 50]);
   } finally {
     await r.close();
     await db.close();
