@@ -2,6 +2,7 @@ import { Cluster, Redis, type RedisOptions } from "ioredis";
 import postgres, { type Sql } from "postgres";
 import { withTimeout } from "./async/timeout.ts";
 import { isSentinelUrl, parseSentinelUrl, postgresHosts, redactUrl, type SentinelUrl } from "./config.ts";
+import { netGranted, type SentinelNode, sentinelTopology, watchSentinelNodes } from "./redis/sentinel_nodes.ts";
 
 /** A dependency that did not answer at start-up; the message says how to start it. */
 export class DependencyDown extends Error {
@@ -59,7 +60,7 @@ function commonOptions(options: { name?: string; failFast?: boolean }): RedisOpt
  */
 export async function connectRedis(
   url: string,
-  options: { name?: string; failFast?: boolean } = {},
+  options: { name?: string; failFast?: boolean } & SentinelNodeOptions = {},
 ): Promise<RedisClient> {
   if (isSentinelUrl(url)) return await connectSentinel(parseSentinelUrl(url), options);
   const seeds = redisSeeds(url);
@@ -178,6 +179,17 @@ function describeSentinels(target: SentinelUrl): string {
   return `redis+sentinel://${target.sentinels.map(({ host, port }) => `${host}:${port}`).join(",")}/${target.service}`;
 }
 
+/** What a Sentinel client does about the nodes its sentinels name outside this process's permission set. */
+export interface SentinelNodeOptions {
+  /**
+   * Called once per node and role: a master the client was refused a
+   * connection to, and each replica or sentinel that a check every
+   * `SENTINEL_NODES_CHECK_MS` finds (`refuseLoudly` in
+   * `redis/sentinel_nodes.ts` is the service's). Unset: no check.
+   */
+  onNodeRefused?: (node: SentinelNode, service: string) => void;
+}
+
 /**
  * Connects to the master that `target`'s sentinels name, and checks that it
  * answers. The client follows failovers: a lost connection is reopened to
@@ -185,12 +197,13 @@ function describeSentinels(target: SentinelUrl): string {
  * master, the attempt fails and is retried with the same backoff as a
  * single node's); a `+switch-master` from any sentinel, or a `READONLY`
  * reply from a demoted master, drops the connection so it is reopened to
- * the new one.
+ * the new one. With `onNodeRefused`, a node outside the process's
+ * permission set is reported ({@linkcode SentinelNodeOptions}).
  * @throws {DependencyDown} when no sentinel names a master that answers.
  */
 export async function connectSentinel(
   target: SentinelUrl,
-  options: { name?: string; failFast?: boolean } = {},
+  options: { name?: string; failFast?: boolean } & SentinelNodeOptions = {},
 ): Promise<RedisClient> {
   let lastSentinelError: Error | undefined;
   const client = new SentinelClient({
@@ -210,10 +223,12 @@ export async function connectSentinel(
   });
   client.on("error", () => {}); // reconnects are retried; failures surface on commands
   client.on("sentinelError", (error: Error) => (lastSentinelError = error));
+  const watch = watchRefusedNodes(client, target, options);
   try {
     await withTimeout(client.connect().then(() => client.ping()), STARTUP_TIMEOUT_MS, "Redis ping");
     return client;
   } catch (cause) {
+    void watch?.stop();
     client.disconnect();
     const sentinel = lastSentinelError ? ` (last sentinel error: ${lastSentinelError.message.replace(/\.$/, "")})` : "";
     throw new DependencyDown(
@@ -222,6 +237,38 @@ export async function connectSentinel(
       { cause },
     );
   }
+}
+
+/**
+ * Reports, through `onNodeRefused`, the nodes of `target` that this process
+ * may not reach. A new master is found when the connection to it is
+ * refused: Deno refuses a host outside `--allow-net` with `NotCapable`, which
+ * ioredis emits as the client's "error" (a sentinel's own failures come as
+ * "sentinelError"), and the sentinels are then asked which node they name
+ * the master. Replicas and sentinels are found by asking the sentinels
+ * every `SENTINEL_NODES_CHECK_MS`, until the client ends.
+ * @returns the periodic check, if one was started.
+ */
+function watchRefusedNodes(client: Redis, target: SentinelUrl, { onNodeRefused }: SentinelNodeOptions) {
+  if (!onNodeRefused) return undefined;
+  const reported = new Set<string>();
+  const refuse = (node: SentinelNode) => {
+    if (reported.has(`${node.role} ${node.address}`)) return;
+    reported.add(`${node.role} ${node.address}`);
+    onNodeRefused(node, target.service);
+  };
+  let asking = false;
+  client.on("error", (error: Error) => {
+    if (error?.name !== "NotCapable" || asking) return;
+    asking = true;
+    sentinelTopology(target)
+      .then((nodes) => nodes.filter((n) => n.role === "master" && !netGranted(n.address)).forEach(refuse))
+      .catch(() => {}) // the next refused attempt asks again
+      .finally(() => (asking = false));
+  });
+  const watch = watchSentinelNodes(target, { onOutside: refuse });
+  client.once("end", () => void watch.stop());
+  return watch;
 }
 
 /**

@@ -10,6 +10,7 @@ import { type Config, postgresHosts } from "../config.ts";
 import { checkCommitDurability } from "../db/commit_durability.ts";
 import { createLogger } from "../log/logger.ts";
 import { missingNetPermissions } from "../permissions.ts";
+import { refuseLoudly } from "../redis/sentinel_nodes.ts";
 
 /**
  * @returns the process exit code: the command's, 2 when its permission set
@@ -41,7 +42,12 @@ export async function runCommand(
       }
     }
     if (spec.clients.redis) {
-      opened.redis = await connectRedis(config.REDIS_URL, { name: "oncely", failFast: spec.failFast });
+      opened.redis = await connectRedis(config.REDIS_URL, {
+        name: "oncely",
+        failFast: spec.failFast,
+        // Behind Sentinel, a node that joined after start-up is outside this process's --allow-net.
+        onNodeRefused: refuseLoudly({ log, exit: (code) => Deno.exit(code) }),
+      });
     }
     const run = await spec.run();
     // The table says which clients the command gets, and exactly those were opened above.

@@ -36,6 +36,21 @@ export interface RedisSentinel {
    * until it has synced and the sentinels list it as a healthy replica.
    */
   restartOldPrimary(): Promise<void>;
+  /**
+   * Starts one more replica of the current master on a new free port, with
+   * `priority` as its `replica-priority` (lower is promoted first; the
+   * others have 100), and waits until every sentinel lists it as a healthy
+   * replica (a sentinel finds it in the master's INFO, every 10 s).
+   * @returns its port.
+   */
+  addReplica(options?: { priority?: number }): Promise<number>;
+  /**
+   * Asks a sentinel for a manual failover (`SENTINEL FAILOVER`, retried
+   * while it is refused) and waits until every sentinel names a new master
+   * that has taken the role.
+   * @returns the new master's port.
+   */
+  failover(timeoutMs?: number): Promise<number>;
   /** SIGKILLs every process and removes the directory. */
   stop(): Promise<void>;
 }
@@ -90,7 +105,7 @@ export async function startRedisSentinel({ service = "oncely" }: { service?: str
     const child = new Deno.Command("redis-server", { args, cwd: dir, stdout: "null", stderr: "null" }).spawn();
     children.set(port, child);
   };
-  const dataNode = (port: number, replicaOf?: number) =>
+  const dataNode = (port: number, replicaOf?: number, extra: string[] = []) =>
     spawn(port, [
       "--port",
       String(port),
@@ -109,6 +124,7 @@ export async function startRedisSentinel({ service = "oncely" }: { service?: str
       "--dbfilename",
       `dump-${port}.rdb`,
       ...(replicaOf === undefined ? [] : ["--replicaof", LOCALHOST, String(replicaOf)]),
+      ...extra,
     ]);
   const kill = async (port: number) => {
     const child = children.get(port);
@@ -179,6 +195,12 @@ export async function startRedisSentinel({ service = "oncely" }: { service?: str
     throw new Error("redis sentinel: no sentinel answers");
   };
   let killed: { port: number; at: number } | undefined;
+  const everySentinelNames = (what: string, master: (port: number) => boolean, timeoutMs = 20_000) =>
+    until(what, async () => {
+      const seen = await Promise.all(sentinelPorts.map(masterSeen));
+      return seen.every((port) => port === seen[0] && master(port)) &&
+        await on(seen[0]!, async (r) => (await r.role())[0] === "master");
+    }, timeoutMs);
 
   return {
     url: `redis+sentinel://${sentinelPorts.map((p) => `${LOCALHOST}:${p}`).join(",")}/${service}/0`,
@@ -225,6 +247,37 @@ export async function startRedisSentinel({ service = "oncely" }: { service?: str
             return replicas.some((replica) => replica.port === String(port) && replica.flags === "slave");
           }));
       }
+    },
+    async addReplica({ priority = 100 } = {}) {
+      const port = freePort();
+      const master = await masterPort();
+      dataNode(port, master, ["--replica-priority", String(priority)]);
+      await until(
+        `the new replica ${port} in sync`,
+        () => on(port, async (r) => /master_link_status:up/.test(await r.info("replication"))),
+      );
+      for (const sentinel of sentinelPorts) {
+        await until(`sentinel ${sentinel} to list the new replica ${port} as healthy`, () =>
+          on(sentinel, async (r) => {
+            const replicas = (await r.call("SENTINEL", "REPLICAS", service) as unknown[]).map(fields);
+            return replicas.some((replica) =>
+              replica.port === String(port) && replica.flags === "slave" &&
+              replica["slave-priority"] === String(priority)
+            );
+          }), 30_000);
+      }
+      return port;
+    },
+    async failover(timeoutMs = 20_000) {
+      const before = await masterPort();
+      // Refused (NOGOODSLAVE) until the sentinel has seen a replica answer for a while.
+      await until(
+        "a failover a sentinel accepts",
+        () => on(sentinelPorts[0]!, (r) => r.call("SENTINEL", "FAILOVER", service)).then(() => true),
+        timeoutMs,
+      );
+      await everySentinelNames(`the sentinels to name a master other than ${before}`, (p) => p !== before, timeoutMs);
+      return await masterPort();
     },
     stop,
   };
