@@ -8,6 +8,8 @@ import { defineScript } from "../redis/script.ts";
 // Returns the entry (a JSON string) when there is one; else 1 when the caller now holds the lock (it was free or
 // lapsed, or it was already the caller's: a redelivery of the holder, whose lease starts again), 0 when another
 // run holds it.
+// Safe to run twice (a resend after a lost reply): the holder's second run finds the lock its own and only starts
+// its lease again; an entry or another holder is answered as the first run would have been, or as it is now.
 export const CLAIM_SCRIPT = defineScript(`
 local entry = redis.call('GET', KEYS[1])
 if entry then return entry end

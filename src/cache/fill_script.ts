@@ -8,6 +8,8 @@ import { defineScript } from "../redis/script.ts";
 // ARGV[2]  the entry's TTL in ms.
 // ARGV[3]  the run's id: the lock is deleted only while it holds this value.
 // Returns 1.
+// Safe to run twice (a resend after a lost reply): the second run stores the same entry again (its TTL restarts),
+// and ends the lock only if this run still holds it, which it cannot: a run that finds the entry takes no lock.
 export const FILL_SCRIPT = defineScript(`
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 if redis.call('GET', KEYS[2]) == ARGV[3] then redis.call('DEL', KEYS[2]) end

@@ -67,6 +67,8 @@ export function consoleKeys(prefix: string) {
 // Returns {wait_ms, turn_start_ms}: the caller checks after wait_ms. Or {-1, wait_ms} when the turn would
 // come later than ARGV[2]: then nothing is reserved.
 // Redis's own clock, so every API process agrees on the order.
+// Run twice (a resend after a lost reply), it reserves a second turn, and its caller waits for that one: the checks
+// queued behind it wait one turn longer. That errs the safe way (slower guessing, never faster), so it is left so.
 const TAKE_TURN = defineScript(`
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

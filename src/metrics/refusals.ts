@@ -23,7 +23,9 @@ export function refusalsKey(prefix: string, tenant: string, ms: number): string 
 
 /**
  * Counts one refusal with `status` for `tenant` at `nowMs` in its minute's field, and renews the hash's expiry:
- * one pipelined round trip that the caller does not wait for (a failure is dropped).
+ * one pipelined round trip that the caller does not wait for (a failure is dropped). Not safe to run twice: a resend
+ * after a lost reply counts the refusal twice in the console's chart. That is left so: the chart decides nothing, and
+ * naming each refusal would cost a key per 429, which a flood of them would turn into memory.
  */
 export function recordRefusal(
   redis: RedisClient,

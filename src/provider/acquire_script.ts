@@ -1,5 +1,6 @@
 import type { RedisClient } from "../clients.ts";
 import { defineScript } from "../redis/script.ts";
+import type { ReplyMemo } from "./reply_memo.ts";
 
 /** The flow's settings, the same for every request of a batch (one JSON object). */
 export interface AcquireSettings {
@@ -11,6 +12,8 @@ export interface AcquireSettings {
   horizon_ms: number;
   suspect_delay_ms: number;
   state_ttl_ms: number;
+  /** How long a call's reply stays in its memo, for a resend of that call. */
+  reply_ttl_ms: number;
 }
 
 /** One caller's request (one JSON object of the batch's array). */
@@ -30,16 +33,26 @@ const ACQUIRE = defineScript(`
 -- Acquire: asks, for each request of a batch in turn, for the right to make one model call now (or peeks, or
 -- confirms a slot booked ahead). A batch of n requests decides exactly what n calls in a row would.
 -- KEYS[1]  the provider's state hash
+-- KEYS[2]  the caller's reply memo (see reply_memo.ts), beside the state; absent for a batch of peeks (they write
+--          nothing)
 -- ARGV[1]  JSON: the flow's settings {cfg_rpm, cfg_tpm, max_ahead_ms, lease_ms, margin, horizon_ms,
---          suspect_delay_ms, state_ttl_ms}
+--          suspect_delay_ms, state_ttl_ms, reply_ttl_ms}
 -- ARGV[2]  JSON: the requests, in order: [{mode, est (tokens), probe_id, job ('' = unknown)}, ...]
+-- ARGV[3]  this call's id, with KEYS[2]
 -- Returns {code, ms, detail} for each request, in order, flat. Mode take: code 1 = permit booked ms from now
 -- (detail 'unpaced' when no limit is in force, the breaker is closed, nothing is paused and no call has failed
 -- since the last success: the caller may then lease permits for a while), 2 = probe permit (lease held by the
 -- probe id), 0 = ask again in ms, -1 = this call can never fit the token limit. Mode peek: code = permits within the horizon, ms = wait before asking again. Mode confirm /
 -- confirm_probe: a booked slot has come; code 1 = go, 0 = the breaker or a pause stopped it meanwhile (ask again
 -- in ms).
-local key = KEYS[1]
+-- Safe to run twice: a call whose id the memo holds was resent after its reply was lost (the client resends what
+-- was unanswered when it reconnects). It gets the first run's reply back and books nothing: a second slot would be
+-- a permit nobody uses, and a probe told to wait for its own lease would stall the probe until the lease ran out.
+local key, memo, call = KEYS[1], KEYS[2], ARGV[3]
+if memo then
+  local last = redis.call('GET', memo)
+  if last and string.sub(last, 1, #call + 1) == call .. ' ' then return cmsgpack.unpack(string.sub(last, #call + 2)) end
+end
 local s = cjson.decode(ARGV[1])
 local cfg_rpm, cfg_tpm = s.cfg_rpm, s.cfg_tpm
 local max_ahead, lease, margin = s.max_ahead_ms, s.lease_ms, s.margin
@@ -114,11 +127,14 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
   out[#out + 1] = code; out[#out + 1] = ms; out[#out + 1] = detail
 end
 if booked then redis.call('PEXPIRE', key, s.state_ttl_ms) end
+if memo then redis.call('SET', memo, call .. ' ' .. cmsgpack.pack(out), 'PX', s.reply_ttl_ms) end
 return out
 `);
 
 /**
- * Runs the acquire script on the provider state hash `key` for a batch of requests, decided in order.
+ * Runs the acquire script on the provider state hash `key` for a batch of requests, decided in order. With
+ * `memo`, the call is safe to apply twice (the same `memo.callId` again gets the first reply and books nothing);
+ * without, the batch must only peek.
  * @returns one reply per request, in order.
  */
 export async function runAcquire(
@@ -126,10 +142,11 @@ export async function runAcquire(
   key: string,
   settings: AcquireSettings,
   requests: AcquireRequest[],
+  memo?: ReplyMemo,
 ): Promise<AcquireReply[]> {
-  const flat = await ACQUIRE.run(redis, [key], [JSON.stringify(settings), JSON.stringify(requests)]) as (
-    | number
-    | string
-  )[];
+  const keys = memo ? [key, memo.key] : [key];
+  const args = [JSON.stringify(settings), JSON.stringify(requests)];
+  if (memo) args.push(memo.callId);
+  const flat = await ACQUIRE.run(redis, keys, args) as (number | string)[];
   return requests.map((_, i) => flat.slice(3 * i, 3 * i + 3) as AcquireReply);
 }

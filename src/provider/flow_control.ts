@@ -15,6 +15,7 @@ import { createBatcher } from "../async/batcher.ts";
 import { type AcquireReply, type AcquireRequest, type AcquireSettings, runAcquire } from "./acquire_script.ts";
 import { runSettle, type SettleOutcome, type SettleReply, type SettleSettings } from "./settle_script.ts";
 import { readProviderState } from "./status_script.ts";
+import { replyMemoKey } from "./reply_memo.ts";
 import { type FailureKind, failureKindOf, headersOf, reasonOf, retryAfterMs } from "../retry/classify.ts";
 import { GateRefused } from "../retry/errors.ts";
 import { parseRateLimitHeaders } from "./rate_limit_headers.ts";
@@ -56,6 +57,11 @@ export const FLOW_DEFAULTS = {
   maxPauseMs: 5 * 60_000,
   /** How long an idle provider's state is kept. */
   stateTtlMs: 7 * 24 * 3600 * 1000,
+  /**
+   * How long a flow script call's reply is kept for a resend of the same call (a reply lost with its connection;
+   * see `reply_memo.ts`): a resend later than this, after so long an outage, applies again.
+   */
+  replyTtlMs: 60 * 60_000,
   /**
    * While no limit is in force (none configured, none learned from the headers), the breaker is closed, nothing
    * is paused and no call has failed since the last success, Redis says so with a permit, and the process may
@@ -265,6 +271,7 @@ export function createProviderFlow(
     horizon_ms: FLOW_DEFAULTS.horizonMs,
     suspect_delay_ms: FLOW_DEFAULTS.suspectProbeDelayMs,
     state_ttl_ms: FLOW_DEFAULTS.stateTtlMs,
+    reply_ttl_ms: FLOW_DEFAULTS.replyTtlMs,
   };
   const settleSettings: SettleSettings = {
     threshold,
@@ -277,7 +284,13 @@ export function createProviderFlow(
     max_pause_ms: FLOW_DEFAULTS.maxPauseMs,
     window_ms: FLOW_DEFAULTS.recentWindowMs,
     bad_ttl_ms: FLOW_DEFAULTS.badJobTtlMs,
+    reply_ttl_ms: FLOW_DEFAULTS.replyTtlMs,
   };
+  // Each batch is one call with an id of its own, made before it is sent: a resend of it carries the same id, and
+  // the script applies it once. One batch of each script is in flight at a time, so one memo each suffices.
+  const owner = crypto.randomUUID();
+  const acquireMemo = replyMemoKey(options.key, owner, "acquire");
+  const settleMemo = replyMemoKey(options.key, owner, "settle");
   const flow: Flow = {
     log,
     options,
@@ -287,14 +300,17 @@ export function createProviderFlow(
     events: options.events ?? {},
     waiting: 0,
     suspects: 0,
-    ask: createBatcher((requests) => runAcquire(redis, options.key, acquireSettings, requests), {
-      maxBatch: FLOW_DEFAULTS.maxBatch,
-    }),
+    ask: createBatcher(
+      (requests) =>
+        runAcquire(redis, options.key, acquireSettings, requests, { key: acquireMemo, callId: crypto.randomUUID() }),
+      { maxBatch: FLOW_DEFAULTS.maxBatch, maxInFlight: 1 },
+    ),
     // One batch at a time: the outcomes reach Redis in the order this process reported them.
-    report: createBatcher((outcomes) => runSettle(redis, options.key, settleSettings, outcomes), {
-      maxBatch: FLOW_DEFAULTS.maxBatch,
-      maxInFlight: 1,
-    }),
+    report: createBatcher(
+      (outcomes) =>
+        runSettle(redis, options.key, settleSettings, outcomes, { key: settleMemo, callId: crypto.randomUUID() }),
+      { maxBatch: FLOW_DEFAULTS.maxBatch, maxInFlight: 1 },
+    ),
     lastReport: Promise.resolve(),
     lease: undefined,
     unappliedFailures: 0,
@@ -310,7 +326,8 @@ export function createProviderFlow(
     acquire: (estimatedTokens, signal, jobId = "") => acquire(flow, estimatedTokens, signal, jobId),
     async ready() {
       if (leased(flow)) return { permits: Math.max(0, UNLIMITED - (flow.waiting - flow.suspects)), waitMs: 0 };
-      // Once per read, never behind a batch of takes in flight: its own round trip.
+      // Once per read, never behind a batch of takes in flight: its own round trip. A peek writes nothing, so it
+      // needs no memo: run twice, it answers twice.
       const [reply] = await runAcquire(redis, options.key, acquireSettings, [
         { mode: "peek", est: 0, probe_id: "", job: "" },
       ]);

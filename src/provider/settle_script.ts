@@ -1,5 +1,6 @@
 import type { RedisClient } from "../clients.ts";
 import { defineScript } from "../redis/script.ts";
+import type { ReplyMemo } from "./reply_memo.ts";
 
 /** The flow's settings, the same for every outcome of a batch (one JSON object). */
 export interface SettleSettings {
@@ -13,6 +14,8 @@ export interface SettleSettings {
   max_pause_ms: number;
   window_ms: number;
   bad_ttl_ms: number;
+  /** How long a call's reply stays in its memo, for a resend of that call. */
+  reply_ttl_ms: number;
 }
 
 /** How one call ended (one JSON object of the batch's array). */
@@ -42,14 +45,22 @@ const SETTLE = defineScript(`
 -- exactly what n settles in a row would). Each settles its token reservation, learns the limits from the
 -- headers, and moves the shared pause and the breaker.
 -- KEYS[1]  the provider's state hash
+-- KEYS[2]  the caller's reply memo (see reply_memo.ts), beside the state
 -- ARGV[1]  JSON: the flow's settings {threshold, cooldown_ms, max_cooldown_ms, growth, margin, cfg_tpm,
---          min_pause_ms, max_pause_ms, window_ms, bad_ttl_ms}
+--          min_pause_ms, max_pause_ms, window_ms, bad_ttl_ms, reply_ttl_ms}
 -- ARGV[2]  JSON: the outcomes, in order: [{kind, est, actual (-1 = unknown), probe_id ('' = not a probe),
 --          retry_after_ms, limit_req, limit_tok, remaining_req, remaining_tok, reset_req_ms, reset_tok_ms (each -1
 --          when absent), job ('' = unknown)}, ...]
+-- ARGV[3]  this call's id
 -- Returns {absorbed, state before, state after, reason, asked ms, pause reason, attribution} for each outcome,
 -- in order, flat: asked ms is the pause the headers asked for when it was cut to max pause ms, else 0.
-local key = KEYS[1]
+-- Safe to run twice: a call whose id the memo holds was resent after its reply was lost (the client resends what
+-- was unanswered when it reconnects). It gets the first run's reply back and changes nothing: run again, it would
+-- give the unused tokens back twice (letting calls past the limit), count a failure twice, and answer that the
+-- breaker it had just opened was open already (its caller would never log the opening).
+local key, memo, call = KEYS[1], KEYS[2], ARGV[3]
+local last = redis.call('GET', memo)
+if last and string.sub(last, 1, #call + 1) == call .. ' ' then return cmsgpack.unpack(string.sub(last, #call + 2)) end
 local s = cjson.decode(ARGV[1])
 local threshold, base, maxc, growth = s.threshold, s.cooldown_ms, s.max_cooldown_ms, s.growth
 local margin, cfg_tpm, min_pause, max_pause = s.margin, s.cfg_tpm, s.min_pause_ms, s.max_pause_ms
@@ -232,11 +243,13 @@ local out = {}
 for _, a in ipairs(cjson.decode(ARGV[2])) do
   for _, v in ipairs(one(a)) do out[#out + 1] = v end
 end
+redis.call('SET', memo, call .. ' ' .. cmsgpack.pack(out), 'PX', s.reply_ttl_ms)
 return out
 `);
 
 /**
- * Runs the settle script on the provider state hash `key` for a batch of outcomes, applied in order.
+ * Runs the settle script on the provider state hash `key` for a batch of outcomes, applied in order. Safe to apply
+ * twice: the same `memo.callId` again gets the first reply and changes nothing.
  * @returns one reply per outcome, in order.
  */
 export async function runSettle(
@@ -244,7 +257,12 @@ export async function runSettle(
   key: string,
   settings: SettleSettings,
   outcomes: SettleOutcome[],
+  memo: ReplyMemo,
 ): Promise<SettleReply[]> {
-  const flat = await SETTLE.run(redis, [key], [JSON.stringify(settings), JSON.stringify(outcomes)]) as unknown[];
+  const flat = await SETTLE.run(redis, [key, memo.key], [
+    JSON.stringify(settings),
+    JSON.stringify(outcomes),
+    memo.callId,
+  ]) as unknown[];
   return outcomes.map((_, i) => flat.slice(7 * i, 7 * i + 7) as SettleReply);
 }

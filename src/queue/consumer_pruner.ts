@@ -34,6 +34,8 @@ export function pruneIdle(claimIdleMs: number, given?: number): number {
 // ARGV[2]  the consumer.
 // ARGV[3]  the least idle time, in ms.
 // Returns 1 when it was removed, else 0.
+// Safe to run twice (a resend after a lost reply): the second run finds the consumer gone and answers 0; the pruner
+// then leaves it out of its log line, nothing else.
 const DELETE_IDLE_CONSUMER = defineScript(`
 for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
   local f = {}

@@ -30,6 +30,7 @@ export function heartbeatInterval(claimIdleMs: number, given?: number): number {
 // Returns the ids refreshed.
 // Checking the owner and claiming in one script means a worker that stalled never steals back a message another
 // worker has already reclaimed. XCLAIM ... JUSTID resets the idle time without bumping the delivery count.
+// Safe to run twice (a resend after a lost reply): the owner is checked again, and the idle time reset again.
 const REFRESH_OWNED = defineScript(`
 local refreshed = {}
 for i = 3, #ARGV do

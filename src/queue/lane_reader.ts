@@ -14,6 +14,11 @@ import { fieldsToObject, type QueueNames, type StreamMessage } from "./message.t
 export const READER_DEFAULTS = {
   /** The longest wait for a wake-up while a capped lane has work: it frees up as its jobs finish. */
   cappedWaitMs: 50,
+  /**
+   * How long a take's record is kept, for a resend of that take (see TAKE_WITHIN_CAP): the default claim idle
+   * time, after which the messages it delivered may be another consumer's anyway.
+   */
+  takeRecordMs: 120_000,
 } as const;
 
 type RawEntry = [id: string, fields: string[] | null];
@@ -21,12 +26,34 @@ type RawEntry = [id: string, fields: string[] | null];
 // TAKE_WITHIN_CAP: reads new messages for a consumer, but never more than leave `cap` pending in the group
 // across all consumers: a tenant's in-flight cap, checked and taken in one step.
 // KEYS[1]  the stream.
+// KEYS[2]  the consumer's take record in the lane (takeRecordKey): the last take's id and the ids it
+//          delivered.
 // ARGV[1]  the group.
 // ARGV[2]  the consumer.
 // ARGV[3]  how many messages to read at most.
 // ARGV[4]  the cap on the group's pending messages (0 = no cap).
+// ARGV[5]  this take's id.
+// ARGV[6]  how long the record is kept, in ms.
 // Returns {capped (1 when the cap stopped the read), entries}.
+// Safe to run twice: the client resends a take whose reply was lost with its connection, and Redis may have run
+// it. The messages the first run delivered are this consumer's, yet it never saw them: run again, the take would
+// read the next ones, and those would wait for a reclaim (the claim idle time, and one more delivery). So the
+// take whose id the record holds answers the messages it delivered, those still pending to this consumer.
 const TAKE_WITHIN_CAP = defineScript(`
+local record = redis.call('GET', KEYS[2])
+if record then
+  local take, ids = string.match(record, '^(%S+) (.*)$')
+  if take == ARGV[5] then
+    local entries = {}
+    for id in string.gmatch(ids, '[^,]+') do
+      if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) == 1 then
+        local entry = redis.call('XRANGE', KEYS[1], id, id)[1]
+        if entry then entries[#entries + 1] = entry end
+      end
+    end
+    return {0, entries}
+  end
+end
 local count = tonumber(ARGV[3])
 local cap = tonumber(ARGV[4])
 if cap > 0 then
@@ -36,7 +63,16 @@ if cap > 0 then
 end
 local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count, 'STREAMS', KEYS[1], '>')
 if not reply then return {0, {}} end
-return {0, reply[1][2]}`);
+local entries = reply[1][2]
+local ids = {}
+for i, entry in ipairs(entries) do ids[i] = entry[1] end
+redis.call('SET', KEYS[2], ARGV[5] .. ' ' .. table.concat(ids, ','), 'PX', ARGV[6])
+return {0, entries}`);
+
+/** The record of `consumer`'s last take from the lane whose stream is `stream`, in the lane's slot. */
+export function takeRecordKey(stream: string, consumer: string): string {
+  return `${stream}:taken:${consumer}`;
+}
 
 /** Options for {@linkcode createLaneReader}. */
 export interface LaneReaderOptions {
@@ -77,11 +113,14 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
   /** Takes from one lane, within its in-flight cap. @returns the messages, and whether the cap stopped it. */
   async function take(lane: QueueNames, count: number): Promise<{ messages: StreamMessage[]; capped: boolean }> {
     await groups.ready(lane);
-    const [capped, entries] = await TAKE_WITHIN_CAP.run(redis, [lane.stream], [
+    // The take's id is made before it is sent: a resend of it carries the same one.
+    const [capped, entries] = await TAKE_WITHIN_CAP.run(redis, [lane.stream, takeRecordKey(lane.stream, consumer)], [
       lane.group,
       consumer,
       count,
       options.laneMaxInFlight ?? 0,
+      crypto.randomUUID(),
+      READER_DEFAULTS.takeRecordMs,
     ]) as [number, RawEntry[]];
     // A new message has been delivered exactly once.
     const messages = entries.filter((e): e is [string, string[]] => e[1] !== null)

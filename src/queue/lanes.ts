@@ -153,6 +153,7 @@ export async function announceLane(redis: RedisClient, keys: LaneRegistryKeys, i
 // ARGV[1]  the lane id.
 // ARGV[2]  the wake-up channel.
 // Returns 1.
+// Safe to run twice (a resend after a lost reply): the sets already hold the lane; idle workers wake once more.
 const ANNOUNCE_LANE = defineScript(`
 redis.call('SADD', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[2], ARGV[1])

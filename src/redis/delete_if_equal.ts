@@ -5,6 +5,7 @@ import { defineScript } from "./script.ts";
 // KEYS[1]  the key.
 // ARGV[1]  the value it must hold, compared as a number.
 // Returns 1 when it was deleted.
+// Safe to run twice (a resend after a lost reply): the second run finds the key gone, or holding another value.
 const DELETE_IF_EQUAL = defineScript(`
 if tonumber(redis.call('GET', KEYS[1]) or '-1') == tonumber(ARGV[1]) then return redis.call('DEL', KEYS[1]) end
 return 0`);

@@ -52,6 +52,7 @@ export const LEGACY_DRAIN_DEFAULTS = {
 // ARGV[1]   JSON: { fields: [k, v, …] (the entry's), record: [k, v, …] (the old status record, [] if none),
 //           record_ttl_ms (its PTTL; <= 0: none), marker_ttl_s, lane (the lane id), wake (channel, '' for none) }.
 // Returns 1 when the entry was added, 0 when the marker says an earlier drain added it.
+// Safe to run twice (a resend after a lost reply): the marker makes the second run add nothing.
 const MOVE_INTO_LANE = defineScript(`
 local a = cjson.decode(ARGV[1])
 if not redis.call('SET', KEYS[3], '1', 'NX', 'EX', a.marker_ttl_s) then return 0 end
