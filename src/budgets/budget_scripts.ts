@@ -34,7 +34,7 @@
  */
 import type { RedisClient } from "../clients.ts";
 import { defineScript, type Script } from "../redis/script.ts";
-import type { ReplicaAck } from "../redis/replica_ack.ts";
+import { NotReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
 
 /** The four budgets' limits: tokens/day, nano-USD/day, tokens/month, nano-USD/month; -1 = none. */
 export type Limits = [number, number, number, number];
@@ -175,6 +175,8 @@ ${PRELUDE}
 if mode == 'reserve' and id ~= '' then
   local held = redis.call('HGET', key, 'R:' .. id)
   if held then
+    -- A write, so that a WAIT after this resend covers the first run's reservation on this connection too.
+    redis.call('PEXPIRE', key, ttl)
     return {1, 0, 0, 0, 0, now, day, month, '', 0, tonumber(string.match(held, '^(%d+)')), redis.call('HGET', key, 'inc') or ''}
   end
 end
@@ -257,8 +259,8 @@ const SETTLE = defineScript(`
 --   neither, in another incarnation than the one that held it (that hash was lost, and this one rebuilt from
 --   Postgres's record never held it): the whole charge is spent, and D:<id> records that it was;
 --   neither otherwise (or D:<id>): already settled, nothing is done.
--- Returns {spent x4, reserved x4 (the current periods', after this), marks, applied (1, or 0 for a repeat), the
--- hash's incarnation}: marks
+-- Returns {-1} (nothing written) when the hash has no seeded mark, else {spent x4, reserved x4 (the current
+-- periods', after this), marks, applied (1, or 0 for a repeat), the hash's incarnation}: marks
 -- lists the thresholds this settlement crossed first in its period, as 'budget:percent' separated by commas
 -- (budget 1..4, percent 80 or 100).
 local key = KEYS[1]
@@ -267,6 +269,9 @@ local rtok, rusd, ctok, cusd = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(AR
 local lim = {tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])}
 local ttl = tonumber(ARGV[10])
 local id = ARGV[12] or ''
+-- A hash without the seeded mark was lost (or predates it): a charge spent here now would be overwritten by the
+-- seed (which takes the record's spend, where this call is not yet). Nothing is written; the caller seeds first.
+if redis.call('HEXISTS', key, 'seeded') == 0 then return {-1} end
 ${PRELUDE}
 local way = 'done'
 local found = redis.call('HGET', key, 'R:' .. id)
@@ -285,6 +290,8 @@ if found then
   e, rtok, rusd = tonumber(fe), tonumber(ft), tonumber(fu)
 end
 if way == 'done' then
+  -- A write, so that a WAIT after a resend covers the first run's settlement on this connection too.
+  redis.call('PEXPIRE', key, ttl)
   local spent, reserved = state(false)
   return {spent[1], spent[2], spent[3], spent[4], reserved[1], reserved[2], reserved[3], reserved[4], '', 0,
     redis.call('HGET', key, 'inc') or ''}
@@ -423,10 +430,17 @@ async function exec(
   script: Script,
   keys: string[],
   args: (string | number)[],
+  { orAlone = false }: { orAlone?: boolean } = {},
 ): Promise<{ result: unknown; replicated: boolean }> {
   if (!ack) return { result: await script.run(redis, keys, args), replicated: true };
-  const { result, replicated } = await ack.run(script, keys, args);
-  return { result, replicated };
+  try {
+    const { result, replicated } = await ack.run(script, keys, args);
+    return { result, replicated };
+  } catch (error) {
+    // No connection came free to wait on (nothing ran): with `orAlone`, run without the WAIT rather than not at all.
+    if (!orAlone || !(error instanceof NotReplicated) || error.details.ran) throw error;
+    return { result: await script.run(redis, keys, args), replicated: false };
+  }
 }
 
 /** A reservation's answer: held (ok) or refused by the first budget that would pass its limit. */
@@ -535,6 +549,8 @@ export interface SettleReply {
   applied: boolean;
   /** The hash's incarnation now. */
   inc: string;
+  /** The hash has no seeded mark (it was lost): nothing was done; seed it, then settle again. */
+  unseeded: boolean;
   /** With a replica acknowledgement: whether enough replicas have the settlement (true without one). */
   replicated: boolean;
 }
@@ -559,19 +575,31 @@ export async function runSettle(
     BUDGET_STATE_TTL_MS,
     at.inc ?? "",
     at.id,
-  ]);
+  ], { orAlone: true });
   const r = result as (number | string)[];
+  const n = (i: number) => Number(r[i]);
+  if (n(0) === -1 && r.length === 1) {
+    return {
+      spent: [0, 0, 0, 0],
+      reserved: [0, 0, 0, 0],
+      marks: [],
+      applied: false,
+      inc: "",
+      unseeded: true,
+      replicated,
+    };
+  }
   const marks = String(r[8] ?? "").split(",").filter(Boolean).map((mark) => {
     const [budget, percent] = mark.split(":").map(Number);
     return { budget: budget! - 1, percent: percent as 80 | 100 };
   });
-  const n = (i: number) => Number(r[i]);
   return {
     spent: [n(0), n(1), n(2), n(3)],
     reserved: [n(4), n(5), n(6), n(7)],
     marks,
     applied: n(9) === 1,
     inc: String(r[10] ?? ""),
+    unseeded: false,
     replicated,
   };
 }

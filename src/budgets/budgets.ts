@@ -247,6 +247,21 @@ export interface BudgetsOptions {
 }
 
 /**
+ * Runs a budget script, and again (at most twice more, 100 ms and 200 ms later) when Redis answers with an error: the
+ * scripts are safe to run twice, and one whose reply was lost with its connection may have run.
+ */
+async function again<T>(run: () => Promise<T>): Promise<T> {
+  for (let attempt = 1;; attempt++) {
+    try {
+      return await run();
+    } catch (error) {
+      if (attempt >= 3) throw error;
+      await new Promise((resolve) => setTimeout(resolve, 100 * attempt));
+    }
+  }
+}
+
+/**
  * A reservation written on the primary that too few replicas acknowledged in time: it was released, and the call
  * does not go out (a failover could have lost it, and the call would then count against nothing).
  */
@@ -348,21 +363,30 @@ export function createBudgets(
   ) => {
     // One id for every try: an unseeded answer wrote nothing, and a resend of a try finds its own reservation.
     const id = mode === "reserve" ? crypto.randomUUID() : "";
-    // Lost again between the seed and the question (a flush in a loop): seeded again, a few times. A hash of
-    // another incarnation than this process's calls in flight were reserved in holds them again first.
-    for (let tries = 0; tries < 3; tries++) {
-      const expectInc = mode === "reserve" ? incOf(tenant) : "";
-      const reply = await runReserve(redis, key(tenant), limits, worst, mode, {
-        requireSeeded: true,
-        id,
-        ack,
-        expectInc,
-      });
-      if (reply.otherInc !== undefined) await reinstate(tenant);
-      else if (reply.unseeded) await seed(tenant);
-      else return reply;
+    try {
+      // Lost again between the seed and the question (a flush in a loop): seeded again, a few times. A hash of
+      // another incarnation than this process's calls in flight were reserved in holds them again first.
+      for (let tries = 0; tries < 3; tries++) {
+        const expectInc = mode === "reserve" ? incOf(tenant) : "";
+        const reply = await again(() =>
+          runReserve(redis, key(tenant), limits, worst, mode, { requireSeeded: true, id, ack, expectInc })
+        );
+        if (reply.otherInc !== undefined) await reinstate(tenant);
+        else if (reply.unseeded) await seed(tenant);
+        else return reply;
+      }
+      return await again(() => runReserve(redis, key(tenant), limits, worst, mode, { id, ack }));
+    } catch (error) {
+      // The reserve may have run though its caller heard an error (a reply lost with its connection, or a command
+      // ioredis aborted behind it in a pipeline): its id is released, or it would hold the budget for an epoch.
+      if (mode === "reserve") {
+        await again(() =>
+          runSettle(redis, key(tenant), { epoch: 0, inc: "", id }, worst, { tokens: 0, nanos: 0 }, limits)
+        )
+          .catch((release) => log.warn("budget_release_failed", { tenant, error: release }));
+      }
+      throw error;
     }
-    return await runReserve(redis, key(tenant), limits, worst, mode, { id, ack });
   };
 
   return {
@@ -398,7 +422,7 @@ export function createBudgets(
       if (!reply.replicated) {
         // Released at once (a settle at nothing); should that too be lost in a failover, the reservation is
         // charged whole when its epoch ends: never less than what may have run.
-        await runSettle(redis, key(tenant), reply, held, { tokens: 0, nanos: 0 }, limits).catch((error) =>
+        await again(() => runSettle(redis, key(tenant), reply, held, { tokens: 0, nanos: 0 }, limits)).catch((error) =>
           log.warn("budget_release_failed", { tenant, error })
         );
         throw new ReservationNotReplicated(tenant);
@@ -420,18 +444,23 @@ export function createBudgets(
           const mine = inFlight.get(tenant);
           mine?.delete(own.id);
           if (mine?.size === 0) inFlight.delete(tenant);
-          const after = await runSettle(
-            redis,
-            key(tenant),
-            { epoch: reply.epoch, inc: own.inc, id: own.id },
-            held,
-            {
-              tokens: charge.prompt + charge.completion,
-              nanos,
-            },
-            limits,
-            { ack },
-          );
+          const settle = () =>
+            runSettle(
+              redis,
+              key(tenant),
+              { epoch: reply.epoch, inc: own.inc, id: own.id },
+              held,
+              { tokens: charge.prompt + charge.completion, nanos },
+              limits,
+              { ack },
+            );
+          let after = await settle();
+          // The hash was lost: seeded from the record first (which has no row of this call yet), then charged.
+          for (let tries = 0; after.unseeded && tries < 3; tries++) {
+            await seed(tenant);
+            after = await settle();
+          }
+          if (after.unseeded) return log.warn("budget_settle_unseeded", { tenant });
           if (!after.replicated) log.warn("budget_settle_not_replicated", { tenant });
           // The hash was lost and rebuilt since this call was reserved: this process's other calls are held again.
           if (after.inc !== own.inc) {
@@ -514,14 +543,18 @@ export function viewsOf(limits: Limits, state: BudgetState): BudgetView[] {
   return views;
 }
 
-/** Raises the tenant's current spend in Redis to what `model_attempts` recorded (a budget set mid-period). */
+/**
+ * Raises the tenant's current spend in Redis to what `model_attempts` recorded (a budget set mid-period, a hash
+ * lost): each call at what it was charged (`charged_tokens`, `cost_usd`), so a call charged its reservation counts
+ * its reservation, not 0.
+ */
 export async function seedFromRecord(redis: RedisClient, sql: Sql, prefix: string, tenant: string): Promise<void> {
   const [row] = await sql<{ day_tok: string; day_usd: string; month_tok: string; month_usd: string }[]>`
     SELECT
-      COALESCE(sum(COALESCE(prompt_tokens, 0) + COALESCE(completion_tokens, 0))
+      COALESCE(sum(COALESCE(charged_tokens, COALESCE(prompt_tokens, 0) + COALESCE(completion_tokens, 0)))
         FILTER (WHERE started_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'), 0)::text AS day_tok,
       COALESCE(sum(cost_usd) FILTER (WHERE started_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'), 0)::text AS day_usd,
-      COALESCE(sum(COALESCE(prompt_tokens, 0) + COALESCE(completion_tokens, 0)), 0)::text AS month_tok,
+      COALESCE(sum(COALESCE(charged_tokens, COALESCE(prompt_tokens, 0) + COALESCE(completion_tokens, 0))), 0)::text AS month_tok,
       COALESCE(sum(cost_usd), 0)::text AS month_usd
     FROM model_attempts
     WHERE tenant = ${tenant}

@@ -6,8 +6,15 @@
  * The cases run back to back on one tenant's hash, as production would.
  */
 import assert from "node:assert/strict";
-import { budgetKey, createBudgets, ReservationNotReplicated } from "../../src/budgets/budgets.ts";
-import { type Limits, readBudgetState, runReserve, runSettle } from "../../src/budgets/budget_scripts.ts";
+import { budgetKey, createBudgets, ReservationNotReplicated, seedFromRecord } from "../../src/budgets/budgets.ts";
+import { afterEachScript } from "../support/resending_redis.ts";
+import {
+  type Limits,
+  readBudgetState,
+  runReserve,
+  runSettle,
+  seedBudgetState,
+} from "../../src/budgets/budget_scripts.ts";
 import { createReplicaAck } from "../../src/redis/replica_ack.ts";
 import { createPrices } from "../../src/provider/prices.ts";
 import { silentLogger } from "../../src/log/logger.ts";
@@ -26,6 +33,7 @@ Deno.test("budget scripts applied twice (a resend after a lost reply) change the
     return { spent: s.spent[0], reserved: s.reserved[0] };
   };
   try {
+    await seedBudgetState(r.redis, key, [0, 0, 0, 0]);
     await t.step("a reserve run twice holds one reservation, and answers the second run as the first", async () => {
       const id = crypto.randomUUID();
       const first = await runReserve(r.redis, key, LIMITS, worst(600), "reserve", { id });
@@ -58,6 +66,10 @@ Deno.test("budget scripts applied twice (a resend after a lost reply) change the
       const held = await runReserve(r.redis, key, LIMITS, worst(500), "reserve");
       assert.ok(held.ok);
       await r.redis.del(key);
+      // Settled before the rebuild: nothing is written (the seed would overwrite it), and the caller seeds first.
+      assert.equal((await runSettle(r.redis, key, held, worst(500), worst(120), LIMITS)).unseeded, true);
+      assert.equal(await r.redis.exists(key), 0);
+      await seedBudgetState(r.redis, key, [0, 0, 0, 0]);
       const settle = () => runSettle(r.redis, key, held, worst(500), worst(120), LIMITS);
       assert.equal((await settle()).applied, true);
       assert.equal((await settle()).applied, false);
@@ -114,6 +126,75 @@ Deno.test("another process's call in flight when the hash is lost is held again 
     // So 1,000 - 240 - 400 = 360 is left: 400 more does not fit.
     await assert.rejects(two.reserve("acme", "m", { prompt: 350, completion: 50 }), /budget/i);
     await other.settle({ value: { text: "x", usage: { prompt_tokens: 50, completion_tokens: 10 } } } as never);
+  } finally {
+    await r.close();
+    await db.close();
+  }
+});
+
+Deno.test("a reserve that ran though its caller heard an error is asked again with its id, or released", async () => {
+  const db = await createTestDatabase();
+  const r = await createTestRedis();
+  try {
+    await createApiKey(db.sql, "acme");
+    await setTenantBudget(db.sql, "acme", { "--tokens-per-day": 10_000 });
+    await seedFromRecord(r.redis, db.sql, r.prefix, "acme");
+    // The next `failures` scripts run in Redis, and their callers hear an error instead of the reply: a reply lost
+    // with its connection, or a command ioredis aborted behind it in a pipeline ("Command aborted due to
+    // connection close"), after Redis had run it.
+    let failures = 0;
+    const faulty = afterEachScript(r.redis, () => {
+      if (failures <= 0) return Promise.resolve();
+      failures--;
+      return Promise.reject(new Error("Command aborted due to connection close"));
+    });
+    const budgets = createBudgets({ redis: faulty, sql: db.sql, log: silentLogger }, {
+      prefix: r.prefix,
+      prices: createPrices({}),
+    });
+    const reserved = async () => (await readBudgetState(r.redis, budgetKey(r.prefix, "acme"))).reserved[0];
+
+    // One lost reply: asked again with the same id, it finds its own reservation; held once, not twice.
+    failures = 1;
+    const held = await budgets.reserve("acme", "m", { prompt: 100, completion: 50 });
+    assert.ok(held);
+    assert.equal(await reserved(), 150);
+    await held.settle({ value: { text: "x", usage: { prompt_tokens: 100, completion_tokens: 10 } } } as never);
+    assert.equal(await reserved(), 0);
+
+    // Every try lost: the call does not go out, and the reservation that ran is released (before, it held the
+    // budget until its epoch ended, then was charged whole).
+    failures = 3;
+    await assert.rejects(budgets.reserve("acme", "m", { prompt: 100, completion: 50 }), /aborted/);
+    const s = await readBudgetState(r.redis, budgetKey(r.prefix, "acme"));
+    assert.deepEqual([s.spent[0], s.reserved[0]], [110, 0]);
+  } finally {
+    await r.close();
+    await db.close();
+  }
+});
+
+Deno.test("a settlement that comes first after the hash is lost is charged on top of the rebuilt spend", async () => {
+  const db = await createTestDatabase();
+  const r = await createTestRedis();
+  try {
+    await createApiKey(db.sql, "acme");
+    await setTenantBudget(db.sql, "acme", { "--tokens-per-day": 10_000 });
+    await db.sql`INSERT INTO model_attempts
+      (job_id, tenant, delivery, attempt, started_at, duration_ms, outcome, prompt_tokens, completion_tokens, model)
+      VALUES (${crypto.randomUUID()}, 'acme', 1, 1, now(), 10, 'ok', 600, 200, 'm')`;
+    const budgets = createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger }, {
+      prefix: r.prefix,
+      prices: createPrices({}),
+    });
+    const key = budgetKey(r.prefix, "acme");
+    const held = (await budgets.reserve("acme", "m", { prompt: 1000, completion: 2000 }))!;
+    await r.redis.del(key);
+    // The call's settlement is the first to touch the lost hash (its attempt row is not written yet). Before, it
+    // charged 1,100 into the empty hash, and the seed then raised spend to the record's 800 only if more: 1,100.
+    await held.settle({ value: { text: "x", usage: { prompt_tokens: 1000, completion_tokens: 100 } } } as never);
+    const s = await readBudgetState(r.redis, key);
+    assert.deepEqual([s.spent[0], s.reserved[0], s.seeded], [1900, 0, true]);
   } finally {
     await r.close();
     await db.close();

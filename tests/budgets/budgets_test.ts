@@ -12,7 +12,13 @@ import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
 import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import { budgetKey, createBudgets, warnUnpricedModels, worstCaseTokens } from "../../src/budgets/budgets.ts";
-import { readBudgetState, RESERVATION_EPOCH_MS, runReserve, runSettle } from "../../src/budgets/budget_scripts.ts";
+import {
+  readBudgetState,
+  RESERVATION_EPOCH_MS,
+  runReserve,
+  runSettle,
+  seedBudgetState,
+} from "../../src/budgets/budget_scripts.ts";
 import { createPrices } from "../../src/provider/prices.ts";
 import { createRegistry } from "../../src/metrics/metrics.ts";
 import { budgetEvents } from "../../src/budgets/budget_metrics.ts";
@@ -308,6 +314,7 @@ Deno.test("a reservation never settled (its worker killed mid-call) is charged a
   try {
     const key = budgetKey(r.prefix, "t");
     const limits: [number, number, number, number] = [1_000, -1, -1, -1];
+    await seedBudgetState(r.redis, key, [0, 0, 0, 0]);
     // A worker reserves, then is killed before it settles: its reservation is held, not spent.
     const held = await runReserve(r.redis, key, limits, { tokens: 300, nanos: 0 }, "reserve");
     assert.ok(held.ok);
