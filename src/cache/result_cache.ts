@@ -1,7 +1,8 @@
 /**
  * The result cache: a done run's output, reused by a later run of the same
- * tenant, task version, model and input within the TTL (the version's
- * `cache_ttl_s`, else `RESULT_CACHE_TTL_S`; 0 = off), with no model call.
+ * tenant, task version, definition, model and input within the TTL (the
+ * version's `cache_ttl_s`, else `RESULT_CACHE_TTL_S`; 0 = off), with no
+ * model call.
  *
  * Entries live in Redis under the tenant's hash tag (`{t:<tenant>}`), so every
  * step is one script in one Redis Cluster slot, and a tenant only ever reads
@@ -78,6 +79,13 @@ export interface CacheableRun {
   version: number;
   /** The model the run asks. */
   model: string;
+  /**
+   * The task version's definition (prompt, system, models, schemas, output cap...): a digest of it is part of
+   * the key. A tenant's version never changes, but the built-in `summarize` is version 1 in every release: a
+   * release that changes its prompt must miss, not serve the old prompt's results for up to a year. Unset (a
+   * caller that has none) counts as one definition of its own.
+   */
+  definition?: unknown;
   input: unknown;
   /** The task version's `cache_ttl_s`, if it sets one. */
   ttlS?: number;
@@ -245,11 +253,32 @@ export function createResultCache(
 }
 
 /**
- * What names a run's cache entry: the hash of its tenant, task, version, model and input, the input in canonical
- * JSON (key-order independent: equal inputs hash equally however the client spelled them).
+ * What names a run's cache entry: the hash of its tenant, task, version, definition's digest, model and input,
+ * the input in canonical JSON (key-order independent: equal inputs hash equally however the client spelled them).
  */
-export function cacheKeyHash(run: Pick<CacheableRun, "tenant" | "task" | "version" | "model" | "input">): string {
-  return sha256Hex(canonicalJson([run.tenant, run.task, run.version, run.model, run.input]));
+export function cacheKeyHash(
+  run: Pick<CacheableRun, "tenant" | "task" | "version" | "definition" | "model" | "input">,
+): string {
+  const digest = definitionDigest(run.definition);
+  return sha256Hex(canonicalJson([run.tenant, run.task, run.version, digest, run.model, run.input]));
+}
+
+/** Digests of definitions seen, by object: a task version is loaded once and kept, so each is hashed once. */
+const digests = new WeakMap<object, string>();
+
+/**
+ * SHA-256 of a task definition in canonical JSON (equal definitions digest equally, whatever their key order);
+ * null for none.
+ */
+export function definitionDigest(definition: unknown): string | null {
+  if (definition === undefined) return null;
+  if (definition === null || typeof definition !== "object") return sha256Hex(canonicalJson(definition));
+  let digest = digests.get(definition);
+  if (digest === undefined) {
+    digest = sha256Hex(canonicalJson(definition));
+    digests.set(definition, digest);
+  }
+  return digest;
 }
 
 function parseEntry(text: string): CacheEntry | undefined {

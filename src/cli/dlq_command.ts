@@ -14,9 +14,10 @@ const USAGE = "Usage: deno task dlq list [--json|--table] | replay ID [--tenant 
  * job_id, tenant, reason, deliveries) when piped or with `--json`, and a
  * table on a terminal or with `--table`, then (on `err`) how many dead
  * letters the caps dropped. Replay re-enqueues with the original job id and
- * removes the dead entry; replaying twice is harmless. It refuses, by name,
- * a dead letter whose job is already done or cancelled (a summary, an outbox
- * row or such an outcome in Postgres), or that is truncated or too old.
+ * removes the dead entry; replaying twice is harmless, also two at once (each
+ * dead letter is replayed once). It refuses, by name, a dead letter whose job
+ * is already done or cancelled (a summary, an outbox row or such an outcome
+ * in Postgres), that is truncated or too old, or that another replay holds.
  * With `ack` (REDIS_MIN_REPLICAS_ACK), each replay waits for the replicas;
  * the first one they do not acknowledge in time stops the replay, exit code 3.
  * @returns the process exit code.

@@ -59,6 +59,8 @@ export interface AttemptRow {
   cost_usd: string | null;
   /** The deployment that served the call (the model's name until deployments exist). */
   deployment: string;
+  /** The tokens charged against the tenant's budgets (reported, or the reservation; see `attemptCharge`). */
+  charged_tokens?: number | null;
 }
 
 /**
@@ -288,20 +290,36 @@ export async function doneLastMinute(sql: Queryable): Promise<{ tenant: string; 
     WHERE outcome = 'done' AND decided_at > now() - interval '1 minute' GROUP BY tenant`;
 }
 
-/** Inserts recorded model attempts, in one statement. */
+/** The largest value of a Postgres `integer` column. */
+const INT4_MAX = 2_147_483_647;
+
+/** A count as an `integer` column can hold it: a whole number from 0 to {@linkcode INT4_MAX}, else NULL. */
+function storableCount(value: number | null): number | null {
+  return typeof value === "number" && Number.isInteger(value) && value >= 0 && value <= INT4_MAX ? value : null;
+}
+
+/**
+ * Inserts recorded model attempts, in one statement. Token counts and statuses an `integer` cannot hold (a
+ * fraction, a negative, `1e15`, a string) are stored as NULL, unknown: one such value must not fail the
+ * statement, which would lose every other row of the batch (other tenants' calls). Other bad values still fail
+ * it; the attempt log then writes the batch in parts (`attempt_log.ts`).
+ */
 export async function insertAttempts(sql: Queryable, rows: AttemptRow[]): Promise<void> {
   const col = <K extends keyof AttemptRow>(k: K) => rows.map((r) => r[k]);
+  const counts = (k: "prompt_tokens" | "completion_tokens" | "status") => col(k).map(storableCount);
   await sql`
     INSERT INTO model_attempts (job_id, tenant, delivery, attempt, started_at, duration_ms, outcome, status,
-      prompt_tokens, completion_tokens, provider_request_id, model, error, task, version, cost_usd, deployment)
+      prompt_tokens, completion_tokens, provider_request_id, model, error, task, version, cost_usd, deployment,
+      charged_tokens)
     SELECT * FROM unnest(
       ${col("job_id")}::uuid[], ${col("tenant")}::text[], ${col("delivery")}::int[], ${col("attempt")}::int[],
       ${col("started_at").map((d) => d.toISOString())}::timestamptz[], ${col("duration_ms")}::float8[],
-      ${col("outcome")}::text[], ${col("status") as (number | null)[]}::int[],
-      ${col("prompt_tokens") as (number | null)[]}::int[], ${col("completion_tokens") as (number | null)[]}::int[],
+      ${col("outcome")}::text[], ${counts("status")}::int[],
+      ${counts("prompt_tokens")}::int[], ${counts("completion_tokens")}::int[],
       ${col("provider_request_id") as (string | null)[]}::text[], ${col("model")}::text[],
       ${col("error") as (string | null)[]}::text[], ${col("task")}::text[], ${col("version")}::int[],
-      ${col("cost_usd") as (string | null)[]}::numeric[], ${col("deployment")}::text[]
+      ${col("cost_usd") as (string | null)[]}::numeric[], ${col("deployment")}::text[],
+      ${col("charged_tokens").map((v) => v ?? null)}::bigint[]
     )`;
 }
 

@@ -6,6 +6,7 @@
  */
 import type { Sql } from "postgres";
 import { createBatcher } from "../async/batcher.ts";
+import { sleep } from "../async/timeout.ts";
 import type { Logger } from "../log/logger.ts";
 import { type Mailer, PermanentMailError } from "../mail/mailer.ts";
 import { isRetryable, reasonOf } from "../retry/classify.ts";
@@ -14,7 +15,7 @@ import { contextFrom, inSpan } from "../tracing.ts";
 import * as outbox from "./outbox_store.ts";
 import type { ClaimedRow } from "./outbox_store.ts";
 import type { SendStats } from "./_send_stats.ts";
-import type { Deferral, OutboxSender, PayloadLoader, RelayEvents, Renderer } from "./relay.ts";
+import type { Deferral, LeasedRow, OutboxSender, PayloadLoader, RelayEvents, Renderer } from "./relay.ts";
 
 /** What a relay's delivery needs: its clients, its hooks, and its memory of sends. */
 export interface DeliveryDeps {
@@ -41,17 +42,25 @@ export interface DeliverySettings {
   lastErrorMaxChars: number;
   /** The most rows one mark-sent statement covers. */
   markSentMaxBatch: number;
+  /** A failed mark's first wait before it is written again (full jitter), doubling per try up to the cap. */
+  markRetryBaseMs: number;
+  markRetryCapMs: number;
+  /** How much of the lease must be left after a wait for the mark to be tried again. */
+  markLeaseMarginMs: number;
+  /** The relay's monotonic clock, in ms: the clock of each row's `leaseEndsMs`. */
+  now: () => number;
 }
 
 /** A relay's sending. */
 export interface Delivery {
   /** Applies the rate-limit deferral and destination backoff to claimed rows, then loads what the rest need. */
-  admit(claimed: ClaimedRow[]): Promise<ClaimedRow[]>;
+  admit(claimed: LeasedRow[]): Promise<LeasedRow[]>;
   /**
    * Sends one admitted row and records its outcome. Never throws. `answered` is called once the provider has
-   * accepted the row, before it is marked sent (the mark is a write of ours, not a send).
+   * accepted the row, before it is marked sent (the mark is a write of ours, not a send, tried again within the
+   * row's lease when it fails).
    */
-  send(row: ClaimedRow, answered?: () => void): Promise<void>;
+  send(row: LeasedRow, answered?: () => void): Promise<void>;
 }
 
 /** Creates a relay's sending. */
@@ -59,7 +68,7 @@ export function createDelivery(deps: DeliveryDeps, settings: DeliverySettings): 
   const { sql, mailer, render, senders, load, defer, log, events, stats, stopping } = deps;
   const recordingFailures = new Set<Promise<void>>();
 
-  async function admit(claimed: ClaimedRow[]): Promise<ClaimedRow[]> {
+  async function admit(claimed: LeasedRow[]): Promise<LeasedRow[]> {
     if (claimed.length === 0) return [];
     const waits = defer ? await defer(claimed) : new Map<string, number>();
     const deferred = waits.size;
@@ -131,7 +140,35 @@ export function createDelivery(deps: DeliveryDeps, settings: DeliverySettings): 
     return items.map(() => undefined);
   }, { maxBatch: settings.markSentMaxBatch });
 
-  async function send(row: ClaimedRow, answered?: () => void): Promise<void> {
+  /**
+   * Marks a row the provider accepted as sent. A row left unmarked is sent again once its lease runs out, and
+   * a webhook receiver, unlike the mail provider, may not dedupe that second POST: so a failed mark (a Postgres
+   * blip) is written again, with backoff, while the lease leaves room. Only when the next try could not end a
+   * margin before the lease does is it given up, and the row left to the lease (the duplicate window).
+   */
+  async function recordSent(row: LeasedRow, providerId: string): Promise<void> {
+    for (let tries = 1;; tries++) {
+      try {
+        return await markSent({ id: row.id, providerId });
+      } catch (error) {
+        const { markRetryBaseMs: baseMs, markRetryCapMs: capMs, random } = settings;
+        const waitMs = Math.round(random() * Math.min(capMs, baseMs * 2 ** (tries - 1)));
+        const leftMs = Math.round(row.leaseEndsMs - settings.now());
+        const fields = { outbox_id: row.id, tries, lease_left_ms: leftMs, error };
+        if (stopping.aborted || leftMs - waitMs < settings.markLeaseMarginMs) {
+          return log.error("outbox_record_failed", { ...fields, gave_up: true });
+        }
+        log.warn("outbox_mark_retry", { ...fields, wait_ms: waitMs });
+        try {
+          await sleep(waitMs, stopping);
+        } catch {
+          return log.error("outbox_record_failed", { ...fields, gave_up: true });
+        }
+      }
+    }
+  }
+
+  async function send(row: LeasedRow, answered?: () => void): Promise<void> {
     const started = performance.now();
     let providerId: string | undefined;
     try {
@@ -169,8 +206,7 @@ export function createDelivery(deps: DeliveryDeps, settings: DeliverySettings): 
     stats.succeeded(row);
     events.sent?.(row, performance.now() - started);
     answered?.();
-    await markSent({ id: row.id, providerId: providerId ?? "" })
-      .catch((e) => log.error("outbox_record_failed", { outbox_id: row.id, error: e }));
+    await recordSent(row, providerId ?? "");
   }
 
   return { admit, send };

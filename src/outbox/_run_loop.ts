@@ -7,8 +7,9 @@
 import type { Sql } from "postgres";
 import { sleep } from "../async/timeout.ts";
 import type { Logger } from "../log/logger.ts";
-import type { ClaimedRow, ClaimLimits } from "./outbox_store.ts";
+import type { ClaimLimits } from "./outbox_store.ts";
 import type { Delivery } from "./_delivery.ts";
+import type { LeasedRow } from "./relay.ts";
 import type { SendStats } from "./_send_stats.ts";
 
 /** What the loop needs from its relay. */
@@ -18,7 +19,7 @@ export interface RunLoopDeps {
   delivery: Delivery;
   stats: SendStats;
   /** Claims due rows within the limits under the relay's lease. */
-  claimRows(limits: ClaimLimits): Promise<{ rows: ClaimedRow[]; more: boolean }>;
+  claimRows(limits: ClaimLimits): Promise<{ rows: LeasedRow[]; more: boolean }>;
   /** The relay's shutdown: aborted when the grace after a stop runs out, which cuts off sends in flight. */
   stopping: AbortController;
 }
@@ -82,7 +83,7 @@ export async function runRelayLoop(deps: RunLoopDeps, settings: RunLoopSettings,
   };
   signal.addEventListener("abort", onAbort);
 
-  const start = (row: ClaimedRow) => {
+  const start = (row: LeasedRow) => {
     const { destination, owner } = row;
     count(perDestination, destination, 1);
     if (owner !== "") count(perOwner, owner, 1);

@@ -9,6 +9,11 @@ import { createSendStats, NO_BUDGET } from "./_send_stats.ts";
 
 export type { ClaimedRow, OutboxRow } from "./outbox_store.ts";
 
+/** A row this relay claimed, with when its lease ends on the relay's clock (`now`; never later than in Postgres). */
+export interface LeasedRow extends ClaimedRow {
+  leaseEndsMs: number;
+}
+
 /**
  * The destination of every row that is not a webhook: the one mail provider (no host name has a space).
  * Migration 009 spells it in the stored `destination` column; the two must stay the same.
@@ -79,7 +84,7 @@ export interface RelayOptions {
   destinationBackoffBaseMs?: number;
   destinationBackoffCapMs?: number;
   random?: () => number;
-  /** A monotonic clock in ms, for destination backoff. */
+  /** A monotonic clock in ms, for destination backoff and for how much of a row's lease is left. */
   now?: () => number;
   events?: RelayEvents;
 }
@@ -104,9 +109,9 @@ export interface Relay {
    */
   runOnce(): Promise<number>;
   /** Claims up to `batch` due rows under a lease (exposed for crash tests). */
-  claim(): Promise<ClaimedRow[]>;
+  claim(): Promise<LeasedRow[]>;
   /** Sends claimed rows and records each outcome (exposed for crash tests). */
-  deliver(rows: ClaimedRow[]): Promise<void>;
+  deliver(rows: LeasedRow[]): Promise<void>;
   /**
    * Loops until `signal` aborts: keeps up to `batch` sends in flight, each destination and each tenant's webhooks
    * within their shares (see `destinationShare`, `tenantShare`), and claims more as slots free up; wakes on NOTIFY, falls back to a slow poll; on stop,
@@ -136,6 +141,12 @@ export const RELAY_TUNING = {
   lastErrorMaxChars: 1_000,
   /** The most rows one mark-sent statement covers. */
   markSentMaxBatch: 500,
+  /** A failed "sent" mark is written again after a random wait of up to this, doubling with each try... */
+  markRetryBaseMs: 100,
+  /** ...up to this, */
+  markRetryCapMs: 2_000,
+  /** ...while the row's lease has more than this left after the wait; then it is given up (the lease re-sends it). */
+  markLeaseMarginMs: 1_000,
 } as const;
 
 /**
@@ -143,9 +154,11 @@ export const RELAY_TUNING = {
  * a claim stamps `locked_until` and a token in one short statement, the send
  * happens outside any transaction, and a second short statement records the
  * outcome. `FOR UPDATE SKIP LOCKED` keeps concurrent relays off each other's
- * rows. A crash after the provider accepted a send but before we recorded it
- * is the one duplicate window; the row's dedupe key, passed to the provider
- * as its Idempotency-Key, closes it.
+ * rows. A "sent" mark that fails is written again while the row's lease
+ * leaves room. A crash after the provider accepted a send but before we
+ * recorded it (or a mark that failed until the lease was nearly over) is the
+ * one duplicate window; the row's dedupe key, passed to the provider as its
+ * Idempotency-Key, closes it.
  *
  * Rows are sent independently: each outcome is recorded when its own send
  * ends, and {@linkcode Relay.run} claims more as slots free up, so a receiver
@@ -198,10 +211,19 @@ export function createRelay(
     random: options.random ?? Math.random,
     lastErrorMaxChars: RELAY_TUNING.lastErrorMaxChars,
     markSentMaxBatch: RELAY_TUNING.markSentMaxBatch,
+    markRetryBaseMs: RELAY_TUNING.markRetryBaseMs,
+    markRetryCapMs: RELAY_TUNING.markRetryCapMs,
+    markLeaseMarginMs: RELAY_TUNING.markLeaseMarginMs,
+    now,
   });
-  const claimRows = (limits: ClaimLimits) => outbox.claimRows(sql, limits, options.leaseMs);
+  // The lease is counted from before the claim's statement is sent, so it ends here no later than in Postgres.
+  const claimRows = async (limits: ClaimLimits): Promise<{ rows: LeasedRow[]; more: boolean }> => {
+    const leaseEndsMs = now() + options.leaseMs;
+    const { rows, more } = await outbox.claimRows(sql, limits, options.leaseMs);
+    return { rows: rows.map((row) => ({ ...row, leaseEndsMs })), more };
+  };
 
-  async function claim(): Promise<ClaimedRow[]> {
+  async function claim(): Promise<LeasedRow[]> {
     const { rows } = await claimRows({
       limit: options.batch,
       destinations: {
@@ -213,7 +235,7 @@ export function createRelay(
     return rows;
   }
 
-  async function deliver(claimed: ClaimedRow[]): Promise<void> {
+  async function deliver(claimed: LeasedRow[]): Promise<void> {
     const rows = await delivery.admit(claimed);
     await Promise.all(rows.map((row) => delivery.send(row)));
   }

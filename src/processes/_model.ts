@@ -10,13 +10,14 @@ import { KEY_PREFIX } from "../summaries/keys.ts";
 
 const DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1";
 
-/** The configured model. */
-export function buildLlm(config: Config): LLM {
+/** The configured model; `log` hears of usage the provider reported and we refused. */
+export function buildLlm(config: Config, log?: Logger): LLM {
   if (config.LLM_PROVIDER === "extractive") return createExtractiveLlm();
   return createOpenAiLlm({
     apiKey: config.OPENAI_API_KEY!,
     model: config.OPENAI_MODEL,
     baseURL: config.OPENAI_BASE_URL,
+    log,
   });
 }
 

@@ -46,7 +46,7 @@ export async function startWorker(
   const worker = createSummaryWorker({
     redis,
     sql,
-    llm: buildLlm(config),
+    llm: buildLlm(config, log),
     log,
     flow,
     tasks: createTaskCache(sql),

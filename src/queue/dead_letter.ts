@@ -1,17 +1,27 @@
-import type { ChainableCommander } from "ioredis";
 import type { RedisClient } from "../clients.ts";
-import { defineScript } from "../redis/script.ts";
 import { NotReplicated, notReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
-import { queueDeadLetterTrim } from "./dead_letter_trim.ts";
+import { runDeadLetter } from "./dead_letter_script.ts";
 import { fieldsToObject, type QueueNames, type StreamMessage } from "./message.ts";
+import { runClaimReplay } from "./replay_claim_script.ts";
+import { runReplay } from "./replay_script.ts";
 
-/** Adds app-specific commands (e.g. marking a job failed) to the dead-letter MULTI. Keys must share the queue's hash tag. */
+/**
+ * A change to an application record made by the dead-letter script, and only when that script dead-letters the
+ * message: HSET `set` on `key`, then EXPIRE `ttl_s` when given. The key must share the queue's hash tag.
+ */
+export interface DeadLetterRecord {
+  key: string;
+  /** Field, value, field, value, ... */
+  set: string[];
+  ttl_s?: number;
+}
+
+/** Names the record a dead-lettering changes (e.g. marking the job failed), as data for the dead-letter script. */
 export type DeadLetterHook = (
-  multi: ChainableCommander,
   message: StreamMessage,
   reason: string,
   names: QueueNames,
-) => void;
+) => DeadLetterRecord | undefined;
 
 /** Fields the dead entry carries besides the original ones. */
 const META = ["dead_reason", "dead_deliveries", "dead_at", "original_id", "dead_truncated"] as const;
@@ -65,13 +75,18 @@ export class DeadLetterTruncated extends Error {
 
 /**
  * Moves a message to the dead-letter stream: XADD to the dead stream, XACK
- * and XDEL on the job stream, in one MULTI/EXEC, so a message is never both
+ * and XDEL on the job stream, in one script, so a message is never both
  * dead and pending, nor acknowledged and lost. The dead entry records the
  * reason, the delivery count and the original fields (tenant included),
  * each cut to `DEAD_LETTER_BOUNDS.keptFieldChars`; `dead_truncated` names the
  * fields that were cut, and such an entry is listed but never replayed.
- * The same step trims the dead-letter stream to its bounds and counts what
- * that dropped. @returns how many older dead letters were dropped.
+ * The same step changes the record `hook` names, trims the dead-letter
+ * stream to its bounds and counts what that dropped.
+ *
+ * Safe to run twice: the script acts only while the message is pending in
+ * the group or still in the stream, so a resend after a lost reply (or a
+ * late second delivery) finds it gone and writes nothing.
+ * @returns how many older dead letters were dropped (0 when the message was already gone: nothing written).
  */
 export async function deadLetter(
   redis: RedisClient,
@@ -95,22 +110,20 @@ export async function deadLetter(
     dead_truncated: truncated.join(","),
   };
   for (const k of META) entry.push(k, meta[k]);
-  const minId = `${Date.now() - DEAD_LETTER_BOUNDS.maxAgeS * 1000}-0`;
-  const multi = redis.multi()
-    .xadd(names.dead, "*", ...entry)
-    .xack(names.stream, names.group, message.id)
-    .xdel(names.stream, message.id);
-  queueDeadLetterTrim(multi, {
-    dead: names.dead,
-    dropped: droppedKey(names),
-    maxEntries: DEAD_LETTER_BOUNDS.maxEntries,
-    minId,
+  const record = hook?.(message, reason, names);
+  const keys: [string, string, string] = [names.stream, names.dead, droppedKey(names)];
+  // A cut can split an emoji's surrogate pair. JSON would escape the lone half (`\uD83D`), which the script's cjson
+  // refuses, and the message would never leave its lane: U+FFFD instead, as a plain argument's UTF-8 encoding has it.
+  const wellFormed = (values: string[]) => values.map((v) => v.toWellFormed());
+  const reply = await runDeadLetter(redis, record ? [...keys, record.key] : keys, {
+    group: names.group,
+    id: message.id,
+    entry: wellFormed(entry),
+    max_entries: DEAD_LETTER_BOUNDS.maxEntries,
+    min_id: `${Date.now() - DEAD_LETTER_BOUNDS.maxAgeS * 1000}-0`,
+    ...(record ? { set: wellFormed(record.set), ttl_s: record.ttl_s ?? 0 } : {}),
   });
-  hook?.(multi, message, reason, names);
-  const results = await multi.exec();
-  if (!results) throw new Error("Dead-letter transaction was aborted");
-  for (const [error] of results) if (error) throw error;
-  return Number(results[3]![1]);
+  return reply ? reply[1] : 0;
 }
 
 /** How many dead letters the caps have dropped from `names.dead`, ever. */
@@ -189,44 +202,67 @@ export interface RecordUpdate {
   /** Field, value, field, value, ... */
   set: string[];
   del: string[];
+  /** Also remove the record's expiry (PERSIST), for a record that lives as long as its job is queued. */
+  persist?: boolean;
 }
 
-// REPLAY: re-enqueues a dead letter and removes it from the dead stream, atomically, and only if it is still
-// there: replaying the same id twice enqueues once. An optional record changes in the same step, so a replayed
-// job never reads as failed while it is queued. An entry whose fields were truncated is left alone.
-// KEYS[1]  the job stream.
-// KEYS[2]  the dead-letter stream.
-// KEYS[3]  optional: the record to change (same hash tag).
-// ARGV[1]  JSON: { dead_id, meta: [the metadata fields, dropped from the re-enqueued entry], and with KEYS[3]:
-//          match: { field, value } (change the record only when the entry's field has that value),
-//          set: [field, value, …] (HSET), del: [field, …] (HDEL) }.
-// Returns the new entry id, false when there is no such dead letter, or {truncated fields} when it was cut.
-const REPLAY = defineScript(`
-local a = cjson.decode(ARGV[1])
-local entries = redis.call('XRANGE', KEYS[2], a.dead_id, a.dead_id)
-if #entries == 0 then return false end
-local meta = {}
-for _, name in ipairs(a.meta) do meta[name] = true end
-local flat = entries[1][2]
-for i = 1, #flat, 2 do
-  if flat[i] == 'dead_truncated' and flat[i + 1] ~= '' then return {flat[i + 1]} end
-end
-local fields, matched = {}, false
-for i = 1, #flat, 2 do
-  local k = flat[i]
-  if not meta[k] then
-    table.insert(fields, k)
-    table.insert(fields, flat[i + 1])
-    if KEYS[3] and k == a.match.field and flat[i + 1] == a.match.value then matched = true end
-  end
-end
-local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
-redis.call('XDEL', KEYS[2], a.dead_id)
-if matched then
-  if #a.set > 0 then redis.call('HSET', KEYS[3], unpack(a.set)) end
-  if #a.del > 0 then redis.call('HDEL', KEYS[3], unpack(a.del)) end
-end
-return id`);
+/**
+ * How long a replay holds a dead letter it claimed (`claimMs`; a replay that
+ * stopped midway blocks others no longer), and how long the record of a
+ * replay that ran is kept (`keptMs`), so that the same replay sent again
+ * after a lost reply, or another replay of the same dead letter, learns
+ * what happened instead of finding the dead letter merely gone.
+ */
+export const REPLAY_BOUNDS = { claimMs: 30_000, keptMs: 3_600_000 };
+
+/** The replay record of dead letter `deadId` (same hash tag as `names.dead`). */
+export function replayKey(names: QueueNames, deadId: string): string {
+  return `${names.dead}:replay:${deadId}`;
+}
+
+/** A replay that could not claim its dead letter, or that found it taken when it ran. */
+export type ReplayMiss =
+  /** Another replay ran: its new entry. */
+  | { kind: "replayed_elsewhere"; newId: string }
+  /** Another replay holds it (claimed, not yet run). */
+  | { kind: "held" }
+  /** No such dead letter: never there, trimmed, or deleted. */
+  | { kind: "gone" };
+
+/** A replay of one dead letter, named by its token: what the scripts take to tell it from any other. */
+export interface ReplayClaim {
+  deadId: string;
+  token: string;
+}
+
+/**
+ * Claims dead letter `deadId` for the replay `token` for `REPLAY_BOUNDS.claimMs`, so that another replay of it
+ * stops before it changes anything. Claiming again with the same token (a resend) renews the claim.
+ * @returns null when claimed, else why not.
+ */
+export async function claimReplay(
+  redis: RedisClient,
+  names: QueueNames,
+  { deadId, token }: ReplayClaim,
+): Promise<ReplayMiss | null> {
+  const reply = await runClaimReplay(redis, [names.dead, replayKey(names, deadId)], {
+    dead_id: deadId,
+    token,
+    claim_ms: REPLAY_BOUNDS.claimMs,
+  });
+  if (reply === "ok") return null;
+  if (reply[0] === "replayed") return { kind: "replayed_elsewhere", newId: reply[1] };
+  return { kind: reply[0] === "claimed" ? "held" : "gone" };
+}
+
+/** Gives up the claim of replay `token` (one that decided not to replay); another replay's claim is left alone. */
+export async function releaseReplay(
+  redis: RedisClient,
+  names: QueueNames,
+  { deadId, token }: ReplayClaim,
+): Promise<void> {
+  await runClaimReplay(redis, [names.dead, replayKey(names, deadId)], { dead_id: deadId, token, claim_ms: 0 });
+}
 
 /** A replay done on the primary that too few replicas acknowledged in time: it may be lost in a failover. */
 export class ReplayNotReplicated extends NotReplicated {
@@ -242,15 +278,51 @@ export class ReplayNotReplicated extends NotReplicated {
 }
 
 /**
- * Re-enqueues a dead letter with its original fields (so the original job
- * id) and deletes it from the dead stream, atomically, applying `record` in
- * the same step. With `ack` (REDIS_MIN_REPLICAS_ACK), a WAIT follows the
- * script in the same round trip.
- * @returns the new stream entry id, or null if no such dead letter exists.
+ * Replays dead letter `claim.deadId` as the replay `claim.token`: re-enqueues
+ * it with its original fields (so the original job id) and deletes it from
+ * the dead stream, atomically, applying `record` in the same step. It runs
+ * unless another replay holds the dead letter or ran; the token need not have
+ * claimed it first. Safe to run twice: the same replay sent again answers
+ * its new entry and enqueues nothing more. With `ack`
+ * (REDIS_MIN_REPLICAS_ACK), a WAIT follows the script in the same round trip.
+ * @returns the new stream entry's id, or why nothing was done.
  * @throws DeadLetterTruncated if the entry kept only part of its payload.
  * @throws DeadLetterExpired if it is older than `DEAD_LETTER_BOUNDS.maxAgeS`.
  * @throws ReplayNotReplicated if it was replayed but fewer than `ack.replicas` replicas acknowledged it in time.
  * @throws NotReplicated if no connection came free to wait for them (nothing was done).
+ */
+export async function replayAs(
+  redis: RedisClient,
+  names: QueueNames,
+  claim: ReplayClaim,
+  record?: RecordUpdate,
+  { ack }: { ack?: ReplicaAck } = {},
+): Promise<{ kind: "replayed"; newId: string } | ReplayMiss> {
+  const { deadId, token } = claim;
+  if (isExpired(deadId)) throw new DeadLetterExpired(deadId);
+  const keys = [names.stream, names.dead, replayKey(names, deadId)];
+  if (record) keys.push(record.key);
+  const { reply, acked, replicated } = await runReplay(redis, keys, {
+    dead_id: deadId,
+    token,
+    meta: META,
+    kept_ms: REPLAY_BOUNDS.keptMs,
+    ...(record ? { match: record.match, set: record.set, del: record.del, persist: record.persist } : {}),
+  }, ack);
+  if (typeof reply !== "string") {
+    if (reply[0] === "truncated") throw new DeadLetterTruncated(deadId, reply[1].split(","));
+    if (reply[0] === "replayed") return { kind: "replayed_elsewhere", newId: reply[1] };
+    return { kind: reply[0] === "claimed" ? "held" : "gone" };
+  }
+  // Only a replay that happened has anything to wait for: a miss wrote nothing.
+  if (ack && !replicated) throw new ReplayNotReplicated(deadId, reply, notReplicated(ack, acked ?? 0));
+  return { kind: "replayed", newId: reply };
+}
+
+/**
+ * Replays a dead letter as a replay of its own (see {@linkcode replayAs}).
+ * @returns the new stream entry id, or null if no such dead letter exists (or another replay has it).
+ * @throws DeadLetterTruncated, DeadLetterExpired, ReplayNotReplicated, NotReplicated as `replayAs` does.
  */
 export async function replayDeadLetter(
   redis: RedisClient,
@@ -259,18 +331,6 @@ export async function replayDeadLetter(
   record?: RecordUpdate,
   { ack }: { ack?: ReplicaAck } = {},
 ): Promise<string | null> {
-  if (isExpired(deadId)) throw new DeadLetterExpired(deadId);
-  const keys = [names.stream, names.dead];
-  const args: Record<string, unknown> = { dead_id: deadId, meta: META };
-  if (record) {
-    keys.push(record.key);
-    Object.assign(args, { match: record.match, set: record.set, del: record.del });
-  }
-  const acked = ack ? await ack.run(REPLAY, keys, [JSON.stringify(args)]) : undefined;
-  const id = acked ? acked.result : await REPLAY.run(redis, keys, [JSON.stringify(args)]);
-  if (Array.isArray(id)) throw new DeadLetterTruncated(deadId, String(id[0]).split(","));
-  if (typeof id !== "string") return null;
-  // Only a replay that happened has anything to wait for: a missing or truncated entry wrote nothing.
-  if (ack && acked && !acked.replicated) throw new ReplayNotReplicated(deadId, id, notReplicated(ack, acked.acked));
-  return id;
+  const done = await replayAs(redis, names, { deadId, token: crypto.randomUUID() }, record, { ack });
+  return done.kind === "replayed" ? done.newId : null;
 }

@@ -96,6 +96,11 @@ export interface StreamWorkerOptions {
   pruneIdleMs?: number;
   onDeadLetter?: DeadLetterHook;
   /**
+   * A record (in the lane's hash tag) whose lifetime starts when a message is acknowledged: it is given `ttlS` in
+   * the ack's own MULTI (a job's status record, which does not expire while its job is queued).
+   */
+  expireOnAck?: (lane: QueueNames, message: StreamMessage) => { key: string; ttlS: number } | undefined;
+  /**
    * Asked before a message is dead-lettered (the application decides there
    * that the job failed). `false`: the job was already decided otherwise
    * (done, cancelled), so the message is acknowledged instead; a string: the
@@ -498,7 +503,7 @@ function createMessageProcessor(
     if (verdict === false) {
       msgLog.info("message_already_decided", { reason, deliveries: message.deliveries });
       release(lane, message.id);
-      await ack({ lane, id: message.id });
+      await ack({ lane, id: message.id, expire: options.expireOnAck?.(lane, message) });
       return;
     }
     await faults?.beforeDeadLetter?.(message);
@@ -548,7 +553,7 @@ function createMessageProcessor(
     // The slot is free once the work is committed; the ack can finish in the background.
     release(lane, message.id);
     // Ack only after the handler's effects are committed.
-    await ack({ lane, id: message.id });
+    await ack({ lane, id: message.id, expire: options.expireOnAck?.(lane, message) });
     events.acked?.(message, performance.now() - started);
   };
 }

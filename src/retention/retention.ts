@@ -125,7 +125,9 @@ export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options
         keep: (runId) => outbox.hasUnsentRowOf(sql, runId),
       }));
     // Outcome rows outlive their summaries until nothing can ask about the job any more: the job's Redis
-    // record (7 days) and its idempotency record (at most SUMMARY_RETENTION_S) are gone by then.
+    // record (7 days after its message left its lane) and its idempotency record (at most SUMMARY_RETENTION_S) are
+    // gone by then. A message still waiting in its lane after that (a job cancelled while it waited for weeks) is
+    // told by its record, which lives as long as it waits (the worker asks it of messages over 7 days old).
     const outcomeAgeMs = Math.max(summaryAgeMs, OUTCOME_MIN_AGE_MS);
     total += await drain(
       "job_outcomes",

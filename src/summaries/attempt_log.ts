@@ -3,7 +3,9 @@
  * buffered and inserted in batches, one statement per batch, never inside a
  * job's commit: a slow or failing insert delays no job. A batch that cannot
  * be written is logged and dropped, since the record is for operators and
- * billing estimates, not for correctness.
+ * billing estimates, not for correctness; but a batch refused for the values
+ * of its rows is written in halves until only the bad rows are dropped (the
+ * rows of a batch are many tenants' calls).
  */
 import type { Sql } from "postgres";
 import { type AttemptRow, failedAttemptsOf, insertAttempts } from "../jobs/job_store.ts";
@@ -33,6 +35,7 @@ export function attemptRow(
     version: number;
     deployment: string;
     cost_usd: string | null;
+    charged_tokens?: number | null;
   },
 ): AttemptRow | null {
   if (report.started_at_ms === undefined) return null;
@@ -73,10 +76,37 @@ export function attemptCost(
   return decimalUsd(chargeNanos(tokens, price)!);
 }
 
+/**
+ * The tokens an attempt is charged against its tenant's budgets, by the same basis as {@linkcode attemptCost}: the
+ * reported usage, the reservation, or nothing.
+ */
+export function attemptCharge(details: AttemptDetails | undefined, reserved: CallTokens): number {
+  const basis = details?.charge ?? "none";
+  if (basis === "reported") return (details?.prompt_tokens ?? 0) + (details?.completion_tokens ?? 0);
+  return basis === "reserved" ? reserved.prompt + reserved.completion : 0;
+}
+
 /** Whole nano-dollars as an exact decimal of USD (`1234` is "0.000001234"), for a `numeric` column. */
 function decimalUsd(nanos: number): string {
   const digits = String(nanos).padStart(10, "0");
   return `${digits.slice(0, -9)}.${digits.slice(-9)}`;
+}
+
+/** SQLSTATE class 22, "data exception": a value the column cannot take (out of range, bad syntax, a NUL). */
+const DATA_EXCEPTION_CLASS = "22";
+/** SQLSTATE class 23, "integrity constraint violation": a NULL in a NOT NULL column, say. */
+const INTEGRITY_CONSTRAINT_VIOLATION_CLASS = "23";
+
+/**
+ * Whether an insert failed for the values of its rows, so that the same rows fail the same way and others
+ * would not: Postgres refused one (SQLSTATE class 22 or 23), or one could not be sent at all (the driver's or
+ * our own `TypeError` or `RangeError`, such as an invalid date).
+ */
+function refusedForValues(error: unknown): boolean {
+  if (error instanceof TypeError || error instanceof RangeError) return true;
+  const code = (error as { code?: unknown })?.code;
+  return typeof code === "string" && code.length === 5 &&
+    (code.startsWith(DATA_EXCEPTION_CLASS) || code.startsWith(INTEGRITY_CONSTRAINT_VIOLATION_CLASS));
 }
 
 /** Starts a log that flushes every `everyMs` or at `maxBatch` rows, whichever comes first. */
@@ -86,11 +116,22 @@ export function createAttemptLog(
 ): AttemptLog {
   let buffer: AttemptRow[] = [];
   let writing: Promise<void> = Promise.resolve();
-  const write = async (rows: AttemptRow[]) => {
+  const write = async (rows: AttemptRow[]): Promise<void> => {
     try {
       await insertAttempts(sql, rows);
     } catch (error) {
-      log.warn("model_attempts_write_failed", { rows: rows.length, error });
+      // One bad row MUST NOT cost the others: halve until the statement that fails holds that row alone. A
+      // failure that is not about the values (Postgres down) would fail every half too: the batch is dropped.
+      if (refusedForValues(error) && rows.length > 1) {
+        const half = Math.ceil(rows.length / 2);
+        await write(rows.slice(0, half));
+        await write(rows.slice(half));
+      } else if (refusedForValues(error)) {
+        const [{ job_id, tenant, delivery, attempt }] = rows as [AttemptRow];
+        log.warn("model_attempt_dropped", { job_id, tenant, delivery, attempt, error });
+      } else {
+        log.warn("model_attempts_write_failed", { rows: rows.length, error });
+      }
     }
   };
   const flush = () => {

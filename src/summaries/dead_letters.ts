@@ -1,12 +1,21 @@
 /**
  * Replaying the summary pipeline's dead letters, as `deno task dlq replay`
- * and the console's Replay buttons do: Postgres decides first (a job that
- * already had its effects, or was cancelled, never runs again), then the
- * dead letter goes back to its lane with its original job id.
+ * and the console's Replay buttons do: the replay claims the dead letter,
+ * Postgres decides next (a job that already had its effects, or was
+ * cancelled, never runs again), then the dead letter goes back to its lane
+ * with its original job id.
  */
 import type { Sql } from "postgres";
 import type { RedisClient } from "../clients.ts";
-import { DeadLetterExpired, DeadLetterTruncated, replayDeadLetter, ReplayNotReplicated } from "../queue/dead_letter.ts";
+import {
+  claimReplay,
+  DeadLetterExpired,
+  DeadLetterTruncated,
+  releaseReplay,
+  REPLAY_BOUNDS,
+  replayAs,
+  ReplayNotReplicated,
+} from "../queue/dead_letter.ts";
 import { NotReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
 import { deadLetterPages, type LaneDeadLetter } from "../queue/inspector.ts";
 import { announceLane } from "../queue/lanes.ts";
@@ -48,7 +57,10 @@ export type ReplayReport =
   };
 
 /**
- * Replays the dead letters `target` names. Replaying twice is harmless. It
+ * Replays the dead letters `target` names. Replaying twice is harmless, one
+ * after the other or at once: each dead letter is replayed once, and its job
+ * is left queued and undecided (a replay that finds another one holding the
+ * dead letter is refused by name). Each Redis step is safe to resend. It
  * refuses, by name, a dead letter whose job is already done or cancelled,
  * or that is truncated or too old. With `ack` (REDIS_MIN_REPLICAS_ACK) each
  * replay waits for the replicas, and the first one they do not acknowledge
@@ -88,15 +100,38 @@ export async function replayDeadLetters(
     const jobId = d.fields.job_id;
     const lane = d.lane.keys;
     const named = `(job ${jobId ?? "?"}, tenant ${d.fields.tenant ?? "?"})`;
-    let newId: string | null;
+    const decidable = jobId !== undefined && JOB_ID.test(jobId);
+    // Puts back the 'failed' outcome the reopen below took back, for a dead letter that stays dead (or is gone
+    // without a replay): the job is failed again, as its dead letter says.
+    const decideFailedAgain = async () => {
+      if (!decidable || !d.fields.tenant) return;
+      await failJob(sql, jobId, d.fields.tenant, d.reason, {
+        ...runOf(d.fields.payload),
+        acceptedMs: acceptedMsOf({ id: d.original_id, fields: d.fields }),
+      });
+    };
+    const claim = { deadId: d.id, token: crypto.randomUUID() };
+    let reopened = false;
+    let done: Awaited<ReturnType<typeof replayAs>>;
     try {
       if (d.truncated.length > 0) throw new DeadLetterTruncated(d.id, d.truncated);
       if (d.expired) throw new DeadLetterExpired(d.id);
-      // Postgres first: a job that already had its effects (or was cancelled) never runs again, and a
-      // failed one is made undecided before it is queued again. A crash between the two leaves it
-      // undecided and still dead-lettered: replaying again finishes the job.
-      const already = jobId && JOB_ID.test(jobId) ? await reopenFailedJob(sql, jobId) : null;
+      // Claim first: of two replays of one dead letter, only the one holding it may take its job's failure back
+      // in Postgres. Without the claim the other, finding the dead letter gone, would put the failure back while
+      // the job waits in its lane, and the job would be dead-lettered again unrun.
+      const missed = await claimReplay(redis, lane, claim);
+      if (missed?.kind === "held") {
+        record({ replayed: false, id: d.id, message: heldMessage(d.id, named) });
+        continue;
+      }
+      // Replayed by another replay meanwhile, or gone: nothing to do, and nothing was changed.
+      if (missed) continue;
+      // Postgres next: a job that already had its effects (or was cancelled) never runs again, and a failed one
+      // is made undecided before it is queued again, so no worker finds it failed in its lane. A crash between
+      // the two leaves it undecided and still dead-lettered: replaying again (once the claim lapses) finishes it.
+      const already = decidable ? await reopenFailedJob(sql, jobId) : null;
       if (already) {
+        await releaseReplay(redis, lane, claim);
         record({
           replayed: false,
           id: d.id,
@@ -104,7 +139,8 @@ export async function replayDeadLetters(
         });
         continue;
       }
-      newId = await replayDeadLetter(redis, lane, d.id, jobId ? markQueuedOnReplay(lane, jobId) : undefined, { ack });
+      reopened = true;
+      done = await replayAs(redis, lane, claim, decidable ? markQueuedOnReplay(lane, jobId) : undefined, { ack });
     } catch (error) {
       if (error instanceof ReplayNotReplicated) {
         // In the lane's stream on the primary all the same: wake the workers, and say what is not yet safe.
@@ -122,13 +158,9 @@ export async function replayDeadLetters(
       }
       if (error instanceof NotReplicated) {
         // No connection came free to wait on: the replay did not run and the dead letter is still there. Put
-        // Postgres's decision back (it was taken back above), as for a dead letter gone meanwhile below.
-        if (jobId && JOB_ID.test(jobId) && d.fields.tenant) {
-          await failJob(sql, jobId, d.fields.tenant, d.reason, {
-            ...runOf(d.fields.payload),
-            acceptedMs: acceptedMsOf({ id: d.original_id, fields: d.fields }),
-          });
-        }
+        // Postgres's decision back (it was taken back above), and let another replay have the dead letter.
+        await decideFailedAgain();
+        await releaseReplay(redis, lane, claim);
         record({
           replayed: false,
           id: d.id,
@@ -138,22 +170,21 @@ export async function replayDeadLetters(
         break;
       }
       if (!(error instanceof DeadLetterTruncated) && !(error instanceof DeadLetterExpired)) throw error;
+      // Refused by the script itself (the listing said whole and young): the dead letter stays, so does the failure.
+      if (reopened) {
+        await decideFailedAgain();
+        await releaseReplay(redis, lane, claim);
+      }
       record({ replayed: false, id: d.id, message: `${error.message} ${named}` });
       continue;
     }
-    if (newId === null) {
-      // Gone meanwhile (replayed by someone else, or trimmed): put the decision back unless the job moved on.
-      if (jobId && JOB_ID.test(jobId) && d.fields.tenant) {
-        await failJob(sql, jobId, d.fields.tenant, d.reason, {
-          ...runOf(d.fields.payload),
-          acceptedMs: acceptedMsOf({ id: d.original_id, fields: d.fields }),
-        });
-      }
-      continue;
-    }
+    // Gone while this replay held it (trimmed): it never runs again, so its job is failed again.
+    if (done.kind === "gone") await decideFailedAgain();
+    // Another replay took it over after this one's claim lapsed: that replay decides the job; leave Postgres to it.
+    if (done.kind !== "replayed") continue;
     // Back in its lane's stream: tell the workers, as an enqueue does.
     await wake(d.lane.tenant);
-    record({ replayed: true, id: d.id, newId, jobId, tenant: d.fields.tenant });
+    record({ replayed: true, id: d.id, newId: done.newId, jobId, tenant: d.fields.tenant });
   }
   const replayed = steps.filter((s) => s.replayed).length;
   const unreplicated = steps.filter((s) => s.replayed && s.unreplicated).length;
@@ -179,6 +210,13 @@ export function replaySummary(report: ReplayReport, target: ReplayTarget): strin
     (report.unannounced
       ? ` ${report.unannounced} could not be announced to the workers (Redis refused); they find them within 30 s.`
       : "");
+}
+
+/** Why a dead letter another replay holds is refused, with when to try again. */
+function heldMessage(deadId: string, named: string): string {
+  return `Dead letter ${deadId} ${named} is being replayed by another replay (dlq replay or the console), or by one ` +
+    `that stopped less than ${REPLAY_BOUNDS.claimMs / 1000} s ago. Nothing done; if it is still listed after that, ` +
+    `replay it again.`;
 }
 
 /** The task and version a dead letter's payload names (summarize v1 for a summary job or an unreadable one). */

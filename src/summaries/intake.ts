@@ -128,7 +128,7 @@ local function submit(k, a)
   end
   -- The record is new (EXISTS said so above): it has no field to delete (status.del).
   redis.call('HSET', job, unpack(h.status.set))
-  redis.call('EXPIRE', job, h.status.ttl_s)
+  if h.status.ttl_s > 0 then redis.call('EXPIRE', job, h.status.ttl_s) end
   if not added[h.lane] then
     added[h.lane] = true
     for i = 1, n do redis.call('SADD', KEYS[i], h.lane) end

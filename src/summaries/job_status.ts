@@ -2,12 +2,13 @@
  * The job-status hash (`keys.job(id)`: tenant, status, error) that
  * `GET /v1/summaries/{id}` reads before the summary exists. This module is
  * its only writer: every change is one of the operations below, each inside
- * the atomic step that causes it (the enqueue script, the dead-letter MULTI,
+ * the atomic step that causes it (the enqueue script, the dead-letter script,
  * the replay script), except a cancel, which Postgres decides and this
  * records right after.
  */
 import type { RedisClient } from "../clients.ts";
 import type { DeadLetterHook, RecordUpdate } from "../queue/dead_letter.ts";
+import type { QueueNames, StreamMessage } from "../queue/message.ts";
 import { defineScript } from "../redis/script.ts";
 import { JOB_RECORD_TTL_S, jobKeyBeside, type JobKeys, type ServiceKeys } from "./keys.ts";
 
@@ -17,31 +18,56 @@ export interface RecordChange {
   set: string[];
   /** Fields to delete (HDEL). */
   del: string[];
-  /** Seconds until the record expires (EXPIRE). */
+  /** Seconds until the record expires (EXPIRE); 0: it does not. */
   ttl_s: number;
 }
 
 /**
- * The enqueue script's change to the job's record: queued for `tenant`, no error, for `JOB_RECORD_TTL_S`; a
- * task run's record also names its task and version (a summary job's has neither: it runs summarize v1).
+ * The enqueue script's change to the job's record: queued for `tenant`, no error, and no expiry: a queued run is
+ * visible and cancellable for as long as it waits (a month's budget, a provider's outage), and a re-POST of its key
+ * is a replay however long ago the key's own record expired. Its lifetime starts when its message leaves its lane
+ * (see {@linkcode recordExpiryOnAck}, and the dead letter's mark). A task run's record also names its task and
+ * version (a summary job's has neither: it runs summarize v1).
  */
 export function markQueued(tenant: string, run?: { task: string; version: number }): RecordChange {
   const set = ["tenant", tenant, "status", "queued"];
   if (run) set.push("task", run.task, "version", String(run.version));
-  return { set, del: ["error"], ttl_s: JOB_RECORD_TTL_S };
+  return { set, del: ["error"], ttl_s: 0 };
 }
 
-/** Marks the job failed with the dead-letter reason, inside the dead-letter MULTI (same hash tag as its lane). */
-export const markFailedHook: DeadLetterHook = (multi, message, reason, lane) => {
+/**
+ * The record's lifetime once its message is acknowledged (the job is done, cancelled, or found decided): from
+ * then on `GET` reads the outcome from Postgres, and the record is kept `ttlS` for the worker's own checks.
+ */
+export function recordExpiryOnAck(
+  ttlS = JOB_RECORD_TTL_S,
+): (lane: QueueNames, message: StreamMessage) => { key: string; ttlS: number } | undefined {
+  return (lane, message) => {
+    const jobId = message.fields.job_id;
+    return jobId ? { key: jobKeyBeside(lane.stream, jobId), ttlS } : undefined;
+  };
+}
+
+/** Marks the job failed with the dead-letter reason, inside the dead-letter script (same hash tag as its lane). */
+export const markFailedHook: DeadLetterHook = (message, reason, lane) => {
   const jobId = message.fields.job_id;
-  if (!jobId) return;
+  if (!jobId) return undefined;
   const key = jobKeyBeside(lane.stream, jobId);
-  multi.hset(key, "status", "failed", "error", reason.slice(0, 500)).expire(key, JOB_RECORD_TTL_S);
+  return { key, set: ["status", "failed", "error", reason.slice(0, 500)], ttl_s: JOB_RECORD_TTL_S };
 };
 
-/** What a replay does to the job's record, inside the replay script: queued again, its error gone. */
+/**
+ * What a replay does to the job's record, inside the replay script: queued again, its error gone, and no expiry
+ * while it waits again (see {@linkcode markQueued}).
+ */
 export function markQueuedOnReplay(keys: JobKeys, jobId: string): RecordUpdate {
-  return { key: keys.job(jobId), match: { field: "job_id", value: jobId }, set: ["status", "queued"], del: ["error"] };
+  return {
+    key: keys.job(jobId),
+    match: { field: "job_id", value: jobId },
+    set: ["status", "queued"],
+    del: ["error"],
+    persist: true,
+  };
 }
 
 const MARK_CANCELLED = defineScript(`

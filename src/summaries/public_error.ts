@@ -23,6 +23,7 @@ export function publicError(reason: string): string {
     return `output_invalid: at "${pointer.length > 200 ? `${pointer.slice(0, 200)}…` : pointer}"`;
   }
   if (/GateRefused|tokens-per-minute limit|request too large/i.test(reason)) return "too_large";
+  if (/\bAnswerTooLarge\b/.test(reason)) return "answer_too_large";
   if (/malformed job (payload|message)/.test(reason)) return "malformed_job";
   // Built by the worker from labels alone (error classes, statuses): nothing of the provider's text.
   const gaveUp = GAVE_UP.exec(reason);

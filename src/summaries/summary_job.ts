@@ -7,6 +7,7 @@ import { JobDeferred, PermanentJobError } from "../queue/errors.ts";
 import { BudgetExhausted, type Budgets, type HeldReservation, worstCaseTokens } from "../budgets/budgets.ts";
 import type { CallEnd } from "../budgets/charge.ts";
 import { acceptedMsOf, type StreamMessage } from "../queue/message.ts";
+import { JOB_RECORD_TTL_S } from "./keys.ts";
 import { isRetryable } from "../retry/classify.ts";
 import type { Clock } from "../retry/clock.ts";
 import { Deadline } from "../retry/deadline.ts";
@@ -14,7 +15,7 @@ import { DeadlineExceeded, GateUnavailable } from "../retry/errors.ts";
 import type { Permit, ProviderFlow } from "../provider/flow_control.ts";
 import { type AttemptDetails, type AttemptReport, callWithRetries } from "../retry/retry_policy.ts";
 import type { Completion } from "../llm/llm.ts";
-import { attemptCost, type AttemptLog, attemptRow } from "./attempt_log.ts";
+import { attemptCharge, attemptCost, type AttemptLog, attemptRow } from "./attempt_log.ts";
 import { type CallTokens, chargeOf } from "../budgets/charge.ts";
 import type { Prices } from "../provider/prices.ts";
 import type { Outcome } from "../jobs/job_store.ts";
@@ -24,7 +25,7 @@ import { type RunJob, runOfPayload } from "../tasks/run_payload.ts";
 import { type LoadedTask, SUMMARIZE_TASK, type TaskCache } from "../tasks/task_cache.ts";
 import { RENDER_LIMITS, renderedChars, renderTemplate } from "../tasks/definition.ts";
 import { type SchemaViolation, unstorableJson } from "../tasks/json_schema.ts";
-import { ValidationTimeout } from "../tasks/validator.ts";
+import { validateWithin } from "../tasks/validator.ts";
 import type { ResultCache, RunCache } from "../cache/result_cache.ts";
 import type { CacheHit } from "../cache/cache_hit_store.ts";
 
@@ -163,9 +164,8 @@ export function createSummaryJob(deps: SummaryJobDeps, options: SummaryJobOption
       if (!jobId) return;
       // Bounded: a delivery takes its entry when it starts; only messages abandoned at a stop could pile up.
       if (job.prepared.size >= MAX_PREPARED) job.prepared.clear();
-      const outcome = job.decided(jobId);
-      outcome.catch(() => {}); // observed by the delivery's pre-check
-      job.prepared.set(preparedKey(message), outcome);
+      // A check that failed (a Postgres blip) is no answer: kept as "not known", which the delivery asks again.
+      job.prepared.set(preparedKey(message), job.decided(jobId).catch(() => undefined));
     },
   });
 }
@@ -200,7 +200,19 @@ export interface SummaryJobDeps {
   prices?: Prices;
   /** The result cache; without it, every run calls the model. */
   cache?: ResultCache;
+  /**
+   * The status its Redis record gives a job (`queued`, `cancelled`, ...), asked only of a message older than
+   * {@linkcode RECORD_CHECK_AFTER_MS} that Postgres finds undecided: retention may have deleted the outcome of a
+   * job cancelled while it waited that long, and the record, which lives as long as the message waits, still says.
+   */
+  recordStatus?: (jobId: string, tenant: string) => Promise<string | undefined>;
 }
+
+/**
+ * A message older than this that Postgres finds undecided has its status record asked too: the least age at which
+ * retention deletes an outcome (with SUMMARY_RETENTION_S) is a day longer.
+ */
+export const RECORD_CHECK_AFTER_MS = JOB_RECORD_TTL_S * 1000;
 
 /**
  * Handles one delivery of a summary job. `finishing` is called once only the commit is left (the model's part is
@@ -261,6 +273,7 @@ async function deliver(
     runId: delivery.job_id,
     task: task.name,
     version: task.version,
+    definition: task.definition,
     model: call.model,
     input: delivery.run.input,
     ttlS: task.definition.cache_ttl_s,
@@ -406,7 +419,11 @@ function worstCaseOf({ prompt, options }: ModelCall) {
 type Refusal = { pointer: string; reason: string };
 
 /** Parses and validates an answer against the task's output schema: its value, or what is wrong with it. */
-async function checkAnswer(job: Job, task: LoadedTask, answer: string): Promise<{ value: unknown } | Refusal> {
+async function checkAnswer(
+  job: Job,
+  task: LoadedTask,
+  { answer, deadline, signal }: { answer: string; deadline: Deadline; signal: AbortSignal },
+): Promise<{ value: unknown } | Refusal> {
   let value: unknown;
   try {
     value = JSON.parse(answer);
@@ -418,15 +435,14 @@ async function checkAnswer(job: Job, task: LoadedTask, answer: string): Promise<
     return { pointer: unstorable.pointer, reason: `cannot be stored: ${unstorable.message}` };
   }
   if (!job.validate) throw new Error("no output validator configured for runs with an output schema");
-  let violations: SchemaViolation[];
-  try {
-    violations = await job.validate(`${task.key}/output`, task.definition.output_schema, value);
-  } catch (error) {
-    // An answer too costly to validate is a bad answer; any other failure is the validator's (a Worker that
-    // did not start, a crash): thrown, so the message stays pending and a later delivery validates again.
-    if (!(error instanceof ValidationTimeout)) throw error;
-    return { pointer: "", reason: `could not be validated: ${error.message}` };
-  }
+  // A validation that timed out is no verdict (a starved Worker runs over too): asked again within the delivery's
+  // deadline, never a bad answer, so never a repair call. Past the deadline, or any failure of the validator (a
+  // Worker that did not start), is thrown: the message stays pending and a later delivery validates again.
+  const violations = await validateWithin(job.validate, {
+    key: `${task.key}/output`,
+    schema: task.definition.output_schema,
+    instance: value,
+  }, { deadline, signal, clock: job.options.clock, random: job.options.random });
   if (violations.length === 0) return { value };
   const shown = violations.slice(0, 5).map((v) => `at "${v.pointer}": ${v.message}`).join("; ");
   return { pointer: violations[0]!.pointer, reason: `does not match the output schema: ${shown}` };
@@ -448,7 +464,7 @@ async function structuredOutput(
     deadline: Deadline;
   },
 ): Promise<{ value: unknown } | { skipped: Committed }> {
-  const first = await checkAnswer(job, task, answer);
+  const first = await checkAnswer(job, task, { answer, deadline, signal });
   if ("value" in first) return first;
   delivery.log.info("output_invalid", { pointer: first.pointer, repair: true });
   // A cancel (or another delivery's outcome) seen now stops the run before the repair call is paid for.
@@ -476,7 +492,7 @@ async function structuredOutput(
     deadline,
   });
   if (typeof again !== "string") return again;
-  const second = await checkAnswer(job, task, again);
+  const second = await checkAnswer(job, task, { answer: again, deadline, signal });
   if ("value" in second) return second;
   throw new PermanentJobError(`output_invalid: at "${second.pointer}": the answer ${second.reason.slice(0, 400)}`);
 }
@@ -503,7 +519,7 @@ function parseDelivery(job: Job, message: StreamMessage): Delivery {
  */
 async function preCheck(
   job: Job,
-  { job_id, message, log }: Delivery,
+  { job_id, tenant, message, log }: Delivery,
   releaseFirst: (why: string) => Promise<void>,
 ): Promise<Committed | undefined> {
   let outcome: Outcome | undefined;
@@ -514,6 +530,11 @@ async function preCheck(
   job.prepared.delete(key);
   try {
     outcome = (await prepared) ?? await job.decided(job_id);
+    // A run cancelled while it waited for weeks: its outcome row may be gone, its record says so.
+    const accepted = acceptedMsOf(message);
+    if (!outcome && job.recordStatus && accepted !== undefined && Date.now() - accepted > RECORD_CHECK_AFTER_MS) {
+      if (await job.recordStatus(job_id, tenant) === "cancelled") outcome = "cancelled";
+    }
   } catch (error) {
     await releaseFirst("pre-check failed");
     throw error;
@@ -675,6 +696,7 @@ function recordAttempt(job: Job, delivery: Delivery, report: AttemptReport, call
     cost_usd: report.started_at_ms === undefined
       ? null
       : attemptCost(report.details, worstCaseOf(call), job.prices?.of(model)),
+    charged_tokens: report.started_at_ms === undefined ? null : attemptCharge(report.details, worstCaseOf(call)),
   });
   if (row) job.attempts?.record(row);
 }

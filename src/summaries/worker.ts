@@ -13,7 +13,7 @@ import type { SummaryJobDeps } from "./summary_job.ts";
 import type { JobKeys, ServiceKeys } from "./keys.ts";
 import { createLaneRegistry } from "../queue/lanes.ts";
 import { staticLanes } from "../queue/static_lanes.ts";
-import { markFailedHook } from "./job_status.ts";
+import { markFailedHook, recordExpiryOnAck } from "./job_status.ts";
 import { notifyJob } from "./job_waiter.ts";
 import { keepDrainingLegacyStream } from "./legacy_drain.ts";
 import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
@@ -46,6 +46,8 @@ export interface SummaryWorkerOptions {
   blockMs?: number;
   graceMs?: number;
   heartbeatMs?: number;
+  /** How long a job's status record is kept once its message is acknowledged; default `JOB_RECORD_TTL_S`. */
+  recordTtlS?: number;
   events?: WorkerEvents;
 }
 
@@ -70,7 +72,16 @@ export function createSummaryWorker(
     defaultTtlS: options.cache?.defaultTtlS ?? 0,
     keys: "lane" in keys ? (tenant) => keys.lane(tenant) : () => keys,
   });
-  const job = createSummaryJob({ ...deps, committer, attempts, cache, budgetExhausted: blocks?.exhausted }, {
+  const recordStatus = async (jobId: string, tenant: string) =>
+    await deps.redis.hget(("lane" in keys ? keys.lane(tenant) : keys).job(jobId), "status") ?? undefined;
+  const job = createSummaryJob({
+    ...deps,
+    committer,
+    attempts,
+    cache,
+    budgetExhausted: blocks?.exhausted,
+    recordStatus,
+  }, {
     ...options.job,
     onAttempt: share.onAttempt,
   });
@@ -96,6 +107,7 @@ export function createSummaryWorker(
     graceMs: options.graceMs,
     heartbeatMs: options.heartbeatMs,
     onDeadLetter: markFailedHook,
+    expireOnAck: recordExpiryOnAck(options.recordTtlS),
     // Postgres decides first: a job done or cancelled meanwhile is acknowledged, never dead-lettered, and a
     // failed one can no longer be committed by a delivery still running elsewhere.
     beforeDeadLetter: async (message, reason) => {
@@ -123,7 +135,7 @@ export function createSummaryWorker(
     gate: deps.flow && tokenGate(deps.flow, share.averageCost),
     // A tenant whose budget is spent: its runs wait in its lane, which is not read until the budget fits again.
     skip: blocks?.skip,
-    // A job read ahead makes its pre-check while it waits for its slot.
+    // A job read ahead makes its pre-check while it waits for its slot; one that failed is asked again at start.
     readAhead: job.prepare,
     onDeferred: blocks?.deferred,
     // A job read ahead and handed back at a stop: the other workers are told its lane has work.

@@ -260,7 +260,11 @@ function declares(schema: unknown, path: string[], root: unknown, budget: { step
   return declares(s.additionalProperties, rest, root, budget);
 }
 
-/** The built-in `summarize` task, as `GET /v1/tasks` shows it: what `/v1/summaries` runs. */
+/**
+ * The built-in `summarize` task, as `GET /v1/tasks` shows it: what `/v1/summaries` runs. It stays version 1
+ * whatever a release changes in it; the result cache keys runs by a digest of this definition too
+ * (`definitionDigest` in `src/cache/result_cache.ts`), so a release that changes it misses the old entries.
+ */
 export const SUMMARIZE_DEFINITION: TaskDefinition = {
   prompt: `${SUMMARY_INSTRUCTION}\n\n{{input.text}}`,
   input_schema: {

@@ -18,6 +18,9 @@
 import { type CompiledSchema, compileSchema, resolvePointer, type SchemaViolation } from "./json_schema.ts";
 import { Lru } from "./_lru.ts";
 import type { InitMessage, ValidateMessage, WorkerReply } from "./validation_worker.ts";
+import { type Clock, systemClock } from "../retry/clock.ts";
+import type { Deadline } from "../retry/deadline.ts";
+import { DeadlineExceeded } from "../retry/errors.ts";
 
 /** Defaults of {@linkcode createSchemaValidators}. */
 export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
@@ -45,6 +48,52 @@ export class ValidationTimeout extends Error {
   constructor(readonly deadlineMs: number, options?: ErrorOptions) {
     super(`Schema validation took longer than ${deadlineMs} ms`, options);
     this.name = "ValidationTimeout";
+  }
+}
+
+/** How {@linkcode validateWithin} asks again after a timeout. */
+export const VALIDATION_RETRY = {
+  /** The most a first wait before asking again may be (full jitter); it doubles with each try... */
+  baseMs: 50,
+  /** ...up to this. */
+  capMs: 1_000,
+} as const;
+
+/**
+ * Validates, and asks again after a {@linkcode ValidationTimeout} while `deadline` leaves room for the wait and
+ * one more try. A timeout is no verdict on the instance: a Worker starved of CPU (a busy host, the pool's other
+ * Workers) runs over just as a costly instance does, so it is never reported as a violation. Each try keeps the
+ * validator's own deadline, so a stalling instance holds a Worker no longer per try than before.
+ * @returns the violations, as `validate` returns them.
+ * @throws {DeadlineExceeded} when the tries kept timing out until `deadline` left no room (the last timeout
+ * as its cause).
+ * @throws whatever else `validate` throws, at once.
+ */
+export async function validateWithin(
+  validate: (key: string, schema: unknown, instance: unknown) => Promise<SchemaViolation[]>,
+  { key, schema, instance }: { key: string; schema: unknown; instance: unknown },
+  { deadline, signal, clock = systemClock, random = Math.random }: {
+    deadline: Deadline;
+    signal?: AbortSignal;
+    clock?: Clock;
+    random?: () => number;
+  },
+): Promise<SchemaViolation[]> {
+  for (let tries = 1;; tries++) {
+    try {
+      return await validate(key, schema, instance);
+    } catch (error) {
+      if (!(error instanceof ValidationTimeout)) throw error;
+      const waitMs = Math.round(
+        random() * Math.min(VALIDATION_RETRY.capMs, VALIDATION_RETRY.baseMs * 2 ** (tries - 1)),
+      );
+      if (deadline.remaining() < waitMs + error.deadlineMs) {
+        throw new DeadlineExceeded(`schema validation of ${key} timed out ${tries} times within the deadline`, {
+          cause: error,
+        });
+      }
+      await clock.sleep(waitMs, signal);
+    }
   }
 }
 

@@ -256,6 +256,15 @@ Deno.test("budgets: a tenant is stopped at its budget with 0 overshoot, waits, a
       const after = await readBudgetState(r.redis, budgetKey(r.prefix, "slow"));
       assert.equal(after.spent[2], before);
       assert.equal(after.reserved[2], 0);
+      // The hash is lost: rebuilt from model_attempts, the timed-out call counts at its charge (it counted 0).
+      await waitFor("the attempts recorded", async () => {
+        const [row] = await db.sql<{ n: number }[]>`
+          SELECT count(*)::int AS n FROM model_attempts WHERE tenant = 'slow' AND charged_tokens IS NOT NULL`;
+        return (row?.n ?? 0) >= 2;
+      });
+      await r.redis.del(budgetKey(r.prefix, "slow"));
+      const views = await budgets().views("slow");
+      assert.equal(views[0]?.spent, hung.prompt + hung.completion);
     });
   } finally {
     stop.abort();

@@ -147,15 +147,17 @@ Deno.test("operator commands", async (t) => {
       "the dead-letter stream is bounded: big payloads are truncated and refused on replay, old entries trimmed",
       async () => {
         const boundKeys = jobKeys(`${r.prefix}:bound`);
+        // The dead-letter step moves only a message still in its stream.
+        const inStream = async () => await r.redis.xadd(boundKeys.stream, "*", "job_id", "x") as string;
         const big = "x".repeat(150_000);
         const small = crypto.randomUUID();
         await deadLetter(r.redis, boundKeys, {
-          id: "1-1",
+          id: await inStream(),
           fields: { job_id: "big", tenant: "acme", payload: JSON.stringify({ text: big, notify: "a@b.co" }) },
           deliveries: 1,
         }, "poison");
         await deadLetter(r.redis, boundKeys, {
-          id: "1-2",
+          id: await inStream(),
           fields: { job_id: small, tenant: "acme", payload: JSON.stringify({ text: "short", notify: "a@b.co" }) },
           deliveries: 6,
         }, "exceeded 5 deliveries");
@@ -181,7 +183,7 @@ Deno.test("operator commands", async (t) => {
         try {
           for (let i = 0; i < 600; i++) {
             dropped += await deadLetter(r.redis, boundKeys, {
-              id: `2-${i}`,
+              id: await inStream(),
               fields: { job_id: `j${i}`, tenant: "acme", payload: "{}" },
               deliveries: 6,
             }, "x");

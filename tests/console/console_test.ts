@@ -101,12 +101,14 @@ Deno.test("the console in headless Chromium: sign in, see a dead letter, replay 
       const [row] = await db.sql`SELECT 1 FROM summaries WHERE job_id = ${goodJob}`;
       return Boolean(row);
     }, 10_000);
-    // A tenant name nobody could create, planted straight into a dead-letter stream, as hostile data would be.
+    // A tenant name nobody could create, planted straight into a dead-letter stream, as hostile data would be
+    // (by the dead-letter step, which moves only a message in its stream: here one in the lane's slot no worker reads).
+    const plantedIn = { ...keys.lane("acme"), stream: `${keys.lane("acme").stream}:planted` };
     await deadLetter(
       r.redis,
-      keys.lane("acme"),
+      plantedIn,
       {
-        id: "1-1",
+        id: await r.redis.xadd(plantedIn.stream, "*", "job_id", "planted") as string,
         fields: {
           job_id: crypto.randomUUID(),
           tenant: `<script>document.body.dataset.pwned = "tenant"</script>`,

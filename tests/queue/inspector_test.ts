@@ -58,7 +58,9 @@ Deno.test("the inspector reads a lane's depth, pending count, lag, oldest entry,
     assert.deepEqual(seen.map((w) => [w.name, w.lanes, w.pending]), [["worker-a", 2, 3], ["worker-b", 1, 0]]);
 
     for (const [lane, id] of [[acme, "1-1"], [beta, "1-2"], [beta, "1-3"]] as const) {
-      await deadLetter(r.redis, lane, { id, fields: { job_id: id }, deliveries: 5 }, "gave up");
+      // The dead-letter step moves only a message still in its lane.
+      const entry = await r.redis.xadd(lane.stream, "*", "job_id", id) as string;
+      await deadLetter(r.redis, lane, { id: entry, fields: { job_id: id }, deliveries: 5 }, "gave up");
     }
     assert.equal(await deadLetterCount(r.redis, beta), 2);
     const listed: string[] = [];

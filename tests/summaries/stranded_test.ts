@@ -178,7 +178,8 @@ Deno.test("nothing accepted is stranded", async (t) => {
         const fields = { job_id: jobId, tenant, payload: JSON.stringify({ text: TEXT, notify: "ops@example.com" }) };
         // A dead letter of a done job, as a worker of the previous release could leave one.
         await ensureGroup(r.redis, lane);
-        await deadLetter(r.redis, lane, { id: "1-1", fields, deliveries: 6 }, "exceeded 5 deliveries", markFailedHook);
+        const id = await r.redis.xadd(lane.stream, "*", ...Object.entries(fields).flat()) as string;
+        await deadLetter(r.redis, lane, { id, fields, deliveries: 6 }, "exceeded 5 deliveries", markFailedHook);
         await r.redis.sadd(keys.registry.all, tenant);
         const errors: string[] = [];
         const io = { out: () => {}, err: (line: string) => errors.push(line) };

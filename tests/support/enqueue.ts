@@ -23,7 +23,7 @@ local id = redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'tenant', ARGV[2]
 local status = cjson.decode(ARGV[4])
 redis.call('HSET', KEYS[2], unpack(status.set))
 redis.call('HDEL', KEYS[2], unpack(status.del))
-redis.call('EXPIRE', KEYS[2], status.ttl_s)
+if status.ttl_s > 0 then redis.call('EXPIRE', KEYS[2], status.ttl_s) end
 return id`);
 
 /**

@@ -19,6 +19,12 @@ export type ModelBehaviour =
      */
     usage?: Usage | "realistic";
     /**
+     * The answer's `usage` object exactly as given, whatever it holds (a negative or fractional count, a string,
+     * `1e15`): what a misbehaving provider or gateway sends. Overrides `usage`; the request's entry in
+     * {@linkcode FakeModelServer.usages} is then undefined.
+     */
+    rawUsage?: Record<string, unknown>;
+    /**
      * The answer's text (JSON or not, for structured output). Unset: for a `json_schema` request, a value valid
      * against the schema (see {@linkcode STRUCTURED_MARKERS} for asking for a bad one); else an extractive
      * summary of the prompt.
@@ -103,7 +109,7 @@ export interface FakeModelServer {
   bodies: Record<string, unknown>[];
   /** When each request arrived (performance.now()), by request (n - 1). */
   arrivedAt: number[];
-  /** The usage each request's answer reported, by request (n - 1); undefined for a request not answered `ok`. */
+  /** The usage each request's answer reported, by request (n - 1); undefined unless answered `ok` (no `rawUsage`). */
   usages: (Usage | undefined)[];
   close(): Promise<void>;
 }
@@ -162,9 +168,10 @@ export function startFakeModel(
         const content = behaviour.content ?? defaultAnswer(body);
         const usage = behaviour.usage === "realistic" ? realisticUsage(body, content) : behaviour.usage;
         // Billed once answered, whether or not the caller is still there to read it.
-        state.usages[n - 1] = usage ?? { prompt_tokens: 1, completion_tokens: 1 };
+        state.usages[n - 1] = behaviour.rawUsage ? undefined : usage ?? { prompt_tokens: 1, completion_tokens: 1 };
+        const completion = completionBody(content, body.model, usage);
         return Response.json(
-          completionBody(content, body.model, usage),
+          behaviour.rawUsage ? { ...completion, usage: behaviour.rawUsage } : completion,
           { headers: { "x-request-id": `req_${n}`, ...behaviour.headers } },
         );
       }

@@ -18,11 +18,12 @@ import type { StreamWorker } from "../../src/queue/stream_worker.ts";
 import { type ApiDeps, createApiHandler } from "../../src/processes/api_process.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";
 import { pipelineNotifications } from "../../src/summaries/notifications.ts";
-import { createTaskCache } from "../../src/tasks/task_cache.ts";
+import { createTaskCache, type TaskCache } from "../../src/tasks/task_cache.ts";
 import { createSchemaValidators } from "../../src/tasks/validator.ts";
 import { createIntake } from "../../src/summaries/intake.ts";
 import type { JobKeys, ServiceKeys } from "../../src/summaries/keys.ts";
 import { createSummaryWorker, type SummaryWorkerOptions } from "../../src/summaries/worker.ts";
+import type { SummaryJobDeps } from "../../src/summaries/summary_job.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { createSecretCheck } from "../../src/tenants/webhook_secrets.ts";
 import { createWebhookHostPolicy } from "../../src/tenants/webhook_hosts.ts";
@@ -93,7 +94,7 @@ export function jsonClient(api: (req: Request) => Promise<Response>, key: string
 
 /** A summary worker with short timings: redelivery after a minute, small budgets, fast backoff. */
 export function summaryWorker(
-  { redis, sql, llm, keys, flow, budgets, prices, log = silentLogger }: {
+  { redis, sql, llm, keys, flow, budgets, prices, tasks, validate, log = silentLogger }: {
     redis: RedisClient;
     sql: Sql;
     llm: LLM;
@@ -102,6 +103,10 @@ export function summaryWorker(
     budgets?: Budgets;
     /** Model prices: each attempt's `cost_usd` (NULL without). */
     prices?: Prices;
+    /** The task versions it runs; `sql`'s, with the built-in summarize, when unset. */
+    tasks?: TaskCache;
+    /** The output validator; a pool of its own, with the default limits, when unset. */
+    validate?: SummaryJobDeps["validate"];
     log?: Logger;
   },
   overrides: Partial<SummaryWorkerOptions> = {},
@@ -114,8 +119,8 @@ export function summaryWorker(
     flow,
     budgets,
     prices,
-    tasks: createTaskCache(sql),
-    validate: createSchemaValidators().validate,
+    tasks: tasks ?? createTaskCache(sql),
+    validate: validate ?? createSchemaValidators().validate,
   }, {
     keys,
     consumer: "test",

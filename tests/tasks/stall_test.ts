@@ -2,7 +2,9 @@
  * No tenant's schema can stall a process: a pattern that the definition
  * checks accept but that takes seconds on a long string (`^\d+\d+\d+$`, a
  * polynomial backtrack) is cut off by the validation deadline, at intake and
- * in the worker, while other runs go on.
+ * in the worker, while other runs go on. In the worker a timeout is no verdict
+ * on the answer (a starved Worker times out too): no repair call is made, and
+ * a run whose answer keeps timing out ends after its deliveries.
  */
 import assert from "node:assert/strict";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
@@ -38,7 +40,12 @@ Deno.test("a pathological pattern cannot stall intake or the worker", async (t) 
   });
   const acme = await createApiKey(db.sql, "acme");
   const llm = createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: model.url });
-  const worker = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys });
+  // Short deliveries, redelivered soon after each gives up, two at most.
+  const worker = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, {
+    claimIdleMs: 500,
+    maxDeliveries: 2,
+    job: { budgetMs: 1_500, perCallTimeoutMs: 1_000, maxAttempts: 2 },
+  });
   const stop = new AbortController();
   const running = worker.run(stop.signal);
   const call = jsonClient(api, acme);
@@ -93,7 +100,7 @@ Deno.test("a pathological pattern cannot stall intake or the worker", async (t) 
       assert.deepEqual(finished, ["quick", "slow"]);
     });
 
-    await t.step("worker: a stalling answer fails its run after two calls; other runs are done meanwhile", async () => {
+    await t.step("worker: a stalling answer fails after two deliveries, no repair; other runs are done", async () => {
       const slow = await call("POST", "/v1/tasks/stall-out/runs", { input: { n: 1 } }, {
         "idempotency-key": "stall-worker-0001",
       });
@@ -110,10 +117,9 @@ Deno.test("a pathological pattern cannot stall intake or the worker", async (t) 
         const run = await call("GET", `/v1/runs/${slow.body.run_id}`, undefined);
         return run.body.status === "failed" ? run.body : undefined;
       }, 15_000);
-      assert.equal(failed.error, 'output_invalid: at ""');
+      assert.equal(failed.error, "exceeded 2 deliveries");
       const calls = model.prompts.filter((p) => p.startsWith("Stall") || p.startsWith("That answer"));
-      assert.deepEqual(calls.map((p) => p.split(" ")[0]), ["Stall", "That"], "the first call and one repair");
-      assert.match(calls[1]!, /could not be validated: .*took longer than/);
+      assert.deepEqual(calls.map((p) => p.split(" ")[0]), ["Stall", "Stall"], "one call per delivery, no repair");
     });
   } finally {
     stop.abort();
