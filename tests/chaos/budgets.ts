@@ -38,12 +38,30 @@
  * the provider reported (calls that hung or whose worker was killed are
  * charged their reservation, which only makes the budget more conservative).
  *
+ * With `reconcile` (`--redis-drops`, whose workers lose Redis replies and
+ * whose budget scripts may therefore run twice), the end is checked exactly,
+ * once the calls are over (no provider request for a few seconds, the last
+ * one past the call timeout): each budget's spend against what the settled
+ * calls cost by the provider's own count, within 2%, and what is still
+ * reserved against what the calls a kill cut off may hold. A call is settled
+ * when the service recorded it in `model_attempts` (which it does right after
+ * the settlement): a row naming the provider's request id was charged that
+ * request's usage; a row without usage but with a cost was charged its
+ * reservation (a timeout after the call was sent), matched to its provider
+ * request by its job and its worst case; a row with neither was charged
+ * nothing (a refused call). A provider request no row accounts for was cut
+ * off by a kill: its reservation may still be held (until its epoch ends), or
+ * its worker settled it and died before the record was written; either is
+ * allowed, nothing else is. Without kills of workers that leaves no slack:
+ * spend = the settled calls' cost, nothing reserved.
+ *
  * Kept apart from run.ts, which calls these hooks.
  */
 import type { Sql } from "postgres";
 import { sleep } from "../../src/async/timeout.ts";
 import type { RedisClient } from "../../src/clients.ts";
 import { budgetKey, worstCaseTokens } from "../../src/budgets/budgets.ts";
+import type { CallTokens } from "../../src/budgets/charge.ts";
 import { readBudgetState } from "../../src/budgets/budget_scripts.ts";
 import { MAX_OUTPUT_TOKENS } from "../../src/llm/llm.ts";
 import { costNanos, nanosToUsd, type Prices, usdToNanos } from "../../src/provider/prices.ts";
@@ -71,6 +89,13 @@ const RAISED = { tokens: "1000000000", usd: "1000" };
 const RAISE_GRACE_MS = 10_000;
 /** How long the check before the raise waits for a sample in which every queued run says `waiting_for`. */
 const WAITING_SAMPLE_MS = 10_000;
+/** With `reconcile`: how long without a new provider request counts as "the calls are over", and the most to wait. */
+const QUIET_MS = 3_000, QUIET_BOUND_MS = 60_000;
+/** With `reconcile`: how far the spend may be from what the settled calls cost (by the provider's count). */
+const SPEND_TOLERANCE = 0.02;
+
+/** How the fake provider answered a request: billed (`ok`), refused with a status, or left hanging. */
+export type RequestKind = "ok" | "status" | "hang";
 
 /** One job of the run, as the budgets see it. */
 export interface BudgetJob {
@@ -96,6 +121,34 @@ export interface BudgetDeps {
   get(tenant: string, path: string): Promise<{ status: number; body: Record<string, unknown> } | null>;
   /** When the kill period began (performance.now()). */
   start(): number;
+  /** Reconciles each budget with the provider's ledger and the service's record at the end (see the header). */
+  reconcile?: {
+    /** How the provider answered request n (1-based), as the run scripted it. */
+    kindOf(n: number): RequestKind | undefined;
+    /** The job index of a job id the service recorded. */
+    jobIndexOf(jobId: string): number | undefined;
+    /** LLM_CALL_TIMEOUT_S in ms: a hung call ends (and is settled) this long after it was sent. */
+    callTimeoutMs: number;
+  };
+}
+
+/** A budget's end state against the provider's ledger and the service's record (`reconcile`), in its unit. */
+interface Reconciled {
+  /** Settled calls, by what they were charged: the provider's count, their reservation, nothing. */
+  settled: { reported: number; reservation: number; nothing: number };
+  /** What the settled calls cost: the provider's count for those it billed, the reservation for the others. */
+  expected: number;
+  /** The provider's count for every call it billed (settled or not). */
+  billed: number;
+  /** Provider requests no row accounts for (their worker killed mid-call), by how the provider answered. */
+  cutOff: { ok: number; hang: number; status: number };
+  /** What those may have added to the spend (had their settlement landed), and what they may still hold reserved. */
+  cutOffSpentAtMost: number;
+  cutOffHeldAtMost: number;
+  /** Rows charged a reservation that matched no provider request of their job. */
+  unmatched: number;
+  /** Rows whose reported tokens differ from the provider's count for the request they name. */
+  disagreeing: number;
 }
 
 /** A refused tenant's budget at the raise, and the provider's ledger for it. */
@@ -126,6 +179,8 @@ interface TenantReport {
   /** 429s answered, and the Retry-After values seen. */
   refusals: number;
   retryAfter: number[];
+  /** With `reconcile`: the end state against the ledger and the record. */
+  reconciled?: Reconciled;
 }
 
 /** The mode's state and its steps, as run.ts calls them. */
@@ -357,6 +412,10 @@ export function chaosBudgets(deps: BudgetDeps): ChaosBudgets {
     },
 
     async finish() {
+      if (deps.reconcile) {
+        await callsOver(deps.reconcile.callTimeoutMs);
+        for (const report of reports.values()) report.reconciled = await reconcile(report, deps.reconcile);
+      }
       for (const report of reports.values()) report.atEnd = await state(report.tenant);
       if (raisedWall === undefined) return;
       const [row] = await deps.sql<{ after: number | null }[]>`
@@ -402,6 +461,7 @@ export function chaosBudgets(deps: BudgetDeps): ChaosBudgets {
               r.atEnd ? `${show(r.unit, r.atEnd.spent)} + ${show(r.unit, r.atEnd.reserved)}` : "n/a"
             }`,
           ],
+          ...(r.reconciled ? reconciledRows(r, r.reconciled) : []),
         );
       }
       rows.push(
@@ -452,7 +512,218 @@ export function chaosBudgets(deps: BudgetDeps): ChaosBudgets {
         all.push(`${r.tenant}: ${r.queuedRuns - r.waitingRuns} queued run(s) not waiting_for budget at the raise`);
       }
       if (r.deadNotPoison > 0) all.push(`${r.tenant}: ${r.deadNotPoison} job(s) dead-lettered, not poison`);
+      if (deps.reconcile) all.push(...reconcileProblems(r));
     }
     return all;
   }
+
+  /** Waits until no provider request came for {@linkcode QUIET_MS} and the last one is past the call timeout. */
+  async function callsOver(callTimeoutMs: number): Promise<void> {
+    const end = performance.now() + QUIET_BOUND_MS;
+    let seen = -1, since = performance.now();
+    while (performance.now() < end) {
+      if (deps.model.requests !== seen) {
+        seen = deps.model.requests;
+        since = performance.now();
+      }
+      const last = deps.model.arrivedAt.at(-1) ?? 0;
+      if (performance.now() - since > QUIET_MS && performance.now() - last > callTimeoutMs + QUIET_MS) break;
+      await sleep(250);
+    }
+    // The attempts' record is written in batches (every 200 ms).
+    await sleep(1_000);
+  }
+
+  /** A call's worst case as the service reserves it: every message it sends, its schema, every output token. */
+  function worstOf(body: ChatBody): CallTokens {
+    const messages = (body.messages ?? []).map((m) => m.content ?? "");
+    const format = body.response_format as { type?: string; json_schema?: { name?: string; schema?: unknown } };
+    if (format?.type === "json_schema" && format.json_schema) {
+      messages.push((format.json_schema.name ?? "") + JSON.stringify(format.json_schema.schema));
+    }
+    return worstCaseTokens(messages, body.max_completion_tokens ?? MAX_OUTPUT_TOKENS);
+  }
+
+  /** The tenant's budget against the provider's ledger and the service's record (see the module's header). */
+  async function reconcile(report: TenantReport, how: NonNullable<BudgetDeps["reconcile"]>): Promise<Reconciled> {
+    const unit = report.unit;
+    // The provider's side: every request of the tenant's jobs, what it billed and what its call reserved.
+    const calls = new Map<
+      number,
+      { job: number; kind: RequestKind | undefined; billed?: number; billedTokens?: number; worst: number }
+    >();
+    deps.model.bodies.forEach((raw, i) => {
+      const body = raw as ChatBody;
+      const job = deps.jobOf(body);
+      if (job === undefined || deps.jobs[job]?.tenant !== report.tenant) return;
+      const usage = deps.model.usages[i];
+      const w = worstOf(body);
+      calls.set(i + 1, {
+        job,
+        kind: how.kindOf(i + 1),
+        billed: usage ? amount(unit, body, usage.prompt_tokens, usage.completion_tokens) : undefined,
+        billedTokens: usage ? usage.prompt_tokens + usage.completion_tokens : undefined,
+        worst: amount(unit, body, w.prompt, w.completion),
+      });
+    });
+    // The service's side: every attempt it recorded, with its charge (`charged_tokens` where the column exists).
+    const rows = await deps.sql<
+      {
+        job_id: string;
+        request: string | null;
+        tokens: number | null;
+        status: number | null;
+        cost: string | null;
+        charged: number | null;
+      }[]
+    >`
+      SELECT job_id::text, provider_request_id AS request, (prompt_tokens + completion_tokens)::int AS tokens, status,
+        cost_usd::text AS cost, (to_jsonb(m)->>'charged_tokens')::bigint AS charged
+      FROM model_attempts m WHERE tenant = ${report.tenant}`;
+    const accounted = new Set<number>();
+    const out: Reconciled = {
+      settled: { reported: 0, reservation: 0, nothing: 0 },
+      expected: 0,
+      billed: 0,
+      cutOff: { ok: 0, hang: 0, status: 0 },
+      cutOffSpentAtMost: 0,
+      cutOffHeldAtMost: 0,
+      unmatched: 0,
+      disagreeing: 0,
+    };
+    const statusRows = new Map<number, number>();
+    const reservationRows: { job: number | undefined; nanos: number; charged: number | null }[] = [];
+    for (const row of rows) {
+      const n = /^req_(\d+)$/.exec(row.request ?? "")?.[1];
+      const call = n === undefined ? undefined : calls.get(Number(n));
+      if (row.tokens !== null && call) {
+        // Charged the provider's usage: counted at the provider's own count for that request.
+        out.settled.reported++;
+        out.expected += call.billed ?? 0;
+        if (call.billedTokens !== row.tokens) out.disagreeing++;
+        accounted.add(Number(n));
+        continue;
+      }
+      const nanos = usdNanos(row.cost);
+      const job = how.jobIndexOf(row.job_id);
+      if (row.tokens === null && nanos > 0) reservationRows.push({ job, nanos, charged: row.charged });
+      else {
+        out.settled.nothing++;
+        if (row.status !== null && job !== undefined) statusRows.set(job, (statusRows.get(job) ?? 0) + 1);
+      }
+    }
+    // A row charged its reservation: matched to a request of its job whose worst case costs the same, one the
+    // provider left hanging first (a timeout), else one it answered too late.
+    for (const row of reservationRows) {
+      const match = [...calls].filter(([n, c]) =>
+        !accounted.has(n) && c.job === row.job && c.kind !== "status" && nanosOfWorst(n) === row.nanos
+      ).sort(([, a], [, b]) =>
+        (a.kind === "hang" ? 0 : 1) - (b.kind === "hang" ? 0 : 1)
+      )[0];
+      out.settled.reservation++;
+      if (!match) {
+        out.unmatched++;
+        out.expected += unit === "usd" ? row.nanos : row.charged ?? 0;
+        continue;
+      }
+      accounted.add(match[0]);
+      out.expected += match[1].worst;
+    }
+    // What is left was cut off by a kill: settled (and then its worker died before the record), or still held.
+    const statusLeft = new Map<number, number>();
+    for (const [n, c] of calls) {
+      out.billed += c.billed ?? 0;
+      if (accounted.has(n)) continue;
+      if (c.kind === "status") {
+        // Refused calls name no request id: counted per job, those beyond the job's refused rows were cut off.
+        const left = (statusLeft.get(c.job) ?? statusRows.get(c.job) ?? 0) - 1;
+        statusLeft.set(c.job, left);
+        if (left >= 0) continue;
+        out.cutOff.status++;
+      } else if (c.kind === "hang") {
+        out.cutOff.hang++;
+        out.cutOffSpentAtMost += c.worst;
+      } else {
+        out.cutOff.ok++;
+        out.cutOffSpentAtMost += c.billed ?? c.worst;
+      }
+      out.cutOffHeldAtMost += c.worst;
+    }
+    return out;
+
+    /** What request n's worst case costs in nano-USD (how a reservation charge is recorded in `cost_usd`). */
+    function nanosOfWorst(n: number): number {
+      const body = deps.model.bodies[n - 1] as ChatBody;
+      const w = worstOf(body);
+      return nanosOf(body, w.prompt, w.completion);
+    }
+  }
+
+  function reconciledRows(r: TenantReport, x: Reconciled): [string, string][] {
+    const t = r.tenant;
+    const spent = r.atEnd?.spent ?? NaN, reserved = r.atEnd?.reserved ?? NaN;
+    const off = x.expected === 0 ? 0 : (100 * (spent - x.expected)) / x.expected;
+    return [
+      [
+        `${t}: calls settled, charged the provider's count / their reservation / nothing`,
+        `${x.settled.reported} / ${x.settled.reservation} / ${x.settled.nothing}`,
+      ],
+      [
+        `${t}: the budget's spend at the end / what the settled calls cost (provider's count + reservations)`,
+        `${show(r.unit, spent)} / ${show(r.unit, x.expected)} (${off >= 0 ? "+" : ""}${off.toFixed(1)}%)`,
+      ],
+      [
+        `${t}: calls cut off by a kill (no record): answered / hanging / refused; may have spent / may hold`,
+        `${x.cutOff.ok} / ${x.cutOff.hang} / ${x.cutOff.status}; ${show(r.unit, x.cutOffSpentAtMost)} / ${
+          show(r.unit, x.cutOffHeldAtMost)
+        }`,
+      ],
+      [`${t}: still reserved at the end, no call in flight`, show(r.unit, reserved)],
+    ];
+  }
+
+  /** What the reconciliation found wrong for one tenant. */
+  function reconcileProblems(r: TenantReport): string[] {
+    const x = r.reconciled, end = r.atEnd;
+    if (!x || !end) return [`${r.tenant}: the budget could not be reconciled at the end`];
+    const problems: string[] = [];
+    const slack = SPEND_TOLERANCE * x.expected;
+    // Spent: every settled call once, at its charge; a cut-off call may have been settled too (its record lost).
+    if (end.spent < x.expected - slack || end.spent > x.expected + x.cutOffSpentAtMost + slack) {
+      problems.push(
+        `${r.tenant}: the budget recorded ${show(r.unit, end.spent)} spent where the settled calls cost ` +
+          `${show(r.unit, x.expected)} by the provider's count and their reservations` +
+          (x.cutOffSpentAtMost > 0 ? ` (plus at most ${show(r.unit, x.cutOffSpentAtMost)} for calls cut off)` : ""),
+      );
+    }
+    // Reserved: only what a call cut off by a kill may still hold.
+    if (end.reserved > x.cutOffHeldAtMost) {
+      problems.push(
+        `${r.tenant}: ${show(r.unit, end.reserved)} left reserved with no call in flight, where the calls cut off ` +
+          `by kills may hold ${show(r.unit, x.cutOffHeldAtMost)}`,
+      );
+    }
+    // Together: each cut-off call is either settled or held, never both, never neither.
+    if (end.spent + end.reserved < x.expected - slack) {
+      problems.push(`${r.tenant}: spent + reserved is less than what the settled calls cost`);
+    }
+    if (end.spent + end.reserved > x.expected + x.cutOffHeldAtMost + slack) {
+      problems.push(
+        `${r.tenant}: spent + reserved (${show(r.unit, end.spent + end.reserved)}) is more than the settled calls ` +
+          `cost and the calls cut off may hold (${show(r.unit, x.expected + x.cutOffHeldAtMost)})`,
+      );
+    }
+    if (x.unmatched > 0) problems.push(`${r.tenant}: ${x.unmatched} reservation charge(s) match no provider request`);
+    if (x.disagreeing > 0) {
+      problems.push(`${r.tenant}: ${x.disagreeing} recorded usage(s) differ from the provider's count`);
+    }
+    return problems;
+  }
+}
+
+/** A `numeric` of USD (`0.000001234`) as whole nano-dollars, exactly; 0 for none. */
+function usdNanos(usd: string | null): number {
+  if (!usd) return 0;
+  const [whole = "0", fraction = ""] = usd.split(".");
+  return Number(whole) * 1e9 + Number(fraction.padEnd(9, "0").slice(0, 9));
 }

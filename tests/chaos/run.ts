@@ -12,7 +12,7 @@
  *   deno task chaos [--jobs N] [--duration S] [--redis-restart] [--pg-terminate] [--no-kills] [--seed N]
  *                   [--provider-limit RPS] [--cluster] [--new-tenants] [--drain-timeout S] [--poison N]
  *                   [--poison-runs N] [--pg-failover [--pg-async]]
- *                   [--sentinel [--replicas-ack N] [--ack-timeout-ms MS]] [--budgets]
+ *                   [--sentinel [--replicas-ack N] [--ack-timeout-ms MS]] [--budgets] [--redis-drops [SHARE]]
  *
  * Among the jobs are N (default 3) poison documents, on which the model always
  * hangs: each must be dead-lettered (after MAX_DELIVERIES=5 deliveries, charged
@@ -69,6 +69,19 @@
  * each request's length, and the run holds the provider's own count to the
  * budgets; see budgets.ts.
  *
+ * With --redis-drops [SHARE] (default 3%, as `0.03` or `3%`), the API, the
+ * workers, the relays and the tenant command reach Redis through a proxy
+ * (tests/support/redis_drop_proxy.ts) that drops SHARE of the replies with
+ * their connection, after Redis ran the command: ioredis reconnects and
+ * resends what was unanswered (or aborts what followed a partial pipeline
+ * reply), so every script runs again or leaves its effect unheard. The run's
+ * own checks keep a direct connection. Budgets are on (as --budgets), and at
+ * the end, once the calls are over, each budget is reconciled exactly with
+ * the provider's ledger and the service's record (budgets.ts): its spend
+ * within 2% of what the settled calls cost, nothing reserved beyond what the
+ * calls a kill cut off may hold. With the usual checks, and in every mode:
+ * exactly one dead letter per poison job (the dead streams counted by job id).
+ *
  * With --pg-failover, Postgres is a primary and a synchronous standby (an
  * asynchronous one with --pg-async), DATABASE_URL lists both, and mid-run the
  * primary is stopped (immediate) and the standby promoted: see pg_failover.ts.
@@ -95,7 +108,14 @@ import { jobIdFor } from "../../src/idempotency/scope.ts";
 import { allLanes } from "../../src/summaries/all_lanes.ts";
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
-import { type ChatBody, limitedProvider, startFakeModel, STRUCTURED_MARKERS } from "../support/fake_model_server.ts";
+import {
+  type ChatBody,
+  limitedProvider,
+  type ModelBehaviour,
+  startFakeModel,
+  STRUCTURED_MARKERS,
+} from "../support/fake_model_server.ts";
+import { type RedisDropProxy, startRedisDropProxy } from "../support/redis_drop_proxy.ts";
 import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
 import { type LocalCluster, startLocalCluster } from "../support/redis_cluster.ts";
 import { type RedisSentinel, startRedisSentinel } from "../support/redis_sentinel.ts";
@@ -104,7 +124,7 @@ import { launchFlags } from "../../main.ts";
 import { freePort } from "../support/free_port.ts";
 import { seededRandom } from "../support/random.ts";
 import { pgFailoverMode, startPgFailover } from "./pg_failover.ts";
-import { burstJobs, chaosBudgets, PRICE_ENV, RAISE_AT } from "./budgets.ts";
+import { burstJobs, chaosBudgets, PRICE_ENV, RAISE_AT, type RequestKind } from "./budgets.ts";
 import { MAX_OUTPUT_TOKENS, summaryPrompt } from "../../src/llm/llm.ts";
 import { createPrices } from "../../src/provider/prices.ts";
 
@@ -119,6 +139,19 @@ const option = (name: string, fallback: number) => {
   }
   return value;
 };
+/** --redis-drops' share: the value after the flag (`0.03` or `3%`) if there is one, else 3%; 0 without the flag. */
+function dropShare(): number {
+  const i = args.indexOf("--redis-drops");
+  if (i < 0) return 0;
+  const given = args[i + 1];
+  if (given === undefined || given.startsWith("--")) return 0.03;
+  const share = given.endsWith("%") ? Number(given.slice(0, -1)) / 100 : Number(given);
+  if (!(share > 0 && share < 1)) {
+    console.error(`--redis-drops takes a share of replies above 0 and below 1, as 0.03 or 3% (got ${given})`);
+    Deno.exit(2);
+  }
+  return share;
+}
 const NEW_TENANTS = flag("new-tenants");
 const JOBS = option("jobs", 500);
 const DURATION_S = option("duration", 30);
@@ -152,9 +185,18 @@ const PG_TERMINATE = flag("pg-terminate");
 const PG_FAILOVER = pgFailoverMode(args);
 const NO_KILLS = flag("no-kills");
 const PROVIDER_LIMIT = option("provider-limit", 0);
-const BUDGETS = flag("budgets");
+/** --redis-drops [SHARE]: the share of the processes' Redis replies the proxy drops with their connection. */
+const REDIS_DROPS = dropShare();
+const BUDGETS = flag("budgets") || REDIS_DROPS > 0;
+if (REDIS_DROPS > 0 && (CLUSTER || SENTINEL)) {
+  // A cluster's MOVED and a sentinel's answer name the nodes' own ports: clients would go around the proxy.
+  console.error("--redis-drops puts a proxy in front of one Redis server: it does not go with --cluster or --sentinel");
+  Deno.exit(2);
+}
 if (BUDGETS && NEW_TENANTS) {
-  console.error("--budgets puts two of the four usual tenants on a budget: it does not go with --new-tenants");
+  console.error(
+    "--budgets (and --redis-drops) puts two of the four usual tenants on a budget: it does not go with --new-tenants",
+  );
   Deno.exit(2);
 }
 const SEED = option("seed", Date.now() % 1_000_000);
@@ -185,7 +227,17 @@ function countStructuredAnswer(n: number) {
   structuredAnswers.set(i, counts);
 }
 const limited = PROVIDER_LIMIT > 0 ? limitedProvider({ rps: PROVIDER_LIMIT }) : undefined;
-const model = startFakeModel((n, prompt) => {
+/** How the model answered each request (by n - 1): billed, refused with a status, or left hanging. */
+const requestKinds: RequestKind[] = [];
+/** `respond`, noting how each request was answered. */
+function noteKind(respond: (n: number, prompt: string) => ModelBehaviour) {
+  return (n: number, prompt: string): ModelBehaviour => {
+    const behaviour = respond(n, prompt);
+    requestKinds[n - 1] = behaviour.kind === "ok" ? "ok" : behaviour.kind === "status" ? "status" : "hang";
+    return behaviour;
+  };
+}
+const model = startFakeModel(noteKind((n, prompt) => {
   modelCalls++;
   const gate = limited?.respond(n, prompt);
   if (gate && gate.kind !== "ok") return gate;
@@ -202,7 +254,7 @@ const model = startFakeModel((n, prompt) => {
     // With budgets, the provider bills what it was sent and what it wrote, as a real one does.
     ...(BUDGETS ? { usage: "realistic" as const } : {}),
   };
-});
+}));
 const mail = startFakeMail(() => (random() < 0.1 ? { kind: "status", status: 500 } : { kind: "ok" }));
 
 // ---------------------------------------------------------------- Redis and Postgres
@@ -266,6 +318,18 @@ const redisAdmin: RedisClient = CLUSTER || SENTINEL
   ? await connectRedis(redisUrl)
   : new Redis(redisUrl, { maxRetriesPerRequest: null });
 redisAdmin.on("error", () => {});
+// --redis-drops: the processes reach Redis through the proxy, at the same database index; the run's checks do not.
+let dropProxy: RedisDropProxy | undefined;
+let processRedisUrl = redisUrl;
+if (REDIS_DROPS > 0) {
+  const direct = new URL(redisUrl);
+  dropProxy = startRedisDropProxy({
+    target: { hostname: direct.hostname, port: Number(direct.port || 6379) },
+    share: REDIS_DROPS,
+    seed: SEED,
+  });
+  processRedisUrl = dropProxy.url(Number(direct.pathname.slice(1) || 0));
+}
 
 // ---------------------------------------------------------------- processes
 const apiPort = freePort();
@@ -375,7 +439,7 @@ const isPoison = (i: number) => poisonIndices.has(i) || poisonRunIndices.has(i);
 const outputSchema = compileSchema(TRIAGE.output_schema);
 const env: Record<string, string> = {
   DATABASE_URL: db.url,
-  REDIS_URL: redisUrl,
+  REDIS_URL: processRedisUrl,
   PORT: String(apiPort),
   OPENAI_API_KEY: "sk-chaos",
   OPENAI_BASE_URL: model.url,
@@ -543,6 +607,15 @@ const budgetMode = BUDGETS
     tenantCommand,
     get: getAs,
     start: () => started,
+    ...(REDIS_DROPS > 0
+      ? {
+        reconcile: {
+          kindOf: (n: number) => requestKinds[n - 1],
+          jobIndexOf: (jobId: string) => submissions.find((s) => idOf(s) === jobId)?.i,
+          callTimeoutMs: config.LLM_CALL_TIMEOUT_S * 1000,
+        },
+      }
+      : {}),
   })
   : undefined;
 await budgetMode?.setUp();
@@ -795,7 +868,7 @@ async function submit(i: number) {
 }
 
 // ---------------------------------------------------------------- chaos
-let kills = 0;
+let kills = 0, workerKills = 0;
 /** --new-tenants: API kills, those that cut off new tenants' POSTs in flight, and how many POSTs they cut off. */
 let apiKills = 0, apiKillsMidIntake = 0, postsCutOff = 0;
 /** How long after a wave of POSTs leaves an aimed API kill may land (uniformly at random). */
@@ -1035,6 +1108,7 @@ async function killLoop() {
     await victim.child.status;
     await victim.logged; // its last lines before the replacement's first
     kills++;
+    if (victim.task === "worker") workerKills++;
     const replacement = await spawn(victim.name, victim.task);
     procs[procs.indexOf(victim)] = replacement;
   }
@@ -1072,6 +1146,23 @@ async function poisonFailed(): Promise<number> {
     ...poisonJobs(),
   ]}::uuid[])`;
   return row!.n;
+}
+
+/** The job id of every dead letter in every lane, one per entry (so a job dead-lettered twice is there twice). */
+async function deadLetterJobIds(): Promise<(string | undefined)[] | null> {
+  try {
+    const lanes = await allLanes(redisAdmin, serviceKeys(KEY_PREFIX));
+    const dead = await Promise.all(lanes.map((l) => listDeadLetters(redisAdmin, l.keys, 10_000)));
+    return dead.flat().map((d) => d.fields.job_id);
+  } catch {
+    return null;
+  }
+}
+
+/** Whether every poison job has its dead letter. */
+async function poisonDeadLettered(): Promise<boolean> {
+  const ids = new Set(await deadLetterJobIds() ?? []);
+  return [...poisonJobs()].every((id) => ids.has(id));
 }
 
 /** Summaries and run results: the jobs done. */
@@ -1199,8 +1290,11 @@ try {
       const keys = new Set([...mail.delivered.map((d) => d.idempotencyKey), ...receiver.processed.keys()]);
       const notified = [...expected].every((id) => keys.has(notificationKey(id)));
       const poisonNotified = [...poisonRunJobs()].every((id) => keys.has(notificationKey(id, true)));
+      // A poison job's dead letter may come after its failed outcome (a dead-letter write that failed is done
+      // again by a later delivery): the drain waits for both.
       if (
-        done >= expected.size && notified && poisonNotified && (await poisonFailed()) === poisonJobs().size
+        done >= expected.size && notified && poisonNotified && (await poisonFailed()) === poisonJobs().size &&
+        await poisonDeadLettered()
       ) break;
       await sleep(200);
     }
@@ -1308,15 +1402,14 @@ const poisonRunsFailed = [...poisonRuns].filter((id) => {
     answersTo(id).repair > 0;
 }).length;
 const poisonRunsNotified = [...poisonRuns].filter((id) => deliveredOnce(notificationKey(id, true))).length;
-const deadIds = await allLanes(redisAdmin, serviceKeys(KEY_PREFIX))
-  .then(async (lanes) =>
-    (await Promise.all(lanes.map((l) => listDeadLetters(redisAdmin, l.keys, 10_000)))).flat().map((d) =>
-      d.fields.job_id
-    )
-  )
-  .catch(() => null);
+const deadIds = await deadLetterJobIds();
 const dead = deadIds?.length ?? -1;
 const poisonDead = deadIds?.filter((id) => id !== undefined && poison.has(id)).length ?? 0;
+// Exactly one dead letter per poison job: a dead-letter write run twice (a resend) would make two of one job.
+const deadPerJob = new Map<string, number>();
+for (const id of deadIds ?? []) deadPerJob.set(id ?? "(no job id)", (deadPerJob.get(id ?? "(no job id)") ?? 0) + 1);
+const poisonDeadOnce = [...poison].filter((id) => deadPerJob.get(id) === 1).length;
+const deadTwice = [...deadPerJob.values()].filter((n) => n > 1).length;
 const otherDead = dead - poisonDead;
 const poisonDone = [...poison].filter((id) => doneIds.has(id)).length;
 const poisonDecided = await poisonFailed().catch(() => -1);
@@ -1334,6 +1427,7 @@ const rows: [string, string][] = [
       PG_TERMINATE && "pg_terminate_backend",
       pgPair && `postgres failover (${pgPair.synchronous ? "synchronous" : "asynchronous"} standby)`,
       BUDGETS && "tenant budgets",
+      dropProxy && `redis replies dropped (${(100 * REDIS_DROPS).toFixed(1)}%)`,
     ]
       .filter(Boolean).join(", ") ||
     "process kills",
@@ -1345,7 +1439,7 @@ const rows: [string, string][] = [
   ],
   ...(NEW_TENANTS ? newTenantRows() : []),
   ["POST requests sent (with client retries)", String(postRequests)],
-  ["processes killed (SIGKILL)", String(kills)],
+  ["processes killed (SIGKILL), of them workers", `${kills}, ${workerKills}`],
   ["processes that exited on their own", selfExits.length ? selfExits.join(", ") : "0"],
   ...events.map((e): [string, string] => ["infrastructure event", e]),
   ...(pgPair?.rows() ?? []),
@@ -1354,6 +1448,7 @@ const rows: [string, string][] = [
   ["jobs lost (accepted but never done)", String(lost)],
   ["dead-lettered", String(dead)],
   ["poison documents and runs dead-lettered (failed) / expected", `${poisonDead} (${poisonDecided}) / ${poison.size}`],
+  ["poison jobs with exactly one dead letter / jobs with more than one", `${poisonDeadOnce} / ${deadTwice}`],
   ["duplicate summaries", String(dupSummaries)],
   ["duplicate outbox rows", String(dupOutbox)],
   ["summaries for jobs never accepted", String(unexpected)],
@@ -1379,6 +1474,7 @@ const rows: [string, string][] = [
   ["webhooks failing signature verification", String(receiver.badSignatures)],
   ["send requests / duplicates the provider absorbed", `${mail.requests} / ${mail.deduplicated}`],
   ["model calls per job", jobIds.length ? (modelCalls / jobIds.length).toFixed(2) : "n/a"],
+  ...(dropProxy ? dropRows(dropProxy) : []),
   ...(limited
     ? [[
       `provider limit ${PROVIDER_LIMIT}/s: answered ok / 429 over the limit / in outages`,
@@ -1389,6 +1485,22 @@ const rows: [string, string][] = [
 ];
 console.log("\n| chaos run | result |\n| --- | --- |");
 for (const [k, v] of rows) console.log(`| ${k} | ${v} |`);
+
+/** --redis-drops: what the proxy did to the processes' Redis connections. */
+function dropRows(proxy: RedisDropProxy): [string, string][] {
+  const s = proxy.stats;
+  return [
+    [
+      `Redis replies dropped with their connection (share ${(100 * REDIS_DROPS).toFixed(1)}%, seed ${SEED}) / passed`,
+      `${s.drops} / ${s.replies}`,
+    ],
+    [
+      "commands Redis got whose reply never came back (the dropped one and those pipelined after it)",
+      `${s.unanswered}`,
+    ],
+    ["connections through the proxy (left alone: pub/sub)", `${s.connections} (${s.spared})`],
+  ];
+}
 
 function newTenantRows(): [string, string][] {
   const freshJobs = plans.filter((p) => p.fresh).length;
@@ -1484,6 +1596,7 @@ await Promise.all(procs.map(async (p) => {
   await p.child.status;
 }));
 await Promise.all(procs.map((p) => p.logged));
+await dropProxy?.close();
 await model.close();
 await mail.close();
 await receiver.close();
@@ -1510,12 +1623,17 @@ const ok = !failure && stoppedCleanly && stuck.length === 0 && lost === 0 && dup
   dupOutboxKeys === 0 && outboxUnexpected === 0 &&
   stranded.length === 0 &&
   poisonDead === poison.size && poisonDecided === poison.size && otherDead === 0 && poisonDone === 0 &&
+  poisonDeadOnce === poison.size && deadTwice === 0 && (!dropProxy || dropProxy.stats.drops > 0) &&
   (!NEW_TENANTS || (doneWithoutOutbox === 0 && outboxUnknown === 0 && misnamed.length === 0)) &&
   (pgPair?.ok() ?? true) && (budgetMode?.ok() ?? true) &&
   failoverProblem === undefined;
 if (pgPair && !pgPair.ok()) console.error(`chaos run failed: ${pgPair.problem()}`);
 if (failure) console.error(`chaos run failed: ${failure instanceof Error ? failure.message : failure}`);
 if (failoverProblem) console.error(`sentinel failover: ${failoverProblem}`);
+if (dropProxy && dropProxy.stats.drops === 0) {
+  console.error("--redis-drops: the proxy dropped no reply (too short a run?)");
+}
+if (deadTwice > 0) console.error(`${deadTwice} job(s) have more than one dead letter`);
 for (const problem of budgetMode?.problems() ?? []) console.error(`budgets: ${problem}`);
 if (stuck.length > 0) console.error(`did not exit within 15 s of SIGTERM (then SIGKILLed): ${stuck.join(", ")}`);
 if (stranded.length > 0) {
