@@ -91,16 +91,14 @@ export async function drainLegacyStream(
         continue;
       }
       const lane = keys.lane(tenant);
-      const [record, recordTtlMs] = await Promise.all([
-        redis.hgetall(legacy.job(jobId)),
-        redis.pttl(legacy.job(jobId)),
-      ]);
+      const record = await redis.hgetall(legacy.job(jobId));
       const known = laneKnownArgs(redis, keys.registry, tenant, lane.stream);
       await MOVE_INTO_LANE.run(redis, [lane.stream, lane.job(jobId), lane.movedFromLegacy(id), ...known.keys], [
         JSON.stringify({
           fields: flat,
           record: Object.entries(record).flat(),
-          record_ttl_ms: recordTtlMs,
+          // Its job is queued in its lane now: the record lives as long as it waits there (see `markQueued`).
+          record_ttl_ms: 0,
           marker_ttl_s: LEGACY_DRAIN_DEFAULTS.markerTtlS,
           lane: known.lane,
           wake: known.wake,

@@ -92,7 +92,10 @@ Deno.test("legacy drain", async (t) => {
       const apiKey = await createApiKey(db.sql, "waiting");
       const queued = job("waiting");
       await enqueueJob(r.redis, legacy, queued);
+      // Records of releases before this one expired after 7 days, queued or not.
+      await r.redis.expire(legacy.job(queued.jobId), 7 * 86_400);
       assert.equal(await drainLegacyStream({ redis: r.redis, log: silentLogger }, { keys }), 1);
+      assert.equal(await r.redis.ttl(keys.lane("waiting").job(queued.jobId)), -1, "no expiry while it waits");
       assert.equal(await r.redis.exists(legacy.stream), 0);
       assert.equal(await r.redis.xlen(keys.lane("waiting").stream), 1);
       assert.deepEqual(await r.redis.smembers(keys.registry.active), ["waiting"], "the lane is announced");
