@@ -140,7 +140,19 @@ export async function replayDeadLetters(
         continue;
       }
       reopened = true;
-      done = await replayAs(redis, lane, claim, decidable ? markQueuedOnReplay(lane, jobId) : undefined, { ack });
+      // Asked again with the same token when Redis answers with an error (a reply lost with its connection): the
+      // script answers a replay it already made, and enqueues nothing twice.
+      for (let attempt = 1;; attempt++) {
+        try {
+          done = await replayAs(redis, lane, claim, decidable ? markQueuedOnReplay(lane, jobId) : undefined, { ack });
+          break;
+        } catch (error) {
+          const typed = error instanceof NotReplicated || error instanceof DeadLetterTruncated ||
+            error instanceof DeadLetterExpired;
+          if (typed || attempt >= 3) throw error;
+          await new Promise((resolve) => setTimeout(resolve, 200 * attempt));
+        }
+      }
     } catch (error) {
       if (error instanceof ReplayNotReplicated) {
         // In the lane's stream on the primary all the same: wake the workers, and say what is not yet safe.

@@ -121,6 +121,22 @@ Deno.test("replays of one dead letter", async (t) => {
       },
     );
 
+    await t.step("a replay whose script ran though its caller heard an error is asked again: one replay", async () => {
+      const job = await deadJob("errored");
+      const target = { id: job.deadId, tenant: "errored" };
+      // The claim's reply arrives; the replay script runs, and its caller hears an error (a reply lost with its
+      // connection, or a command aborted behind it in a pipeline). Before, the replay stopped there, the job
+      // reopened in Postgres but neither queued nor reported.
+      let scripts = 0;
+      const faulty = afterEachScript(r.redis, () => {
+        scripts++;
+        return scripts === 2 ? Promise.reject(new Error("Command aborted due to connection close")) : Promise.resolve();
+      });
+      const report = await replayDeadLetters({ redis: faulty, sql: db.sql }, keys, target);
+      assert.deepEqual(await effects("errored", job.jobId), replayedOnce);
+      assert.equal(replayed(report), 1, JSON.stringify(report));
+    });
+
     await t.step("a replay whose scripts are resent after lost replies: one replay, the job queued", async () => {
       const job = await deadJob("resent");
       const target = { id: job.deadId, tenant: "resent" };
