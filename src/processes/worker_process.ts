@@ -91,6 +91,10 @@ export async function startWorker(
     if (flow && !(await settlesWithin(flow.settled(), FLOW_SETTLE_MS))) {
       log.warn("flow_reports_unsettled", { waited_ms: FLOW_SETTLE_MS });
     }
+    // Its configured limits stop counting for the other processes now, not when their entry expires.
+    if (flow && !(await settlesWithin(flow.withdraw(), FLOW_SETTLE_MS))) {
+      log.warn("flow_config_not_withdrawn", { waited_ms: FLOW_SETTLE_MS });
+    }
     await validators.close();
     await ack?.close();
     log.info("worker_stopped", { consumer });

@@ -14,6 +14,12 @@ export interface AcquireSettings {
   state_ttl_ms: number;
   /** How long a call's reply stays in its memo, for a resend of that call. */
   reply_ttl_ms: number;
+  /** This process's id in the live configurations (see the script): with `announce`, its entry is written... */
+  owner?: string;
+  /** ...to expire after this long (the process refreshes it well before)... */
+  cfg_ttl_ms?: number;
+  /** ...1 = write or refresh this process's configured limits, -1 = withdraw them (it stops), 0 = neither. */
+  announce?: number;
 }
 
 /** One caller's request (one JSON object of the batch's array). */
@@ -33,12 +39,13 @@ const ACQUIRE = defineScript(`
 -- Acquire: asks, for each request of a batch in turn, for the right to make one model call now (or peeks, or
 -- confirms a slot booked ahead). A batch of n requests decides exactly what n calls in a row would.
 -- KEYS[1]  the provider's state hash
--- KEYS[2]  the caller's reply memo (see reply_memo.ts), beside the state; absent for a batch of peeks (they write
+-- KEYS[2]  the live processes' configured limits (a hash beside the state: owner -> 'rpm tpm expires_at_ms')
+-- KEYS[3]  the caller's reply memo (see reply_memo.ts), beside the state; absent for a batch of peeks (they book
 --          nothing)
 -- ARGV[1]  JSON: the flow's settings {cfg_rpm, cfg_tpm, max_ahead_ms, lease_ms, margin, horizon_ms,
---          suspect_delay_ms, state_ttl_ms, reply_ttl_ms}
+--          suspect_delay_ms, state_ttl_ms, reply_ttl_ms, owner, cfg_ttl_ms, announce}
 -- ARGV[2]  JSON: the requests, in order: [{mode, est (tokens), probe_id, job ('' = unknown)}, ...]
--- ARGV[3]  this call's id, with KEYS[2]
+-- ARGV[3]  this call's id, with KEYS[3]
 -- Returns {code, ms, detail} for each request, in order, flat. Mode take: code 1 = permit booked ms from now
 -- (detail 'unpaced' when no limit is in force, the breaker is closed, nothing is paused and no call has failed
 -- since the last success: the caller may then lease permits for a while), 2 = probe permit (lease held by the
@@ -48,7 +55,7 @@ const ACQUIRE = defineScript(`
 -- Safe to run twice: a call whose id the memo holds was resent after its reply was lost (the client resends what
 -- was unanswered when it reconnects). It gets the first run's reply back and books nothing: a second slot would be
 -- a permit nobody uses, and a probe told to wait for its own lease would stall the probe until the lease ran out.
-local key, memo, call = KEYS[1], KEYS[2], ARGV[3]
+local key, cfgs, memo, call = KEYS[1], KEYS[2], KEYS[3], ARGV[3]
 if memo then
   local last = redis.call('GET', memo)
   if last and string.sub(last, 1, #call + 1) == call .. ' ' then return cmsgpack.unpack(string.sub(last, #call + 2)) end
@@ -61,6 +68,36 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function n(v) return tonumber(v) or 0 end
 local function lower(x, y) if x > 0 and y > 0 then return math.min(x, y) end return math.max(x, y) end
+-- A configured limit is the configuration of the processes running now: each writes its own entry with an expiry
+-- and refreshes it well before, and withdraws it when it stops. The limit in force is the strictest a live process
+-- configures (and always at least this process's own), so a process stopped or restarted with another
+-- configuration stops counting within cfg_ttl_ms. The state hash keeps the live figures and the first expiry.
+local live = redis.call('HMGET', key, 'cfg_rpm', 'cfg_tpm', 'cfg_next')
+local live_rpm, live_tpm, cfg_next = n(live[1]), n(live[2]), n(live[3])
+local announce = s.announce or 0
+if announce ~= 0 and s.owner then
+  if announce > 0 then
+    redis.call('HSET', cfgs, s.owner, cfg_rpm .. ' ' .. cfg_tpm .. ' ' .. (now + s.cfg_ttl_ms))
+    redis.call('PEXPIRE', cfgs, 2 * s.cfg_ttl_ms)
+  else
+    redis.call('HDEL', cfgs, s.owner)
+  end
+end
+if announce ~= 0 or (cfg_next > 0 and now >= cfg_next) then
+  live_rpm, live_tpm, cfg_next = 0, 0, 0
+  local all = redis.call('HGETALL', cfgs)
+  for i = 1, #all, 2 do
+    local r, tk, at = string.match(all[i + 1], '^(%d+) (%d+) (%d+)$')
+    if not at or tonumber(at) <= now then
+      redis.call('HDEL', cfgs, all[i])
+    else
+      live_rpm, live_tpm = lower(live_rpm, tonumber(r)), lower(live_tpm, tonumber(tk))
+      if cfg_next == 0 or tonumber(at) < cfg_next then cfg_next = tonumber(at) end
+    end
+  end
+  redis.call('HSET', key, 'cfg_rpm', live_rpm, 'cfg_tpm', live_tpm, 'cfg_next', cfg_next)
+end
+cfg_rpm, cfg_tpm = lower(cfg_rpm, live_rpm), lower(cfg_tpm, live_tpm)
 -- Lists of job ids, comma-separated.
 local function has(list, id) return id ~= '' and string.find(',' .. (list or '') .. ',', ',' .. id .. ',', 1, true) ~= nil end
 local function one(mode, est, probe_id, job)
@@ -111,7 +148,7 @@ local function one(mode, est, probe_id, job)
   -- Book the slot: the next caller's earliest start moves one interval (and this call's tokens) later.
   if req_iv > 0 then tat_req = math.max(now, tat_req) + req_iv end
   if tok_iv > 0 then tat_tok = math.max(now, tat_tok) + est * tok_iv end
-  redis.call('HSET', key, 'tat_req', tat_req, 'tat_tok', tat_tok, 'cfg_rpm', cfg_rpm, 'cfg_tpm', cfg_tpm)
+  redis.call('HSET', key, 'tat_req', tat_req, 'tat_tok', tat_tok)
   if single then
     redis.call('HSET', key, 'probe_until', now + lease, 'probe_id', probe_id)
     return 2, math.ceil(wait), 'probe'
@@ -131,6 +168,11 @@ if memo then redis.call('SET', memo, call .. ' ' .. cmsgpack.pack(out), 'PX', s.
 return out
 `);
 
+/** The hash of the live processes' configured limits, beside the provider's state `key` (one cluster slot). */
+export function liveConfigKey(key: string): string {
+  return `${key}:config`;
+}
+
 /**
  * Runs the acquire script on the provider state hash `key` for a batch of requests, decided in order. With
  * `memo`, the call is safe to apply twice (the same `memo.callId` again gets the first reply and books nothing);
@@ -144,7 +186,7 @@ export async function runAcquire(
   requests: AcquireRequest[],
   memo?: ReplyMemo,
 ): Promise<AcquireReply[]> {
-  const keys = memo ? [key, memo.key] : [key];
+  const keys = memo ? [key, liveConfigKey(key), memo.key] : [key, liveConfigKey(key)];
   const args = [JSON.stringify(settings), JSON.stringify(requests)];
   if (memo) args.push(memo.callId);
   const flat = await ACQUIRE.run(redis, keys, args) as (number | string)[];

@@ -12,22 +12,48 @@ import { sleep } from "../async/timeout.ts";
 import type { Completion, Usage } from "../llm/llm.ts";
 import type { Logger } from "../log/logger.ts";
 import { createBatcher } from "../async/batcher.ts";
-import { type AcquireReply, type AcquireRequest, type AcquireSettings, runAcquire } from "./acquire_script.ts";
+import {
+  type AcquireReply,
+  type AcquireRequest,
+  type AcquireSettings,
+  liveConfigKey,
+  runAcquire,
+} from "./acquire_script.ts";
 import { runSettle, type SettleOutcome, type SettleReply, type SettleSettings } from "./settle_script.ts";
 import { readProviderState } from "./status_script.ts";
 import { replyMemoKey } from "./reply_memo.ts";
-import { type FailureKind, failureKindOf, headersOf, reasonOf, retryAfterMs } from "../retry/classify.ts";
+import {
+  type FailureKind,
+  failureKindOf,
+  headersOf,
+  isProviderWide,
+  reasonOf,
+  retryAfterMs,
+} from "../retry/classify.ts";
 import { GateRefused } from "../retry/errors.ts";
 import { parseRateLimitHeaders } from "./rate_limit_headers.ts";
 
 /** Defaults, in one place. */
 export const FLOW_DEFAULTS = {
   /**
-   * Distinct jobs whose calls failed (timeouts, connection errors, 5xx) with no success between them that
-   * open the breaker. From two on, the limiter lets one call through at a time. One job failing again and
-   * again is that job's failure, not the provider's: it counts once.
+   * Distinct jobs whose calls failed with no success between them, in ways no document causes (a connection
+   * error, 502, 503, 504, an answer with Retry-After), that open the breaker; and the fewest distinct jobs whose
+   * failures a document can cause (a 500, a timeout) that open it by the failing share below. From two failing
+   * jobs on, the limiter lets one call through at a time. One job failing again and again is that job's failure,
+   * not the provider's: it counts once.
    */
   failureThreshold: 3,
+  /**
+   * Failures a document can cause open the breaker only when at least this share of the calls over the last
+   * `shareWindowMs` failed, among at least `minCalls` calls, from `failureThreshold` distinct jobs of at least
+   * `minTenants` tenants, or from `loneTenantJobs` distinct jobs of one tenant...
+   */
+  failureShare: 0.5,
+  shareWindowMs: 10_000,
+  minCalls: 5,
+  minTenants: 2,
+  /** ...so three poison documents of one tenant are not an outage, and a queue of one tenant's jobs can still see one. */
+  loneTenantJobs: 5,
   /**
    * While the limiter lets one call at a time through (a suspect or half-open provider), a job whose own
    * call just failed may take that call only after this long without another caller: the probe goes to
@@ -38,10 +64,16 @@ export const FLOW_DEFAULTS = {
   badJobTtlMs: 10 * 60_000,
   /** Failures by attribution are counted over windows of this length, for `provider status`. */
   recentWindowMs: 5 * 60_000,
-  /** A failed probe multiplies the cooldown by this... */
-  cooldownGrowth: 1.5,
-  /** ...up to this multiple of the configured cooldown, so a recovered provider is found within one period. */
-  maxCooldownFactor: 2,
+  /** An open breaker's first probe goes out after this long (or LLM_BREAKER_COOLDOWN_S when shorter)... */
+  firstProbeMs: 1_000,
+  /** ...and a fresh job's failed probe multiplies the wait by this, up to LLM_BREAKER_COOLDOWN_S. */
+  cooldownGrowth: 2,
+  /**
+   * How long a process's configured limits (LLM_RPM, LLM_TPM) count for everyone after it last said so: it says
+   * so again every third of this while it asks for permits, and withdraws them when it stops. A process killed,
+   * or restarted with another configuration, stops counting within this.
+   */
+  configTtlMs: 10_000,
   /** Permits are paced at this share of the limit, leaving room for clock and network jitter. */
   margin: 0.97,
   /** How far ahead a caller may book a permit; beyond it, it waits without booking. */
@@ -107,7 +139,7 @@ export interface ProviderFlowOptions {
   rpm?: number;
   /** Configured tokens per minute (LLM_TPM). */
   tpm?: number;
-  /** LLM_BREAKER_COOLDOWN_S, in ms: how long an open breaker waits before its probe. */
+  /** LLM_BREAKER_COOLDOWN_S, in ms: the longest an open breaker waits before its next probe. */
   cooldownMs: number;
   /** How long a probe may hold the single slot before another caller may probe: a call's timeout plus slack. */
   probeLeaseMs: number;
@@ -116,6 +148,10 @@ export interface ProviderFlowOptions {
   maxAheadMs?: number;
   random?: () => number;
   events?: FlowEvents;
+  /** See `FLOW_DEFAULTS.configTtlMs`. */
+  configTtlMs?: number;
+  /** See `FLOW_DEFAULTS.firstProbeMs`. */
+  firstProbeMs?: number;
 }
 
 /** How a call that held a permit ended. */
@@ -148,12 +184,26 @@ export interface Permit {
 /** Where a limit in force came from. */
 export type LimitSource = "config" | "headers" | "none";
 
+/** One limit as `provider status` shows it. */
+export interface LimitStatus {
+  limit: number | null;
+  source: LimitSource;
+  /** The strictest that a live process configures (null: none does). */
+  configured: number | null;
+  /** What the provider's headers last said, while it still says it (null: it does not). */
+  learned: number | null;
+}
+
 /** The shared state, as `deno task provider status` shows it. */
 export interface ProviderStatus {
   key: string;
   now: number;
-  rpm: { limit: number | null; source: LimitSource; configured: number | null; learned: number | null };
-  tpm: { limit: number | null; source: LimitSource; configured: number | null; learned: number | null };
+  rpm: LimitStatus;
+  tpm: LimitStatus;
+  /** The processes whose configuration counts now, each until its entry expires (it refreshes it well before). */
+  configured_by: { rpm: number | null; tpm: number | null; expires_at: number }[];
+  /** When the provider's headers last gave a limit, and when a success without them ended the learned ones. */
+  headers: { at: number | null; stopped_at: number | null };
   /** Whether the limits are still being learned (one call at a time until the first headers). */
   learning: boolean;
   remaining: { requests: number | null; tokens: number | null; headers_at: number | null };
@@ -167,7 +217,14 @@ export interface ProviderStatus {
     state: BreakerState;
     /** Distinct jobs whose calls failed since the last success. */
     failures: number;
+    /** Of those, the ones whose failures no document causes, and their distinct tenants. */
+    wide_failures: number;
+    tenants: number;
+    /** The failing share of the calls over the last `FLOW_DEFAULTS.shareWindowMs` (known bad documents aside). */
+    failing_share: number | null;
     reason: string | null;
+    /** What opened it (a failed probe keeps the first cause). */
+    cause: string | null;
     opened_at: number | null;
     probe_at: number | null;
     cooldown_ms: number;
@@ -182,7 +239,7 @@ export interface ProviderFlow {
    * permit. The job id tells one job's failures from the provider's.
    * @throws the signal's reason when it aborts while waiting.
    */
-  acquire(estimatedTokens: number, signal?: AbortSignal, jobId?: string): Promise<Permit>;
+  acquire(estimatedTokens: number, signal?: AbortSignal, jobId?: string, tenant?: string): Promise<Permit>;
   /**
    * Whether a worker should take jobs now: `permits` that can be granted
    * within about a second (less what this process is already waiting for),
@@ -197,6 +254,8 @@ export interface ProviderFlow {
   readonly leased: number;
   /** Resolves once every outcome reported so far is applied (or failed to be): before a process exits. */
   settled(): Promise<void>;
+  /** Withdraws this process's configured limits from the shared state: when it stops. */
+  withdraw(): Promise<void>;
 }
 
 /** The Redis key of a provider's state: one per base URL, model and API key (the key is hashed). */
@@ -226,8 +285,6 @@ function countArg(value: unknown): number | undefined {
 interface Flow {
   log: Logger;
   options: ProviderFlowOptions;
-  cfgRpm: number;
-  cfgTpm: number;
   random: () => number;
   events: FlowEvents;
   /** Callers of this process waiting for a permit. */
@@ -262,6 +319,10 @@ export function createProviderFlow(
   const maxAheadMs = options.maxAheadMs ?? FLOW_DEFAULTS.maxAheadMs;
   const cfgRpm = options.rpm ?? 0;
   const cfgTpm = options.tpm ?? 0;
+  // Each batch is one call with an id of its own, made before it is sent: a resend of it carries the same id, and
+  // the script applies it once. One batch of each script is in flight at a time, so one memo each suffices.
+  const owner = crypto.randomUUID();
+  const configTtlMs = options.configTtlMs ?? FLOW_DEFAULTS.configTtlMs;
   const acquireSettings: AcquireSettings = {
     cfg_rpm: cfgRpm,
     cfg_tpm: cfgTpm,
@@ -272,12 +333,27 @@ export function createProviderFlow(
     suspect_delay_ms: FLOW_DEFAULTS.suspectProbeDelayMs,
     state_ttl_ms: FLOW_DEFAULTS.stateTtlMs,
     reply_ttl_ms: FLOW_DEFAULTS.replyTtlMs,
+    owner,
+    cfg_ttl_ms: configTtlMs,
+    announce: 0,
+  };
+  // When this process last said its configuration (performance.now()); it says it again after a third of its TTL.
+  let announcedAt = -Infinity;
+  const settingsNow = (): AcquireSettings => {
+    if (performance.now() - announcedAt < configTtlMs / 3) return acquireSettings;
+    announcedAt = performance.now();
+    return { ...acquireSettings, announce: 1 };
   };
   const settleSettings: SettleSettings = {
     threshold,
-    cooldown_ms: options.cooldownMs,
-    max_cooldown_ms: options.cooldownMs * FLOW_DEFAULTS.maxCooldownFactor,
+    cooldown_ms: Math.min(options.firstProbeMs ?? FLOW_DEFAULTS.firstProbeMs, options.cooldownMs),
+    max_cooldown_ms: options.cooldownMs,
     growth: FLOW_DEFAULTS.cooldownGrowth,
+    share: FLOW_DEFAULTS.failureShare,
+    share_window_ms: FLOW_DEFAULTS.shareWindowMs,
+    min_calls: FLOW_DEFAULTS.minCalls,
+    min_tenants: FLOW_DEFAULTS.minTenants,
+    lone_jobs: FLOW_DEFAULTS.loneTenantJobs,
     margin,
     cfg_tpm: cfgTpm,
     min_pause_ms: FLOW_DEFAULTS.minPauseMs,
@@ -286,23 +362,18 @@ export function createProviderFlow(
     bad_ttl_ms: FLOW_DEFAULTS.badJobTtlMs,
     reply_ttl_ms: FLOW_DEFAULTS.replyTtlMs,
   };
-  // Each batch is one call with an id of its own, made before it is sent: a resend of it carries the same id, and
-  // the script applies it once. One batch of each script is in flight at a time, so one memo each suffices.
-  const owner = crypto.randomUUID();
   const acquireMemo = replyMemoKey(options.key, owner, "acquire");
   const settleMemo = replyMemoKey(options.key, owner, "settle");
   const flow: Flow = {
     log,
     options,
-    cfgRpm,
-    cfgTpm,
     random: options.random ?? Math.random,
     events: options.events ?? {},
     waiting: 0,
     suspects: 0,
     ask: createBatcher(
       (requests) =>
-        runAcquire(redis, options.key, acquireSettings, requests, { key: acquireMemo, callId: crypto.randomUUID() }),
+        runAcquire(redis, options.key, settingsNow(), requests, { key: acquireMemo, callId: crypto.randomUUID() }),
       { maxBatch: FLOW_DEFAULTS.maxBatch, maxInFlight: 1 },
     ),
     // One batch at a time: the outcomes reach Redis in the order this process reported them.
@@ -323,12 +394,13 @@ export function createProviderFlow(
     get leased() {
       return leased(flow) ? flow.lease!.left : 0;
     },
-    acquire: (estimatedTokens, signal, jobId = "") => acquire(flow, estimatedTokens, signal, jobId),
+    acquire: (estimatedTokens, signal, jobId = "", tenant = "") =>
+      acquire(flow, estimatedTokens, signal, jobId, tenantTag(tenant)),
     async ready() {
       if (leased(flow)) return { permits: Math.max(0, UNLIMITED - (flow.waiting - flow.suspects)), waitMs: 0 };
       // Once per read, never behind a batch of takes in flight: its own round trip. A peek writes nothing, so it
       // needs no memo: run twice, it answers twice.
-      const [reply] = await runAcquire(redis, options.key, acquireSettings, [
+      const [reply] = await runAcquire(redis, options.key, settingsNow(), [
         { mode: "peek", est: 0, probe_id: "", job: "" },
       ]);
       const [raw, ms] = reply!;
@@ -338,10 +410,15 @@ export function createProviderFlow(
     },
     async status() {
       await settled();
-      const { now, fields } = await readProviderState(redis, options.key);
-      return statusOf(fields, now, flow);
+      const { now, fields, configs } = await readProviderState(redis, options.key, liveConfigKey(options.key));
+      return statusOf(fields, configs, now, flow);
     },
     settled,
+    async withdraw() {
+      if (announcedAt === -Infinity) return; // it never said anything
+      announcedAt = -Infinity;
+      await runAcquire(redis, options.key, { ...acquireSettings, announce: -1 }, []);
+    },
   };
 }
 
@@ -372,6 +449,7 @@ async function acquire(
   estimatedTokens: number,
   signal: AbortSignal | undefined,
   jobId: string,
+  tenant: string,
 ): Promise<Permit> {
   signal?.throwIfAborted();
   if (leased(flow)) {
@@ -381,7 +459,7 @@ async function acquire(
     const permit: Permit = {
       waitedMs: 0,
       probe: false,
-      settle: (outcome) => settle(flow, estimatedTokens, "", outcome, jobId),
+      settle: (outcome) => settle(flow, estimatedTokens, "", outcome, jobId, tenant),
     };
     return permit;
   }
@@ -429,7 +507,7 @@ async function acquire(
         const permit: Permit = {
           waitedMs,
           probe,
-          settle: (outcome) => settle(flow, estimatedTokens, probeId, outcome, jobId),
+          settle: (outcome) => settle(flow, estimatedTokens, probeId, outcome, jobId, tenant),
         };
         return permit;
       }
@@ -460,6 +538,7 @@ function settle(
   probeId: string,
   outcome: PermitOutcome,
   jobId = "",
+  tenant = "",
 ): Promise<boolean> {
   const { events } = flow;
   const kind: FailureKind | "ok" | "aborted" = outcome.aborted
@@ -491,6 +570,10 @@ function settle(
     reset_req_ms: durationArg(h.resetRequestsMs),
     reset_tok_ms: durationArg(h.resetTokensMs),
     job: jobId,
+    wide: kind === "provider" && isProviderWide(outcome.error) ? 1 : 0,
+    tenant,
+    // An answer with headers but no limits among them: the provider no longer reports its limits.
+    unreported: kind === "ok" && headers && h.limitRequests === undefined && h.limitTokens === undefined ? 1 : 0,
   }).then((reply) => applied(flow, outcome, reply));
   flow.lastReport = reported;
   if (failure) {
@@ -530,22 +613,39 @@ function applied(
   return absorbed === 1;
 }
 
-/** The state hash's `fields`, read at Redis time `now`, as `provider status` shows it. */
-function statusOf(f: Map<string, string>, now: number, flow: Flow): ProviderStatus {
+/** A tenant as the breaker counts it: a short hash, so no tenant id needs quoting in the script's lists. */
+function tenantTag(tenant: string): string {
+  if (tenant === "") return "";
+  let h = 0x811c9dc5; // FNV-1a, 32 bits
+  for (let i = 0; i < tenant.length; i++) h = Math.imul(h ^ tenant.charCodeAt(i), 0x01000193);
+  return (h >>> 0).toString(36);
+}
+
+/** The state hash's `fields` and the live `configs`, read at Redis time `now`, as `provider status` shows them. */
+function statusOf(f: Map<string, string>, configs: Map<string, string>, now: number, flow: Flow): ProviderStatus {
   const num = (name: string) => (f.has(name) && f.get(name) !== "" ? Number(f.get(name)) : null);
-  const rpm = limitOf(flow.cfgRpm, num("hdr_rpm"));
-  const tpm = limitOf(flow.cfgTpm, num("hdr_tpm"));
+  const configuredBy = [...configs.values()].flatMap((value) => {
+    const [rpm, tpm, at] = value.split(" ").map(Number);
+    return at! > now ? [{ rpm: rpm! > 0 ? rpm! : null, tpm: tpm! > 0 ? tpm! : null, expires_at: at! }] : [];
+  });
+  const strictest = (name: "rpm" | "tpm") =>
+    configuredBy.reduce((min, c) => (c[name] !== null && (min === 0 || c[name]! < min) ? c[name]! : min), 0);
+  const rpm = limitOf(strictest("rpm"), num("hdr_rpm"));
+  const tpm = limitOf(strictest("tpm"), num("hdr_tpm"));
   let state = (f.get("state") ?? "closed") as BreakerState;
   const openUntil = num("open_until");
   if (state === "open" && openUntil !== null && now >= openUntil) state = "half_open";
   const pauseUntil = num("pause_until");
   const since = num("recent_at");
   const recent = since !== null && now - since <= FLOW_DEFAULTS.recentWindowMs;
+  const count = (name: string) => (f.get(name) ?? "").split(",").filter((id) => id !== "").length;
   return {
     key: flow.options.key,
     now,
     rpm,
     tpm,
+    configured_by: configuredBy,
+    headers: { at: num("hdr_at"), stopped_at: num("hdr_gone_at") },
     learning: rpm.limit === null && tpm.limit === null && f.get("learned") !== "1",
     remaining: { requests: num("hdr_rem_req"), tokens: num("hdr_rem_tok"), headers_at: num("hdr_at") },
     reset: { requests_at: num("hdr_reset_req_at"), tokens_at: num("hdr_reset_tok_at") },
@@ -559,19 +659,38 @@ function statusOf(f: Map<string, string>, now: number, flow: Flow): ProviderStat
     breaker: {
       state,
       failures: num("failures") ?? 0,
+      wide_failures: count("wide_jobs"),
+      tenants: count("fail_tenants"),
+      failing_share: failingShare(f, now),
       reason: f.get("opened_reason") || null,
+      cause: state === "closed" ? null : f.get("open_cause") || null,
       opened_at: state === "closed" ? null : num("opened_at"),
       probe_at: state === "closed" ? null : openUntil,
-      cooldown_ms: num("cooldown_ms") ?? flow.options.cooldownMs,
+      cooldown_ms: num("cooldown_ms") ??
+        Math.min(flow.options.firstProbeMs ?? FLOW_DEFAULTS.firstProbeMs, flow.options.cooldownMs),
     },
   };
 }
 
+/** The failing share over the sliding window, as the settle script reckons it; null without calls in it. */
+function failingShare(f: Map<string, string>, now: number): number | null {
+  const n = (name: string) => Number(f.get(name) || 0);
+  const windowMs = FLOW_DEFAULTS.shareWindowMs;
+  const at = n("w_at");
+  if (now - at >= 2 * windowMs) return null;
+  let [calls, fails, prevCalls, prevFails] = [n("w_calls"), n("w_fails"), n("w_pcalls"), n("w_pfails")];
+  let start = at;
+  if (now - at >= windowMs) [start, prevCalls, prevFails, calls, fails] = [at + windowMs, calls, fails, 0, 0];
+  const k = 1 - (now - start) / windowMs;
+  const all = calls + prevCalls * k;
+  return all > 0 ? Math.round(((fails + prevFails * k) / all) * 100) / 100 : null;
+}
+
 /** A limit in force: the configured one, or the learned one when it is lower or nothing is configured. */
-function limitOf(configured: number, learned: number | null) {
+function limitOf(configured: number, learned: number | null): LimitStatus {
   const c = configured > 0 ? configured : null;
   const l = learned !== null && learned > 0 ? learned : null;
-  if (c !== null && (l === null || c <= l)) return { limit: c, source: "config" as const, configured: c, learned: l };
-  if (l !== null) return { limit: l, source: "headers" as const, configured: c, learned: l };
-  return { limit: null, source: "none" as const, configured: c, learned: l };
+  if (c !== null && (l === null || c <= l)) return { limit: c, source: "config", configured: c, learned: l };
+  if (l !== null) return { limit: l, source: "headers", configured: c, learned: l };
+  return { limit: null, source: "none", configured: c, learned: l };
 }

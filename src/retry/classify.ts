@@ -86,6 +86,18 @@ export function retryAfterMs(error: unknown, nowEpochMs: number = Date.now()): n
  */
 export type FailureKind = "rate_limited" | "quota" | "unauthorized" | "provider" | "request";
 
+/**
+ * Whether a `provider` failure cannot be one document's: a connection error (refused, reset), 502, 503 or 504
+ * (a gateway or an overloaded service), or any answer with Retry-After (the provider asks everyone to wait). A
+ * timeout, a 500 or another 5xx may be the document's (a model that hangs or fails on it).
+ */
+export function isProviderWide(error: unknown): boolean {
+  if (reasonOf(error) === "connection") return true;
+  const status = statusOf(error);
+  if (status === 502 || status === 503 || status === 504) return true;
+  return status !== undefined && retryAfterMs(error) !== undefined;
+}
+
 /** Classifies a failed model call; see {@linkcode FailureKind}. */
 export function failureKindOf(error: unknown): FailureKind {
   const status = statusOf(error);

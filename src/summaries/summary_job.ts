@@ -335,7 +335,8 @@ async function answer(
   const early = new AbortController();
   // Linked while the permit is awaited only: the worker's stop signal outlives every job (see linkedSignal).
   const waiting = job.flow && linkedSignal(signal, early.signal);
-  const first = waiting && job.flow!.acquire(estimated, waiting.signal, delivery.job_id).finally(waiting.unlink);
+  const first = waiting &&
+    job.flow!.acquire(estimated, waiting.signal, delivery.job_id, delivery.tenant).finally(waiting.unlink);
   first?.catch(() => {}); // observed below; never an unhandled rejection while the pre-check runs
   const releaseFirst = async (why: string) => {
     early.abort(new Error(why));
@@ -575,7 +576,7 @@ async function callModel(
         acquire: async (s) => {
           const pending = first;
           first = undefined;
-          const permit: Permit | undefined = await (pending ?? flow?.acquire(estimated, s, job_id));
+          const permit: Permit | undefined = await (pending ?? flow?.acquire(estimated, s, job_id, delivery.tenant));
           // The budget once the call may go: a reservation is held only while its call runs (not through a wait
           // for the provider), so one that is never settled (its worker killed) is a call that may have been billed.
           let held: HeldReservation | undefined;

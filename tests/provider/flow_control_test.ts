@@ -260,7 +260,7 @@ Deno.test("provider flow control", async (t) => {
       "a run of provider failures opens the breaker: no permits, one probe after the cooldown, closed on success",
       async () => {
         const lines = recordingLogger();
-        const flow = flowFor({ rpm: 60_000 }, createLogger({ write: lines.write }));
+        const flow = flowFor({ rpm: 60_000, firstProbeMs: 200, cooldownMs: 300 }, createLogger({ write: lines.write }));
         const fail = async () => (await flow.acquire(1)).settle({ error: apiError(503, null) });
         // The first failure makes the provider suspect: one call at a time, and it counts as the job's attempt.
         assert.equal(await fail(), false);
@@ -278,11 +278,11 @@ Deno.test("provider flow control", async (t) => {
         assert.equal(first.probe, true);
         await new Promise((res) => setTimeout(res, 150));
         assert.equal(granted.length, 1, "nobody else calls while the probe runs");
-        // The probe fails: open again, with a longer cooldown.
+        // The probe fails: open again, the wait doubled up to the cooldown (200 ms, then 300 ms).
         assert.equal(await first.settle({ error: new ConnectionError("refused") }), true);
         const reopened = await flow.status();
         assert.equal(reopened.breaker.state, "open");
-        assert.equal(reopened.breaker.cooldown_ms, 450);
+        assert.equal(reopened.breaker.cooldown_ms, 300);
         // The next probe succeeds: closed, and everyone proceeds.
         const second = await waitFor("the second probe", () => granted[1]);
         assert.equal(second.probe, true);
@@ -407,10 +407,13 @@ Deno.test("provider flow control", async (t) => {
         await (await flow.acquire(10, undefined, "good-1")).settle({ value: { text: "ok" } as never });
         // Now "bad" is known: its failures are its own, however many, and two others still only make a suspect.
         for (let i = 0; i < 5; i++) assert.equal(await fail("bad"), false);
-        await fail("x");
+        // Three other jobs failing in ways no document causes: the provider.
+        const refused = async (job: string) =>
+          await (await flow.acquire(10, undefined, job)).settle({ error: new ConnectionError("refused") });
+        await refused("x");
         assert.equal((await flow.status()).breaker.state, "closed");
-        await fail("y");
-        assert.equal(await fail("z"), true, "three other jobs: the provider");
+        await refused("y");
+        assert.equal(await refused("z"), true, "three other jobs: the provider");
         assert.equal((await flow.status()).breaker.state, "open");
         await new Promise((res) => setTimeout(res, 250)); // half-open now
         // The bad document asks first, but a job that has not failed takes the probe.
