@@ -22,15 +22,28 @@ export function formatProviderStatus(s: ProviderStatus, provider: string): strin
     `state key       ${s.key}`,
     limitLine("requests/min", s.rpm, s.remaining.requests),
     limitLine("tokens/min", s.tpm, s.remaining.tokens),
+    `configured by   ${
+      s.configured_by.length === 0
+        ? "no live worker"
+        : s.configured_by.map((c) =>
+          `rpm ${c.rpm ?? "-"} tpm ${c.tpm ?? "-"} (live until ${when(c.expires_at, s.now)})`
+        ).join("; ")
+    }`,
+    `headers         ${s.headers.at === null ? "no limits heard" : `limits last heard ${when(s.headers.at, s.now)}`}${
+      s.headers.stopped_at === null ? "" : `; stopped ${when(s.headers.stopped_at, s.now)}`
+    }`,
     `learning        ${s.learning ? "yes: one call at a time until the provider's headers give the limits" : "no"}`,
     `requests reset  ${when(s.reset.requests_at, s.now)}`,
     `tokens reset    ${when(s.reset.tokens_at, s.now)}`,
     `next permit     ${s.next_permit_at <= s.now ? "now" : when(s.next_permit_at, s.now)}`,
     `pause           ${s.pause.until === null ? "none" : `${s.pause.reason} until ${when(s.pause.until, s.now)}`}`,
     `breaker         ${s.breaker.state}${s.breaker.reason ? ` (${s.breaker.reason})` : ""}` +
-    `, jobs failing since the last success ${s.breaker.failures}, cooldown ${
-      (s.breaker.cooldown_ms / 1000).toFixed(1)
-    } s`,
+    `${s.breaker.cause && s.breaker.cause !== s.breaker.reason ? `, opened for ${s.breaker.cause}` : ""}` +
+    `, next wait ${(s.breaker.cooldown_ms / 1000).toFixed(1)} s`,
+    `evidence        ${s.breaker.failures} jobs failing since the last success (${s.breaker.wide_failures} in ways ` +
+    `no document causes, ${s.breaker.tenants} tenants); failing share of the last 10 s ${
+      s.breaker.failing_share === null ? "-" : `${Math.round(s.breaker.failing_share * 100)}%`
+    }`,
     ...(s.breaker.state === "closed"
       ? []
       : [`                opened ${when(s.breaker.opened_at, s.now)}, probe ${when(s.breaker.probe_at, s.now)}`]),

@@ -20,6 +20,8 @@ export interface AcquireSettings {
   cfg_ttl_ms?: number;
   /** ...1 = write or refresh this process's configured limits, -1 = withdraw them (it stops), 0 = neither. */
   announce?: number;
+  /** While the limits are unknown, one more call may start this long after the last (absent: one at a time). */
+  learn_step_ms?: number;
 }
 
 /** One caller's request (one JSON object of the batch's array). */
@@ -118,7 +120,8 @@ local function one(mode, est, probe_id, job)
   -- One call at a time while probing a suspect (two jobs failed in a row) or half-open provider, or while the
   -- limits are unknown. That call goes to a job that has not just failed, unless none asked for a while.
   local suspect = state == 'half_open' or n(h[10]) >= 2
-  local single = suspect or (rpm == 0 and tpm == 0 and h[9] ~= '1')
+  local learning = rpm == 0 and tpm == 0 and h[9] ~= '1'
+  local single = suspect or learning
   if single and probe_until > now then return 0, math.min(probe_until - now, 100), 'probing' end
   local bad = job ~= '' and string.find(',' .. (h[13] or '') .. ',', ',' .. job .. '@', 1, true) ~= nil
   if suspect and not peek and mode ~= 'confirm' and (has(h[11], job) or bad) then
@@ -150,7 +153,11 @@ local function one(mode, est, probe_id, job)
   if tok_iv > 0 then tat_tok = math.max(now, tat_tok) + est * tok_iv end
   redis.call('HSET', key, 'tat_req', tat_req, 'tat_tok', tat_tok)
   if single then
-    redis.call('HSET', key, 'probe_until', now + lease, 'probe_id', probe_id)
+    -- While only learning the limits (nothing failing), the next call may start learn_step_ms later, so one call
+    -- that hangs before the first answer holds up the others for that long, not for a call's whole timeout.
+    local hold = lease
+    if not suspect and s.learn_step_ms then hold = math.min(lease, s.learn_step_ms) end
+    redis.call('HSET', key, 'probe_until', now + hold, 'probe_id', probe_id)
     return 2, math.ceil(wait), 'probe'
   end
   if req_iv == 0 and tok_iv == 0 and n(h[10]) == 0 then return 1, 0, 'unpaced' end

@@ -60,6 +60,11 @@ export const FLOW_DEFAULTS = {
    * a job that has not just failed, when there is one.
    */
   suspectProbeDelayMs: 500,
+  /**
+   * Until the first answer tells the limits (nothing configured), calls start one at a time, this far apart at
+   * least: a first call that hangs holds up the others for this long, not for its whole timeout.
+   */
+  learnStepMs: 250,
   /** How long a job whose failure came while the provider served others stays known as a bad document. */
   badJobTtlMs: 10 * 60_000,
   /** Failures by attribution are counted over windows of this length, for `provider status`. */
@@ -188,7 +193,7 @@ export type LimitSource = "config" | "headers" | "none";
 export interface LimitStatus {
   limit: number | null;
   source: LimitSource;
-  /** The strictest that a live process configures (null: none does). */
+  /** The strictest that a live process configures, this one included once it asks for permits (null: none). */
   configured: number | null;
   /** What the provider's headers last said, while it still says it (null: it does not). */
   learned: number | null;
@@ -333,6 +338,7 @@ export function createProviderFlow(
     suspect_delay_ms: FLOW_DEFAULTS.suspectProbeDelayMs,
     state_ttl_ms: FLOW_DEFAULTS.stateTtlMs,
     reply_ttl_ms: FLOW_DEFAULTS.replyTtlMs,
+    learn_step_ms: FLOW_DEFAULTS.learnStepMs,
     owner,
     cfg_ttl_ms: configTtlMs,
     announce: 0,
@@ -411,7 +417,9 @@ export function createProviderFlow(
     async status() {
       await settled();
       const { now, fields, configs } = await readProviderState(redis, options.key, liveConfigKey(options.key));
-      return statusOf(fields, configs, now, flow);
+      // A process that asks for permits is bound by its own configuration, whatever its entry says now.
+      const own = announcedAt === -Infinity ? undefined : { rpm: cfgRpm, tpm: cfgTpm };
+      return statusOf(fields, configs, now, flow, own);
     },
     settled,
     async withdraw() {
@@ -622,14 +630,23 @@ function tenantTag(tenant: string): string {
 }
 
 /** The state hash's `fields` and the live `configs`, read at Redis time `now`, as `provider status` shows them. */
-function statusOf(f: Map<string, string>, configs: Map<string, string>, now: number, flow: Flow): ProviderStatus {
+function statusOf(
+  f: Map<string, string>,
+  configs: Map<string, string>,
+  now: number,
+  flow: Flow,
+  own?: { rpm: number; tpm: number },
+): ProviderStatus {
   const num = (name: string) => (f.has(name) && f.get(name) !== "" ? Number(f.get(name)) : null);
   const configuredBy = [...configs.values()].flatMap((value) => {
     const [rpm, tpm, at] = value.split(" ").map(Number);
     return at! > now ? [{ rpm: rpm! > 0 ? rpm! : null, tpm: tpm! > 0 ? tpm! : null, expires_at: at! }] : [];
   });
   const strictest = (name: "rpm" | "tpm") =>
-    configuredBy.reduce((min, c) => (c[name] !== null && (min === 0 || c[name]! < min) ? c[name]! : min), 0);
+    configuredBy.reduce(
+      (min, c) => (c[name] !== null && (min === 0 || c[name]! < min) ? c[name]! : min),
+      own?.[name] ?? 0,
+    );
   const rpm = limitOf(strictest("rpm"), num("hdr_rpm"));
   const tpm = limitOf(strictest("tpm"), num("hdr_tpm"));
   let state = (f.get("state") ?? "closed") as BreakerState;

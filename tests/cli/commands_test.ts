@@ -264,6 +264,10 @@ Deno.test("operator commands", async (t) => {
           /requests\/min +600 +\(source: headers; configured 6000, from headers 600\)/,
         );
         assert.match(text.lines.join("\n"), /breaker +closed/);
+        // Where each figure came from, and how old it is.
+        assert.match(text.lines.join("\n"), /configured by +rpm 6000 tpm - \(live until .* \(in \d+\.\d s\)\)/);
+        assert.match(text.lines.join("\n"), /headers +limits last heard \d{4}-\d\d-\d\dT/);
+        assert.match(text.lines.join("\n"), /evidence +0 jobs failing since the last success/);
         const json = capture();
         await providerCommand(flow, "http://model m", ["status", "--json"], json.out);
         const doc = JSON.parse(json.lines[0]!);

@@ -211,18 +211,23 @@ Deno.test("provider flow control", async (t) => {
       assert.deepEqual(status.rpm, { limit: 600, source: "headers", configured: null, learned: 600 });
     });
 
-    await t.step("without configuration, one call at a time until the headers give the limits", async () => {
+    await t.step("without configuration, one call every 250 ms at most until the headers give the limits", async () => {
       const flow = flowFor();
       assert.equal((await flow.status()).learning, true);
+      const started = performance.now();
       const probe = await flow.acquire(10);
       assert.equal(probe.probe, true);
       let second = false;
       const next = flow.acquire(10).then((p) => (second = true, p));
       await new Promise((res) => setTimeout(res, 150));
       assert.equal(second, false, "a second call waits while the limits are unknown");
-      await probe.settle({ value: { text: "ok", headers: new Headers(rateLimitHeaders(1200, 1199)) } });
+      // The first call has not answered (it may hang): the next starts FLOW_DEFAULTS.learnStepMs after it.
       const p2 = await next;
-      assert.equal(p2.probe, false);
+      const apart = performance.now() - started;
+      assert.ok(apart >= FLOW_DEFAULTS.learnStepMs - 10 && apart < 600, `the second call ${apart} ms after the first`);
+      await probe.settle({ value: { text: "ok", headers: new Headers(rateLimitHeaders(1200, 1199)) } });
+      await p2.settle({ value: { text: "ok", headers: new Headers(rateLimitHeaders(1200, 1198)) } });
+      assert.equal((await flow.acquire(10)).probe, false, "the limits known, calls are paced, not probed");
       const status = await flow.status();
       assert.equal(status.learning, false);
       assert.deepEqual(status.rpm, { limit: 1200, source: "headers", configured: null, learned: 1200 });
