@@ -49,6 +49,8 @@ export function buildFlow(
     cooldownMs: config.LLM_BREAKER_COOLDOWN_S * 1000,
     // A probe holds the single slot for at most one call's timeout, plus slack.
     probeLeaseMs: config.LLM_CALL_TIMEOUT_S * 1000 + 5_000,
+    // A worker's configuration counts while it runs, even while all its callers wait (it says so from a timer).
+    keepAlive: true,
     events,
   });
 }

@@ -22,6 +22,8 @@ export interface AcquireSettings {
   announce?: number;
   /** While the limits are unknown, one more call may start this long after the last (absent: one at a time). */
   learn_step_ms?: number;
+  /** How long a known bad document stays known (see the settle script). */
+  bad_ttl_ms?: number;
 }
 
 /** One caller's request (one JSON object of the batch's array). */
@@ -74,7 +76,7 @@ local function lower(x, y) if x > 0 and y > 0 then return math.min(x, y) end ret
 -- and refreshes it well before, and withdraws it when it stops. The limit in force is the strictest a live process
 -- configures (and always at least this process's own), so a process stopped or restarted with another
 -- configuration stops counting within cfg_ttl_ms. The state hash keeps the live figures and the first expiry.
-local live = redis.call('HMGET', key, 'cfg_rpm', 'cfg_tpm', 'cfg_next')
+local live = redis.call('HMGET', key, 'live_rpm', 'live_tpm', 'live_next')
 local live_rpm, live_tpm, cfg_next = n(live[1]), n(live[2]), n(live[3])
 local announce = s.announce or 0
 if announce ~= 0 and s.owner then
@@ -97,7 +99,7 @@ if announce ~= 0 or (cfg_next > 0 and now >= cfg_next) then
       if cfg_next == 0 or tonumber(at) < cfg_next then cfg_next = tonumber(at) end
     end
   end
-  redis.call('HSET', key, 'cfg_rpm', live_rpm, 'cfg_tpm', live_tpm, 'cfg_next', cfg_next)
+  redis.call('HSET', key, 'live_rpm', live_rpm, 'live_tpm', live_tpm, 'live_next', cfg_next)
 end
 cfg_rpm, cfg_tpm = lower(cfg_rpm, live_rpm), lower(cfg_tpm, live_tpm)
 -- Lists of job ids, comma-separated.
@@ -123,7 +125,13 @@ local function one(mode, est, probe_id, job)
   local learning = rpm == 0 and tpm == 0 and h[9] ~= '1'
   local single = suspect or learning
   if single and probe_until > now then return 0, math.min(probe_until - now, 100), 'probing' end
-  local bad = job ~= '' and string.find(',' .. (h[13] or '') .. ',', ',' .. job .. '@', 1, true) ~= nil
+  local bad = false
+  if job ~= '' then
+    local list = ',' .. (h[13] or '') .. ','
+    local i = string.find(list, ',' .. job .. '@', 1, true)
+    local at = i and tonumber(string.match(list, '^(%d+)', i + #job + 2))
+    bad = at ~= nil and now - at < (s.bad_ttl_ms or 600000)
+  end
   if suspect and not peek and mode ~= 'confirm' and (has(h[11], job) or bad) then
     local since = n(h[12])
     if state == 'half_open' then since = math.max(since, open_until) end

@@ -157,6 +157,11 @@ export interface ProviderFlowOptions {
   configTtlMs?: number;
   /** See `FLOW_DEFAULTS.firstProbeMs`. */
   firstProbeMs?: number;
+  /**
+   * Say this process's configured limits again from a timer when no acquire call does (a process's own flow; not
+   * for a flow that only reads the status). Stopped by `withdraw`.
+   */
+  keepAlive?: boolean;
 }
 
 /** How a call that held a permit ended. */
@@ -339,16 +344,30 @@ export function createProviderFlow(
     state_ttl_ms: FLOW_DEFAULTS.stateTtlMs,
     reply_ttl_ms: FLOW_DEFAULTS.replyTtlMs,
     learn_step_ms: FLOW_DEFAULTS.learnStepMs,
+    bad_ttl_ms: FLOW_DEFAULTS.badJobTtlMs,
     owner,
     cfg_ttl_ms: configTtlMs,
     announce: 0,
   };
-  // When this process last said its configuration (performance.now()); it says it again after a third of its TTL.
+  // When this process last said its configuration (performance.now(), once Redis answered); it says it again after
+  // a third of its TTL, with whatever acquire call comes next, or from a timer (`keepAlive`) when none comes: a
+  // worker whose callers all wait out a pause or an open breaker still configures the limit.
   let announcedAt = -Infinity;
-  const settingsNow = (): AcquireSettings => {
-    if (performance.now() - announcedAt < configTtlMs / 3) return acquireSettings;
-    announcedAt = performance.now();
-    return { ...acquireSettings, announce: 1 };
+  let keepAliveTimer: ReturnType<typeof setInterval> | undefined;
+  const due = () => performance.now() - announcedAt >= configTtlMs / 3;
+  const withConfig = async <T>(call: (settings: AcquireSettings) => Promise<T>): Promise<T> => {
+    if (!due()) return await call(acquireSettings);
+    const at = performance.now();
+    const result = await call({ ...acquireSettings, announce: 1 });
+    announcedAt = Math.max(announcedAt, at);
+    if (options.keepAlive && keepAliveTimer === undefined) {
+      const timer = setInterval(() => {
+        if (due()) withConfig((settings) => runAcquire(redis, options.key, settings, [])).catch(() => {});
+      }, configTtlMs / 3);
+      Deno.unrefTimer(timer);
+      keepAliveTimer = timer;
+    }
+    return result;
   };
   const settleSettings: SettleSettings = {
     threshold,
@@ -379,7 +398,9 @@ export function createProviderFlow(
     suspects: 0,
     ask: createBatcher(
       (requests) =>
-        runAcquire(redis, options.key, settingsNow(), requests, { key: acquireMemo, callId: crypto.randomUUID() }),
+        withConfig((settings) =>
+          runAcquire(redis, options.key, settings, requests, { key: acquireMemo, callId: crypto.randomUUID() })
+        ),
       { maxBatch: FLOW_DEFAULTS.maxBatch, maxInFlight: 1 },
     ),
     // One batch at a time: the outcomes reach Redis in the order this process reported them.
@@ -406,9 +427,9 @@ export function createProviderFlow(
       if (leased(flow)) return { permits: Math.max(0, UNLIMITED - (flow.waiting - flow.suspects)), waitMs: 0 };
       // Once per read, never behind a batch of takes in flight: its own round trip. A peek writes nothing, so it
       // needs no memo: run twice, it answers twice.
-      const [reply] = await runAcquire(redis, options.key, settingsNow(), [
-        { mode: "peek", est: 0, probe_id: "", job: "" },
-      ]);
+      const [reply] = await withConfig((settings) =>
+        runAcquire(redis, options.key, settings, [{ mode: "peek", est: 0, probe_id: "", job: "" }])
+      );
       const [raw, ms] = reply!;
       const permits = Math.max(0, raw - (flow.waiting - flow.suspects));
       // Permits this process's own waiters will take are not there for new jobs: look again shortly.
@@ -423,6 +444,8 @@ export function createProviderFlow(
     },
     settled,
     async withdraw() {
+      clearInterval(keepAliveTimer);
+      keepAliveTimer = undefined;
       if (announcedAt === -Infinity) return; // it never said anything
       announcedAt = -Infinity;
       await runAcquire(redis, options.key, { ...acquireSettings, announce: -1 }, []);

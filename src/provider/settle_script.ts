@@ -114,7 +114,8 @@ local function one(a)
   local job, tenant, wide = a.job, a.tenant or '', (a.wide == 1) or not by_share
   local h = redis.call('HMGET', key, 'state', 'failures', 'cooldown_ms', 'tat_tok', 'hdr_tpm', 'pause_until',
     'open_until', 'probe_id', 'fail_jobs', 'recent_at', 'recent_provider', 'recent_job', 'bad_jobs', 'open_cause',
-    'fail_tenants', 'wide_jobs', 'w_at', 'w_calls', 'w_fails', 'w_pcalls', 'w_pfails', 'cfg_tpm')
+    'fail_tenants', 'wide_jobs', 'w_at', 'w_calls', 'w_fails', 'w_pcalls', 'w_pfails', 'live_tpm', 'hdr_rpm',
+    'wide_anon')
   -- Only the current probe speaks for the provider while the breaker is open or half-open: a call that started
   -- before it opened, or a probe whose lease ran out and was replaced, must not move it.
   local probe = probe_id ~= '' and h[8] == probe_id
@@ -136,7 +137,7 @@ local function one(a)
   if reset_req >= 0 then set('hdr_reset_req_at', now + reset_req) end
   if reset_tok >= 0 then set('hdr_reset_tok_at', now + reset_tok) end
   if heard then set('hdr_at', now) end
-  if kind == 'ok' and a.unreported == 1 and (h[5] or '') ~= '' then
+  if kind == 'ok' and a.unreported == 1 and ((h[5] or '') ~= '' or (h[23] or '') ~= '') then
     set('hdr_rpm', ''); set('hdr_tpm', ''); set('hdr_rem_req', ''); set('hdr_rem_tok', ''); set('hdr_gone_at', now)
     tpm = 0
   end
@@ -166,7 +167,14 @@ local function one(a)
   -- Known bad documents, as 'job@ms' entries (at most 32, none older than bad_ttl): jobs whose calls failed
   -- while the provider served other jobs. Their failures are theirs alone, even as a probe, and count nowhere.
   local bad_jobs = h[13] or ''
-  local function bad(id) return id ~= '' and string.find(',' .. bad_jobs .. ',', ',' .. id .. '@', 1, true) ~= nil end
+  local function bad(id)
+    if id == '' then return false end
+    local list = ',' .. bad_jobs .. ','
+    local i = string.find(list, ',' .. id .. '@', 1, true)
+    if not i then return false end
+    local at = tonumber(string.match(list, '^(%d+)', i + #id + 2))
+    return at ~= nil and now - at < bad_ttl
+  end
   local known_bad = bad(job)
   -- Calls and failures over a sliding window of share_ms: this bucket's counts, and the last bucket's weighted by
   -- the part of it the window still covers. Known bad documents' calls are not in it.
@@ -178,11 +186,13 @@ local function one(a)
     if kind == 'provider' then w_fails = w_fails + 1 end
     set('w_at', w_at); set('w_calls', w_calls); set('w_fails', w_fails); set('w_pcalls', w_pcalls); set('w_pfails', w_pfails)
   end
+  -- The minimum number of calls guards a share against chance while the provider serves some; with no success in
+  -- the window it does not apply (one call at a time to a hanging provider makes one failure per timeout).
   local function failing_share()
     local k = 1 - (now - w_at) / share_ms
-    local calls = w_calls + w_pcalls * k
-    if calls < min_calls or calls <= 0 then return 0 end
-    return (w_fails + w_pfails * k) / calls
+    local calls, fails = w_calls + w_pcalls * k, w_fails + w_pfails * k
+    if calls <= 0 or (calls < min_calls and fails < calls) then return 0 end
+    return fails / calls
   end
   local function keep_bad(add_list, drop)
     local kept = {}
@@ -204,6 +214,9 @@ local function one(a)
     else
       cooldown = first
       set('open_cause', r)
+      -- A call granted before it opened (the single call of a suspect provider) is not its probe: its answer
+      -- changes nothing, and it does not hold off the first probe.
+      set('probe_id', ''); set('probe_until', 0)
     end
     state, reason = 'open', r
     set('state', 'open'); set('open_until', now + cooldown); set('cooldown_ms', cooldown)
@@ -218,6 +231,7 @@ local function one(a)
       state = 'closed'
       if admit and fail_jobs ~= '' then keep_bad(without(fail_jobs, wide_jobs), '') end
       set('state', 'closed'); set('failures', 0); set('fail_jobs', ''); set('wide_jobs', ''); set('fail_tenants', '')
+      set('wide_anon', 0)
       set('cooldown_ms', first); set('opened_reason', ''); set('open_cause', '')
     end
   end
@@ -234,14 +248,14 @@ local function one(a)
       set('failures', failures)
     end
     if wide and job ~= '' then wide_jobs = add(wide_jobs, job); set('wide_jobs', wide_jobs) end
+    if wide and job == '' then set('wide_anon', n(h[24]) + 1); h[24] = n(h[24]) + 1 end
     if tenant ~= '' and count(fail_tenants) < 8 then fail_tenants = add(fail_tenants, tenant); set('fail_tenants', fail_tenants) end
   end
   -- The evidence that the provider, not some documents, is failing (see the README's rule): distinct jobs in a
   -- row failing in ways no document causes; or, for failures a document can cause, a failing share of the
   -- calls, from jobs of several tenants (or many jobs of one).
   local function outage()
-    local wides = count(wide_jobs)
-    if job == '' then wides = failures end
+    local wides = count(wide_jobs) + n(h[24])
     if wides >= threshold then return 'consecutive_failures' end
     if not by_share then return nil end
     local tenants = count(fail_tenants)
@@ -280,9 +294,10 @@ local function one(a)
         -- A probe by a job that had failed already (it probes only when no fresh job asked) is charged to it: with
         -- no other job to tell, a few poison documents must not probe and be absorbed for ever.
         local fresh = not (known_bad or has(fail_jobs, job))
-        if not fresh then absorbed = 0 end
+        -- A failure no document causes is the provider's whoever probed: absorbed, and the wait grows.
+        if not fresh and not wide then absorbed = 0 end
         failed_job()
-        open('probe_failed', fresh)
+        open('probe_failed', fresh or wide)
       end
     elseif known_bad then
       -- A known bad document failing again says nothing about the provider.

@@ -242,6 +242,91 @@ Deno.test("the breaker weighs its evidence, and no limit outlives its cause", as
       await (await flow.acquire(10)).settle({ value: { text: "ok", headers: new Headers() } });
     });
 
+    await t.step("a limit of requests alone ends too when the provider stops reporting it", async () => {
+      const flow = flowFor({ rpm: undefined });
+      const requestsOnly = new Headers({ "x-ratelimit-limit-requests": "100", "x-ratelimit-remaining-requests": "99" });
+      await (await flow.acquire(10)).settle({ value: { text: "ok", headers: requestsOnly } });
+      assert.equal((await flow.status()).rpm.limit, 100);
+      await (await flow.acquire(10)).settle({ value: { text: "ok", headers: new Headers({ "x-request-id": "r" }) } });
+      assert.equal((await flow.status()).rpm.limit, null);
+    });
+
+    await t.step(
+      "in a 503 outage with no fresh job, the failed jobs' probes are absorbed and the wait still grows",
+      async () => {
+        const flow = flowFor();
+        const { job, tenant } = ids();
+        for (const name of ["a", "b", "c"]) await call(flow, job(name), tenant("one"), { error: serverError(503) });
+        const verdicts = [];
+        const waits = [];
+        for (const name of ["a", "b", "c"]) {
+          const permit = await flow.acquire(10, undefined, job(name), tenant("one"));
+          assert.equal(permit.probe, true);
+          verdicts.push(await permit.settle({ error: serverError(503) }));
+          waits.push((await flow.status()).breaker.cooldown_ms);
+        }
+        assert.deepEqual(verdicts, [true, true, true], "no attempt spent: a 503 is nobody's document");
+        assert.deepEqual(waits, [200, 400, 800]);
+        await recover(flow, job("fresh"));
+      },
+    );
+
+    await t.step(
+      "a call granted before the breaker opened neither holds off the first probe nor closes it",
+      async () => {
+        const flow = flowFor();
+        const { job, tenant } = ids();
+        // Three calls under way while all is well; two fail, and the provider is suspect: its single call goes to
+        // a fresh job, still running when the third call's failure opens the breaker.
+        const [a, b, c] = await Promise.all(["a", "b", "c"].map((name) => flow.acquire(10, undefined, job(name))));
+        await a!.settle({ error: serverError(503) });
+        await b!.settle({ error: serverError(503) });
+        const single = await flow.acquire(10, undefined, job("slow"), tenant("one"));
+        assert.equal(single.probe, true);
+        await c!.settle({ error: serverError(503) });
+        assert.equal((await flow.status()).breaker.state, "open");
+        const started = performance.now();
+        const probe = await flow.acquire(10, undefined, job("fresh"), tenant("one"));
+        assert.equal(probe.probe, true);
+        assert.ok(performance.now() - started < 400, "the first probe is not held off by the earlier call");
+        await single.settle(ok);
+        assert.notEqual((await flow.status()).breaker.state, "closed", "the earlier call's success closes nothing");
+        await probe.settle(ok);
+        assert.equal((await flow.status()).breaker.state, "closed");
+      },
+    );
+
+    await t.step(
+      "a provider hanging on every call, one call at a time, opens after 3 jobs of 2 tenants (fewer than 5 calls)",
+      async () => {
+        // Its own provider: a window with no success in it, as after a long quiet spell.
+        const flow = flowFor({
+          key: providerStateKey(r.prefix, { baseURL: "http://hanging", model: "m", apiKey: "k" }),
+        });
+        const { job, tenant } = ids();
+        const verdicts = [];
+        for (const [name, who] of [["a", "x"], ["b", "y"], ["c", "x"]]) {
+          verdicts.push(await call(flow, job(name!), tenant(who!), { error: new AttemptTimeout("scripted") }));
+        }
+        assert.deepEqual(verdicts, [false, false, false]);
+        const status = await flow.status();
+        assert.equal(status.breaker.state, "open", `failing share ${status.breaker.failing_share}`);
+        assert.equal(status.breaker.reason, "failure_rate");
+        await recover(flow, job("fresh"));
+      },
+    );
+
+    await t.step("a worker's configuration stays live while it makes no call, and goes when it stops", async () => {
+      await withdrawAll();
+      const quiet = flowFor({ rpm: 120, configTtlMs: 600, keepAlive: true });
+      await (await quiet.acquire(10)).settle(ok);
+      const reader = flowFor({ rpm: undefined });
+      await sleep(1_500); // more than twice its TTL without a call
+      assert.equal((await reader.status()).rpm.limit, 120, "said again from its timer");
+      await quiet.withdraw();
+      assert.equal((await reader.status()).rpm.limit, null);
+    });
+
     await t.step("every flow withdrawn, the shared state holds no limit and a closed breaker", async () => {
       await withdrawAll();
       const status = await flowFor({ rpm: undefined }).status();
