@@ -1,6 +1,6 @@
 import type { LLM } from "./llm.ts";
-import { SUMMARY_INSTRUCTION } from "./llm.ts";
-import { instanceOf } from "./schema_instance.ts";
+import { MAX_OUTPUT_TOKENS, SUMMARY_INSTRUCTION } from "./llm.ts";
+import { instanceOf, InstanceTooLarge } from "./schema_instance.ts";
 
 const STOPWORDS = new Set(
   ("a about above after again against all am an and any are as at be because been before being below between both " +
@@ -61,12 +61,24 @@ export function summariseExtractively(text: string, maxSentences = 3): string {
  */
 export function createExtractiveLlm(): LLM {
   return {
-    complete(prompt, { signal, jsonSchema }) {
+    // deno-lint-ignore require-await
+    async complete(prompt, { signal, jsonSchema, maxOutputTokens = MAX_OUTPUT_TOKENS }) {
       signal.throwIfAborted();
       const text = prompt.startsWith(SUMMARY_INSTRUCTION) ? prompt.slice(SUMMARY_INSTRUCTION.length) : prompt;
       const summary = summariseExtractively(text.trim());
-      if (jsonSchema) return Promise.resolve({ text: JSON.stringify(instanceOf(jsonSchema.schema, summary)) });
-      return Promise.resolve({ text: summary });
+      if (!jsonSchema) return { text: summary };
+      // As a model's answer, at most its output cap (about 4 characters a token): a tenant's schema whose
+      // instance is larger fails the run at once (InstanceTooLarge, a bug of the definition, not retried)
+      // instead of building millions of nodes on the worker's thread.
+      const chars = maxOutputTokens * 4;
+      const bounds = { maxChars: chars, maxNodes: chars };
+      try {
+        return { text: JSON.stringify(instanceOf(jsonSchema.schema, summary, bounds)) };
+      } catch (error) {
+        if (!(error instanceof InstanceTooLarge)) throw error;
+        // The summary may be what does not fit: the smallest strings, then.
+        return { text: JSON.stringify(instanceOf(jsonSchema.schema, "", bounds)) };
+      }
     },
   };
 }
