@@ -48,6 +48,13 @@ export async function verifyWebhook<T = WebhookEvent>(options: VerifyWebhookOpti
   }
   const nowMs = options.now === undefined ? Date.now() : Number(options.now);
   const toleranceS = options.toleranceS ?? DEFAULT_WEBHOOK_TOLERANCE_S;
+  // NaN compares false with everything: a NaN clock or tolerance would accept any timestamp at all.
+  if (!Number.isFinite(nowMs)) throw new TypeError(`verifyWebhook's now is not a time (got ${String(options.now)})`);
+  if (!Number.isFinite(toleranceS) || toleranceS < 0) {
+    throw new TypeError(
+      `verifyWebhook's toleranceS is not a number of seconds ≥ 0 (got ${String(options.toleranceS)})`,
+    );
+  }
   const ageS = Math.floor(nowMs / 1000) - Number(timestamp);
   // The timestamp is signed, so a captured delivery cannot be replayed later with a fresh one.
   if (Math.abs(ageS) > toleranceS) {
