@@ -279,6 +279,26 @@ function watchRefusedNodes(client: Redis, target: SentinelUrl, { onNodeRefused }
  * LISTEN connection (postgres.js LISTENs again on its own).
  * @throws {DependencyDown} naming the URL and how to start Postgres.
  */
+/**
+ * Why Postgres at `url` did not answer, and what to do: a Postgres that answers but lacks the database, or refuses
+ * the credentials, is running, so advice to start it would mislead.
+ */
+function postgresRefusal(url: string, cause: unknown): string {
+  const where = `Postgres at ${redactUrl(url)} (DATABASE_URL)`;
+  const code = (cause as { code?: unknown })?.code;
+  if (code === "3D000") {
+    const database = decodeURIComponent(/^[^/]*\/\/[^/]*\/([^?#]*)/.exec(url)?.[1] ?? "");
+    return `Cannot start: ${where} answers, but its database ${JSON.stringify(database)} does not exist. ` +
+      `Create it with \`createdb ${database}\` (as a user allowed to), then run \`deno task migrate\`.`;
+  }
+  if (code === "28P01" || code === "28000") {
+    return `Cannot start: ${where} answers, but refuses the user or password in DATABASE_URL: ` +
+      `${(cause as Error).message}.`;
+  }
+  return `Cannot start: ${where} does not answer: ${(cause as Error).message}. ` +
+    `Start it with \`docker compose up -d postgres\` or \`pg_ctlcluster 15 main start\`.`;
+}
+
 export async function connectPostgres(url: string, options: { max?: number } = {}): Promise<Sql> {
   const target = new URLSearchParams(/\?([^#]*)/.exec(url)?.[1]).get("target_session_attrs");
   const sql = postgres(await answeringFirst(url), {
@@ -297,10 +317,6 @@ export async function connectPostgres(url: string, options: { max?: number } = {
     return sql;
   } catch (cause) {
     await sql.end({ timeout: 0 });
-    throw new DependencyDown(
-      `Cannot start: Postgres at ${redactUrl(url)} (DATABASE_URL) does not answer: ${(cause as Error).message}. ` +
-        `Start it with \`docker compose up -d postgres\` or \`pg_ctlcluster 15 main start\`.`,
-      { cause },
-    );
+    throw new DependencyDown(postgresRefusal(url, cause), { cause });
   }
 }
