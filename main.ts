@@ -19,6 +19,7 @@ import {
 import { createLogger, type Logger } from "./src/log/logger.ts";
 import { PARALLEL_KILL_AFTER_MS, parallelArgs, REUSE_PORT_ARG, superviseParallel } from "./src/launcher/parallel.ts";
 import {
+  DEFINITION_WORKER,
   deniesRedis,
   lookupAddresses,
   permissionFlags,
@@ -255,7 +256,9 @@ async function compile(env: Record<string, string | undefined>): Promise<number>
   for (const command of COMMANDS.filter((c) => COMMAND_TABLE[c].binary)) {
     const flags = permissionFlags(command, config, MIGRATIONS);
     // A Worker's module is loaded at run time, so the binary holds it only if told to.
-    const include = COMMAND_TABLE[command].validation ? ["--include", VALIDATION_WORKER] : [];
+    const include = COMMAND_TABLE[command].validation
+      ? ["--include", VALIDATION_WORKER, "--include", DEFINITION_WORKER]
+      : [];
     const code = await spawnDeno([
       "compile",
       "--output",

@@ -94,6 +94,15 @@ const schema = z.object({
   // at most this long (WAIT's own timeout 0 would mean forever, so 0 is refused).
   REDIS_MIN_REPLICAS_ACK: int(0, 100).default(0),
   REDIS_ACK_TIMEOUT_MS: int(1, 60_000).default(500),
+  // Bytes of task definitions (compact JSON, every version of every task) one tenant may store; a PUT past it is
+  // a 409. Unset: 64 MiB (TASK_LIMITS in src/jobs/task_store.ts).
+  TASK_TENANT_MAX_BYTES: int(256 * 1024).optional(),
+  // A tenant's PUTs that would store a new task version (each compiles its schemas): this many a minute, up to
+  // TASK_PUT_BURST at once; over it (no token left), every PUT of the tenant is a 429 with Retry-After until one
+  // is back. A PUT identical to the latest version takes no token. Unset: 60 a minute, 20 at once (TASK_PUT_RATE
+  // in src/jobs/task_store.ts).
+  TASK_PUTS_PER_MINUTE: int(1, 60_000).optional(),
+  TASK_PUT_BURST: int(1, 10_000).optional(),
 });
 
 /** The names of every environment variable the service reads. */

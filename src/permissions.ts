@@ -95,7 +95,7 @@ export function permissionFlags(command: Command, config: Config, migrationsDir:
   const hosts = [...new Set(Object.values(requiredHosts(config, spec.net)))];
   const flags = [...netFlags(config, spec.net, hosts), `--allow-env=${CONFIG_VARIABLES.join(",")}`, "--ignore-env"];
   if (spec.hostname) flags.push("--allow-sys=hostname");
-  const reads = [...(spec.migrations ? [migrationsDir] : []), ...(spec.validation ? VALIDATION_WORKER_FILES : [])];
+  const reads = [...(spec.migrations ? [migrationsDir] : []), ...(spec.validation ? WORKER_FILES : [])];
   if (reads.length) flags.push(`--allow-read=${reads.join(",")}`);
   return flags;
 }
@@ -113,10 +113,30 @@ export const VALIDATION_WORKER = pathOf("./tasks/validation_worker.ts");
 export const VALIDATION_WORKER_FILES = [
   VALIDATION_WORKER,
   pathOf("./tasks/json_schema.ts"),
+  pathOf("./tasks/linear_regex.ts"),
+  pathOf("./tasks/validation_cost.ts"),
+  pathOf("./tasks/_validation_protocol.ts"),
   pathOf("./tasks/_lru.ts"),
   // Only the meta-schemas that json_schema.ts imports are in it.
   pathOf("./tasks/metaschema"),
 ];
+
+/** The task definition check Worker's module (`tasks/definition_checker.ts` starts it); `deno compile` must include it. */
+export const DEFINITION_WORKER = pathOf("./tasks/definition_worker.ts");
+
+/** What a definition check Worker reads as it starts (see {@linkcode VALIDATION_WORKER_FILES}). */
+export const DEFINITION_WORKER_FILES = [
+  DEFINITION_WORKER,
+  pathOf("./tasks/definition_check.ts"),
+  pathOf("./llm/llm.ts"),
+  pathOf("./llm/schema_instance.ts"),
+  pathOf("./tasks/json_schema.ts"),
+  pathOf("./tasks/linear_regex.ts"),
+  pathOf("./tasks/metaschema"),
+];
+
+/** What the commands that start Workers (`validation` in the command table) may read: both Workers' files. */
+export const WORKER_FILES = [...new Set([...VALIDATION_WORKER_FILES, ...DEFINITION_WORKER_FILES])];
 
 /** Cloud metadata endpoints (AWS, GCP, Azure, and AWS's IPv6 one): never a webhook receiver. */
 const METADATA_HOSTS = ["169.254.169.254", "[fd00:ec2::254]", "metadata.google.internal"];

@@ -18,6 +18,7 @@ import { GateRefused } from "../retry/errors.ts";
 import { type CallEnd, type CallTokens, chargeOf } from "./charge.ts";
 import { costNanos, type ModelPrice, nanosToUsd, type Prices, usdToNanos } from "../provider/prices.ts";
 import type { ReplicaAck } from "../redis/replica_ack.ts";
+import { taskModels } from "../jobs/task_store.ts";
 import {
   type BudgetState,
   type InFlight,
@@ -580,15 +581,10 @@ export async function warnUnpricedModels(
   const budgets = await loadBudgets(sql);
   const usd = [...budgets].filter(([, b]) => b.usd_per_day !== undefined || b.usd_per_month !== undefined);
   if (usd.length === 0) return [];
-  const rows = await sql<{ model: string }[]>`
-    SELECT DISTINCT m AS model FROM tasks,
-      jsonb_array_elements_text(CASE jsonb_typeof(definition->'model')
-        WHEN 'array' THEN definition->'model'
-        WHEN 'string' THEN jsonb_build_array(definition->'model')
-        ELSE '[]'::jsonb END) AS m`;
+  // From the tasks' `model` column: no definition is read (each may be 256 KiB).
   const models = new Set([
     config.LLM_PROVIDER === "openai" ? config.OPENAI_MODEL : "extractive",
-    ...rows.map((r) => r.model),
+    ...await taskModels(sql),
   ]);
   const missing = [...models].filter((model) => !prices.of(model)).sort();
   if (missing.length > 0) {

@@ -1,13 +1,17 @@
 import type { Sql } from "postgres";
-import { latestTasks, taskVersion } from "../jobs/task_store.ts";
+import { type TaskHead, taskHeads, taskVersion } from "../jobs/task_store.ts";
 import { printRows } from "./table.ts";
+
+/** Tasks read from `task_heads` per query. */
+const LIST_PAGE = 1_000;
 
 const USAGE = "Usage: deno task tasks list [--tenant T] [--json] | show TENANT NAME [--version V]";
 
 /**
- * `tasks list [--tenant T] [--json]`: every task at its latest version (tenant, name, version, model, whether it
- * has an output schema, when), as a table, or JSON lines with `--json`. `tasks show TENANT NAME
- * [--version V]`: one version's whole definition, as JSON.
+ * `tasks list [--tenant T] [--json]`: every task at its latest version (tenant, name, version, how many versions,
+ * model, whether it has an output schema, its bytes and all its versions' bytes, when), as a table, or JSON lines
+ * with `--json`, read from columns (no definition is read). `tasks show TENANT NAME [--version V]`: one
+ * version's whole definition, as JSON.
  * @returns the process exit code.
  */
 export async function tasksCommand(
@@ -20,12 +24,22 @@ export async function tasksCommand(
     const at = rest.indexOf("--tenant");
     const tenant = at >= 0 ? rest[at + 1] : undefined;
     if (at >= 0 && !tenant) return usage();
-    const rows = (await latestTasks(sql, tenant)).map((t) => ({
+    const heads: TaskHead[] = [];
+    for (;;) {
+      const last = heads.at(-1);
+      const tasks = await taskHeads(sql, { tenant, limit: LIST_PAGE, after: last });
+      heads.push(...tasks);
+      if (tasks.length < LIST_PAGE) break;
+    }
+    const rows = heads.map((t) => ({
       tenant: t.tenant,
       name: t.name,
       version: t.version,
-      model: [t.definition.model ?? "(default)"].flat().join(", "),
-      output: t.definition.output_schema === undefined ? "text" : "json",
+      versions: t.versions,
+      model: [t.model ?? "(default)"].flat().join(", "),
+      output: t.has_output_schema ? "json" : "text",
+      bytes: t.bytes,
+      total_bytes: t.total_bytes,
       created_at: t.created_at.toISOString(),
     }));
     printRows(rows, {

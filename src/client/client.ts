@@ -26,6 +26,8 @@ import type {
   SummaryJob,
   Task,
   TaskDefinition,
+  TaskList,
+  TaskListItem,
   Usage,
 } from "./documents.ts";
 import { FINISHED_RUN_STATUSES } from "./documents.ts";
@@ -48,6 +50,8 @@ export type {
   SummaryReadyEvent,
   Task,
   TaskDefinition,
+  TaskList,
+  TaskListItem,
   Usage,
   UsageFigures,
   WebhookEvent,
@@ -168,8 +172,11 @@ export interface OncelyClient {
    * @throws {OncelyError} 404 for a task this tenant does not have.
    */
   getTask(name: string, version?: number, options?: CallOptions): Promise<Task>;
-  /** The tenant's tasks at their latest versions, `summarize` first. */
-  listTasks(options?: CallOptions): Promise<Task[]>;
+  /**
+   * The tenant's tasks with their latest versions (number, time, size; read a definition with `getTask`),
+   * `summarize` first, every page of them.
+   */
+  listTasks(options?: CallOptions): Promise<TaskListItem[]>;
   /**
    * Starts a run of `task` on `options.input`.
    * @throws {OncelyError} 422 for an input the version's schema refuses, 429 over budget.
@@ -310,7 +317,14 @@ export function createClient(options: ClientOptions): OncelyClient {
     },
 
     async listTasks(options = {}) {
-      return (await send<{ tasks: Task[] }>("GET", "/v1/tasks", { signal: options.signal })).body.tasks;
+      const tasks: TaskListItem[] = [];
+      for (let path: string | null = "/v1/tasks"; path !== null;) {
+        const page: TaskList = (await send<TaskList>("GET", path, { signal: options.signal })).body;
+        tasks.push(...page.tasks);
+        // Only a path of this API is followed: the client's headers never go to another origin.
+        path = page.next?.startsWith("/v1/tasks?") ? page.next : null;
+      }
+      return tasks;
     },
 
     async startRun<Output>(task: string, options: StartRunOptions): Promise<StartedRun<Output>> {

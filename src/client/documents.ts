@@ -57,6 +57,31 @@ export interface Task extends TaskDefinition {
   built_in?: boolean;
 }
 
+/** A task in `GET /v1/tasks`: its latest version's number, time and size, without the definition. */
+export interface TaskListItem {
+  name: string;
+  /** The latest version. */
+  version: number;
+  /** ISO 8601, when the latest version was stored; absent for the built-in `summarize`. */
+  created_at?: string;
+  /** The latest version's definition, in UTF-8 bytes of compact JSON. */
+  bytes: number;
+  versions: number;
+  /** Every version's definition, in bytes, added up. */
+  total_bytes: number;
+  /** True for `summarize`, which every tenant has. */
+  built_in?: boolean;
+}
+
+/** One page of `GET /v1/tasks`. */
+export interface TaskList {
+  tasks: TaskListItem[];
+  /** The next page's path, null on the last. */
+  next: string | null;
+  /** The tenant's tasks and their bytes against what it may store. */
+  usage: { tasks: number; max_tasks: number; bytes: number; max_bytes: number };
+}
+
 /** Where a result goes: an email address, or a URL that receives a signed Standard Webhook. */
 export type Notify = string | { webhook: string };
 

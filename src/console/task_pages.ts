@@ -1,23 +1,30 @@
 /**
  * The console's task pages: every tenant's tasks at their latest version,
  * and one task's versions with their definitions. A definition is a
- * tenant's prompt and schemas, shown as escaped, pretty-printed JSON.
+ * tenant's prompt and schemas, shown as escaped, pretty-printed JSON. Lists
+ * read columns (`task_heads`, the versions' sizes); only the definitions a
+ * page shows are read, and they are bounded in bytes.
  */
 import {
-  newestTaskVersions,
+  taskCount,
   taskHeads,
   type TaskVersion,
-  taskVersion,
   type TaskVersionHead,
   taskVersionHeads,
+  taskVersionsNumbered,
 } from "../jobs/task_store.ts";
 import { BUILT_IN_TASK } from "../tasks/definition.ts";
 import type { PageDeps } from "./pages.ts";
 import { html } from "./html.ts";
 import { page, PAGE_ROWS, prettyJson, table, taskLink, taskPath, type View } from "./layout.ts";
 
-/** How many versions' whole definitions a task's page shows (each may be hundreds of KiB); older ones by link. */
+/**
+ * How many versions' whole definitions a task's page shows, newest first, and how many bytes of them (as the
+ * store measures them; each may be up to 256 KiB): the newest is always shown, older ones while both bounds
+ * hold, the rest by their version's link.
+ */
 export const DEFINITIONS_SHOWN = 10;
+export const DEFINITION_BYTES_SHOWN = 1024 * 1024;
 
 /** What a version's `model` says, for people. */
 function models(model: TaskVersionHead["model"]): string {
@@ -31,7 +38,7 @@ function output(head: TaskVersionHead): string {
 
 /** Every tenant's tasks (at most `PAGE_ROWS`), each at its latest version, with a link to its page. */
 export async function tasksPage({ sql }: PageDeps, view: View): Promise<Response> {
-  const { tasks, total } = await taskHeads(sql, { limit: PAGE_ROWS });
+  const [tasks, total] = await Promise.all([taskHeads(sql, { limit: PAGE_ROWS }), taskCount(sql)]);
   const rows = tasks.map((t) => [
     html`${t.tenant}`,
     taskLink(t.tenant, t.name),
@@ -41,12 +48,25 @@ export async function tasksPage({ sql }: PageDeps, view: View): Promise<Response
     html`${t.created_at.toISOString()}`,
     html`${models(t.model)}`,
     html`${output(t)}`,
+    html`${t.bytes}`,
+    html`${t.total_bytes}`,
   ]);
   const shown = total > rows.length ? ` (the first ${rows.length} shown)` : "";
   const body = html`<p>${total} task(s)${shown}; <code>${BUILT_IN_TASK}</code> is built in for every tenant.</p>
 ${
     table(
-      ["tenant", "task", "latest version", "versions", "created", "latest version created", "models", "output"],
+      [
+        "tenant",
+        "task",
+        "latest version",
+        "versions",
+        "created",
+        "latest version created",
+        "models",
+        "output",
+        "bytes (latest)",
+        "bytes (all versions)",
+      ],
       rows,
       "No tenant has defined a task yet (PUT /v1/tasks/{name}).",
     )
@@ -55,8 +75,9 @@ ${
 }
 
 /**
- * One task: every version (when, models, output), and the whole definition
- * of the newest {@linkcode DEFINITIONS_SHOWN}, or of `version` alone.
+ * One task: every version (when, models, output, bytes), and the whole
+ * definitions of the newest (at most {@linkcode DEFINITIONS_SHOWN} and
+ * {@linkcode DEFINITION_BYTES_SHOWN}), or of `version` alone.
  */
 export async function taskPage(
   { sql }: PageDeps,
@@ -69,12 +90,17 @@ export async function taskPage(
   if (version !== undefined && !/^[1-9]\d{0,8}$/.test(version)) {
     return page(view, title, html`<p>Not a version: <code>${version}</code></p>`, { status: 404 });
   }
-  const [heads, shown] = await Promise.all([
-    taskVersionHeads(sql, tenant, name),
+  const heads = await taskVersionHeads(sql, tenant, name);
+  const shown: TaskVersion[] = await taskVersionsNumbered(
+    sql,
+    tenant,
+    name,
     version === undefined
-      ? newestTaskVersions(sql, tenant, name, DEFINITIONS_SHOWN)
-      : taskVersion(sql, tenant, name, Number(version)).then((v): TaskVersion[] => (v ? [v] : [])),
-  ]);
+      ? shownVersions(heads)
+      : heads.some((h) => h.version === Number(version))
+      ? [Number(version)]
+      : [],
+  );
   if (heads.length === 0 || shown.length === 0) {
     const what = version === undefined ? "" : ` version ${version}`;
     return page(view, title, html`<p>No task <code>${name}</code>${what} of tenant <code>${tenant}</code>.</p>`, {
@@ -86,6 +112,7 @@ export async function taskPage(
     html`${h.created_at.toISOString()}`,
     html`${models(h.model)}`,
     html`${output(h)}`,
+    html`${h.bytes}`,
   ]);
   const note = version !== undefined
     ? html`<p>Version ${version} alone; <a href="${taskPath(tenant, name)}">the newest versions</a>.</p>`
@@ -103,7 +130,7 @@ export async function taskPage(
       <dt>latest version</dt>
       <dd>${heads[0]!.version}</dd>
     </dl>
-    <h2>Versions</h2>${table(["version", "created", "models", "output"], rows, "No versions.")}
+    <h2>Versions</h2>${table(["version", "created", "models", "output", "bytes"], rows, "No versions.")}
     ${note}
     ${shown.map((v) =>
       html`<h2 id="v${v.version}">Version ${v.version}</h2><p>Created ${v.created_at.toISOString()}.</p>${
@@ -112,4 +139,16 @@ export async function taskPage(
     )}
   `;
   return page(view, title, body);
+}
+
+/** The newest versions whose definitions a task's page shows: see {@linkcode DEFINITIONS_SHOWN}. */
+function shownVersions(heads: TaskVersionHead[]): number[] {
+  const shown: number[] = [];
+  let bytes = 0;
+  for (const head of heads) {
+    if (shown.length >= DEFINITIONS_SHOWN || (shown.length > 0 && bytes + head.bytes > DEFINITION_BYTES_SHOWN)) break;
+    shown.push(head.version);
+    bytes += head.bytes;
+  }
+  return shown;
 }

@@ -7,7 +7,8 @@ import { type Client, json, Router } from "../http/router.ts";
 import { openApiDocument } from "../summaries/openapi.ts";
 import { SUMMARIES, type SummaryApiDeps, summaryRoutes } from "../summaries/api.ts";
 import { createIntake } from "../summaries/intake.ts";
-import { taskRoutes } from "../tasks/api.ts";
+import { type TaskPutLimits, taskRoutes } from "../tasks/api.ts";
+import { createDefinitionChecker, type DefinitionChecker } from "../tasks/definition_checker.ts";
 import { type RunApiDeps, runRoutes } from "../tasks/runs_api.ts";
 import { createBudgets } from "../budgets/budgets.ts";
 import { budgetEvents } from "../budgets/budget_metrics.ts";
@@ -41,6 +42,10 @@ export interface ApiDeps extends SummaryApiDeps {
   /** Validates run inputs against input schemas (`SchemaValidators`); validators of this handler's own when unset. */
   validate?: RunApiDeps["validate"];
   validateNow?: RunApiDeps["validateNow"];
+  /** Checks new task definitions on a Worker; one of the task routes' own when unset. */
+  definitions?: DefinitionChecker;
+  /** A tenant's bytes of task definitions and rate of new versions (TASK_TENANT_MAX_BYTES, TASK_PUT...). */
+  taskLimits?: Partial<TaskPutLimits>;
 }
 
 /**
@@ -82,7 +87,7 @@ export function createApiHandler(apiDeps: ApiDeps): (req: Request, client?: Clie
         : (req, { path }) => problem(404, `No route for ${req.method} ${path}`),
     )
     .route(summaryRoutes(deps))
-    .route(taskRoutes(runs))
+    .route(taskRoutes({ ...runs, definitions: deps.definitions, taskLimits: deps.taskLimits }))
     .route(runRoutes(runs))
     .route(usageRoutes(deps))
     .route(healthRoutes(deps))
@@ -144,9 +149,17 @@ export async function serveApi(
     : undefined;
   // Run inputs are validated under a deadline: a tenant's schema cannot stall this process (`validator.ts`).
   const validators = createSchemaValidators();
+  // New task definitions are compiled and checked on a Worker of their own, not on this thread.
+  const definitions = createDefinitionChecker();
   const handler = createApiHandler({
     validate: validators.validate,
     validateNow: validators.validateNow,
+    definitions,
+    taskLimits: {
+      maxTenantBytes: config.TASK_TENANT_MAX_BYTES,
+      putsPerMinute: config.TASK_PUTS_PER_MINUTE,
+      putBurst: config.TASK_PUT_BURST,
+    },
     console: operatorConsole,
     waiter,
     shutdown: signal,
@@ -194,6 +207,7 @@ export async function serveApi(
   await server.finished;
   await waiter.close();
   await validators.close();
+  await definitions.close();
   await ack?.close();
   log.info("api_stopped");
 }

@@ -8,7 +8,8 @@ import {
   SummaryWebhook,
 } from "./schemas.ts";
 import { MAX_WAIT_S } from "./job_waiter.ts";
-import { TaskDefinition, TaskDocument } from "../tasks/definition.ts";
+import { DEFINITION_LIMITS, TaskDefinition, TaskDocument, TaskList } from "../tasks/definition.ts";
+import { TASK_LIST } from "../tasks/api.ts";
 import { RunAccepted, RunDocument, RunRequest } from "../tasks/run_schemas.ts";
 import { UsageDocument } from "../usage/usage_schemas.ts";
 import { DEFAULT_SINCE, MAX_SINCE_S } from "../usage/since.ts";
@@ -236,21 +237,29 @@ function taskPaths() {
     "/v1/tasks": {
       get: {
         operationId: "listTasks",
-        summary: "Your tasks, each at its latest version, and the built-in summarize",
+        summary: "Your tasks, each with its latest version (number, time, size; no definition), a page at a time",
+        description: "By name, the first page starting with the built-in summarize; `next` is the next page's path, " +
+          "null on the last. Read a definition with GET /v1/tasks/{name}.",
+        parameters: [
+          {
+            name: "limit",
+            in: "query",
+            required: false,
+            schema: { type: "integer", minimum: 1, maximum: TASK_LIST.maxLimit, default: TASK_LIST.defaultLimit },
+            description: "Tasks per page (summarize, on the first page, is not counted)",
+          },
+          {
+            name: "after",
+            in: "query",
+            required: false,
+            schema: { type: "string", pattern: "^[a-z][a-z0-9_-]{0,63}$" },
+            description: "The last task name of the page before (what `next` carries)",
+          },
+        ],
         responses: {
           ...ALWAYS,
-          "200": {
-            description: "The tasks",
-            content: {
-              "application/json": {
-                schema: {
-                  type: "object",
-                  properties: { tasks: { type: "array", items: { $ref: "#/components/schemas/Task" } } },
-                  required: ["tasks"],
-                },
-              },
-            },
-          },
+          "200": { description: "One page of the tasks", content: json("TaskList") },
+          "400": problem("limit or after out of bounds, or the query has another parameter"),
           "401": unauthorized,
         },
       },
@@ -281,18 +290,28 @@ function taskPaths() {
             content: json("Task"),
           },
           "401": unauthorized,
-          "404": problem("Not a task name"),
           "408": problem("The body did not arrive in time (the connection is closed)"),
           "409": problem(
-            "summarize is built in and cannot be changed, or the tenant has 1,000 tasks or the task 1,000 versions",
+            "summarize is built in and cannot be changed, or the tenant has 1,000 tasks or the task 1,000 versions, " +
+              "or the new version would pass the bytes the tenant may store (TASK_TENANT_MAX_BYTES); nothing stored",
           ),
           "413": problem("Body over MAX_BODY_BYTES"),
           "415": problem("Not JSON"),
           "422": problem(
-            "The definition failed validation: errors[].pointer names the place (a schema over 64 KiB, not JSON " +
-              "Schema 2020-12, referring to another document or with a pattern that could backtrack without bound; " +
-              "a placeholder naming no declared input property)",
+            "Not a task name, or the definition failed validation: errors[].pointer names the place (a schema " +
+              `over 64 KiB, the whole over ${DEFINITION_LIMITS.maxBytes} bytes of JSON, not JSON Schema 2020-12, ` +
+              "referring to another document or with a pattern that could backtrack without bound; a placeholder " +
+              "naming no declared input property; a check that took longer than its deadline)",
           ),
+          "429": problem(
+            "The tenant stored new versions faster than TASK_PUTS_PER_MINUTE (TASK_PUT_BURST at once): until a " +
+              "token is back every PUT is refused (nothing stored); Retry-After is the seconds until then. A PUT " +
+              "identical to the latest version takes no token",
+            { "Retry-After": { schema: { type: "integer" } } },
+          ),
+          "503": problem("Too many definitions are waiting to be checked", {
+            "Retry-After": { schema: { type: "string" } },
+          }),
         },
       },
     },
@@ -496,6 +515,7 @@ export function openApiDocument(): Record<string, unknown> {
         SummaryRequest: schema(SummaryRequest),
         TaskDefinition: schema(TaskDefinition),
         Task: schema(TaskDocument),
+        TaskList: schema(TaskList),
         Run: schema(RunDocument),
         RunRequest: schema(RunRequest),
         RunAccepted: schema(RunAccepted),

@@ -25,7 +25,7 @@ import { type RunJob, runOfPayload } from "../tasks/run_payload.ts";
 import { type LoadedTask, SUMMARIZE_TASK, type TaskCache } from "../tasks/task_cache.ts";
 import { RENDER_LIMITS, renderedChars, renderTemplate } from "../tasks/definition.ts";
 import { type SchemaViolation, unstorableJson } from "../tasks/json_schema.ts";
-import { validateWithin } from "../tasks/validator.ts";
+import { validateWithin, ValidationTooCostly } from "../tasks/validator.ts";
 import type { ResultCache, RunCache } from "../cache/result_cache.ts";
 import type { CacheHit } from "../cache/cache_hit_store.ts";
 
@@ -436,14 +436,22 @@ async function checkAnswer(
     return { pointer: unstorable.pointer, reason: `cannot be stored: ${unstorable.message}` };
   }
   if (!job.validate) throw new Error("no output validator configured for runs with an output schema");
-  // A validation that timed out is no verdict (a starved Worker runs over too): asked again within the delivery's
-  // deadline, never a bad answer, so never a repair call. Past the deadline, or any failure of the validator (a
-  // Worker that did not start), is thrown: the message stays pending and a later delivery validates again.
-  const violations = await validateWithin(job.validate, {
-    key: `${task.key}/output`,
-    schema: task.definition.output_schema,
-    instance: value,
-  }, { deadline, signal, clock: job.options.clock, random: job.options.random });
+  // A validation that timed out or found the validators busy is no verdict (a starved Worker runs over too, a full
+  // pool is the pool's): asked again within the delivery's deadline, never a bad answer, so never a repair call.
+  // Past the deadline, or any failure of the validator (a Worker that did not start), is thrown: the message stays
+  // pending and a later delivery validates again. An answer estimated at more work than a validation may do would
+  // be so on every try: that is a verdict, a bad answer.
+  let violations: SchemaViolation[];
+  try {
+    violations = await validateWithin(job.validate, {
+      key: `${task.key}/output`,
+      schema: task.definition.output_schema,
+      instance: value,
+    }, { deadline, signal, clock: job.options.clock, random: job.options.random });
+  } catch (error) {
+    if (!(error instanceof ValidationTooCostly)) throw error;
+    return { pointer: "", reason: `cannot be validated against the output schema: ${error.message}` };
+  }
   if (violations.length === 0) return { value };
   const shown = violations.slice(0, 5).map((v) => `at "${v.pointer}": ${v.message}`).join("; ");
   return { pointer: violations[0]!.pointer, reason: `does not match the output schema: ${shown}` };

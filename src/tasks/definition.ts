@@ -1,13 +1,15 @@
 /**
  * A task definition: a tenant's prompt, model and schemas, checked before
- * it is stored. Templates substitute `{{input.path}}` with that input value
- * and nothing else; a placeholder must name a property the input schema
- * allows.
+ * it is stored (its shape here, the rest in `definition_check.ts`).
+ * Templates substitute `{{input.path}}` with that input value and nothing
+ * else; a placeholder must name a property the input schema allows.
  */
 import { z } from "zod";
 import { MAX_OUTPUT_TOKENS, SUMMARY_INSTRUCTION } from "../llm/llm.ts";
 import { storableText } from "../summaries/schemas.ts";
-import { type CompiledSchema, compileSchema, resolvePointer, SchemaRefused } from "./json_schema.ts";
+import { PLACEHOLDER } from "./definition_check.ts";
+
+export { checkDefinition, type CheckedTask, DefinitionRefused, placeholders } from "./definition_check.ts";
 
 /** A task's name: `[a-z][a-z0-9_-]{0,63}`. */
 export const TASK_NAME = /^[a-z][a-z0-9_-]{0,63}$/;
@@ -37,6 +39,13 @@ export const TaskDefinition = z.strictObject({
 });
 export type TaskDefinition = z.infer<typeof TaskDefinition>;
 
+/**
+ * The most a version's definition may take, in UTF-8 bytes of compact JSON with its schemas and the defaults
+ * filled in (what the store measures): each field is bounded (two templates of 100,000 characters, two schemas
+ * of 64 KiB), and together they could come to about 730 KB.
+ */
+export const DEFINITION_LIMITS = { maxBytes: 256 * 1024 } as const;
+
 /** A task version as the API answers it: its definition with its name, version and creation time. */
 export const TaskDocument = TaskDefinition.extend({
   name: z.string(),
@@ -45,109 +54,28 @@ export const TaskDocument = TaskDefinition.extend({
   built_in: z.boolean().optional().describe("true for summarize, which every tenant has"),
 });
 
-/** A problem with a definition beyond its shape: `pointer` says where in the body. */
-export class DefinitionRefused extends Error {
-  constructor(readonly pointer: string, message: string) {
-    super(message);
-    this.name = "DefinitionRefused";
-  }
-}
+/** A task in `GET /v1/tasks`: its latest version's number, time and size, without the definition. */
+export const TaskListItem = z.object({
+  name: z.string(),
+  version: z.number().int().min(1).describe("The latest version"),
+  created_at: z.iso.datetime().optional().describe("When the latest version was stored (absent for summarize)"),
+  bytes: z.number().int().describe("The latest version's definition: UTF-8 bytes of compact JSON"),
+  versions: z.number().int().min(1).describe("How many versions the task has"),
+  total_bytes: z.number().int().describe("Every version's definition, in bytes, added up"),
+  built_in: z.boolean().optional().describe("true for summarize, which every tenant has"),
+});
 
-/** A checked definition, with its schemas compiled. */
-export interface CheckedTask {
-  definition: TaskDefinition;
-  input: CompiledSchema;
-  output?: CompiledSchema;
-}
-
-/**
- * Checks a parsed definition: its schemas compile (the input schema describes an object) and every
- * placeholder of its templates names a property the input schema allows.
- * @throws {DefinitionRefused} naming the place in the body and the reason.
- */
-export function checkDefinition(definition: TaskDefinition): CheckedTask {
-  const input = compileAt("/input_schema", definition.input_schema);
-  if (definition.input_schema.type !== "object") {
-    throw new DefinitionRefused("/input_schema/type", 'input_schema must describe an object ("type": "object")');
-  }
-  const output = definition.output_schema === undefined
-    ? undefined
-    : compileAt("/output_schema", definition.output_schema);
-  if (definition.output_schema !== undefined) checkStrict(definition.output_schema, "/output_schema", true);
-  const budget = { steps: PLACEHOLDER_CHECK_STEPS };
-  for (const field of ["prompt", "system"] as const) {
-    const template = definition[field];
-    if (template === undefined) continue;
-    for (const path of placeholders(template)) {
-      if (!declares(definition.input_schema, path, definition.input_schema, budget)) {
-        throw new DefinitionRefused(
-          `/${field}`,
-          `{{input.${path.join(".")}}} names no property the input schema declares`,
-        );
-      }
-    }
-  }
-  return { definition, input, output };
-}
-
-/**
- * The rules of the provider's strict structured outputs, which runs ask for: the root is an object, and every
- * object lists all its properties in `required` and says `"additionalProperties": false`. A schema that breaks
- * them would fail every run at the provider, so it is refused here.
- */
-function checkStrict(schema: unknown, pointer: string, root: boolean): void {
-  if (typeof schema !== "object" || schema === null) {
-    if (root) throw new DefinitionRefused(pointer, 'output_schema must be an object schema ("type": "object")');
-    return;
-  }
-  if (Array.isArray(schema)) {
-    schema.forEach((sub, i) => checkStrict(sub, `${pointer}/${i}`, false));
-    return;
-  }
-  const s = schema as Record<string, unknown>;
-  if (root && s.type !== "object") {
-    throw new DefinitionRefused(`${pointer}/type`, 'output_schema must describe an object ("type": "object")');
-  }
-  if (s.type === "object" || s.properties !== undefined) {
-    const names = Object.keys((s.properties ?? {}) as object);
-    const required = Array.isArray(s.required) ? s.required : [];
-    const missing = names.find((n) => !required.includes(n));
-    if (s.additionalProperties !== false || missing !== undefined) {
-      throw new DefinitionRefused(
-        pointer || "/",
-        "structured outputs need every object to list all its properties in required and to say " +
-          `"additionalProperties": false${
-            missing === undefined ? "" : ` (${JSON.stringify(missing)} is not required)`
-          }`,
-      );
-    }
-  }
-  for (const [key, value] of Object.entries(s)) {
-    if (key === "enum" || key === "const" || key === "examples" || key === "default") continue;
-    if (value !== null && typeof value === "object") checkStrict(value, `${pointer}/${key}`, false);
-  }
-}
-
-function compileAt(at: string, schema: unknown): CompiledSchema {
-  try {
-    return compileSchema(schema);
-  } catch (error) {
-    if (error instanceof SchemaRefused) {
-      throw new DefinitionRefused(
-        `${at}${error.pointer}`,
-        `${at.slice(1)}${error.pointer}: ${error.message.replace(/^[^:]*: /, "")}`,
-      );
-    }
-    throw error;
-  }
-}
-
-const PLACEHOLDER = /\{\{\s*input((?:\.[A-Za-z0-9_$-]+)+)\s*\}\}/g;
-
-/** The input paths a template's placeholders name, each as its property names. */
-export function placeholders(template: string): string[][] {
-  return [...template.matchAll(PLACEHOLDER)].map((m) => m[1]!.slice(1).split("."));
-}
+/** The body of `GET /v1/tasks`: one page of the tenant's tasks, and what they hold against its limits. */
+export const TaskList = z.object({
+  tasks: z.array(TaskListItem).describe("By name; the first page starts with summarize"),
+  next: z.string().nullable().describe("The next page's path (`/v1/tasks?after=...&limit=...`); null on the last"),
+  usage: z.object({
+    tasks: z.number().int(),
+    max_tasks: z.number().int(),
+    bytes: z.number().int().describe("Every version of every task, in bytes of compact JSON"),
+    max_bytes: z.number().int(),
+  }).describe("The tenant's tasks and their bytes against what it may store"),
+});
 
 /** An input value as a placeholder renders it: a string as it is, anything else as JSON, nothing when absent. */
 function renderedValue(input: unknown, path: readonly string[]): string {
@@ -223,41 +151,6 @@ export function renderedLength(template: string, input: unknown): number {
 export function renderedChars(definition: Pick<TaskDefinition, "prompt" | "system">, input: unknown): number {
   return renderedLength(definition.prompt, input) +
     (definition.system === undefined ? 0 : renderedLength(definition.system, input));
-}
-
-/** Steps {@linkcode declares} may take for one definition; the schema's in-place count bounds it anyway. */
-const PLACEHOLDER_CHECK_STEPS = 10_000;
-
-/**
- * Whether `schema` declares a value at `path`: in `properties`, `items`/`prefixItems`, or under an explicit
- * `additionalProperties`, also through `$ref`, `allOf`, `anyOf` and `oneOf`. `patternProperties` do not
- * count: checking a name against a tenant's pattern would run it, and the name is the tenant's too.
- * @throws {DefinitionRefused} when the check would take more than its steps.
- */
-function declares(schema: unknown, path: string[], root: unknown, budget: { steps: number }): boolean {
-  if (--budget.steps < 0) {
-    throw new DefinitionRefused("/input_schema", "the input schema is too complex to check the placeholders against");
-  }
-  if (schema === false) return false;
-  if (schema === true) return true;
-  if (schema === undefined || schema === null || typeof schema !== "object") return path.length === 0;
-  if (path.length === 0) return true;
-  const s = schema as Record<string, unknown>;
-  if (typeof s.$ref === "string" && declares(resolvePointer(root, s.$ref), path, root, budget)) return true;
-  for (const key of ["allOf", "anyOf", "oneOf"] as const) {
-    if (Array.isArray(s[key]) && (s[key] as unknown[]).some((b) => declares(b, path, root, budget))) return true;
-  }
-  const [head, ...rest] = path as [string, ...string[]];
-  const properties = s.properties as Record<string, unknown> | undefined;
-  if (properties && Object.hasOwn(properties, head)) return declares(properties[head], rest, root, budget);
-  if (/^\d+$/.test(head) && (s.items !== undefined || s.prefixItems !== undefined)) {
-    const prefix = Array.isArray(s.prefixItems) ? s.prefixItems : [];
-    return declares(prefix[Number(head)] ?? s.items, rest, root, budget);
-  }
-  // An undeclared name is allowed only where the schema says so (additionalProperties given): a placeholder
-  // that names nothing declared is most likely a typo, which would render as nothing on every run.
-  if (s.additionalProperties === undefined || s.additionalProperties === false) return false;
-  return declares(s.additionalProperties, rest, root, budget);
 }
 
 /**

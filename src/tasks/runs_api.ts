@@ -20,8 +20,8 @@ import {
 import { jobDocument, type JobFound } from "../summaries/job_document.ts";
 import { currentTraceparent } from "../tracing.ts";
 import { RENDER_LIMITS, renderedChars, renderTemplate, TASK_NAME } from "./definition.ts";
-import { type SchemaViolation, unstorableJson } from "./json_schema.ts";
-import { ValidationTimeout } from "./validator.ts";
+import { SchemaRefused, type SchemaViolation, unstorableJson } from "./json_schema.ts";
+import { ValidationBusy, ValidationTimeout, ValidationTooCostly } from "./validator.ts";
 import type { RunPayload } from "./run_payload.ts";
 import { skipsCache } from "../cache/result_cache.ts";
 import { parseRunRequest, type RunDocument } from "./run_schemas.ts";
@@ -226,12 +226,24 @@ function checkInput(
 }
 
 /**
- * A validation that did not answer: one that took too long is the input's (a 422), any other failure (a
- * validation Worker that did not start, a crash) is the server's, and the client may retry (a 503).
+ * A validation that did not answer: one that took too long, or would, is the input's (a 422); one refused
+ * because too many are pending, the tenant's or everyone's, may be tried again soon (a 503 with Retry-After);
+ * a version whose stored schema this release cannot compile (a regular expression RE2 cannot run, stored
+ * before it) never will be (a 409); any other failure (a validation Worker that did not start, a crash) is
+ * the server's, and the client may retry (a 503).
  */
 function validationFailed(deps: RunApiDeps, task: string, error: unknown): HttpError {
-  if (error instanceof ValidationTimeout) {
+  if (error instanceof SchemaRefused) {
+    return new HttpError(
+      409,
+      `This task version's input schema cannot be compiled any more (${error.message}); PUT a new version`,
+    );
+  }
+  if (error instanceof ValidationTimeout || error instanceof ValidationTooCostly) {
     return refused("/input", `the input could not be validated: ${error.message}`);
+  }
+  if (error instanceof ValidationBusy) {
+    return new HttpError(503, `${error.message}; try again later`, { "retry-after": String(error.retryAfterS) });
   }
   deps.log.warn("input_validation_failed", { task, error });
   return new HttpError(503, "The input could not be validated now; try again", { "retry-after": "1" });

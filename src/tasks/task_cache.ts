@@ -1,13 +1,15 @@
 /**
  * Task versions as the API and the worker read them: a version never
- * changes, so a version once read is kept (up to a bound); which version is
- * the latest is read again after a second (and at once after this process
- * stored one), so a run that names no version gets one at most a second old
- * when another process stored it.
+ * changes, so a version once read is kept (up to a bound in versions and in
+ * bytes, the least recently used going first); which version is the latest
+ * is read again after a second (and at once after this process stored one),
+ * so a run that names no version gets one at most a second old when another
+ * process stored it.
  */
 import type { Sql } from "postgres";
 import { taskVersion } from "../jobs/task_store.ts";
 import { BUILT_IN_TASK, SUMMARIZE_DEFINITION, TaskDefinition } from "./definition.ts";
+import { Lru } from "./_lru.ts";
 
 /** A task version ready to run. */
 export interface LoadedTask {
@@ -18,8 +20,13 @@ export interface LoadedTask {
   key: string;
 }
 
-/** Bounds of the cache. */
-export const TASK_CACHE = { maxVersions: 10_000, latestTtlMs: 1_000 };
+/**
+ * Bounds of the cache, in every API and worker process. `maxBytes` counts each version's definition as the
+ * store measures it (UTF-8 bytes of compact JSON, at most 256 KiB a version): 128 versions at the largest size,
+ * thousands of usual ones. Parsed, a definition of 240-260 KB took 0.63x (2-byte text) to 1.45x (two 64 KiB
+ * schemas of small objects) its bytes on the heap, so the cache holds at most about 48 MiB.
+ */
+export const TASK_CACHE = { maxVersions: 10_000, maxBytes: 32 * 1024 * 1024, latestTtlMs: 1_000 };
 
 /** Reads task versions through a cache. */
 export interface TaskCache {
@@ -42,13 +49,18 @@ export const SUMMARIZE_TASK: LoadedTask = {
   key: `/${BUILT_IN_TASK}/1`,
 };
 
-/** A cache of `sql`'s task versions. */
-export function createTaskCache(sql: Sql): TaskCache {
-  const versions = new Map<string, LoadedTask>();
+/** A cache of `sql`'s task versions, within `bounds` ({@linkcode TASK_CACHE}'s when unset). */
+export function createTaskCache(
+  sql: Sql,
+  bounds: Partial<Pick<typeof TASK_CACHE, "maxVersions" | "maxBytes">> = {},
+): TaskCache {
+  const versions = new Lru<string, { task: LoadedTask; bytes: number }>(
+    bounds.maxVersions ?? TASK_CACHE.maxVersions,
+    { maxWeight: bounds.maxBytes ?? TASK_CACHE.maxBytes, weigh: (entry) => entry.bytes },
+  );
   const latest = new Map<string, { version: number; at: number }>();
-  const remember = (tenant: string, task: LoadedTask) => {
-    if (versions.size >= TASK_CACHE.maxVersions) versions.delete(versions.keys().next().value!);
-    versions.set(`${tenant}/${task.name}/${task.version}`, task);
+  const remember = (tenant: string, task: LoadedTask, bytes: number) => {
+    versions.set(`${tenant}/${task.name}/${task.version}`, { task, bytes });
   };
   return {
     async get(tenant, name, version) {
@@ -56,7 +68,7 @@ export function createTaskCache(sql: Sql): TaskCache {
       const wanted = version ?? fresh(latest.get(`${tenant}/${name}`))?.version;
       if (wanted !== undefined) {
         const known = versions.get(`${tenant}/${name}/${wanted}`);
-        if (known) return known;
+        if (known) return known.task;
       }
       const row = await taskVersion(sql, tenant, name, wanted);
       if (!row) return undefined;
@@ -66,7 +78,7 @@ export function createTaskCache(sql: Sql): TaskCache {
         definition: TaskDefinition.parse(row.definition),
         key: `${tenant}/${name}/${row.version}`,
       };
-      remember(tenant, task);
+      remember(tenant, task, row.bytes);
       if (version === undefined) {
         if (latest.size >= TASK_CACHE.maxVersions) latest.clear();
         latest.set(`${tenant}/${name}`, { version: task.version, at: performance.now() });
@@ -76,7 +88,7 @@ export function createTaskCache(sql: Sql): TaskCache {
     peek(tenant, name, version) {
       if (name === BUILT_IN_TASK) return version === undefined || version === 1 ? SUMMARIZE_TASK : undefined;
       const wanted = version ?? fresh(latest.get(`${tenant}/${name}`))?.version;
-      return wanted === undefined ? undefined : versions.get(`${tenant}/${name}/${wanted}`);
+      return wanted === undefined ? undefined : versions.get(`${tenant}/${name}/${wanted}`)?.task;
     },
     forgetLatest(tenant, name) {
       latest.delete(`${tenant}/${name}`);

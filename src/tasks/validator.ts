@@ -1,23 +1,32 @@
 /**
  * Validation of instances against tenants' schemas with a bound on the work
- * one validation can take. `compileSchema` refuses catastrophic regular
- * expressions, but what it accepts can still take seconds: a polynomial
- * pattern (`^\d+\d+\d+$` on a few KB), `uniqueItems` (quadratic), a `format`
- * whose regular expression backtracks (`url`), or in-place fan-out through
- * `$ref` (`anyOf` of two branches that recurse into a property: 2^depth).
+ * one validation can take. Regular expressions run on RE2 (`linear_regex.ts`),
+ * but a validation can still be costly: a long string against a large
+ * expression, `uniqueItems` (every item against every other), or in-place
+ * fan-out through `$ref` (`anyOf` of two branches that recurse into a
+ * property: 2^depth).
  *
  * So a validation runs in the caller's thread only when it is known to be
- * small: no keyword whose cost is unbounded in one evaluation, and an
- * estimate (walking the schema over the instance as the validator does,
- * stopping at the budget) under `fastPathUnits`. Anything else runs on a
- * small pool of Web Workers (`validation_worker.ts`) under a deadline: a
- * Worker that runs over is terminated, that validation fails with
- * {@linkcode ValidationTimeout}, and a fresh Worker takes the next one.
- * Both sides cache compiled schemas per key.
+ * small: no keyword whose cost the estimate cannot bound, and an estimate
+ * (`validation_cost.ts`: the schema walked over the instance as the validator
+ * does, stopped at the budget) under `fastPathUnits`. Anything else runs on a
+ * small pool of Web Workers (`validation_worker.ts`): the Worker estimates it
+ * again, refuses it past `workerUnits` ({@linkcode ValidationTooCostly}), and
+ * runs it under a deadline. A Worker that runs over is terminated, that
+ * validation fails with {@linkcode ValidationTimeout}, and a fresh Worker takes
+ * the next one. Both sides cache compiled schemas per key.
+ *
+ * In Deno 2.9.6 a terminated Worker that is busy goes on until its validation
+ * ends (`terminate()` interrupts neither a regular expression nor a loop), so
+ * the pool counts it until it has (the Worker says so in shared memory), and
+ * `workerUnits` is what bounds how long that is. Validations waiting for or
+ * running on a Worker are capped per tenant and in all: past either cap a
+ * validation fails at once with {@linkcode ValidationBusy}.
  */
-import { type CompiledSchema, compileSchema, resolvePointer, type SchemaViolation } from "./json_schema.ts";
+import { compileSchema, type SchemaViolation } from "./json_schema.ts";
 import { Lru } from "./_lru.ts";
-import type { InitMessage, ValidateMessage, WorkerReply } from "./validation_worker.ts";
+import { costed, type CostedSchema, estimate } from "./validation_cost.ts";
+import { type InitMessage, type ValidateMessage, WORKER_STATE, type WorkerReply } from "./_validation_protocol.ts";
 import { type Clock, systemClock } from "../retry/clock.ts";
 import type { Deadline } from "../retry/deadline.ts";
 import { DeadlineExceeded } from "../retry/errors.ts";
@@ -29,18 +38,39 @@ export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
   /** Compiled schemas kept, in the caller's thread and in each Worker. */
   cacheSize: 500,
   /**
+   * What they may hold, in bytes (`CompiledSchema.weight`: about eight times a schema's JSON, and each regular
+   * expression's program and DFA), in the caller's thread and in each Worker.
+   */
+  cacheBytes: 64 * 1024 * 1024,
+  /**
    * Work a validation may be estimated at and still run in the caller's thread: one unit is a subschema
-   * evaluated on one value, one keyword or array entry or key of either, or 64 characters of a string.
-   * Measured, a unit took at most 0.55 µs of `@cfworker/json-schema` (2 µs for a string of "t"s against
-   * `format: date-time`, which splits it at each one): so at most about 1 ms here, 4 ms in the worst case.
+   * evaluated on one value, one keyword or array entry or key of either, or 64 characters of a string, and a
+   * regular expression costs per character by its size (`validation_cost.ts`). Measured, a unit took at most
+   * 0.55 µs of `@cfworker/json-schema` (2 µs for a string of "t"s against `format: date-time`, which splits it
+   * at each one): so at most about 1 ms here, 4 ms in the worst case.
    */
   fastPathUnits: 2_000,
+  /**
+   * Work a validation may be estimated at and run at all, on a Worker (about 0.5 s, 2 s in the worst case):
+   * past it, it fails with {@linkcode ValidationTooCostly} without running. A Worker that is terminated at the
+   * deadline runs on until its validation ends, so this, not the deadline, bounds how long that is.
+   */
+  workerUnits: 1_000_000,
+  /** Validations of one tenant waiting for or running on a Worker; past it, {@linkcode ValidationBusy}. */
+  maxPendingPerTenant: 8,
+  /** Validations waiting for or running on a Worker, all tenants together; past it, {@linkcode ValidationBusy}. */
+  maxPending: 64,
   /** Time a Worker may take to compile a schema it has not seen (bounded by `compileSchema`'s limits). */
   compileMs: 1_000,
   /** Web Workers validating at once. */
   workers: 2,
   /** How long a Worker may take to load before the validations waiting for it fail. */
   startMs: 10_000,
+  /**
+   * How long a terminated Worker counts against the pool at most, should it never say it has finished (were it
+   * ever stopped mid-validation, it could not): far longer than `workerUnits` of work takes.
+   */
+  orphanMs: 30_000,
 };
 
 /** Raised when a validation would take longer than the deadline. */
@@ -48,6 +78,32 @@ export class ValidationTimeout extends Error {
   constructor(readonly deadlineMs: number, options?: ErrorOptions) {
     super(`Schema validation took longer than ${deadlineMs} ms`, options);
     this.name = "ValidationTimeout";
+  }
+}
+
+/**
+ * Raised when a validation is estimated at more work than a Worker may do (`workerUnits`): it did not run, and
+ * would not run on another try either.
+ */
+export class ValidationTooCostly extends Error {
+  constructor(readonly maxUnits: number, options?: ErrorOptions) {
+    super(
+      `Schema validation of this value would take too long (estimated at more than ${maxUnits} units of work)`,
+      options,
+    );
+    this.name = "ValidationTooCostly";
+  }
+}
+
+/**
+ * Raised when a validation needs a Worker and too many are pending already, the tenant's or everyone's (the
+ * caps of {@linkcode VALIDATION_LIMITS}): it did not run; another try may, after `retryAfterS`.
+ */
+export class ValidationBusy extends Error {
+  readonly retryAfterS = 1;
+  constructor(what: string, options?: ErrorOptions) {
+    super(`Too many schema validations are waiting for a Worker (${what})`, options);
+    this.name = "ValidationBusy";
   }
 }
 
@@ -60,14 +116,15 @@ export const VALIDATION_RETRY = {
 } as const;
 
 /**
- * Validates, and asks again after a {@linkcode ValidationTimeout} while `deadline` leaves room for the wait and
- * one more try. A timeout is no verdict on the instance: a Worker starved of CPU (a busy host, the pool's other
- * Workers) runs over just as a costly instance does, so it is never reported as a violation. Each try keeps the
- * validator's own deadline, so a stalling instance holds a Worker no longer per try than before.
+ * Validates, and asks again after a {@linkcode ValidationTimeout} or a {@linkcode ValidationBusy} while
+ * `deadline` leaves room for the wait and one more try. Neither is a verdict on the instance: a Worker starved
+ * of CPU (a busy host, the pool's other Workers) runs over just as a costly instance does, and a full pool is
+ * the pool's. So neither is ever reported as a violation. Each try keeps the validator's own deadline, so a
+ * stalling instance holds a Worker no longer per try than before.
  * @returns the violations, as `validate` returns them.
- * @throws {DeadlineExceeded} when the tries kept timing out until `deadline` left no room (the last timeout
+ * @throws {DeadlineExceeded} when the tries kept failing so until `deadline` left no room (the last failure
  * as its cause).
- * @throws whatever else `validate` throws, at once.
+ * @throws whatever else `validate` throws (a {@linkcode ValidationTooCostly} too), at once.
  */
 export async function validateWithin(
   validate: (key: string, schema: unknown, instance: unknown) => Promise<SchemaViolation[]>,
@@ -83,12 +140,14 @@ export async function validateWithin(
     try {
       return await validate(key, schema, instance);
     } catch (error) {
-      if (!(error instanceof ValidationTimeout)) throw error;
+      if (!(error instanceof ValidationTimeout || error instanceof ValidationBusy)) throw error;
       const waitMs = Math.round(
         random() * Math.min(VALIDATION_RETRY.capMs, VALIDATION_RETRY.baseMs * 2 ** (tries - 1)),
       );
-      if (deadline.remaining() < waitMs + error.deadlineMs) {
-        throw new DeadlineExceeded(`schema validation of ${key} timed out ${tries} times within the deadline`, {
+      const tryMs = error instanceof ValidationTimeout ? error.deadlineMs : VALIDATION_LIMITS.deadlineMs;
+      if (deadline.remaining() < waitMs + tryMs) {
+        const what = error instanceof ValidationTimeout ? "timed out" : "found the validators busy";
+        throw new DeadlineExceeded(`schema validation of ${key} ${what} ${tries} times within the deadline`, {
           cause: error,
         });
       }
@@ -106,7 +165,9 @@ export interface SchemaValidators {
    * task's key, shared by every tenant, starts with "/").
    * @returns the violations, the first (deepest) first, as `CompiledSchema.validate` returns them; [] when valid.
    * @throws {ValidationTimeout} when it would take longer than the deadline.
-   * @throws {SchemaRefused} when `compileSchema` refuses `schema`.
+   * @throws {ValidationTooCostly} when it is estimated at more than `workerUnits`.
+   * @throws {ValidationBusy} when it needs a Worker and the tenant, or everyone, has too many pending.
+   * @throws {SchemaRefused} when `compileSchema` refuses `schema` (as a stored schema: `{ stored: true }`).
    */
   validate(key: string, schema: unknown, instance: unknown, tenant?: string): Promise<SchemaViolation[]>;
   /**
@@ -115,6 +176,11 @@ export interface SchemaValidators {
    * @throws {SchemaRefused} when `compileSchema` refuses `schema`.
    */
   validateNow(key: string, schema: unknown, instance: unknown, units?: number): SchemaViolation[] | undefined;
+  /**
+   * What the pool holds now: its Workers, the terminated ones still finishing a validation (which count against
+   * `workers` until they have), and the validations waiting for or running on a Worker.
+   */
+  pool(): { workers: number; orphans: number; pending: number };
   /** Terminates the Workers; validations still waiting or running reject. */
   close(): Promise<void>;
 }
@@ -123,24 +189,16 @@ export interface SchemaValidators {
 export interface ValidatorOptions {
   deadlineMs?: number;
   cacheSize?: number;
+  cacheBytes?: number;
   /** 0 sends every validation to a Worker. */
   fastPathUnits?: number;
   compileMs?: number;
   workers?: number;
   startMs?: number;
-}
-
-/** A compiled schema, what a validation of it may run in the caller's thread, and its subschemas' weights. */
-interface Compiled {
-  schema: unknown;
-  compiled: CompiledSchema;
-  /** Whether no keyword of it can cost more than linear time in one evaluation. */
-  linear: boolean;
-  weights: WeakMap<object, number>;
-  /** Its weight: every subschema's, added up. */
-  total: number;
-  /** Whether it has no `$ref`: each subschema then applies at most once to each part of a value. */
-  tree: boolean;
+  workerUnits?: number;
+  maxPendingPerTenant?: number;
+  maxPending?: number;
+  orphanMs?: number;
 }
 
 interface Job {
@@ -152,16 +210,29 @@ interface Job {
   reject(error: unknown): void;
 }
 
-/** A Worker, the job it is running, and the keys it has been sent (mirroring its own cache). */
+/**
+ * A Worker, the job it is running, the keys it has been sent (mirroring its own cache), and its state in shared
+ * memory (`WORKER_STATE` in `_validation_protocol.ts`).
+ */
 interface Slot {
   worker: Worker;
   ready: boolean;
   job?: Job;
   timer?: ReturnType<typeof setTimeout>;
   sent: Lru<string, true>;
+  state: Int32Array;
+}
+
+/** A terminated Worker that was validating: it counts against the pool until it is no longer busy. */
+interface Orphan {
+  state: Int32Array;
+  since: number;
 }
 
 const WORKER_URL = new URL("./validation_worker.ts", import.meta.url).href;
+
+/** How often the pool looks whether a terminated Worker has finished its validation. */
+const ORPHAN_POLL_MS = 20;
 
 /**
  * Starts validators. Workers start on the first validation that needs one.
@@ -171,7 +242,7 @@ const WORKER_URL = new URL("./validation_worker.ts", import.meta.url).href;
  * most one of each other waiting tenant's per turn, not for another tenant's whole burst. The deadline counts from when a
  * validation reaches a Worker, so a slow one delays those behind it by at most the deadline. A Worker runs one
  * validation at a time, so a timeout terminates only the validation that ran over; the queue goes on with a
- * fresh Worker.
+ * fresh Worker once the pool has room: a terminated Worker still validating takes a place in it until it ends.
  */
 export function createSchemaValidators(options: ValidatorOptions = {}): SchemaValidators {
   const limits = { ...VALIDATION_LIMITS };
@@ -179,18 +250,27 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
     if (value !== undefined) limits[name] = value;
   }
   if (!(limits.workers >= 1)) throw new RangeError(`At least one validation Worker (got ${limits.workers})`);
-  const cache = new Lru<string, Compiled>(limits.cacheSize);
+  const cache = new Lru<string, CostedSchema>(limits.cacheSize, {
+    maxWeight: limits.cacheBytes,
+    weigh: (entry) => entry.compiled.weight,
+  });
   const slots: Slot[] = [];
+  const orphans: Orphan[] = [];
+  let orphanTimer: ReturnType<typeof setInterval> | undefined;
   const queue = createTenantQueues();
+  /** Validations waiting for or running on a Worker, by tenant, and in all. */
+  const pending = new Map<string, number>();
+  let pendingTotal = 0;
   let nextId = 0;
   let closed = false;
 
-  const compiledFor = (key: string, schema: unknown): Compiled => {
+  const compiledFor = (key: string, schema: unknown): CostedSchema => {
     let entry = cache.get(key);
     if (!entry) {
-      // A copy of our own: the validator keeps (and annotates) the schema it compiles.
+      // A copy of our own: the validator keeps (and annotates) the schema it compiles. Stored: it was checked
+      // when it was PUT, perhaps by an earlier release's rules.
       const copy = structuredClone(schema);
-      entry = { schema: copy, compiled: compileSchema(copy), ...classify(copy) };
+      entry = costed(copy, compileSchema(copy, { stored: true }));
       cache.set(key, entry);
     }
     return entry;
@@ -206,6 +286,30 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
     release(slot);
     slot.worker.terminate();
     slots.splice(slots.indexOf(slot), 1);
+    // A Worker terminated in the middle of a validation finishes it first (Deno 2.9.6 interrupts no busy
+    // thread): it keeps its place in the pool until it has, or the pool could grow without bound. One that has
+    // not begun is told not to: then it never will.
+    if (Atomics.compareExchange(slot.state, 0, WORKER_STATE.idle, WORKER_STATE.cancelled) === WORKER_STATE.busy) {
+      orphans.push({ state: slot.state, since: performance.now() });
+      orphanTimer ??= setInterval(() => pruneOrphans() && pump(), ORPHAN_POLL_MS);
+    }
+  };
+
+  /** Forgets the orphans that have finished (or that have counted for `orphanMs`): whether there were any. */
+  const pruneOrphans = (): boolean => {
+    const before = orphans.length;
+    const now = performance.now();
+    for (let i = orphans.length - 1; i >= 0; i--) {
+      const orphan = orphans[i]!;
+      if (Atomics.load(orphan.state, 0) !== WORKER_STATE.busy || now - orphan.since > limits.orphanMs) {
+        orphans.splice(i, 1);
+      }
+    }
+    if (orphans.length === 0) {
+      clearInterval(orphanTimer);
+      orphanTimer = undefined;
+    }
+    return orphans.length < before;
   };
 
   /**
@@ -222,10 +326,8 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
   const arm = (slot: Slot, job: Job, ms: number) => {
     clearTimeout(slot.timer);
     slot.timer = setTimeout(() => {
-      // The Worker may be stuck in a backtracking regular expression: only terminating it stops that.
       remove(slot);
       job.reject(new ValidationTimeout(ms));
-      start();
       pump();
     }, ms);
   };
@@ -249,7 +351,8 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
 
   const start = () => {
     const worker = new Worker(WORKER_URL, { type: "module", name: "schema-validation" });
-    const slot: Slot = { worker, ready: false, sent: new Lru(limits.cacheSize) };
+    const state = new Int32Array(new SharedArrayBuffer(4));
+    const slot: Slot = { worker, ready: false, sent: new Lru(limits.cacheSize), state };
     slot.timer = setTimeout(() => {
       remove(slot);
       if (!slots.some((other) => other.ready)) {
@@ -270,6 +373,7 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
       if (data.type === "compiled") return arm(slot, job, limits.deadlineMs);
       release(slot);
       if (data.type === "result") job.resolve(data.violations);
+      else if (data.type === "costly") job.reject(new ValidationTooCostly(limits.workerUnits));
       else job.reject(rebuildError(data.name, data.message));
       pump();
     };
@@ -284,7 +388,15 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
       else if (!slot.ready && !slots.some((other) => other.ready)) failWaiting(failed);
       pump();
     };
-    worker.postMessage({ type: "init", cacheSize: limits.cacheSize } satisfies InitMessage);
+    worker.postMessage(
+      {
+        type: "init",
+        cacheSize: limits.cacheSize,
+        cacheBytes: limits.cacheBytes,
+        workerUnits: limits.workerUnits,
+        state: state.buffer,
+      } satisfies InitMessage,
+    );
     slots.push(slot);
   };
 
@@ -295,8 +407,43 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
       if (!idle) break;
       dispatch(idle, queue.next()!);
     }
+    if (orphans.length > 0) pruneOrphans();
     const starting = slots.filter((slot) => !slot.ready).length;
-    if (queue.size > starting && slots.length < limits.workers) start();
+    if (queue.size > starting && slots.length + orphans.length < limits.workers) start();
+  };
+
+  /** Counts a validation as pending until it settles, or refuses it past a cap. */
+  const admit = (tenant: string, job: Omit<Job, "id">): Job => {
+    const ofTenant = pending.get(tenant) ?? 0;
+    if (ofTenant >= limits.maxPendingPerTenant) {
+      throw new ValidationBusy(`${ofTenant} of this tenant's; at most ${limits.maxPendingPerTenant}`);
+    }
+    if (pendingTotal >= limits.maxPending) {
+      throw new ValidationBusy(`${pendingTotal} in all; at most ${limits.maxPending}`);
+    }
+    pending.set(tenant, ofTenant + 1);
+    pendingTotal++;
+    let settled = false;
+    const settle = () => {
+      if (settled) return;
+      settled = true;
+      pendingTotal--;
+      const left = pending.get(tenant)! - 1;
+      if (left === 0) pending.delete(tenant);
+      else pending.set(tenant, left);
+    };
+    return {
+      ...job,
+      id: nextId++,
+      resolve(violations) {
+        settle();
+        job.resolve(violations);
+      },
+      reject(error) {
+        settle();
+        job.reject(error);
+      },
+    };
   };
 
   return {
@@ -304,28 +451,32 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
       if (closed) throw new Error("The schema validators are closed");
       const entry = compiledFor(key, schema);
       if (!entry.linear) return undefined;
-      // Without references, no subschema applies twice to one part of the value: the schema's weight times
-      // the value's size bounds the work, with no need to walk the two together.
+      // Without references or regular expressions, no subschema applies twice to one part of the value: the
+      // schema's weight times the value's size bounds the work, with no need to walk the two together.
       const bounded = entry.tree && units !== undefined && entry.total * units <= limits.fastPathUnits;
-      return bounded || withinBudget(entry, instance, limits.fastPathUnits)
+      return bounded || estimate(entry, instance, limits.fastPathUnits) <= limits.fastPathUnits
         ? entry.compiled.validate(instance)
         : undefined;
     },
     validate(key, schema, instance, tenant = tenantOf(key)) {
       if (closed) return Promise.reject(new Error("The schema validators are closed"));
-      let entry: Compiled;
+      let entry: CostedSchema;
       try {
         entry = compiledFor(key, schema);
-        if (entry.linear && withinBudget(entry, instance, limits.fastPathUnits)) {
+        if (entry.linear && estimate(entry, instance, limits.fastPathUnits) <= limits.fastPathUnits) {
           return Promise.resolve(entry.compiled.validate(instance));
         }
       } catch (error) {
         return Promise.reject(error);
       }
       return new Promise((resolve, reject) => {
-        queue.push(tenant, { id: nextId++, key, schema: entry.schema, instance, resolve, reject });
+        queue.push(tenant, admit(tenant, { key, schema: entry.schema, instance, resolve, reject }));
         pump();
       });
+    },
+    pool() {
+      if (orphans.length > 0) pruneOrphans();
+      return { workers: slots.length, orphans: orphans.length, pending: pendingTotal };
     },
     close() {
       if (closed) return Promise.resolve();
@@ -337,6 +488,9 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
         job?.reject(error);
       }
       failWaiting(error);
+      orphans.length = 0;
+      clearInterval(orphanTimer);
+      orphanTimer = undefined;
       cache.clear();
       return Promise.resolve();
     },
@@ -394,170 +548,4 @@ function rebuildError(name: string, message: string): Error {
     : new Error(message);
   if (error.name !== name) error.name = name;
   return error;
-}
-
-/*
- * What `@cfworker/json-schema` 4.1.6 (dist/esm/validate.js) does per
- * evaluation of one subschema on one value: every keyword costs O(1) or the
- * size of the keyword's value (enum, const, required) or of the value's own
- * entries (Object.keys, one encodePointer per key), except `pattern` and
- * `patternProperties` (a tenant's regular expression), `uniqueItems` (every
- * pair of items), and the formats below. Evaluations multiply through the
- * applicators, which the estimate follows.
- */
-
-/** Formats of `@cfworker/json-schema` whose regular expression or parse can cost more than linear time. */
-const SUPERLINEAR_FORMATS = new Set(["uri", "uri-reference", "uri-template", "url", "regex"]);
-
-/** Keywords whose value is data, never a subschema that is evaluated. */
-const DATA = new Set(["enum", "const", "default", "examples"]);
-
-/** Keywords whose value maps names (data) to subschemas. */
-const SCHEMA_MAPS = new Set(["$defs", "definitions", "properties", "patternProperties", "dependentSchemas"]);
-
-/** Keywords with one subschema, evaluated on the value itself. */
-const IN_PLACE = ["not", "if", "then", "else"];
-/** Keywords with a list of subschemas, each evaluated on the value itself. */
-const IN_PLACE_LISTS = ["allOf", "anyOf", "oneOf"];
-/** Keywords with a map of subschemas, each evaluated on the value itself (an object). */
-const IN_PLACE_MAPS = ["dependentSchemas", "dependencies"];
-/** Keywords with one subschema, evaluated on every property value of an object. */
-const EVERY_PROPERTY = ["additionalProperties", "unevaluatedProperties"];
-/** Keywords with one subschema, evaluated on every item of an array. */
-const EVERY_ITEM = ["additionalItems", "contains", "unevaluatedItems"];
-
-/**
- * Walks every object of a schema's JSON (but data keywords' values): whether it holds no keyword whose one
- * evaluation can cost more than linear time, and each object's weight (one, plus one per keyword, plus the
- * size of its data keywords' values).
- *
- * An `id` keyword (draft 4's `$id`, which the validator still follows) moves the base of references away
- * from what {@linkcode resolvePointer} resolves, so the estimate would follow other subschemas than the
- * validator does: such a schema always runs on a Worker.
- */
-function classify(
-  schema: unknown,
-): { linear: boolean; weights: WeakMap<object, number>; total: number; tree: boolean } {
-  const weights = new WeakMap<object, number>();
-  let linear = true;
-  let total = 0;
-  let tree = true;
-  const visit = (node: unknown): void => {
-    if (typeof node !== "object" || node === null) return;
-    if (Array.isArray(node)) return node.forEach(visit);
-    let weight = 1;
-    for (const [key, value] of Object.entries(node)) {
-      weight += 1;
-      if (
-        (key === "pattern" && typeof value === "string") ||
-        (key === "patternProperties" && typeof value === "object" && value !== null) ||
-        (key === "uniqueItems" && value === true) ||
-        (key === "format" && typeof value === "string" && SUPERLINEAR_FORMATS.has(value)) ||
-        (key === "id" && typeof value === "string" && value !== "")
-      ) {
-        linear = false;
-      }
-      if (key === "$ref" || key === "$dynamicRef") tree = false;
-      if (SCHEMA_MAPS.has(key) && typeof value === "object" && value !== null && !Array.isArray(value)) {
-        // A map of names to subschemas: a name is data (a property may be called "default" or "pattern"),
-        // its subschema is not.
-        for (const [name, sub] of Object.entries(value)) {
-          weight += 1 + Math.floor(name.length / CHARS_PER_UNIT);
-          visit(sub);
-        }
-      } else if (DATA.has(key) || key === "required" || key === "dependentRequired") weight += jsonSize(value);
-      else visit(value);
-    }
-    weights.set(node, weight);
-    total += weight;
-  };
-  visit(schema);
-  return { linear, weights, total, tree };
-}
-
-/** Values, keys and array entries in a JSON value. */
-function jsonSize(value: unknown): number {
-  if (typeof value !== "object" || value === null) return 1;
-  let size = 1;
-  for (const [, item] of Object.entries(value)) size += 1 + jsonSize(item);
-  return size;
-}
-
-const CHARS_PER_UNIT = 64;
-
-/** Thrown inside {@linkcode withinBudget} to stop the walk. */
-const OVER_BUDGET = Symbol("over budget");
-
-/**
- * Whether validating `instance` against a linear schema costs at most `budget` units: walks the
- * subschemas the validator would evaluate on each value, as it does (but every branch, even where the
- * validator may stop early), adding each evaluation's cost, and stops as soon as the sum exceeds `budget`.
- * So it runs in O(budget) whatever the schema and instance, and a validation under budget takes as long.
- */
-function withinBudget(entry: Compiled, instance: unknown, budget: number): boolean {
-  return estimate(entry, instance, budget) <= budget;
-}
-
-/** The estimated cost of validating `instance`, or Infinity past `budget`. */
-function estimate(entry: Compiled, instance: unknown, budget: number): number {
-  const { schema: root, weights } = entry;
-  const entries = new WeakMap<object, number>();
-  let units = 0;
-  const spend = (n: number) => {
-    units += n;
-    if (units > budget) throw OVER_BUDGET;
-  };
-  /** A value's own cost per evaluation: its entries (keys and their pointers) or its characters. */
-  const ownCost = (value: unknown): number => {
-    if (typeof value === "string") return 1 + Math.floor(value.length / CHARS_PER_UNIT);
-    if (typeof value !== "object" || value === null) return 1;
-    let cost = entries.get(value);
-    if (cost === undefined) {
-      cost = 1;
-      if (Array.isArray(value)) cost += value.length;
-      else for (const key in value) cost += 1 + Math.floor(key.length / CHARS_PER_UNIT);
-      entries.set(value, cost);
-    }
-    return cost;
-  };
-  const evaluate = (schema: unknown, value: unknown): void => {
-    if (typeof schema !== "object" || schema === null) return spend(1);
-    spend((weights.get(schema) ?? jsonSize(schema)) + ownCost(value));
-    const s = schema as Record<string, unknown>;
-    if (typeof s.$ref === "string") evaluate(resolvePointer(root, s.$ref), value);
-    for (const k of IN_PLACE) if (k in s) evaluate(s[k], value);
-    for (const k of IN_PLACE_LISTS) {
-      if (Array.isArray(s[k])) {
-        for (const sub of s[k] as unknown[]) evaluate(sub, value);
-      }
-    }
-    if (typeof value !== "object" || value === null) return;
-    if (Array.isArray(value)) {
-      for (const k of ["prefixItems", "items"]) {
-        if (Array.isArray(s[k])) (s[k] as unknown[]).forEach((sub, i) => i < value.length && evaluate(sub, value[i]));
-      }
-      for (const k of ["items", ...EVERY_ITEM]) {
-        if (k in s && !Array.isArray(s[k])) { for (const item of value) evaluate(s[k], item); }
-      }
-      return;
-    }
-    const object = value as Record<string, unknown>;
-    for (const k of IN_PLACE_MAPS) {
-      const map = s[k];
-      if (typeof map !== "object" || map === null) continue;
-      for (const sub of Object.values(map)) if (!Array.isArray(sub)) evaluate(sub, value);
-    }
-    if (typeof s.properties === "object" && s.properties !== null) {
-      for (const [key, sub] of Object.entries(s.properties)) if (Object.hasOwn(object, key)) evaluate(sub, object[key]);
-    }
-    for (const k of EVERY_PROPERTY) if (k in s) { for (const key in object) evaluate(s[k], object[key]); }
-    if ("propertyNames" in s) { for (const key in object) evaluate(s.propertyNames, key); }
-  };
-  try {
-    evaluate(root, instance);
-    return units;
-  } catch (error) {
-    if (error === OVER_BUDGET) return Infinity;
-    throw error;
-  }
 }

@@ -2,7 +2,13 @@ import assert from "node:assert/strict";
 import { Deadline } from "../../src/retry/deadline.ts";
 import { DeadlineExceeded } from "../../src/retry/errors.ts";
 import type { SchemaViolation } from "../../src/tasks/json_schema.ts";
-import { validateWithin, VALIDATION_RETRY, ValidationTimeout } from "../../src/tasks/validator.ts";
+import {
+  validateWithin,
+  VALIDATION_RETRY,
+  ValidationBusy,
+  ValidationTimeout,
+  ValidationTooCostly,
+} from "../../src/tasks/validator.ts";
 import { fakeClock } from "../_support.ts";
 
 const REQUEST = { key: "acme/t/1/output", schema: { type: "object" }, instance: {} };
@@ -72,4 +78,42 @@ Deno.test("validateWithin() reports a real verdict, and any other error, at once
   );
   assert.equal(calls, 1);
   assert.deepEqual(clock.sleeps, []);
+});
+
+Deno.test("validateWithin() waits out validators that are busy, as a timeout, and reports too costly at once", async () => {
+  const clock = fakeClock();
+  let calls = 0;
+  const busyTwice = (): Promise<SchemaViolation[]> =>
+    ++calls <= 2 ? Promise.reject(new ValidationBusy("8 of this tenant's; at most 8")) : Promise.resolve([]);
+  assert.deepEqual(
+    await validateWithin(busyTwice, REQUEST, { deadline: Deadline.after(5_000, clock), clock, random: () => 1 }),
+    [],
+  );
+  assert.equal(calls, 3);
+  assert.deepEqual(clock.sleeps, [VALIDATION_RETRY.baseMs, VALIDATION_RETRY.baseMs * 2]);
+
+  const alwaysBusy = () => Promise.reject(new ValidationBusy("64 in all; at most 64"));
+  const error = await validateWithin(alwaysBusy, REQUEST, {
+    deadline: Deadline.after(1_000, clock),
+    clock,
+    random: () => 1,
+  }).then(() => undefined, (e) => e);
+  assert.ok(error instanceof DeadlineExceeded, String(error));
+  assert.ok(error.cause instanceof ValidationBusy);
+  assert.match(error.message, /found the validators busy/);
+
+  // A verdict that would be the same on every try: not asked again.
+  let costly = 0;
+  await assert.rejects(
+    validateWithin(
+      () => {
+        costly++;
+        return Promise.reject(new ValidationTooCostly(1_000_000));
+      },
+      REQUEST,
+      { deadline: Deadline.after(5_000, clock), clock },
+    ),
+    ValidationTooCostly,
+  );
+  assert.equal(costly, 1);
 });

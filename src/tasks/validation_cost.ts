@@ -1,0 +1,239 @@
+/**
+ * What a validation will cost, estimated before it runs: in the caller's
+ * thread, whether it is small enough to run there; on a validation Worker,
+ * whether it is small enough to run at all. In Deno 2.9.6 a busy Worker does
+ * not stop when it is terminated, so the bound on a Worker's validation is
+ * this estimate, not the deadline.
+ *
+ * One unit is a subschema evaluated on one value, one keyword or array entry
+ * or key of either, or 64 characters of a string: at most 0.55 µs of
+ * `@cfworker/json-schema` (2 µs for a string of "t"s against `format:
+ * date-time`). A regular expression run on RE2 (`linear_regex.ts`) costs per
+ * character in proportion to its size: `1 + size / 12` units. Measured on
+ * re2js 2.10.0, the worst we found took 0.3 µs a character at size 16 (a DFA
+ * that keeps starting again), 13.7 µs at size 996: under 0.9 and 46 µs.
+ */
+import { type CompiledSchema, linearFormatSize, resolvePointer } from "./json_schema.ts";
+
+/*
+ * What `@cfworker/json-schema` 4.1.6 (dist/esm/validate.js) does per
+ * evaluation of one subschema on one value: every keyword costs O(1) or the
+ * size of the keyword's value (enum, const, required) or of the value's own
+ * entries (Object.keys, one encodePointer per key), except `pattern` and
+ * `patternProperties` (a regular expression per string or key), `uniqueItems`
+ * (every item against every other), and the formats below. Evaluations
+ * multiply through the applicators, which the estimate follows.
+ */
+
+/** Formats of `@cfworker/json-schema` whose V8 regular expression or parse is not known to be linear. */
+const UNBOUNDED_FORMATS = new Set(["uri", "uri-reference", "uri-template", "regex"]);
+
+/** Keywords whose value is data, never a subschema that is evaluated. */
+const DATA = new Set(["enum", "const", "default", "examples"]);
+
+/** Keywords whose value maps names (data) to subschemas. */
+const SCHEMA_MAPS = new Set(["$defs", "definitions", "properties", "patternProperties", "dependentSchemas"]);
+
+/** Keywords with one subschema, evaluated on the value itself. */
+const IN_PLACE = ["not", "if", "then", "else"];
+/** Keywords with a list of subschemas, each evaluated on the value itself. */
+const IN_PLACE_LISTS = ["allOf", "anyOf", "oneOf"];
+/** Keywords with a map of subschemas, each evaluated on the value itself (an object). */
+const IN_PLACE_MAPS = ["dependentSchemas", "dependencies"];
+/** Keywords with one subschema, evaluated on every property value of an object. */
+const EVERY_PROPERTY = ["additionalProperties", "unevaluatedProperties"];
+/** Keywords with one subschema, evaluated on every item of an array. */
+const EVERY_ITEM = ["additionalItems", "contains", "unevaluatedItems"];
+
+const CHARS_PER_UNIT = 64;
+
+/** Units of one run of an RE2 expression of `size` on a text of `length` characters. */
+function regexUnits(size: number, length: number): number {
+  return 2 + Math.ceil(length * (1 + size / 12));
+}
+
+/** A compiled schema with what its validations' estimates need. */
+export interface CostedSchema {
+  /** The schema as compiled (its subschemas are the keys below). */
+  schema: unknown;
+  compiled: CompiledSchema;
+  /**
+   * Whether the estimate bounds every keyword of it: none whose cost it does not know (`uniqueItems` is
+   * estimated, but its quadratic worst case is not for the caller's thread).
+   */
+  linear: boolean;
+  weights: WeakMap<object, number>;
+  /** Per subschema, the sizes of the RE2 expressions it runs on a string (`pattern`, `format: "url"`). */
+  stringRegexes: WeakMap<object, number[]>;
+  /** Per subschema, the sizes of its `patternProperties` expressions, run on every key of an object. */
+  keyRegexes: WeakMap<object, number[]>;
+  /** Its weight: every subschema's, added up. */
+  total: number;
+  /**
+   * Whether it has no `$ref` and no regular expression: each subschema then applies at most once to each part
+   * of a value at the cost of its weight, so the weight times the value's size bounds the work.
+   */
+  tree: boolean;
+}
+
+/**
+ * Walks every object of a schema's JSON (but data keywords' values): whether it holds no keyword whose one
+ * evaluation the estimate cannot bound, each object's weight (one, plus one per keyword, plus the size of its
+ * data keywords' values), and the regular expressions each runs.
+ *
+ * An `id` keyword (draft 4's `$id`, which the validator still follows) moves the base of references away
+ * from what {@linkcode resolvePointer} resolves, so the estimate would follow other subschemas than the
+ * validator does: such a schema is never `linear`.
+ */
+export function costed(schema: unknown, compiled: CompiledSchema): CostedSchema {
+  const weights = new WeakMap<object, number>();
+  const stringRegexes = new WeakMap<object, number[]>();
+  const keyRegexes = new WeakMap<object, number[]>();
+  const sizeOf = (source: string) => compiled.patterns.get(source)?.size ?? 0;
+  let linear = true;
+  let total = 0;
+  let tree = true;
+  const visit = (node: unknown): void => {
+    if (typeof node !== "object" || node === null) return;
+    if (Array.isArray(node)) return node.forEach(visit);
+    let weight = 1;
+    const strings: number[] = [];
+    for (const [key, value] of Object.entries(node)) {
+      weight += 1;
+      if (key === "pattern" && typeof value === "string") strings.push(sizeOf(value));
+      if (key === "format" && typeof value === "string") {
+        const size = linearFormatSize(value);
+        if (size !== undefined) strings.push(size);
+        if (UNBOUNDED_FORMATS.has(value)) linear = false;
+      }
+      if (key === "patternProperties" && typeof value === "object" && value !== null) {
+        keyRegexes.set(node, Object.keys(value).map(sizeOf));
+      }
+      if ((key === "uniqueItems" && value === true) || (key === "id" && typeof value === "string" && value !== "")) {
+        linear = false;
+      }
+      if (key === "$ref" || key === "$dynamicRef") tree = false;
+      if (SCHEMA_MAPS.has(key) && typeof value === "object" && value !== null && !Array.isArray(value)) {
+        // A map of names to subschemas: a name is data (a property may be called "default" or "pattern"),
+        // its subschema is not.
+        for (const [name, sub] of Object.entries(value)) {
+          weight += 1 + Math.floor(name.length / CHARS_PER_UNIT);
+          visit(sub);
+        }
+      } else if (DATA.has(key) || key === "required" || key === "dependentRequired") weight += jsonSize(value);
+      else visit(value);
+    }
+    if (strings.length > 0) stringRegexes.set(node, strings);
+    if (strings.length > 0 || keyRegexes.has(node)) tree = false;
+    weights.set(node, weight);
+    total += weight;
+  };
+  visit(schema);
+  return { schema, compiled, linear, weights, stringRegexes, keyRegexes, total, tree };
+}
+
+/** Values, keys and array entries in a JSON value. */
+function jsonSize(value: unknown): number {
+  if (typeof value !== "object" || value === null) return 1;
+  let size = 1;
+  for (const [, item] of Object.entries(value)) size += 1 + jsonSize(item);
+  return size;
+}
+
+/** Thrown inside {@linkcode estimate} to stop the walk. */
+const OVER_BUDGET = Symbol("over budget");
+
+/**
+ * The estimated cost of validating `instance`, in units, or Infinity past `budget`: walks the subschemas the
+ * validator would evaluate on each value, as it does (but every branch, even where the validator may stop
+ * early), adding each evaluation's cost, and stops as soon as the sum exceeds `budget`. So it runs in
+ * O(budget) whatever the schema and instance, and a validation under budget takes about as long.
+ */
+export function estimate(entry: CostedSchema, instance: unknown, budget: number): number {
+  const { schema: root, weights, stringRegexes, keyRegexes } = entry;
+  const entries = new WeakMap<object, number>();
+  const sizes = new WeakMap<object, number>();
+  let units = 0;
+  const spend = (n: number) => {
+    units += n;
+    if (units > budget) throw OVER_BUDGET;
+  };
+  /** A value's own cost per evaluation: its entries (keys and their pointers) or its characters. */
+  const ownCost = (value: unknown): number => {
+    if (typeof value === "string") return 1 + Math.floor(value.length / CHARS_PER_UNIT);
+    if (typeof value !== "object" || value === null) return 1;
+    let cost = entries.get(value);
+    if (cost === undefined) {
+      cost = 1;
+      if (Array.isArray(value)) cost += value.length;
+      else for (const key in value) cost += 1 + Math.floor(key.length / CHARS_PER_UNIT);
+      entries.set(value, cost);
+    }
+    return cost;
+  };
+  /** A value's whole size (what comparing it with another can cost), spent as it is measured. */
+  const wholeCost = (value: unknown): number => {
+    if (typeof value !== "object" || value === null) return ownCost(value);
+    let size = sizes.get(value);
+    if (size === undefined) {
+      size = ownCost(value);
+      spend(size);
+      for (const item of Object.values(value)) size += wholeCost(item);
+      sizes.set(value, size);
+    }
+    return size;
+  };
+  const evaluate = (schema: unknown, value: unknown): void => {
+    if (typeof schema !== "object" || schema === null) return spend(1);
+    spend((weights.get(schema) ?? jsonSize(schema)) + ownCost(value));
+    const s = schema as Record<string, unknown>;
+    if (typeof s.$ref === "string") evaluate(resolvePointer(root, s.$ref), value);
+    for (const k of IN_PLACE) if (k in s) evaluate(s[k], value);
+    for (const k of IN_PLACE_LISTS) {
+      if (Array.isArray(s[k])) {
+        for (const sub of s[k] as unknown[]) evaluate(sub, value);
+      }
+    }
+    if (typeof value === "string") {
+      for (const size of stringRegexes.get(schema) ?? []) spend(regexUnits(size, value.length));
+      return;
+    }
+    if (typeof value !== "object" || value === null) return;
+    if (Array.isArray(value)) {
+      // Every item against every other: at most the number of items times the whole array.
+      if (s.uniqueItems === true) spend(value.length * wholeCost(value));
+      for (const k of ["prefixItems", "items"]) {
+        if (Array.isArray(s[k])) (s[k] as unknown[]).forEach((sub, i) => i < value.length && evaluate(sub, value[i]));
+      }
+      for (const k of ["items", ...EVERY_ITEM]) {
+        if (k in s && !Array.isArray(s[k])) { for (const item of value) evaluate(s[k], item); }
+      }
+      return;
+    }
+    const object = value as Record<string, unknown>;
+    for (const size of keyRegexes.get(schema) ?? []) {
+      for (const key in object) spend(regexUnits(size, key.length));
+    }
+    for (const k of IN_PLACE_MAPS) {
+      const map = s[k];
+      if (typeof map !== "object" || map === null) continue;
+      for (const sub of Object.values(map)) if (!Array.isArray(sub)) evaluate(sub, value);
+    }
+    if (typeof s.properties === "object" && s.properties !== null) {
+      for (const [key, sub] of Object.entries(s.properties)) if (Object.hasOwn(object, key)) evaluate(sub, object[key]);
+    }
+    if (typeof s.patternProperties === "object" && s.patternProperties !== null) {
+      // Every subschema on every value: an upper bound of what the keys that match make it evaluate.
+      for (const sub of Object.values(s.patternProperties)) for (const key in object) evaluate(sub, object[key]);
+    }
+    for (const k of EVERY_PROPERTY) if (k in s) { for (const key in object) evaluate(s[k], object[key]); }
+    if ("propertyNames" in s) { for (const key in object) evaluate(s.propertyNames, key); }
+  };
+  try {
+    evaluate(root, instance);
+    return units;
+  } catch (error) {
+    if (error === OVER_BUDGET) return Infinity;
+    throw error;
+  }
+}
