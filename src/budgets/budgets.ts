@@ -105,9 +105,15 @@ export class BudgetExhausted extends GateRefused {
     /** The refused worst case, in tokens: what must fit again before the tenant's runs go on. */
     readonly worst: { tokens: number; nanos: number },
   ) {
+    // What did not fit is the call's worst case in what is left, which may be far from the whole limit: saying only
+    // "spent (244 of 1,300 tokens)" read as a wrong count.
+    const unitName = budget.unit === "usd" ? " USD" : " tokens";
+    const worstShown = budget.unit === "usd" ? Math.round(nanosToUsd(worst.nanos) * 1e6) / 1e6 : worst.tokens;
+    const left = Math.max(0, Math.round((budget.limit - budget.spent) * 1e9) / 1e9);
     super(
-      `tenant ${tenant}'s ${budget.unit === "usd" ? "USD" : "token"} budget per ${budget.period} is spent ` +
-        `(${budget.spent} of ${budget.limit}${budget.unit === "usd" ? " USD" : " tokens"})`,
+      `tenant ${tenant}'s ${budget.unit === "usd" ? "USD" : "token"} budget per ${budget.period} has ` +
+        `${left}${unitName} left of ${budget.limit}${unitName} (${budget.spent} spent or held by calls under way), ` +
+        `less than the call's worst case of ${worstShown}${unitName} (its prompt and every output token it may write)`,
     );
     this.name = "BudgetExhausted";
   }

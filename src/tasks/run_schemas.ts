@@ -8,7 +8,13 @@ export const RunRequest = z.strictObject({
   input: z.custom<Record<string, unknown>>(
     (v) => typeof v === "object" && v !== null && !Array.isArray(v),
     { message: "input must be a JSON object" },
-  ).meta({ type: "object", description: "The input: a JSON object valid against the task's input_schema" }),
+  ).meta({
+    type: "object",
+    // Any property: without it, generators (openapi-typescript) type an object with no properties as
+    // Record<string, never>, and no real input compiles without a cast.
+    additionalProperties: {},
+    description: "The input: a JSON object valid against the task's input_schema",
+  }),
   version: z.number().int().min(1).optional().describe("The task version to run; the latest at intake when unset"),
   notify: SummaryRequest.shape.notify.optional(),
   priority: z.enum(["high", "normal", "low", "batch"]).optional().describe(

@@ -84,3 +84,11 @@ Deno.test("openapi.json is clean under redocly lint's recommended rules (tests/o
     await Deno.remove(dir, { recursive: true });
   }
 });
+
+Deno.test("a run's input is an object of any properties, so generated types accept a real input", () => {
+  const doc = openApiDocument() as { components: { schemas: Record<string, { properties: Record<string, unknown> }> } };
+  const input = doc.components.schemas.RunRequest!.properties.input as Record<string, unknown>;
+  assert.equal(input.type, "object");
+  // Without it, openapi-typescript types `input` as Record<string, never>.
+  assert.deepEqual(input.additionalProperties, {});
+});
