@@ -255,7 +255,8 @@ export function createClient(options: ClientOptions): OncelyClient {
       let response: Response;
       let text: string;
       try {
-        response = await doFetch(`${base}${path}`, { method, headers, body, signal });
+        // Never followed: a redirect would carry the API key, the Idempotency-Key and the body to another address.
+        response = await doFetch(`${base}${path}`, { method, headers, body, signal, redirect: "manual" });
         // A connection that drops mid-body fails here, not in fetch: the same case as no answer at all.
         text = await response.text();
       } catch (error) {
@@ -416,6 +417,18 @@ function parseJson<T>(text: string, path: string): T {
 
 /** The response's problem document, or one made from its status and text when it sent none. */
 function problemOf(response: Response, text: string): Problem {
+  if (response.status >= 300 && response.status < 400) {
+    const location = response.headers.get("location");
+    return {
+      type: "about:blank",
+      title: "Redirect not followed",
+      status: response.status,
+      detail:
+        `The server answered ${response.status}${location ? ` to ${location}` : ""}: the client does not follow ` +
+        "redirects, which would carry the API key and the request to another address; set baseUrl to the address " +
+        "that answers",
+    };
+  }
   try {
     const parsed = JSON.parse(text);
     if (parsed && typeof parsed === "object" && typeof parsed.title === "string") {
