@@ -12,7 +12,7 @@ import { createDefinitionChecker, type DefinitionChecker } from "../tasks/defini
 import { type RunApiDeps, runRoutes } from "../tasks/runs_api.ts";
 import { createBudgets } from "../budgets/budgets.ts";
 import { budgetEvents } from "../budgets/budget_metrics.ts";
-import { createPrices } from "../provider/prices.ts";
+import { createPrices, servedModels } from "../provider/prices.ts";
 import { createTaskCache, type TaskCache } from "../tasks/task_cache.ts";
 import { createSchemaValidators } from "../tasks/validator.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
@@ -46,6 +46,8 @@ export interface ApiDeps extends SummaryApiDeps {
   definitions?: DefinitionChecker;
   /** A tenant's bytes of task definitions and rate of new versions (TASK_TENANT_MAX_BYTES, TASK_PUT...). */
   taskLimits?: Partial<TaskPutLimits>;
+  /** The models a task may name (`servedModels`); any model when unset. */
+  models?: ReadonlySet<string>;
 }
 
 /**
@@ -87,7 +89,7 @@ export function createApiHandler(apiDeps: ApiDeps): (req: Request, client?: Clie
         : (req, { path }) => problem(404, `No route for ${req.method} ${path}`),
     )
     .route(summaryRoutes(deps))
-    .route(taskRoutes({ ...runs, definitions: deps.definitions, taskLimits: deps.taskLimits }))
+    .route(taskRoutes({ ...runs, definitions: deps.definitions, taskLimits: deps.taskLimits, models: deps.models }))
     .route(runRoutes(runs))
     .route(usageRoutes(deps))
     .route(healthRoutes(deps))
@@ -155,6 +157,7 @@ export async function serveApi(
     validate: validators.validate,
     validateNow: validators.validateNow,
     definitions,
+    models: servedModels(config),
     taskLimits: {
       maxTenantBytes: config.TASK_TENANT_MAX_BYTES,
       putsPerMinute: config.TASK_PUTS_PER_MINUTE,

@@ -31,6 +31,20 @@ const NANOS_PER_USD = 1e9;
 const PRICE_KEYS = new Set(["in", "out", "batch_in", "batch_out"]);
 
 /**
+ * The models this deployment serves, and so the only ones a task may name: `OPENAI_MODEL` (or `extractive`, the
+ * embedded model) and every model `LLM_PRICES` prices. So every model a run can use has a price of its own (the
+ * default model the flat `LLM_PRICE_*_PER_MTOK` when `LLM_PRICES` does not name it).
+ */
+export function servedModels(
+  config: { LLM_PROVIDER: string; OPENAI_MODEL: string; LLM_PRICES?: Record<string, ModelPrice> },
+): ReadonlySet<string> {
+  return new Set([
+    config.LLM_PROVIDER === "openai" ? config.OPENAI_MODEL : "extractive",
+    ...Object.keys(config.LLM_PRICES ?? {}),
+  ]);
+}
+
+/**
  * Parses `LLM_PRICES`.
  * @returns the table by model, or a message naming what is wrong.
  */

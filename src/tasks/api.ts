@@ -73,6 +73,8 @@ export interface TaskApiDeps {
   /** Checks new definitions on a Worker; one of these routes' own (started on the first check) when unset. */
   definitions?: DefinitionChecker;
   taskLimits?: Partial<TaskPutLimits>;
+  /** The models a task may name (OPENAI_MODEL and those LLM_PRICES prices); any model when unset. */
+  models?: ReadonlySet<string>;
 }
 
 /** Pages of `GET /v1/tasks`: `limit` tasks by default, at most `maxLimit` (a tenant's whole 1,000). */
@@ -143,6 +145,17 @@ export function taskRoutes(deps: TaskApiDeps): Router {
         "",
         `The definition is ${measured.bytes} bytes of JSON with its schemas (UTF-8, compact, defaults filled in); ` +
           `the limit is ${DEFINITION_LIMITS.maxBytes}`,
+      );
+    }
+    // Only a model this deployment serves: any other name would be called at a price nobody set (and fail).
+    const models = definition.model === undefined ? [] : [definition.model].flat();
+    const unserved = deps.models ? models.findIndex((m) => !deps.models!.has(m)) : -1;
+    if (unserved >= 0) {
+      throw refused(
+        Array.isArray(definition.model) ? `/model/${unserved}` : "/model",
+        `Model ${JSON.stringify(models[unserved])} is not served here; the models served are ${
+          [...deps.models!].sort().join(", ")
+        } (OPENAI_MODEL and the models LLM_PRICES prices)`,
       );
     }
     // Before anything is compiled: a PUT of the latest version again is the usual case (a deploy that PUTs

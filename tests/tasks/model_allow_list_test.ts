@@ -1,0 +1,50 @@
+/**
+ * A task may name only a model this deployment serves: OPENAI_MODEL and those LLM_PRICES prices (issue 37; the
+ * contract's model rules). Any other name was stored and charged at the flat default price.
+ */
+import assert from "node:assert/strict";
+import { parseConfig } from "../../src/config.ts";
+import { servedModels } from "../../src/provider/prices.ts";
+import { serviceKeys } from "../../src/summaries/keys.ts";
+import { createApiKey } from "../../src/tenants/tenant_store.ts";
+import { apiHandler, jsonClient } from "../support/fixtures.ts";
+import { smallDefinition } from "../support/task_definitions.ts";
+import { createTestDatabase, createTestRedis } from "../_support.ts";
+
+Deno.test("the served models are OPENAI_MODEL (or the embedded one) and the priced ones", () => {
+  const openai = parseConfig({
+    LLM_PROVIDER: "openai",
+    OPENAI_API_KEY: "sk-test",
+    OPENAI_MODEL: "gpt-4.1-mini",
+    LLM_PRICES: '{"gpt-4.1": {"in": 2, "out": 8}}',
+  });
+  assert.deepEqual([...servedModels(openai)].sort(), ["gpt-4.1", "gpt-4.1-mini"]);
+  assert.deepEqual([...servedModels(parseConfig({}))], ["extractive"]);
+});
+
+Deno.test("a PUT naming a model not served is a 422 on /model, whichever place it has in the list", async () => {
+  const db = await createTestDatabase();
+  const r = await createTestRedis();
+  const api = apiHandler({ redis: r.redis, sql: db.sql, keys: serviceKeys(r.prefix) }, {
+    authMode: "api-key",
+    models: new Set(["gpt-4.1-mini", "gpt-4.1"]),
+  });
+  try {
+    const call = jsonClient(api, await createApiKey(db.sql, "acme"));
+    const one = await call("PUT", "/v1/tasks/triage", { ...smallDefinition(), model: "gpt-9-ultra" });
+    assert.equal(one.status, 422);
+    assert.equal(one.body.errors[0].pointer, "/model");
+    assert.match(one.body.detail, /"gpt-9-ultra" is not served here; the models served are gpt-4\.1, gpt-4\.1-mini/);
+    const listed = await call("PUT", "/v1/tasks/triage", { ...smallDefinition(), model: ["gpt-4.1", "mystery"] });
+    assert.equal(listed.status, 422);
+    assert.equal(listed.body.errors[0].pointer, "/model/1");
+    assert.equal((await call("GET", "/v1/tasks/triage")).status, 404, "nothing was stored");
+    const served = await call("PUT", "/v1/tasks/triage", { ...smallDefinition(), model: ["gpt-4.1", "gpt-4.1-mini"] });
+    assert.equal(served.status, 201);
+    // Unset, the deployment's default model: always served.
+    assert.equal((await call("PUT", "/v1/tasks/other", smallDefinition())).status, 201);
+  } finally {
+    await r.close();
+    await db.close();
+  }
+});
