@@ -188,10 +188,12 @@ export async function takePutToken(
   { perMinute, burst }: { perMinute: number; burst: number },
 ): Promise<number> {
   const perSecond = perMinute / 60;
-  // Postgres's clock, so that every API process fills the same bucket at the same pace.
+  // Postgres's clock, so that every API process fills the same bucket at the same pace. A stamp in the future
+  // (the clock stepped back, a failover to a primary whose clock is behind) counts as a full bucket: otherwise the
+  // tenant could PUT nothing until the clock caught up.
   const available = (b: string) =>
-    sql`least(${burst}::float8, ${sql(b)}.tokens + ${perSecond}::float8 *
-      greatest(0, extract(epoch FROM clock_timestamp() - ${sql(b)}.at)::float8))`;
+    sql`CASE WHEN ${sql(b)}.at > clock_timestamp() THEN ${burst}::float8 ELSE least(${burst}::float8,
+      ${sql(b)}.tokens + ${perSecond}::float8 * extract(epoch FROM clock_timestamp() - ${sql(b)}.at)::float8) END`;
   const taken = await sql`
     INSERT INTO task_put_tokens AS b (tenant, tokens, at) VALUES (${tenant}, ${burst - 1}::float8, clock_timestamp())
     ON CONFLICT (tenant) DO UPDATE SET tokens = ${available("b")} - 1, at = clock_timestamp()
@@ -215,8 +217,8 @@ export async function putTokenWait(
 ): Promise<number> {
   const perSecond = perMinute / 60;
   const [row] = await sql<{ available: number }[]>`
-    SELECT least(${burst}::float8, tokens + ${perSecond}::float8 *
-      greatest(0, extract(epoch FROM clock_timestamp() - at)::float8)) AS available
+    SELECT CASE WHEN at > clock_timestamp() THEN ${burst}::float8 ELSE least(${burst}::float8,
+      tokens + ${perSecond}::float8 * extract(epoch FROM clock_timestamp() - at)::float8) END AS available
     FROM task_put_tokens WHERE tenant = ${tenant}`;
   if (!row || row.available >= 1) return 0;
   return Math.max(1, Math.ceil((1 - row.available) / perSecond));

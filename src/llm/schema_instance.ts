@@ -107,10 +107,12 @@ function build(schema: unknown, text: string, root: unknown, depth: number, budg
       const min = typeof s.minLength === "number" ? s.minLength : 0;
       const max = typeof s.maxLength === "number" ? s.maxLength : Infinity;
       // Charged before the string is made: a minLength of millions must not be allocated to be refused.
-      const floor = Math.max(1, min);
-      spend(budget, Math.min(Math.max(text.length, floor), max) + 2);
-      const padded = text.length >= floor ? text : text + "x".repeat(floor - text.length);
-      return [...padded].slice(0, max).join("");
+      // No string fits minLength > maxLength: nothing to build (and `minLength: 140000000, maxLength: 1` must not
+      // allocate 140 million characters to be cut to one).
+      if (min > max) throw new InstanceTooLarge("characters", budget.bounds.maxChars);
+      const length = Math.min(Math.max(countCodePoints(text, max + 1), Math.max(1, min)), max);
+      spend(budget, length + 2);
+      return takeCodePoints(text, length) + "x".repeat(Math.max(0, length - countCodePoints(text, length)));
     }
     case "integer":
     case "number": {
@@ -128,4 +130,21 @@ function build(schema: unknown, text: string, root: unknown, depth: number, budg
 
 function jsonChars(value: unknown): number {
   return JSON.stringify(value ?? null)?.length ?? 4;
+}
+
+/** The code points of `text`, counted up to `limit` (a long text is not walked past it). */
+function countCodePoints(text: string, limit: number): number {
+  let n = 0;
+  for (const _ of text) if (++n >= limit) break;
+  return n;
+}
+
+/** The first `n` code points of `text`. */
+function takeCodePoints(text: string, n: number): string {
+  let out = "", taken = 0;
+  for (const c of text) {
+    if (taken++ >= n) break;
+    out += c;
+  }
+  return out;
 }

@@ -24,7 +24,7 @@ import { contextFrom, currentTraceparent, inSpan, recordSpan } from "../tracing.
 import { type RunJob, runOfPayload } from "../tasks/run_payload.ts";
 import { type LoadedTask, SUMMARIZE_TASK, type TaskCache } from "../tasks/task_cache.ts";
 import { RENDER_LIMITS, renderedChars, renderTemplate } from "../tasks/definition.ts";
-import { type SchemaViolation, unstorableJson } from "../tasks/json_schema.ts";
+import { compileSchema, SchemaRefused, type SchemaViolation, unstorableJson } from "../tasks/json_schema.ts";
 import { validateWithin, ValidationTooCostly } from "../tasks/validator.ts";
 import type { ResultCache, RunCache } from "../cache/result_cache.ts";
 import type { CacheHit } from "../cache/cache_hit_store.ts";
@@ -365,7 +365,38 @@ async function loadTask(job: Job, { run, tenant }: Delivery): Promise<LoadedTask
     throw new GateUnavailable(`task ${run.task} v${run.version} could not be read`, { cause: error });
   }
   if (!task) throw new PermanentJobError(`task ${run.task} version ${run.version} does not exist`);
+  refuseUncompilable(task);
   return task;
+}
+
+/** Task versions whose output schema was compiled in this process: the reason it was refused, or "" (it compiled). */
+const outputCompiles = new Map<string, string>();
+
+/**
+ * A version stored by an earlier release may have an output schema this one cannot run (a pattern RE2 cannot
+ * express): found before the model is called, and the run fails for good, instead of paying for a call on every
+ * delivery whose answer can never be checked.
+ */
+function refuseUncompilable(task: LoadedTask): void {
+  const schema = task.definition.output_schema;
+  if (schema === undefined) return;
+  let refused = outputCompiles.get(task.key);
+  if (refused === undefined) {
+    try {
+      compileSchema(schema, { stored: true });
+      refused = "";
+    } catch (error) {
+      if (!(error instanceof SchemaRefused)) throw error;
+      refused = error.message;
+    }
+    if (outputCompiles.size >= 1_000) outputCompiles.delete(outputCompiles.keys().next().value!);
+    outputCompiles.set(task.key, refused);
+  }
+  if (refused !== "") {
+    throw new PermanentJobError(
+      `the output schema of task ${task.name} cannot be run by this release (${refused}): PUT a new version`,
+    );
+  }
 }
 
 /** The run's call: the rendered templates, the task's model (the first of a list) and its output settings. */

@@ -57,3 +57,17 @@ Deno.test("the embedded model refuses a run whose output schema cannot fit its o
   });
   assert.deepEqual(JSON.parse(answer.text), { s: "x" });
 });
+
+Deno.test("a string schema with a huge minLength and a tiny maxLength allocates nothing: it has no instance", () => {
+  const schema = {
+    type: "object",
+    properties: { a: { type: "string", minLength: 140_000_000, maxLength: 1 } },
+    required: ["a"],
+    additionalProperties: false,
+  };
+  assert.throws(() => instanceOf(schema, "x", bounds), InstanceTooLarge);
+  assert.equal(smallestInstanceChars(schema, bounds), Infinity);
+  // minLength within maxLength: padded to it, by code points.
+  assert.deepEqual(instanceOf({ type: "string", minLength: 3, maxLength: 4 }, "é", bounds), "éxx");
+  assert.deepEqual(instanceOf({ type: "string", maxLength: 2 }, "😀😀😀", bounds), "😀😀");
+});

@@ -232,3 +232,14 @@ Deno.test("a new schema holds at most 32 regular expressions, of sizes adding up
   );
   for (const schema of [many, large]) assert.deepEqual(compileSchema(schema, { stored: true }).validate({}), []);
 });
+
+Deno.test("the shape check's probing of classes against \\p{...} sets is bounded per pattern", () => {
+  // 80 classes then 85 \p{Zl}, each group repeated: 80 × 85 pairs, each probed up to 1,024 characters (about
+  // 220 ms a pattern before the budget; a schema could hold 14 of them, and a check Worker that runs over its
+  // deadline is not stopped by terminate()).
+  const pattern = `(?:${"[\\0-\u03ff]".repeat(80)})*(?:${"\\p{Zl}".repeat(85)})*`;
+  const started = performance.now();
+  assert.throws(() => compileLinearRegex(pattern), RegexRefused);
+  const took = performance.now() - started;
+  assert.ok(took < 100, `refused after ${took.toFixed(0)} ms`);
+});

@@ -145,6 +145,34 @@ Deno.test("a pattern V8 would backtrack on for ever stalls neither intake nor th
       const calls = model.prompts.filter((p) => p.startsWith("Stall") || p.startsWith("That answer"));
       assert.deepEqual(calls.map((p) => p.split(" ")[0]), ["Stall", "That"], "a verdict: the repair call, once");
     });
+
+    await t.step(
+      "worker: a stored output schema this release cannot run fails the run before any model call",
+      async () => {
+        // Accepted by an earlier release (a count over 1,000 is no RE2 expression): planted as it was stored.
+        const definition = {
+          prompt: "Old {{input.n}}",
+          input_schema: schemaOf({ n: { type: "integer" } }),
+          output_schema: schemaOf({ code: { type: "string", pattern: "^.{0,5000}$" } }),
+          max_output_tokens: 1024,
+        };
+        await db.sql`INSERT INTO tasks (tenant, name, version, definition)
+        VALUES ('acme', 'old-pattern', 1, ${db.sql.json(definition as never)})`;
+        const run = await call("POST", "/v1/tasks/old-pattern/runs", { input: { n: 1 } }, {
+          "idempotency-key": "old-pattern-0001",
+        });
+        assert.equal(run.status, 202);
+        const failed = await waitFor("the run to fail", async () => {
+          const doc = await call("GET", `/v1/runs/${run.body.run_id}`, undefined);
+          return doc.body.status === "failed" ? doc.body : undefined;
+        }, 15_000);
+        assert.equal(failed.error, "failed");
+      const [outcome] = await db.sql<{ error: string }[]>`
+        SELECT error FROM job_outcomes WHERE job_id = ${run.body.run_id}::uuid`;
+      assert.match(outcome!.error, /cannot be run by this release .*PUT a new version/);
+        assert.equal(model.prompts.filter((p) => p.startsWith("Old")).length, 0, "no model call was paid for");
+      },
+    );
   } finally {
     stop.abort();
     await running;
