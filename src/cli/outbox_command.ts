@@ -17,6 +17,8 @@ export async function outboxCommand(sql: Sql, args: string[], out = console.log)
       rows.map((r) => ({
         id: r.id,
         dedupe_key: r.dedupe_key,
+        tenant: r.tenant ?? "",
+        destination: r.destination ?? "",
         state: r.state,
         attempts: r.attempts,
         next_attempt_at: r.next_attempt_at.toISOString(),

@@ -114,6 +114,8 @@ export async function outboxPage({ sql }: PageDeps, view: View, note?: string): 
     html`${r.id}`,
     html`${r.topic}`,
     html`<code>${r.dedupe_key}</code>`,
+    html`${r.tenant ?? ""}`,
+    html`<code>${r.destination ?? ""}</code>`,
     html`${r.attempts}`,
     html`<span class="reason">${r.last_error ?? ""}</span>`,
     actionButton(view, "/console/outbox/retry", "Retry", { id: r.id }),
@@ -128,7 +130,11 @@ export async function outboxPage({ sql }: PageDeps, view: View, note?: string): 
       <dd>${backlog.unsent ? ago(backlog.oldest_unsent_s * 1000) : "none"}</dd>
     </dl>
     ${backlog.failed ? actionButton(view, "/console/outbox/retry", "Retry all failed", { all: "1" }) : ""}
-    <h2>Failed rows</h2>${table(["id", "topic", "dedupe key", "attempts", "last error", ""], rows, "No failed rows.")}
+    <h2>Failed rows</h2>${table(
+      ["id", "topic", "dedupe key", "tenant", "destination", "attempts", "last error", ""],
+      rows,
+      "No failed rows.",
+    )}
   `;
   return page(view, "Outbox", body, { note });
 }

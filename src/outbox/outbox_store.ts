@@ -313,12 +313,16 @@ export interface OutboxListRow {
   next_attempt_at: Date;
   last_error: string | null;
   created_at: Date;
+  /** Whose notification it is, and where it goes (an email address or a webhook URL), from its payload. */
+  tenant: string | null;
+  destination: string | null;
 }
 
 /** Lists unsent rows (or only failed ones), oldest first. */
 export async function listOutbox(sql: Queryable, { failed = false, limit = 1000 } = {}): Promise<OutboxListRow[]> {
   return await sql<OutboxListRow[]>`
     SELECT id::text, dedupe_key, topic, attempts, next_attempt_at, last_error, created_at,
+      payload->>'tenant' AS tenant, coalesce(payload->>'to', payload->>'webhook') AS destination,
       CASE WHEN sent_at IS NOT NULL THEN 'sent' WHEN failed_at IS NOT NULL THEN 'failed' ELSE 'pending' END AS state
     FROM outbox
     WHERE sent_at IS NULL AND (${!failed} OR failed_at IS NOT NULL)

@@ -134,6 +134,8 @@ Deno.test("operator commands", async (t) => {
       assert.equal(list.lines.length, 2);
       const first = JSON.parse(list.lines[0]!);
       assert.equal(first.state, "failed");
+      // Whose and where to, from the payload: what an operator needs before retrying.
+      assert.deepEqual([first.tenant, first.destination], ["acme", "a@b.co"]);
       await outboxCommand(db.sql, ["retry", first.id], capture().out);
       const [one] = await db.sql`SELECT attempts, failed_at FROM outbox WHERE id = ${first.id}`;
       assert.deepEqual([one!.attempts, one!.failed_at], [0, null]);

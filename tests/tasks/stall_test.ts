@@ -167,9 +167,9 @@ Deno.test("a pattern V8 would backtrack on for ever stalls neither intake nor th
           return doc.body.status === "failed" ? doc.body : undefined;
         }, 15_000);
         assert.equal(failed.error, "failed");
-      const [outcome] = await db.sql<{ error: string }[]>`
+        const [outcome] = await db.sql<{ error: string }[]>`
         SELECT error FROM job_outcomes WHERE job_id = ${run.body.run_id}::uuid`;
-      assert.match(outcome!.error, /cannot be run by this release .*PUT a new version/);
+        assert.match(outcome!.error, /cannot be run by this release .*PUT a new version/);
         assert.equal(model.prompts.filter((p) => p.startsWith("Old")).length, 0, "no model call was paid for");
       },
     );
