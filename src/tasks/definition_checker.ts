@@ -24,6 +24,11 @@ export const DEFINITION_CHECK = {
   maxWaiting: 100,
   /** How long a Worker may take to load before the checks waiting for it fail. */
   startMs: 10_000,
+  /**
+   * A Worker with nothing to check for this long is stopped (the next PUT starts one again, in tens of ms): PUTs of
+   * new versions are rare, and a live Worker keeps its process from exiting when nobody closes the checker.
+   */
+  idleMs: 5_000,
 };
 
 /** Options of {@linkcode createDefinitionChecker}; each defaults to its {@linkcode DEFINITION_CHECK} entry. */
@@ -87,6 +92,21 @@ export function createDefinitionChecker(options: DefinitionCheckOptions = {}): D
   let size = 0;
   let nextId = 0;
   let closed = false;
+  let idleTimer: ReturnType<typeof setTimeout> | undefined;
+
+  /** Stops the Workers once nothing has been checked for `idleMs` (the timer itself keeps nothing alive). */
+  const retireWhenIdle = () => {
+    clearTimeout(idleTimer);
+    idleTimer = undefined;
+    if (closed || size > 0 || slots.length === 0 || slots.some((slot) => slot.job || !slot.ready)) return;
+    const timer = setTimeout(() => {
+      idleTimer = undefined;
+      if (size > 0) return;
+      for (const slot of [...slots]) if (slot.ready && !slot.job) remove(slot);
+    }, limits.idleMs);
+    Deno.unrefTimer(timer);
+    idleTimer = timer;
+  };
 
   const take = (): Job | undefined => {
     const first = waiting.entries().next();
@@ -179,6 +199,7 @@ export function createDefinitionChecker(options: DefinitionCheckOptions = {}): D
     }
     const starting = slots.filter((slot) => !slot.ready).length;
     if (size > starting && slots.length < limits.workers) start();
+    retireWhenIdle();
   };
 
   return {
@@ -197,6 +218,7 @@ export function createDefinitionChecker(options: DefinitionCheckOptions = {}): D
     close() {
       if (closed) return Promise.resolve();
       closed = true;
+      clearTimeout(idleTimer);
       const error = new Error("The definition checker is closed");
       for (const slot of [...slots]) {
         const job = finish(slot);

@@ -14,6 +14,7 @@ import { createApiHandler } from "../../src/processes/api_process.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
+import { createDefinitionChecker } from "../../src/tasks/definition_checker.ts";
 import { bareHandler, floorHandler } from "./baseline_handlers.ts";
 
 const [mode, port, databaseUrl, redisUrl, prefix] = Deno.args;
@@ -30,8 +31,11 @@ if (mode === "bare") {
   const log = createLogger({ level: "info" });
   const sql = await connectPostgres(databaseUrl!);
   const redis = await connectRedis(redisUrl!);
-  close.push(() => sql.end(), () => redis.quit());
+  // Closed as the API process closes it: a live check Worker would keep this process from exiting.
+  const definitions = createDefinitionChecker();
+  close.push(() => sql.end(), () => redis.quit(), () => definitions.close());
   handler = createApiHandler({
+    definitions,
     redis,
     sql,
     log,
