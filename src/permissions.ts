@@ -116,6 +116,7 @@ export const VALIDATION_WORKER_FILES = [
   pathOf("./tasks/linear_regex.ts"),
   pathOf("./tasks/validation_cost.ts"),
   pathOf("./tasks/_validation_protocol.ts"),
+  pathOf("./tasks/_pool_worker.ts"),
   pathOf("./tasks/_lru.ts"),
   // Only the meta-schemas that json_schema.ts imports are in it.
   pathOf("./tasks/metaschema"),
@@ -127,6 +128,7 @@ export const DEFINITION_WORKER = pathOf("./tasks/definition_worker.ts");
 /** What a definition check Worker reads as it starts (see {@linkcode VALIDATION_WORKER_FILES}). */
 export const DEFINITION_WORKER_FILES = [
   DEFINITION_WORKER,
+  pathOf("./tasks/_pool_worker.ts"),
   pathOf("./tasks/definition_check.ts"),
   pathOf("./llm/llm.ts"),
   pathOf("./llm/schema_instance.ts"),

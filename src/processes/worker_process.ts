@@ -50,7 +50,7 @@ export async function startWorker(
     log,
     flow,
     tasks: createTaskCache(sql),
-    validate: validators.validate,
+    validators,
     budgets,
     prices,
   }, {

@@ -24,8 +24,8 @@ import { contextFrom, currentTraceparent, inSpan, recordSpan } from "../tracing.
 import { type RunJob, runOfPayload } from "../tasks/run_payload.ts";
 import { type LoadedTask, SUMMARIZE_TASK, type TaskCache } from "../tasks/task_cache.ts";
 import { RENDER_LIMITS, renderedChars, renderTemplate } from "../tasks/definition.ts";
-import { compileSchema, SchemaRefused, type SchemaViolation, unstorableJson } from "../tasks/json_schema.ts";
-import { validateWithin, ValidationTooCostly } from "../tasks/validator.ts";
+import { SchemaRefused, type SchemaViolation, unstorableJson } from "../tasks/json_schema.ts";
+import { type SchemaValidators, validateWithin, ValidationTooCostly } from "../tasks/validator.ts";
 import type { ResultCache, RunCache } from "../cache/result_cache.ts";
 import type { CacheHit } from "../cache/cache_hit_store.ts";
 
@@ -190,8 +190,11 @@ export interface SummaryJobDeps {
   flow?: ProviderFlow;
   /** Task versions (runs of tasks other than summarize); without it, only summary jobs run. */
   tasks?: TaskCache;
-  /** Validates a model's answer against a task's output schema, compiled once per `key`. */
-  validate?: (key: string, schema: unknown, instance: unknown) => Promise<SchemaViolation[]>;
+  /**
+   * Validates a model's answer against a task's output schema, compiled once per `key`; the schema is compiled
+   * (`prepare`) before the model is called.
+   */
+  validators?: Pick<SchemaValidators, "validate" | "prepare">;
   /** Tenant budgets: every call's worst case is reserved before it and settled after it. */
   budgets?: Budgets;
   /** A run's budget is spent: told before the run is deferred, so its tenant's lane is not read meanwhile. */
@@ -365,37 +368,28 @@ async function loadTask(job: Job, { run, tenant }: Delivery): Promise<LoadedTask
     throw new GateUnavailable(`task ${run.task} v${run.version} could not be read`, { cause: error });
   }
   if (!task) throw new PermanentJobError(`task ${run.task} version ${run.version} does not exist`);
-  refuseUncompilable(task);
+  await prepareOutput(job, task);
   return task;
 }
 
-/** Task versions whose output schema was compiled in this process: the reason it was refused, or "" (it compiled). */
-const outputCompiles = new Map<string, string>();
-
 /**
  * A version stored by an earlier release may have an output schema this one cannot run (a pattern RE2 cannot
- * express): found before the model is called, and the run fails for good, instead of paying for a call on every
- * delivery whose answer can never be checked.
+ * express): found before the model is called (compiled where its answers will be validated, once per version),
+ * and the run fails for good, instead of paying for a call on every delivery whose answer can never be checked.
  */
-function refuseUncompilable(task: LoadedTask): void {
+async function prepareOutput(job: Job, task: LoadedTask): Promise<void> {
   const schema = task.definition.output_schema;
-  if (schema === undefined) return;
-  let refused = outputCompiles.get(task.key);
-  if (refused === undefined) {
-    try {
-      compileSchema(schema, { stored: true });
-      refused = "";
-    } catch (error) {
-      if (!(error instanceof SchemaRefused)) throw error;
-      refused = error.message;
+  if (schema === undefined || !job.validators) return;
+  try {
+    await job.validators.prepare(`${task.key}/output`, schema);
+  } catch (error) {
+    if (error instanceof SchemaRefused) {
+      throw new PermanentJobError(
+        `the output schema of task ${task.name} cannot be run by this release (${error.message}): PUT a new version`,
+      );
     }
-    if (outputCompiles.size >= 1_000) outputCompiles.delete(outputCompiles.keys().next().value!);
-    outputCompiles.set(task.key, refused);
-  }
-  if (refused !== "") {
-    throw new PermanentJobError(
-      `the output schema of task ${task.name} cannot be run by this release (${refused}): PUT a new version`,
-    );
+    // A Worker that ran over or was busy: no verdict on the schema. The message stays pending.
+    throw new GateUnavailable(`the output schema of task ${task.name} could not be compiled now`, { cause: error });
   }
 }
 
@@ -466,7 +460,7 @@ async function checkAnswer(
   if ("pointer" in unstorable) {
     return { pointer: unstorable.pointer, reason: `cannot be stored: ${unstorable.message}` };
   }
-  if (!job.validate) throw new Error("no output validator configured for runs with an output schema");
+  if (!job.validators) throw new Error("no output validator configured for runs with an output schema");
   // A validation that timed out or found the validators busy is no verdict (a starved Worker runs over too, a full
   // pool is the pool's): asked again within the delivery's deadline, never a bad answer, so never a repair call.
   // Past the deadline, or any failure of the validator (a Worker that did not start), is thrown: the message stays
@@ -474,7 +468,7 @@ async function checkAnswer(
   // be so on every try: that is a verdict, a bad answer.
   let violations: SchemaViolation[];
   try {
-    violations = await validateWithin(job.validate, {
+    violations = await validateWithin(job.validators.validate, {
       key: `${task.key}/output`,
       schema: task.definition.output_schema,
       instance: value,

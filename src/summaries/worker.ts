@@ -55,7 +55,7 @@ export interface SummaryWorkerOptions {
 export function createSummaryWorker(
   deps:
     & { redis: RedisClient; sql: Sql; llm: LLM; log: Logger }
-    & Pick<SummaryJobDeps, "flow" | "tasks" | "validate" | "budgets" | "prices">,
+    & Pick<SummaryJobDeps, "flow" | "tasks" | "validators" | "budgets" | "prices">,
   options: SummaryWorkerOptions,
 ): StreamWorker {
   const committer = createGroupCommitter({ sql: deps.sql, log: deps.log });

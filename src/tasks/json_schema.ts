@@ -43,7 +43,7 @@ export const SCHEMA_LIMITS = {
 
 /** Why a tenant's schema was refused: `pointer` says where in the schema. */
 export class SchemaRefused extends Error {
-  constructor(readonly pointer: string, reason: string, options?: ErrorOptions) {
+  constructor(readonly pointer: string, readonly reason: string, options?: ErrorOptions) {
     super(`${pointer || "the schema"}: ${reason}`, options);
     this.name = "SchemaRefused";
   }

@@ -7,26 +7,30 @@
  * property: 2^depth).
  *
  * So a validation runs in the caller's thread only when it is known to be
- * small: no keyword whose cost the estimate cannot bound, and an estimate
+ * small: a schema small enough to compile there (`threadSchemaBytes`), no
+ * keyword whose cost the estimate cannot bound, and an estimate
  * (`validation_cost.ts`: the schema walked over the instance as the validator
  * does, stopped at the budget) under `fastPathUnits`. Anything else runs on a
- * small pool of Web Workers (`validation_worker.ts`): the Worker estimates it
- * again, refuses it past `workerUnits` ({@linkcode ValidationTooCostly}), and
- * runs it under a deadline. A Worker that runs over is terminated, that
- * validation fails with {@linkcode ValidationTimeout}, and a fresh Worker takes
- * the next one. Both sides cache compiled schemas per key.
+ * small pool of Web Workers (`worker_pool.ts`, `validation_worker.ts`): the
+ * Worker compiles the schema (a large one only there), estimates the
+ * validation again, refuses it past `workerUnits`
+ * ({@linkcode ValidationTooCostly}), and runs it under a deadline. A Worker
+ * that runs over is terminated, that validation fails with
+ * {@linkcode ValidationTimeout}, and a fresh Worker takes the next one. Both
+ * sides cache compiled schemas per key.
  *
  * In Deno 2.9.6 a terminated Worker that is busy goes on until its validation
  * ends (`terminate()` interrupts neither a regular expression nor a loop), so
- * the pool counts it until it has (the Worker says so in shared memory), and
- * `workerUnits` is what bounds how long that is. Validations waiting for or
- * running on a Worker are capped per tenant and in all: past either cap a
- * validation fails at once with {@linkcode ValidationBusy}.
+ * the pool counts it until it has, and `workerUnits` is what bounds how long
+ * that is. Validations waiting for or running on a Worker are capped per
+ * tenant and in all: past either cap a validation fails at once with
+ * {@linkcode ValidationBusy}.
  */
-import { compileSchema, type SchemaViolation } from "./json_schema.ts";
+import { compileSchema, SchemaRefused, type SchemaViolation } from "./json_schema.ts";
 import { Lru } from "./_lru.ts";
 import { costed, type CostedSchema, estimate } from "./validation_cost.ts";
-import { type InitMessage, type ValidateMessage, WORKER_STATE, type WorkerReply } from "./_validation_protocol.ts";
+import type { ValidateMessage, ValidationInit, ValidationReply } from "./_validation_protocol.ts";
+import { createWorkerPool, type PoolSlot } from "./worker_pool.ts";
 import { type Clock, systemClock } from "../retry/clock.ts";
 import type { Deadline } from "../retry/deadline.ts";
 import { DeadlineExceeded } from "../retry/errors.ts";
@@ -37,6 +41,12 @@ export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
   deadlineMs: 250,
   /** Compiled schemas kept, in the caller's thread and in each Worker. */
   cacheSize: 500,
+  /**
+   * The largest schema (its JSON, in characters) compiled in the caller's thread: compiling takes about 0.5 ms a
+   * KiB there (measured; a regular expression adds about 0.3 ms), once per key. A larger one is compiled, and its
+   * every validation run, on a Worker.
+   */
+  threadSchemaBytes: 2_048,
   /**
    * What they may hold, in bytes (`CompiledSchema.weight`: about eight times a schema's JSON, and each regular
    * expression's program and DFA), in the caller's thread and in each Worker.
@@ -177,6 +187,13 @@ export interface SchemaValidators {
    */
   validateNow(key: string, schema: unknown, instance: unknown, units?: number): SchemaViolation[] | undefined;
   /**
+   * Compiles `schema` under `key` where its validations will run (this thread when it is small, else a
+   * Worker), so that a schema this release cannot compile is found before it is needed: a run's output
+   * schema before its model call, say.
+   * @throws {SchemaRefused} when `compileSchema` refuses `schema`; as `validate` otherwise.
+   */
+  prepare(key: string, schema: unknown, tenant?: string): Promise<void>;
+  /**
    * What the pool holds now: its Workers, the terminated ones still finishing a validation (which count against
    * `workers` until they have), and the validations waiting for or running on a Worker.
    */
@@ -192,6 +209,8 @@ export interface ValidatorOptions {
   cacheBytes?: number;
   /** 0 sends every validation to a Worker. */
   fastPathUnits?: number;
+  /** 0 compiles every schema on a Worker only (and so validates there). */
+  threadSchemaBytes?: number;
   compileMs?: number;
   workers?: number;
   startMs?: number;
@@ -201,48 +220,20 @@ export interface ValidatorOptions {
   orphanMs?: number;
 }
 
-interface Job {
-  id: number;
-  key: string;
-  schema: unknown;
-  instance: unknown;
-  resolve(violations: SchemaViolation[]): void;
-  reject(error: unknown): void;
-}
+/** A schema too large to compile in the caller's thread: its validations all run on a Worker. */
+const ON_WORKER: unique symbol = Symbol("on a Worker");
+/** The same, known to compile: a Worker has. */
+const COMPILES_ON_WORKER: unique symbol = Symbol("compiles on a Worker");
 
-/**
- * A Worker, the job it is running, the keys it has been sent (mirroring its own cache), and its state in shared
- * memory (`WORKER_STATE` in `_validation_protocol.ts`).
- */
-interface Slot {
-  worker: Worker;
-  ready: boolean;
-  job?: Job;
-  timer?: ReturnType<typeof setTimeout>;
-  sent: Lru<string, true>;
-  state: Int32Array;
-}
-
-/** A terminated Worker that was validating: it counts against the pool until it is no longer busy. */
-interface Orphan {
-  state: Int32Array;
-  since: number;
-}
+/** What the caller's thread keeps per key: the schema compiled, or where it is, or why it cannot be compiled. */
+type Entry = CostedSchema | typeof ON_WORKER | typeof COMPILES_ON_WORKER | SchemaRefused;
 
 const WORKER_URL = new URL("./validation_worker.ts", import.meta.url).href;
 
-/** How often the pool looks whether a terminated Worker has finished its validation. */
-const ORPHAN_POLL_MS = 20;
-
 /**
- * Starts validators. Workers start on the first validation that needs one.
- *
- * A validation waits in its tenant's queue until a Worker is free (the tenant asking; by default the key's first
- * segment), and free Workers take from the tenants' queues in turn: a validation waits for those running and at
- * most one of each other waiting tenant's per turn, not for another tenant's whole burst. The deadline counts from when a
- * validation reaches a Worker, so a slow one delays those behind it by at most the deadline. A Worker runs one
- * validation at a time, so a timeout terminates only the validation that ran over; the queue goes on with a
- * fresh Worker once the pool has room: a terminated Worker still validating takes a place in it until it ends.
+ * Starts validators. Workers start on the first validation that needs one; a validation waits for a Worker in
+ * its tenant's turn (`worker_pool.ts`). The deadline counts from when a validation reaches a Worker, so a slow
+ * one delays those behind it by at most the deadline.
  */
 export function createSchemaValidators(options: ValidatorOptions = {}): SchemaValidators {
   const limits = { ...VALIDATION_LIMITS };
@@ -250,207 +241,106 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
     if (value !== undefined) limits[name] = value;
   }
   if (!(limits.workers >= 1)) throw new RangeError(`At least one validation Worker (got ${limits.workers})`);
-  const cache = new Lru<string, CostedSchema>(limits.cacheSize, {
+  // A refusal is kept too: a version whose schema this release cannot compile is asked about on every run.
+  const cache = new Lru<string, Entry>(limits.cacheSize, {
     maxWeight: limits.cacheBytes,
-    weigh: (entry) => entry.compiled.weight,
+    weigh: (entry) => typeof entry === "symbol" || entry instanceof SchemaRefused ? 0 : entry.compiled.weight,
   });
-  const slots: Slot[] = [];
-  const orphans: Orphan[] = [];
-  let orphanTimer: ReturnType<typeof setInterval> | undefined;
-  const queue = createTenantQueues();
-  /** Validations waiting for or running on a Worker, by tenant, and in all. */
-  const pending = new Map<string, number>();
-  let pendingTotal = 0;
-  let nextId = 0;
+  const pool = createWorkerPool<Lru<string, true>, ValidationReply>({
+    url: WORKER_URL,
+    name: "schema-validation",
+    workers: limits.workers,
+    startMs: limits.startMs,
+    orphanMs: limits.orphanMs,
+    maxPendingPerTenant: limits.maxPendingPerTenant,
+    maxPending: limits.maxPending,
+    init: {
+      cacheSize: limits.cacheSize,
+      cacheBytes: limits.cacheBytes,
+      workerUnits: limits.workerUnits,
+    } satisfies ValidationInit,
+    // The keys sent to each Worker, mirroring its own cache: a schema crosses the channel once.
+    slotData: () => new Lru(limits.cacheSize),
+    busy: (what) => new ValidationBusy(what),
+    broken: (message) =>
+      new Error(
+        message === undefined
+          ? `The schema validation Worker did not start within ${limits.startMs} ms`
+          : `The schema validation Worker failed: ${message}`,
+      ),
+  });
+  /** Compilations of large schemas on a Worker under way (`prepare`), by key: callers at once share one. */
+  const preparing = new Map<string, Promise<void>>();
   let closed = false;
 
-  const compiledFor = (key: string, schema: unknown): CostedSchema => {
+  /**
+   * The schema compiled in this thread, or `ON_WORKER` when its JSON is larger than `threadSchemaBytes` (it would
+   * hold this thread for milliseconds: about 0.5 ms a KiB measured, a regular expression more).
+   */
+  const compiledFor = (key: string, schema: unknown): Exclude<Entry, SchemaRefused> => {
     let entry = cache.get(key);
     if (!entry) {
-      // A copy of our own: the validator keeps (and annotates) the schema it compiles. Stored: it was checked
-      // when it was PUT, perhaps by an earlier release's rules.
-      const copy = structuredClone(schema);
-      entry = costed(copy, compileSchema(copy, { stored: true }));
+      if (JSON.stringify(schema).length > limits.threadSchemaBytes) {
+        entry = ON_WORKER;
+      } else {
+        // A copy of our own: the validator keeps (and annotates) the schema it compiles. Stored: it was checked
+        // when it was PUT, perhaps by an earlier release's rules.
+        const copy = structuredClone(schema);
+        try {
+          entry = costed(copy, compileSchema(copy, { stored: true }));
+        } catch (error) {
+          if (error instanceof SchemaRefused) cache.set(key, error);
+          throw error;
+        }
+      }
       cache.set(key, entry);
     }
+    if (entry instanceof SchemaRefused) throw entry;
     return entry;
   };
 
-  const release = (slot: Slot) => {
-    clearTimeout(slot.timer);
-    slot.timer = undefined;
-    slot.job = undefined;
-  };
-
-  const remove = (slot: Slot) => {
-    release(slot);
-    slot.worker.terminate();
-    slots.splice(slots.indexOf(slot), 1);
-    // A Worker terminated in the middle of a validation finishes it first (Deno 2.9.6 interrupts no busy
-    // thread): it keeps its place in the pool until it has, or the pool could grow without bound. One that has
-    // not begun is told not to: then it never will.
-    if (Atomics.compareExchange(slot.state, 0, WORKER_STATE.idle, WORKER_STATE.cancelled) === WORKER_STATE.busy) {
-      orphans.push({ state: slot.state, since: performance.now() });
-      orphanTimer ??= setInterval(() => pruneOrphans() && pump(), ORPHAN_POLL_MS);
-    }
-  };
-
-  /** Forgets the orphans that have finished (or that have counted for `orphanMs`): whether there were any. */
-  const pruneOrphans = (): boolean => {
-    const before = orphans.length;
-    const now = performance.now();
-    for (let i = orphans.length - 1; i >= 0; i--) {
-      const orphan = orphans[i]!;
-      if (Atomics.load(orphan.state, 0) !== WORKER_STATE.busy || now - orphan.since > limits.orphanMs) {
-        orphans.splice(i, 1);
-      }
-    }
-    if (orphans.length === 0) {
-      clearInterval(orphanTimer);
-      orphanTimer = undefined;
-    }
-    return orphans.length < before;
-  };
-
-  /**
-   * Sends `job` to `slot`'s Worker, with the schema when asked, and arms the timer: `compileMs` for a
-   * schema to compile (the Worker says `compiled` when it starts validating), else the deadline.
-   */
-  const post = (slot: Slot, job: Job, withSchema: boolean) => {
-    const message: ValidateMessage = { type: "validate", id: job.id, key: job.key, instance: job.instance };
-    if (withSchema) message.schema = job.schema;
-    slot.worker.postMessage(message);
-    arm(slot, job, withSchema ? limits.compileMs : limits.deadlineMs);
-  };
-
-  const arm = (slot: Slot, job: Job, ms: number) => {
-    clearTimeout(slot.timer);
-    slot.timer = setTimeout(() => {
-      remove(slot);
-      job.reject(new ValidationTimeout(ms));
-      pump();
-    }, ms);
-  };
-
-  const dispatch = (slot: Slot, job: Job) => {
-    slot.job = job;
-    try {
-      post(slot, job, slot.sent.get(job.key) === undefined);
-    } catch (error) {
-      // The instance cannot be cloned (a function, a symbol): nothing reached the Worker.
-      release(slot);
-      job.reject(error);
-      return;
-    }
-    slot.sent.set(job.key, true);
-  };
-
-  const failWaiting = (error: Error) => {
-    for (const job of queue.takeAll()) job.reject(error);
-  };
-
-  const start = () => {
-    const worker = new Worker(WORKER_URL, { type: "module", name: "schema-validation" });
-    const state = new Int32Array(new SharedArrayBuffer(4));
-    const slot: Slot = { worker, ready: false, sent: new Lru(limits.cacheSize), state };
-    slot.timer = setTimeout(() => {
-      remove(slot);
-      if (!slots.some((other) => other.ready)) {
-        failWaiting(new Error(`The schema validation Worker did not start within ${limits.startMs} ms`));
-      }
-      pump();
-    }, limits.startMs);
-    worker.onmessage = ({ data }: MessageEvent<WorkerReply>) => {
-      if (data.type === "ready") {
-        clearTimeout(slot.timer);
-        slot.timer = undefined;
-        slot.ready = true;
-        return pump();
-      }
-      const job = slot.job;
-      if (!job || data.id !== job.id) return;
-      if (data.type === "missing") return post(slot, job, true);
-      if (data.type === "compiled") return arm(slot, job, limits.deadlineMs);
-      release(slot);
-      if (data.type === "result") job.resolve(data.violations);
-      else if (data.type === "costly") job.reject(new ValidationTooCostly(limits.workerUnits));
-      else job.reject(rebuildError(data.name, data.message));
-      pump();
+  /** Sends `key`'s validation (or only its compilation, without `instance`) to a Worker. */
+  const onWorker = (
+    tenant: string,
+    { key, schema, instance }: { key: string; schema: unknown; instance?: unknown },
+  ): Promise<SchemaViolation[]> => {
+    /** Sends the message, with the schema when asked, and arms the deadline: `compileMs` for a schema to compile. */
+    const send = (slot: PoolSlot<Lru<string, true>>, id: number, withSchema: boolean) => {
+      const message: ValidateMessage = { id, key };
+      if (withSchema) message.schema = schema;
+      if (instance !== undefined) message.instance = instance;
+      slot.post(message);
+      slot.data.set(key, true);
+      slot.arm(withSchema ? limits.compileMs : limits.deadlineMs);
     };
-    worker.onerror = (event) => {
-      // Unhandled, a Worker's error would end this process.
-      event.preventDefault();
-      const job = slot.job;
-      const failed = new Error(`The schema validation Worker failed: ${event.message}`);
-      remove(slot);
-      if (job) job.reject(failed);
-      // One that never loaded (a missing read permission, say) fails those waiting instead of retrying for ever.
-      else if (!slot.ready && !slots.some((other) => other.ready)) failWaiting(failed);
-      pump();
-    };
-    worker.postMessage(
-      {
-        type: "init",
-        cacheSize: limits.cacheSize,
-        cacheBytes: limits.cacheBytes,
-        workerUnits: limits.workerUnits,
-        state: state.buffer,
-      } satisfies InitMessage,
-    );
-    slots.push(slot);
-  };
-
-  const pump = () => {
-    if (closed) return;
-    while (queue.size > 0) {
-      const idle = slots.find((slot) => slot.ready && !slot.job);
-      if (!idle) break;
-      dispatch(idle, queue.next()!);
-    }
-    if (orphans.length > 0) pruneOrphans();
-    const starting = slots.filter((slot) => !slot.ready).length;
-    if (queue.size > starting && slots.length + orphans.length < limits.workers) start();
-  };
-
-  /** Counts a validation as pending until it settles, or refuses it past a cap. */
-  const admit = (tenant: string, job: Omit<Job, "id">): Job => {
-    const ofTenant = pending.get(tenant) ?? 0;
-    if (ofTenant >= limits.maxPendingPerTenant) {
-      throw new ValidationBusy(`${ofTenant} of this tenant's; at most ${limits.maxPendingPerTenant}`);
-    }
-    if (pendingTotal >= limits.maxPending) {
-      throw new ValidationBusy(`${pendingTotal} in all; at most ${limits.maxPending}`);
-    }
-    pending.set(tenant, ofTenant + 1);
-    pendingTotal++;
-    let settled = false;
-    const settle = () => {
-      if (settled) return;
-      settled = true;
-      pendingTotal--;
-      const left = pending.get(tenant)! - 1;
-      if (left === 0) pending.delete(tenant);
-      else pending.set(tenant, left);
-    };
-    return {
-      ...job,
-      id: nextId++,
-      resolve(violations) {
-        settle();
-        job.resolve(violations);
+    return pool.run<SchemaViolation[]>(tenant, {
+      begin: (slot, id) => send(slot, id, slot.data.get(key) === undefined),
+      reply(data, slot) {
+        if (data.type === "missing") return void send(slot, data.id, true);
+        // The Worker validates now: the deadline starts.
+        if (data.type === "compiled") return void slot.arm(limits.deadlineMs);
+        if (data.type === "result") {
+          if (cache.get(key) === ON_WORKER) cache.set(key, COMPILES_ON_WORKER);
+          return { value: data.violations };
+        }
+        if (data.type === "costly") return { error: new ValidationTooCostly(limits.workerUnits) };
+        if (data.type === "refused") {
+          slot.data.delete(key);
+          const refused = new SchemaRefused(data.pointer, data.reason);
+          cache.set(key, refused);
+          return { error: refused };
+        }
+        return { error: rebuildError(data.name, data.message) };
       },
-      reject(error) {
-        settle();
-        job.reject(error);
-      },
-    };
+      timedOut: (ms) => new ValidationTimeout(ms),
+    });
   };
 
   return {
     validateNow(key, schema, instance, units) {
       if (closed) throw new Error("The schema validators are closed");
       const entry = compiledFor(key, schema);
-      if (!entry.linear) return undefined;
+      if (typeof entry === "symbol" || !entry.linear) return undefined;
       // Without references or regular expressions, no subschema applies twice to one part of the value: the
       // schema's weight times the value's size bounds the work, with no need to walk the two together.
       const bounded = entry.tree && units !== undefined && entry.total * units <= limits.fastPathUnits;
@@ -460,37 +350,35 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
     },
     validate(key, schema, instance, tenant = tenantOf(key)) {
       if (closed) return Promise.reject(new Error("The schema validators are closed"));
-      let entry: CostedSchema;
+      let entry: Exclude<Entry, SchemaRefused>;
       try {
         entry = compiledFor(key, schema);
-        if (entry.linear && estimate(entry, instance, limits.fastPathUnits) <= limits.fastPathUnits) {
+        if (
+          typeof entry !== "symbol" && entry.linear &&
+          estimate(entry, instance, limits.fastPathUnits) <= limits.fastPathUnits
+        ) {
           return Promise.resolve(entry.compiled.validate(instance));
         }
       } catch (error) {
         return Promise.reject(error);
       }
-      return new Promise((resolve, reject) => {
-        queue.push(tenant, admit(tenant, { key, schema: entry.schema, instance, resolve, reject }));
-        pump();
-      });
+      return onWorker(tenant, { key, schema: typeof entry === "symbol" ? schema : entry.schema, instance });
     },
-    pool() {
-      if (orphans.length > 0) pruneOrphans();
-      return { workers: slots.length, orphans: orphans.length, pending: pendingTotal };
+    async prepare(key, schema, tenant = tenantOf(key)) {
+      if (closed) throw new Error("The schema validators are closed");
+      if (compiledFor(key, schema) !== ON_WORKER) return;
+      let compiling = preparing.get(key);
+      if (!compiling) {
+        compiling = onWorker(tenant, { key, schema }).then(() => {}).finally(() => preparing.delete(key));
+        preparing.set(key, compiling);
+      }
+      await compiling;
     },
+    pool: () => pool.stats(),
     close() {
       if (closed) return Promise.resolve();
       closed = true;
-      const error = new Error("The schema validators are closed");
-      for (const slot of [...slots]) {
-        const job = slot.job;
-        remove(slot);
-        job?.reject(error);
-      }
-      failWaiting(error);
-      orphans.length = 0;
-      clearInterval(orphanTimer);
-      orphanTimer = undefined;
+      pool.close();
       cache.clear();
       return Promise.resolve();
     },
@@ -501,42 +389,6 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
 function tenantOf(key: string): string {
   const slash = key.indexOf("/");
   return slash < 0 ? key : key.slice(0, slash);
-}
-
-/** Validations waiting for a Worker, a queue per tenant, taken from the tenants in turn. */
-function createTenantQueues() {
-  // In turn order: a tenant served goes to the back; one whose queue empties leaves.
-  const byTenant = new Map<string, Job[]>();
-  let size = 0;
-  return {
-    /** Validations waiting, across tenants. */
-    get size() {
-      return size;
-    },
-    push(tenant: string, job: Job) {
-      const jobs = byTenant.get(tenant);
-      if (jobs) jobs.push(job);
-      else byTenant.set(tenant, [job]);
-      size++;
-    },
-    /** The first waiting validation of the tenant whose turn it is. */
-    next(): Job | undefined {
-      const first = byTenant.entries().next();
-      if (first.done) return undefined;
-      const [tenant, jobs] = first.value;
-      const job = jobs.shift()!;
-      byTenant.delete(tenant);
-      if (jobs.length > 0) byTenant.set(tenant, jobs);
-      size--;
-      return job;
-    },
-    takeAll(): Job[] {
-      const all = [...byTenant.values()].flat();
-      byTenant.clear();
-      size = 0;
-      return all;
-    },
-  };
 }
 
 /** An error the Worker reported, as the class it had when it is a built-in one. */

@@ -94,7 +94,7 @@ export function jsonClient(api: (req: Request) => Promise<Response>, key: string
 
 /** A summary worker with short timings: redelivery after a minute, small budgets, fast backoff. */
 export function summaryWorker(
-  { redis, sql, llm, keys, flow, budgets, prices, tasks, validate, log = silentLogger }: {
+  { redis, sql, llm, keys, flow, budgets, prices, tasks, validators, log = silentLogger }: {
     redis: RedisClient;
     sql: Sql;
     llm: LLM;
@@ -105,8 +105,8 @@ export function summaryWorker(
     prices?: Prices;
     /** The task versions it runs; `sql`'s, with the built-in summarize, when unset. */
     tasks?: TaskCache;
-    /** The output validator; a pool of its own, with the default limits, when unset. */
-    validate?: SummaryJobDeps["validate"];
+    /** The output validators; a pool of their own, with the default limits, when unset. */
+    validators?: SummaryJobDeps["validators"];
     log?: Logger;
   },
   overrides: Partial<SummaryWorkerOptions> = {},
@@ -120,7 +120,7 @@ export function summaryWorker(
     budgets,
     prices,
     tasks: tasks ?? createTaskCache(sql),
-    validate: validate ?? createSchemaValidators().validate,
+    validators: validators ?? createSchemaValidators(),
   }, {
     keys,
     consumer: "test",

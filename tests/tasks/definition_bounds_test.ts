@@ -19,6 +19,7 @@ import { permissionFlags } from "../../src/permissions.ts";
 import { parseConfig } from "../../src/config.ts";
 import { apiHandler, jsonClient } from "../support/fixtures.ts";
 import { heavyDefinition, smallDefinition } from "../support/task_definitions.ts";
+import { thisThread, threadsCpuMs } from "../support/threads.ts";
 import { createTestDatabase, createTestRedis, recordingLogger } from "../_support.ts";
 import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import { migrate, readMigrations } from "../../src/db/migrate.ts";
@@ -34,31 +35,10 @@ function countingChecker(inner: DefinitionChecker) {
       counted.checks++;
       return inner.check(json, tenant);
     },
+    pool: () => inner.pool(),
     close: () => inner.close(),
   };
   return { counted, checker };
-}
-
-/** CPU time (user and system) each thread of this process has used, in ms (10 ms steps), by thread id. */
-async function threadsCpuMs(): Promise<Map<string, number>> {
-  // Read by a shell: Deno opens /proc itself only with --allow-all.
-  const script = `for t in /proc/${Deno.pid}/task/*; do echo "\${t##*/} $(cut -d')' -f2 "$t/stat")"; done`;
-  const out = await new Deno.Command("sh", { args: ["-c", script], stdout: "piped" }).output();
-  const lines = new TextDecoder().decode(out.stdout).trim().split("\n");
-  return new Map(lines.map((line) => {
-    const [tid, ...fields] = line.trim().split(/\s+/);
-    // After the name: state, ppid, ..., utime (the 12th), stime (the 13th), in clock ticks of 10 ms.
-    return [tid!, (Number(fields[11]) + Number(fields[12])) * 10];
-  }));
-}
-
-/** The id of the thread this code runs on (deno test runs it on one of its runtime's threads): the busiest. */
-async function thisThread(): Promise<string> {
-  const before = await threadsCpuMs();
-  const started = performance.now();
-  while (performance.now() - started < 200) { /* busy */ }
-  const after = await threadsCpuMs();
-  return [...after].sort((a, b) => (b[1] - (before.get(b[0]) ?? 0)) - (a[1] - (before.get(a[0]) ?? 0)))[0]![0];
 }
 
 /** The fields of a definition: none may be in a list of tasks. */

@@ -46,7 +46,7 @@ Deno.test("a pattern V8 would backtrack on for ever stalls neither intake nor th
   const call = jsonClient(api, await createApiKey(db.sql, "acme"));
   const other = jsonClient(api, await createApiKey(db.sql, "globex"));
   const llm = createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: model.url });
-  const worker = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys, validate: validators.validate });
+  const worker = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys, validators });
   const stop = new AbortController();
   const running = worker.run(stop.signal);
   const schemaOf = (properties: Record<string, unknown>) => ({

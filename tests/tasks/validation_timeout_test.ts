@@ -52,7 +52,13 @@ Deno.test("a validation that times out is asked again, never taken for a bad ans
   const llm = createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: model.url });
   const failures: string[] = [];
   // A short delivery budget, and a redelivery soon after one gives up.
-  const worker = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys, validate }, {
+  const worker = summaryWorker({
+    redis: r.redis,
+    sql: db.sql,
+    llm,
+    keys,
+    validators: { validate, prepare: healthy.prepare },
+  }, {
     claimIdleMs: 500,
     job: { budgetMs: 1_500, perCallTimeoutMs: 1_000, maxAttempts: 2 },
     events: { failed: (_, error) => failures.push((error as Error).name) },

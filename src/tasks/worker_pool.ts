@@ -1,0 +1,381 @@
+/**
+ * A pool of Web Workers that run tenants' work off the thread that serves
+ * requests, under a deadline: the schema validators (`validator.ts`) and the
+ * definition checker (`definition_checker.ts`) are both one.
+ *
+ * Work waits in its tenant's queue until a Worker is free, and free Workers
+ * take from the tenants' queues in turn: a tenant waits for those running and
+ * at most one of each other waiting tenant's per turn, not for another
+ * tenant's whole burst. Work waiting or running is capped per tenant and in
+ * all; past either cap it is refused at once (`busy`). A Worker runs one piece
+ * of work at a time, and each piece arms its own deadline (`PoolSlot.arm`),
+ * counted from when a Worker has it: one that runs over terminates that
+ * Worker, fails that piece, and a fresh Worker takes the next.
+ *
+ * In Deno 2.9.6 a terminated Worker that is busy goes on until its work ends
+ * (`terminate()` interrupts neither a regular expression nor a loop). So each
+ * Worker says in shared memory whether it is working (`POOL_STATE`, kept by
+ * `serveWorker` in `_pool_worker.ts`), and a terminated one that is counts
+ * against the pool until it has finished: without that, every timeout would
+ * add a thread. What the work may cost, not the deadline, bounds how long
+ * that is; the callers bound it.
+ */
+import { POOL_STATE, type PoolInit, type PoolReply } from "./_pool_worker.ts";
+
+/** Settings of {@linkcode createWorkerPool}. */
+export interface WorkerPoolOptions<S> {
+  /** The Worker's module: it calls `serveWorker` (`_pool_worker.ts`). */
+  url: string;
+  /** The Workers' name (in traces and errors). */
+  name: string;
+  /** Workers at once, counting the terminated ones still finishing their work. */
+  workers: number;
+  /** How long a Worker may take to load before the work waiting for it fails. */
+  startMs: number;
+  /**
+   * How long a terminated Worker counts against the pool at most, should it never say it has finished (were it
+   * ever stopped mid-work, it could not): far longer than the costliest work takes.
+   */
+  orphanMs: number;
+  /** Work of one tenant waiting or running; past it, `busy`. */
+  maxPendingPerTenant: number;
+  /** Work waiting or running, all tenants together; past it, `busy`. */
+  maxPending: number;
+  /**
+   * A pool with nothing to do for this long stops its Workers (the next piece of work starts one again, in tens
+   * of ms); unset, they stay. The timer keeps no process alive, but a live Worker does.
+   */
+  idleMs?: number;
+  /** What the Worker's `init` receives, besides the shared state. */
+  init?: Record<string, unknown>;
+  /** Per-Worker state of the caller's own (what it has sent this Worker, say), made with each Worker. */
+  slotData: () => S;
+  /** The error for work refused past a cap. */
+  busy(what: string): Error;
+  /** The error for a Worker that failed (`event.message`) or did not load in `startMs` (`undefined`). */
+  broken?(message: string | undefined): Error;
+}
+
+/** The Worker running a piece of work, as that work sees it. */
+export interface PoolSlot<S> {
+  readonly data: S;
+  /** Sends `message` to the Worker. */
+  post(message: unknown): void;
+  /** (Re)arms the work's deadline: in `ms`, the Worker is terminated and the work fails with `timedOut(ms)`. */
+  arm(ms: number): void;
+}
+
+/** How a piece of work settles: a value, or an error. */
+export type Settled<T> = { value: T } | { error: unknown };
+
+/** A piece of work, as the caller of {@linkcode WorkerPool.run} describes it. */
+export interface PoolWork<S, R, T> {
+  /**
+   * Sends the work (with its `id`, which the Worker's replies carry) and arms its deadline. Throwing (an
+   * instance that cannot be cloned) means nothing reached the Worker: the work fails with that error.
+   */
+  begin(slot: PoolSlot<S>, id: number): void;
+  /** A reply to this work: how it settles, or undefined while it goes on (re-arm or post again meanwhile). */
+  reply(data: R, slot: PoolSlot<S>): Settled<T> | undefined;
+  /** The error of a deadline of `ms` that ran out. */
+  timedOut(ms: number): Error;
+}
+
+/** A pool; see the module. */
+export interface WorkerPool<S, R> {
+  /** Runs `work` on a Worker in `tenant`'s turn. @throws `busy` past a cap, at once. */
+  run<T>(tenant: string, work: PoolWork<S, R, T>): Promise<T>;
+  /** Its Workers, the terminated ones still finishing their work, and the work waiting or running. */
+  stats(): { workers: number; orphans: number; pending: number };
+  /** Terminates the Workers; work still waiting or running rejects. */
+  close(): void;
+}
+
+interface Job<S, R> {
+  id: number;
+  // deno-lint-ignore no-explicit-any
+  work: PoolWork<S, R, any>;
+  resolve(value: unknown): void;
+  reject(error: unknown): void;
+}
+
+interface Slot<S, R> {
+  worker: Worker;
+  ready: boolean;
+  job?: Job<S, R>;
+  timer?: ReturnType<typeof setTimeout>;
+  state: Int32Array;
+  handle: PoolSlot<S>;
+}
+
+/** A terminated Worker that was working: it counts against the pool until it is no longer busy. */
+interface Orphan {
+  state: Int32Array;
+  since: number;
+}
+
+/** How often the pool looks whether a terminated Worker has finished its work. */
+const ORPHAN_POLL_MS = 20;
+
+/** Starts a pool; its Workers start with the first work that needs one. */
+export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPool<S, R> {
+  if (!(options.workers >= 1)) throw new RangeError(`At least one ${options.name} Worker (got ${options.workers})`);
+  const broken = options.broken ??
+    ((message: string | undefined) =>
+      new Error(
+        message === undefined
+          ? `The ${options.name} Worker did not start within ${options.startMs} ms`
+          : `The ${options.name} Worker failed: ${message}`,
+      ));
+  const slots: Slot<S, R>[] = [];
+  const orphans: Orphan[] = [];
+  let orphanTimer: ReturnType<typeof setInterval> | undefined;
+  let idleTimer: ReturnType<typeof setTimeout> | undefined;
+  const queue = createTenantQueues<Job<S, R>>();
+  /** Work waiting or running, by tenant, and in all. */
+  const pending = new Map<string, number>();
+  let pendingTotal = 0;
+  let nextId = 0;
+  let closed = false;
+
+  const release = (slot: Slot<S, R>): Job<S, R> | undefined => {
+    const job = slot.job;
+    clearTimeout(slot.timer);
+    slot.timer = undefined;
+    slot.job = undefined;
+    return job;
+  };
+
+  const remove = (slot: Slot<S, R>) => {
+    release(slot);
+    slot.worker.terminate();
+    const at = slots.indexOf(slot);
+    if (at >= 0) slots.splice(at, 1);
+    // A Worker terminated in the middle of its work finishes it first (Deno 2.9.6 interrupts no busy thread):
+    // it keeps its place in the pool until it has, or the pool could grow without bound. One that has not begun
+    // is told not to: then it never will.
+    if (Atomics.compareExchange(slot.state, 0, POOL_STATE.idle, POOL_STATE.cancelled) === POOL_STATE.busy) {
+      orphans.push({ state: slot.state, since: performance.now() });
+      orphanTimer ??= setInterval(() => pruneOrphans() && pump(), ORPHAN_POLL_MS);
+    }
+  };
+
+  /** Forgets the orphans that have finished (or that have counted for `orphanMs`): whether there were any. */
+  const pruneOrphans = (): boolean => {
+    const before = orphans.length;
+    const now = performance.now();
+    for (let i = orphans.length - 1; i >= 0; i--) {
+      const orphan = orphans[i]!;
+      if (Atomics.load(orphan.state, 0) !== POOL_STATE.busy || now - orphan.since > options.orphanMs) {
+        orphans.splice(i, 1);
+      }
+    }
+    if (orphans.length === 0) {
+      clearInterval(orphanTimer);
+      orphanTimer = undefined;
+    }
+    return orphans.length < before;
+  };
+
+  const settle = (slot: Slot<S, R>, outcome: Settled<unknown>) => {
+    const job = release(slot)!;
+    if ("value" in outcome) job.resolve(outcome.value);
+    else job.reject(outcome.error);
+    pump();
+  };
+
+  const failWaiting = (error: Error) => {
+    for (const job of queue.takeAll()) job.reject(error);
+  };
+
+  const start = () => {
+    const worker = new Worker(options.url, { type: "module", name: options.name });
+    const state = new Int32Array(new SharedArrayBuffer(4));
+    const slot: Slot<S, R> = {
+      worker,
+      ready: false,
+      state,
+      handle: {
+        data: options.slotData(),
+        post: (message) => worker.postMessage(message),
+        arm(ms) {
+          const job = slot.job!;
+          clearTimeout(slot.timer);
+          slot.timer = setTimeout(() => {
+            remove(slot);
+            job.reject(job.work.timedOut(ms));
+            pump();
+          }, ms);
+        },
+      },
+    };
+    slot.timer = setTimeout(() => {
+      remove(slot);
+      if (!slots.some((other) => other.ready)) failWaiting(broken(undefined));
+      pump();
+    }, options.startMs);
+    worker.onmessage = ({ data }: MessageEvent<PoolReply | (R & { id: number })>) => {
+      if ((data as PoolReply).type === "ready") {
+        clearTimeout(slot.timer);
+        slot.timer = undefined;
+        slot.ready = true;
+        return pump();
+      }
+      const job = slot.job;
+      if (!job || (data as { id: number }).id !== job.id) return;
+      let outcome: Settled<unknown> | undefined;
+      try {
+        outcome = job.work.reply(data as R, slot.handle);
+      } catch (error) {
+        outcome = { error };
+      }
+      if (outcome) settle(slot, outcome);
+    };
+    worker.onerror = (event) => {
+      // Unhandled, a Worker's error would end this process.
+      event.preventDefault();
+      const loaded = slot.ready;
+      const job = release(slot);
+      const failed = broken(event.message);
+      remove(slot);
+      if (job) job.reject(failed);
+      // One that never loaded (a missing read permission, say) fails those waiting instead of retrying for ever.
+      else if (!loaded && !slots.some((other) => other.ready)) failWaiting(failed);
+      pump();
+    };
+    worker.postMessage({ type: "init", state: state.buffer, options: options.init ?? {} } satisfies PoolInit);
+    slots.push(slot);
+  };
+
+  const dispatch = (slot: Slot<S, R>, job: Job<S, R>) => {
+    slot.job = job;
+    try {
+      job.work.begin(slot.handle, job.id);
+    } catch (error) {
+      // Nothing reached the Worker (an instance that cannot be cloned).
+      release(slot);
+      job.reject(error);
+    }
+  };
+
+  /** Stops the Workers once nothing has run for `idleMs`. */
+  const retireWhenIdle = () => {
+    clearTimeout(idleTimer);
+    idleTimer = undefined;
+    if (options.idleMs === undefined || closed || pendingTotal > 0 || slots.length === 0) return;
+    const timer = setTimeout(() => {
+      idleTimer = undefined;
+      if (pendingTotal > 0) return;
+      for (const slot of [...slots]) if (slot.ready && !slot.job) remove(slot);
+    }, options.idleMs);
+    Deno.unrefTimer(timer);
+    idleTimer = timer;
+  };
+
+  const pump = () => {
+    if (closed) return;
+    while (queue.size > 0) {
+      const idle = slots.find((slot) => slot.ready && !slot.job);
+      if (!idle) break;
+      dispatch(idle, queue.next()!);
+    }
+    if (orphans.length > 0) pruneOrphans();
+    const starting = slots.filter((slot) => !slot.ready).length;
+    if (queue.size > starting && slots.length + orphans.length < options.workers) start();
+    retireWhenIdle();
+  };
+
+  return {
+    run<T>(tenant: string, work: PoolWork<S, R, T>): Promise<T> {
+      if (closed) return Promise.reject(new Error(`The ${options.name} pool is closed`));
+      const ofTenant = pending.get(tenant) ?? 0;
+      if (ofTenant >= options.maxPendingPerTenant) {
+        return Promise.reject(options.busy(`${ofTenant} of this tenant's; at most ${options.maxPendingPerTenant}`));
+      }
+      if (pendingTotal >= options.maxPending) {
+        return Promise.reject(options.busy(`${pendingTotal} in all; at most ${options.maxPending}`));
+      }
+      pending.set(tenant, ofTenant + 1);
+      pendingTotal++;
+      let counted = true;
+      const uncount = () => {
+        if (!counted) return;
+        counted = false;
+        pendingTotal--;
+        const left = pending.get(tenant)! - 1;
+        if (left === 0) pending.delete(tenant);
+        else pending.set(tenant, left);
+      };
+      return new Promise<T>((resolve, reject) => {
+        queue.push(tenant, {
+          id: nextId++,
+          work,
+          resolve(value) {
+            uncount();
+            resolve(value as T);
+          },
+          reject(error) {
+            uncount();
+            reject(error);
+          },
+        });
+        pump();
+      });
+    },
+    stats() {
+      if (orphans.length > 0) pruneOrphans();
+      return { workers: slots.length, orphans: orphans.length, pending: pendingTotal };
+    },
+    close() {
+      if (closed) return;
+      closed = true;
+      clearTimeout(idleTimer);
+      const error = new Error(`The ${options.name} pool is closed`);
+      for (const slot of [...slots]) {
+        const job = release(slot);
+        remove(slot);
+        job?.reject(error);
+      }
+      failWaiting(error);
+      orphans.length = 0;
+      clearInterval(orphanTimer);
+      orphanTimer = undefined;
+    },
+  };
+}
+
+/** Work waiting for a Worker, a queue per tenant, taken from the tenants in turn. */
+function createTenantQueues<J>() {
+  // In turn order: a tenant served goes to the back; one whose queue empties leaves.
+  const byTenant = new Map<string, J[]>();
+  let size = 0;
+  return {
+    /** Work waiting, across tenants. */
+    get size() {
+      return size;
+    },
+    push(tenant: string, job: J) {
+      const jobs = byTenant.get(tenant);
+      if (jobs) jobs.push(job);
+      else byTenant.set(tenant, [job]);
+      size++;
+    },
+    /** The first waiting work of the tenant whose turn it is. */
+    next(): J | undefined {
+      const first = byTenant.entries().next();
+      if (first.done) return undefined;
+      const [tenant, jobs] = first.value;
+      const job = jobs.shift()!;
+      byTenant.delete(tenant);
+      if (jobs.length > 0) byTenant.set(tenant, jobs);
+      size--;
+      return job;
+    },
+    takeAll(): J[] {
+      const all = [...byTenant.values()].flat();
+      byTenant.clear();
+      size = 0;
+      return all;
+    },
+  };
+}

@@ -1,0 +1,136 @@
+/**
+ * Issue 37's last findings on the Worker pools: a schema too large to compile
+ * quickly is compiled on a Worker only (a run's input schema at its first
+ * intake was compiled on the API's serving thread: 42-67 ms for the largest),
+ * a stored schema this release refuses is found there too, `prepare` compiles
+ * a run's output schema once however many runs ask at once, and the
+ * definition checker counts a Worker terminated mid-check against its pool
+ * and caps each tenant's checks.
+ */
+import assert from "node:assert/strict";
+import { compileSchema, SchemaRefused } from "../../src/tasks/json_schema.ts";
+import { createSchemaValidators, VALIDATION_LIMITS } from "../../src/tasks/validator.ts";
+import {
+  createDefinitionChecker,
+  DefinitionCheckBusy,
+  DefinitionCheckTimeout,
+} from "../../src/tasks/definition_checker.ts";
+import { heavyDefinition, smallDefinition, wideSchema } from "../support/task_definitions.ts";
+import { thisThread, threadsCpuMs } from "../support/threads.ts";
+import { waitFor } from "../_support.ts";
+
+const WIDE = wideSchema();
+/** An instance of WIDE: every field's object. */
+const WIDE_VALUE = Object.fromEntries(Object.keys(WIDE.properties as object).map((name) => [name, { a: "x", b: 1 }]));
+/** A schema over the thread's size bound whose pattern RE2 cannot run (a count over 1,000), as an earlier release stored it. */
+const REFUSED = {
+  ...wideSchema(VALIDATION_LIMITS.threadSchemaBytes * 2),
+  patternProperties: { "^x": { type: "string", pattern: "^.{0,5000}$" } },
+};
+
+Deno.test("a large schema is compiled on a Worker, not on the thread that asks", async () => {
+  const validators = createSchemaValidators();
+  try {
+    assert.ok(JSON.stringify(WIDE).length > VALIDATION_LIMITS.threadSchemaBytes);
+    const tid = await thisThread();
+    // What compiling it costs on this thread, warmed up: what each new key would add here without the Worker.
+    compileSchema(structuredClone(WIDE), { stored: true });
+    let before = (await threadsCpuMs()).get(tid)!;
+    for (let i = 0; i < 5; i++) compileSchema(structuredClone(WIDE), { stored: true });
+    const oneCompileMs = ((await threadsCpuMs()).get(tid)! - before) / 5;
+    before = (await threadsCpuMs()).get(tid)!;
+    for (let i = 0; i < 8; i++) {
+      // A version each, as eight new task versions' first runs would be.
+      assert.equal(validators.validateNow(`acme/wide/${i}/input`, WIDE, WIDE_VALUE), undefined, "not on this thread");
+      assert.deepEqual(await validators.validate(`acme/wide/${i}/input`, WIDE, WIDE_VALUE), []);
+    }
+    const spent = (await threadsCpuMs()).get(tid)! - before;
+    assert.ok(
+      spent < 8 * oneCompileMs / 2,
+      `8 first validations took ${spent} ms of this thread's CPU; one compile here takes ${oneCompileMs} ms`,
+    );
+    // Its violations are the validator's, as on this thread.
+    const wrong = await validators.validate("acme/wide/0/input", WIDE, { ...WIDE_VALUE, field_0: { a: "x" } });
+    assert.equal(wrong[0]?.pointer, "/field_0");
+  } finally {
+    await validators.close();
+  }
+});
+
+Deno.test("a large stored schema this release refuses is refused by the Worker, as a SchemaRefused, and remembered", async () => {
+  const validators = createSchemaValidators({ workers: 1 });
+  try {
+    // Not compiled here, so not refused here either: the Worker finds out.
+    assert.equal(validators.validateNow("acme/old/1/input", REFUSED, {}), undefined);
+    const refusal = (error: unknown) => {
+      assert.ok(error instanceof SchemaRefused, String(error));
+      assert.equal(error.pointer, "/patternProperties/^x/pattern");
+      assert.match(error.message, /1000|1,000|repeat/i);
+      return true;
+    };
+    await assert.rejects(validators.validate("acme/old/1/input", REFUSED, {}), refusal);
+    await assert.rejects(validators.prepare("acme/old/1/output", REFUSED), refusal);
+    // Remembered: the next call is refused without a Worker.
+    const again = validators.validate("acme/old/1/input", REFUSED, {});
+    assert.equal(validators.pool().pending, 0);
+    await assert.rejects(again, refusal);
+  } finally {
+    await validators.close();
+  }
+});
+
+Deno.test("prepare compiles a large schema once, however many runs ask at once, and then costs nothing", async () => {
+  // A cap of two per tenant: 50 callers at once would be refused, were each of them sent to a Worker.
+  const validators = createSchemaValidators({ workers: 1, maxPendingPerTenant: 2 });
+  try {
+    await Promise.all(Array.from({ length: 50 }, () => validators.prepare("acme/wide/1/output", WIDE)));
+    const later = validators.prepare("acme/wide/1/output", WIDE);
+    assert.equal(validators.pool().pending, 0, "known to compile: no Worker asked");
+    await later;
+    // A small schema is compiled on this thread, where it is validated.
+    const small = { type: "object", properties: { a: { type: "string" } } };
+    const prepared = validators.prepare("acme/small/1/output", small);
+    assert.equal(validators.pool().pending, 0);
+    await prepared;
+    assert.deepEqual(validators.validateNow("acme/small/1/output", small, { a: "x" }), []);
+  } finally {
+    await validators.close();
+  }
+});
+
+Deno.test("a definition Worker terminated mid-check counts against the pool until the check has ended", async () => {
+  const checker = createDefinitionChecker({ workers: 1, deadlineMs: 20 });
+  try {
+    // Loaded and warmed up, so the heavy check is under way when its deadline passes (it takes 70 ms or more).
+    await checker.check(JSON.stringify(smallDefinition()), "acme");
+    await assert.rejects(checker.check(JSON.stringify(heavyDefinition()), "acme"), DefinitionCheckTimeout);
+    assert.deepEqual(checker.pool(), { workers: 0, orphans: 1, pending: 0 });
+    const next = checker.check(JSON.stringify(smallDefinition(1)), "globex");
+    assert.deepEqual(checker.pool(), { workers: 0, orphans: 1, pending: 1 }, "no second Worker meanwhile");
+    await next;
+    await waitFor("the pool to hold one Worker and no orphan", () => {
+      const pool = checker.pool();
+      return pool.workers === 1 && pool.orphans === 0;
+    });
+  } finally {
+    await checker.close();
+  }
+});
+
+Deno.test("a tenant's definition checks are capped, and another tenant's still run", async () => {
+  const checker = createDefinitionChecker({ workers: 1, maxPendingPerTenant: 2, maxWaiting: 3 });
+  try {
+    const mine = [0, 1].map((i) => checker.check(JSON.stringify(smallDefinition(i)), "acme"));
+    await assert.rejects(checker.check(JSON.stringify(smallDefinition(2)), "acme"), (error: unknown) => {
+      assert.ok(error instanceof DefinitionCheckBusy);
+      assert.match(error.message, /2 of this tenant's; at most 2/);
+      return true;
+    });
+    const theirs = checker.check(JSON.stringify(smallDefinition(3)), "globex");
+    await assert.rejects(checker.check(JSON.stringify(smallDefinition(4)), "initech"), /3 in all; at most 3/);
+    await Promise.all([...mine, theirs]);
+    assert.equal(checker.pool().pending, 0);
+  } finally {
+    await checker.close();
+  }
+});
