@@ -1221,7 +1221,10 @@ async function oursNoop(n: number, concurrency: number): Promise<number> {
 
 /** BullMQ with a no-op processor on the same Redis, same concurrency: jobs/s until `n` pre-added jobs complete. */
 async function bullmqNoop(n: number, concurrency: number): Promise<number> {
-  const { Queue, Worker } = await import("npm:bullmq@6.7.0");
+  // A specifier in a variable: `deno check` and the service's lockfile never see BullMQ (its msgpackr-extract
+  // build script printed a warning box on every fresh machine's first start); the bench runs with --no-lock.
+  const bullmq = "npm:bullmq@6.7.0";
+  const { Queue, Worker } = await import(bullmq);
   const u = new URL(REDIS_URL);
   const connection = { host: u.hostname, port: Number(u.port || 6379), db: Number(u.pathname.slice(1) || 0) };
   const prefix = `oncely_bench_bullmq_${crypto.randomUUID().slice(0, 8)}`;
