@@ -49,7 +49,10 @@ export interface ChartSpec {
   format: (value: number) => string;
   /** A limit drawn across as a dashed line, labelled with its value (a budget). */
   limit?: { value: number; label: string };
-  /** Label every n-th bucket on the x axis (default: about 12 labels). */
+  /**
+   * Label the buckets that start at a multiple of n bucket widths since the epoch (default: about 12 labels), so
+   * that labels fall on round times of the clock (every 5 minutes, every other hour) wherever the window starts.
+   */
   labelEvery?: number;
 }
 
@@ -118,7 +121,7 @@ export function chart(spec: ChartSpec): Html {
     `
   );
   const xLabels = buckets.map((b, i) =>
-    i % every === 0
+    Math.round(b.startMs / (b.endMs - b.startMs)) % every === 0
       ? html`<text x="${c(x0(i) + slot / 2)}" y="${MARGIN.top + PLOT_H + 16}" text-anchor="middle">${b.label}</text>`
       : ""
   );

@@ -87,7 +87,10 @@ async function signedIn(request: SignedInRequest): Promise<Response> {
   if (path === "/console" || path === "/console/") {
     return await queuesPage(deps, view, note, url.searchParams.get("window") ?? undefined);
   }
-  if (path === "/console/usage") return await usagePage(deps, view, url.searchParams.get("tenant") || undefined);
+  if (path === "/console/usage") {
+    const tenant = url.searchParams.get("tenant") || undefined;
+    return await usagePage(deps, view, { tenant, window: url.searchParams.get("window") || undefined });
+  }
   if (path === "/console/workers") return await workersPage(deps, view);
   if (path === "/console/dead-letters") return await deadLettersPage(deps, view, note);
   if (path === "/console/outbox") return await outboxPage(deps, view, note);
@@ -95,13 +98,10 @@ async function signedIn(request: SignedInRequest): Promise<Response> {
   if (path === "/console/tasks") return await tasksPage(deps, view);
   const task = /^\/console\/tasks\/([^/]+)\/([^/]+)$/.exec(path);
   if (task) {
-    return await taskPage(
-      deps,
-      view,
-      decoded(task[1]!),
-      decoded(task[2]!),
-      url.searchParams.get("version") ?? undefined,
-    );
+    return await taskPage(deps, view, decoded(task[1]!), decoded(task[2]!), {
+      version: url.searchParams.get("version") ?? undefined,
+      window: url.searchParams.get("window") || undefined,
+    });
   }
   if (path === "/console/jobs") {
     const id = url.searchParams.get("id")?.trim() ?? "";

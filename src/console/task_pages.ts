@@ -1,9 +1,10 @@
 /**
  * The console's task pages: every tenant's tasks at their latest version,
- * and one task's versions with their definitions. A definition is a
+ * and one task's usage, versions and definitions. A definition is a
  * tenant's prompt and schemas, shown as escaped, pretty-printed JSON. Lists
  * read columns (`task_heads`, the versions' sizes); only the definitions a
- * page shows are read, and they are bounded in bytes.
+ * page shows are read, and they are bounded in bytes. The usage is the
+ * usage page's figures for the rows naming the task.
  */
 import {
   taskCount,
@@ -14,9 +15,11 @@ import {
   taskVersionsNumbered,
 } from "../jobs/task_store.ts";
 import { BUILT_IN_TASK } from "../tasks/definition.ts";
+import { clockWindow, unknownWindow, type UsageWindow, usageWindow, windowSwitch } from "./chart_windows.ts";
 import type { PageDeps } from "./pages.ts";
-import { html } from "./html.ts";
+import { type Html, html } from "./html.ts";
 import { page, PAGE_ROWS, prettyJson, table, taskLink, taskPath, type View } from "./layout.ts";
+import { usageCharts, usageFigures, usageTotals, windowSentence } from "./usage_pages.ts";
 
 /**
  * How many versions' whole definitions a task's page shows, newest first, and how many bytes of them (as the
@@ -75,21 +78,46 @@ ${
 }
 
 /**
- * One task: every version (when, models, output, bytes), and the whole
- * definitions of the newest (at most {@linkcode DEFINITIONS_SHOWN} and
+ * The usage of `tenant`'s task `name`, all versions, over `win`: the usage page's figures and charts for the
+ * `model_attempts` and `cache_hits` rows naming the task. The 429s and budgets are the tenant's, on its usage page.
+ */
+async function taskUsage(
+  deps: PageDeps,
+  tenant: string,
+  name: string,
+  win: UsageWindow,
+  version?: string,
+): Promise<Html> {
+  const now = deps.now?.() ?? Date.now();
+  const { window, buckets } = clockWindow(now, win.widthMs, win.count);
+  const f = await usageFigures(deps.sql, { tenant, task: name, window, buckets });
+  const tenantUsage = `/console/usage?${new URLSearchParams({ tenant, window: win.name })}`;
+  return html`<h2 id="usage">Usage (all versions)</h2>${windowSwitch(taskPath(tenant, name), { version }, win)}
+<p>The model calls and cache hits of this task's runs, ${windowSentence(win, buckets, now)}. The 429s and budgets
+  are the tenant's: <a href="${tenantUsage}">its usage page</a>.</p>
+${usageTotals(f)}
+<div class="charts">${usageCharts(f, { who: `task ${name} of tenant ${tenant}`, win, buckets })}</div>`;
+}
+
+/**
+ * One task: its usage over `window` (`1h`, `24h` by default, or `7d`; another is a `400`), every version (when,
+ * models, output, bytes), and the whole definitions of the newest (at most {@linkcode DEFINITIONS_SHOWN} and
  * {@linkcode DEFINITION_BYTES_SHOWN}), or of `version` alone.
  */
 export async function taskPage(
-  { sql }: PageDeps,
+  deps: PageDeps,
   view: View,
   tenant: string,
   name: string,
-  version?: string,
+  { version, window: windowName }: { version?: string; window?: string } = {},
 ): Promise<Response> {
+  const { sql } = deps;
   const title = `Task ${name}`;
   if (version !== undefined && !/^[1-9]\d{0,8}$/.test(version)) {
     return page(view, title, html`<p>Not a version: <code>${version}</code></p>`, { status: 404 });
   }
+  const win = usageWindow(windowName);
+  if (!win) return unknownWindow(view, title, taskPath(tenant, name), { version }, windowName!);
   const heads = await taskVersionHeads(sql, tenant, name);
   const shown: TaskVersion[] = await taskVersionsNumbered(
     sql,
@@ -130,6 +158,7 @@ export async function taskPage(
       <dt>latest version</dt>
       <dd>${heads[0]!.version}</dd>
     </dl>
+    ${await taskUsage(deps, tenant, name, win, version)}
     <h2>Versions</h2>${table(["version", "created", "models", "output", "bytes"], rows, "No versions.")}
     ${note}
     ${shown.map((v) =>

@@ -5,7 +5,10 @@
  * the sum of its `cost_usd`, NULL being unpriced; a cache hit is a
  * `cache_hits` row), cut into buckets of equal width. A bucket is
  * `floor((t - fromMs) / widthMs)`: rows before `fromMs` (read only for a
- * running total since midnight) have negative buckets.
+ * running total since midnight) are bucket -1. A task's figures are the
+ * rows naming it (`task`, which the worker writes on every attempt and cache
+ * hit), read on the tenant's `(tenant, started_at)` or `(tenant, created_at)`
+ * index.
  */
 import type { Queryable } from "../db/queryable.ts";
 
@@ -33,16 +36,23 @@ export interface UsageBucketRow {
 const MS_PER_DAY = 86_400_000;
 
 /**
- * Model calls per bucket and UTC day, of `tenant` (all tenants when unset), from `sinceMs` (at most the
- * window's start; earlier for a running total since midnight) to the window's end.
+ * Model calls per bucket and UTC day, of `tenant` (all tenants when unset) and, with `task`, of that task's runs
+ * alone, from `sinceMs` (at most the window's start; earlier for a running total since midnight) to the window's
+ * end.
  */
 export async function usagePerBucket(
   sql: Queryable,
-  { tenant, window, sinceMs = window.fromMs }: { tenant?: string; window: Window; sinceMs?: number },
+  { tenant, task, window, sinceMs = window.fromMs }: {
+    tenant?: string;
+    task?: string;
+    window: Window;
+    sinceMs?: number;
+  },
 ): Promise<UsageBucketRow[]> {
   const { fromMs, widthMs, count } = window;
+  // The calls before the window add up to one row per day, whatever the buckets' width (1,440 minutes a day).
   return await sql<UsageBucketRow[]>`
-    SELECT floor((extract(epoch FROM started_at) * 1000 - ${fromMs}) / ${widthMs})::int AS bucket,
+    SELECT greatest(floor((extract(epoch FROM started_at) * 1000 - ${fromMs}) / ${widthMs}), -1)::int AS bucket,
       floor(extract(epoch FROM started_at) * 1000 / ${MS_PER_DAY})::int AS day,
       count(*)::int AS calls,
       coalesce(sum(prompt_tokens), 0)::bigint::float8 AS prompt_tokens,
@@ -53,6 +63,7 @@ export async function usagePerBucket(
     WHERE started_at >= to_timestamp(${sinceMs}::float8 / 1000)
       AND started_at < to_timestamp(${fromMs + count * widthMs}::float8 / 1000)
       ${tenant === undefined ? sql`` : sql`AND tenant = ${tenant}`}
+      ${task === undefined ? sql`` : sql`AND task = ${task}`}
     GROUP BY 1, 2
     ORDER BY 1, 2`;
 }
@@ -66,10 +77,10 @@ export interface CacheBucketRow {
   saved_usd: string | null;
 }
 
-/** Cache hits per bucket of `window`, of `tenant` (all tenants when unset). */
+/** Cache hits per bucket of `window`, of `tenant` (all tenants when unset) and, with `task`, of that task alone. */
 export async function cacheHitsPerBucket(
   sql: Queryable,
-  { tenant, window }: { tenant?: string; window: Window },
+  { tenant, task, window }: { tenant?: string; task?: string; window: Window },
 ): Promise<CacheBucketRow[]> {
   const { fromMs, widthMs, count } = window;
   return await sql<CacheBucketRow[]>`
@@ -81,6 +92,7 @@ export async function cacheHitsPerBucket(
     WHERE created_at >= to_timestamp(${fromMs}::float8 / 1000)
       AND created_at < to_timestamp(${fromMs + count * widthMs}::float8 / 1000)
       ${tenant === undefined ? sql`` : sql`AND tenant = ${tenant}`}
+      ${task === undefined ? sql`` : sql`AND task = ${task}`}
     GROUP BY 1
     ORDER BY 1`;
 }

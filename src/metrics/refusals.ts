@@ -16,6 +16,15 @@ export const REFUSALS_TTL_S = 25 * 3600;
 const HOUR_MS = 3_600_000;
 const MINUTE_MS = 60_000;
 
+/**
+ * The start of the oldest UTC hour whose refusals are all still kept at `nowMs`: an hour's hash lives
+ * {@linkcode REFUSALS_TTL_S} from its last refusal, so at least that long from the hour's start. Older hours may
+ * be gone, whole or in part.
+ */
+export function refusalsKeptFrom(nowMs: number): number {
+  return (Math.floor(nowMs / HOUR_MS) + 1) * HOUR_MS - REFUSALS_TTL_S * 1000;
+}
+
 /** The hash of `tenant`'s refusals in the UTC hour that holds `ms` (hours since the epoch name it). */
 export function refusalsKey(prefix: string, tenant: string, ms: number): string {
   return `${prefix}:{t:${tenant}}:refusals:${Math.floor(ms / HOUR_MS)}`;

@@ -14,9 +14,9 @@
  */
 import { seedBudgetState } from "../../src/budgets/budget_scripts.ts";
 import assert from "node:assert/strict";
+import { clockWindow } from "../../src/console/chart_windows.ts";
 import { createConsole } from "../../src/console/console.ts";
 import { formatCount, formatUsd } from "../../src/console/charts.ts";
-import { windowEndingAt } from "../../src/console/usage_pages.ts";
 import { budgetKey, createBudgets } from "../../src/budgets/budgets.ts";
 import { createPrices } from "../../src/provider/prices.ts";
 import { silentLogger } from "../../src/log/logger.ts";
@@ -30,6 +30,7 @@ import {
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { launchBrowser } from "../support/browser.ts";
+import { figureOf, marksOf, valuesOf } from "../support/chart_marks.ts";
 import { apiHandler } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis, seededRandom } from "../_support.ts";
 
@@ -66,26 +67,6 @@ function percentileCont(values: number[], p: number): number {
   return Math.round((sorted[lo]! + (sorted[hi]! - sorted[lo]!) * (pos - lo)) * 10) / 10;
 }
 
-/** The marks of chart `id` in a page: `data-series` → the values of its buckets, in order. */
-function marksOf(body: string, id: string): Map<string, { bucket: string; value: number | null; title: string }[]> {
-  const start = body.indexOf(`<svg xmlns="http://www.w3.org/2000/svg" id="${id}"`);
-  assert.ok(start >= 0, `chart ${id} is on the page`);
-  const svg = body.slice(start, body.indexOf("</svg>", start));
-  const marks = new Map<string, { bucket: string; value: number | null; title: string }[]>();
-  const re = /data-series="([^"]+)" data-bucket="([^"]+)" data-value="([^"]*)"[^>]*>\s*<title>([^<]*)<\/title>/g;
-  for (const [, series, bucket, value, title] of svg.matchAll(re)) {
-    const list = marks.get(series!) ?? [];
-    list.push({ bucket: bucket!, value: value === "" ? null : Number(value), title: title! });
-    marks.set(series!, list);
-  }
-  return marks;
-}
-
-/** The values of one series of a chart, one per bucket (`bars`) or per bucket with a point. */
-function valuesOf(body: string, id: string, series: string): (number | null)[] {
-  return (marksOf(body, id).get(series) ?? []).map((m) => m.value);
-}
-
 /** `actual` equals `expected` to within `tolerance` at every position. */
 function near(actual: (number | null)[], expected: (number | null)[], tolerance: number, what: string) {
   assert.equal(actual.length, expected.length, `${what}: ${actual.length} values`);
@@ -106,11 +87,12 @@ Deno.test("the usage page and the queue charts draw exactly the seeded figures, 
   const NOW = Date.now();
   const random = seededRandom(25);
   const int = (lo: number, hi: number) => lo + Math.floor(random() * (hi - lo + 1));
-  const hours = windowEndingAt(NOW, HOUR, 24);
-  const minutes = windowEndingAt(NOW, MINUTE, 60);
-  // GET /v1/usage?since=24h counts from 24 hours before its request, the page from 24 hours before the end of
-  // NOW's minute: no row is written within 3 minutes of the window's start, where the two differ.
+  const hours = clockWindow(NOW, HOUR, 24);
+  const minutes = clockWindow(NOW, MINUTE, 60);
+  // GET /v1/usage?since=24h counts from 24 hours before its request, the page from the start of the UTC hour
+  // 23 hours before NOW's: no row is written between the two, nor within 3 minutes of either.
   const margin = 3 * MINUTE;
+  const apiFrom = NOW - 24 * HOUR;
   /** A time inside `bucket`, never after NOW, nor near the 24 hours' start. */
   const inside = (b: { startMs: number; endMs: number }) =>
     Math.min(Math.max(b.startMs + int(1_000, b.endMs - b.startMs - 1_000), hours.window.fromMs + margin), NOW - 1_000);
@@ -132,10 +114,8 @@ Deno.test("the usage page and the queue charts draw exactly the seeded figures, 
   // Before the window on the window's first day (the running total since midnight counts them), and on the day
   // before (nothing counts them).
   const firstDay = Math.floor(hours.window.fromMs / DAY) * DAY;
-  if (hours.window.fromMs - firstDay > margin + 2_000) {
-    calls.push(call("acme", int(firstDay + 1_000, hours.window.fromMs - margin)));
-  }
-  calls.push(call("acme", firstDay - 10 * MINUTE));
+  if (apiFrom - firstDay > margin + 2_000) calls.push(call("acme", int(firstDay + 1_000, apiFrom - margin)));
+  calls.push(call("acme", Math.min(firstDay, apiFrom - margin) - 10 * MINUTE));
   const hits: Hit[] = [];
   for (const b of hours.buckets) {
     for (let n = int(0, 3); n > 0; n--) {
@@ -256,7 +236,6 @@ Deno.test("the usage page and the queue charts draw exactly the seeded figures, 
   };
   const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen() {} }, (req) => handler(req));
   const base = `http://127.0.0.1:${server.addr.port}`;
-  const dd = (body: string, id: string) => new RegExp(`<dd id="${id}">([^<]*)</dd>`).exec(body)?.[1];
   const browser = await launchBrowser();
 
   try {
@@ -269,11 +248,11 @@ Deno.test("the usage page and the queue charts draw exactly the seeded figures, 
         assert.ok(!/<svg[^>]* style=|<style/.test(body), "no style attribute or element: nothing the CSP would block");
         usageOf(body, "acme");
         const calls24 = calls.filter((c) => c.tenant === "acme" && c.at >= hours.window.fromMs);
-        assert.equal(dd(body, "total-calls"), calls24.length.toLocaleString("en-US"));
-        assert.equal(dd(body, "total-refused"), String(refusals.filter((x) => x.tenant === "acme").length));
-        assert.equal(dd(body, "total-hits"), String(hits.filter((h) => h.tenant === "acme").length));
+        assert.equal(figureOf(body, "total-calls"), calls24.length.toLocaleString("en-US"));
+        assert.equal(figureOf(body, "total-refused"), String(refusals.filter((x) => x.tenant === "acme").length));
+        assert.equal(figureOf(body, "total-hits"), String(hits.filter((h) => h.tenant === "acme").length));
         const unpriced = calls24.filter((c) => c.cost === null).length;
-        if (unpriced) assert.match(dd(body, "total-cost")!, new RegExp(`\\(${unpriced} calls unpriced\\)$`));
+        if (unpriced) assert.match(figureOf(body, "total-cost")!, new RegExp(`\\(${unpriced} calls unpriced\\)$`));
         // The budget lines: dashed, at the budget, labelled with it.
         assert.match(body, new RegExp(`<line data-limit="${TOKENS_DAY}"[^>]*stroke-dasharray="6 4"`));
         assert.match(body, new RegExp(`<line data-limit="${USD_DAY}"[^>]*stroke-dasharray="6 4"`));
@@ -309,14 +288,14 @@ Deno.test("the usage page and the queue charts draw exactly the seeded figures, 
       assert.equal(sum("usage-tokens", "completion"), totals.tokens.completion);
       assert.ok(Math.abs(sum("usage-spend", "spend") - totals.cost_usd) < 1e-9, `${totals.cost_usd}`);
       assert.equal(sum("usage-cache", "hits"), totals.cache_hits);
-      assert.equal(dd(body, "total-calls"), formatCount(totals.calls));
+      assert.equal(figureOf(body, "total-calls"), formatCount(totals.calls));
       assert.equal(
-        dd(body, "total-cost"),
+        figureOf(body, "total-cost"),
         formatUsd(totals.cost_usd) + (totals.unpriced_calls ? ` (${totals.unpriced_calls} calls unpriced)` : ""),
       );
       const saved = totals.saved;
       assert.equal(
-        dd(body, "total-saved"),
+        figureOf(body, "total-saved"),
         `${formatCount(saved.tokens.prompt + saved.tokens.completion)} tokens, ${formatUsd(saved.cost_usd ?? 0)}`,
       );
     });
