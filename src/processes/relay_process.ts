@@ -3,6 +3,8 @@ import { createRegistry, relayMetrics } from "../metrics/metrics.ts";
 import { outboxGauges, relayEvents } from "../metrics/wire.ts";
 import { createRelay } from "../outbox/relay.ts";
 import { createRetention } from "../retention/retention.ts";
+import { DEAD_LETTER_BOUNDS } from "../queue/dead_letter.ts";
+import { JOB_RECORD_TTL_S } from "../summaries/keys.ts";
 import { tenantHourlyLimits } from "../summaries/email.ts";
 import { SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../summaries/commit.ts";
 import { pipelineNotifications } from "../summaries/notifications.ts";
@@ -48,6 +50,15 @@ export async function startRelay(
 }
 
 /**
+ * The least age at which a job's outcome row is deleted: as long as anything may still ask about the job, plus a
+ * day. That is its Redis status record ({@linkcode JOB_RECORD_TTL_S}) and its dead letters
+ * ({@linkcode DEAD_LETTER_BOUNDS}.maxAgeS), both 7 days. A dead letter's replay reads the outcome to refuse a job
+ * that already had its effects, and a job is decided (failed) before it is dead-lettered, so its outcome always
+ * outlives its dead letters.
+ */
+export const OUTCOME_MIN_AGE_MS = (Math.max(JOB_RECORD_TTL_S, DEAD_LETTER_BOUNDS.maxAgeS) * 1000) + 24 * 3600 * 1000;
+
+/**
  * Runs retention until `signal` aborts, then waits for a pass in progress. Relay processes run it beside the
  * relay, not in its send loop (and `dev`, once): each pass deletes in batches and is safe beside other
  * processes' passes.
@@ -60,6 +71,7 @@ export async function startRetention(
     outboxRetentionMs: config.OUTBOX_RETENTION_S * 1000,
     summaryRetentionMs: config.SUMMARY_RETENTION_S === undefined ? undefined : config.SUMMARY_RETENTION_S * 1000,
     attemptRetentionMs: config.MODEL_ATTEMPTS_RETENTION_S * 1000,
+    outcomeMinAgeMs: OUTCOME_MIN_AGE_MS,
   });
   retention.start();
   if (!signal.aborted) await new Promise((resolve) => signal.addEventListener("abort", resolve, { once: true }));

@@ -5,17 +5,25 @@
  * holds many locks or runs long (River's `job_cleaner` is the model). Each
  * delete is its table's owner's: the outbox store's for sent rows, the job
  * store's for summaries, outcomes and model attempts, the cache-hit store's
- * for cache hits.
+ * for cache hits. The lifetimes are the caller's to hand in.
+ *
+ * Every relay replica runs the service, and one pass runs at a time across
+ * them all: a pass holds a Postgres advisory lock (session-level, on a
+ * connection reserved for it, so a replica that dies frees it with its
+ * connection), and a replica that finds it held skips its pass. Between full
+ * batches a pass pauses (`pauseMs`, jittered), so a large backlog is deleted
+ * beside the service's own writes rather than ahead of them.
  */
 import type { Sql } from "postgres";
 import * as jobs from "../jobs/job_store.ts";
 import * as cacheHits from "../cache/cache_hit_store.ts";
 import type { Logger } from "../log/logger.ts";
 import * as outbox from "../outbox/outbox_store.ts";
-import { DEAD_LETTER_BOUNDS } from "../queue/dead_letter.ts";
-import { JOB_RECORD_TTL_S } from "../summaries/keys.ts";
 
 const DAY_MS = 24 * 3600 * 1000;
+
+/** The advisory lock a pass holds: one pass at a time across every replica on the database. */
+const PASS_LOCK = "oncely/retention";
 
 /** Defaults of the optional {@linkcode RetentionOptions}. */
 export const RETENTION_DEFAULTS = {
@@ -25,18 +33,11 @@ export const RETENTION_DEFAULTS = {
   firstPassAfterMs: 5_000,
   /** The most rows one DELETE statement removes. */
   batch: 1_000,
+  /** The pause after a full batch, before the next (from half to one and a half times this). */
+  pauseMs: 100,
   /** OUTBOX_RETENTION_S's default in ms: sent outbox rows older than this are deleted. */
   outboxRetentionMs: 7 * DAY_MS,
 } as const;
-
-/**
- * The least age at which a job's outcome row is deleted: as long as anything may still ask about the job,
- * plus a day. That is its Redis status record ({@linkcode JOB_RECORD_TTL_S}) and its dead letters
- * ({@linkcode DEAD_LETTER_BOUNDS}.maxAgeS), both 7 days. A dead letter's replay reads the outcome to refuse a
- * job that already had its effects, and a job is decided (failed) before it is dead-lettered, so its outcome
- * always outlives its dead letters.
- */
-export const OUTCOME_MIN_AGE_MS = (Math.max(JOB_RECORD_TTL_S, DEAD_LETTER_BOUNDS.maxAgeS) * 1000) + DAY_MS;
 
 /** Options for {@linkcode createRetention}; the defaults are {@linkcode RETENTION_DEFAULTS}. */
 export interface RetentionOptions {
@@ -52,7 +53,13 @@ export interface RetentionOptions {
    * unset, kept.
    */
   attemptRetentionMs?: number;
+  /**
+   * The least age at which a job's outcome row is deleted (with `summaryRetentionMs`): as long as anything may
+   * still ask about the job (its Redis record, its dead letters), plus a day. The caller knows those lifetimes.
+   */
+  outcomeMinAgeMs: number;
   everyMs?: number;
+  pauseMs?: number;
   firstPassAfterMs?: number;
   batch?: number;
   /** Called after each DELETE statement with its table and how many rows it deleted (for tests and metrics). */
@@ -69,13 +76,29 @@ export interface Retention {
   stop(): Promise<void>;
 }
 
-/** Creates the retention service. Running it in several processes at once is safe: each delete is idempotent. */
-export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options: RetentionOptions = {}): Retention {
+/**
+ * Creates the retention service. Running it in several processes at once is safe: one pass runs at a time (the
+ * others skip theirs), and each delete is idempotent besides.
+ */
+export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options: RetentionOptions): Retention {
   const batch = options.batch ?? RETENTION_DEFAULTS.batch;
+  const pauseMs = options.pauseMs ?? RETENTION_DEFAULTS.pauseMs;
   const outboxAgeMs = options.outboxRetentionMs ?? RETENTION_DEFAULTS.outboxRetentionMs;
 
   /** Set by {@linkcode Retention.stop}: a pass in progress ends after its current batch. */
   let halted = false;
+  /** Ends a pause at once when the service stops. */
+  let wake: (() => void) | undefined;
+  const pause = () =>
+    new Promise<void>((resolve) => {
+      const timer = setTimeout(done, pauseMs * (0.5 + Math.random()));
+      function done() {
+        clearTimeout(timer);
+        wake = undefined;
+        resolve();
+      }
+      wake = done;
+    });
   /** Rows deleted per table in the current pass, for its log line. */
   const deletedPerTable: Record<string, number> = {};
 
@@ -87,12 +110,33 @@ export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options
       options.onBatch?.(table, deleted);
       deletedPerTable[table] = (deletedPerTable[table] ?? 0) + deleted;
       total += deleted;
-      if (deleted < batch) break;
+      if (deleted < batch || halted) break;
+      if (pauseMs > 0) await pause();
     }
     return total;
   }
 
+  /** One pass if no other replica's is running: @returns rows deleted (0 when it skipped). */
   async function runOnce(): Promise<number> {
+    const connection = await sql.reserve();
+    try {
+      const [row] = await connection<{ locked: boolean }[]>`
+        SELECT pg_try_advisory_lock(hashtextextended(${PASS_LOCK}, 0)) AS locked`;
+      if (!row!.locked) {
+        log.debug("retention_skipped", { reason: "another replica's pass is running" });
+        return 0;
+      }
+      try {
+        return await deleteAll();
+      } finally {
+        await connection`SELECT pg_advisory_unlock(hashtextextended(${PASS_LOCK}, 0))`;
+      }
+    } finally {
+      connection.release();
+    }
+  }
+
+  async function deleteAll(): Promise<number> {
     let total = await drain("outbox", (limit) => outbox.deleteSentRows(sql, { olderThanMs: outboxAgeMs, limit }));
     const attemptAgeMs = options.attemptRetentionMs;
     if (attemptAgeMs !== undefined) {
@@ -128,7 +172,7 @@ export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options
     // record (7 days after its message left its lane) and its idempotency record (at most SUMMARY_RETENTION_S) are
     // gone by then. A message still waiting in its lane after that (a job cancelled while it waited for weeks) is
     // told by its record, which lives as long as it waits (the worker asks it of messages over 7 days old).
-    const outcomeAgeMs = Math.max(summaryAgeMs, OUTCOME_MIN_AGE_MS);
+    const outcomeAgeMs = Math.max(summaryAgeMs, options.outcomeMinAgeMs);
     total += await drain(
       "job_outcomes",
       (limit) => jobs.deleteExpiredOutcomes(sql, { olderThanMs: outcomeAgeMs, limit }),
@@ -170,6 +214,7 @@ export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options
     async stop() {
       stopped = true;
       halted = true;
+      wake?.();
       clearTimeout(timer);
       await passing;
     },

@@ -1,4 +1,5 @@
 import assert from "node:assert/strict";
+import { OUTCOME_MIN_AGE_MS } from "../../src/processes/relay_process.ts";
 import postgres from "postgres";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import { silentLogger } from "../../src/log/logger.ts";
@@ -305,7 +306,10 @@ Deno.test("outbox relay", async (t) => {
         await sql`UPDATE outbox SET created_at = now() - interval '10 days' WHERE dedupe_key = ${
           "summary_ready:" + oldUnsent
         }`;
-        const retention = createRetention({ sql, log: silentLogger }, { outboxRetentionMs: 7 * 24 * 3600 * 1000 });
+        const retention = createRetention({ sql, log: silentLogger }, {
+          outboxRetentionMs: 7 * 24 * 3600 * 1000,
+          outcomeMinAgeMs: OUTCOME_MIN_AGE_MS,
+        });
         assert.equal(await retention.runOnce(), 1);
         const left = await sql<{ dedupe_key: string }[]>`SELECT dedupe_key FROM outbox ORDER BY dedupe_key`;
         assert.deepEqual(
@@ -325,7 +329,10 @@ Deno.test("outbox relay", async (t) => {
         await sql`UPDATE outbox SET sent_at = now() WHERE dedupe_key IN (${"summary_ready:" + oldSent}, ${
           "summary_ready:" + recent
         })`;
-        const retention = createRetention({ sql, log: silentLogger }, { summaryRetentionMs: 30 * 24 * 3600 * 1000 });
+        const retention = createRetention({ sql, log: silentLogger }, {
+          summaryRetentionMs: 30 * 24 * 3600 * 1000,
+          outcomeMinAgeMs: OUTCOME_MIN_AGE_MS,
+        });
         assert.equal(await retention.runOnce(), 1);
         const left = await sql<{ job_id: string }[]>`SELECT job_id::text FROM summaries`;
         assert.deepEqual(left.map((r) => r.job_id).sort(), [oldUnsent!, recent!].sort());
@@ -340,7 +347,10 @@ Deno.test("outbox relay", async (t) => {
         assert.equal((await sql`SELECT 1 FROM job_outcomes`).length, 3 - 1, "the others' outcomes stay");
         // Unset: summaries are kept.
         await sql`UPDATE summaries SET created_at = now() - interval '400 days'`;
-        assert.equal(await createRetention({ sql, log: silentLogger }).runOnce(), 0);
+        assert.equal(
+          await createRetention({ sql, log: silentLogger }, { outcomeMinAgeMs: OUTCOME_MIN_AGE_MS }).runOnce(),
+          0,
+        );
       } finally {
         await mail.close();
       }

@@ -1,9 +1,11 @@
 import assert from "node:assert/strict";
 import { insertAttempts } from "../../src/jobs/job_store.ts";
 import { silentLogger } from "../../src/log/logger.ts";
-import { createRetention, OUTCOME_MIN_AGE_MS, type RetentionOptions } from "../../src/retention/retention.ts";
+import { createRetention, type RetentionOptions } from "../../src/retention/retention.ts";
+import { OUTCOME_MIN_AGE_MS } from "../../src/processes/relay_process.ts";
 import { commitResults } from "../../src/summaries/commit.ts";
-import { createTestDatabase } from "../_support.ts";
+import postgres from "postgres";
+import { createTestDatabase, waitFor } from "../_support.ts";
 
 const DAY_MS = 24 * 3600 * 1000;
 
@@ -22,9 +24,11 @@ Deno.test("retention", async (t) => {
   const count = async (table: string) =>
     (await sql<{ n: number }[]>`SELECT count(*)::int AS n FROM ${sql(table)}`)[0]!.n;
   /** A retention service whose DELETE statements are recorded: [table, rows deleted] each. */
-  const retentionWith = (options: RetentionOptions) => {
+  const retentionWith = (options: Partial<RetentionOptions>) => {
     const batches: [string, number][] = [];
     const retention = createRetention({ sql, log: silentLogger }, {
+      outcomeMinAgeMs: OUTCOME_MIN_AGE_MS,
+      pauseMs: 0,
       ...options,
       onBatch: (table, rows) => batches.push([table, rows]),
     });
@@ -151,6 +155,58 @@ Deno.test("retention", async (t) => {
       const seen = batches.length;
       await new Promise((r) => setTimeout(r, 60));
       assert.equal(batches.length, seen, "no pass after stop()");
+    });
+
+    await t.step("two replicas: one pass at a time, the other skips; a pass pauses between full batches", async () => {
+      await reset();
+      await addJobs(6);
+      await sql`UPDATE outbox SET sent_at = now() - interval '10 days'`;
+      // Two relay replicas on one database, as two processes would run them (each reserves its own connection).
+      const a = retentionWith({ batch: 2, pauseMs: 200 });
+      const b = retentionWith({ batch: 2, pauseMs: 0 });
+      const started = performance.now();
+      const passA = a.retention.runOnce();
+      await waitFor("A's first batch", () => a.batches.length >= 1);
+      // A pauses between its batches, holding the pass: B's pass is skipped, not run beside it.
+      assert.equal(await b.retention.runOnce(), 0);
+      assert.deepEqual(b.batches, [], "B deleted nothing and ran no statement");
+      assert.equal(await passA, 6);
+      assert.deepEqual(a.batches, [["outbox", 2], ["outbox", 2], ["outbox", 2], ["outbox", 0]]);
+      // Three full batches, three pauses of 100-300 ms each.
+      assert.ok(performance.now() - started >= 300, "A paused after each full batch");
+      // A's pass over, the lock is free: B's next pass runs.
+      assert.equal(await b.retention.runOnce(), 0);
+      assert.deepEqual(b.batches, [["outbox", 0]]);
+    });
+
+    await t.step("a replica that dies mid-pass frees the pass with its connection", async () => {
+      await reset();
+      const other = postgres(db.url, { max: 1, onnotice: () => {} });
+      try {
+        // Held as a pass holds it, then the process is gone: its connection closes.
+        await other`SELECT pg_advisory_lock(hashtextextended('oncely/retention', 0))`;
+        await addJobs(1);
+        await sql`UPDATE outbox SET sent_at = now() - interval '10 days'`;
+        const { retention } = retentionWith({});
+        assert.equal(await retention.runOnce(), 0, "held by the other replica");
+        await other.end();
+        assert.equal(await retention.runOnce(), 1);
+      } finally {
+        await other.end();
+      }
+    });
+
+    await t.step("stop() ends a pause at once", async () => {
+      await reset();
+      await addJobs(4);
+      await sql`UPDATE outbox SET sent_at = now() - interval '10 days'`;
+      const { retention, batches } = retentionWith({ batch: 2, pauseMs: 60_000, firstPassAfterMs: 0 });
+      retention.start();
+      await waitFor("the first batch", () => batches.length >= 1);
+      const stopping = performance.now();
+      await retention.stop();
+      assert.ok(performance.now() - stopping < 5_000, "not the minute's pause");
+      assert.deepEqual(batches, [["outbox", 2]], "no batch after stop()");
     });
   } finally {
     await db.close();

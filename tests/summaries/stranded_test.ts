@@ -8,6 +8,7 @@
  * `deno task test:cluster`, on a Redis Cluster.)
  */
 import assert from "node:assert/strict";
+import { OUTCOME_MIN_AGE_MS } from "../../src/processes/relay_process.ts";
 import { dlqCommand } from "../../src/cli/dlq_command.ts";
 import type { LLM } from "../../src/llm/llm.ts";
 import { createExtractiveLlm } from "../../src/llm/extractive.ts";
@@ -195,7 +196,10 @@ Deno.test("nothing accepted is stranded", async (t) => {
         await db.sql`UPDATE job_outcomes SET decided_at = now() - interval '9 days' WHERE job_id = ${jobId}::uuid`;
         await r.redis.del(lane.dead);
         await r.redis.xadd(lane.dead, `${Date.now() - 8 * DAY_MS}-0`, ...Object.entries(fields).flat());
-        await createRetention({ sql: db.sql, log: silentLogger }, { summaryRetentionMs: DAY_MS }).runOnce();
+        await createRetention({ sql: db.sql, log: silentLogger }, {
+          summaryRetentionMs: DAY_MS,
+          outcomeMinAgeMs: OUTCOME_MIN_AGE_MS,
+        }).runOnce();
         assert.deepEqual(await effects(jobId), [0, 0], "retention ran");
         errors.length = 0;
         assert.equal(await dlqCommand({ redis: r.redis, sql: db.sql }, keys, ["replay", "--all"], io), 1);
@@ -209,7 +213,10 @@ Deno.test("nothing accepted is stranded", async (t) => {
         await db.sql`UPDATE job_outcomes SET decided_at = now() - ${ageDays} * interval '1 day'
           WHERE job_id = ${recent}::uuid`;
         await db.sql`DELETE FROM summaries WHERE job_id = ${recent}::uuid`;
-        await createRetention({ sql: db.sql, log: silentLogger }, { summaryRetentionMs: DAY_MS }).runOnce();
+        await createRetention({ sql: db.sql, log: silentLogger }, {
+          summaryRetentionMs: DAY_MS,
+          outcomeMinAgeMs: OUTCOME_MIN_AGE_MS,
+        }).runOnce();
         const [kept] = await db.sql`SELECT outcome FROM job_outcomes WHERE job_id = ${recent}::uuid`;
         assert.equal(kept?.outcome, "done");
       },

@@ -6,6 +6,7 @@
  * rows, emails.
  */
 import assert from "node:assert/strict";
+import { OUTCOME_MIN_AGE_MS } from "../../src/processes/relay_process.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import { createRegistry, resultCacheMetrics } from "../../src/metrics/metrics.ts";
@@ -454,7 +455,10 @@ Deno.test("runs with the result cache", async (t) => {
       const [all] = await db.sql<{ n: number }[]>`SELECT count(*)::int AS n FROM cache_hits`;
       assert.ok(all!.n > 50);
       await db.sql`UPDATE cache_hits SET created_at = now() - interval '31 days' WHERE task = 'label'`;
-      const retention = createRetention({ sql: db.sql, log: silentLogger }, { attemptRetentionMs: 30 * 86_400_000 });
+      const retention = createRetention({ sql: db.sql, log: silentLogger }, {
+        attemptRetentionMs: 30 * 86_400_000,
+        outcomeMinAgeMs: OUTCOME_MIN_AGE_MS,
+      });
       await retention.runOnce();
       const [left] = await db.sql<{ label: number; rest: number }[]>`
         SELECT (count(*) FILTER (WHERE task = 'label'))::int AS label, (count(*) FILTER (WHERE task <> 'label'))::int AS rest
