@@ -1,5 +1,5 @@
 import { z } from "zod";
-import { parsePrices } from "./provider/prices.ts";
+import { parsePrices } from "./llm/prices.ts";
 
 const int = (min: number, max = Number.MAX_SAFE_INTEGER) =>
   z.string().trim().regex(/^\d+$/, `must be a whole number`).transform(Number)

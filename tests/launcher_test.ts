@@ -47,9 +47,9 @@ Deno.test("the launcher loads the configuration's parser and nothing of the serv
     "src/commands.ts",
     "src/config.ts",
     "src/launcher/parallel.ts", // supervises `api --parallel`; imports nothing
+    "src/llm/prices.ts", // parses LLM_PRICES; imports nothing
     "src/log/logger.ts",
     "src/permissions.ts",
-    "src/provider/prices.ts", // parses LLM_PRICES; imports nothing
   ]);
   const packages = loaded.filter((s) => s.startsWith("npm:")).map((s) => /^npm:\/?(@?[^@]+)/.exec(s)![1]);
   assert.deepEqual([...new Set(packages)], ["zod"], "only zod, which parses the configuration");

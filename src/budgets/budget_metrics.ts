@@ -1,5 +1,5 @@
 import { Counter, Gauge, type Registry } from "prom-client";
-import { nanosToUsd } from "../provider/prices.ts";
+import { nanosToUsd } from "../llm/prices.ts";
 import { type BudgetEvents, BUDGETS } from "./budgets.ts";
 
 const registered = new WeakMap<Registry, BudgetEvents>();

@@ -16,7 +16,7 @@ import type { Logger } from "../log/logger.ts";
 import type { BudgetView } from "../usage/usage_schemas.ts";
 import { GateRefused } from "../retry/errors.ts";
 import { type CallEnd, type CallTokens, chargeOf } from "./charge.ts";
-import { costNanos, type ModelPrice, nanosToUsd, type Prices, usdToNanos } from "../provider/prices.ts";
+import { costNanos, type ModelPrice, nanosToUsd, type Prices, usdToNanos } from "../llm/prices.ts";
 import type { ReplicaAck } from "../redis/replica_ack.ts";
 import { taskModels } from "../jobs/task_store.ts";
 import {

@@ -8,7 +8,7 @@
  */
 import type { Completion } from "../llm/llm.ts";
 import { statusOf } from "../retry/classify.ts";
-import { costNanos, type ModelPrice } from "../provider/prices.ts";
+import { costNanos, type ModelPrice } from "../llm/prices.ts";
 
 /** Tokens of one call: reserved (the worst case) or charged. */
 export interface CallTokens {

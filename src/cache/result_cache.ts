@@ -18,7 +18,7 @@ import type { RedisClient } from "../clients.ts";
 import { sha256Hex } from "../crypto/digest.ts";
 import { canonicalJson } from "../idempotency/fingerprint.ts";
 import type { Logger } from "../log/logger.ts";
-import { costNanos, nanosToUsd, type Prices } from "../provider/prices.ts";
+import { costNanos, nanosToUsd, type Prices } from "../llm/prices.ts";
 import { type Clock, systemClock } from "../retry/clock.ts";
 import type { Deadline } from "../retry/deadline.ts";
 import type { JobKeys } from "../summaries/keys.ts";

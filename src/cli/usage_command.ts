@@ -1,6 +1,6 @@
 import type { Sql } from "postgres";
 import { type TaskAttemptUsage, taskAttemptUsage } from "../jobs/job_store.ts";
-import { nanosToUsd } from "../provider/prices.ts";
+import { nanosToUsd } from "../llm/prices.ts";
 import { DEFAULT_SINCE, parseSince } from "../usage/since.ts";
 import { printRows } from "./table.ts";
 

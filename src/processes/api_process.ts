@@ -12,7 +12,7 @@ import { createDefinitionChecker, type DefinitionChecker } from "../tasks/defini
 import { type RunApiDeps, runRoutes } from "../tasks/runs_api.ts";
 import { createBudgets } from "../budgets/budgets.ts";
 import { budgetEvents } from "../budgets/budget_metrics.ts";
-import { createPrices, servedModels } from "../provider/prices.ts";
+import { createPrices, servedModels } from "../llm/prices.ts";
 import { createTaskCache, type TaskCache } from "../tasks/task_cache.ts";
 import { createSchemaValidators } from "../tasks/validator.ts";
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";

@@ -11,7 +11,7 @@ import {
 import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
 import { createSummaryWorker } from "../summaries/worker.ts";
 import { createTaskCache } from "../tasks/task_cache.ts";
-import { createPrices } from "../provider/prices.ts";
+import { createPrices } from "../llm/prices.ts";
 import { createSchemaValidators } from "../tasks/validator.ts";
 import { buildFlow, buildLlm, providerLabel } from "./_model.ts";
 import { settlesWithin } from "../async/timeout.ts";

@@ -1,6 +1,6 @@
 import type { RedisClient } from "../clients.ts";
 import { defineScript } from "../redis/script.ts";
-import { fieldsToObject } from "../queue/message.ts";
+import { fieldsToObject } from "../redis/fields.ts";
 
 const READ_STATE = defineScript(`
 -- Read state: the provider's state hash with Redis's own clock, so every worker sees the same now.

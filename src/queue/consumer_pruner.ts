@@ -9,7 +9,7 @@ import type { Logger } from "../log/logger.ts";
 import { defineScript } from "../redis/script.ts";
 import type { GroupCache } from "./consumer_group.ts";
 import type { LaneSource } from "./lanes.ts";
-import { fieldsToObject } from "./message.ts";
+import { fieldsToObject } from "../redis/fields.ts";
 
 /** Defaults of {@linkcode createConsumerPruner}. */
 export const PRUNER_DEFAULTS = {

@@ -1,7 +1,8 @@
 import type { RedisClient } from "../clients.ts";
 import { NotReplicated, notReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
 import { runDeadLetter } from "./dead_letter_script.ts";
-import { fieldsToObject, type QueueNames, type StreamMessage } from "./message.ts";
+import { type QueueNames, type StreamMessage } from "./message.ts";
+import { fieldsToObject } from "../redis/fields.ts";
 import { runClaimReplay } from "./replay_claim_script.ts";
 import { runReplay } from "./replay_script.ts";
 

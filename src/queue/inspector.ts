@@ -7,7 +7,8 @@
  */
 import type { RedisClient } from "../clients.ts";
 import { type DeadLetter, droppedDeadLetters, pagesOfDeadLetters } from "./dead_letter.ts";
-import { fieldsToObject, type QueueNames } from "./message.ts";
+import { type QueueNames } from "./message.ts";
+import { fieldsToObject } from "../redis/fields.ts";
 
 /** One lane: its tenant (null for a one-stream queue) and its stream's names. */
 export interface InspectedLane<K extends QueueNames = QueueNames> {

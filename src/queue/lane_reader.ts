@@ -8,7 +8,8 @@ import { defineScript } from "../redis/script.ts";
 import type { GroupCache } from "./consumer_group.ts";
 import type { LaneShares } from "./lane_shares.ts";
 import type { LaneSource } from "./lanes.ts";
-import { fieldsToObject, type QueueNames, type StreamMessage } from "./message.ts";
+import { type QueueNames, type StreamMessage } from "./message.ts";
+import { fieldsToObject } from "../redis/fields.ts";
 
 /** Defaults of {@linkcode createLaneReader}. */
 export const READER_DEFAULTS = {

@@ -23,16 +23,6 @@ export function acceptedMsOf({ id, fields }: { id: string; fields: Record<string
 }
 
 /**
- * Turns Redis's flat `[k, v, k, v]` reply (a stream entry's fields, or an
- * `XINFO` record, whose values may be numbers) into an object.
- */
-export function fieldsToObject<T = string>(flat: readonly T[]): Record<string, T> {
-  const out: Record<string, T> = {};
-  for (let i = 0; i + 1 < flat.length; i += 2) out[String(flat[i])] = flat[i + 1]!;
-  return out;
-}
-
-/**
  * Up to `count` entries of `stream` after the id `after` (`-` for the start),
  * oldest first, each as `[id, flat fields]`.
  */

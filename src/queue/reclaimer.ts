@@ -6,7 +6,8 @@ import type { RedisClient } from "../clients.ts";
 import { defineScript } from "../redis/script.ts";
 import type { GroupCache } from "./consumer_group.ts";
 import type { LaneSource } from "./lanes.ts";
-import { fieldsToObject, type QueueNames, type StreamMessage } from "./message.ts";
+import { type QueueNames, type StreamMessage } from "./message.ts";
+import { fieldsToObject } from "../redis/fields.ts";
 
 /** Defaults of {@linkcode createReclaimer}. */
 export const RECLAIMER_DEFAULTS = {

@@ -12,7 +12,7 @@ import { type AttemptRow, failedAttemptsOf, insertAttempts } from "../jobs/job_s
 import type { Logger } from "../log/logger.ts";
 import type { AttemptDetails, AttemptReport } from "../retry/retry_policy.ts";
 import { type CallTokens, chargeNanos } from "../budgets/charge.ts";
-import type { ModelPrice } from "../provider/prices.ts";
+import type { ModelPrice } from "../llm/prices.ts";
 
 /** Buffers attempts and writes them in batches. */
 export interface AttemptLog {

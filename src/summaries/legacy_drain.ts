@@ -27,7 +27,8 @@ import type { Logger } from "../log/logger.ts";
 import { sleep } from "../async/timeout.ts";
 import { announceLane, laneKnownArgs } from "../queue/lanes.ts";
 import { deleteEmptyStream } from "../queue/delete_empty_stream.ts";
-import { entriesAfter, fieldsToObject } from "../queue/message.ts";
+import { entriesAfter } from "../queue/message.ts";
+import { fieldsToObject } from "../redis/fields.ts";
 import { defineScript } from "../redis/script.ts";
 import { jobKeys, type ServiceKeys } from "./keys.ts";
 

@@ -17,7 +17,7 @@ import { type AttemptDetails, type AttemptReport, callWithRetries } from "../ret
 import type { Completion } from "../llm/llm.ts";
 import { attemptCharge, attemptCost, type AttemptLog, attemptRow } from "./attempt_log.ts";
 import { type CallTokens, chargeOf } from "../budgets/charge.ts";
-import type { Prices } from "../provider/prices.ts";
+import type { Prices } from "../llm/prices.ts";
 import type { Outcome } from "../jobs/job_store.ts";
 import { type Committed, createDecidedCheck, type GroupCommitter } from "./commit.ts";
 import { contextFrom, currentTraceparent, inSpan, recordSpan } from "../tracing.ts";

@@ -16,7 +16,7 @@ import {
   seedBudgetState,
 } from "../../src/budgets/budget_scripts.ts";
 import { createReplicaAck } from "../../src/redis/replica_ack.ts";
-import { createPrices } from "../../src/provider/prices.ts";
+import { createPrices } from "../../src/llm/prices.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";

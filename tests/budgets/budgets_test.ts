@@ -19,7 +19,7 @@ import {
   runSettle,
   seedBudgetState,
 } from "../../src/budgets/budget_scripts.ts";
-import { createPrices } from "../../src/provider/prices.ts";
+import { createPrices } from "../../src/llm/prices.ts";
 import { createRegistry } from "../../src/metrics/metrics.ts";
 import { budgetEvents } from "../../src/budgets/budget_metrics.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";

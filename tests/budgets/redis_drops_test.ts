@@ -23,7 +23,7 @@ import { budgetKey, createBudgets, worstCaseTokens } from "../../src/budgets/bud
 import { readBudgetState } from "../../src/budgets/budget_scripts.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { silentLogger } from "../../src/log/logger.ts";
-import { createPrices } from "../../src/provider/prices.ts";
+import { createPrices } from "../../src/llm/prices.ts";
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import type { StreamWorker } from "../../src/queue/stream_worker.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";

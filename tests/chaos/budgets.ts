@@ -64,7 +64,7 @@ import { budgetKey, worstCaseTokens } from "../../src/budgets/budgets.ts";
 import type { CallTokens } from "../../src/budgets/charge.ts";
 import { readBudgetState } from "../../src/budgets/budget_scripts.ts";
 import { MAX_OUTPUT_TOKENS } from "../../src/llm/llm.ts";
-import { costNanos, nanosToUsd, type Prices, usdToNanos } from "../../src/provider/prices.ts";
+import { costNanos, nanosToUsd, type Prices, usdToNanos } from "../../src/llm/prices.ts";
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import type { ServiceKeys } from "../../src/summaries/keys.ts";
 import { type ChatBody, defaultAnswer, type FakeModelServer, realisticUsage } from "../support/fake_model_server.ts";

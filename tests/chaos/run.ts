@@ -126,7 +126,7 @@ import { seededRandom } from "../support/random.ts";
 import { pgFailoverMode, startPgFailover } from "./pg_failover.ts";
 import { burstJobs, chaosBudgets, PRICE_ENV, RAISE_AT, type RequestKind } from "./budgets.ts";
 import { MAX_OUTPUT_TOKENS, summaryPrompt } from "../../src/llm/llm.ts";
-import { createPrices } from "../../src/provider/prices.ts";
+import { createPrices } from "../../src/llm/prices.ts";
 
 const args = Deno.args;
 const flag = (name: string) => args.includes(`--${name}`);

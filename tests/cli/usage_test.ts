@@ -13,7 +13,7 @@ import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import { apiHandler, summaryWorker } from "../support/fixtures.ts";
 import { type AttemptRowSpec, recordAttempt, recordCacheHit } from "../support/run_rows.ts";
-import { costNanos, createPrices, nanosToUsd } from "../../src/provider/prices.ts";
+import { costNanos, createPrices, nanosToUsd } from "../../src/llm/prices.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 
 Deno.test("--since parses seconds, minutes, hours and days, and names a mistake", () => {

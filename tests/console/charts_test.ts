@@ -18,7 +18,7 @@ import { clockWindow } from "../../src/console/chart_windows.ts";
 import { createConsole } from "../../src/console/console.ts";
 import { formatCount, formatUsd } from "../../src/console/charts.ts";
 import { budgetKey, createBudgets } from "../../src/budgets/budgets.ts";
-import { createPrices } from "../../src/provider/prices.ts";
+import { createPrices } from "../../src/llm/prices.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { apiMetrics, createRegistry } from "../../src/metrics/metrics.ts";
 import {

@@ -11,7 +11,7 @@ import {
   pendingCount,
   workers,
 } from "../../src/queue/inspector.ts";
-import { fieldsToObject } from "../../src/queue/message.ts";
+import { fieldsToObject } from "../../src/redis/fields.ts";
 import { serviceKeys } from "../../src/summaries/keys.ts";
 import { createTestRedis } from "../_support.ts";
 

@@ -8,7 +8,7 @@ import postgres from "postgres";
 import { createExtractiveLlm } from "../../src/llm/extractive.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
-import { fieldsToObject } from "../../src/queue/message.ts";
+import { fieldsToObject } from "../../src/redis/fields.ts";
 import { createGroupCommitter } from "../../src/summaries/commit.ts";
 import { jobKeys } from "../../src/summaries/keys.ts";
 import { createSummaryJob } from "../../src/summaries/summary_job.ts";

@@ -13,7 +13,7 @@ import { readBudgetState } from "../../src/budgets/budget_scripts.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { MAX_OUTPUT_TOKENS, summaryPrompt } from "../../src/llm/llm.ts";
 import { createLogger, silentLogger } from "../../src/log/logger.ts";
-import { costNanos, createPrices } from "../../src/provider/prices.ts";
+import { costNanos, createPrices } from "../../src/llm/prices.ts";
 import { createProviderFlow, providerStateKey } from "../../src/provider/flow_control.ts";
 import { createRegistry, workerMetrics } from "../../src/metrics/metrics.ts";
 import { flowEvents } from "../../src/metrics/wire.ts";

@@ -6,7 +6,7 @@ import { ConfigError, parseConfig } from "../../src/config.ts";
 import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
 import { jobIdFor } from "../../src/idempotency/scope.ts";
 import { deadLetter } from "../../src/queue/dead_letter.ts";
-import { fieldsToObject } from "../../src/queue/message.ts";
+import { fieldsToObject } from "../../src/redis/fields.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { createReplicaAck, type ReplicaAck } from "../../src/redis/replica_ack.ts";
 import { createIntake } from "../../src/summaries/intake.ts";

@@ -13,7 +13,7 @@ import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import type { Mailer } from "../../src/mail/mailer.ts";
 import { createRelay, type Deferral, type Relay, type RelayOptions } from "../../src/outbox/relay.ts";
 import type { ProviderFlow } from "../../src/provider/flow_control.ts";
-import type { Prices } from "../../src/provider/prices.ts";
+import type { Prices } from "../../src/llm/prices.ts";
 import type { StreamWorker } from "../../src/queue/stream_worker.ts";
 import { type ApiDeps, createApiHandler } from "../../src/processes/api_process.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";

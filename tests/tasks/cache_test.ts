@@ -11,7 +11,7 @@ import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import { createRegistry, resultCacheMetrics } from "../../src/metrics/metrics.ts";
 import { resultCacheEvents } from "../../src/metrics/wire.ts";
-import { createPrices } from "../../src/provider/prices.ts";
+import { createPrices } from "../../src/llm/prices.ts";
 import { Deadline } from "../../src/retry/deadline.ts";
 import { JobDeferred } from "../../src/queue/errors.ts";
 import { createRetention } from "../../src/retention/retention.ts";
