@@ -53,7 +53,7 @@ export interface WorkerPoolOptions<S> {
   /** The error for work refused past a cap. */
   busy(what: string): Error;
   /** The error for a Worker that failed (`event.message`) or did not load in `startMs` (`undefined`). */
-  broken?(message: string | undefined): Error;
+  broken(message: string | undefined): Error;
 }
 
 /** The Worker running a piece of work, as that work sees it. */
@@ -120,21 +120,15 @@ const ORPHAN_POLL_MS = 20;
 /** Starts a pool; its Workers start with the first work that needs one. */
 export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPool<S, R> {
   if (!(options.workers >= 1)) throw new RangeError(`At least one ${options.name} Worker (got ${options.workers})`);
-  const broken = options.broken ??
-    ((message: string | undefined) =>
-      new Error(
-        message === undefined
-          ? `The ${options.name} Worker did not start within ${options.startMs} ms`
-          : `The ${options.name} Worker failed: ${message}`,
-      ));
+  const broken = options.broken;
   const slots: Slot<S, R>[] = [];
-  const orphans: Orphan[] = [];
-  let orphanTimer: ReturnType<typeof setInterval> | undefined;
-  let idleTimer: ReturnType<typeof setTimeout> | undefined;
+  const orphans = createOrphans(options.orphanMs, () => pump());
+  const pending = createPendingCount(options);
+  // Stops the Workers once nothing has run for `idleMs`.
+  const idle = createIdleTimer(options.idleMs, () => !closed && pending.total === 0 && slots.length > 0, () => {
+    for (const slot of [...slots]) if (slot.ready && !slot.job) remove(slot);
+  });
   const queue = createTenantQueues<Job<S, R>>();
-  /** Work waiting or running, by tenant, and in all. */
-  const pending = new Map<string, number>();
-  let pendingTotal = 0;
   let nextId = 0;
   let closed = false;
 
@@ -155,26 +149,8 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
     // it keeps its place in the pool until it has, or the pool could grow without bound. One that has not begun
     // is told not to: then it never will.
     if (Atomics.compareExchange(slot.state, 0, POOL_STATE.idle, POOL_STATE.cancelled) === POOL_STATE.busy) {
-      orphans.push({ state: slot.state, since: performance.now() });
-      orphanTimer ??= setInterval(() => pruneOrphans() && pump(), ORPHAN_POLL_MS);
+      orphans.add(slot.state);
     }
-  };
-
-  /** Forgets the orphans that have finished (or that have counted for `orphanMs`): whether there were any. */
-  const pruneOrphans = (): boolean => {
-    const before = orphans.length;
-    const now = performance.now();
-    for (let i = orphans.length - 1; i >= 0; i--) {
-      const orphan = orphans[i]!;
-      if (Atomics.load(orphan.state, 0) !== POOL_STATE.busy || now - orphan.since > options.orphanMs) {
-        orphans.splice(i, 1);
-      }
-    }
-    if (orphans.length === 0) {
-      clearInterval(orphanTimer);
-      orphanTimer = undefined;
-    }
-    return orphans.length < before;
   };
 
   const settle = (slot: Slot<S, R>, outcome: Settled<unknown>) => {
@@ -189,61 +165,45 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
   };
 
   const start = () => {
-    const worker = new Worker(options.url, { type: "module", name: options.name });
-    const state = new Int32Array(new SharedArrayBuffer(4));
-    const slot: Slot<S, R> = {
-      worker,
-      ready: false,
-      state,
-      handle: {
-        data: options.slotData(),
-        post: (message) => worker.postMessage(message),
-        arm(ms) {
-          const job = slot.job!;
-          clearTimeout(slot.timer);
-          slot.timer = setTimeout(() => {
-            remove(slot);
-            job.reject(job.work.timedOut(ms));
-            pump();
-          }, ms);
-        },
+    const slot = openSlot<S, R>(options, {
+      ready() {
+        clearTimeout(slot.timer);
+        slot.timer = undefined;
+        slot.ready = true;
+        pump();
       },
-    };
+      reply(data) {
+        const job = slot.job;
+        if (!job || data.id !== job.id) return;
+        let outcome: Settled<unknown> | undefined;
+        try {
+          outcome = job.work.reply(data, slot.handle);
+        } catch (error) {
+          outcome = { error };
+        }
+        if (outcome) settle(slot, outcome);
+      },
+      failed(message) {
+        const loaded = slot.ready;
+        const job = release(slot);
+        const failed = broken(message);
+        remove(slot);
+        if (job) job.reject(failed);
+        // One that never loaded (a missing read permission, say) fails those waiting instead of retrying for ever.
+        else if (!loaded && !slots.some((other) => other.ready)) failWaiting(failed);
+        pump();
+      },
+      ranOver(job, ms) {
+        remove(slot);
+        job.reject(job.work.timedOut(ms));
+        pump();
+      },
+    });
     slot.timer = setTimeout(() => {
       remove(slot);
       if (!slots.some((other) => other.ready)) failWaiting(broken(undefined));
       pump();
     }, options.startMs);
-    worker.onmessage = ({ data }: MessageEvent<PoolReply | (R & { id: number })>) => {
-      if ((data as PoolReply).type === "ready") {
-        clearTimeout(slot.timer);
-        slot.timer = undefined;
-        slot.ready = true;
-        return pump();
-      }
-      const job = slot.job;
-      if (!job || (data as { id: number }).id !== job.id) return;
-      let outcome: Settled<unknown> | undefined;
-      try {
-        outcome = job.work.reply(data as R, slot.handle);
-      } catch (error) {
-        outcome = { error };
-      }
-      if (outcome) settle(slot, outcome);
-    };
-    worker.onerror = (event) => {
-      // Unhandled, a Worker's error would end this process.
-      event.preventDefault();
-      const loaded = slot.ready;
-      const job = release(slot);
-      const failed = broken(event.message);
-      remove(slot);
-      if (job) job.reject(failed);
-      // One that never loaded (a missing read permission, say) fails those waiting instead of retrying for ever.
-      else if (!loaded && !slots.some((other) => other.ready)) failWaiting(failed);
-      pump();
-    };
-    worker.postMessage({ type: "init", state: state.buffer, options: options.init ?? {} } satisfies PoolInit);
     slots.push(slot);
   };
 
@@ -258,78 +218,44 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
     }
   };
 
-  /** Stops the Workers once nothing has run for `idleMs`. */
-  const retireWhenIdle = () => {
-    clearTimeout(idleTimer);
-    idleTimer = undefined;
-    if (options.idleMs === undefined || closed || pendingTotal > 0 || slots.length === 0) return;
-    const timer = setTimeout(() => {
-      idleTimer = undefined;
-      if (pendingTotal > 0) return;
-      for (const slot of [...slots]) if (slot.ready && !slot.job) remove(slot);
-    }, options.idleMs);
-    Deno.unrefTimer(timer);
-    idleTimer = timer;
-  };
-
   const pump = () => {
     if (closed) return;
     while (queue.size > 0) {
-      const idle = slots.find((slot) => slot.ready && !slot.job);
-      if (!idle) break;
-      dispatch(idle, queue.next()!);
+      const free = slots.find((slot) => slot.ready && !slot.job);
+      if (!free) break;
+      dispatch(free, queue.next()!);
     }
-    if (orphans.length > 0) pruneOrphans();
     const starting = slots.filter((slot) => !slot.ready).length;
-    if (queue.size > starting && slots.length + orphans.length < options.workers) start();
-    retireWhenIdle();
+    if (queue.size > starting && slots.length + orphans.count() < options.workers) start();
+    idle.touch();
   };
 
   return {
     run<T>(tenant: string, work: PoolWork<S, R, T>): Promise<T> {
       if (closed) return Promise.reject(new Error(`The ${options.name} pool is closed`));
-      const ofTenant = pending.get(tenant) ?? 0;
-      if (ofTenant >= options.maxPendingPerTenant) {
-        return Promise.reject(options.busy(`${ofTenant} of this tenant's; at most ${options.maxPendingPerTenant}`));
+      let done: () => void;
+      try {
+        done = pending.admit(tenant);
+      } catch (error) {
+        return Promise.reject(error);
       }
-      if (pendingTotal >= options.maxPending) {
-        return Promise.reject(options.busy(`${pendingTotal} in all; at most ${options.maxPending}`));
-      }
-      pending.set(tenant, ofTenant + 1);
-      pendingTotal++;
-      let counted = true;
-      const uncount = () => {
-        if (!counted) return;
-        counted = false;
-        pendingTotal--;
-        const left = pending.get(tenant)! - 1;
-        if (left === 0) pending.delete(tenant);
-        else pending.set(tenant, left);
-      };
       return new Promise<T>((resolve, reject) => {
+        // Uncounted as it settles, whichever way.
+        const then = <A>(settle: (a: A) => void) => (a: A) => (done(), settle(a));
         queue.push(tenant, {
           id: nextId++,
           work,
-          resolve(value) {
-            uncount();
-            resolve(value as T);
-          },
-          reject(error) {
-            uncount();
-            reject(error);
-          },
+          resolve: then(resolve as (value: unknown) => void),
+          reject: then(reject),
         });
         pump();
       });
     },
-    stats() {
-      if (orphans.length > 0) pruneOrphans();
-      return { workers: slots.length, orphans: orphans.length, pending: pendingTotal };
-    },
+    stats: () => ({ workers: slots.length, orphans: orphans.count(), pending: pending.total }),
     close() {
       if (closed) return;
       closed = true;
-      clearTimeout(idleTimer);
+      idle.stop();
       const error = new Error(`The ${options.name} pool is closed`);
       for (const slot of [...slots]) {
         const job = release(slot);
@@ -337,9 +263,137 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
         job?.reject(error);
       }
       failWaiting(error);
-      orphans.length = 0;
-      clearInterval(orphanTimer);
-      orphanTimer = undefined;
+      orphans.clear();
+    },
+  };
+}
+
+/** What a pool does when a Worker is ready, answers, fails, or its work runs over its deadline. */
+interface SlotEvents<S, R> {
+  ready(): void;
+  reply(data: R & { id: number }): void;
+  failed(message: string): void;
+  ranOver(job: Job<S, R>, ms: number): void;
+}
+
+/** Starts a Worker with its shared state, and sends it its settings. */
+function openSlot<S, R>(options: WorkerPoolOptions<S>, on: SlotEvents<S, R>): Slot<S, R> {
+  const worker = new Worker(options.url, { type: "module", name: options.name });
+  const state = new Int32Array(new SharedArrayBuffer(4));
+  const slot: Slot<S, R> = {
+    worker,
+    ready: false,
+    state,
+    handle: {
+      data: options.slotData(),
+      post: (message) => worker.postMessage(message),
+      arm(ms) {
+        const job = slot.job!;
+        clearTimeout(slot.timer);
+        slot.timer = setTimeout(() => on.ranOver(job, ms), ms);
+      },
+    },
+  };
+  worker.onmessage = ({ data }: MessageEvent<PoolReply | (R & { id: number })>) => {
+    if ((data as PoolReply).type === "ready") on.ready();
+    else on.reply(data as R & { id: number });
+  };
+  worker.onerror = (event) => {
+    // Unhandled, a Worker's error would end this process.
+    event.preventDefault();
+    on.failed(event.message);
+  };
+  worker.postMessage({ type: "init", state: state.buffer, options: options.init ?? {} } satisfies PoolInit);
+  return slot;
+}
+
+/** Calls `retire` once `isIdle` has held for `idleMs` since the last `touch` (never without `idleMs`). */
+function createIdleTimer(idleMs: number | undefined, isIdle: () => boolean, retire: () => void) {
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const stop = () => {
+    clearTimeout(timer);
+    timer = undefined;
+  };
+  return {
+    touch() {
+      stop();
+      if (idleMs === undefined || !isIdle()) return;
+      timer = setTimeout(() => {
+        timer = undefined;
+        if (isIdle()) retire();
+      }, idleMs);
+      // The timer keeps no process alive (a live Worker does, which is why it retires).
+      Deno.unrefTimer(timer);
+    },
+    stop,
+  };
+}
+
+/**
+ * Terminated Workers still finishing their work, each counted until its state says it is no longer busy (or for
+ * `orphanMs` at most); `freed` is told when one is forgotten, so that waiting work may take its place.
+ */
+function createOrphans(orphanMs: number, freed: () => void) {
+  const orphans: Orphan[] = [];
+  let timer: ReturnType<typeof setInterval> | undefined;
+  /** Forgets the orphans that have finished, or have counted for `orphanMs`: whether there were any. */
+  const prune = (): boolean => {
+    const before = orphans.length;
+    const now = performance.now();
+    for (let i = orphans.length - 1; i >= 0; i--) {
+      const orphan = orphans[i]!;
+      if (Atomics.load(orphan.state, 0) !== POOL_STATE.busy || now - orphan.since > orphanMs) orphans.splice(i, 1);
+    }
+    if (orphans.length === 0) clear();
+    return orphans.length < before;
+  };
+  const clear = () => {
+    orphans.length = 0;
+    clearInterval(timer);
+    timer = undefined;
+  };
+  return {
+    add(state: Int32Array) {
+      orphans.push({ state, since: performance.now() });
+      timer ??= setInterval(() => prune() && freed(), ORPHAN_POLL_MS);
+    },
+    count(): number {
+      if (orphans.length > 0) prune();
+      return orphans.length;
+    },
+    clear,
+  };
+}
+
+/** Work waiting or running, by tenant and in all, admitted under the pool's caps. */
+function createPendingCount(
+  { maxPendingPerTenant, maxPending, busy }: Pick<
+    WorkerPoolOptions<unknown>,
+    "maxPendingPerTenant" | "maxPending" | "busy"
+  >,
+) {
+  const byTenant = new Map<string, number>();
+  let total = 0;
+  return {
+    get total() {
+      return total;
+    },
+    /** Counts one more of `tenant`'s: @returns what uncounts it (once). @throws `busy` past a cap. */
+    admit(tenant: string): () => void {
+      const ofTenant = byTenant.get(tenant) ?? 0;
+      if (ofTenant >= maxPendingPerTenant) throw busy(`${ofTenant} of this tenant's; at most ${maxPendingPerTenant}`);
+      if (total >= maxPending) throw busy(`${total} in all; at most ${maxPending}`);
+      byTenant.set(tenant, ofTenant + 1);
+      total++;
+      let counted = true;
+      return () => {
+        if (!counted) return;
+        counted = false;
+        total--;
+        const left = byTenant.get(tenant)! - 1;
+        if (left === 0) byTenant.delete(tenant);
+        else byTenant.set(tenant, left);
+      };
     },
   };
 }
