@@ -79,14 +79,54 @@ export const TaskList = z.object({
 
 /** An input value as a placeholder renders it: a string as it is, anything else as JSON, nothing when absent. */
 function renderedValue(input: unknown, path: readonly string[]): string {
+  const value = valueAt(input, path);
+  if (value === undefined) return "";
+  return typeof value === "string" ? value : String(JSON.stringify(value));
+}
+
+/** The value a placeholder's path names in `input`; undefined when there is none. */
+function valueAt(input: unknown, path: readonly string[]): unknown {
   let value: unknown = input;
   for (const key of path) {
     value = value !== null && typeof value === "object" && Object.hasOwn(value, key)
       ? (value as Record<string, unknown>)[key]
       : undefined;
   }
-  if (value === undefined) return "";
-  return typeof value === "string" ? value : String(JSON.stringify(value));
+  return value;
+}
+
+/**
+ * `renderedValue(...).length` without rendering: a string's length, else the length of its JSON, from the
+ * lengths of its parts, each object's kept in `lengths`. So placeholders that name an object and the objects
+ * inside it (`{{input.a}}{{input.a.a}}`...) cost one walk of the input in all, where stringifying each cost the
+ * input's size per placeholder (62 nested placeholders over 960 KB held the API's thread 380 ms a request).
+ */
+function renderedValueLength(value: unknown, lengths: WeakMap<object, number>): number {
+  if (value === undefined) return 0;
+  return typeof value === "string" ? value.length : jsonLength(value, lengths);
+}
+
+/** The length of `JSON.stringify(value)` for a value parsed from JSON, objects' lengths kept in `lengths`. */
+function jsonLength(value: unknown, lengths: WeakMap<object, number>): number {
+  if (typeof value === "string") return JSON.stringify(value).length;
+  if (typeof value !== "object" || value === null) return String(value).length;
+  const known = lengths.get(value);
+  if (known !== undefined) return known;
+  let length: number;
+  if (Array.isArray(value)) {
+    // "[" and "]", and a comma between items.
+    length = 2 + Math.max(0, value.length - 1);
+    for (const item of value) length += jsonLength(item, lengths);
+  } else {
+    const keys = Object.keys(value);
+    // "{" and "}", a colon after each key, and a comma between entries.
+    length = 2 + keys.length + Math.max(0, keys.length - 1);
+    for (const key of keys) {
+      length += JSON.stringify(key).length + jsonLength((value as Record<string, unknown>)[key], lengths);
+    }
+  }
+  lengths.set(value, length);
+  return length;
 }
 
 /** A template read once: its text without placeholders, and each placeholder's path, distinct, with its count. */
@@ -140,17 +180,22 @@ export const RENDER_LIMITS = { maxChars: 400_000 };
  * How long `template` is once rendered with `input`, without rendering it: each value's length is measured
  * once per placeholder path, so a template that names a large value many times costs one measurement.
  */
-export function renderedLength(template: string, input: unknown): number {
+export function renderedLength(
+  template: string,
+  input: unknown,
+  lengths: WeakMap<object, number> = new WeakMap(),
+): number {
   const { fixed, paths } = parsedTemplate(template);
   let length = fixed;
-  for (const { path, count } of paths) length += count * renderedValue(input, path).length;
+  for (const { path, count } of paths) length += count * renderedValueLength(valueAt(input, path), lengths);
   return length;
 }
 
 /** The rendered length of a definition's prompt and system message together (see {@linkcode RENDER_LIMITS}). */
 export function renderedChars(definition: Pick<TaskDefinition, "prompt" | "system">, input: unknown): number {
-  return renderedLength(definition.prompt, input) +
-    (definition.system === undefined ? 0 : renderedLength(definition.system, input));
+  const lengths = new WeakMap<object, number>();
+  return renderedLength(definition.prompt, input, lengths) +
+    (definition.system === undefined ? 0 : renderedLength(definition.system, input, lengths));
 }
 
 /**

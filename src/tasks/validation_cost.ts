@@ -132,11 +132,21 @@ export function costed(schema: unknown, compiled: CompiledSchema): CostedSchema 
   return { schema, compiled, linear, weights, stringRegexes, keyRegexes, total, tree };
 }
 
-/** Values, keys and array entries in a JSON value. */
+/**
+ * Values, keys and array entries in a JSON value, a string or key counting one more per 64 characters. The
+ * validator writes a failing `const` or `enum` value into its message (`Instance does not match ...`, a
+ * `JSON.stringify` of it), and `contains`, `anyOf` and their kind keep every failing branch's messages until they
+ * finish: counted as one unit, a 60 KB `const` in `contains` over 100,000 items was estimated at 500,000 units
+ * and took an API to its heap limit (the fourth probe of issue 37). By its length, the work and the memory are
+ * both bounded by the estimate: at most 64 characters of message a unit.
+ */
 function jsonSize(value: unknown): number {
+  if (typeof value === "string") return 1 + Math.floor(value.length / CHARS_PER_UNIT);
   if (typeof value !== "object" || value === null) return 1;
   let size = 1;
-  for (const [, item] of Object.entries(value)) size += 1 + jsonSize(item);
+  for (const [key, item] of Object.entries(value)) {
+    size += 1 + Math.floor(key.length / CHARS_PER_UNIT) + jsonSize(item);
+  }
   return size;
 }
 
