@@ -13,7 +13,7 @@ import { createApiKey } from "../src/tenants/tenant_store.ts";
 import { startFakeMail } from "./support/fake_mail_server.ts";
 import { startFakeModel } from "./support/fake_model_server.ts";
 import { enqueueToLane } from "./support/enqueue.ts";
-import { serviceKeys } from "../src/summaries/keys.ts";
+import { serviceKeys } from "../src/runs/keys.ts";
 import { createTestDatabase, freePort, REDIS_URL, waitFor } from "./_support.ts";
 import { emptyRedisDatabase } from "./support/scratch.ts";
 

@@ -21,7 +21,7 @@ import type { Logger } from "../log/logger.ts";
 import { costNanos, nanosToUsd, type Prices } from "../llm/prices.ts";
 import { type Clock, systemClock } from "../retry/clock.ts";
 import type { Deadline } from "../retry/deadline.ts";
-import type { JobKeys } from "../summaries/keys.ts";
+import type { JobKeys } from "../runs/keys.ts";
 import type { CacheHit } from "./cache_hit_store.ts";
 import { CLAIM_SCRIPT } from "./claim_script.ts";
 import { FILL_SCRIPT } from "./fill_script.ts";

@@ -2,9 +2,9 @@ import type { Sql } from "postgres";
 import type { RedisClient } from "../clients.ts";
 import type { ReplicaAck } from "../redis/replica_ack.ts";
 import { deadLetterPages, droppedPerLane } from "../queue/inspector.ts";
-import type { JobKeys, ServiceKeys } from "../summaries/keys.ts";
-import { allLanes } from "../summaries/all_lanes.ts";
-import { replayDeadLetters, replaySummary, type ReplayTarget } from "../summaries/dead_letters.ts";
+import type { JobKeys, ServiceKeys } from "../runs/keys.ts";
+import { allLanes } from "../runs/all_lanes.ts";
+import { replayDeadLetters, replaySummary, type ReplayTarget } from "../runs/dead_letters.ts";
 import { printRows } from "./table.ts";
 
 const USAGE = "Usage: deno task dlq list [--json|--table] | replay ID [--tenant T] | replay --all";

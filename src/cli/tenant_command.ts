@@ -7,7 +7,7 @@ import { WEBHOOK_HOSTS } from "../tenants/webhook_hosts.ts";
 import { ensureWebhookSecret, rotateWebhookSecret } from "../tenants/webhook_secrets.ts";
 import { parseTenantWeight, setTenantWeight, TENANT_WEIGHTS_TTL_MS } from "../tenants/tenant_weights.ts";
 import type { RedisClient } from "../clients.ts";
-import { KEY_PREFIX } from "../summaries/keys.ts";
+import { KEY_PREFIX } from "../runs/keys.ts";
 import { parseBudgetArgs, setTenantBudget } from "../tenants/tenant_budgets.ts";
 import {
   budgetKey,

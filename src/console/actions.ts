@@ -4,7 +4,7 @@
  * signing out), logs it, and redirects back with a note saying what happened.
  */
 import { retryFailed } from "../outbox/outbox_store.ts";
-import { replayDeadLetters, replaySummary, type ReplayTarget } from "../summaries/dead_letters.ts";
+import { replayDeadLetters, replaySummary, type ReplayTarget } from "../runs/dead_letters.ts";
 import { sameText } from "./admin_auth.ts";
 import type { ConsoleDeps } from "./console.ts";
 import { html } from "./html.ts";

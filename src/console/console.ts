@@ -12,7 +12,7 @@ import type { Sql } from "postgres";
 import type { RedisClient } from "../clients.ts";
 import type { ReplicaAck } from "../redis/replica_ack.ts";
 import type { Logger } from "../log/logger.ts";
-import type { ServiceKeys } from "../summaries/keys.ts";
+import type { ServiceKeys } from "../runs/keys.ts";
 import { act } from "./actions.ts";
 import type { AdminAuthOptions } from "./admin_auth.ts";
 import { asset } from "./assets.ts";

@@ -2,8 +2,8 @@
 import { listOutbox, outboxBacklog, rowsOfJob } from "../outbox/outbox_store.ts";
 import { attemptedTaskOf, attemptsOf, decidedRun, doneLastMinute, type JobAttempt } from "../jobs/job_store.ts";
 import { deadLetterCount, deadLetterPages, laneStats, oldestAgeMs, workers } from "../queue/inspector.ts";
-import { allLanes } from "../summaries/all_lanes.ts";
-import { readJobRecord } from "../summaries/job_status.ts";
+import { allLanes } from "../runs/all_lanes.ts";
+import { readJobRecord } from "../runs/job_status.ts";
 import { JOB_ID } from "../summaries/schemas.ts";
 import { BUILT_IN_TASK } from "../tasks/definition.ts";
 import { traceIdOf } from "../tracing.ts";

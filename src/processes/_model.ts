@@ -6,7 +6,7 @@ import type { LLM } from "../llm/llm.ts";
 import { createOpenAiLlm } from "../llm/openai_llm.ts";
 import type { Logger } from "../log/logger.ts";
 import { createProviderFlow, type FlowEvents, type ProviderFlow, providerStateKey } from "../provider/flow_control.ts";
-import { KEY_PREFIX } from "../summaries/keys.ts";
+import { KEY_PREFIX } from "../runs/keys.ts";
 
 const DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1";
 

@@ -7,7 +7,7 @@ import { tasksCommand } from "../cli/tasks_command.ts";
 import { tenantCommand } from "../cli/tenant_command.ts";
 import { usageCommand } from "../cli/usage_command.ts";
 import { migrate, readMigrations } from "../db/migrate.ts";
-import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
+import { KEY_PREFIX, serviceKeys } from "../runs/keys.ts";
 import { buildFlow, providerLabel } from "./_model.ts";
 import { replicaAckOf } from "./_replica_ack.ts";
 

@@ -8,8 +8,8 @@ import {
   resultCacheEvents,
   workerEvents,
 } from "../metrics/wire.ts";
-import { KEY_PREFIX, serviceKeys } from "../summaries/keys.ts";
-import { createSummaryWorker } from "../summaries/worker.ts";
+import { KEY_PREFIX, serviceKeys } from "../runs/keys.ts";
+import { createSummaryWorker } from "../runs/worker.ts";
 import { createTaskCache } from "../tasks/task_cache.ts";
 import { createPrices } from "../llm/prices.ts";
 import { createSchemaValidators } from "../tasks/validator.ts";

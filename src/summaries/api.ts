@@ -13,7 +13,7 @@ import { KeyReused } from "../idempotency/errors.ts";
 import type { Logger } from "../log/logger.ts";
 import type { ApiMetrics } from "../metrics/metrics.ts";
 import type { Authenticate } from "../tenants/authenticator.ts";
-import { type Intake, type IntakeResult, QueueFull } from "./intake.ts";
+import { type Intake, type IntakeResult, QueueFull } from "../runs/intake.ts";
 import { BudgetExhausted, type Budgets, BudgetTooSmall, ModelUnpriced, worstCaseTokens } from "../budgets/budgets.ts";
 import { summaryPrompt } from "../llm/llm.ts";
 import { SUMMARIZE_DEFINITION } from "../tasks/definition.ts";
@@ -22,12 +22,12 @@ import { SUMMARIZE_DEFINITION } from "../tasks/definition.ts";
 export const BUDGET_EXHAUSTED = "urn:oncely:problem:budget-exhausted";
 import { NotReplicated } from "../redis/replica_ack.ts";
 import { cancelJob } from "../jobs/job_store.ts";
-import { jobDocument } from "./job_document.ts";
-import { markCancelled } from "./job_status.ts";
-import { type JobWaiter, preferredWaitS } from "./job_waiter.ts";
+import { jobDocument } from "../runs/job_document.ts";
+import { markCancelled } from "../runs/job_status.ts";
+import { type JobWaiter, preferredWaitS } from "../runs/job_waiter.ts";
 import { checkWebhookUrl, WebhookRefused } from "../webhooks/addresses.ts";
 import { currentTraceparent } from "../tracing.ts";
-import type { ServiceKeys } from "./keys.ts";
+import type { ServiceKeys } from "../runs/keys.ts";
 import {
   IDEMPOTENCY_KEY,
   idempotencyKeyOf,
@@ -36,7 +36,7 @@ import {
   type SummaryStatus,
 } from "./schemas.ts";
 import { skipsCache } from "../cache/result_cache.ts";
-import { summaryForms } from "../tasks/run_payload.ts";
+import { summaryForms } from "../runs/run_payload.ts";
 
 /** What the summary API needs. */
 export interface SummaryApiDeps {

@@ -8,11 +8,11 @@
  * Usage: ingest_server.ts api|bare|floor PORT DATABASE_URL REDIS_URL PREFIX
  */
 import { connectPostgres, connectRedis } from "../../src/clients.ts";
-import { createIntake } from "../../src/summaries/intake.ts";
+import { createIntake } from "../../src/runs/intake.ts";
 import { createLogger } from "../../src/log/logger.ts";
 import { createApiHandler } from "../../src/processes/api_process.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { createDefinitionChecker } from "../../src/tasks/definition_checker.ts";
 import { bareHandler, floorHandler } from "./baseline_handlers.ts";

@@ -10,10 +10,10 @@ import { jobIdFor } from "../../src/idempotency/scope.ts";
 import { createLogger } from "../../src/log/logger.ts";
 import { createApiHandler } from "../../src/processes/api_process.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";
-import { createIntake } from "../../src/summaries/intake.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { createIntake } from "../../src/runs/intake.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { parseSummaryRequest } from "../../src/summaries/schemas.ts";
-import { summaryForms } from "../../src/tasks/run_payload.ts";
+import { summaryForms } from "../../src/runs/run_payload.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { bareHandler, floorHandler } from "./baseline_handlers.ts";
 

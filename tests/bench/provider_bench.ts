@@ -9,7 +9,7 @@
 import { Redis } from "ioredis";
 import { sleep } from "../../src/async/timeout.ts";
 import { enqueueToLane } from "../support/enqueue.ts";
-import { KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
+import { KEY_PREFIX, serviceKeys } from "../../src/runs/keys.ts";
 import { startWorkerProcess } from "./worker_process.ts";
 import { limitedProvider, type Outage, startFakeModel } from "../support/fake_model_server.ts";
 import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";

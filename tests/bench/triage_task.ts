@@ -6,7 +6,7 @@
  * set against its text path.
  */
 import { checkDefinition, TaskDefinition } from "../../src/tasks/definition.ts";
-import type { RunPayload } from "../../src/tasks/run_payload.ts";
+import type { RunPayload } from "../../src/runs/run_payload.ts";
 
 /** A ticket of 91 characters: the summary benchmark's document has 88. */
 export const TICKET = "The export button crashes on reports over 500 rows. It began after Monday's update to v4.2.";

@@ -7,7 +7,7 @@
  */
 import assert from "node:assert/strict";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
 import { createLogger, silentLogger } from "../../src/log/logger.ts";

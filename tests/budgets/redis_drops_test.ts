@@ -26,7 +26,7 @@ import { silentLogger } from "../../src/log/logger.ts";
 import { createPrices } from "../../src/llm/prices.ts";
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import type { StreamWorker } from "../../src/queue/stream_worker.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";

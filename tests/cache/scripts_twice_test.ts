@@ -7,7 +7,7 @@ import assert from "node:assert/strict";
 import { CLAIM_SCRIPT } from "../../src/cache/claim_script.ts";
 import { FILL_SCRIPT } from "../../src/cache/fill_script.ts";
 import { LEASE_SCRIPT } from "../../src/cache/lease_script.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createTestRedis } from "../_support.ts";
 import { recordingRedis, resendingRedis, sendAgain } from "../support/resending_redis.ts";
 

@@ -66,7 +66,7 @@ import { readBudgetState } from "../../src/budgets/budget_scripts.ts";
 import { MAX_OUTPUT_TOKENS } from "../../src/llm/llm.ts";
 import { costNanos, nanosToUsd, type Prices, usdToNanos } from "../../src/llm/prices.ts";
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
-import type { ServiceKeys } from "../../src/summaries/keys.ts";
+import type { ServiceKeys } from "../../src/runs/keys.ts";
 import { type ChatBody, defaultAnswer, type FakeModelServer, realisticUsage } from "../support/fake_model_server.ts";
 
 /** The budgeted tenants and the unit of each one's budget (per UTC day). */

@@ -97,15 +97,15 @@ import { parseConfig } from "../../src/config.ts";
 import type { Command } from "../../src/commands.ts";
 import { permissionFlags } from "../../src/permissions.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
-import { RUN_KEY_PREFIX, SUMMARY_READY_KEY_PREFIX, SUMMARY_WEBHOOK_KEY_PREFIX } from "../../src/summaries/commit.ts";
+import { RUN_KEY_PREFIX, SUMMARY_READY_KEY_PREFIX, SUMMARY_WEBHOOK_KEY_PREFIX } from "../../src/runs/commit.ts";
 import { compileSchema } from "../../src/tasks/json_schema.ts";
 import { ensureWebhookSecret } from "../../src/tenants/webhook_secrets.ts";
 import { startFakeWebhookReceiver } from "../support/fake_webhook_receiver.ts";
-import { KEY_PREFIX, serviceKeys } from "../../src/summaries/keys.ts";
+import { KEY_PREFIX, serviceKeys } from "../../src/runs/keys.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";
 import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
 import { jobIdFor } from "../../src/idempotency/scope.ts";
-import { allLanes } from "../../src/summaries/all_lanes.ts";
+import { allLanes } from "../../src/runs/all_lanes.ts";
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import {

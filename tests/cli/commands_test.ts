@@ -7,10 +7,10 @@ import { createProviderFlow, providerStateKey } from "../../src/provider/flow_co
 import { tenantCommand } from "../../src/cli/tenant_command.ts";
 import { DEAD_LETTER_BOUNDS, deadLetter, droppedDeadLetters, pagesOfDeadLetters } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
-import { commitResults } from "../../src/summaries/commit.ts";
+import { commitResults } from "../../src/runs/commit.ts";
 import { enqueueJob } from "../support/enqueue.ts";
-import { jobKeys } from "../../src/summaries/keys.ts";
-import { markFailedHook } from "../../src/summaries/job_status.ts";
+import { jobKeys } from "../../src/runs/keys.ts";
+import { markFailedHook } from "../../src/runs/job_status.ts";
 import { parseApiKey } from "../../src/tenants/tenant_store.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
 

@@ -8,7 +8,7 @@
 import assert from "node:assert/strict";
 import { parseSince, usageCommand, usageReport } from "../../src/cli/usage_command.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import { apiHandler, summaryWorker } from "../support/fixtures.ts";

@@ -27,7 +27,7 @@ import {
   refusalCounter,
   refusalsPerMinute,
 } from "../../src/metrics/refusals.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { launchBrowser } from "../support/browser.ts";
 import { figureOf, marksOf, valuesOf } from "../support/chart_marks.ts";

@@ -9,7 +9,7 @@
 import assert from "node:assert/strict";
 import { createConsole } from "../../src/console/console.ts";
 import { createLogger } from "../../src/log/logger.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { apiHandler } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis, recordingLogger } from "../_support.ts";
 

@@ -12,7 +12,7 @@ import { clockWindow, USAGE_WINDOWS } from "../../src/console/chart_windows.ts";
 import { createConsole } from "../../src/console/console.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { recordRefusal } from "../../src/metrics/refusals.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { figureOf, marksOf, svgOf, valuesOf } from "../support/chart_marks.ts";
 import { recordAttempt } from "../support/run_rows.ts";

@@ -10,7 +10,7 @@ import {
   workerEvents,
 } from "../../src/metrics/wire.ts";
 import { enqueueJob, enqueueToLane } from "../support/enqueue.ts";
-import { jobKeys, serviceKeys } from "../../src/summaries/keys.ts";
+import { jobKeys, serviceKeys } from "../../src/runs/keys.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";

@@ -9,7 +9,7 @@
  */
 import assert from "node:assert/strict";
 import type { RelayOptions } from "../../src/outbox/relay.ts";
-import { commitResults } from "../../src/summaries/commit.ts";
+import { commitResults } from "../../src/runs/commit.ts";
 import { createLogger } from "../../src/log/logger.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { startFakeWebhookReceiver } from "../support/fake_webhook_receiver.ts";

@@ -7,7 +7,7 @@
 import assert from "node:assert/strict";
 import { createLogger } from "../../src/log/logger.ts";
 import { RELAY_TUNING } from "../../src/outbox/relay.ts";
-import { commitResults } from "../../src/summaries/commit.ts";
+import { commitResults } from "../../src/runs/commit.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { startFakeWebhookReceiver } from "../support/fake_webhook_receiver.ts";
 import { relayTo } from "../support/fixtures.ts";

@@ -10,7 +10,7 @@ import { tenantCommand } from "../../src/cli/tenant_command.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createProviderFlow, providerStateKey } from "../../src/provider/flow_control.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { createTenantWeights, setTenantWeight } from "../../src/tenants/tenant_weights.ts";
 import type { Sql } from "postgres";

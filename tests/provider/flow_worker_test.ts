@@ -12,8 +12,8 @@ import { createProviderFlow, providerStateKey } from "../../src/provider/flow_co
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { enqueueJob } from "../support/enqueue.ts";
-import { jobKeys } from "../../src/summaries/keys.ts";
-import { createSummaryWorker } from "../../src/summaries/worker.ts";
+import { jobKeys } from "../../src/runs/keys.ts";
+import { createSummaryWorker } from "../../src/runs/worker.ts";
 import { limitedProvider, startFakeModel } from "../support/fake_model_server.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 

@@ -12,7 +12,7 @@ import {
   workers,
 } from "../../src/queue/inspector.ts";
 import { fieldsToObject } from "../../src/redis/fields.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createTestRedis } from "../_support.ts";
 
 Deno.test("fieldsToObject() reads a flat reply, stream fields or an XINFO record with numbers", () => {

@@ -12,7 +12,7 @@ import { connectRedis, DependencyDown, type RedisClient } from "../../src/client
 import { ConfigError, parseConfig, parseSentinelUrl } from "../../src/config.ts";
 import { createExtractiveLlm } from "../../src/llm/extractive.ts";
 import { redisProbeFlags } from "../../src/permissions.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { createTestDatabase, freePort, waitFor } from "../_support.ts";
 import { apiHandler, summaryWorker } from "../support/fixtures.ts";

@@ -3,7 +3,7 @@ import { insertAttempts } from "../../src/jobs/job_store.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createRetention, type RetentionOptions } from "../../src/retention/retention.ts";
 import { OUTCOME_MIN_AGE_MS } from "../../src/processes/relay_process.ts";
-import { commitResults } from "../../src/summaries/commit.ts";
+import { commitResults } from "../../src/runs/commit.ts";
 import postgres from "postgres";
 import { createTestDatabase, waitFor } from "../_support.ts";
 

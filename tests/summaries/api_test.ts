@@ -1,11 +1,11 @@
 import assert from "node:assert/strict";
 import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
 import { jobIdFor } from "../../src/idempotency/scope.ts";
-import { createIntake, type Intake } from "../../src/summaries/intake.ts";
+import { createIntake, type Intake } from "../../src/runs/intake.ts";
 import { createRecipientPolicy } from "../../src/tenants/mail_domains.ts";
 import { tenantCommand } from "../../src/cli/tenant_command.ts";
 import { apiHandler } from "../support/fixtures.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { ensureWebhookSecret } from "../../src/tenants/webhook_secrets.ts";
 import { createApiKey, revokeTenant } from "../../src/tenants/tenant_store.ts";

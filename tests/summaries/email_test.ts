@@ -1,5 +1,5 @@
 import assert from "node:assert/strict";
-import { commitResults } from "../../src/summaries/commit.ts";
+import { commitResults } from "../../src/runs/commit.ts";
 import { EMAIL_SUMMARY_MAX_CHARS, summaryEmailRenderer, summaryPayloadLoader } from "../../src/summaries/email.ts";
 import { createTestDatabase } from "../_support.ts";
 

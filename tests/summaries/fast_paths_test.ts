@@ -4,12 +4,12 @@
  */
 import assert from "node:assert/strict";
 import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
-import { JobFields, jobFields } from "../../src/summaries/summary_job.ts";
+import { JobFields, jobFields } from "../../src/runs/run_job.ts";
 import { PermanentJobError } from "../../src/queue/errors.ts";
-import { parseRunRequest, RunRequest } from "../../src/tasks/run_schemas.ts";
+import { parseRunRequest, RunRequest } from "../../src/runs/run_schemas.ts";
 import { renderedChars, renderTemplate } from "../../src/tasks/definition.ts";
 import { seededRandom } from "../_support.ts";
-import { assertParsedAlike, NOTIFY_CASES, randomAddresses } from "./_notify_cases.ts";
+import { assertParsedAlike, NOTIFY_CASES, randomAddresses } from "../runs/_notify_cases.ts";
 
 /** The canonical JSON as it was first written (entries, filter, sort, map, join): the reference. */
 function canonicalReference(value: unknown): string {

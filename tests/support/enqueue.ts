@@ -4,11 +4,11 @@
  */
 import type { RedisClient } from "../../src/clients.ts";
 import { defineScript } from "../../src/redis/script.ts";
-import type { JobKeys, ServiceKeys } from "../../src/summaries/keys.ts";
+import type { JobKeys, ServiceKeys } from "../../src/runs/keys.ts";
 import { announceLane } from "../../src/queue/lanes.ts";
-import { markQueued } from "../../src/summaries/job_status.ts";
+import { markQueued } from "../../src/runs/job_status.ts";
 import type { SummaryRequest } from "../../src/summaries/schemas.ts";
-import type { RunPayload } from "../../src/tasks/run_payload.ts";
+import type { RunPayload } from "../../src/runs/run_payload.ts";
 
 // ENQUEUE: puts a job on a stream and records it as queued, in one command.
 // KEYS[1]  the stream.

@@ -8,8 +8,8 @@
 import assert from "node:assert/strict";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { silentLogger } from "../../src/log/logger.ts";
-import { createJobWaiter } from "../../src/summaries/job_waiter.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { createJobWaiter } from "../../src/runs/job_waiter.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import { apiHandler, jsonClient, summaryWorker } from "../support/fixtures.ts";

@@ -11,7 +11,7 @@ import { cacheKeyHash, createResultCache, definitionDigest } from "../../src/cac
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { Deadline } from "../../src/retry/deadline.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { BUILT_IN_TASK, SUMMARIZE_DEFINITION } from "../../src/tasks/definition.ts";
 import { createTaskCache, SUMMARIZE_TASK, type TaskCache } from "../../src/tasks/task_cache.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";

@@ -7,7 +7,7 @@
  * bad name on PUT, and a run naming a version no row can hold.
  */
 import assert from "node:assert/strict";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { taskVersion } from "../../src/jobs/task_store.ts";
 import { checkDefinition, DEFINITION_LIMITS, TaskDefinition } from "../../src/tasks/definition.ts";

@@ -7,7 +7,7 @@
  * estimated past a Worker's bound is a `422` on `/input`, and never runs.
  */
 import assert from "node:assert/strict";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { createSchemaValidators } from "../../src/tasks/validator.ts";
 import { apiHandler, jsonClient } from "../support/fixtures.ts";

@@ -5,7 +5,7 @@
 import assert from "node:assert/strict";
 import { parseConfig } from "../../src/config.ts";
 import { servedModels } from "../../src/llm/prices.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { apiHandler, jsonClient } from "../support/fixtures.ts";
 import { smallDefinition } from "../support/task_definitions.ts";

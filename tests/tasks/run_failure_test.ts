@@ -6,7 +6,7 @@
  * failure row; a summary job's failure writes no notification.
  */
 import assert from "node:assert/strict";
-import { commitResults, failRun, reopenFailedJob } from "../../src/summaries/commit.ts";
+import { commitResults, failRun, reopenFailedJob } from "../../src/runs/commit.ts";
 import { createTestDatabase } from "../_support.ts";
 
 Deno.test("a failed run is notified once, and a replayed run that completes once more", async () => {

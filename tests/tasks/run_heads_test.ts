@@ -4,8 +4,8 @@
  * `Prefer: wait` leaves nothing on the API's shutdown signal once it has answered.
  */
 import assert from "node:assert/strict";
-import { serviceKeys } from "../../src/summaries/keys.ts";
-import { createJobWaiter } from "../../src/summaries/job_waiter.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
+import { createJobWaiter } from "../../src/runs/job_waiter.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { apiHandler, jsonClient } from "../support/fixtures.ts";

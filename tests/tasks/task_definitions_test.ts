@@ -5,7 +5,7 @@
  * input schema does not allow).
  */
 import assert from "node:assert/strict";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { compileSchema, SchemaRefused } from "../../src/tasks/json_schema.ts";
 import { checkDefinition, DefinitionRefused, renderTemplate } from "../../src/tasks/definition.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";

@@ -6,8 +6,8 @@
  */
 import assert from "node:assert/strict";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
-import { createJobWaiter } from "../../src/summaries/job_waiter.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
+import { createJobWaiter } from "../../src/runs/job_waiter.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import type { SchemaViolation } from "../../src/tasks/json_schema.ts";

@@ -10,7 +10,7 @@ import assert from "node:assert/strict";
 import { usageCommand } from "../../src/cli/usage_command.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { costNanos, createPrices, type ModelPrice, nanosToUsd } from "../../src/llm/prices.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import type { BudgetView } from "../../src/usage/usage_schemas.ts";
 import { UsageDocument } from "../../src/usage/usage_schemas.ts";

@@ -1,5 +1,5 @@
 import assert from "node:assert/strict";
-import { runOfPayload, summaryForms, summaryPayload } from "../../src/tasks/run_payload.ts";
+import { runOfPayload, summaryForms, summaryPayload } from "../../src/runs/run_payload.ts";
 import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
 import type { SummaryRequest } from "../../src/summaries/schemas.ts";
 

@@ -6,7 +6,7 @@
 import assert from "node:assert/strict";
 import type { AttemptRow } from "../../src/jobs/job_store.ts";
 import { createLogger } from "../../src/log/logger.ts";
-import { createAttemptLog } from "../../src/summaries/attempt_log.ts";
+import { createAttemptLog } from "../../src/runs/attempt_log.ts";
 import { createTestDatabase, recordingLogger } from "../_support.ts";
 
 /** One successful call of `summarize` v1; `over` changes any field, to a value of any type. */

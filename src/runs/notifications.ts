@@ -7,7 +7,7 @@ import type { Sql } from "postgres";
 import type { OutboxSender, PayloadLoader, Renderer } from "../outbox/relay.ts";
 import type { ResolveHost, WebhookUrlPolicy } from "../webhooks/addresses.ts";
 import { RUN_WEBHOOK_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "./commit.ts";
-import { summaryEmailRenderer, summaryPayloadLoader } from "./email.ts";
+import { summaryEmailRenderer, summaryPayloadLoader } from "../summaries/email.ts";
 import { summaryWebhooks } from "./webhook.ts";
 
 /** The relay's renderer, senders and loader for the pipeline's outbox topics. */

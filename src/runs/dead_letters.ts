@@ -22,11 +22,11 @@ import { announceLane } from "../queue/lanes.ts";
 import { acceptedMsOf } from "../queue/message.ts";
 import { allLanes } from "./all_lanes.ts";
 import { failJob, type RunOf, SUMMARY_RUN } from "../jobs/job_store.ts";
-import { runOfPayload } from "../tasks/run_payload.ts";
+import { runOfPayload } from "./run_payload.ts";
 import { reopenFailedJob } from "./commit.ts";
 import { markQueuedOnReplay } from "./job_status.ts";
 import type { JobKeys, ServiceKeys } from "./keys.ts";
-import { JOB_ID } from "./schemas.ts";
+import { JOB_ID } from "../summaries/schemas.ts";
 
 /** Which dead letters to replay: all of them, or the one with stream id `id` (in `tenant`'s lane when given). */
 export type ReplayTarget = { all: true } | { all?: false; id: string; tenant?: string };

@@ -17,15 +17,15 @@ import {
   type SummaryApiDeps,
   waitIfPreferred,
 } from "../summaries/api.ts";
-import { jobDocument, type JobFound } from "../summaries/job_document.ts";
+import { jobDocument, type JobFound } from "./job_document.ts";
 import { currentTraceparent } from "../tracing.ts";
-import { RENDER_LIMITS, renderedChars, renderTemplate, TASK_NAME } from "./definition.ts";
-import { SchemaRefused, type SchemaViolation, unstorableJson } from "./json_schema.ts";
-import { ValidationBusy, ValidationTimeout, ValidationTooCostly } from "./validator.ts";
+import { RENDER_LIMITS, renderedChars, renderTemplate, TASK_NAME } from "../tasks/definition.ts";
+import { SchemaRefused, type SchemaViolation, unstorableJson } from "../tasks/json_schema.ts";
+import { ValidationBusy, ValidationTimeout, ValidationTooCostly } from "../tasks/validator.ts";
 import type { RunPayload } from "./run_payload.ts";
 import { skipsCache } from "../cache/result_cache.ts";
 import { parseRunRequest, type RunDocument } from "./run_schemas.ts";
-import type { TaskCache } from "./task_cache.ts";
+import type { TaskCache } from "../tasks/task_cache.ts";
 import { budgetKey } from "../budgets/budgets.ts";
 
 /** What the run routes need beyond the summary API's. */

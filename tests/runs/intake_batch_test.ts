@@ -6,8 +6,8 @@ import assert from "node:assert/strict";
 import type { RedisClient } from "../../src/clients.ts";
 import { KeyReused } from "../../src/idempotency/errors.ts";
 import { createReplicaAck, NotReplicated, type ReplicaAck } from "../../src/redis/replica_ack.ts";
-import { createIntake, INTAKE_SHA, QueueFull } from "../../src/summaries/intake.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { createIntake, INTAKE_SHA, QueueFull } from "../../src/runs/intake.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createTestRedis } from "../_support.ts";
 
 const PATH = "/v1/summaries";

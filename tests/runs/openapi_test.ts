@@ -2,7 +2,7 @@ import assert from "node:assert/strict";
 import { z } from "zod";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createApiHandler } from "../../src/processes/api_process.ts";
-import { openApiDocument, ROUTES } from "../../src/summaries/openapi.ts";
+import { openApiDocument, ROUTES } from "../../src/runs/openapi.ts";
 import { SummaryRequest } from "../../src/summaries/schemas.ts";
 import type { Redis } from "ioredis";
 import type { Sql } from "postgres";

@@ -5,7 +5,7 @@
 import assert from "node:assert/strict";
 import { createExtractiveLlm } from "../../src/llm/extractive.ts";
 import type { LLM } from "../../src/llm/llm.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { apiHandler, summaryWorker } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";

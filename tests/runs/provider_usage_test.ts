@@ -17,7 +17,7 @@ import { costNanos, createPrices } from "../../src/llm/prices.ts";
 import { createProviderFlow, providerStateKey } from "../../src/provider/flow_control.ts";
 import { createRegistry, workerMetrics } from "../../src/metrics/metrics.ts";
 import { flowEvents } from "../../src/metrics/wire.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";

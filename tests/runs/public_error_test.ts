@@ -1,5 +1,5 @@
 import assert from "node:assert/strict";
-import { publicError } from "../../src/summaries/public_error.ts";
+import { publicError } from "../../src/runs/public_error.ts";
 
 Deno.test("publicError() passes on only the worker's own labels, never a provider's or a database's text", () => {
   const ours = "exceeded 3 deliveries: 6 model calls failed (AttemptTimeout ×4, http_500 ×2), while the provider " +

@@ -9,9 +9,9 @@ import { createExtractiveLlm } from "../../src/llm/extractive.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { fieldsToObject } from "../../src/redis/fields.ts";
-import { createGroupCommitter } from "../../src/summaries/commit.ts";
-import { jobKeys } from "../../src/summaries/keys.ts";
-import { createSummaryJob } from "../../src/summaries/summary_job.ts";
+import { createGroupCommitter } from "../../src/runs/commit.ts";
+import { jobKeys } from "../../src/runs/keys.ts";
+import { createSummaryJob } from "../../src/runs/run_job.ts";
 import { enqueueJob } from "../support/enqueue.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 

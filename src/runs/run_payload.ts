@@ -7,7 +7,7 @@
 import { z } from "zod";
 import { SUMMARY_RUN } from "../jobs/job_store.ts";
 import { parseSummaryRequest, SummaryRequest, WebhookTarget } from "../summaries/schemas.ts";
-import type { Notify } from "../summaries/commit.ts";
+import type { Notify } from "./commit.ts";
 import { canonicalJson } from "../idempotency/fingerprint.ts";
 
 /** The stream payload of a task run (a summary job's is its `SummaryRequest`). */

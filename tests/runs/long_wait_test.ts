@@ -6,12 +6,12 @@
  */
 import assert from "node:assert/strict";
 import type { Cluster } from "ioredis";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { createExtractiveLlm } from "../../src/llm/extractive.ts";
 import { deadLetter, replayDeadLetter } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
-import { markFailedHook, markQueuedOnReplay } from "../../src/summaries/job_status.ts";
+import { markFailedHook, markQueuedOnReplay } from "../../src/runs/job_status.ts";
 import { apiHandler, jsonClient, summaryWorker } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 

@@ -1,6 +1,6 @@
 import assert from "node:assert/strict";
-import { serviceKeys } from "../../src/summaries/keys.ts";
-import { readJobRecord } from "../../src/summaries/job_status.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
+import { readJobRecord } from "../../src/runs/job_status.ts";
 import { createTestRedis } from "../_support.ts";
 
 Deno.test("readJobRecord() finds a job's record in its tenant's lane, and (for an operator) in any lane", async () => {

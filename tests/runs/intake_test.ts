@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
 import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
 import { jobIdFor } from "../../src/idempotency/scope.ts";
-import { runRecord, summaryRecord } from "../../src/summaries/intake.ts";
+import { runRecord, summaryRecord } from "../../src/runs/intake.ts";
 import { randomUUID } from "node:crypto";
 
 Deno.test("job ids do not change between releases: the same scope and body name the same job as before", () => {

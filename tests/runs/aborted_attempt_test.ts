@@ -8,7 +8,7 @@ import assert from "node:assert/strict";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { failedAttemptsOf, taskAttemptUsage } from "../../src/jobs/job_store.ts";
 import { createPrices } from "../../src/llm/prices.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import { enqueueToLane } from "../support/enqueue.ts";
 import { summaryWorker } from "../support/fixtures.ts";

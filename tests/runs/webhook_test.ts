@@ -9,9 +9,9 @@ import { tenantCommand } from "../../src/cli/tenant_command.ts";
 import { outboxCommand } from "../../src/cli/outbox_command.ts";
 import { createExtractiveLlm } from "../../src/llm/extractive.ts";
 import { silentLogger } from "../../src/log/logger.ts";
-import { createJobWaiter } from "../../src/summaries/job_waiter.ts";
-import { serviceKeys } from "../../src/summaries/keys.ts";
-import { SUMMARY_WEBHOOK_KEY_PREFIX } from "../../src/summaries/commit.ts";
+import { createJobWaiter } from "../../src/runs/job_waiter.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
+import { SUMMARY_WEBHOOK_KEY_PREFIX } from "../../src/runs/commit.ts";
 import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
 

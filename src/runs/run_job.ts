@@ -21,7 +21,7 @@ import type { Prices } from "../llm/prices.ts";
 import type { Outcome } from "../jobs/job_store.ts";
 import { type Committed, createDecidedCheck, type GroupCommitter } from "./commit.ts";
 import { contextFrom, currentTraceparent, inSpan, recordSpan } from "../tracing.ts";
-import { type RunJob, runOfPayload } from "../tasks/run_payload.ts";
+import { type RunJob, runOfPayload } from "./run_payload.ts";
 import { type LoadedTask, SUMMARIZE_TASK, type TaskCache } from "../tasks/task_cache.ts";
 import { RENDER_LIMITS, renderedChars, renderTemplate } from "../tasks/definition.ts";
 import { SchemaRefused, type SchemaViolation, unstorableJson } from "../tasks/json_schema.ts";

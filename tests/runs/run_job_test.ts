@@ -5,15 +5,15 @@ import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
-import { commitResults, createGroupCommitter } from "../../src/summaries/commit.ts";
+import { commitResults, createGroupCommitter } from "../../src/runs/commit.ts";
 import { enqueueJob } from "../support/enqueue.ts";
-import { jobKeys } from "../../src/summaries/keys.ts";
-import { createSummaryJob } from "../../src/summaries/summary_job.ts";
+import { jobKeys } from "../../src/runs/keys.ts";
+import { createSummaryJob } from "../../src/runs/run_job.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { errorBody, startFakeModel } from "../support/fake_model_server.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
 import { relayTo, summaryWorker } from "../support/fixtures.ts";
-import type { SummaryWorkerOptions } from "../../src/summaries/worker.ts";
+import type { SummaryWorkerOptions } from "../../src/runs/worker.ts";
 
 const TEXT = "Revenue rose 12% in Q3. Costs fell. The board approved the plan. Staff were told on Friday.";
 

@@ -1,4 +1,4 @@
-import { JOB_ID } from "./schemas.ts";
+import { JOB_ID } from "../summaries/schemas.ts";
 import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
 import { estimateTokens, estimateTokensOfLength, type LLM, summaryPrompt } from "../llm/llm.ts";
@@ -8,15 +8,15 @@ import { createStreamWorker, type StreamWorker, type WorkerEvents } from "../que
 import { acceptedMsOf, type QueueNames, type StreamMessage } from "../queue/message.ts";
 import { createTenantWeights, TENANT_WEIGHT } from "../tenants/tenant_weights.ts";
 import { createGroupCommitter, failRun } from "./commit.ts";
-import { runOfPayload } from "../tasks/run_payload.ts";
-import type { SummaryJobDeps } from "./summary_job.ts";
+import { runOfPayload } from "./run_payload.ts";
+import type { SummaryJobDeps } from "./run_job.ts";
 import type { JobKeys, ServiceKeys } from "./keys.ts";
 import { createLaneRegistry } from "../queue/lanes.ts";
 import { staticLanes } from "../queue/static_lanes.ts";
 import { markFailedHook, recordExpiryOnAck } from "./job_status.ts";
 import { notifyJob } from "./job_waiter.ts";
 import { keepDrainingLegacyStream } from "./legacy_drain.ts";
-import { createSummaryJob, type SummaryJobOptions } from "./summary_job.ts";
+import { createSummaryJob, type SummaryJobOptions } from "./run_job.ts";
 import { createAttemptLog, describeFailures } from "./attempt_log.ts";
 import { type BudgetExhausted, budgetKey, type Budgets } from "../budgets/budgets.ts";
 import { announceLane } from "../queue/lanes.ts";

@@ -6,11 +6,11 @@ import {
   SummaryRequest,
   SummaryStatus,
   SummaryWebhook,
-} from "./schemas.ts";
+} from "../summaries/schemas.ts";
 import { MAX_WAIT_S } from "./job_waiter.ts";
 import { DEFINITION_LIMITS, TaskDefinition, TaskDocument, TaskList } from "../tasks/definition.ts";
 import { TASK_LIST } from "../tasks/api.ts";
-import { RunAccepted, RunDocument, RunRequest } from "../tasks/run_schemas.ts";
+import { RunAccepted, RunDocument, RunRequest } from "./run_schemas.ts";
 import { UsageDocument } from "../usage/usage_schemas.ts";
 import { DEFAULT_SINCE, MAX_SINCE_S } from "../usage/since.ts";
 
