@@ -91,12 +91,7 @@ export function createDefinitionChecker(options: DefinitionCheckOptions = {}): D
     maxPending: limits.maxWaiting,
     slotData: () => undefined,
     busy: (what) => new DefinitionCheckBusy(what),
-    broken: (message) =>
-      new Error(
-        message === undefined
-          ? `The definition check Worker did not start within ${limits.startMs} ms`
-          : `The definition check Worker failed: ${message}`,
-      ),
+    title: "definition check",
   });
   let closed = false;
   return {

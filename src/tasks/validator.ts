@@ -262,12 +262,7 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
     // The keys sent to each Worker, mirroring its own cache: a schema crosses the channel once.
     slotData: () => new Lru(limits.cacheSize),
     busy: (what) => new ValidationBusy(what),
-    broken: (message) =>
-      new Error(
-        message === undefined
-          ? `The schema validation Worker did not start within ${limits.startMs} ms`
-          : `The schema validation Worker failed: ${message}`,
-      ),
+    title: "schema validation",
   });
   /** Compilations of large schemas on a Worker under way (`prepare`), by key: callers at once share one. */
   const preparing = new Map<string, Promise<void>>();

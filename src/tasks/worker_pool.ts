@@ -52,8 +52,8 @@ export interface WorkerPoolOptions<S> {
   slotData: () => S;
   /** The error for work refused past a cap. */
   busy(what: string): Error;
-  /** The error for a Worker that failed (`event.message`) or did not load in `startMs` (`undefined`). */
-  broken(message: string | undefined): Error;
+  /** What the Workers do, in errors: "The <title> Worker failed: ..." or "... did not start within ...". */
+  title: string;
 }
 
 /** The Worker running a piece of work, as that work sees it. */
@@ -120,7 +120,7 @@ const ORPHAN_POLL_MS = 20;
 /** Starts a pool; its Workers start with the first work that needs one. */
 export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPool<S, R> {
   if (!(options.workers >= 1)) throw new RangeError(`At least one ${options.name} Worker (got ${options.workers})`);
-  const broken = options.broken;
+  const broken = (message: string | undefined) => brokenError(options, message);
   const slots: Slot<S, R>[] = [];
   const orphans = createOrphans(options.orphanMs, () => pump());
   const pending = createPendingCount(options);
@@ -266,6 +266,13 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
       orphans.clear();
     },
   };
+}
+
+/** The error of a Worker that failed (its `message`) or did not load in `startMs` (no message). */
+function brokenError({ title, startMs }: WorkerPoolOptions<unknown>, message: string | undefined): Error {
+  return new Error(
+    `The ${title} Worker ${message === undefined ? `did not start within ${startMs} ms` : `failed: ${message}`}`,
+  );
 }
 
 /** What a pool does when a Worker is ready, answers, fails, or its work runs over its deadline. */

@@ -16,7 +16,14 @@ const MANY = Array.from({ length: 40_000 }, () => ({ a: "x" }));
 const HOSTILE = { type: "string", pattern: `^${"\\d*".repeat(10)}x` };
 
 Deno.test("validations that need a Worker are capped per tenant and in all; past a cap they fail at once", async () => {
-  const validators = createSchemaValidators({ workers: 1, fastPathUnits: 0, maxPendingPerTenant: 2, maxPending: 3 });
+  // A deadline far past what MANY takes, even on a loaded machine: this is about the caps, not the deadline.
+  const validators = createSchemaValidators({
+    workers: 1,
+    fastPathUnits: 0,
+    maxPendingPerTenant: 2,
+    maxPending: 3,
+    deadlineMs: 10_000,
+  });
   try {
     const a = [validators.validate("a/t/1/input", ITEMS, MANY), validators.validate("a/t/1/input", ITEMS, [])];
     await assert.rejects(validators.validate("a/t/1/input", ITEMS, []), (error: unknown) => {
