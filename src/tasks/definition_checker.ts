@@ -35,7 +35,7 @@ export const DEFINITION_CHECK = {
    */
   idleMs: 5_000,
   /** How long a terminated Worker counts against the pool at most, should it never say it has finished. */
-  orphanMs: 30_000,
+  orphanMs: 600_000,
 };
 
 /** Options of {@linkcode createDefinitionChecker}; each defaults to its {@linkcode DEFINITION_CHECK} entry. */

@@ -47,6 +47,28 @@ const EVERY_ITEM = ["additionalItems", "contains", "unevaluatedItems"];
 
 const CHARS_PER_UNIT = 64;
 
+/**
+ * Units per key of an object per `patternProperties` expression, besides running it: the validator builds a
+ * location per key there (measured: 2.2 µs a key for `[a-z0-9]`, four of our units).
+ */
+const PATTERN_KEY_UNITS = 4;
+
+/**
+ * How long a key or pattern is once the validator has written it into a location (a JSON pointer, URI-encoded):
+ * a letter, digit or `-._` stays one character; `~` and `/` become two, other ASCII up to three, and every
+ * other character up to nine (its UTF-8 bytes, each `%XX`).
+ */
+function encodedLength(text: string): number {
+  let length = 0;
+  for (let i = 0; i < text.length; i++) {
+    const c = text.charCodeAt(i);
+    const plain = (c >= 97 && c <= 122) || (c >= 65 && c <= 90) || (c >= 48 && c <= 57) || c === 45 || c === 46 ||
+      c === 95;
+    length += plain ? 1 : c < 128 ? 3 : 9;
+  }
+  return length;
+}
+
 /** Units of one run of an RE2 expression of `size` on a text of `length` characters. */
 function regexUnits(size: number, length: number): number {
   return 2 + Math.ceil(length * (1 + size / 12));
@@ -65,8 +87,16 @@ export interface CostedSchema {
   weights: WeakMap<object, number>;
   /** Per subschema, the sizes of the RE2 expressions it runs on a string (`pattern`, `format: "url"`). */
   stringRegexes: WeakMap<object, number[]>;
-  /** Per subschema, the sizes of its `patternProperties` expressions, run on every key of an object. */
-  keyRegexes: WeakMap<object, number[]>;
+  /**
+   * Per subschema, its `patternProperties` expressions, run on every key of an object: each one's size, and the
+   * units the validator spends per key besides (it writes the pattern, URI-encoded, into a location per key).
+   */
+  keyRegexes: WeakMap<object, { size: number; perKey: number }[]>;
+  /**
+   * Per subschema, the objects and arrays among its `enum` values and `const`: comparing an object value with
+   * each costs the value's own entries (the validator lists both sides' keys first).
+   */
+  enumObjects: WeakMap<object, number>;
   /** Its weight: every subschema's, added up. */
   total: number;
   /**
@@ -88,7 +118,8 @@ export interface CostedSchema {
 export function costed(schema: unknown, compiled: CompiledSchema): CostedSchema {
   const weights = new WeakMap<object, number>();
   const stringRegexes = new WeakMap<object, number[]>();
-  const keyRegexes = new WeakMap<object, number[]>();
+  const keyRegexes = new WeakMap<object, { size: number; perKey: number }[]>();
+  const enumObjects = new WeakMap<object, number>();
   const sizeOf = (source: string) => compiled.patterns.get(source)?.size ?? 0;
   let linear = true;
   let total = 0;
@@ -107,8 +138,17 @@ export function costed(schema: unknown, compiled: CompiledSchema): CostedSchema 
         if (UNBOUNDED_FORMATS.has(value)) linear = false;
       }
       if (key === "patternProperties" && typeof value === "object" && value !== null) {
-        keyRegexes.set(node, Object.keys(value).map(sizeOf));
+        keyRegexes.set(
+          node,
+          Object.keys(value).map((source) => ({
+            size: sizeOf(source),
+            perKey: PATTERN_KEY_UNITS + Math.floor(encodedLength(source) / CHARS_PER_UNIT),
+          })),
+        );
       }
+      const objects = (key === "enum" && Array.isArray(value) ? value : key === "const" ? [value] : [])
+        .filter((item) => typeof item === "object" && item !== null).length;
+      if (objects > 0) enumObjects.set(node, (enumObjects.get(node) ?? 0) + objects);
       if ((key === "uniqueItems" && value === true) || (key === "id" && typeof value === "string" && value !== "")) {
         linear = false;
       }
@@ -129,7 +169,7 @@ export function costed(schema: unknown, compiled: CompiledSchema): CostedSchema 
     total += weight;
   };
   visit(schema);
-  return { schema, compiled, linear, weights, stringRegexes, keyRegexes, total, tree };
+  return { schema, compiled, linear, weights, stringRegexes, keyRegexes, enumObjects, total, tree };
 }
 
 /**
@@ -160,7 +200,7 @@ const OVER_BUDGET = Symbol("over budget");
  * O(budget) whatever the schema and instance, and a validation under budget takes about as long.
  */
 export function estimate(entry: CostedSchema, instance: unknown, budget: number): number {
-  const { schema: root, weights, stringRegexes, keyRegexes } = entry;
+  const { schema: root, weights, stringRegexes, keyRegexes, enumObjects } = entry;
   const entries = new WeakMap<object, number>();
   const sizes = new WeakMap<object, number>();
   let units = 0;
@@ -193,17 +233,34 @@ export function estimate(entry: CostedSchema, instance: unknown, budget: number)
     }
     return size;
   };
-  const evaluate = (schema: unknown, value: unknown): void => {
-    if (typeof schema !== "object" || schema === null) return spend(1);
-    spend((weights.get(schema) ?? jsonSize(schema)) + ownCost(value));
+  /** A key's length in a location (`encodedLength`), kept per key for long keys. */
+  const keyLengths = new Map<string, number>();
+  const keyLength = (key: string): number => {
+    if (key.length <= 16) return encodedLength(key);
+    let length = keyLengths.get(key);
+    if (length === undefined) keyLengths.set(key, length = encodedLength(key));
+    return length;
+  };
+  /**
+   * One evaluation of `schema` on `value`, at a location `at` characters long: the validator writes each
+   * evaluation's location, and keeps it with each error (the whole path of keys to the value: a 600,000-
+   * character key times 10,000 failing items was 6 GB, where counting the key once estimated 29,000 units).
+   */
+  const evaluate = (schema: unknown, value: unknown, at: number): void => {
+    const located = Math.floor(at / CHARS_PER_UNIT);
+    // `false` fails every value, and writes its location into the error.
+    if (typeof schema !== "object" || schema === null) return spend(1 + located);
+    spend((weights.get(schema) ?? jsonSize(schema)) + ownCost(value) + located);
     const s = schema as Record<string, unknown>;
-    if (typeof s.$ref === "string") evaluate(resolvePointer(root, s.$ref), value);
-    for (const k of IN_PLACE) if (k in s) evaluate(s[k], value);
+    if (typeof s.$ref === "string") evaluate(resolvePointer(root, s.$ref), value, at);
+    for (const k of IN_PLACE) if (k in s) evaluate(s[k], value, at);
     for (const k of IN_PLACE_LISTS) {
       if (Array.isArray(s[k])) {
-        for (const sub of s[k] as unknown[]) evaluate(sub, value);
+        for (const sub of s[k] as unknown[]) evaluate(sub, value, at);
       }
     }
+    const objects = enumObjects.get(schema);
+    if (objects !== undefined && typeof value === "object" && value !== null) spend(objects * ownCost(value));
     if (typeof value === "string") {
       for (const size of stringRegexes.get(schema) ?? []) spend(regexUnits(size, value.length));
       return;
@@ -212,38 +269,50 @@ export function estimate(entry: CostedSchema, instance: unknown, budget: number)
     if (Array.isArray(value)) {
       // Every item against every other: at most the number of items times the whole array.
       if (s.uniqueItems === true) spend(value.length * wholeCost(value));
+      // An index's digits and its slash.
+      const item = (i: number) => at + 2 + Math.floor(Math.log10(i + 1));
       for (const k of ["prefixItems", "items"]) {
-        if (Array.isArray(s[k])) (s[k] as unknown[]).forEach((sub, i) => i < value.length && evaluate(sub, value[i]));
+        if (Array.isArray(s[k])) {
+          (s[k] as unknown[]).forEach((sub, i) => i < value.length && evaluate(sub, value[i], item(i)));
+        }
       }
       for (const k of ["items", ...EVERY_ITEM]) {
-        if (k in s && !Array.isArray(s[k])) { for (const item of value) evaluate(s[k], item); }
+        if (k in s && !Array.isArray(s[k])) value.forEach((v, i) => evaluate(s[k], v, item(i)));
       }
       return;
     }
     const object = value as Record<string, unknown>;
-    for (const size of keyRegexes.get(schema) ?? []) {
-      for (const key in object) spend(regexUnits(size, key.length));
+    const under = (key: string) => at + 1 + keyLength(key);
+    for (const { size, perKey } of keyRegexes.get(schema) ?? []) {
+      for (const key in object) spend(regexUnits(size, key.length) + perKey + Math.floor(under(key) / CHARS_PER_UNIT));
     }
     for (const k of IN_PLACE_MAPS) {
       const map = s[k];
       if (typeof map !== "object" || map === null) continue;
-      for (const sub of Object.values(map)) if (!Array.isArray(sub)) evaluate(sub, value);
+      for (const sub of Object.values(map)) if (!Array.isArray(sub)) evaluate(sub, value, at);
     }
     if (typeof s.properties === "object" && s.properties !== null) {
-      for (const [key, sub] of Object.entries(s.properties)) if (Object.hasOwn(object, key)) evaluate(sub, object[key]);
+      for (const [key, sub] of Object.entries(s.properties)) {
+        if (Object.hasOwn(object, key)) evaluate(sub, object[key], under(key));
+      }
     }
     if (typeof s.patternProperties === "object" && s.patternProperties !== null) {
       // Every subschema on every value: an upper bound of what the keys that match make it evaluate.
-      for (const sub of Object.values(s.patternProperties)) for (const key in object) evaluate(sub, object[key]);
+      for (const sub of Object.values(s.patternProperties)) {
+        for (const key in object) evaluate(sub, object[key], under(key));
+      }
     }
-    for (const k of EVERY_PROPERTY) if (k in s) { for (const key in object) evaluate(s[k], object[key]); }
-    if ("propertyNames" in s) { for (const key in object) evaluate(s.propertyNames, key); }
+    for (const k of EVERY_PROPERTY) if (k in s) { for (const key in object) evaluate(s[k], object[key], under(key)); }
+    if ("propertyNames" in s) { for (const key in object) evaluate(s.propertyNames, key, under(key)); }
   };
   try {
-    evaluate(root, instance);
+    evaluate(root, instance, 0);
     return units;
   } catch (error) {
     if (error === OVER_BUDGET) return Infinity;
+    // A walk deeper than the stack (a long chain of references at every level): too costly to run here, and on
+    // a Worker the validator's own recursion would overflow as well.
+    if (error instanceof RangeError) return Infinity;
     throw error;
   }
 }

@@ -43,10 +43,17 @@ export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
   cacheSize: 500,
   /**
    * The largest schema (its JSON, in characters) compiled in the caller's thread: compiling takes about 0.5 ms a
-   * KiB there (measured; a regular expression adds about 0.3 ms), once per key. A larger one is compiled, and its
-   * every validation run, on a Worker.
+   * KiB there (measured), once per key. A larger one is compiled, and its every validation run, on a Worker.
    */
   threadSchemaBytes: 2_048,
+  /**
+   * The most `pattern` and `patternProperties` keywords a schema compiled in the caller's thread may have: a
+   * regular expression costs more to compile than its length says (32 short ones in a 1 KB schema took 13-65 ms
+   * on a loaded machine). A schema with more is compiled, and validated, on a Worker. Not none: every
+   * validation of such a schema would then wait for a Worker, and a tenant's burst of runs would meet the cap
+   * of `maxPendingPerTenant`.
+   */
+  threadPatterns: 4,
   /**
    * What they may hold, in bytes (`CompiledSchema.weight`: about eight times a schema's JSON, and each regular
    * expression's program and DFA), in the caller's thread and in each Worker.
@@ -78,9 +85,11 @@ export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
   startMs: 10_000,
   /**
    * How long a terminated Worker counts against the pool at most, should it never say it has finished (were it
-   * ever stopped mid-validation, it could not): far longer than `workerUnits` of work takes.
+   * ever stopped mid-validation, it could not). Far longer than `workerUnits` of work should take: were the
+   * estimate ever wrong, a thread still running past this would be one more thread than the pool's (at 30 s, an
+   * underestimate of 130 s of work once ran four validation threads in a pool of two).
    */
-  orphanMs: 30_000,
+  orphanMs: 600_000,
 };
 
 /** Raised when a validation would take longer than the deadline. */
@@ -211,6 +220,7 @@ export interface ValidatorOptions {
   fastPathUnits?: number;
   /** 0 compiles every schema on a Worker only (and so validates there). */
   threadSchemaBytes?: number;
+  threadPatterns?: number;
   compileMs?: number;
   workers?: number;
   startMs?: number;
@@ -275,7 +285,9 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
   const compiledFor = (key: string, schema: unknown): Exclude<Entry, SchemaRefused> => {
     let entry = cache.get(key);
     if (!entry) {
-      if (JSON.stringify(schema).length > limits.threadSchemaBytes) {
+      const json = JSON.stringify(schema);
+      // A regular expression costs more to compile than its length says (32 short ones took 13-65 ms here).
+      if (json.length > limits.threadSchemaBytes || json.split('"pattern').length - 1 > limits.threadPatterns) {
         entry = ON_WORKER;
       } else {
         // A copy of our own: the validator keeps (and annotates) the schema it compiles. Stored: it was checked
