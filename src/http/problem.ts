@@ -22,15 +22,21 @@ export class HttpError extends Error {
     readonly status: number,
     readonly detail: string,
     readonly headers: Record<string, string> = {},
-    options?: ErrorOptions & { type?: string; extra?: Record<string, unknown> },
+    options?: ErrorOptions & { type?: string; extra?: Record<string, unknown>; shed?: boolean },
   ) {
     super(detail, options);
     this.name = "HttpError";
     this.type = options?.type ?? "about:blank";
     this.extra = options?.extra ?? {};
+    this.shed = options?.shed ?? false;
   }
   readonly type: string;
   readonly extra: Record<string, unknown>;
+  /**
+   * A 503 that sheds load by design (a cap reached, `Retry-After` set), not a failure: logged as a refusal, folded,
+   * not as an error per request (a flood over a cap wrote 192 error lines).
+   */
+  readonly shed: boolean;
 }
 
 /** Builds an `application/problem+json` response. */
@@ -60,7 +66,7 @@ export function problem(
  */
 export function errorResponse(error: unknown, log: Logger, fields: Record<string, unknown> = {}): Response {
   if (error instanceof HttpError) {
-    if (error.status >= 500) log.error("request_failed", { ...fields, status: error.status, error });
+    if (error.status >= 500 && !error.shed) log.error("request_failed", { ...fields, status: error.status, error });
     else logRefusal(log, { ...fields, status: error.status, detail: error.detail });
     return problem(error.status, error.detail, error.headers, { type: error.type, extra: error.extra });
   }

@@ -243,7 +243,9 @@ function validationFailed(deps: RunApiDeps, task: string, error: unknown): HttpE
     return refused("/input", `the input could not be validated: ${error.message}`);
   }
   if (error instanceof ValidationBusy) {
-    return new HttpError(503, `${error.message}; try again later`, { "retry-after": String(error.retryAfterS) });
+    return new HttpError(503, `${error.message}; try again later`, { "retry-after": String(error.retryAfterS) }, {
+      shed: true,
+    });
   }
   deps.log.warn("input_validation_failed", { task, error });
   return new HttpError(503, "The input could not be validated now; try again", { "retry-after": "1" });

@@ -170,7 +170,9 @@ export function taskRoutes(deps: TaskApiDeps): Router {
     } catch (error) {
       if (error instanceof DefinitionRefused) throw refused(error.pointer, error.message);
       if (error instanceof DefinitionCheckTimeout) throw refused("", error.message);
-      if (error instanceof DefinitionCheckBusy) throw new HttpError(503, error.message, { "retry-after": "1" });
+      if (error instanceof DefinitionCheckBusy) {
+        throw new HttpError(503, error.message, { "retry-after": "1" }, { shed: true });
+      }
       throw error;
     }
     let put: Awaited<ReturnType<typeof putTaskVersion>>;

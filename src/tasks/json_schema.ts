@@ -49,6 +49,14 @@ export class SchemaRefused extends Error {
   }
 }
 
+/** A validation whose walk went deeper than the stack (a long chain of references at every level). */
+export class ValidationTooDeep extends Error {
+  constructor(options?: ErrorOptions) {
+    super("Schema validation of this value goes deeper than the validator can", options);
+    this.name = "ValidationTooDeep";
+  }
+}
+
 /** A validation failure: the first failing place in the instance, and why. */
 export interface SchemaViolation {
   /** A JSON pointer into the instance ("" is the whole of it). */
@@ -104,7 +112,13 @@ export function compileSchema(schema: unknown, { stored = false }: CompileOption
   }
   // The JSON itself first (before anything recursive runs on it): depth, storable text, finite numbers.
   checkJson(schema, "", undefined, 0);
-  const checked = meta().validate(schema);
+  metaChecking = true;
+  let checked;
+  try {
+    checked = meta().validate(schema);
+  } finally {
+    metaChecking = false;
+  }
   if (!checked.valid) {
     const first = deepest(checked.errors);
     throw new SchemaRefused(
@@ -128,7 +142,14 @@ export function compileSchema(schema: unknown, { stored = false }: CompileOption
     patterns,
     weight,
     validate(instance) {
-      const result = withLinearRegExp(patterns, () => validator.validate(instance));
+      let result;
+      try {
+        result = withLinearRegExp(patterns, () => validator.validate(instance));
+      } catch (error) {
+        // The validator recurses per subschema and per value: a walk deeper than the stack is too deep to run.
+        if (error instanceof RangeError) throw new ValidationTooDeep({ cause: error });
+        throw error;
+      }
       if (result.valid) return [];
       const first = deepest(result.errors);
       return [{ pointer: jsonPointer(first.instanceLocation), message: first.error }];
@@ -173,6 +194,9 @@ function compilePatterns(found: Map<string, string>, stored: boolean): Map<strin
 /** `RegExp` as the validator module knew it, before any validation. */
 const NativeRegExp = RegExp;
 
+/** The longest value of the short formats below: an RFC 3339 date-time with nanoseconds and an offset is 35. */
+const SHORT_FORMAT_CHARS = 64;
+
 /*
  * Formats of `@cfworker/json-schema` 4.1.6 (dist/esm/format.js) run V8 regular expressions on the tenant's
  * string. Searched with every repetition of one or two characters of their alphabets after each likely prefix,
@@ -205,8 +229,16 @@ const URL_FORMAT = compileLinearRegex(
 );
 format.url = (text) => URL_FORMAT.test(text);
 const Z_ANCHOR = /[^\\]\\Z/;
+/**
+ * While a schema is checked against the meta-schemas, whose `format: "regex"` names every `pattern`: V8 parses
+ * each `\p{...}` eagerly (up to 68 µs a character), so a 64 KiB pattern took 2.7 s to check before its length was;
+ * `compilePatterns` checks each pattern right after, its length and count first.
+ */
+let metaChecking = false;
 format.regex = (text) => {
-  if (Z_ANCHOR.test(text)) return false;
+  if (metaChecking) return true;
+  // No pattern a schema may hold is longer: a longer string is not one, and V8 need not parse it.
+  if (text.length > SCHEMA_LIMITS.maxPatternLength || Z_ANCHOR.test(text)) return false;
   try {
     new NativeRegExp(text, "u");
     return true;
@@ -214,6 +246,14 @@ format.regex = (text) => {
     return false;
   }
 };
+/**
+ * Formats whose valid values are short, but whose checks walk the whole string (`date-time` splits it on
+ * `/t|\s/i` first: 60 of them over a 1 MB string took 2 s): a longer string fails at once.
+ */
+for (const name of ["date-time", "date", "time", "duration", "uuid", "ipv4", "ipv6"] as const) {
+  const check = format[name]!;
+  format[name] = (text) => text.length <= SHORT_FORMAT_CHARS && check(text);
+}
 
 /**
  * The size (as RE2 compiles it) of the regular expression a format runs on RE2, for a validation's cost

@@ -54,6 +54,14 @@ const CHARS_PER_UNIT = 64;
 const PATTERN_KEY_UNITS = 4;
 
 /**
+ * Units per character of a string checked against `format: "regex"`: V8 parses it as an expression, each
+ * `\p{...}` eagerly (measured up to 68 µs a character in a class of them), once per distinct string. The format
+ * refuses strings longer than a pattern may be (1,000 characters) without parsing them.
+ */
+const REGEX_FORMAT_UNITS = 128;
+const REGEX_FORMAT_MAX_CHARS = 1_000;
+
+/**
  * How long a key or pattern is once the validator has written it into a location (a JSON pointer, URI-encoded):
  * a letter, digit or `-._` stays one character; `~` and `/` become two, other ASCII up to three, and every
  * other character up to nine (its UTF-8 bytes, each `%XX`).
@@ -97,6 +105,13 @@ export interface CostedSchema {
    * each costs the value's own entries (the validator lists both sides' keys first).
    */
   enumObjects: WeakMap<object, number>;
+  /**
+   * Per subschema, the names its `required` and `dependentRequired` list: each one missing is an error, which
+   * every enclosing evaluation copies into its own list on the way out.
+   */
+  requiredNames: WeakMap<object, number>;
+  /** The subschemas with `format: "regex"`: V8 parses the string as an expression (`REGEX_FORMAT_UNITS`). */
+  regexFormats: WeakSet<object>;
   /** Its weight: every subschema's, added up. */
   total: number;
   /**
@@ -120,6 +135,8 @@ export function costed(schema: unknown, compiled: CompiledSchema): CostedSchema 
   const stringRegexes = new WeakMap<object, number[]>();
   const keyRegexes = new WeakMap<object, { size: number; perKey: number }[]>();
   const enumObjects = new WeakMap<object, number>();
+  const requiredNames = new WeakMap<object, number>();
+  const regexFormats = new WeakSet<object>();
   const sizeOf = (source: string) => compiled.patterns.get(source)?.size ?? 0;
   let linear = true;
   let total = 0;
@@ -136,6 +153,14 @@ export function costed(schema: unknown, compiled: CompiledSchema): CostedSchema 
         const size = linearFormatSize(value);
         if (size !== undefined) strings.push(size);
         if (UNBOUNDED_FORMATS.has(value)) linear = false;
+        if (value === "regex") regexFormats.add(node);
+      }
+      if (key === "required" && Array.isArray(value)) {
+        requiredNames.set(node, (requiredNames.get(node) ?? 0) + value.length);
+      }
+      if (key === "dependentRequired" && typeof value === "object" && value !== null) {
+        const names = Object.values(value).reduce((n: number, list) => n + (Array.isArray(list) ? list.length : 0), 0);
+        requiredNames.set(node, (requiredNames.get(node) ?? 0) + names);
       }
       if (key === "patternProperties" && typeof value === "object" && value !== null) {
         keyRegexes.set(
@@ -169,7 +194,19 @@ export function costed(schema: unknown, compiled: CompiledSchema): CostedSchema 
     total += weight;
   };
   visit(schema);
-  return { schema, compiled, linear, weights, stringRegexes, keyRegexes, enumObjects, total, tree };
+  return {
+    schema,
+    compiled,
+    linear,
+    weights,
+    stringRegexes,
+    keyRegexes,
+    enumObjects,
+    requiredNames,
+    regexFormats,
+    total,
+    tree,
+  };
 }
 
 /**
@@ -200,7 +237,7 @@ const OVER_BUDGET = Symbol("over budget");
  * O(budget) whatever the schema and instance, and a validation under budget takes about as long.
  */
 export function estimate(entry: CostedSchema, instance: unknown, budget: number): number {
-  const { schema: root, weights, stringRegexes, keyRegexes, enumObjects } = entry;
+  const { schema: root, weights, stringRegexes, keyRegexes, enumObjects, requiredNames, regexFormats } = entry;
   const entries = new WeakMap<object, number>();
   const sizes = new WeakMap<object, number>();
   let units = 0;
@@ -246,23 +283,32 @@ export function estimate(entry: CostedSchema, instance: unknown, budget: number)
    * evaluation's location, and keeps it with each error (the whole path of keys to the value: a 600,000-
    * character key times 10,000 failing items was 6 GB, where counting the key once estimated 29,000 units).
    */
-  const evaluate = (schema: unknown, value: unknown, at: number): void => {
+  const evaluate = (schema: unknown, value: unknown, at: number, frames: number): void => {
     const located = Math.floor(at / CHARS_PER_UNIT);
     // `false` fails every value, and writes its location into the error.
     if (typeof schema !== "object" || schema === null) return spend(1 + located);
     spend((weights.get(schema) ?? jsonSize(schema)) + ownCost(value) + located);
     const s = schema as Record<string, unknown>;
-    if (typeof s.$ref === "string") evaluate(resolvePointer(root, s.$ref), value, at);
-    for (const k of IN_PLACE) if (k in s) evaluate(s[k], value, at);
+    const inner = frames + 1;
+    if (typeof s.$ref === "string") evaluate(resolvePointer(root, s.$ref), value, at, inner);
+    for (const k of IN_PLACE) if (k in s) evaluate(s[k], value, at, inner);
     for (const k of IN_PLACE_LISTS) {
       if (Array.isArray(s[k])) {
-        for (const sub of s[k] as unknown[]) evaluate(sub, value, at);
+        for (const sub of s[k] as unknown[]) evaluate(sub, value, at, inner);
       }
     }
     const objects = enumObjects.get(schema);
     if (objects !== undefined && typeof value === "object" && value !== null) spend(objects * ownCost(value));
+    // Each missing name is an error, copied by every enclosing evaluation (about 8 ns a copy: 1/64 of a unit).
+    const names = requiredNames.get(schema);
+    if (names !== undefined && typeof value === "object" && value !== null) {
+      spend(Math.floor(names * frames / CHARS_PER_UNIT));
+    }
     if (typeof value === "string") {
       for (const size of stringRegexes.get(schema) ?? []) spend(regexUnits(size, value.length));
+      if (regexFormats.has(schema) && value.length <= REGEX_FORMAT_MAX_CHARS) {
+        spend(value.length * REGEX_FORMAT_UNITS);
+      }
       return;
     }
     if (typeof value !== "object" || value === null) return;
@@ -273,11 +319,11 @@ export function estimate(entry: CostedSchema, instance: unknown, budget: number)
       const item = (i: number) => at + 2 + Math.floor(Math.log10(i + 1));
       for (const k of ["prefixItems", "items"]) {
         if (Array.isArray(s[k])) {
-          (s[k] as unknown[]).forEach((sub, i) => i < value.length && evaluate(sub, value[i], item(i)));
+          (s[k] as unknown[]).forEach((sub, i) => i < value.length && evaluate(sub, value[i], item(i), inner));
         }
       }
       for (const k of ["items", ...EVERY_ITEM]) {
-        if (k in s && !Array.isArray(s[k])) value.forEach((v, i) => evaluate(s[k], v, item(i)));
+        if (k in s && !Array.isArray(s[k])) value.forEach((v, i) => evaluate(s[k], v, item(i), inner));
       }
       return;
     }
@@ -289,24 +335,26 @@ export function estimate(entry: CostedSchema, instance: unknown, budget: number)
     for (const k of IN_PLACE_MAPS) {
       const map = s[k];
       if (typeof map !== "object" || map === null) continue;
-      for (const sub of Object.values(map)) if (!Array.isArray(sub)) evaluate(sub, value, at);
+      for (const sub of Object.values(map)) if (!Array.isArray(sub)) evaluate(sub, value, at, inner);
     }
     if (typeof s.properties === "object" && s.properties !== null) {
       for (const [key, sub] of Object.entries(s.properties)) {
-        if (Object.hasOwn(object, key)) evaluate(sub, object[key], under(key));
+        if (Object.hasOwn(object, key)) evaluate(sub, object[key], under(key), inner);
       }
     }
     if (typeof s.patternProperties === "object" && s.patternProperties !== null) {
       // Every subschema on every value: an upper bound of what the keys that match make it evaluate.
       for (const sub of Object.values(s.patternProperties)) {
-        for (const key in object) evaluate(sub, object[key], under(key));
+        for (const key in object) evaluate(sub, object[key], under(key), inner);
       }
     }
-    for (const k of EVERY_PROPERTY) if (k in s) { for (const key in object) evaluate(s[k], object[key], under(key)); }
-    if ("propertyNames" in s) { for (const key in object) evaluate(s.propertyNames, key, under(key)); }
+    for (const k of EVERY_PROPERTY) {
+      if (k in s) { for (const key in object) evaluate(s[k], object[key], under(key), inner); }
+    }
+    if ("propertyNames" in s) { for (const key in object) evaluate(s.propertyNames, key, under(key), inner); }
   };
   try {
-    evaluate(root, instance, 0);
+    evaluate(root, instance, 0, 1);
     return units;
   } catch (error) {
     if (error === OVER_BUDGET) return Infinity;

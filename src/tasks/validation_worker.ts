@@ -13,7 +13,7 @@
  * says `compiled` before it validates with a schema it has just compiled: the
  * deadline starts then.
  */
-import { compileSchema, SchemaRefused } from "./json_schema.ts";
+import { compileSchema, SchemaRefused, ValidationTooDeep } from "./json_schema.ts";
 import { Lru } from "./_lru.ts";
 import { costed, type CostedSchema, estimate } from "./validation_cost.ts";
 import { serveWorker } from "./_pool_worker.ts";
@@ -40,6 +40,7 @@ serveWorker<ValidateMessage>((options) => {
     return { type: "result", id, violations: entry.compiled.validate(instance) };
   } catch (error) {
     if (error instanceof SchemaRefused) return { type: "refused", id, pointer: error.pointer, reason: error.reason };
+    if (error instanceof ValidationTooDeep) return { type: "costly", id };
     const { name, message } = error instanceof Error ? error : new Error(String(error));
     return { type: "failed", id, name, message };
   }

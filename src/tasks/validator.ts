@@ -26,7 +26,7 @@
  * tenant and in all: past either cap a validation fails at once with
  * {@linkcode ValidationBusy}.
  */
-import { compileSchema, SchemaRefused, type SchemaViolation } from "./json_schema.ts";
+import { compileSchema, SchemaRefused, type SchemaViolation, ValidationTooDeep } from "./json_schema.ts";
 import { Lru } from "./_lru.ts";
 import { costed, type CostedSchema, estimate } from "./validation_cost.ts";
 import type { ValidateMessage, ValidationInit, ValidationReply } from "./_validation_protocol.ts";
@@ -47,18 +47,18 @@ export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
    */
   threadSchemaBytes: 2_048,
   /**
-   * The most `pattern` and `patternProperties` keywords a schema compiled in the caller's thread may have: a
-   * regular expression costs more to compile than its length says (32 short ones in a 1 KB schema took 13-65 ms
-   * on a loaded machine). A schema with more is compiled, and validated, on a Worker. Not none: every
-   * validation of such a schema would then wait for a Worker, and a tenant's burst of runs would meet the cap
-   * of `maxPendingPerTenant`.
+   * The most `pattern` and `patternProperties` keywords a schema compiled in the caller's thread may have, and
+   * they must not be costly to compile (`costlyPatterns`): a schema with more, or costly ones, is compiled, and
+   * validated, on a Worker. Not none: every validation of such a schema would then wait for a Worker, and a
+   * tenant's burst of runs would meet the cap of `maxPendingPerTenant`.
    */
   threadPatterns: 4,
   /**
    * What they may hold, in bytes (`CompiledSchema.weight`: about eight times a schema's JSON, and each regular
-   * expression's program and DFA), in the caller's thread and in each Worker.
+   * expression's program and DFA; a compiled 64 KiB schema measured 301 KiB of heap against a weight of 509), in
+   * the caller's thread and in each Worker: three caches in an API process.
    */
-  cacheBytes: 64 * 1024 * 1024,
+  cacheBytes: 16 * 1024 * 1024,
   /**
    * Work a validation may be estimated at and still run in the caller's thread: one unit is a subschema
    * evaluated on one value, one keyword or array entry or key of either, or 64 characters of a string, and a
@@ -68,11 +68,16 @@ export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
    */
   fastPathUnits: 2_000,
   /**
-   * Work a validation may be estimated at and run at all, on a Worker (about 0.5 s, 2 s in the worst case):
+   * Work a validation may be estimated at and run at all, on a Worker (about 0.1 s, 0.4 s in the worst case):
    * past it, it fails with {@linkcode ValidationTooCostly} without running. A Worker that is terminated at the
-   * deadline runs on until its validation ends, so this, not the deadline, bounds how long that is.
+   * deadline runs on until its validation ends, so this, not the deadline, bounds how long that is. It fits the
+   * deadline, and a tenant's `maxPendingPerTenant` of them fit a second on two Workers: at 1,000,000 a validation
+   * the estimate admitted could not finish in 250 ms (the longest input a Worker admitted against the costliest
+   * pattern a PUT accepts took 0.45 s), so each one ran over, and a tenant's eight at once were answered after
+   * 2.4-9.6 s; at 400,000, after 1.1-1.6 s on a loaded machine, most of them timed out. An input past it (say
+   * 15,000 small objects, or 100 KB of text against a pattern) is a `422`.
    */
-  workerUnits: 1_000_000,
+  workerUnits: 200_000,
   /** Validations of one tenant waiting for or running on a Worker; past it, {@linkcode ValidationBusy}. */
   maxPendingPerTenant: 8,
   /** Validations waiting for or running on a Worker, all tenants together; past it, {@linkcode ValidationBusy}. */
@@ -286,8 +291,7 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
     let entry = cache.get(key);
     if (!entry) {
       const json = JSON.stringify(schema);
-      // A regular expression costs more to compile than its length says (32 short ones took 13-65 ms here).
-      if (json.length > limits.threadSchemaBytes || json.split('"pattern').length - 1 > limits.threadPatterns) {
+      if (json.length > limits.threadSchemaBytes || costlyPatterns(json, limits.threadPatterns)) {
         entry = ON_WORKER;
       } else {
         // A copy of our own: the validator keeps (and annotates) the schema it compiles. Stored: it was checked
@@ -304,6 +308,16 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
     }
     if (entry instanceof SchemaRefused) throw entry;
     return entry;
+  };
+
+  /** A validation in this thread; one deeper than the stack is too costly, as on a Worker. */
+  const inThread = (entry: CostedSchema, instance: unknown): SchemaViolation[] => {
+    try {
+      return entry.compiled.validate(instance);
+    } catch (error) {
+      if (error instanceof ValidationTooDeep) throw new ValidationTooCostly(limits.workerUnits, { cause: error });
+      throw error;
+    }
   };
 
   /** Sends `key`'s validation (or only its compilation, without `instance`) to a Worker. */
@@ -352,7 +366,7 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
       // schema's weight times the value's size bounds the work, with no need to walk the two together.
       const bounded = entry.tree && units !== undefined && entry.total * units <= limits.fastPathUnits;
       return bounded || estimate(entry, instance, limits.fastPathUnits) <= limits.fastPathUnits
-        ? entry.compiled.validate(instance)
+        ? inThread(entry, instance)
         : undefined;
     },
     validate(key, schema, instance, tenant = tenantOf(key)) {
@@ -364,7 +378,7 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
           typeof entry !== "symbol" && entry.linear &&
           estimate(entry, instance, limits.fastPathUnits) <= limits.fastPathUnits
         ) {
-          return Promise.resolve(entry.compiled.validate(instance));
+          return Promise.resolve(inThread(entry, instance));
         }
       } catch (error) {
         return Promise.reject(error);
@@ -390,6 +404,24 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
       return Promise.resolve();
     },
   };
+}
+
+/**
+ * Whether a schema's regular expressions may be costly to compile, read from its JSON: more than `most` of them
+ * (32 short ones in a 1 KB schema took 13-65 ms on a loaded machine), a Unicode property class under a counted
+ * repetition (RE2 writes the class out once per count: `[\p{L}\p{N}]{0,198}` ten times took 40 ms, where
+ * `^\p{L}{1,100}$` takes 2.3 ms and `^[a-z]{1,200}$` 0.9 ms), more Unicode property classes than `most` (two
+ * patterns of 165 `\p{L}` in a class took 100 ms), or counts adding up past 1,000. Text that only
+ * looks like one (in a description, say) sends a schema to a Worker for nothing, which costs little.
+ */
+function costlyPatterns(json: string, most: number): boolean {
+  if (json.split('"pattern').length - 1 > most) return true;
+  let counts = 0;
+  for (const [, min, comma, max] of json.matchAll(/\{(\d+)(,?)(\d*)\}/g)) {
+    counts += Number(comma && max ? max : min);
+  }
+  const classes = json.split(/\\\\[pP]/).length - 1;
+  return counts > 1_000 || (counts > 0 && classes > 0) || classes > most;
 }
 
 /** The tenant a validation key names: its first segment ("tenant/task/version/input"; "" for built-in tasks). */

@@ -48,6 +48,7 @@ import {
   seedBudgetState,
 } from "../../src/budgets/budget_scripts.ts";
 import { announceLane } from "../../src/queue/lanes.ts";
+import { benchHostile } from "./hostile.ts";
 
 const ADMIN_URL = Deno.env.get("BENCH_DATABASE_URL") ?? "postgres://postgres@127.0.0.1:5432/postgres";
 const REDIS_URL = Deno.env.get("BENCH_REDIS_URL") ?? "redis://127.0.0.1:6379/0";
@@ -1425,6 +1426,11 @@ async function benchWait() {
   }
 }
 
+/** Issue 37's figures: hostile patterns, definitions and PUTs against the real API and worker (`hostile.ts`). */
+async function benchHostileSection() {
+  rows.push(...await benchHostile({ adminUrl: ADMIN_URL, redisUrl: REDIS_URL, smoke, runs: RUNS, progress }));
+}
+
 const sections: Record<string, () => Promise<void>> = {
   // Memory first: its baseline is then the RSS of a fresh process.
   memory: benchMemory,
@@ -1442,6 +1448,7 @@ const sections: Record<string, () => Promise<void>> = {
   e2e: benchEndToEnd,
   wait: benchWait,
   provider: benchProvider,
+  hostile: benchHostileSection,
 };
 
 const log = createLogger({ level: "warn" });

@@ -71,10 +71,23 @@ export async function startServiceProcess(
   };
 }
 
-/** A fake model in its own process. */
-export async function startModelProcess(delayMs: number): Promise<{ url: string; pid: number; stop(): Promise<void> }> {
+/**
+ * A fake model in its own process. `answersFile`: scripted answers by marker (see `model_server.ts`), read by the
+ * process, which may read that file only.
+ */
+export async function startModelProcess(
+  delayMs: number,
+  { answersFile }: { answersFile?: string } = {},
+): Promise<{ url: string; pid: number; stop(): Promise<void> }> {
   const child = new Deno.Command(Deno.execPath(), {
-    args: ["run", "--allow-net=127.0.0.1", new URL("./model_server.ts", import.meta.url).pathname, String(delayMs)],
+    args: [
+      "run",
+      "--allow-net=127.0.0.1",
+      ...(answersFile ? [`--allow-read=${answersFile}`] : []),
+      new URL("./model_server.ts", import.meta.url).pathname,
+      String(delayMs),
+      ...(answersFile ? [answersFile] : []),
+    ],
     stdout: "piped",
     stderr: "inherit",
   }).spawn();

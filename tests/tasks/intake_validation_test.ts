@@ -87,11 +87,11 @@ Deno.test("an input estimated past a Worker's bound is a 422 on /input, and neve
     });
     assert.equal(deep.status, 422, JSON.stringify(deep.body));
     assert.equal(deep.body.errors[0].pointer, "/input");
-    // Refused by its estimate; on a loaded machine the estimate itself (stopped at 1,000,000 units, about 100 ms)
+    // Refused by its estimate; on a loaded machine the estimate itself (stopped at 200,000 units, about 20 ms)
     // may run past the 250 ms deadline first: a 422 on /input either way, and the validation never runs.
     assert.match(
       deep.body.errors[0].message,
-      /would take too long \(estimated at more than 1000000 units|took longer than 250 ms/,
+      /would take too long \(estimated at more than 200000 units|took longer than 250 ms/,
     );
     const shallow = await acme("POST", "/v1/tasks/tree/runs", { input: { tree: nested(4) } }, {
       "idempotency-key": "tree-shallow-000000000",

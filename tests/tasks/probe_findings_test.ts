@@ -18,6 +18,7 @@
  */
 import assert from "node:assert/strict";
 import { renderedChars, renderTemplate } from "../../src/tasks/definition.ts";
+import { compileSchema, SchemaRefused } from "../../src/tasks/json_schema.ts";
 import { createSchemaValidators, VALIDATION_LIMITS, ValidationTooCostly } from "../../src/tasks/validator.ts";
 
 const LONG = "X".repeat(60_000);
@@ -145,7 +146,7 @@ Deno.test("a chain of references deeper than the stack is too costly, not an err
   }
 });
 
-Deno.test("a schema of many regular expressions is compiled on a Worker, however small", async () => {
+Deno.test("a schema of many or costly regular expressions is compiled on a Worker, however small", async () => {
   const validators = createSchemaValidators({ workers: 1 });
   try {
     const schemaOf = (n: number) => ({
@@ -160,7 +161,99 @@ Deno.test("a schema of many regular expressions is compiled on a Worker, however
     assert.deepEqual(validators.validateNow("acme/few/1/input", few, { p0: "x0" }), [], "few: in this thread");
     assert.equal(validators.validateNow("acme/many/1/input", many, { p0: "x0" }), undefined, "many: on a Worker");
     assert.deepEqual(await validators.validate("acme/many/1/input", many, { p0: "x0" }), []);
+    // One expression can be costly too: RE2 writes a Unicode class out once per count (40 ms to compile here).
+    const one = (pattern: string) => ({ type: "object", properties: { code: { type: "string", pattern } } });
+    const costly = one(`^${"[\\p{L}\\p{N}]{0,198}".repeat(10)}$`);
+    assert.equal(validators.validateNow("acme/costly/1/input", costly, { code: "x" }), undefined, "on a Worker");
+    assert.deepEqual(await validators.validate("acme/costly/1/input", costly, { code: "x" }), []);
+    for (const pattern of ["^[a-z]{1,20}-\\d+$", "^[\\p{L} ]+$", "^\\d{4}-\\d{2}-\\d{2}$"]) {
+      assert.deepEqual(
+        validators.validateNow(`acme/${pattern}/1/input`, one(pattern), { code: "x" }) !== undefined,
+        true,
+        pattern,
+      );
+    }
   } finally {
     await validators.close();
+  }
+});
+
+Deno.test("format: regex is refused past a pattern's length and counted per character V8 parses", async () => {
+  const validators = createSchemaValidators({ workers: 1 });
+  try {
+    const schema = { type: "string", format: "regex" };
+    // 996 KB of \p{L} in one class: 39.5 s and 2.4 GB in V8's parser, estimated at 12,971 units.
+    const long = `[${"\\p{L}".repeat(166_000)}]`;
+    const [violation] = await validators.validate("acme/re/1/input", schema, long);
+    assert.match(violation!.message, /regex/);
+    // At the longest a pattern may be, it is parsed, and costs what V8 takes.
+    const costly = { type: "array", items: { type: "string", format: "regex" } };
+    const many = Array.from({ length: 2_000 }, (_, i) => `[${"\\p{L}".repeat(199)}${i}]`);
+    await assert.rejects(validators.validate("acme/re/2/input", costly, many), ValidationTooCostly);
+    assert.deepEqual(await validators.validate("acme/re/3/input", schema, "^[a-z]+$"), []);
+  } finally {
+    await validators.close();
+  }
+});
+
+Deno.test("a schema's patterns are checked for length before V8 parses them", () => {
+  // Against the meta-schemas (format: regex on every pattern), a 64 KiB pattern of \p{L} took 2.7 s before its
+  // length was checked. Now the length comes first: a long pattern V8 would refuse is refused for its length.
+  for (const pattern of [`[${"\\p{L}".repeat(10_800)}]`, `(${"a".repeat(1_100)}`]) {
+    assert.throws(
+      () => compileSchema({ type: "object", properties: { a: { type: "string", pattern } } }),
+      (error: unknown) => error instanceof SchemaRefused && /at most 1000 characters/.test(error.message),
+    );
+  }
+  // A short one V8 refuses is still refused as such.
+  assert.throws(
+    () => compileSchema({ type: "object", properties: { a: { type: "string", pattern: "(a" } } }),
+    /not a valid regular expression/,
+  );
+});
+
+Deno.test("short formats refuse a long string without walking it", () => {
+  // 60 date-time checks of a 1 MB string took 2 s: each split it first.
+  assert.equal(
+    compileSchema({ allOf: [{ format: "date-time" }, { format: "date-time" }] }).validate("t".repeat(1e6)).length,
+    1,
+  );
+  // What the library would accept, but no real value is so long.
+  assert.equal(compileSchema({ format: "date-time" }).validate(`2026-12-06T10:00:00.${"1".repeat(100)}Z`).length, 1);
+  assert.deepEqual(compileSchema({ format: "date-time" }).validate("2026-12-06T10:00:00.123456789+01:00"), []);
+  assert.deepEqual(compileSchema({ format: "uuid" }).validate("6f1c2a52-8f0e-4a6a-9a1e-0c9f1b2d3e4f"), []);
+});
+
+Deno.test("missing required names are counted per enclosing evaluation", async () => {
+  const validators = createSchemaValidators({ workers: 1 });
+  try {
+    const names = Array.from({ length: 6_000 }, (_, i) => `n${i}`);
+    const $defs: Record<string, unknown> = {};
+    for (let i = 0; i < 400; i++) $defs[`d${i}`] = { $ref: `#/$defs/d${i + 1}` };
+    $defs.d400 = { required: names };
+    // Each of the 6,000 errors is copied through 400 frames (about 8 ns a copy): 10 items are 0.2 s, which the
+    // estimate counted as 132,000 units.
+    const schema = { contains: { $ref: "#/$defs/d0" }, $defs };
+    await assert.rejects(validators.validate("acme/req/1/input", schema, new Array(10).fill({})), ValidationTooCostly);
+  } finally {
+    await validators.close();
+  }
+});
+
+Deno.test("a validation deeper than the validator's stack is too costly, in this thread and on a Worker", async () => {
+  const inThread = createSchemaValidators({ workers: 1, fastPathUnits: Infinity });
+  const onWorker = createSchemaValidators({ workers: 1, fastPathUnits: 0 });
+  try {
+    // The estimate walks it; the validator's own recursion, several frames a reference, does not.
+    const $defs: Record<string, unknown> = {};
+    for (let i = 0; i < 900; i++) $defs[`d${i}`] = { $ref: `#/$defs/d${i + 1}` };
+    $defs.d900 = { type: "string" };
+    const schema = { $ref: "#/$defs/d0", $defs };
+    for (const pool of [inThread, onWorker]) {
+      await assert.rejects(pool.validate("acme/deep/1/input", schema, "x"), ValidationTooCostly);
+    }
+  } finally {
+    await inThread.close();
+    await onWorker.close();
   }
 });

@@ -16,7 +16,7 @@ import { startFakeModel } from "../support/fake_model_server.ts";
 import { apiHandler, jsonClient, summaryWorker } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 
-const WORDS = Array.from({ length: 500 }, (_, i) => `word-${i}`);
+const WORDS = Array.from({ length: 250 }, (_, i) => `word-${i}`);
 const OUTPUT_SCHEMA = {
   type: "object",
   properties: { words: { type: "array", uniqueItems: true, items: { type: "string" } } },
