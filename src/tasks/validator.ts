@@ -84,6 +84,15 @@ export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
   maxPending: 64,
   /** Time a Worker may take to compile a schema it has not seen (bounded by `compileSchema`'s limits). */
   compileMs: 1_000,
+  /**
+   * Schema JSON a Worker may have been sent to compile before it is stopped (once its validation is done) and a
+   * fresh one takes its place: a Worker's heap grows with what it compiles and never shrinks (two tenants' quotas
+   * of the largest definitions, each run once, left an API 637 MiB larger), and a stopped one gives it all back.
+   * 4 MiB is 64 of the largest schemas, thousands of usual ones.
+   */
+  recycleChars: 4 * 1024 * 1024,
+  /** A Worker with nothing to validate for this long is stopped too (the next validation starts one). */
+  idleMs: 60_000,
   /** Web Workers validating at once. */
   workers: 2,
   /** How long a Worker may take to load before the validations waiting for it fail. */
@@ -226,6 +235,8 @@ export interface ValidatorOptions {
   /** 0 compiles every schema on a Worker only (and so validates there). */
   threadSchemaBytes?: number;
   threadPatterns?: number;
+  recycleChars?: number;
+  idleMs?: number;
   compileMs?: number;
   workers?: number;
   startMs?: number;
@@ -233,6 +244,13 @@ export interface ValidatorOptions {
   maxPendingPerTenant?: number;
   maxPending?: number;
   orphanMs?: number;
+}
+
+/** What the validators keep of each Worker: the keys sent it (mirroring its cache), and what it has compiled. */
+interface WorkerMemo {
+  sent: Lru<string, true>;
+  /** Characters of schema JSON sent it to compile: past `recycleChars`, it is stopped and a fresh one started. */
+  compiledChars: number;
 }
 
 /** A schema too large to compile in the caller's thread: its validations all run on a Worker. */
@@ -261,12 +279,13 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
     maxWeight: limits.cacheBytes,
     weigh: (entry) => typeof entry === "symbol" || entry instanceof SchemaRefused ? 0 : entry.compiled.weight,
   });
-  const pool = createWorkerPool<Lru<string, true>, ValidationReply>({
+  const pool = createWorkerPool<WorkerMemo, ValidationReply>({
     url: WORKER_URL,
     name: "schema-validation",
     workers: limits.workers,
     startMs: limits.startMs,
     orphanMs: limits.orphanMs,
+    idleMs: limits.idleMs,
     maxPendingPerTenant: limits.maxPendingPerTenant,
     maxPending: limits.maxPending,
     init: {
@@ -275,7 +294,7 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
       workerUnits: limits.workerUnits,
     } satisfies ValidationInit,
     // The keys sent to each Worker, mirroring its own cache: a schema crosses the channel once.
-    slotData: () => new Lru(limits.cacheSize),
+    slotData: () => ({ sent: new Lru(limits.cacheSize), compiledChars: 0 }),
     busy: (what) => new ValidationBusy(what),
     title: "schema validation",
   });
@@ -326,16 +345,17 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
     { key, schema, instance }: { key: string; schema: unknown; instance?: unknown },
   ): Promise<SchemaViolation[]> => {
     /** Sends the message, with the schema when asked, and arms the deadline: `compileMs` for a schema to compile. */
-    const send = (slot: PoolSlot<Lru<string, true>>, id: number, withSchema: boolean) => {
+    const send = (slot: PoolSlot<WorkerMemo>, id: number, withSchema: boolean) => {
       const message: ValidateMessage = { id, key };
       if (withSchema) message.schema = schema;
       if (instance !== undefined) message.instance = instance;
       slot.post(message);
-      slot.data.set(key, true);
+      slot.data.sent.set(key, true);
+      if (withSchema && (slot.data.compiledChars += JSON.stringify(schema).length) > limits.recycleChars) slot.retire();
       slot.arm(withSchema ? limits.compileMs : limits.deadlineMs);
     };
     return pool.run<SchemaViolation[]>(tenant, {
-      begin: (slot, id) => send(slot, id, slot.data.get(key) === undefined),
+      begin: (slot, id) => send(slot, id, slot.data.sent.get(key) === undefined),
       reply(data, slot) {
         if (data.type === "missing") return void send(slot, data.id, true);
         // The Worker validates now: the deadline starts.
@@ -346,7 +366,7 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
         }
         if (data.type === "costly") return { error: new ValidationTooCostly(limits.workerUnits) };
         if (data.type === "refused") {
-          slot.data.delete(key);
+          slot.data.sent.delete(key);
           const refused = new SchemaRefused(data.pointer, data.reason);
           cache.set(key, refused);
           return { error: refused };

@@ -63,6 +63,11 @@ export interface PoolSlot<S> {
   post(message: unknown): void;
   /** (Re)arms the work's deadline: in `ms`, the Worker is terminated and the work fails with `timedOut(ms)`. */
   arm(ms: number): void;
+  /**
+   * Asks for this Worker to be stopped once its work has settled, and a fresh one started when one is needed:
+   * a Worker's heap grows with what it has compiled and never shrinks back, and a stopped one gives it all back.
+   */
+  retire(): void;
 }
 
 /** How a piece of work settles: a value, or an error. */
@@ -106,6 +111,8 @@ interface Slot<S, R> {
   timer?: ReturnType<typeof setTimeout>;
   state: Int32Array;
   handle: PoolSlot<S>;
+  /** Asked to stop once its work has settled (`PoolSlot.retire`). */
+  retiring: boolean;
 }
 
 /** A terminated Worker that was working: it counts against the pool until it is no longer busy. */
@@ -155,6 +162,8 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
 
   const settle = (slot: Slot<S, R>, outcome: Settled<unknown>) => {
     const job = release(slot)!;
+    // Idle now (it set itself so before its last reply): stopping it leaves no thread behind.
+    if (slot.retiring) remove(slot);
     if ("value" in outcome) job.resolve(outcome.value);
     else job.reject(outcome.error);
     pump();
@@ -291,9 +300,11 @@ function openSlot<S, R>(options: WorkerPoolOptions<S>, on: SlotEvents<S, R>): Sl
     worker,
     ready: false,
     state,
+    retiring: false,
     handle: {
       data: options.slotData(),
       post: (message) => worker.postMessage(message),
+      retire: () => void (slot.retiring = true),
       arm(ms) {
         const job = slot.job!;
         clearTimeout(slot.timer);

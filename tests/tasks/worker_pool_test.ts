@@ -134,3 +134,41 @@ Deno.test("a tenant's definition checks are capped, and another tenant's still r
     await checker.close();
   }
 });
+
+Deno.test("a Worker that has compiled its share is stopped once its work is done, and a fresh one answers next", async () => {
+  // A heap grows with what it compiles and never shrinks: a stopped Worker gives it all back.
+  const validators = createSchemaValidators({ workers: 1, fastPathUnits: 0, recycleChars: 1_000 });
+  const checker = createDefinitionChecker({ workers: 1, recycleChars: 1_000 });
+  try {
+    const big = wideSchema(1_500);
+    assert.deepEqual(await validators.validate("acme/big/1/input", big, {}), [
+      { pointer: "", message: 'Instance does not have required property "field_0".' },
+    ]);
+    assert.deepEqual(validators.pool(), { workers: 0, orphans: 0, pending: 0 }, "stopped, not orphaned");
+    // Small schemas add up to the share too; until then the Worker stays.
+    const small = { type: "object", properties: { a: { type: "string" } } };
+    assert.deepEqual(await validators.validate("acme/small/1/input", small, { a: 1 }), [
+      { pointer: "/a", message: 'Instance type "number" is invalid. Expected "string".' },
+    ]);
+    assert.equal(validators.pool().workers, 1);
+    await checker.check(JSON.stringify(smallDefinition()), "acme");
+    assert.equal(checker.pool().workers, 1, "under its share");
+    await checker.check(JSON.stringify({ ...smallDefinition(1), system: "s".repeat(1_000) }), "acme");
+    assert.deepEqual(checker.pool(), { workers: 0, orphans: 0, pending: 0 });
+    await checker.check(JSON.stringify(smallDefinition(2)), "acme");
+  } finally {
+    await validators.close();
+    await checker.close();
+  }
+});
+
+Deno.test("validation Workers idle for idleMs are stopped", async () => {
+  const validators = createSchemaValidators({ workers: 1, fastPathUnits: 0, idleMs: 50 });
+  try {
+    assert.deepEqual(await validators.validate("acme/t/1/input", { type: "string" }, "x"), []);
+    assert.equal(validators.pool().workers, 1);
+    await waitFor("the idle Worker to stop", () => validators.pool().workers === 0);
+  } finally {
+    await validators.close();
+  }
+});
