@@ -14,9 +14,9 @@ import {
   checkNotify,
   FINISHED,
   idempotencyKeyFrom,
-  type SummaryApiDeps,
+  type RunHttpDeps,
   waitIfPreferred,
-} from "../summaries/api.ts";
+} from "./http.ts";
 import { jobDocument, type JobFound } from "./job_document.ts";
 import { currentTraceparent } from "../tracing.ts";
 import { RENDER_LIMITS, renderedChars, renderTemplate, TASK_NAME } from "../tasks/definition.ts";
@@ -29,7 +29,7 @@ import type { TaskCache } from "../tasks/task_cache.ts";
 import { budgetKey } from "../budgets/budgets.ts";
 
 /** What the run routes need beyond the summary API's. */
-export interface RunApiDeps extends SummaryApiDeps {
+export interface RunApiDeps extends RunHttpDeps {
   tasks: TaskCache;
   /** Validates an input against a task's input schema, compiled once per `key`. */
   validate: (key: string, schema: unknown, instance: unknown, tenant?: string) => Promise<SchemaViolation[]>;

@@ -715,7 +715,7 @@ type PostResult = { jobId: string } | { jobId: null; answered: boolean; refused?
 let freshInFlight = 0;
 /** When each 202 was answered, and each 503 saying too few replicas acknowledged the job (--sentinel). */
 const answered202At: number[] = [], notReplicatedAt: number[] = [];
-/** How the API words a 503 for a job too few replicas acknowledged in time (src/summaries/api.ts). */
+/** How the API words a 503 for a job too few replicas acknowledged in time (src/runs/http.ts). */
 const NOT_REPLICATED = "not yet confirmed on enough replicas";
 
 async function postOnce(
