@@ -42,7 +42,7 @@ import { fmt, median, quantile } from "./stats.ts";
 import { epochMs, type SteadyLoadConfig, type SteadySample } from "./steady_load.ts";
 import { RUN_BODY, TRIAGE_BODIES } from "./triage_task.ts";
 
-/** One line of the bench's table (the shape `run.ts` prints). */
+/** One line of the bench's table, for this section and every other in `run.ts`. */
 export interface HostileRow {
   benchmark: string;
   result: string;

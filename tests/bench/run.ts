@@ -48,7 +48,7 @@ import {
   seedBudgetState,
 } from "../../src/budgets/budget_scripts.ts";
 import { announceLane } from "../../src/queue/lanes.ts";
-import { benchHostile } from "./hostile.ts";
+import { benchHostile, type HostileRow } from "./hostile.ts";
 
 const ADMIN_URL = Deno.env.get("BENCH_DATABASE_URL") ?? "postgres://postgres@127.0.0.1:5432/postgres";
 const REDIS_URL = Deno.env.get("BENCH_REDIS_URL") ?? "redis://127.0.0.1:6379/0";
@@ -59,16 +59,8 @@ const only = Deno.args.find((a) => a.startsWith("--only="))?.slice("--only=".len
 const RUNS = smoke ? 1 : Number(Deno.env.get("BENCH_RUNS") ?? 3);
 const progress = (msg: string) => console.error(`[bench] ${msg}`);
 
-/** One line of the results table. */
-interface Row {
-  benchmark: string;
-  result: string;
-  baseline?: string;
-  ratio?: string;
-  goal?: string;
-  value: number;
-  baselineValue?: number;
-}
+/** One line of the results table (the hostile section's rows have the same shape). */
+type Row = HostileRow;
 const rows: Row[] = [];
 
 const BODY = JSON.stringify({
