@@ -254,7 +254,7 @@ async function compile(env: Record<string, string | undefined>): Promise<number>
     RESEND_API_KEY: env.RESEND_API_KEY || "compile",
   });
   for (const command of COMMANDS.filter((c) => COMMAND_TABLE[c].binary)) {
-    const flags = permissionFlags(command, config, MIGRATIONS);
+    const flags = permissionFlags(command, config, MIGRATIONS, { binary: true });
     // A Worker's module is loaded at run time, so the binary holds it only if told to.
     const include = COMMAND_TABLE[command].validation
       ? ["--include", VALIDATION_WORKER, "--include", DEFINITION_WORKER]

@@ -86,18 +86,39 @@ export function missingNetPermissions(command: Command, config: Config): string[
  * The exact permission flags of a command under a configuration: network
  * access to the hosts its configured URLs name and nothing else, the
  * service's variables, and the few extras a command needs (the hostname for
- * worker consumer names, the migrations folder, the schema validation
- * Worker's modules). `deno task <command>`
- * launches the command with these.
+ * worker consumer names, the migrations folder, and for those that validate
+ * tenants' schemas the right to run this Deno binary, whose child processes
+ * do it: `tasks/pool_channels.ts`). `deno task <command>` launches the
+ * command with these. A `binary` (`deno compile`) validates on Web Workers
+ * instead: it reads their modules, and runs nothing.
  */
-export function permissionFlags(command: Command, config: Config, migrationsDir: string): string[] {
+export function permissionFlags(
+  command: Command,
+  config: Config,
+  migrationsDir: string,
+  { binary = false }: { binary?: boolean } = {},
+): string[] {
   const spec = COMMAND_TABLE[command];
   const hosts = [...new Set(Object.values(requiredHosts(config, spec.net)))];
   const flags = [...netFlags(config, spec.net, hosts), `--allow-env=${CONFIG_VARIABLES.join(",")}`, "--ignore-env"];
   if (spec.hostname) flags.push("--allow-sys=hostname");
-  const reads = [...(spec.migrations ? [migrationsDir] : []), ...(spec.validation ? WORKER_FILES : [])];
+  const reads = [...(spec.migrations ? [migrationsDir] : []), ...(spec.validation && binary ? WORKER_FILES : [])];
   if (reads.length) flags.push(`--allow-read=${reads.join(",")}`);
+  if (spec.validation && !binary) flags.push(`--allow-run=${Deno.execPath()}`);
   return flags;
+}
+
+/**
+ * Names, at start-up, a process that validates tenants' schemas in child processes (`tasks/pool_channels.ts`)
+ * but may not start them, instead of failing every validation that needs one.
+ * @returns the problem, or undefined.
+ */
+export function missingRunPermission(command: Command, isolation: "process" | "thread"): string | undefined {
+  if (!COMMAND_TABLE[command].validation || isolation !== "process") return undefined;
+  const path = Deno.execPath();
+  if (Deno.permissions.querySync({ name: "run", command: path }).state === "granted") return undefined;
+  return `Cannot start: tenants' schemas are validated in child processes of this Deno binary (${path}), which ` +
+    `the \`${command}\` task's permission set does not allow running; add --allow-run=${path} to it`;
 }
 
 const pathOf = (relative: string) => decodeURIComponent(new URL(relative, import.meta.url).pathname);

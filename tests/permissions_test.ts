@@ -23,10 +23,22 @@ import {
 const ROOT = decodeURIComponent(new URL("..", import.meta.url).pathname);
 const MIGRATIONS = decodeURIComponent(new URL("../migrations/", import.meta.url).pathname);
 
-Deno.test("api, worker and dev may read the Workers' modules; no other command reads them", () => {
+Deno.test("api, worker and dev may run this Deno binary (their validation children); no other command runs anything", () => {
+  const config = parseConfig({});
+  for (const command of COMMANDS) {
+    const runs = permissionFlags(command, config, MIGRATIONS).filter((flag) => flag.startsWith("--allow-run"));
+    const validates = ["api", "worker", "dev"].includes(command);
+    assert.deepEqual(runs, validates ? [`--allow-run=${Deno.execPath()}`] : [], command);
+    const reads = permissionFlags(command, config, MIGRATIONS).find((flag) => flag.startsWith("--allow-read="));
+    assert.ok(!reads?.includes("validation_worker.ts"), `${command} reads no Worker module`);
+  }
+});
+
+Deno.test("compiled, api, worker and dev may read the Workers' modules; no other command reads them", () => {
   const config = parseConfig({});
   const reads = Object.fromEntries(COMMANDS.map((command) => {
-    const flags = permissionFlags(command, config, MIGRATIONS).filter((flag) => flag.startsWith("--allow-read"));
+    const flags = permissionFlags(command, config, MIGRATIONS, { binary: true })
+      .filter((flag) => flag.startsWith("--allow-read"));
     assert.ok(flags.length <= 1, `${command}: one --allow-read`);
     return [command, flags[0]?.slice("--allow-read=".length).split(",") ?? []];
   }));

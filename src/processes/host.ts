@@ -9,7 +9,8 @@ import type { ClientNeeds, ClientsOf } from "./run_context.ts";
 import { type Config, postgresHosts } from "../config.ts";
 import { checkCommitDurability } from "../db/commit_durability.ts";
 import { createLogger } from "../log/logger.ts";
-import { missingNetPermissions } from "../permissions.ts";
+import { missingNetPermissions, missingRunPermission } from "../permissions.ts";
+import { DEFAULT_ISOLATION } from "../tasks/pool_channels.ts";
 import { refuseLoudly } from "../redis/sentinel_nodes.ts";
 
 /**
@@ -21,6 +22,8 @@ export async function runCommand(
   { config, args, shutdown }: { config: Config; args: string[]; shutdown: () => AbortSignal },
 ): Promise<number> {
   const denied = missingNetPermissions(name, config);
+  const cannotRun = missingRunPermission(name, DEFAULT_ISOLATION);
+  if (cannotRun) denied.push(cannotRun);
   if (denied.length > 0) {
     console.error(denied[0]);
     return 2;

@@ -1,8 +1,9 @@
 /**
- * The Worker's side of `worker_pool.ts`: what a pool and its Workers say to
- * each other first, and the state they share. A module of its own with no
- * imports, so that the starting side does not load a Worker's module, nor a
- * Worker the pool's.
+ * The Worker's side of `worker_pool.ts`, in a child process or on a Web
+ * Worker (`pool_channels.ts`): what a pool and its Workers say to each other
+ * first, and the state a Web Worker shares with it. A module of its own with
+ * no imports, so that the starting side does not load a Worker's module, nor
+ * a Worker the pool's.
  */
 
 /**
@@ -13,10 +14,16 @@
  */
 export const POOL_STATE = { idle: 0, busy: 1, cancelled: 2 } as const;
 
-/** The first message: the shared state's buffer, and the caller's own settings. Answered `ready`. */
+/** The argument a pool's child process is started with (`pool_channels.ts`): it serves its standard input. */
+export const POOL_PROCESS_ARG = "--oncely-pool-process";
+
+/**
+ * The first message: the caller's own settings, and for a Worker the shared state's buffer (a child process has
+ * none: it is killed, not asked to stop). Answered `ready`.
+ */
 export interface PoolInit {
   type: "init";
-  state: SharedArrayBuffer;
+  state?: SharedArrayBuffer;
   options: Record<string, unknown>;
 }
 
@@ -29,7 +36,8 @@ interface WorkerScope {
 }
 
 /**
- * Serves a pool from inside a Worker: `init` receives the pool's settings; `handle` does one piece of work and
+ * Serves a pool from inside a Worker, or from a child process started with {@linkcode POOL_PROCESS_ARG}: `init`
+ * receives the pool's settings; `handle` does one piece of work and
  * returns its last reply, posted once the Worker is `idle` again (so the pool, which frees the Worker on that
  * reply, never finds it still `busy`), or undefined when it has posted what it had to (through `post`).
  * Work that arrives after the pool terminated this Worker is dropped unbegun.
@@ -38,13 +46,14 @@ export function serveWorker<M>(
   init: (options: Record<string, unknown>) => void,
   handle: (message: M, post: (reply: unknown) => void) => unknown,
 ): void {
+  if (Deno.args.includes(POOL_PROCESS_ARG)) return void serveProcess(init, handle);
   const scope = globalThis as unknown as WorkerScope;
   const post = (reply: unknown) => scope.postMessage(reply);
   let state: Int32Array | undefined;
   scope.onmessage = ({ data }: MessageEvent) => {
     if (state === undefined) {
       const { state: buffer, options } = data as PoolInit;
-      state = new Int32Array(buffer);
+      state = new Int32Array(buffer!);
       init(options);
       return post({ type: "ready" } satisfies PoolReply);
     }
@@ -57,4 +66,38 @@ export function serveWorker<M>(
     }
     if (last !== undefined) post(last);
   };
+}
+
+/**
+ * Serves a pool from a child process: a message a line of JSON on standard input, a reply a line on standard
+ * output. It ends when its input does (the pool, or the process that started it, has gone).
+ */
+async function serveProcess<M>(
+  init: (options: Record<string, unknown>) => void,
+  handle: (message: M, post: (reply: unknown) => void) => unknown,
+): Promise<void> {
+  const encoder = new TextEncoder();
+  const post = (reply: unknown) => {
+    const bytes = encoder.encode(`${JSON.stringify(reply)}\n`);
+    for (let at = 0; at < bytes.length;) at += Deno.stdout.writeSync(bytes.subarray(at));
+  };
+  let initialised = false;
+  let buffered = "";
+  for await (const text of Deno.stdin.readable.pipeThrough(new TextDecoderStream())) {
+    let from = 0;
+    buffered += text;
+    for (let end = buffered.indexOf("\n"); end >= 0; end = buffered.indexOf("\n", from)) {
+      const data = JSON.parse(buffered.slice(from, end));
+      from = end + 1;
+      if (!initialised) {
+        initialised = true;
+        init((data as PoolInit).options);
+        post({ type: "ready" } satisfies PoolReply);
+        continue;
+      }
+      const last = handle(data as M, post);
+      if (last !== undefined) post(last);
+    }
+    buffered = buffered.slice(from);
+  }
 }

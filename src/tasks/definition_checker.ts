@@ -16,6 +16,7 @@
 import { DefinitionRefused } from "./definition_check.ts";
 import type { CheckMessage, CheckReply } from "./definition_worker.ts";
 import { createWorkerPool } from "./worker_pool.ts";
+import type { PoolIsolation } from "./pool_channels.ts";
 
 /** Defaults of {@linkcode createDefinitionChecker}. */
 export const DEFINITION_CHECK = {
@@ -80,7 +81,9 @@ export interface DefinitionChecker {
 const WORKER_URL = new URL("./definition_worker.ts", import.meta.url).href;
 
 /** Starts a checker; its Workers start on the first check. */
-export function createDefinitionChecker(options: DefinitionCheckOptions = {}): DefinitionChecker {
+export function createDefinitionChecker(
+  { isolation, ...options }: DefinitionCheckOptions & { isolation?: PoolIsolation } = {},
+): DefinitionChecker {
   const limits = { ...DEFINITION_CHECK };
   for (const [name, value] of Object.entries(options) as [keyof typeof DEFINITION_CHECK, number | undefined][]) {
     if (value !== undefined) limits[name] = value;
@@ -97,6 +100,7 @@ export function createDefinitionChecker(options: DefinitionCheckOptions = {}): D
     slotData: () => ({ checkedChars: 0 }),
     busy: (what) => new DefinitionCheckBusy(what),
     title: "definition check",
+    isolation,
   });
   let closed = false;
   return {
@@ -117,10 +121,9 @@ export function createDefinitionChecker(options: DefinitionCheckOptions = {}): D
       });
     },
     pool: () => pool.stats(),
-    close() {
+    async close() {
       closed = true;
-      pool.close();
-      return Promise.resolve();
+      await pool.close();
     },
   };
 }

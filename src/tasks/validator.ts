@@ -31,6 +31,7 @@ import { Lru } from "./_lru.ts";
 import { costed, type CostedSchema, estimate } from "./validation_cost.ts";
 import type { ValidateMessage, ValidationInit, ValidationReply } from "./_validation_protocol.ts";
 import { createWorkerPool, type PoolSlot } from "./worker_pool.ts";
+import type { PoolIsolation } from "./pool_channels.ts";
 import { type Clock, systemClock } from "../retry/clock.ts";
 import type { Deadline } from "../retry/deadline.ts";
 import { DeadlineExceeded } from "../retry/errors.ts";
@@ -268,7 +269,9 @@ const WORKER_URL = new URL("./validation_worker.ts", import.meta.url).href;
  * its tenant's turn (`worker_pool.ts`). The deadline counts from when a validation reaches a Worker, so a slow
  * one delays those behind it by at most the deadline.
  */
-export function createSchemaValidators(options: ValidatorOptions = {}): SchemaValidators {
+export function createSchemaValidators(
+  { isolation, ...options }: ValidatorOptions & { isolation?: PoolIsolation } = {},
+): SchemaValidators {
   const limits = { ...VALIDATION_LIMITS };
   for (const [name, value] of Object.entries(options) as [keyof ValidatorOptions, number | undefined][]) {
     if (value !== undefined) limits[name] = value;
@@ -297,6 +300,7 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
     slotData: () => ({ sent: new Lru(limits.cacheSize), compiledChars: 0 }),
     busy: (what) => new ValidationBusy(what),
     title: "schema validation",
+    isolation,
   });
   /** Compilations of large schemas on a Worker under way (`prepare`), by key: callers at once share one. */
   const preparing = new Map<string, Promise<void>>();
@@ -416,12 +420,10 @@ export function createSchemaValidators(options: ValidatorOptions = {}): SchemaVa
       await compiling;
     },
     pool: () => pool.stats(),
-    close() {
-      if (closed) return Promise.resolve();
+    async close() {
       closed = true;
-      pool.close();
       cache.clear();
-      return Promise.resolve();
+      await pool.close();
     },
   };
 }

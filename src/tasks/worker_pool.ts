@@ -1,7 +1,8 @@
 /**
- * A pool of Web Workers that run tenants' work off the thread that serves
- * requests, under a deadline: the schema validators (`validator.ts`) and the
- * definition checker (`definition_checker.ts`) are both one.
+ * A pool of child processes, or of Web Workers (`pool_channels.ts`), that run
+ * tenants' work off the thread that serves requests, under a deadline: the
+ * schema validators (`validator.ts`) and the definition checker
+ * (`definition_checker.ts`) are both one. "Worker" below is either.
  *
  * Work waits in its tenant's queue until a Worker is free, and free Workers
  * take from the tenants' queues in turn: a tenant waits for those running and
@@ -9,18 +10,21 @@
  * tenant's whole burst. Work waiting or running is capped per tenant and in
  * all; past either cap it is refused at once (`busy`). A Worker runs one piece
  * of work at a time, and each piece arms its own deadline (`PoolSlot.arm`),
- * counted from when a Worker has it: one that runs over terminates that
- * Worker, fails that piece, and a fresh Worker takes the next.
+ * counted from when a Worker has it: one that runs over is stopped (a child
+ * process killed, a Web Worker terminated), that piece fails, and a fresh
+ * Worker takes the next.
  *
- * In Deno 2.9.6 a terminated Worker that is busy goes on until its work ends
- * (`terminate()` interrupts neither a regular expression nor a loop). So each
- * Worker says in shared memory whether it is working (`POOL_STATE`, kept by
- * `serveWorker` in `_pool_worker.ts`), and a terminated one that is counts
- * against the pool until it has finished: without that, every timeout would
- * add a thread. What the work may cost, not the deadline, bounds how long
- * that is; the callers bound it.
+ * A stopped Worker counts against the pool until nothing it ran can still be
+ * running: a killed child until it is reaped (milliseconds); a Web Worker
+ * until its work ends, since in Deno 2.9.6 a terminated Worker that is busy
+ * goes on (`terminate()` interrupts neither a regular expression nor a loop),
+ * which each Worker says in shared memory (`POOL_STATE`, kept by
+ * `serveWorker` in `_pool_worker.ts`). Without that, every timeout would add
+ * a thread. For Web Workers, what the work may cost, not the deadline, bounds
+ * how long that is; the callers bound it.
  */
-import { POOL_STATE, type PoolInit, type PoolReply } from "./_pool_worker.ts";
+import type { PoolReply } from "./_pool_worker.ts";
+import { type Channel, DEFAULT_ISOLATION, openChannel, type PoolIsolation } from "./pool_channels.ts";
 
 /** Settings of {@linkcode createWorkerPool}. */
 export interface WorkerPoolOptions<S> {
@@ -54,7 +58,14 @@ export interface WorkerPoolOptions<S> {
   busy(what: string): Error;
   /** What the Workers do, in errors: "The <title> Worker failed: ..." or "... did not start within ...". */
   title: string;
+  /** Child processes or Web Workers (`pool_channels.ts`); by default processes, unless this is a compiled binary. */
+  isolation?: PoolIsolation;
+  /** A child process's heap cap, in MiB: past it, V8 ends the child and its work fails. */
+  heapMiB?: number;
 }
+
+/** A child process's heap cap unless the pool sets one. */
+const DEFAULT_HEAP_MIB = 256;
 
 /** The Worker running a piece of work, as that work sees it. */
 export interface PoolSlot<S> {
@@ -92,8 +103,8 @@ export interface WorkerPool<S, R> {
   run<T>(tenant: string, work: PoolWork<S, R, T>): Promise<T>;
   /** Its Workers, the terminated ones still finishing their work, and the work waiting or running. */
   stats(): { workers: number; orphans: number; pending: number };
-  /** Terminates the Workers; work still waiting or running rejects. */
-  close(): void;
+  /** Terminates the Workers; work still waiting or running rejects. Settles once their processes are reaped. */
+  close(): Promise<void>;
 }
 
 interface Job<S, R> {
@@ -105,11 +116,10 @@ interface Job<S, R> {
 }
 
 interface Slot<S, R> {
-  worker: Worker;
+  channel: Channel;
   ready: boolean;
   job?: Job<S, R>;
   timer?: ReturnType<typeof setTimeout>;
-  state: Int32Array;
   handle: PoolSlot<S>;
   /** Asked to stop once its work has settled (`PoolSlot.retire`). */
   retiring: boolean;
@@ -117,7 +127,7 @@ interface Slot<S, R> {
 
 /** A terminated Worker that was working: it counts against the pool until it is no longer busy. */
 interface Orphan {
-  state: Int32Array;
+  running: () => boolean;
   since: number;
 }
 
@@ -136,6 +146,8 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
     for (const slot of [...slots]) if (slot.ready && !slot.job) remove(slot);
   });
   const queue = createTenantQueues<Job<S, R>>();
+  /** Channels stopped whose resources are not yet released (`Channel.closed`): `close` waits for them. */
+  const closing = new Set<Promise<void>>();
   let nextId = 0;
   let closed = false;
 
@@ -148,16 +160,16 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
   };
 
   const remove = (slot: Slot<S, R>) => {
-    release(slot);
-    slot.worker.terminate();
+    const working = release(slot) !== undefined;
     const at = slots.indexOf(slot);
     if (at >= 0) slots.splice(at, 1);
-    // A Worker terminated in the middle of its work finishes it first (Deno 2.9.6 interrupts no busy thread):
-    // it keeps its place in the pool until it has, or the pool could grow without bound. One that has not begun
-    // is told not to: then it never will.
-    if (Atomics.compareExchange(slot.state, 0, POOL_STATE.idle, POOL_STATE.cancelled) === POOL_STATE.busy) {
-      orphans.add(slot.state);
-    }
+    // A Worker terminated in the middle of its work finishes it first (Deno 2.9.6 interrupts no busy thread), and
+    // a killed process takes a moment to be reaped: either keeps its place in the pool until it is done, or the
+    // pool could grow without bound.
+    const running = slot.channel.stop(working);
+    if (running) orphans.add(running);
+    const closed = slot.channel.closed.finally(() => closing.delete(closed));
+    closing.add(closed);
   };
 
   const settle = (slot: Slot<S, R>, outcome: Settled<unknown>) => {
@@ -174,14 +186,36 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
   };
 
   const start = () => {
-    const slot = openSlot<S, R>(options, {
+    let slot: Slot<S, R>;
+    try {
+      slot = openSlot<S, R>(options, events(() => slot));
+    } catch (error) {
+      // Not started at all (no permission to run the child, say): those waiting would wait for ever.
+      if (!slots.some((other) => other.ready)) {
+        failWaiting(broken(error instanceof Error ? error.message : String(error)));
+      }
+      return;
+    }
+    slot.timer = setTimeout(() => {
+      remove(slot);
+      if (!slots.some((other) => other.ready)) failWaiting(broken(undefined));
+      pump();
+    }, options.startMs);
+    slots.push(slot);
+  };
+
+  /** What a slot's Worker or process tells the pool. */
+  const events = (of: () => Slot<S, R>): SlotEvents<S, R> => {
+    return {
       ready() {
+        const slot = of();
         clearTimeout(slot.timer);
         slot.timer = undefined;
         slot.ready = true;
         pump();
       },
       reply(data) {
+        const slot = of();
         const job = slot.job;
         if (!job || data.id !== job.id) return;
         let outcome: Settled<unknown> | undefined;
@@ -193,6 +227,7 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
         if (outcome) settle(slot, outcome);
       },
       failed(message) {
+        const slot = of();
         const loaded = slot.ready;
         const job = release(slot);
         const failed = broken(message);
@@ -203,17 +238,11 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
         pump();
       },
       ranOver(job, ms) {
-        remove(slot);
+        remove(of());
         job.reject(job.work.timedOut(ms));
         pump();
       },
-    });
-    slot.timer = setTimeout(() => {
-      remove(slot);
-      if (!slots.some((other) => other.ready)) failWaiting(broken(undefined));
-      pump();
-    }, options.startMs);
-    slots.push(slot);
+    };
   };
 
   const dispatch = (slot: Slot<S, R>, job: Job<S, R>) => {
@@ -261,8 +290,8 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
       });
     },
     stats: () => ({ workers: slots.length, orphans: orphans.count(), pending: pending.total }),
-    close() {
-      if (closed) return;
+    async close() {
+      if (closed) return await Promise.all(closing).then(() => {});
       closed = true;
       idle.stop();
       const error = new Error(`The ${options.name} pool is closed`);
@@ -273,6 +302,7 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
       }
       failWaiting(error);
       orphans.clear();
+      await Promise.all(closing);
     },
   };
 }
@@ -292,18 +322,28 @@ interface SlotEvents<S, R> {
   ranOver(job: Job<S, R>, ms: number): void;
 }
 
-/** Starts a Worker with its shared state, and sends it its settings. */
+/** Starts a Worker or child process (`pool_channels.ts`), and sends it its settings. */
 function openSlot<S, R>(options: WorkerPoolOptions<S>, on: SlotEvents<S, R>): Slot<S, R> {
-  const worker = new Worker(options.url, { type: "module", name: options.name });
-  const state = new Int32Array(new SharedArrayBuffer(4));
+  const channel = openChannel({
+    isolation: options.isolation ?? DEFAULT_ISOLATION,
+    url: options.url,
+    name: options.name,
+    heapMiB: options.heapMiB ?? DEFAULT_HEAP_MIB,
+    init: options.init ?? {},
+  }, {
+    message(data) {
+      if ((data as PoolReply).type === "ready") on.ready();
+      else on.reply(data as R & { id: number });
+    },
+    failed: (message) => on.failed(message),
+  });
   const slot: Slot<S, R> = {
-    worker,
+    channel,
     ready: false,
-    state,
     retiring: false,
     handle: {
       data: options.slotData(),
-      post: (message) => worker.postMessage(message),
+      post: (message) => channel.post(message),
       retire: () => void (slot.retiring = true),
       arm(ms) {
         const job = slot.job!;
@@ -312,16 +352,6 @@ function openSlot<S, R>(options: WorkerPoolOptions<S>, on: SlotEvents<S, R>): Sl
       },
     },
   };
-  worker.onmessage = ({ data }: MessageEvent<PoolReply | (R & { id: number })>) => {
-    if ((data as PoolReply).type === "ready") on.ready();
-    else on.reply(data as R & { id: number });
-  };
-  worker.onerror = (event) => {
-    // Unhandled, a Worker's error would end this process.
-    event.preventDefault();
-    on.failed(event.message);
-  };
-  worker.postMessage({ type: "init", state: state.buffer, options: options.init ?? {} } satisfies PoolInit);
   return slot;
 }
 
@@ -360,7 +390,7 @@ function createOrphans(orphanMs: number, freed: () => void) {
     const now = performance.now();
     for (let i = orphans.length - 1; i >= 0; i--) {
       const orphan = orphans[i]!;
-      if (Atomics.load(orphan.state, 0) !== POOL_STATE.busy || now - orphan.since > orphanMs) orphans.splice(i, 1);
+      if (!orphan.running() || now - orphan.since > orphanMs) orphans.splice(i, 1);
     }
     if (orphans.length === 0) clear();
     return orphans.length < before;
@@ -371,8 +401,8 @@ function createOrphans(orphanMs: number, freed: () => void) {
     timer = undefined;
   };
   return {
-    add(state: Int32Array) {
-      orphans.push({ state, since: performance.now() });
+    add(running: () => boolean) {
+      orphans.push({ running, since: performance.now() });
       timer ??= setInterval(() => prune() && freed(), ORPHAN_POLL_MS);
     },
     count(): number {

@@ -252,32 +252,55 @@ async function startSteadyLoad(config: SteadyLoadConfig) {
 
 const TICK_MS = 10; // Linux USER_HZ: /proc/<pid>/stat counts CPU time in 1/100 s
 
-/** A process's CPU time (every thread, those ended too) and resident memory at one moment. */
+/**
+ * A process's CPU time and resident memory at one moment, its child processes' (its validation and definition
+ * check children: `src/tasks/pool_channels.ts`) included: CPU of every thread, those ended too, and of every child,
+ * those ended and reaped too.
+ */
 interface ProcSample {
   at: number;
   cpuMs: number;
+  /** The process's and its live children's. */
   rssMiB: number;
+  /** The process's alone. */
+  ownRssMiB: number;
   /** Its threads: the main one, V8's and Deno's helpers, and one for each Web Worker alive. */
   threads: number;
+  /** Its child processes alive. */
+  children: number;
 }
 
-/** CPU ms (user + system) from a `/proc/<pid>/stat` or `/proc/<pid>/task/<tid>/stat` line. */
-function statCpuMs(stat: string): number {
+/** CPU ms from a `/proc/<pid>/stat` or `/proc/<pid>/task/<tid>/stat` line: its own, and its reaped children's. */
+function statCpuMs(stat: string, { reaped = false } = {}): number {
   const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
-  return (Number(fields[11]) + Number(fields[12])) * TICK_MS;
+  const own = Number(fields[11]) + Number(fields[12]);
+  return (reaped ? own + Number(fields[13]) + Number(fields[14]) : own) * TICK_MS;
 }
 
 async function readProc(pid: number): Promise<Omit<ProcSample, "at">> {
-  // Deno treats /proc as privileged; `cat` (the bench may run programs) reads it for us.
-  const out = await new Deno.Command("cat", {
-    args: [`/proc/${pid}/stat`, `/proc/${pid}/status`],
+  // Deno treats /proc as privileged; `cat` (the bench may run programs) reads it for us, the children's too.
+  const out = await new Deno.Command("sh", {
+    args: [
+      "-c",
+      `cat /proc/${pid}/stat /proc/${pid}/status; for c in $(pgrep -P ${pid}); do ` +
+      `echo @@; cat /proc/$c/stat /proc/$c/status 2>/dev/null; done`,
+    ],
     stdout: "piped",
     stderr: "null",
   }).output();
-  const text = new TextDecoder().decode(out.stdout);
-  const rssKiB = Number(/VmRSS:\s+(\d+) kB/.exec(text)?.[1] ?? NaN);
-  const threads = Number(/Threads:\s+(\d+)/.exec(text)?.[1] ?? NaN);
-  return { cpuMs: statCpuMs(text.slice(0, text.indexOf("\n"))), rssMiB: rssKiB / 1024, threads };
+  const [own, ...children] = new TextDecoder().decode(out.stdout).split("@@\n");
+  const rssOf = (text: string) => Number(/VmRSS:\s+(\d+) kB/.exec(text)?.[1] ?? 0) / 1024;
+  const firstLine = (text: string) => text.slice(0, text.indexOf("\n"));
+  const live = children.filter((text) => text.includes("VmRSS"));
+  const ownRssMiB = rssOf(own!);
+  return {
+    cpuMs: statCpuMs(firstLine(own!), { reaped: true }) +
+      live.reduce((sum, text) => sum + statCpuMs(firstLine(text)), 0),
+    rssMiB: ownRssMiB + live.reduce((sum, text) => sum + rssOf(text), 0),
+    ownRssMiB,
+    threads: Number(/Threads:\s+(\d+)/.exec(own!)?.[1] ?? NaN),
+    children: live.length,
+  };
 }
 
 /** CPU ms of the process's main thread alone (the one that serves requests), from its own stat line. */
@@ -442,9 +465,14 @@ interface Aftermath {
   /** The same against 5% of a core (absolute), which the light load alone may already pass. */
   settledAbsolute: number;
   peakCpu: number;
+  /** The process's and its children's. */
   rssBefore: number;
   rssPeak: number;
   rssAfter: number;
+  /** The process's alone. */
+  ownRssDelta: number;
+  /** Its children alive at the end. */
+  children: number;
 }
 
 /**
@@ -469,6 +497,8 @@ function aftermath(
     rssBefore: sampleAt(samples, start).rssMiB,
     rssPeak: peakRss(samples, start, end + afterMs),
     rssAfter: sampleAt(samples, end + afterMs).rssMiB,
+    ownRssDelta: sampleAt(samples, end + afterMs).ownRssMiB - sampleAt(samples, start).ownRssMiB,
+    children: sampleAt(samples, end + afterMs).children,
   };
 }
 
@@ -487,13 +517,15 @@ function aftermathSummary(rounds: Aftermath[], afterMs: number, baseCpu: number,
   const roundsText = rounds.length > 1
     ? `; rounds: ${rounds.map((x) => settleText(x.settled, afterMs)).join(", ")}`
     : "";
-  const text = `CPU back within 5 points of the light load's ${fmt(baseCpu, 1)}% ${
-    settleText(mid((x) => x.settled), afterMs)
-  } after ${what}${roundsText} (under 5% absolute: ${settleText(mid((x) => x.settledAbsolute), afterMs)}; peak ${
-    fmt(mid((x) => x.peakCpu))
-  }% of a core); RSS ${mib(m.rssBefore)} before, ${mib(m.rssPeak)} peak, ${mib(m.rssAfter)} ${
-    afterMs / 1000
-  } s after (${signedMiB(rssDelta)}${rounds.length > 1 ? `; rounds: ${deltas.map(signedMiB).join(", ")}` : ""})`;
+  const text =
+    `CPU back within 5 points of the light load's ${fmt(baseCpu, 1)}% ${
+      settleText(mid((x) => x.settled), afterMs)
+    } after ${what}${roundsText} (under 5% absolute: ${settleText(mid((x) => x.settledAbsolute), afterMs)}; peak ${
+      fmt(mid((x) => x.peakCpu))
+    }% of a core); RSS ${mib(m.rssBefore)} before, ${mib(m.rssPeak)} peak, ${mib(m.rssAfter)} ${
+      afterMs / 1000
+    } s after (${signedMiB(rssDelta)}${rounds.length > 1 ? `; rounds: ${deltas.map(signedMiB).join(", ")}` : ""}; ` +
+    `the process alone ${signedMiB(m.ownRssDelta)}, ${m.children} children alive), its validation children included`;
   return {
     text,
     rssDelta,
@@ -1007,17 +1039,20 @@ async function definitionMemory(o: HostileOptions): Promise<HostileRow[]> {
     const samples = await sampler.stop();
     sampler = undefined;
     const peak = peakRss(samples, start, epochMs());
+    const peakOwn = Math.max(...samples.filter((s) => s.at >= start).map((s) => s.ownRssMiB));
     const after = samples.at(-1)!;
     const phases = hoards.map((h, i) =>
-      `tenant ${i + 1}: after its PUTs ${mib(h.afterPuts.rssMiB)}, after its runs ${mib(h.afterRuns.rssMiB)}`
+      `tenant ${i + 1}: after its PUTs ${mib(h.afterPuts.ownRssMiB)}, after its runs ${mib(h.afterRuns.ownRssMiB)}`
     ).join("; ");
     const first = hoards[0]!;
     const storedMB = (first.stored * each) / 1e6;
-    // The bounds the API holds definitions to: its task cache, and its compiled schemas in its serving thread and
-    // in each of its two validation Workers.
+    // The bounds the API process holds definitions to: its task cache, and the schemas compiled in its serving
+    // thread; everything else is compiled in its children, each under its heap cap and ended once it has compiled
+    // its share or is idle.
     const cacheMiB = TASK_CACHE.maxBytes / 2 ** 20;
     const compiledMiB = VALIDATION_LIMITS.cacheBytes / 2 ** 20;
-    const bound = cacheMiB + 3 * compiledMiB;
+    const bound = cacheMiB + compiledMiB;
+    const grew = after.ownRssMiB - before.ownRssMiB;
     const quotaText = quota
       ? `TASK_TENANT_MAX_BYTES=${fmt(quota)} (the smoke run's)`
       : "TASK_TENANT_MAX_BYTES default 64 MiB";
@@ -1030,17 +1065,18 @@ async function definitionMemory(o: HostileOptions): Promise<HostileRow[]> {
           } PUT definitions of ${fmt(each)} bytes (the 256 KiB limit) until the quota's 409 (${first.stored} ` +
           `each; ${quotaText}; TASK_PUTS_PER_MINUTE=60000, TASK_PUT_BURST=10000 for the bench), page through ` +
           `GET /v1/tasks and run each task once; then ${idleS} s idle`,
-        result: `API RSS ${mib(before.rssMiB)} before, ${mib(peak)} peak, ${mib(after.rssMiB)} after ${idleS} s idle (${
-          signedMiB(after.rssMiB - before.rssMiB)
-        }); ${phases}`,
+        result: `API process RSS ${mib(before.ownRssMiB)} before, ${mib(peakOwn)} peak, ${
+          mib(after.ownRssMiB)
+        } after ${idleS} s idle (${signedMiB(grew)}); with its validation children ${mib(before.rssMiB)} before, ${
+          mib(peak)
+        } peak, ${mib(after.rssMiB)} after (${after.children} children alive); ${phases}`,
         baseline: `definitions stored: ${fmt(storedMB, 1)} MB a tenant; PUTs ${statusCounts(first.puts)}; runs ${
           statusCounts(first.runs)
         }`,
-        ratio: `${signedMiB(after.rssMiB - before.rssMiB)} for ${fmt(storedMB * tenants.length, 0)} MB stored`,
-        goal: `settled <= +${bound} MiB (the task cache's ${cacheMiB} MiB + compiled schemas' 3 x ${compiledMiB} MiB) ${
-          met(after.rssMiB - before.rssMiB <= bound)
-        }`,
-        value: after.rssMiB - before.rssMiB,
+        ratio: `${signedMiB(grew)} for ${fmt(storedMB * tenants.length, 0)} MB stored`,
+        goal: `API process settled <= +${bound} MiB (the task cache's ${cacheMiB} MiB + its thread's compiled ` +
+          `schemas' ${compiledMiB} MiB) ${met(grew <= bound)}`,
+        value: grew,
         baselineValue: storedMB,
       },
       {

@@ -120,6 +120,8 @@ async function startIngestServer(
       "--allow-env",
       "--allow-read",
       "--allow-sys",
+      // Its validation children (tasks/pool_channels.ts).
+      `--allow-run=${Deno.execPath()}`,
       new URL(script, import.meta.url).pathname,
       mode,
       String(port),

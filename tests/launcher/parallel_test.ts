@@ -123,9 +123,11 @@ Deno.test("api --parallel=2: two API processes with the api's permission set sha
         assert.deepEqual((await descendantsMatching(child.pid, /main\.ts api\b/)).sort(), [...pids].sort());
         for (const pid of pids) {
           const args = await commandLine(pid);
-          // The api's own set: its listen address, Redis and Postgres; no -A, no run, no write.
+          // The api's own set: its listen address, Redis and Postgres; no -A, no write, and it runs only this Deno
+          // binary (its validation children).
           assert.match(args, new RegExp(`--allow-net=[^ ]*127\\.0\\.0\\.1:${port}`));
-          assert.doesNotMatch(args, / -A | --allow-all| --allow-run| --allow-write/);
+          assert.doesNotMatch(args, / -A | --allow-all| --allow-write/);
+          assert.deepEqual(args.match(/--allow-run\S*/g), [`--allow-run=${Deno.execPath()}`]);
           assert.match(args, /main\.ts api --reuse-port/);
         }
         // Both serve: the kernel spreads new connections across them.

@@ -370,11 +370,11 @@ Deno.test("the task cache is bounded by bytes: the least recently used versions 
   }
 });
 
-Deno.test("the api command's permission set lets its process check definitions on a Worker, and needs its read grant", async () => {
+Deno.test("the api command's permission set lets its process check definitions in a child, and needs its run grant", async () => {
   const flags = permissionFlags("api", parseConfig({}), MIGRATIONS);
-  const run = async (flags: string[], definition: unknown) => {
+  const run = async (flags: string[], definition: unknown, isolation = "process") => {
     const out = await new Deno.Command(Deno.execPath(), {
-      args: ["run", ...flags, "tests/support/definition_probe.ts", JSON.stringify(definition)],
+      args: ["run", ...flags, "tests/support/definition_probe.ts", JSON.stringify(definition), isolation],
       cwd: ROOT,
       stdout: "piped",
       stderr: "piped",
@@ -386,8 +386,14 @@ Deno.test("the api command's permission set lets its process check definitions o
     await run(flags, { ...smallDefinition(), prompt: "{{input.x}}" }),
     "refused /prompt: {{input.x}} names no property the input schema declares",
   );
-  // Without the read grant the Worker cannot load: the check fails instead of hanging.
-  const withoutRead = await run(flags.filter((flag) => !flag.startsWith("--allow-read=")), smallDefinition());
+  // Without the run grant the child cannot start: the check fails instead of hanging.
+  const withoutRun = await run(flags.filter((flag) => !flag.startsWith("--allow-run=")), smallDefinition());
+  assert.match(withoutRun, /^failed: .*Requires run access/);
+  // A compiled binary's set checks on a Worker: it reads the Worker's modules, and runs nothing.
+  const binary = permissionFlags("api", parseConfig({}), MIGRATIONS, { binary: true });
+  assert.ok(!binary.some((flag) => flag.startsWith("--allow-run")));
+  assert.equal(await run(binary, smallDefinition(), "thread"), "passed");
+  const withoutRead = await run(binary.filter((f) => !f.startsWith("--allow-read=")), smallDefinition(), "thread");
   assert.match(withoutRead, /^failed: .*Requires read access to ".*definition_worker\.ts"/);
 });
 

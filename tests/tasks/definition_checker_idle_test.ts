@@ -7,7 +7,7 @@ import assert from "node:assert/strict";
 Deno.test("a process whose definition checker is never closed exits once the checker is idle", async () => {
   const script = new URL("../support/definition_check_exit.ts", import.meta.url).pathname;
   const child = new Deno.Command(Deno.execPath(), {
-    args: ["run", "--allow-read", script],
+    args: ["run", "--allow-read", `--allow-run=${Deno.execPath()}`, script],
     stdout: "piped",
     stderr: "piped",
   }).spawn();

@@ -276,25 +276,33 @@ Deno.test("close() rejects validations waiting for a Worker, and later calls", a
   const validators = createSchemaValidators({ workers: 1 });
   const slow = validators.validate("t/tickets/1/input", TICKETS_SCHEMA, MANY_TICKETS);
   const waiting = validators.validate("t/tickets/1/input", TICKETS_SCHEMA, MANY_TICKETS);
-  await validators.close();
+  // It settles once its children are reaped; the validations it rejected, at once.
+  const closing = validators.close();
   await assert.rejects(slow, /closed/);
   await assert.rejects(waiting, /closed/);
+  await closing;
   await assert.rejects(validators.validate("t/ticket/1/input", TICKET, {}), /closed/);
 });
 
-Deno.test("the api command's permission set lets its process validate on a Worker, and needs its read grant", async () => {
+Deno.test("the api command's permission set lets its process validate in a child, and needs its run grant", async () => {
   const flags = permissionFlags("api", parseConfig({}), MIGRATIONS);
-  const run = async (flags: string[]) => {
+  const run = async (flags: string[], isolation = "process") => {
     const out = await new Deno.Command(Deno.execPath(), {
-      args: ["run", ...flags, "tests/support/validation_probe.ts", JSON.stringify(CUBIC), '"12a"'],
+      args: ["run", ...flags, "tests/support/validation_probe.ts", JSON.stringify(CUBIC), '"12a"', isolation],
       cwd: ROOT,
       stdout: "piped",
       stderr: "piped",
     }).output();
     return new TextDecoder().decode(out.stdout).trim();
   };
-  assert.deepEqual(JSON.parse(await run(flags)), [{ pointer: "", message: "String does not match pattern." }]);
-  // Without the read grant the Worker cannot load: the validation fails instead of hanging.
-  const withoutRead = await run(flags.filter((flag) => !flag.startsWith("--allow-read=")));
+  const mismatch = [{ pointer: "", message: "String does not match pattern." }];
+  assert.deepEqual(JSON.parse(await run(flags)), mismatch);
+  // Without the run grant the child cannot start: the validation fails instead of hanging.
+  const withoutRun = await run(flags.filter((flag) => !flag.startsWith("--allow-run=")));
+  assert.match(withoutRun, /^failed: .*Requires run access/);
+  // A compiled binary's set validates on a Worker: it reads the Worker's modules, and runs nothing.
+  const binary = permissionFlags("api", parseConfig({}), MIGRATIONS, { binary: true });
+  assert.deepEqual(JSON.parse(await run(binary, "thread")), mismatch);
+  const withoutRead = await run(binary.filter((flag) => !flag.startsWith("--allow-read=")), "thread");
   assert.match(withoutRead, /^failed: .*Requires read access to ".*validation_worker\.ts"/);
 });

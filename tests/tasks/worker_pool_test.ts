@@ -18,6 +18,7 @@ import {
 import { heavyDefinition, smallDefinition, wideSchema } from "../support/task_definitions.ts";
 import { thisThread, threadsCpuMs } from "../support/threads.ts";
 import { waitFor } from "../_support.ts";
+import { createWorkerPool, type WorkerPoolOptions } from "../../src/tasks/worker_pool.ts";
 
 const WIDE = wideSchema();
 /** An instance of WIDE: every field's object. */
@@ -99,7 +100,8 @@ Deno.test("prepare compiles a large schema once, however many runs ask at once, 
 });
 
 Deno.test("a definition Worker terminated mid-check counts against the pool until the check has ended", async () => {
-  const checker = createDefinitionChecker({ workers: 1, deadlineMs: 20 });
+  // On a Web Worker, as a compiled binary checks: a child process is killed at once (below).
+  const checker = createDefinitionChecker({ workers: 1, deadlineMs: 20, isolation: "thread" });
   try {
     // Loaded and warmed up, so the heavy check is under way when its deadline passes (it takes 70 ms or more).
     await checker.check(JSON.stringify(smallDefinition()), "acme");
@@ -171,4 +173,79 @@ Deno.test("validation Workers idle for idleMs are stopped", async () => {
   } finally {
     await validators.close();
   }
+});
+
+/** A pool of the fixture's child processes (`tests/support/pool_fixture_worker.ts`), one at a time. */
+function fixturePool(options: Partial<WorkerPoolOptions<unknown>> = {}) {
+  return createWorkerPool<unknown, { id: number; done: number }>({
+    url: new URL("../support/pool_fixture_worker.ts", import.meta.url).href,
+    name: "fixture",
+    title: "fixture",
+    workers: 1,
+    startMs: 10_000,
+    orphanMs: 600_000,
+    maxPendingPerTenant: 10,
+    maxPending: 10,
+    slotData: () => undefined,
+    busy: (what) => new Error(`busy: ${what}`),
+    isolation: "process",
+    ...options,
+  });
+}
+
+/** Runs `what` on the fixture under a deadline of `ms`: the child's pid. */
+function fixtureRun(pool: ReturnType<typeof fixturePool>, what: string, ms = 5_000): Promise<number> {
+  return pool.run("acme", {
+    begin(slot, id) {
+      slot.post({ id, do: what });
+      slot.arm(ms);
+    },
+    reply: (data) => ({ value: data.done }),
+    timedOut: (ms) => new Error(`timed out after ${ms} ms`),
+  });
+}
+
+/** Whether process `pid` exists (a zombie counts: not yet reaped). */
+async function alive(pid: number): Promise<boolean> {
+  try {
+    await Deno.stat(`/proc/${pid}`);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+Deno.test("a child process that runs over its deadline is killed mid-loop and reaped, and the next work runs on a fresh one", async () => {
+  // A Worker in a loop that never ends would hold its thread for ever (Deno 2.9.6's terminate() waits for it).
+  const pool = fixturePool();
+  try {
+    const first = await fixtureRun(pool, "echo");
+    assert.notEqual(first, Deno.pid, "a process of its own");
+    await assert.rejects(fixtureRun(pool, "spin", 100), /timed out after 100 ms/);
+    await waitFor("the killed child to be reaped", () => pool.stats().orphans === 0, 2_000);
+    assert.equal(await alive(first), false, "the spinning child is gone");
+    const next = await fixtureRun(pool, "echo");
+    assert.notEqual(next, first);
+  } finally {
+    await pool.close();
+  }
+});
+
+Deno.test("a child past its heap cap ends, its work fails, and the next work gets a fresh child", async () => {
+  const pool = fixturePool({ heapMiB: 64 });
+  try {
+    const first = await fixtureRun(pool, "echo");
+    await assert.rejects(fixtureRun(pool, "grow", 20_000), /The fixture Worker failed: its process exited \(SIG/);
+    assert.equal(await alive(first), false);
+    assert.notEqual(await fixtureRun(pool, "echo"), first);
+  } finally {
+    await pool.close();
+  }
+});
+
+Deno.test("close() settles once its children are reaped", async () => {
+  const pool = fixturePool();
+  const pid = await fixtureRun(pool, "echo");
+  await pool.close();
+  assert.equal(await alive(pid), false);
 });
