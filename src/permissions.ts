@@ -100,7 +100,9 @@ export function permissionFlags(
 ): string[] {
   const spec = COMMAND_TABLE[command];
   const hosts = [...new Set(Object.values(requiredHosts(config, spec.net)))];
-  const flags = [...netFlags(config, spec.net, hosts), `--allow-env=${CONFIG_VARIABLES.join(",")}`, "--ignore-env"];
+  // A process with validation children tells them where Deno's cache is (`DENO_DIR`), and nothing else.
+  const variables = spec.validation && !binary ? [...CONFIG_VARIABLES, "DENO_DIR"] : CONFIG_VARIABLES;
+  const flags = [...netFlags(config, spec.net, hosts), `--allow-env=${variables.join(",")}`, "--ignore-env"];
   if (spec.hostname) flags.push("--allow-sys=hostname");
   const reads = [...(spec.migrations ? [migrationsDir] : []), ...(spec.validation && binary ? WORKER_FILES : [])];
   if (reads.length) flags.push(`--allow-read=${reads.join(",")}`);

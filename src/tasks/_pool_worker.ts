@@ -82,22 +82,36 @@ async function serveProcess<M>(
     for (let at = 0; at < bytes.length;) at += Deno.stdout.writeSync(bytes.subarray(at));
   };
   let initialised = false;
-  let buffered = "";
-  for await (const text of Deno.stdin.readable.pipeThrough(new TextDecoderStream())) {
-    let from = 0;
-    buffered += text;
-    for (let end = buffered.indexOf("\n"); end >= 0; end = buffered.indexOf("\n", from)) {
-      const data = JSON.parse(buffered.slice(from, end));
-      from = end + 1;
-      if (!initialised) {
-        initialised = true;
-        init((data as PoolInit).options);
-        post({ type: "ready" } satisfies PoolReply);
-        continue;
-      }
-      const last = handle(data as M, post);
-      if (last !== undefined) post(last);
+  const lines = lineSplitter((line) => {
+    const data = JSON.parse(line);
+    if (!initialised) {
+      initialised = true;
+      init((data as PoolInit).options);
+      return post({ type: "ready" } satisfies PoolReply);
     }
-    buffered = buffered.slice(from);
-  }
+    const last = handle(data as M, post);
+    if (last !== undefined) post(last);
+  });
+  for await (const text of Deno.stdin.readable.pipeThrough(new TextDecoderStream())) lines.push(text);
+}
+
+/**
+ * Splits text that arrives in pieces into lines, each to `line` without its newline; what follows the last
+ * newline waits for the next piece. A long line costs its length once, however many pieces it comes in.
+ */
+export function lineSplitter(line: (text: string) => void): { push(text: string): void } {
+  let pending: string[] = [];
+  return {
+    push(text) {
+      let from = 0;
+      for (let end = text.indexOf("\n"); end >= 0; end = text.indexOf("\n", from)) {
+        pending.push(text.slice(from, end));
+        const whole = pending.length === 1 ? pending[0]! : pending.join("");
+        pending = [];
+        from = end + 1;
+        line(whole);
+      }
+      if (from < text.length) pending.push(text.slice(from));
+    },
+  };
 }

@@ -39,9 +39,11 @@ export const DEFINITION_CHECK = {
   orphanMs: 600_000,
   /**
    * Definition JSON a Worker may check before it is stopped (once its check is done) and a fresh one takes its
-   * place: its heap grows with what it compiles and never shrinks. 16 MiB is 64 of the largest definitions.
+   * place: its heap grows with what it compiles and never shrinks. 4 MiB is 16 of the largest definitions.
    */
-  recycleChars: 16 * 1024 * 1024,
+  recycleChars: 4 * 1024 * 1024,
+  /** A checking child process's V8 heap cap, in MiB: past it the child ends, and only its check fails. */
+  heapMiB: 128,
 };
 
 /** Options of {@linkcode createDefinitionChecker}; each defaults to its {@linkcode DEFINITION_CHECK} entry. */
@@ -101,6 +103,7 @@ export function createDefinitionChecker(
     busy: (what) => new DefinitionCheckBusy(what),
     title: "definition check",
     isolation,
+    heapMiB: limits.heapMiB,
   });
   let closed = false;
   return {

@@ -16,7 +16,7 @@
  * A binary built by `deno compile` uses Workers (`"thread"`): it cannot run
  * Deno's `run` subcommand, and its path is known only once it is deployed.
  */
-import { POOL_PROCESS_ARG, POOL_STATE, type PoolInit } from "./_pool_worker.ts";
+import { lineSplitter, POOL_PROCESS_ARG, POOL_STATE, type PoolInit } from "./_pool_worker.ts";
 
 /** Where the work runs; see the module. */
 export type PoolIsolation = "process" | "thread";
@@ -93,18 +93,27 @@ function openWorker({ url, name, init }: ChannelOptions, on: ChannelEvents): Cha
 const STDERR_TAIL = 2_000;
 
 function openProcess({ url, heapMiB, init }: ChannelOptions, on: ChannelEvents): Channel {
+  // Not one of this process's variables is passed on: no secret reaches the child, and no LD_* variable makes
+  // Deno refuse the spawn under an --allow-run that names one program. Only where Deno's cache is.
+  const env: Record<string, string> = { OTEL_DENO: "false" };
+  if (Deno.permissions.querySync({ name: "env", variable: "DENO_DIR" }).state === "granted") {
+    const dir = Deno.env.get("DENO_DIR");
+    if (dir) env.DENO_DIR = dir;
+  }
   const child = new Deno.Command(Deno.execPath(), {
     args: [
       "run",
       "--no-prompt",
+      // What this process loaded is in the cache: the child downloads nothing, and writes no lockfile.
       "--cached-only",
+      "--no-lock",
       `--config=${CONFIG}`,
       `--v8-flags=--max-old-space-size=${heapMiB}`,
       url,
       POOL_PROCESS_ARG,
     ],
-    // Traces are this process's to export; the child has no network anyway.
-    env: { OTEL_DENO: "false" },
+    clearEnv: true,
+    env,
     stdin: "piped",
     stdout: "piped",
     stderr: "piped",
@@ -115,16 +124,26 @@ function openProcess({ url, heapMiB, init }: ChannelOptions, on: ChannelEvents):
   let exited = false;
   let stderr = "";
   const reading = Promise.all([
+    // A line cut off by the child's end is no message: its exit says what happened.
     readLines(child.stdout, (line) => {
       if (stopped) return;
-      let data;
+      let data: unknown;
       try {
         data = JSON.parse(line);
       } catch {
-        // Not the other side's: nothing it says can be trusted now.
-        return void (stop(), on.failed(`its process wrote what is not a message: ${line.slice(0, 200)}`));
+        data = undefined;
       }
-      on.message(data);
+      if (typeof data !== "object" || data === null) {
+        // Not the other side's: nothing it says can be trusted now.
+        stop();
+        return on.failed(`its process wrote what is not a message: ${line.slice(0, 200)}`);
+      }
+      try {
+        on.message(data);
+      } catch (error) {
+        stop();
+        on.failed(`its message could not be taken: ${error instanceof Error ? error.message : String(error)}`);
+      }
     }),
     readLines(child.stderr, (line) => void (stderr = `${stderr}${line}\n`.slice(-STDERR_TAIL))),
   ]);
@@ -157,25 +176,28 @@ function openProcess({ url, heapMiB, init }: ChannelOptions, on: ChannelEvents):
     }
     return exited || !working ? undefined : () => !exited;
   }
-  send({ type: "init", options: init });
+  try {
+    send({ type: "init", options: init });
+  } catch (error) {
+    stop();
+    throw error;
+  }
   return { post: send, stop, closed };
 }
 
-/** Reads `stream` as lines of UTF-8 to its end, each to `line`. */
+/** Reads `stream` as lines of UTF-8 to its end, each whole line to `line` (a last one without newline is dropped). */
 async function readLines(stream: ReadableStream<Uint8Array>, line: (text: string) => void): Promise<void> {
-  let buffered = "";
-  try {
-    for await (const text of stream.pipeThrough(new TextDecoderStream())) {
-      let from = 0;
-      buffered += text;
-      for (let end = buffered.indexOf("\n"); end >= 0; end = buffered.indexOf("\n", from)) {
-        line(buffered.slice(from, end));
-        from = end + 1;
-      }
-      buffered = buffered.slice(from);
+  const lines = lineSplitter(line);
+  const reader = stream.pipeThrough(new TextDecoderStream()).getReader();
+  for (;;) {
+    let chunk: ReadableStreamReadResult<string>;
+    try {
+      chunk = await reader.read();
+    } catch {
+      // A pipe closed under us: the exit says why.
+      return;
     }
-  } catch {
-    // A pipe closed under us: the exit says why.
+    if (chunk.done) return;
+    lines.push(chunk.value);
   }
-  if (buffered) line(buffered);
 }

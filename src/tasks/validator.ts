@@ -87,13 +87,17 @@ export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
   compileMs: 1_000,
   /**
    * Schema JSON a Worker may have been sent to compile before it is stopped (once its validation is done) and a
-   * fresh one takes its place: a Worker's heap grows with what it compiles and never shrinks (two tenants' quotas
-   * of the largest definitions, each run once, left an API 637 MiB larger), and a stopped one gives it all back.
-   * 4 MiB is 64 of the largest schemas, thousands of usual ones.
+   * fresh one takes its place: its heap grows with what it compiles and never shrinks, and a stopped one gives it
+   * all back (a child process to the system; a Web Worker's stays in the process's resident memory). 1 MiB is 16
+   * of the largest schemas, hundreds of usual ones; a child starts in about 60 ms of CPU, compiling 1 MiB takes
+   * about 500 ms. At 4 MiB two validation children each held about 160 MiB after two tenants' quotas of the
+   * largest definitions were run once.
    */
-  recycleChars: 4 * 1024 * 1024,
+  recycleChars: 1024 * 1024,
   /** A Worker with nothing to validate for this long is stopped too (the next validation starts one). */
-  idleMs: 60_000,
+  idleMs: 10_000,
+  /** A validation child process's V8 heap cap, in MiB: past it the child ends, and only its work fails. */
+  heapMiB: 128,
   /** Web Workers validating at once. */
   workers: 2,
   /** How long a Worker may take to load before the validations waiting for it fail. */
@@ -238,6 +242,7 @@ export interface ValidatorOptions {
   threadPatterns?: number;
   recycleChars?: number;
   idleMs?: number;
+  heapMiB?: number;
   compileMs?: number;
   workers?: number;
   startMs?: number;
@@ -301,6 +306,7 @@ export function createSchemaValidators(
     busy: (what) => new ValidationBusy(what),
     title: "schema validation",
     isolation,
+    heapMiB: limits.heapMiB,
   });
   /** Compilations of large schemas on a Worker under way (`prepare`), by key: callers at once share one. */
   const preparing = new Map<string, Promise<void>>();

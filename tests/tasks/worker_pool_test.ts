@@ -177,7 +177,7 @@ Deno.test("validation Workers idle for idleMs are stopped", async () => {
 
 /** A pool of the fixture's child processes (`tests/support/pool_fixture_worker.ts`), one at a time. */
 function fixturePool(options: Partial<WorkerPoolOptions<unknown>> = {}) {
-  return createWorkerPool<unknown, { id: number; done: number }>({
+  return createWorkerPool<unknown, { id: number; done: number; length: number }>({
     url: new URL("../support/pool_fixture_worker.ts", import.meta.url).href,
     name: "fixture",
     title: "fixture",
@@ -193,14 +193,18 @@ function fixturePool(options: Partial<WorkerPoolOptions<unknown>> = {}) {
   });
 }
 
-/** Runs `what` on the fixture under a deadline of `ms`: the child's pid. */
+/** Runs `what` on the fixture under a deadline of `ms`: the child's pid (and the length of `payload` it saw). */
 function fixtureRun(pool: ReturnType<typeof fixturePool>, what: string, ms = 5_000): Promise<number> {
+  return fixtureAnswer(pool, what, ms).then(({ done }) => done);
+}
+
+function fixtureAnswer(pool: ReturnType<typeof fixturePool>, what: string, ms = 5_000, payload?: string) {
   return pool.run("acme", {
     begin(slot, id) {
-      slot.post({ id, do: what });
+      slot.post({ id, do: what, payload });
       slot.arm(ms);
     },
-    reply: (data) => ({ value: data.done }),
+    reply: (data) => ({ value: data }),
     timedOut: (ms) => new Error(`timed out after ${ms} ms`),
   });
 }
@@ -248,4 +252,35 @@ Deno.test("close() settles once its children are reaped", async () => {
   const pid = await fixtureRun(pool, "echo");
   await pool.close();
   assert.equal(await alive(pid), false);
+});
+
+Deno.test("a child gets none of this process's environment but where Deno's cache is, so LD_* cannot stop its spawn", async () => {
+  // Deno refuses to pass LD_LIBRARY_PATH to a program an --allow-run list names; a secret has no business there.
+  Deno.env.set("ONCELY_TEST_SECRET", "s3cret");
+  Deno.env.set("LD_LIBRARY_PATH", "/usr/lib");
+  const pool = fixturePool();
+  try {
+    const pid = await fixtureRun(pool, "echo");
+    // Deno treats /proc as privileged; `cat` reads it for us.
+    const out = await new Deno.Command("cat", { args: [`/proc/${pid}/environ`], stdout: "piped" }).output();
+    const environ = new TextDecoder().decode(out.stdout).split("\0").filter(Boolean);
+    assert.deepEqual(environ.map((entry) => entry.split("=")[0]).filter((name) => name !== "DENO_DIR"), ["OTEL_DENO"]);
+  } finally {
+    Deno.env.delete("ONCELY_TEST_SECRET");
+    Deno.env.delete("LD_LIBRARY_PATH");
+    await pool.close();
+  }
+});
+
+Deno.test("messages of megabytes cross whole, in both directions; a line that is not a message fails the child", async () => {
+  const pool = fixturePool();
+  try {
+    // Multi-byte characters split across the pipe's pieces, and a line far longer than one piece.
+    const payload = "añ€𝄞".repeat(600_000);
+    assert.equal((await fixtureAnswer(pool, "echo", 20_000, payload)).length, payload.length);
+    await assert.rejects(fixtureRun(pool, "print"), /its process wrote what is not a message: hello/);
+    assert.equal((await fixtureAnswer(pool, "echo")).length, 0, "a fresh child answers next");
+  } finally {
+    await pool.close();
+  }
 });
