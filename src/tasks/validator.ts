@@ -94,8 +94,12 @@ export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
    * largest definitions were run once.
    */
   recycleChars: 1024 * 1024,
-  /** A Worker with nothing to validate for this long is stopped too (the next validation starts one). */
-  idleMs: 10_000,
+  /**
+   * A Worker with nothing to validate for this long is stopped too (the next validation starts one). Not less: a
+   * child starts cold (60 ms or more of CPU, and its code not yet optimised), and at 10 s the hostile bench's
+   * floods, 15 s apart, met a fresh pair each time, their first answers 2-3 times as slow.
+   */
+  idleMs: 60_000,
   /** A validation child process's V8 heap cap, in MiB: past it the child ends, and only its work fails. */
   heapMiB: 128,
   /** Web Workers validating at once. */
