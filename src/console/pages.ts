@@ -4,7 +4,7 @@ import { attemptedTaskOf, attemptsOf, decidedRun, doneLastMinute, type JobAttemp
 import { deadLetterCount, deadLetterPages, laneStats, oldestAgeMs, workers } from "../queue/inspector.ts";
 import { allLanes } from "../runs/all_lanes.ts";
 import { readJobRecord } from "../runs/job_status.ts";
-import { JOB_ID } from "../summaries/schemas.ts";
+import { JOB_ID } from "../runs/shapes.ts";
 import { BUILT_IN_TASK } from "../tasks/definition.ts";
 import { traceIdOf } from "../tracing.ts";
 import type { ConsoleDeps } from "./console.ts";

@@ -4,7 +4,7 @@ import { type ApiMetrics, apiMetrics, createRegistry, metricsResponse } from "..
 import type { Registry } from "prom-client";
 import { healthRoutes } from "../http/health.ts";
 import { type Client, json, Router } from "../http/router.ts";
-import { openApiDocument } from "../runs/openapi.ts";
+import { openApiDocument } from "./openapi.ts";
 import { SUMMARIES, type SummaryApiDeps, summaryRoutes } from "../summaries/api.ts";
 import { createIntake } from "../runs/intake.ts";
 import { type TaskPutLimits, taskRoutes } from "../tasks/api.ts";

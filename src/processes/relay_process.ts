@@ -5,7 +5,7 @@ import { createRelay } from "../outbox/relay.ts";
 import { createRetention } from "../retention/retention.ts";
 import { DEAD_LETTER_BOUNDS } from "../queue/dead_letter.ts";
 import { JOB_RECORD_TTL_S } from "../runs/keys.ts";
-import { tenantHourlyLimits } from "../summaries/email.ts";
+import { summaryEmailRenderer, summaryPayloadLoader, tenantHourlyLimits } from "../summaries/email.ts";
 import { SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../runs/commit.ts";
 import { pipelineNotifications } from "../runs/notifications.ts";
 import { buildMailer } from "./_mailer.ts";
@@ -24,6 +24,7 @@ export async function startRelay(
     from: config.MAIL_FROM,
     policy: { allowHttp: config.WEBHOOK_ALLOW_HTTP, allowPrivate: config.WEBHOOK_ALLOW_PRIVATE },
     timeoutMs: sendTimeoutMs,
+    summaries: { render: summaryEmailRenderer(config.MAIL_FROM), load: summaryPayloadLoader(sql) },
   });
   const relay = createRelay({
     sql,

@@ -26,7 +26,7 @@ import { runOfPayload } from "./run_payload.ts";
 import { reopenFailedJob } from "./commit.ts";
 import { markQueuedOnReplay } from "./job_status.ts";
 import type { JobKeys, ServiceKeys } from "./keys.ts";
-import { JOB_ID } from "../summaries/schemas.ts";
+import { JOB_ID } from "./shapes.ts";
 
 /** Which dead letters to replay: all of them, or the one with stream id `id` (in `tenant`'s lane when given). */
 export type ReplayTarget = { all: true } | { all?: false; id: string; tenant?: string };

@@ -21,7 +21,7 @@ import { markCancelled } from "./job_status.ts";
 import { type JobWaiter, preferredWaitS } from "./job_waiter.ts";
 import { checkWebhookUrl, WebhookRefused } from "../webhooks/addresses.ts";
 import type { ServiceKeys } from "./keys.ts";
-import { IDEMPOTENCY_KEY, idempotencyKeyOf, type SummaryRequest, type SummaryStatus } from "../summaries/schemas.ts";
+import { IDEMPOTENCY_KEY, idempotencyKeyOf, type SummaryRequest, type SummaryStatus } from "./shapes.ts";
 
 /** The problem type of a 429 for a spent budget. */
 export const BUDGET_EXHAUSTED = "urn:oncely:problem:budget-exhausted";

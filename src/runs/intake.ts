@@ -15,7 +15,7 @@ import type { JobKeys, ServiceKeys } from "./keys.ts";
 import { announceLane, type LaneKnown, laneKnownArgs } from "../queue/lanes.ts";
 import { allLanes } from "./all_lanes.ts";
 import type { Logger } from "../log/logger.ts";
-import type { SummaryRequest } from "../summaries/schemas.ts";
+import type { SummaryRequest } from "./shapes.ts";
 
 /** The stored answer to an accepted POST, replayed for the key's lifetime. */
 export interface IntakeResponse {

@@ -9,7 +9,7 @@ import { readJob, SUMMARY_RUN } from "../jobs/job_store.ts";
 import { readJobRecord } from "./job_status.ts";
 import type { ServiceKeys } from "./keys.ts";
 import { publicError } from "./public_error.ts";
-import { JOB_ID, type SummaryStatus } from "../summaries/schemas.ts";
+import { JOB_ID, type SummaryStatus } from "./shapes.ts";
 
 /** A job as the API finds it: its document, where its Redis record is, and its tokens by kind. */
 export interface JobFound {

@@ -6,7 +6,7 @@
  */
 import { z } from "zod";
 import { SUMMARY_RUN } from "../jobs/job_store.ts";
-import { parseSummaryRequest, SummaryRequest, WebhookTarget } from "../summaries/schemas.ts";
+import { parseSummaryRequest, SummaryRequest, WebhookTarget } from "./shapes.ts";
 import type { Notify } from "./commit.ts";
 import { canonicalJson } from "../idempotency/fingerprint.ts";
 

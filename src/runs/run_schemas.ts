@@ -1,5 +1,5 @@
 import { z } from "zod";
-import { isPlainEmail, SummaryRequest } from "../summaries/schemas.ts";
+import { isPlainEmail, SummaryRequest } from "./shapes.ts";
 
 /** Body of `POST /v1/tasks/{name}/runs`. Unknown fields are rejected. */
 export const RunRequest = z.strictObject({

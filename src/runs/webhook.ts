@@ -10,7 +10,7 @@ import { signingSecrets } from "../tenants/webhook_secrets.ts";
 import { type ResolveHost, WebhookRefused, type WebhookUrlPolicy } from "../webhooks/addresses.ts";
 import { sendWebhook } from "../webhooks/http_post.ts";
 import { RUN_WEBHOOK_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "./commit.ts";
-import type { RunWebhook, SummaryWebhook } from "../summaries/schemas.ts";
+import type { RunWebhook, SummaryWebhook } from "./shapes.ts";
 
 /** Loads what a batch's webhook rows need, and sends them. */
 export function summaryWebhooks(

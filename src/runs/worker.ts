@@ -1,4 +1,4 @@
-import { JOB_ID } from "../summaries/schemas.ts";
+import { JOB_ID } from "./shapes.ts";
 import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
 import { estimateTokens, estimateTokensOfLength, type LLM, summaryPrompt } from "../llm/llm.ts";

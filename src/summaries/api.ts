@@ -10,7 +10,7 @@ import { summaryPrompt } from "../llm/llm.ts";
 import { SUMMARIZE_DEFINITION } from "../tasks/definition.ts";
 import { jobDocument } from "../runs/job_document.ts";
 import { currentTraceparent } from "../tracing.ts";
-import { parseSummaryRequest } from "./schemas.ts";
+import { parseSummaryRequest } from "../runs/shapes.ts";
 import { skipsCache } from "../cache/result_cache.ts";
 import { summaryForms } from "../runs/run_payload.ts";
 import {

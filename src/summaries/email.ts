@@ -1,6 +1,6 @@
 import type { Sql } from "postgres";
 import type { Email } from "../mail/mailer.ts";
-import { runOutputsOf, summariesOf } from "../jobs/job_store.ts";
+import { summariesOf } from "../jobs/job_store.ts";
 import { sentLastHour } from "../outbox/outbox_store.ts";
 import type { Deferral, PayloadLoader, Renderer } from "../outbox/relay.ts";
 import { RUN_EMAIL_TOPIC, RUN_WEBHOOK_TOPIC, SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../runs/commit.ts";
@@ -12,56 +12,9 @@ import { RUN_EMAIL_TOPIC, RUN_WEBHOOK_TOPIC, SUMMARY_READY_TOPIC, SUMMARY_WEBHOO
  */
 export const EMAIL_SUMMARY_MAX_CHARS = 2_000;
 
-/** The most characters of a run's output (pretty-printed) an email carries; the whole is at `/v1/runs/{id}`. */
-export const EMAIL_OUTPUT_MAX_CHARS = 20_000;
-
-/** A finished run's email: its output pretty-printed (a text output as it is), or why it failed. */
-function runEmail(from: string, payload: Record<string, unknown>): Email {
-  const { job_id, to, task, version, status, error } = payload as {
-    job_id?: string;
-    to?: string;
-    task?: string;
-    version?: number;
-    status?: string;
-    error?: string;
-  };
-  if (!job_id || !to || !task || (status === "done" && !("output" in payload))) {
-    throw new TypeError(`Outbox payload for ${RUN_EMAIL_TOPIC} lacks job_id, to, task or output`);
-  }
-  const where = `You can also fetch it with GET /v1/runs/${job_id}.
-`;
-  if (status !== "done") {
-    return {
-      from,
-      to: [to],
-      subject: `Your run of ${task} failed (run ${job_id})`,
-      text: `Run ${job_id} of ${task} (version ${version}) failed: ${error ?? "failed"}.
-
-${where}`,
-    };
-  }
-  const output = typeof payload.output === "string" ? payload.output : JSON.stringify(payload.output, null, 2);
-  const shown = output.length > EMAIL_OUTPUT_MAX_CHARS
-    ? `${output.slice(0, EMAIL_OUTPUT_MAX_CHARS)}…
-
-(The whole output is at the address below.)`
-    : output;
-  return {
-    from,
-    to: [to],
-    subject: `Your run of ${task} is done (run ${job_id})`,
-    text: `Run ${job_id} of ${task} (version ${version}) is done. Here is the output:
-
-${shown}
-
-${where}`,
-  };
-}
-
-/** Renders outbox rows of the summary pipeline (summaries and runs) into emails from `from`. */
+/** Renders a summary job's email (`email.summary_ready`) from `from`; a run's is `runs/email.ts`'s. */
 export function summaryEmailRenderer(from: string): Renderer {
   return (topic, payload): Email => {
-    if (topic === RUN_EMAIL_TOPIC) return runEmail(from, payload);
     if (topic !== SUMMARY_READY_TOPIC) throw new TypeError(`No email template for outbox topic "${topic}"`);
     const { job_id, to, summary } = payload as { job_id?: string; to?: string; summary?: string };
     if (!job_id || !to || typeof summary !== "string") {
@@ -87,7 +40,6 @@ export function summaryEmailRenderer(from: string): Renderer {
  */
 export function summaryPayloadLoader(sql: Sql): PayloadLoader {
   const topics = new Set([SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC]);
-  const runTopics = new Set([RUN_EMAIL_TOPIC, RUN_WEBHOOK_TOPIC]);
   return async (rows) => {
     const wanted = rows.filter((r) => topics.has(r.topic) && typeof r.payload.summary !== "string");
     if (wanted.length > 0) {
@@ -95,15 +47,6 @@ export function summaryPayloadLoader(sql: Sql): PayloadLoader {
       for (const row of wanted) {
         const summary = byId.get(String(row.payload.job_id));
         if (summary !== undefined) row.payload = { ...row.payload, summary };
-      }
-    }
-    // A done run's output, from its result row (a failed run's notification carries its error instead).
-    const runs = rows.filter((r) => runTopics.has(r.topic) && r.payload.status === "done");
-    if (runs.length > 0) {
-      const byId = await runOutputsOf(sql, runs.map((r) => String(r.payload.job_id)));
-      for (const row of runs) {
-        const id = String(row.payload.job_id);
-        if (byId.has(id)) row.payload = { ...row.payload, output: byId.get(id) };
       }
     }
   };

@@ -6,7 +6,7 @@
  */
 import { z } from "zod";
 import { MAX_OUTPUT_TOKENS, SUMMARY_INSTRUCTION } from "../llm/llm.ts";
-import { storableText } from "../summaries/schemas.ts";
+import { storableText } from "../db/storable_text.ts";
 import { PLACEHOLDER } from "./definition_check.ts";
 
 export { checkDefinition, type CheckedTask, DefinitionRefused, placeholders } from "./definition_check.ts";

@@ -12,7 +12,7 @@ import { createApiHandler } from "../../src/processes/api_process.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";
 import { createIntake } from "../../src/runs/intake.ts";
 import { serviceKeys } from "../../src/runs/keys.ts";
-import { parseSummaryRequest } from "../../src/summaries/schemas.ts";
+import { parseSummaryRequest } from "../../src/runs/shapes.ts";
 import { summaryForms } from "../../src/runs/run_payload.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { bareHandler, floorHandler } from "./baseline_handlers.ts";

@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
 import { runOfPayload, summaryForms, summaryPayload } from "../../src/runs/run_payload.ts";
 import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
-import type { SummaryRequest } from "../../src/summaries/schemas.ts";
+import type { SummaryRequest } from "../../src/runs/shapes.ts";
 
 Deno.test("a run's payload keeps its input as accepted, a key named __proto__ included", () => {
   const run = runOfPayload('{"task":"t","version":2,"input":{"__proto__":{"x":1},"a":2},"notify":"a@b.co"}');

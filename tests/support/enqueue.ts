@@ -7,7 +7,7 @@ import { defineScript } from "../../src/redis/script.ts";
 import type { JobKeys, ServiceKeys } from "../../src/runs/keys.ts";
 import { announceLane } from "../../src/queue/lanes.ts";
 import { markQueued } from "../../src/runs/job_status.ts";
-import type { SummaryRequest } from "../../src/summaries/schemas.ts";
+import type { SummaryRequest } from "../../src/runs/shapes.ts";
 import type { RunPayload } from "../../src/runs/run_payload.ts";
 
 // ENQUEUE: puts a job on a stream and records it as queued, in one command.

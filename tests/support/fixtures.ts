@@ -18,6 +18,7 @@ import type { StreamWorker } from "../../src/queue/stream_worker.ts";
 import { type ApiDeps, createApiHandler } from "../../src/processes/api_process.ts";
 import { SUMMARIES } from "../../src/summaries/api.ts";
 import { pipelineNotifications } from "../../src/runs/notifications.ts";
+import { summaryEmailRenderer, summaryPayloadLoader } from "../../src/summaries/email.ts";
 import { createTaskCache, type TaskCache } from "../../src/tasks/task_cache.ts";
 import { createSchemaValidators } from "../../src/tasks/validator.ts";
 import { createIntake } from "../../src/runs/intake.ts";
@@ -158,6 +159,7 @@ export function relayTo(
     from: "summaries@example.com",
     policy: webhookPolicy,
     timeoutMs: webhookTimeoutMs,
+    summaries: { render: summaryEmailRenderer("summaries@example.com"), load: summaryPayloadLoader(sql) },
   });
   return createRelay({
     sql,

@@ -1,16 +1,14 @@
+/**
+ * The API process's OpenAPI document (`GET /openapi.json`): every area it mounts (summaries, tasks, runs, usage)
+ * and its own paths, so it sits with the process that serves them all.
+ */
 import { z } from "zod";
-import {
-  IdempotencyKey,
-  RunWebhook,
-  SummaryAccepted,
-  SummaryRequest,
-  SummaryStatus,
-  SummaryWebhook,
-} from "../summaries/schemas.ts";
-import { MAX_WAIT_S } from "./job_waiter.ts";
+import { IdempotencyKey, RunWebhook, SummaryRequest, SummaryStatus, SummaryWebhook } from "../runs/shapes.ts";
+import { SummaryAccepted } from "../summaries/schemas.ts";
+import { MAX_WAIT_S } from "../runs/job_waiter.ts";
 import { DEFINITION_LIMITS, TaskDefinition, TaskDocument, TaskList } from "../tasks/definition.ts";
 import { TASK_LIST } from "../tasks/api.ts";
-import { RunAccepted, RunDocument, RunRequest } from "./run_schemas.ts";
+import { RunAccepted, RunDocument, RunRequest } from "../runs/run_schemas.ts";
 import { UsageDocument } from "../usage/usage_schemas.ts";
 import { DEFAULT_SINCE, MAX_SINCE_S } from "../usage/since.ts";
 

@@ -2,8 +2,8 @@ import assert from "node:assert/strict";
 import { z } from "zod";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createApiHandler } from "../../src/processes/api_process.ts";
-import { openApiDocument, ROUTES } from "../../src/runs/openapi.ts";
-import { SummaryRequest } from "../../src/summaries/schemas.ts";
+import { openApiDocument, ROUTES } from "../../src/processes/openapi.ts";
+import { SummaryRequest } from "../../src/runs/shapes.ts";
 import type { Redis } from "ioredis";
 import type { Sql } from "postgres";
 

@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
-import { idempotencyKeyOf, parseSummaryRequest, SummaryRequest } from "../../src/summaries/schemas.ts";
+import { idempotencyKeyOf, parseSummaryRequest, SummaryRequest } from "../../src/runs/shapes.ts";
 import { seededRandom } from "../_support.ts";
-import { assertParsedAlike, NOTIFY_CASES, randomAddresses } from "../runs/_notify_cases.ts";
+import { assertParsedAlike, NOTIFY_CASES, randomAddresses } from "./_notify_cases.ts";
 
 /** Bodies near every edge of the schema: the fast check and zod must answer each alike. */
 function bodies(): unknown[] {
