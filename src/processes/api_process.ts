@@ -14,7 +14,7 @@ import { createBudgets } from "../budgets/budgets.ts";
 import { budgetEvents } from "../budgets/budget_metrics.ts";
 import { createPrices, servedModels } from "../llm/prices.ts";
 import { createTaskCache, type TaskCache } from "../tasks/task_cache.ts";
-import { createSchemaValidators } from "../tasks/validator.ts";
+import { createSchemaValidators, VALIDATION_LIMITS } from "../tasks/validator.ts";
 import { KEY_PREFIX, serviceKeys } from "../runs/keys.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
 import { createRecipientPolicy } from "../tenants/mail_domains.ts";
@@ -150,7 +150,7 @@ export async function serveApi(
     })
     : undefined;
   // Run inputs are validated under a deadline: a tenant's schema cannot stall this process (`validator.ts`).
-  const validators = createSchemaValidators();
+  const validators = createSchemaValidators({ keep: VALIDATION_LIMITS.workers });
   // New task definitions are compiled and checked on a Worker of their own, not on this thread.
   const definitions = createDefinitionChecker();
   const handler = createApiHandler({

@@ -12,7 +12,7 @@ import { KEY_PREFIX, serviceKeys } from "../runs/keys.ts";
 import { createSummaryWorker } from "../runs/worker.ts";
 import { createTaskCache } from "../tasks/task_cache.ts";
 import { createPrices } from "../llm/prices.ts";
-import { createSchemaValidators } from "../tasks/validator.ts";
+import { createSchemaValidators, VALIDATION_LIMITS } from "../tasks/validator.ts";
 import { buildFlow, buildLlm, providerLabel } from "./_model.ts";
 import { settlesWithin } from "../async/timeout.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
@@ -33,7 +33,7 @@ export async function startWorker(
   const flow = buildFlow(config, redis, log, flowEvents(metrics));
   if (flow) providerGauges(registry, flow, providerLabel(config));
   // Model answers are validated under a deadline: a tenant's output schema cannot stall this process.
-  const validators = createSchemaValidators();
+  const validators = createSchemaValidators({ keep: VALIDATION_LIMITS.workers });
   const prices = createPrices(config);
   // REDIS_MIN_REPLICAS_ACK: a call goes out only under a reservation the replicas have, so a promotion keeps it.
   const ack = replicaAckOf(config, redis);

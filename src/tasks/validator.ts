@@ -102,6 +102,12 @@ export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
   idleMs: 60_000,
   /** A validation child process's V8 heap cap, in MiB: past it the child ends, and only its work fails. */
   heapMiB: 128,
+  /**
+   * Workers kept started, however idle (the API and worker processes keep all of them): a child costs about 0.1 s
+   * of CPU and 48 MB to start, and a flood of hostile validations that had to start two held another tenant's
+   * p99 at 131 ms where it was 30-55 ms once they were up. Unset, a pool starts them as it needs them.
+   */
+  keep: 0,
   /** Web Workers validating at once. */
   workers: 2,
   /** How long a Worker may take to load before the validations waiting for it fail. */
@@ -247,6 +253,7 @@ export interface ValidatorOptions {
   recycleChars?: number;
   idleMs?: number;
   heapMiB?: number;
+  keep?: number;
   compileMs?: number;
   workers?: number;
   startMs?: number;
@@ -311,6 +318,7 @@ export function createSchemaValidators(
     title: "schema validation",
     isolation,
     heapMiB: limits.heapMiB,
+    keep: limits.keep,
   });
   /** Compilations of large schemas on a Worker under way (`prepare`), by key: callers at once share one. */
   const preparing = new Map<string, Promise<void>>();

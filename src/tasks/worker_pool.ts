@@ -62,7 +62,16 @@ export interface WorkerPoolOptions<S> {
   isolation?: PoolIsolation;
   /** A child process's heap cap, in MiB: past it, V8 ends the child and its work fails. */
   heapMiB?: number;
+  /**
+   * Workers kept started, idle or not (at most `workers`): started with the pool, and again as soon as one stops,
+   * so that work does not wait for a child to start (0.1 s of CPU each) when it comes. None unless set; a pool
+   * that keeps Workers keeps its process alive until it is closed.
+   */
+  keep?: number;
 }
+
+/** After a Worker failed before it was ready, kept Workers are not started again for this long. */
+const KEEP_RETRY_MS = 5_000;
 
 /** A child process's heap cap unless the pool sets one. */
 const DEFAULT_HEAP_MIB = 256;
@@ -142,9 +151,12 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
   const orphans = createOrphans(options.orphanMs, () => pump());
   const pending = createPendingCount(options);
   // Stops the Workers once nothing has run for `idleMs`.
-  const idle = createIdleTimer(options.idleMs, () => !closed && pending.total === 0 && slots.length > 0, () => {
-    for (const slot of [...slots]) if (slot.ready && !slot.job) remove(slot);
+  const keep = Math.min(options.keep ?? 0, options.workers);
+  const idle = createIdleTimer(options.idleMs, () => !closed && pending.total === 0 && slots.length > keep, () => {
+    for (const slot of [...slots]) if (slots.length > keep && slot.ready && !slot.job) remove(slot);
   });
+  /** When a Worker last failed before it was ready: kept Workers are not restarted in a loop. */
+  let failedStartAt = -Infinity;
   const queue = createTenantQueues<Job<S, R>>();
   /** Channels stopped whose resources are not yet released (`Channel.closed`): `close` waits for them. */
   const closing = new Set<Promise<void>>();
@@ -190,18 +202,21 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
     try {
       slot = openSlot<S, R>(options, events(() => slot));
     } catch (error) {
+      failedStartAt = performance.now();
       // Not started at all (no permission to run the child, say): those waiting would wait for ever.
       if (!slots.some((other) => other.ready)) {
         failWaiting(broken(error instanceof Error ? error.message : String(error)));
       }
-      return;
+      return false;
     }
     slot.timer = setTimeout(() => {
+      failedStartAt = performance.now();
       remove(slot);
       if (!slots.some((other) => other.ready)) failWaiting(broken(undefined));
       pump();
     }, options.startMs);
     slots.push(slot);
+    return true;
   };
 
   /** What a slot's Worker or process tells the pool. */
@@ -229,6 +244,7 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
       failed(message) {
         const slot = of();
         const loaded = slot.ready;
+        if (!loaded) failedStartAt = performance.now();
         const job = release(slot);
         const failed = broken(message);
         remove(slot);
@@ -265,9 +281,12 @@ export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPoo
     }
     const starting = slots.filter((slot) => !slot.ready).length;
     if (queue.size > starting && slots.length + orphans.count() < options.workers) start();
+    // The kept ones: not while a start has just failed (a missing module would fail every start).
+    while (slots.length + orphans.count() < keep && performance.now() - failedStartAt > KEEP_RETRY_MS && start());
     idle.touch();
   };
 
+  pump();
   return {
     run<T>(tenant: string, work: PoolWork<S, R, T>): Promise<T> {
       if (closed) return Promise.reject(new Error(`The ${options.name} pool is closed`));
@@ -406,7 +425,8 @@ function createOrphans(orphanMs: number, freed: () => void) {
       timer ??= setInterval(() => prune() && freed(), ORPHAN_POLL_MS);
     },
     count(): number {
-      if (orphans.length > 0) prune();
+      // Whoever finds one gone tells the pool, as the timer would have: a kept Worker may take its place.
+      if (orphans.length > 0 && prune()) queueMicrotask(freed);
       return orphans.length;
     },
     clear,

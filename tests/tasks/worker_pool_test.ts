@@ -284,3 +284,20 @@ Deno.test("messages of megabytes cross whole, in both directions; a line that is
     await pool.close();
   }
 });
+
+Deno.test("a pool keeps `keep` children started: with the pool, past idleMs, and again once one is killed", async () => {
+  const pool = fixturePool({ keep: 1, idleMs: 50 });
+  try {
+    await waitFor("the kept child to start", () => pool.stats().workers === 1);
+    const first = await fixtureRun(pool, "echo");
+    await new Promise((resolve) => setTimeout(resolve, 200));
+    assert.equal(pool.stats().workers, 1, "not stopped when idle");
+    assert.equal(await fixtureRun(pool, "echo"), first, "the same child");
+    await assert.rejects(fixtureRun(pool, "spin", 100), /timed out/);
+    // A fresh one is started without waiting for work.
+    await waitFor("a fresh child", () => pool.stats().workers === 1 && pool.stats().orphans === 0);
+    assert.notEqual(await fixtureRun(pool, "echo"), first);
+  } finally {
+    await pool.close();
+  }
+});
