@@ -11,7 +11,8 @@
  * keyword whose cost the estimate cannot bound, and an estimate
  * (`validation_cost.ts`: the schema walked over the instance as the validator
  * does, stopped at the budget) under `fastPathUnits`. Anything else runs on a
- * small pool of Web Workers (`worker_pool.ts`, `validation_worker.ts`): the
+ * small pool of Workers (`worker_pool.ts`, `validation_worker.ts`; child
+ * processes, or Web Workers in a compiled binary: `pool_channels.ts`): the
  * Worker compiles the schema (a large one only there), estimates the
  * validation again, refuses it past `workerUnits`
  * ({@linkcode ValidationTooCostly}), and runs it under a deadline. A Worker
@@ -19,7 +20,8 @@
  * {@linkcode ValidationTimeout}, and a fresh Worker takes the next one. Both
  * sides cache compiled schemas per key.
  *
- * In Deno 2.9.6 a terminated Worker that is busy goes on until its validation
+ * A child process that runs over is killed at once. In Deno 2.9.6 a
+ * terminated Web Worker that is busy goes on until its validation
  * ends (`terminate()` interrupts neither a regular expression nor a loop), so
  * the pool counts it until it has, and `workerUnits` is what bounds how long
  * that is. Validations waiting for or running on a Worker are capped per
