@@ -320,7 +320,7 @@ async function main(argv: string[]): Promise<number> {
     }
   }
   const log = createLogger({ level: config.LOG_LEVEL }).child({ process: command });
-  const { runCommand } = await import("./src/processes/host.ts");
+  const { runCommand } = await import("./src/host.ts");
   return await runCommand(command as Command, { config, args, shutdown: () => shutdownSignal(log) });
 }
 

@@ -2,7 +2,10 @@ import { Cluster, Redis, type RedisOptions } from "ioredis";
 import postgres, { type Sql } from "postgres";
 import { withTimeout } from "./async/timeout.ts";
 import { isSentinelUrl, parseSentinelUrl, postgresHosts, redactUrl, type SentinelUrl } from "./config.ts";
+import type { RedisClient } from "./redis/client.ts";
 import { netGranted, type SentinelNode, sentinelTopology, watchSentinelNodes } from "./redis/sentinel_nodes.ts";
+
+export type { RedisClient } from "./redis/client.ts";
 
 /** A dependency that did not answer at start-up; the message says how to start it. */
 export class DependencyDown extends Error {
@@ -13,13 +16,6 @@ export class DependencyDown extends Error {
 }
 
 const STARTUP_TIMEOUT_MS = 3_000;
-
-/**
- * A Redis client: one server (named in REDIS_URL, or the master its
- * sentinels name), or a Redis Cluster (same commands; every multi-key step
- * stays in one slot).
- */
-export type RedisClient = Redis | Cluster;
 
 /** The seed nodes of REDIS_URL: one URL, or a comma-separated list. */
 export function redisSeeds(url: string): URL[] {

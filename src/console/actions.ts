@@ -6,7 +6,7 @@
 import { retryFailed } from "../outbox/outbox_store.ts";
 import { replayDeadLetters, replaySummary, type ReplayTarget } from "../runs/dead_letters.ts";
 import { sameText } from "./admin_auth.ts";
-import type { ConsoleDeps } from "./console.ts";
+import type { ConsoleDeps } from "./_deps.ts";
 import { html } from "./html.ts";
 import { back, page } from "./layout.ts";
 import type { SignedInRequest } from "./session.ts";

@@ -8,14 +8,9 @@
  * token (`actions.ts`). Every value from data is escaped by the `html` tag,
  * and the pages (`pages.ts`) never show keys or secrets.
  */
-import type { Sql } from "postgres";
-import type { RedisClient } from "../clients.ts";
-import type { ReplicaAck } from "../redis/replica_ack.ts";
-import type { Logger } from "../log/logger.ts";
-import type { ServiceKeys } from "../runs/keys.ts";
 import { act } from "./actions.ts";
-import type { AdminAuthOptions } from "./admin_auth.ts";
 import { asset } from "./assets.ts";
+import type { ConsoleDeps } from "./_deps.ts";
 import { html } from "./html.ts";
 import { page } from "./layout.ts";
 import { deadLettersPage, jobPage, outboxPage, providerPage, queuesPage, workersPage } from "./pages.ts";
@@ -24,28 +19,7 @@ import { usagePage } from "./usage_pages.ts";
 import { type ConsoleClient, createSessions, type SignedInRequest } from "./session.ts";
 
 export type { ConsoleClient } from "./session.ts";
-
-/** What the console reads and acts on. */
-export interface ConsoleDeps {
-  redis: RedisClient;
-  sql: Sql;
-  keys: ServiceKeys;
-  log: Logger;
-  /** ADMIN_TOKEN. */
-  token: string;
-  /** MAX_BODY_BYTES: a form above it is refused (413) before anything is checked. */
-  maxBodyBytes: number;
-  /** How long a form may take to arrive; default 10 s (`BODY_DEADLINE_MS`). */
-  bodyDeadlineMs?: number;
-  /** The token check's pace and the sessions' lifetime; defaults in `ADMIN_AUTH_DEFAULTS`. */
-  auth?: Partial<AdminAuthOptions>;
-  /** REDIS_MIN_REPLICAS_ACK: a dead-letter replay waits for the replicas, as `dlq replay` does; absent when 0. */
-  ack?: ReplicaAck;
-  /** The shared limiter and breaker, as `deno task provider status` prints it; absent without one. */
-  providerStatus?: () => Promise<string[]>;
-  /** The time the charts end at (epoch ms); `Date.now` unless a test fixes it. */
-  now?: () => number;
-}
+export type { ConsoleDeps } from "./_deps.ts";
 
 /** The console's handler for requests whose path starts with `/console`. */
 export type ConsoleHandler = (req: Request, path: string, client?: ConsoleClient) => Promise<Response>;

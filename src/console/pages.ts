@@ -7,13 +7,12 @@ import { readJobRecord } from "../runs/job_status.ts";
 import { JOB_ID } from "../runs/shapes.ts";
 import { BUILT_IN_TASK } from "../tasks/definition.ts";
 import { traceIdOf } from "../tracing.ts";
-import type { ConsoleDeps } from "./console.ts";
+import type { PageDeps } from "./_deps.ts";
 import { Html, html } from "./html.ts";
 import { queueCharts } from "./usage_pages.ts";
 import { actionButton, ago, jobLink, page, PAGE_ROWS, prettyJson, table, taskLink, type View } from "./layout.ts";
 
-/** What the pages read. */
-export type PageDeps = Pick<ConsoleDeps, "redis" | "sql" | "keys" | "providerStatus" | "now">;
+export type { PageDeps } from "./_deps.ts";
 
 /**
  * Each lane: its depth, in-flight count, jobs done in the last minute, and how long its oldest entry waits;

@@ -15,7 +15,7 @@ import {
   type Verdict,
 } from "./admin_auth.ts";
 import { html } from "./html.ts";
-import type { ConsoleDeps } from "./console.ts";
+import type { ConsoleDeps } from "./_deps.ts";
 import { HEADERS, htmlDocument, type View } from "./layout.ts";
 
 /** The peer of a request, as `Deno.serve` passes it to a handler. */

@@ -16,7 +16,7 @@ import {
 } from "../jobs/task_store.ts";
 import { BUILT_IN_TASK } from "../tasks/definition.ts";
 import { clockWindow, unknownWindow, type UsageWindow, usageWindow, windowSwitch } from "./chart_windows.ts";
-import type { PageDeps } from "./pages.ts";
+import type { PageDeps } from "./_deps.ts";
 import { type Html, html } from "./html.ts";
 import { page, PAGE_ROWS, prettyJson, table, taskLink, taskPath, type View } from "./layout.ts";
 import { usageCharts, usageFigures, usageTotals, windowSentence } from "./usage_pages.ts";

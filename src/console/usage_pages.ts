@@ -23,7 +23,7 @@ import { clockWindow, unknownWindow, type UsageWindow, usageWindow, windowSwitch
 import { type Bucket, bucketRange, chart, type ChartSeries, formatCount, formatMs, formatUsd } from "./charts.ts";
 import { type Html, html, raw } from "./html.ts";
 import { page, PAGE_ROWS, table, type View } from "./layout.ts";
-import type { PageDeps } from "./pages.ts";
+import type { PageDeps } from "./_deps.ts";
 
 const MINUTE_MS = 60_000, HOUR_MS = 3_600_000, DAY_MS = 86_400_000;
 

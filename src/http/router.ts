@@ -8,7 +8,6 @@
  * unread body, and counts each request by its route's label.
  */
 import type { Logger } from "../log/logger.ts";
-import type { ApiMetrics } from "../metrics/metrics.ts";
 import { releaseUnreadBody } from "./body.ts";
 import { errorResponse, HttpError, problem } from "./problem.ts";
 
@@ -27,6 +26,13 @@ export interface RouteContext {
 }
 
 export type RouteHandler = (req: Request, ctx: RouteContext) => Promise<Response> | Response;
+
+/** What {@linkcode Router.handler} counts of each request; the API process passes its `ApiMetrics`. */
+export interface RequestMetrics {
+  requests: { inc(labels: { route: string; method: string; status: string }): void };
+  /** Seconds from the request's arrival to its answer. */
+  duration: { observe(labels: { route: string; method: string }, seconds: number): void };
+}
 
 interface Route {
   match(path: string): string[] | null;
@@ -142,7 +148,7 @@ export class Router {
    * `Deno.serve` (and for tests, without a port).
    */
   handler(
-    { log, metrics }: { log: Logger; metrics?: ApiMetrics },
+    { log, metrics }: { log: Logger; metrics?: RequestMetrics },
   ): (req: Request, client?: Client) => Promise<Response> {
     const served = this.served();
     return async (req, client) => {

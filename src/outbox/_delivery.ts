@@ -15,7 +15,7 @@ import { contextFrom, inSpan } from "../tracing.ts";
 import * as outbox from "./outbox_store.ts";
 import type { ClaimedRow } from "./outbox_store.ts";
 import type { SendStats } from "./_send_stats.ts";
-import type { Deferral, LeasedRow, OutboxSender, PayloadLoader, RelayEvents, Renderer } from "./relay.ts";
+import type { Deferral, LeasedRow, OutboxSender, PayloadLoader, RelayEvents, Renderer } from "./_relay_types.ts";
 
 /** What a relay's delivery needs: its clients, its hooks, and its memory of sends. */
 export interface DeliveryDeps {

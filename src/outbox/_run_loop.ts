@@ -9,7 +9,7 @@ import { sleep } from "../async/timeout.ts";
 import type { Logger } from "../log/logger.ts";
 import type { ClaimLimits } from "./outbox_store.ts";
 import type { Delivery } from "./_delivery.ts";
-import type { LeasedRow } from "./relay.ts";
+import type { LeasedRow } from "./_relay_types.ts";
 import type { SendStats } from "./_send_stats.ts";
 
 /** What the loop needs from its relay. */

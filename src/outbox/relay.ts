@@ -1,54 +1,21 @@
 import type { Sql } from "postgres";
 import type { Logger } from "../log/logger.ts";
-import type { Email, Mailer } from "../mail/mailer.ts";
+import type { Mailer } from "../mail/mailer.ts";
 import * as outbox from "./outbox_store.ts";
-import type { ClaimedRow, ClaimLimits, OutboxRow } from "./outbox_store.ts";
+import type { ClaimLimits } from "./outbox_store.ts";
 import { createDelivery } from "./_delivery.ts";
+import type { Deferral, LeasedRow, OutboxSender, PayloadLoader, RelayEvents, Renderer } from "./_relay_types.ts";
 import { runRelayLoop } from "./_run_loop.ts";
 import { createSendStats, NO_BUDGET } from "./_send_stats.ts";
 
 export type { ClaimedRow, OutboxRow } from "./outbox_store.ts";
-
-/** A row this relay claimed, with when its lease ends on the relay's clock (`now`; never later than in Postgres). */
-export interface LeasedRow extends ClaimedRow {
-  leaseEndsMs: number;
-}
+export type { Deferral, LeasedRow, OutboxSender, PayloadLoader, RelayEvents, Renderer } from "./_relay_types.ts";
 
 /**
  * The destination of every row that is not a webhook: the one mail provider (no host name has a space).
  * Migration 009 spells it in the stored `destination` column; the two must stay the same.
  */
 export const MAIL_DESTINATION = "mail provider";
-
-/** Turns an outbox row into the email to send. @throws for a topic it does not know (a permanent failure). */
-export type Renderer = (topic: string, payload: Record<string, unknown>) => Email;
-
-/**
- * Delivers a row of a topic that is not an email (a webhook). Throws like a
- * mailer: a retryable error is retried with backoff, anything else fails the
- * row. The row's dedupe key is its idempotency key at the receiver.
- */
-export type OutboxSender = (row: OutboxRow, signal: AbortSignal) => Promise<{ providerId?: string }>;
-
-/**
- * Completes claimed rows' payloads with what the renderer needs and the row
- * only references (one query for the whole claim), before any is rendered.
- */
-export type PayloadLoader = (rows: OutboxRow[]) => Promise<void>;
-
-/**
- * Decides which claimed rows must wait (a rate limit): returns each such
- * row's id with how long it waits. A deferred row is released without
- * counting an attempt.
- */
-export type Deferral = (rows: OutboxRow[]) => Promise<Map<string, number>>;
-
-/** Counters a relay reports; wire them to metrics. */
-export interface RelayEvents {
-  sent?(row: OutboxRow, durationMs: number): void;
-  retry?(row: OutboxRow, reason: string): void;
-  failed?(row: OutboxRow, reason: string): void;
-}
 
 /** Options for {@linkcode createRelay}; the defaults are {@linkcode RELAY_DEFAULTS}. */
 export interface RelayOptions {

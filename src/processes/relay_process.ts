@@ -1,6 +1,6 @@
 import type { RunContext } from "./run_context.ts";
 import { createRegistry, relayMetrics } from "../metrics/metrics.ts";
-import { outboxGauges, relayEvents } from "../metrics/wire.ts";
+import { outboxGauges, relayEvents } from "./metrics_wiring.ts";
 import { createRelay } from "../outbox/relay.ts";
 import { createRetention } from "../retention/retention.ts";
 import { DEAD_LETTER_BOUNDS } from "../queue/dead_letter.ts";

@@ -7,7 +7,7 @@ import {
   queueGauges,
   resultCacheEvents,
   workerEvents,
-} from "../metrics/wire.ts";
+} from "./metrics_wiring.ts";
 import { KEY_PREFIX, serviceKeys } from "../runs/keys.ts";
 import { createSummaryWorker } from "../runs/worker.ts";
 import { createTaskCache } from "../tasks/task_cache.ts";

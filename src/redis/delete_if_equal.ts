@@ -1,4 +1,4 @@
-import type { RedisClient } from "../clients.ts";
+import type { RedisClient } from "./client.ts";
 import { defineScript } from "./script.ts";
 
 // DELETE_IF_EQUAL: deletes a string key only while it holds the given value (nobody changed it since).

@@ -15,7 +15,7 @@
  * so the WAIT counts that node's replicas, on the connection that wrote.
  */
 import { Cluster } from "ioredis";
-import type { RedisClient } from "../clients.ts";
+import type { RedisClient } from "./client.ts";
 import type { Script } from "./script.ts";
 
 /** How long a client told "not replicated" should wait before retrying with the same key. */

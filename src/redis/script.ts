@@ -1,4 +1,4 @@
-import type { RedisClient } from "../clients.ts";
+import type { RedisClient } from "./client.ts";
 import { createHash } from "node:crypto";
 
 /** A Lua script run by SHA, loaded into the server only when it is missing. */

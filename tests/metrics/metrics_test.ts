@@ -8,7 +8,7 @@ import {
   queueGauges,
   relayEvents,
   workerEvents,
-} from "../../src/metrics/wire.ts";
+} from "../../src/processes/metrics_wiring.ts";
 import { enqueueJob, enqueueToLane } from "../support/enqueue.ts";
 import { jobKeys, serviceKeys } from "../../src/runs/keys.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";

@@ -16,7 +16,7 @@ import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import { costNanos, createPrices } from "../../src/llm/prices.ts";
 import { createProviderFlow, providerStateKey } from "../../src/provider/flow_control.ts";
 import { createRegistry, workerMetrics } from "../../src/metrics/metrics.ts";
-import { flowEvents } from "../../src/metrics/wire.ts";
+import { flowEvents } from "../../src/processes/metrics_wiring.ts";
 import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";

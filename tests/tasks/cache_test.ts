@@ -10,7 +10,7 @@ import { OUTCOME_MIN_AGE_MS } from "../../src/processes/relay_process.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import { createRegistry, resultCacheMetrics } from "../../src/metrics/metrics.ts";
-import { resultCacheEvents } from "../../src/metrics/wire.ts";
+import { resultCacheEvents } from "../../src/processes/metrics_wiring.ts";
 import { createPrices } from "../../src/llm/prices.ts";
 import { Deadline } from "../../src/retry/deadline.ts";
 import { JobDeferred } from "../../src/queue/errors.ts";

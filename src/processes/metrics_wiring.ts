@@ -1,3 +1,9 @@
+/**
+ * The app's metrics, wired: the events of the worker, the relay, the model
+ * calls, flow control and the result cache fed to the counters of
+ * `metrics/metrics.ts`, and the gauges read on scrape (the queue's lanes, the
+ * outbox backlog, the provider's breaker). The processes install them.
+ */
 import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
 import { Gauge, type Registry } from "prom-client";
@@ -9,8 +15,8 @@ import { groupLag, laneStats } from "../queue/inspector.ts";
 import type { WorkerEvents } from "../queue/stream_worker.ts";
 import type { AttemptReport } from "../retry/retry_policy.ts";
 import type { FlowEvents, ProviderFlow } from "../provider/flow_control.ts";
-import { type RelayMetrics, scrapeGauge, type WorkerMetrics } from "./metrics.ts";
-import type { ResultCacheMetrics } from "./metrics.ts";
+import { type RelayMetrics, scrapeGauge, type WorkerMetrics } from "../metrics/metrics.ts";
+import type { ResultCacheMetrics } from "../metrics/metrics.ts";
 import type { ResultCacheEvents } from "../cache/result_cache.ts";
 
 /** Worker events that feed the worker metrics. */

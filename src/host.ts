@@ -3,15 +3,15 @@
  * clients it names, runs its code, and closes what it opened. Loaded by
  * `main.ts` only in the service process, never in the launcher.
  */
-import { connectPostgres, connectRedis, DependencyDown } from "../clients.ts";
-import { type Command, COMMAND_TABLE, type CommandSpec } from "../commands.ts";
-import type { ClientNeeds, ClientsOf } from "./run_context.ts";
-import { type Config, postgresHosts } from "../config.ts";
-import { checkCommitDurability } from "../db/commit_durability.ts";
-import { createLogger } from "../log/logger.ts";
-import { missingNetPermissions, missingRunPermission } from "../permissions.ts";
-import { DEFAULT_ISOLATION } from "../tasks/pool_channels.ts";
-import { refuseLoudly } from "../redis/sentinel_nodes.ts";
+import { connectPostgres, connectRedis, DependencyDown } from "./clients.ts";
+import { type Command, COMMAND_TABLE, type CommandSpec } from "./commands.ts";
+import type { ClientNeeds, ClientsOf } from "./processes/run_context.ts";
+import { type Config, postgresHosts } from "./config.ts";
+import { checkCommitDurability } from "./db/commit_durability.ts";
+import { createLogger } from "./log/logger.ts";
+import { missingNetPermissions, missingRunPermission } from "./permissions.ts";
+import { DEFAULT_ISOLATION } from "./tasks/pool_channels.ts";
+import { refuseLoudly } from "./redis/sentinel_nodes.ts";
 
 /**
  * @returns the process exit code: the command's, 2 when its permission set
