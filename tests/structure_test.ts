@@ -23,11 +23,6 @@ const KNOWN = {
   longFunctions: [
     "createBudgets",
     "createStreamWorker",
-    "taskRoutes",
-    "taskPaths",
-    "createClient",
-    "createWorkerPool",
-    "createSchemaValidators",
   ],
 };
 

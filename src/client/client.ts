@@ -221,76 +221,26 @@ interface Send {
   keyed?: boolean;
 }
 
+/** A client's settings, resolved once, and what its calls share: the base URL, fetch, retries and clock. */
+interface Transport {
+  base: string;
+  fetch: typeof fetch;
+  maxRetries: number;
+  sleep: (ms: number, signal?: AbortSignal) => Promise<void>;
+  now: () => number;
+  pollIntervalMs: number;
+  policy: RetryPolicy;
+  /** Sent with every request. */
+  headers: Record<string, string>;
+}
+
 /**
  * A client for the API at `options.baseUrl`.
  * @throws {TypeError} for a `baseUrl` that is not an absolute URL.
  */
 export function createClient(options: ClientOptions): OncelyClient {
-  const base = new URL(options.baseUrl).href.replace(/\/+$/, "");
-  const doFetch = options.fetch ?? ((input, init) => fetch(input, init));
-  const maxRetries = options.maxRetries ?? CLIENT_DEFAULTS.maxRetries;
-  const sleep = options.sleep ?? abortableSleep;
-  const now = options.now ?? Date.now;
-  const pollIntervalMs = options.pollIntervalMs ?? CLIENT_DEFAULTS.pollIntervalMs;
-  const policy: RetryPolicy = {
-    baseMs: options.retryBaseMs ?? CLIENT_DEFAULTS.retryBaseMs,
-    capMs: options.retryCapMs ?? CLIENT_DEFAULTS.retryCapMs,
-    maxRetryAfterMs: (options.maxRetryAfterS ?? CLIENT_DEFAULTS.maxRetryAfterS) * 1000,
-    random: options.random ?? Math.random,
-    now,
-  };
-  const common: Record<string, string> = {
-    accept: "application/json",
-    ...options.headers,
-    ...(options.apiKey === undefined ? {} : { authorization: `Bearer ${options.apiKey}` }),
-  };
-
-  async function send<T>(method: string, path: string, init: Send = {}): Promise<Answer<T>> {
-    const { signal } = init;
-    const headers = { ...common, ...init.headers };
-    if (init.body !== undefined) headers["content-type"] = "application/json";
-    const body = init.body === undefined ? undefined : JSON.stringify(init.body);
-    for (let attempt = 0;; attempt++) {
-      signal?.throwIfAborted();
-      let response: Response;
-      let text: string;
-      try {
-        // Never followed: a redirect would carry the API key, the Idempotency-Key and the body to another address.
-        response = await doFetch(`${base}${path}`, { method, headers, body, signal, redirect: "manual" });
-        // A connection that drops mid-body fails here, not in fetch: the same case as no answer at all.
-        text = await response.text();
-      } catch (error) {
-        if (signal?.aborted) throw signal.reason;
-        if (attempt >= maxRetries) throw error;
-        // No answer: the server may or may not have acted, and only a request that is safe to repeat
-        // (all of ours, see the module doc) may be sent again.
-        await sleep(backoffMs(policy, attempt), signal);
-        continue;
-      }
-      if (response.ok) return { status: response.status, headers: response.headers, body: parseJson(text, path) };
-      const delay = retryDelayMs(policy, response, attempt, init.keyed === true);
-      if (delay === undefined || attempt >= maxRetries) throw errorOf(response, text);
-      await sleep(delay, signal);
-    }
-  }
-
-  function errorOf(response: Response, text: string): OncelyError {
-    const asked = retryAfterMs(response.headers.get("retry-after"), now());
-    return new OncelyError(problemOf(response, text), {
-      retryAfterS: asked === undefined ? undefined : Math.ceil(asked / 1000),
-    });
-  }
-
-  async function keyedPost<T>(path: string, body: unknown, options: KeyedOptions, headers: Record<string, string>) {
-    const idempotencyKey = options.idempotencyKey ?? crypto.randomUUID();
-    const answer = await send<T>("POST", path, {
-      body,
-      headers: { ...headers, "idempotency-key": idempotencyKey, ...preferWait(options.waitS) },
-      signal: options.signal,
-      keyed: true,
-    });
-    return { answer, intake: { idempotencyKey, replayed: answer.headers.get("idempotent-replayed") === "true" } };
-  }
+  const transport = transportOf(options);
+  const send = <T>(method: string, path: string, init: Send = {}) => sendRequest<T>(transport, method, path, init);
 
   async function getRun<Output>(runId: string, options: WaitOptions = {}): Promise<Run<Output>> {
     const path = `/v1/runs/${encodeURIComponent(runId)}`;
@@ -337,6 +287,7 @@ export function createClient(options: ClientOptions): OncelyClient {
         ...(options.expiresInS === undefined ? {} : { expires_in: options.expiresInS }),
       };
       const { answer, intake } = await keyedPost<Run<Output> & RunAccepted>(
+        transport,
         `/v1/tasks/${encodeURIComponent(task)}/runs`,
         body,
         options,
@@ -349,27 +300,7 @@ export function createClient(options: ClientOptions): OncelyClient {
 
     getRun,
 
-    async waitForRun<Output>(runId: string, options: CallOptions & { timeoutS?: number } = {}) {
-      const timeoutS = options.timeoutS ?? CLIENT_DEFAULTS.waitTimeoutS;
-      const deadline = now() + timeoutS * 1000;
-      for (;;) {
-        const left = deadline - now();
-        const waitS = Math.min(MAX_WAIT_S, Math.max(1, Math.ceil(left / 1000)));
-        const path = `/v1/runs/${encodeURIComponent(runId)}`;
-        const { body: run, headers } = await send<Run<Output>>("GET", path, {
-          headers: preferWait(waitS),
-          signal: options.signal,
-        });
-        if (FINISHED_RUN_STATUSES.has(run.status)) return run;
-        if (now() >= deadline) {
-          throw new DOMException(`Run ${runId} is still ${run.status} after ${timeoutS} s`, "TimeoutError");
-        }
-        // A server that ignored the preference answered at once: poll, rather than spin.
-        if (!headers.has("preference-applied")) {
-          await sleep(Math.min(pollIntervalMs, Math.max(0, deadline - now())), options.signal);
-        }
-      }
-    },
+    waitForRun: (runId, options) => waitForRun(transport, runId, options),
 
     async cancelRun<Output>(runId: string, options: CallOptions = {}) {
       return (await send<Run<Output>>("DELETE", `/v1/runs/${encodeURIComponent(runId)}`, { signal: options.signal }))
@@ -378,6 +309,7 @@ export function createClient(options: ClientOptions): OncelyClient {
 
     async summarize(options) {
       const { answer, intake } = await keyedPost<SummaryJob>(
+        transport,
         "/v1/summaries",
         {
           text: options.text,
@@ -391,6 +323,120 @@ export function createClient(options: ClientOptions): OncelyClient {
         : { ...intake, status: 202, job: { job_id: answer.body.job_id, status: "queued" } };
     },
   };
+}
+
+/** `options` resolved, each unset one to its {@linkcode CLIENT_DEFAULTS} entry. */
+function transportOf(options: ClientOptions): Transport {
+  const now = options.now ?? Date.now;
+  return {
+    base: new URL(options.baseUrl).href.replace(/\/+$/, ""),
+    fetch: options.fetch ?? ((input, init) => fetch(input, init)),
+    maxRetries: options.maxRetries ?? CLIENT_DEFAULTS.maxRetries,
+    sleep: options.sleep ?? abortableSleep,
+    now,
+    pollIntervalMs: options.pollIntervalMs ?? CLIENT_DEFAULTS.pollIntervalMs,
+    policy: {
+      baseMs: options.retryBaseMs ?? CLIENT_DEFAULTS.retryBaseMs,
+      capMs: options.retryCapMs ?? CLIENT_DEFAULTS.retryCapMs,
+      maxRetryAfterMs: (options.maxRetryAfterS ?? CLIENT_DEFAULTS.maxRetryAfterS) * 1000,
+      random: options.random ?? Math.random,
+      now,
+    },
+    headers: {
+      accept: "application/json",
+      ...options.headers,
+      ...(options.apiKey === undefined ? {} : { authorization: `Bearer ${options.apiKey}` }),
+    },
+  };
+}
+
+/**
+ * Sends one request, and again while its answer (or its lack of one) is worth retrying.
+ * @throws {OncelyError} for an answer that is not 2xx once retries are spent or pointless.
+ */
+async function sendRequest<T>(t: Transport, method: string, path: string, init: Send): Promise<Answer<T>> {
+  // Called unbound, as given: a `fetch` called as a method of another object throws in a browser.
+  const { fetch: doFetch, sleep, policy, maxRetries } = t;
+  const { signal } = init;
+  const headers = { ...t.headers, ...init.headers };
+  if (init.body !== undefined) headers["content-type"] = "application/json";
+  const body = init.body === undefined ? undefined : JSON.stringify(init.body);
+  for (let attempt = 0;; attempt++) {
+    signal?.throwIfAborted();
+    let response: Response;
+    let text: string;
+    try {
+      // Never followed: a redirect would carry the API key, the Idempotency-Key and the body to another address.
+      response = await doFetch(`${t.base}${path}`, { method, headers, body, signal, redirect: "manual" });
+      // A connection that drops mid-body fails here, not in fetch: the same case as no answer at all.
+      text = await response.text();
+    } catch (error) {
+      if (signal?.aborted) throw signal.reason;
+      if (attempt >= maxRetries) throw error;
+      // No answer: the server may or may not have acted, and only a request that is safe to repeat
+      // (all of ours, see the module doc) may be sent again.
+      await sleep(backoffMs(policy, attempt), signal);
+      continue;
+    }
+    if (response.ok) return { status: response.status, headers: response.headers, body: parseJson(text, path) };
+    const delay = retryDelayMs(policy, response, attempt, init.keyed === true);
+    if (delay === undefined || attempt >= maxRetries) throw errorOf(t, response, text);
+    await sleep(delay, signal);
+  }
+}
+
+/** The error of an answer that is not 2xx, with its problem document and `Retry-After`. */
+function errorOf({ now }: Transport, response: Response, text: string): OncelyError {
+  const asked = retryAfterMs(response.headers.get("retry-after"), now());
+  return new OncelyError(problemOf(response, text), {
+    retryAfterS: asked === undefined ? undefined : Math.ceil(asked / 1000),
+  });
+}
+
+/** A POST with an `Idempotency-Key` (the caller's, or a new one that every retry sends again). */
+async function keyedPost<T>(
+  t: Transport,
+  path: string,
+  body: unknown,
+  options: KeyedOptions,
+  headers: Record<string, string>,
+) {
+  const idempotencyKey = options.idempotencyKey ?? crypto.randomUUID();
+  const answer = await sendRequest<T>(t, "POST", path, {
+    body,
+    headers: { ...headers, "idempotency-key": idempotencyKey, ...preferWait(options.waitS) },
+    signal: options.signal,
+    keyed: true,
+  });
+  return { answer, intake: { idempotencyKey, replayed: answer.headers.get("idempotent-replayed") === "true" } };
+}
+
+/** {@linkcode OncelyClient.waitForRun}: waits in requests of up to {@linkcode MAX_WAIT_S}, or polls. */
+async function waitForRun<Output>(
+  t: Transport,
+  runId: string,
+  options: CallOptions & { timeoutS?: number } = {},
+): Promise<Run<Output>> {
+  const { now, sleep } = t;
+  const timeoutS = options.timeoutS ?? CLIENT_DEFAULTS.waitTimeoutS;
+  const deadline = now() + timeoutS * 1000;
+  for (;;) {
+    const left = deadline - now();
+    const waitS = Math.min(MAX_WAIT_S, Math.max(1, Math.ceil(left / 1000)));
+    const path = `/v1/runs/${encodeURIComponent(runId)}`;
+    const { body: run, headers } = await sendRequest<Run<Output>>(t, "GET", path, {
+      headers: preferWait(waitS),
+      signal: options.signal,
+    });
+    if (FINISHED_RUN_STATUSES.has(run.status)) return run;
+    if (now() >= deadline) {
+      throw new DOMException(`Run ${runId} is still ${run.status} after ${timeoutS} s`, "TimeoutError");
+    }
+    // A server that ignored the preference answered at once: poll, rather than spin.
+    if (!headers.has("preference-applied")) {
+      await sleep(Math.min(t.pollIntervalMs, Math.max(0, deadline - now())), options.signal);
+    }
+  }
 }
 
 /**

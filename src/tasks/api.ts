@@ -131,50 +131,19 @@ export function taskRoutes(deps: TaskApiDeps): Router {
     // thread no parsing. (A PUT identical to the latest version takes no token, below.)
     const rate = { perMinute: limits.putsPerMinute, burst: limits.putBurst };
     const waitS = await putTokenWait(sql, tenant, rate);
-    if (waitS > 0) throw overRate(waitS);
-    const raw = await readJsonBody(req, deps.maxBodyBytes, { deadlineMs: deps.bodyDeadlineMs });
-    const parsed = TaskDefinition.safeParse(raw);
-    if (!parsed.success) {
-      const errors = parsed.error.issues.map((i) => ({ pointer: pointerOf(i.path), message: i.message }));
-      throw new HttpError(422, "The task definition failed validation", {}, { extra: { errors } });
-    }
-    const definition = parsed.data;
-    const measured = measureDefinition(definition);
-    if (measured.bytes > DEFINITION_LIMITS.maxBytes) {
-      throw refused(
-        "",
-        `The definition is ${measured.bytes} bytes of JSON with its schemas (UTF-8, compact, defaults filled in); ` +
-          `the limit is ${DEFINITION_LIMITS.maxBytes}`,
-      );
-    }
-    // Only a model this deployment serves: any other name would be called at a price nobody set (and fail).
-    const models = definition.model === undefined ? [] : [definition.model].flat();
-    const unserved = deps.models ? models.findIndex((m) => !deps.models!.has(m)) : -1;
-    if (unserved >= 0) {
-      throw refused(
-        Array.isArray(definition.model) ? `/model/${unserved}` : "/model",
-        `Model ${JSON.stringify(models[unserved])} is not served here; the models served are ${
-          [...deps.models!].sort().join(", ")
-        } (OPENAI_MODEL and the models LLM_PRICES prices)`,
-      );
-    }
+    if (waitS > 0) throw overRate(limits, waitS);
+    const { definition, measured } = definitionOf(
+      await readJsonBody(req, deps.maxBodyBytes, { deadlineMs: deps.bodyDeadlineMs }),
+      deps.models,
+    );
     // Before anything is compiled: a PUT of the latest version again is the usual case (a deploy that PUTs
     // every task), and it costs a digest and one read.
     const latest = await latestIfSame(sql, tenant, name, definition, measured);
     if (latest?.same) return json(200, taskDocument(latest.same));
     const takenWaitS = await takePutToken(sql, tenant, rate);
-    if (takenWaitS > 0) throw overRate(takenWaitS);
-    await refuseOverLimits(tenant, name, latest?.version, measured.bytes);
-    try {
-      await checker().check(measured.json, tenant);
-    } catch (error) {
-      if (error instanceof DefinitionRefused) throw refused(error.pointer, error.message);
-      if (error instanceof DefinitionCheckTimeout) throw refused("", error.message);
-      if (error instanceof DefinitionCheckBusy) {
-        throw new HttpError(503, error.message, { "retry-after": "1" }, { shed: true });
-      }
-      throw error;
-    }
+    if (takenWaitS > 0) throw overRate(limits, takenWaitS);
+    await refuseOverLimits(sql, limits, { tenant, name, latest: latest?.version, bytes: measured.bytes });
+    await checkDefinition(checker(), measured.json, tenant);
     let put: Awaited<ReturnType<typeof putTaskVersion>>;
     try {
       put = await putTaskVersion(sql, tenant, name, definition, {
@@ -192,33 +161,6 @@ export function taskRoutes(deps: TaskApiDeps): Router {
     }
     const headers: Record<string, string> = created ? { location: `${TASKS}/${name}/versions/${task.version}` } : {};
     return json(created ? 201 : 200, taskDocument(task), headers);
-  }
-
-  /** The 429 of a tenant over its rate of new versions. */
-  function overRate(waitS: number): HttpError {
-    return new HttpError(
-      429,
-      `This tenant may store ${limits.putsPerMinute} new task versions a minute, ${limits.putBurst} at once; ` +
-        `try again in ${waitS} s`,
-      { "retry-after": String(waitS) },
-    );
-  }
-
-  /**
-   * The 409 a new version would get from the store, before its definition is checked: a tenant at a cap is
-   * told so without a compile. The store decides again under its locks.
-   */
-  async function refuseOverLimits(tenant: string, name: string, latest: number | undefined, bytes: number) {
-    if (latest !== undefined && latest >= TASK_LIMITS.maxVersionsPerTask) {
-      throw new HttpError(409, `Task ${name} has ${latest} versions, the most one task may have`);
-    }
-    const usage = await tenantTaskUsage(sql, tenant);
-    if (latest === undefined && usage.tasks >= TASK_LIMITS.maxTasksPerTenant) {
-      throw new HttpError(409, `This tenant has ${usage.tasks} tasks, the most one tenant may have`);
-    }
-    if (usage.bytes + bytes > limits.maxTenantBytes) {
-      throw new HttpError(409, quotaMessage(usage.bytes, bytes, limits.maxTenantBytes));
-    }
   }
 
   async function getTask(req: Request, name: string, version?: string): Promise<Response> {
@@ -264,6 +206,88 @@ export function taskRoutes(deps: TaskApiDeps): Router {
       { GET: (req, { params }) => getTask(req, params[0]!, params[1]!) },
       "/v1/tasks/{name}/versions/{version}",
     );
+}
+
+/**
+ * A PUT's body as a definition, measured.
+ * @throws {HttpError} 422 for a body that is no definition, one over {@linkcode DEFINITION_LIMITS}, or one naming
+ * a model not in `models` (when set).
+ */
+function definitionOf(raw: unknown, models: ReadonlySet<string> | undefined) {
+  const parsed = TaskDefinition.safeParse(raw);
+  if (!parsed.success) {
+    const errors = parsed.error.issues.map((i) => ({ pointer: pointerOf(i.path), message: i.message }));
+    throw new HttpError(422, "The task definition failed validation", {}, { extra: { errors } });
+  }
+  const definition = parsed.data;
+  const measured = measureDefinition(definition);
+  if (measured.bytes > DEFINITION_LIMITS.maxBytes) {
+    throw refused(
+      "",
+      `The definition is ${measured.bytes} bytes of JSON with its schemas (UTF-8, compact, defaults filled in); ` +
+        `the limit is ${DEFINITION_LIMITS.maxBytes}`,
+    );
+  }
+  // Only a model this deployment serves: any other name would be called at a price nobody set (and fail).
+  const named = definition.model === undefined ? [] : [definition.model].flat();
+  const unserved = models ? named.findIndex((m) => !models.has(m)) : -1;
+  if (unserved >= 0) {
+    throw refused(
+      Array.isArray(definition.model) ? `/model/${unserved}` : "/model",
+      `Model ${JSON.stringify(named[unserved])} is not served here; the models served are ${
+        [...models!].sort().join(", ")
+      } (OPENAI_MODEL and the models LLM_PRICES prices)`,
+    );
+  }
+  return { definition, measured };
+}
+
+/**
+ * Checks a new definition (its compact JSON) on the checker's Worker.
+ * @throws {HttpError} 422 for a definition it refuses or that took too long to check, 503 when it is busy.
+ */
+async function checkDefinition(checker: DefinitionChecker, json: string, tenant: string): Promise<void> {
+  try {
+    await checker.check(json, tenant);
+  } catch (error) {
+    if (error instanceof DefinitionRefused) throw refused(error.pointer, error.message);
+    if (error instanceof DefinitionCheckTimeout) throw refused("", error.message);
+    if (error instanceof DefinitionCheckBusy) {
+      throw new HttpError(503, error.message, { "retry-after": "1" }, { shed: true });
+    }
+    throw error;
+  }
+}
+
+/** The 429 of a tenant over its rate of new versions. */
+function overRate(limits: TaskPutLimits, waitS: number): HttpError {
+  return new HttpError(
+    429,
+    `This tenant may store ${limits.putsPerMinute} new task versions a minute, ${limits.putBurst} at once; ` +
+      `try again in ${waitS} s`,
+    { "retry-after": String(waitS) },
+  );
+}
+
+/**
+ * The 409 a new version would get from the store, before its definition is checked: a tenant at a cap is
+ * told so without a compile. The store decides again under its locks.
+ */
+async function refuseOverLimits(
+  sql: Sql,
+  limits: TaskPutLimits,
+  { tenant, name, latest, bytes }: { tenant: string; name: string; latest: number | undefined; bytes: number },
+) {
+  if (latest !== undefined && latest >= TASK_LIMITS.maxVersionsPerTask) {
+    throw new HttpError(409, `Task ${name} has ${latest} versions, the most one task may have`);
+  }
+  const usage = await tenantTaskUsage(sql, tenant);
+  if (latest === undefined && usage.tasks >= TASK_LIMITS.maxTasksPerTenant) {
+    throw new HttpError(409, `This tenant has ${usage.tasks} tasks, the most one tenant may have`);
+  }
+  if (usage.bytes + bytes > limits.maxTenantBytes) {
+    throw new HttpError(409, quotaMessage(usage.bytes, bytes, limits.maxTenantBytes));
+  }
 }
 
 /** The page `GET /v1/tasks` asks for: `limit` (1..max) and `after` (a task name); a 400 for anything else. */

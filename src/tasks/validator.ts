@@ -32,7 +32,7 @@ import { compileSchema, SchemaRefused, type SchemaViolation, ValidationTooDeep }
 import { Lru } from "./_lru.ts";
 import { costed, type CostedSchema, estimate } from "./validation_cost.ts";
 import type { ValidateMessage, ValidationInit, ValidationReply } from "./_validation_protocol.ts";
-import { createWorkerPool, type PoolSlot } from "./worker_pool.ts";
+import { createWorkerPool, type PoolSlot, type WorkerPool } from "./worker_pool.ts";
 import type { PoolIsolation } from "./pool_channels.ts";
 import { type Clock, systemClock } from "../retry/clock.ts";
 import type { Deadline } from "../retry/deadline.ts";
@@ -282,6 +282,13 @@ type Entry = CostedSchema | typeof ON_WORKER | typeof COMPILES_ON_WORKER | Schem
 
 const WORKER_URL = new URL("./validation_worker.ts", import.meta.url).href;
 
+/** What a validator's calls share: its settings, its cache of compiled schemas, and its pool of Workers. */
+interface Validation {
+  limits: Required<ValidatorOptions>;
+  cache: Lru<string, Entry>;
+  pool: WorkerPool<WorkerMemo, ValidationReply>;
+}
+
 /**
  * Starts validators. Workers start on the first validation that needs one; a validation waits for a Worker in
  * its tenant's turn (`worker_pool.ts`). The deadline counts from when a validation reaches a Worker, so a slow
@@ -295,12 +302,69 @@ export function createSchemaValidators(
     if (value !== undefined) limits[name] = value;
   }
   if (!(limits.workers >= 1)) throw new RangeError(`At least one validation Worker (got ${limits.workers})`);
-  // A refusal is kept too: a version whose schema this release cannot compile is asked about on every run.
-  const cache = new Lru<string, Entry>(limits.cacheSize, {
-    maxWeight: limits.cacheBytes,
-    weigh: (entry) => typeof entry === "symbol" || entry instanceof SchemaRefused ? 0 : entry.compiled.weight,
-  });
-  const pool = createWorkerPool<WorkerMemo, ValidationReply>({
+  const v: Validation = {
+    limits,
+    // A refusal is kept too: a version whose schema this release cannot compile is asked about on every run.
+    cache: new Lru<string, Entry>(limits.cacheSize, {
+      maxWeight: limits.cacheBytes,
+      weigh: (entry) => typeof entry === "symbol" || entry instanceof SchemaRefused ? 0 : entry.compiled.weight,
+    }),
+    pool: validationPool(limits, isolation),
+  };
+  /** Compilations of large schemas on a Worker under way (`prepare`), by key: callers at once share one. */
+  const preparing = new Map<string, Promise<void>>();
+  let closed = false;
+
+  return {
+    validateNow(key, schema, instance, units) {
+      if (closed) throw new Error("The schema validators are closed");
+      const entry = compiledFor(v, key, schema);
+      if (typeof entry === "symbol" || !entry.linear) return undefined;
+      // Without references or regular expressions, no subschema applies twice to one part of the value: the
+      // schema's weight times the value's size bounds the work, with no need to walk the two together.
+      const bounded = entry.tree && units !== undefined && entry.total * units <= limits.fastPathUnits;
+      return bounded || estimate(entry, instance, limits.fastPathUnits) <= limits.fastPathUnits
+        ? inThread(v, entry, instance)
+        : undefined;
+    },
+    validate(key, schema, instance, tenant = tenantOf(key)) {
+      if (closed) return Promise.reject(new Error("The schema validators are closed"));
+      let entry: Exclude<Entry, SchemaRefused>;
+      try {
+        entry = compiledFor(v, key, schema);
+        if (
+          typeof entry !== "symbol" && entry.linear &&
+          estimate(entry, instance, limits.fastPathUnits) <= limits.fastPathUnits
+        ) {
+          return Promise.resolve(inThread(v, entry, instance));
+        }
+      } catch (error) {
+        return Promise.reject(error);
+      }
+      return onWorker(v, tenant, { key, schema: typeof entry === "symbol" ? schema : entry.schema, instance });
+    },
+    async prepare(key, schema, tenant = tenantOf(key)) {
+      if (closed) throw new Error("The schema validators are closed");
+      if (compiledFor(v, key, schema) !== ON_WORKER) return;
+      let compiling = preparing.get(key);
+      if (!compiling) {
+        compiling = onWorker(v, tenant, { key, schema }).then(() => {}).finally(() => preparing.delete(key));
+        preparing.set(key, compiling);
+      }
+      await compiling;
+    },
+    pool: () => v.pool.stats(),
+    async close() {
+      closed = true;
+      v.cache.clear();
+      await v.pool.close();
+    },
+  };
+}
+
+/** The validators' pool of Workers (`validation_worker.ts`), as `limits` size it. */
+function validationPool(limits: Required<ValidatorOptions>, isolation: PoolIsolation | undefined) {
+  return createWorkerPool<WorkerMemo, ValidationReply>({
     url: WORKER_URL,
     name: "schema-validation",
     workers: limits.workers,
@@ -322,130 +386,83 @@ export function createSchemaValidators(
     heapMiB: limits.heapMiB,
     keep: limits.keep,
   });
-  /** Compilations of large schemas on a Worker under way (`prepare`), by key: callers at once share one. */
-  const preparing = new Map<string, Promise<void>>();
-  let closed = false;
+}
 
-  /**
-   * The schema compiled in this thread, or `ON_WORKER` when its JSON is larger than `threadSchemaBytes` (it would
-   * hold this thread for milliseconds: about 0.5 ms a KiB measured, a regular expression more).
-   */
-  const compiledFor = (key: string, schema: unknown): Exclude<Entry, SchemaRefused> => {
-    let entry = cache.get(key);
-    if (!entry) {
-      const json = JSON.stringify(schema);
-      if (json.length > limits.threadSchemaBytes || costlyPatterns(json, limits.threadPatterns)) {
-        entry = ON_WORKER;
-      } else {
-        // A copy of our own: the validator keeps (and annotates) the schema it compiles. Stored: it was checked
-        // when it was PUT, perhaps by an earlier release's rules.
-        const copy = structuredClone(schema);
-        try {
-          entry = costed(copy, compileSchema(copy, { stored: true }));
-        } catch (error) {
-          if (error instanceof SchemaRefused) cache.set(key, error);
-          throw error;
-        }
-      }
-      cache.set(key, entry);
-    }
-    if (entry instanceof SchemaRefused) throw entry;
-    return entry;
-  };
-
-  /** A validation in this thread; one deeper than the stack is too costly, as on a Worker. */
-  const inThread = (entry: CostedSchema, instance: unknown): SchemaViolation[] => {
-    try {
-      return entry.compiled.validate(instance);
-    } catch (error) {
-      if (error instanceof ValidationTooDeep) throw new ValidationTooCostly(limits.workerUnits, { cause: error });
-      throw error;
-    }
-  };
-
-  /** Sends `key`'s validation (or only its compilation, without `instance`) to a Worker. */
-  const onWorker = (
-    tenant: string,
-    { key, schema, instance }: { key: string; schema: unknown; instance?: unknown },
-  ): Promise<SchemaViolation[]> => {
-    /** Sends the message, with the schema when asked, and arms the deadline: `compileMs` for a schema to compile. */
-    const send = (slot: PoolSlot<WorkerMemo>, id: number, withSchema: boolean) => {
-      const message: ValidateMessage = { id, key };
-      if (withSchema) message.schema = schema;
-      if (instance !== undefined) message.instance = instance;
-      slot.post(message);
-      slot.data.sent.set(key, true);
-      if (withSchema && (slot.data.compiledChars += JSON.stringify(schema).length) > limits.recycleChars) slot.retire();
-      slot.arm(withSchema ? limits.compileMs : limits.deadlineMs);
-    };
-    return pool.run<SchemaViolation[]>(tenant, {
-      begin: (slot, id) => send(slot, id, slot.data.sent.get(key) === undefined),
-      reply(data, slot) {
-        if (data.type === "missing") return void send(slot, data.id, true);
-        // The Worker validates now: the deadline starts.
-        if (data.type === "compiled") return void slot.arm(limits.deadlineMs);
-        if (data.type === "result") {
-          if (cache.get(key) === ON_WORKER) cache.set(key, COMPILES_ON_WORKER);
-          return { value: data.violations };
-        }
-        if (data.type === "costly") return { error: new ValidationTooCostly(limits.workerUnits) };
-        if (data.type === "refused") {
-          slot.data.sent.delete(key);
-          const refused = new SchemaRefused(data.pointer, data.reason);
-          cache.set(key, refused);
-          return { error: refused };
-        }
-        return { error: rebuildError(data.name, data.message) };
-      },
-      timedOut: (ms) => new ValidationTimeout(ms),
-    });
-  };
-
-  return {
-    validateNow(key, schema, instance, units) {
-      if (closed) throw new Error("The schema validators are closed");
-      const entry = compiledFor(key, schema);
-      if (typeof entry === "symbol" || !entry.linear) return undefined;
-      // Without references or regular expressions, no subschema applies twice to one part of the value: the
-      // schema's weight times the value's size bounds the work, with no need to walk the two together.
-      const bounded = entry.tree && units !== undefined && entry.total * units <= limits.fastPathUnits;
-      return bounded || estimate(entry, instance, limits.fastPathUnits) <= limits.fastPathUnits
-        ? inThread(entry, instance)
-        : undefined;
-    },
-    validate(key, schema, instance, tenant = tenantOf(key)) {
-      if (closed) return Promise.reject(new Error("The schema validators are closed"));
-      let entry: Exclude<Entry, SchemaRefused>;
+/**
+ * The schema compiled in this thread, or `ON_WORKER` when its JSON is larger than `threadSchemaBytes` (it would
+ * hold this thread for milliseconds: about 0.5 ms a KiB measured, a regular expression more).
+ * @throws {SchemaRefused} when `compileSchema` refuses `schema` (now or before: a refusal is cached).
+ */
+function compiledFor({ cache, limits }: Validation, key: string, schema: unknown): Exclude<Entry, SchemaRefused> {
+  let entry = cache.get(key);
+  if (!entry) {
+    const json = JSON.stringify(schema);
+    if (json.length > limits.threadSchemaBytes || costlyPatterns(json, limits.threadPatterns)) {
+      entry = ON_WORKER;
+    } else {
+      // A copy of our own: the validator keeps (and annotates) the schema it compiles. Stored: it was checked
+      // when it was PUT, perhaps by an earlier release's rules.
+      const copy = structuredClone(schema);
       try {
-        entry = compiledFor(key, schema);
-        if (
-          typeof entry !== "symbol" && entry.linear &&
-          estimate(entry, instance, limits.fastPathUnits) <= limits.fastPathUnits
-        ) {
-          return Promise.resolve(inThread(entry, instance));
-        }
+        entry = costed(copy, compileSchema(copy, { stored: true }));
       } catch (error) {
-        return Promise.reject(error);
+        if (error instanceof SchemaRefused) cache.set(key, error);
+        throw error;
       }
-      return onWorker(tenant, { key, schema: typeof entry === "symbol" ? schema : entry.schema, instance });
-    },
-    async prepare(key, schema, tenant = tenantOf(key)) {
-      if (closed) throw new Error("The schema validators are closed");
-      if (compiledFor(key, schema) !== ON_WORKER) return;
-      let compiling = preparing.get(key);
-      if (!compiling) {
-        compiling = onWorker(tenant, { key, schema }).then(() => {}).finally(() => preparing.delete(key));
-        preparing.set(key, compiling);
-      }
-      await compiling;
-    },
-    pool: () => pool.stats(),
-    async close() {
-      closed = true;
-      cache.clear();
-      await pool.close();
-    },
+    }
+    cache.set(key, entry);
+  }
+  if (entry instanceof SchemaRefused) throw entry;
+  return entry;
+}
+
+/** A validation in this thread; one deeper than the stack is too costly, as on a Worker. */
+function inThread({ limits }: Validation, entry: CostedSchema, instance: unknown): SchemaViolation[] {
+  try {
+    return entry.compiled.validate(instance);
+  } catch (error) {
+    if (error instanceof ValidationTooDeep) throw new ValidationTooCostly(limits.workerUnits, { cause: error });
+    throw error;
+  }
+}
+
+/** Sends `key`'s validation (or only its compilation, without `instance`) to a Worker. */
+function onWorker(
+  { cache, limits, pool }: Validation,
+  tenant: string,
+  { key, schema, instance }: { key: string; schema: unknown; instance?: unknown },
+): Promise<SchemaViolation[]> {
+  /** Sends the message, with the schema when asked, and arms the deadline: `compileMs` for a schema to compile. */
+  const send = (slot: PoolSlot<WorkerMemo>, id: number, withSchema: boolean) => {
+    const message: ValidateMessage = { id, key };
+    if (withSchema) message.schema = schema;
+    if (instance !== undefined) message.instance = instance;
+    slot.post(message);
+    slot.data.sent.set(key, true);
+    if (withSchema && (slot.data.compiledChars += JSON.stringify(schema).length) > limits.recycleChars) slot.retire();
+    slot.arm(withSchema ? limits.compileMs : limits.deadlineMs);
   };
+  return pool.run<SchemaViolation[]>(tenant, {
+    begin: (slot, id) => send(slot, id, slot.data.sent.get(key) === undefined),
+    reply(data, slot) {
+      if (data.type === "missing") return void send(slot, data.id, true);
+      // The Worker validates now: the deadline starts.
+      if (data.type === "compiled") return void slot.arm(limits.deadlineMs);
+      if (data.type === "result") {
+        if (cache.get(key) === ON_WORKER) cache.set(key, COMPILES_ON_WORKER);
+        return { value: data.violations };
+      }
+      if (data.type === "costly") return { error: new ValidationTooCostly(limits.workerUnits) };
+      if (data.type === "refused") {
+        slot.data.sent.delete(key);
+        const refused = new SchemaRefused(data.pointer, data.reason);
+        cache.set(key, refused);
+        return { error: refused };
+      }
+      return { error: rebuildError(data.name, data.message) };
+    },
+    timedOut: (ms) => new ValidationTimeout(ms),
+  });
 }
 
 /**

@@ -64,13 +64,17 @@ export interface WorkerPoolOptions<S> {
   heapMiB?: number;
   /**
    * Workers kept started, idle or not (at most `workers`): started with the pool, and again as soon as one stops,
-   * so that work does not wait for a child to start (0.1 s of CPU each) when it comes. None unless set; a pool
-   * that keeps Workers keeps its process alive until it is closed.
+   * so that work does not wait for a child to start (0.1 s of CPU each) when it comes. After a Worker failed to
+   * start or ended on its own (a crash, or killed from outside the pool; not one the pool stopped), not for
+   * `keepRetryMs`, and then by a timer. None unless set; a pool that keeps Workers keeps its process alive until
+   * it is closed (its live Workers do; the timer of a hold-off does not).
    */
   keep?: number;
+  /** How long kept Workers are held off after a Worker failed to start or ended on its own; 5 s unless set. */
+  keepRetryMs?: number;
 }
 
-/** After a Worker failed before it was ready, kept Workers are not started again for this long. */
+/** After a Worker failed to start or ended on its own, kept Workers are not started again for this long. */
 const KEEP_RETRY_MS = 5_000;
 
 /** A child process's heap cap unless the pool sets one. */
@@ -146,184 +150,218 @@ const ORPHAN_POLL_MS = 20;
 /** Starts a pool; its Workers start with the first work that needs one. */
 export function createWorkerPool<S, R>(options: WorkerPoolOptions<S>): WorkerPool<S, R> {
   if (!(options.workers >= 1)) throw new RangeError(`At least one ${options.name} Worker (got ${options.workers})`);
-  const broken = (message: string | undefined) => brokenError(options, message);
-  const slots: Slot<S, R>[] = [];
-  const orphans = createOrphans(options.orphanMs, () => pump());
-  const pending = createPendingCount(options);
-  // Stops the Workers once nothing has run for `idleMs`.
-  const keep = Math.min(options.keep ?? 0, options.workers);
-  const idle = createIdleTimer(options.idleMs, () => !closed && pending.total === 0 && slots.length > keep, () => {
-    for (const slot of [...slots]) if (slots.length > keep && slot.ready && !slot.job) remove(slot);
-  });
-  /** When a Worker last failed before it was ready: kept Workers are not restarted in a loop. */
-  let failedStartAt = -Infinity;
-  const queue = createTenantQueues<Job<S, R>>();
-  /** Channels stopped whose resources are not yet released (`Channel.closed`): `close` waits for them. */
-  const closing = new Set<Promise<void>>();
-  let nextId = 0;
-  let closed = false;
+  return new Pool<S, R>(options);
+}
 
-  const release = (slot: Slot<S, R>): Job<S, R> | undefined => {
+/** The pool {@linkcode createWorkerPool} starts; see the module. */
+class Pool<S, R> implements WorkerPool<S, R> {
+  readonly #options: WorkerPoolOptions<S>;
+  readonly #slots: Slot<S, R>[] = [];
+  readonly #queue = createTenantQueues<Job<S, R>>();
+  /** Channels stopped whose resources are not yet released (`Channel.closed`): `close` waits for them. */
+  readonly #closing = new Set<Promise<void>>();
+  readonly #orphans: ReturnType<typeof createOrphans>;
+  readonly #pending: ReturnType<typeof createPendingCount>;
+  /** Workers kept started: `keep`, at most `workers`. */
+  readonly #keep: number;
+  readonly #idle: ReturnType<typeof createIdleTimer>;
+  /** When a Worker failed to start or ended on its own, kept ones are not started for a while: never in a loop. */
+  readonly #keepHold: ReturnType<typeof createHoldOff>;
+  #nextId = 0;
+  #closed = false;
+
+  constructor(options: WorkerPoolOptions<S>) {
+    this.#options = options;
+    this.#orphans = createOrphans(options.orphanMs, () => this.#pump());
+    this.#pending = createPendingCount(options);
+    this.#keep = Math.min(options.keep ?? 0, options.workers);
+    // Stops the Workers past the kept ones once nothing has run for `idleMs`.
+    const slots = this.#slots;
+    this.#idle = createIdleTimer(
+      options.idleMs,
+      () => !this.#closed && this.#pending.total === 0 && slots.length > this.#keep,
+      () => {
+        for (const slot of [...slots]) if (slots.length > this.#keep && slot.ready && !slot.job) this.#remove(slot);
+      },
+    );
+    this.#keepHold = createHoldOff(options.keepRetryMs ?? KEEP_RETRY_MS, () => this.#pump());
+    this.#pump();
+  }
+
+  run<T>(tenant: string, work: PoolWork<S, R, T>): Promise<T> {
+    if (this.#closed) return Promise.reject(new Error(`The ${this.#options.name} pool is closed`));
+    let done: () => void;
+    try {
+      done = this.#pending.admit(tenant);
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    return new Promise<T>((resolve, reject) => {
+      // Uncounted as it settles, whichever way.
+      const then = <A>(settle: (a: A) => void) => (a: A) => (done(), settle(a));
+      this.#queue.push(tenant, {
+        id: this.#nextId++,
+        work,
+        resolve: then(resolve as (value: unknown) => void),
+        reject: then(reject),
+      });
+      this.#pump();
+    });
+  }
+
+  stats(): { workers: number; orphans: number; pending: number } {
+    return { workers: this.#slots.length, orphans: this.#orphans.count(), pending: this.#pending.total };
+  }
+
+  async close(): Promise<void> {
+    if (this.#closed) return await Promise.all(this.#closing).then(() => {});
+    this.#closed = true;
+    this.#idle.stop();
+    this.#keepHold.stop();
+    const error = new Error(`The ${this.#options.name} pool is closed`);
+    for (const slot of [...this.#slots]) {
+      const job = this.#release(slot);
+      this.#remove(slot);
+      job?.reject(error);
+    }
+    this.#failWaiting(error);
+    this.#orphans.clear();
+    await Promise.all(this.#closing);
+  }
+
+  #release(slot: Slot<S, R>): Job<S, R> | undefined {
     const job = slot.job;
     clearTimeout(slot.timer);
     slot.timer = undefined;
     slot.job = undefined;
     return job;
-  };
+  }
 
-  const remove = (slot: Slot<S, R>) => {
-    const working = release(slot) !== undefined;
-    const at = slots.indexOf(slot);
-    if (at >= 0) slots.splice(at, 1);
+  #remove(slot: Slot<S, R>) {
+    const working = this.#release(slot) !== undefined;
+    const at = this.#slots.indexOf(slot);
+    if (at >= 0) this.#slots.splice(at, 1);
     // A Worker terminated in the middle of its work finishes it first (Deno 2.9.6 interrupts no busy thread), and
     // a killed process takes a moment to be reaped: either keeps its place in the pool until it is done, or the
     // pool could grow without bound.
     const running = slot.channel.stop(working);
-    if (running) orphans.add(running);
-    const closed = slot.channel.closed.finally(() => closing.delete(closed));
-    closing.add(closed);
-  };
+    if (running) this.#orphans.add(running);
+    const closed = slot.channel.closed.finally(() => this.#closing.delete(closed));
+    this.#closing.add(closed);
+  }
 
-  const settle = (slot: Slot<S, R>, outcome: Settled<unknown>) => {
-    const job = release(slot)!;
+  #settle(slot: Slot<S, R>, outcome: Settled<unknown>) {
+    const job = this.#release(slot)!;
     // Idle now (it set itself so before its last reply): stopping it leaves no thread behind.
-    if (slot.retiring) remove(slot);
+    if (slot.retiring) this.#remove(slot);
     if ("value" in outcome) job.resolve(outcome.value);
     else job.reject(outcome.error);
-    pump();
-  };
+    this.#pump();
+  }
 
-  const failWaiting = (error: Error) => {
-    for (const job of queue.takeAll()) job.reject(error);
-  };
+  #failWaiting(error: Error) {
+    for (const job of this.#queue.takeAll()) job.reject(error);
+  }
 
-  const start = () => {
+  /** Fails the work waiting with `error` when no Worker is ready: it would wait for ever (no permission, say). */
+  #failWaitingIfNoneReady(error: Error) {
+    if (!this.#slots.some((other) => other.ready)) this.#failWaiting(error);
+  }
+
+  /** Starts a Worker: whether it could be. */
+  #start(): boolean {
     let slot: Slot<S, R>;
     try {
-      slot = openSlot<S, R>(options, events(() => slot));
+      slot = openSlot<S, R>(this.#options, this.#events(() => slot));
     } catch (error) {
-      failedStartAt = performance.now();
-      // Not started at all (no permission to run the child, say): those waiting would wait for ever.
-      if (!slots.some((other) => other.ready)) {
-        failWaiting(broken(error instanceof Error ? error.message : String(error)));
-      }
+      this.#keepHold.hold();
+      // Not started at all (no permission to run the child, say).
+      this.#failWaitingIfNoneReady(brokenError(this.#options, error instanceof Error ? error.message : String(error)));
       return false;
     }
     slot.timer = setTimeout(() => {
-      failedStartAt = performance.now();
-      remove(slot);
-      if (!slots.some((other) => other.ready)) failWaiting(broken(undefined));
-      pump();
-    }, options.startMs);
-    slots.push(slot);
+      this.#keepHold.hold();
+      this.#remove(slot);
+      this.#failWaitingIfNoneReady(brokenError(this.#options, undefined));
+      this.#pump();
+    }, this.#options.startMs);
+    this.#slots.push(slot);
     return true;
-  };
+  }
 
   /** What a slot's Worker or process tells the pool. */
-  const events = (of: () => Slot<S, R>): SlotEvents<S, R> => {
+  #events(of: () => Slot<S, R>): SlotEvents<S, R> {
     return {
-      ready() {
+      ready: () => {
         const slot = of();
         clearTimeout(slot.timer);
         slot.timer = undefined;
         slot.ready = true;
-        pump();
+        this.#pump();
       },
-      reply(data) {
-        const slot = of();
-        const job = slot.job;
-        if (!job || data.id !== job.id) return;
-        let outcome: Settled<unknown> | undefined;
-        try {
-          outcome = job.work.reply(data, slot.handle);
-        } catch (error) {
-          outcome = { error };
-        }
-        if (outcome) settle(slot, outcome);
-      },
-      failed(message) {
-        const slot = of();
-        const loaded = slot.ready;
-        if (!loaded) failedStartAt = performance.now();
-        const job = release(slot);
-        const failed = broken(message);
-        remove(slot);
-        if (job) job.reject(failed);
-        // One that never loaded (a missing read permission, say) fails those waiting instead of retrying for ever.
-        else if (!loaded && !slots.some((other) => other.ready)) failWaiting(failed);
-        pump();
-      },
-      ranOver(job, ms) {
-        remove(of());
+      reply: (data) => this.#reply(of(), data),
+      failed: (message) => this.#failed(of(), message),
+      ranOver: (job, ms) => {
+        this.#remove(of());
         job.reject(job.work.timedOut(ms));
-        pump();
+        this.#pump();
       },
     };
-  };
+  }
 
-  const dispatch = (slot: Slot<S, R>, job: Job<S, R>) => {
+  #reply(slot: Slot<S, R>, data: R & { id: number }) {
+    const job = slot.job;
+    if (!job || data.id !== job.id) return;
+    let outcome: Settled<unknown> | undefined;
+    try {
+      outcome = job.work.reply(data, slot.handle);
+    } catch (error) {
+      outcome = { error };
+    }
+    if (outcome) this.#settle(slot, outcome);
+  }
+
+  /** The Worker failed on its own: it crashed, or something outside the pool ended it. */
+  #failed(slot: Slot<S, R>, message: string) {
+    const loaded = slot.ready;
+    // Kept Workers wait before they start again, however this one ended: one that something kills as soon as
+    // it is up (an outside killer, a host short of memory) would otherwise be started again in a loop. Work
+    // that needs a Worker still starts one.
+    this.#keepHold.hold();
+    const job = this.#release(slot);
+    const failed = brokenError(this.#options, message);
+    this.#remove(slot);
+    if (job) job.reject(failed);
+    // One that never loaded (a missing read permission, say) fails those waiting instead of retrying for ever.
+    else if (!loaded) this.#failWaitingIfNoneReady(failed);
+    this.#pump();
+  }
+
+  #dispatch(slot: Slot<S, R>, job: Job<S, R>) {
     slot.job = job;
     try {
       job.work.begin(slot.handle, job.id);
     } catch (error) {
       // Nothing reached the Worker (an instance that cannot be cloned).
-      release(slot);
+      this.#release(slot);
       job.reject(error);
     }
-  };
+  }
 
-  const pump = () => {
-    if (closed) return;
-    while (queue.size > 0) {
+  #pump() {
+    if (this.#closed) return;
+    const slots = this.#slots;
+    while (this.#queue.size > 0) {
       const free = slots.find((slot) => slot.ready && !slot.job);
       if (!free) break;
-      dispatch(free, queue.next()!);
+      this.#dispatch(free, this.#queue.next()!);
     }
     const starting = slots.filter((slot) => !slot.ready).length;
-    if (queue.size > starting && slots.length + orphans.count() < options.workers) start();
-    // The kept ones: not while a start has just failed (a missing module would fail every start).
-    while (slots.length + orphans.count() < keep && performance.now() - failedStartAt > KEEP_RETRY_MS && start());
-    idle.touch();
-  };
-
-  pump();
-  return {
-    run<T>(tenant: string, work: PoolWork<S, R, T>): Promise<T> {
-      if (closed) return Promise.reject(new Error(`The ${options.name} pool is closed`));
-      let done: () => void;
-      try {
-        done = pending.admit(tenant);
-      } catch (error) {
-        return Promise.reject(error);
-      }
-      return new Promise<T>((resolve, reject) => {
-        // Uncounted as it settles, whichever way.
-        const then = <A>(settle: (a: A) => void) => (a: A) => (done(), settle(a));
-        queue.push(tenant, {
-          id: nextId++,
-          work,
-          resolve: then(resolve as (value: unknown) => void),
-          reject: then(reject),
-        });
-        pump();
-      });
-    },
-    stats: () => ({ workers: slots.length, orphans: orphans.count(), pending: pending.total }),
-    async close() {
-      if (closed) return await Promise.all(closing).then(() => {});
-      closed = true;
-      idle.stop();
-      const error = new Error(`The ${options.name} pool is closed`);
-      for (const slot of [...slots]) {
-        const job = release(slot);
-        remove(slot);
-        job?.reject(error);
-      }
-      failWaiting(error);
-      orphans.clear();
-      await Promise.all(closing);
-    },
-  };
+    if (this.#queue.size > starting && slots.length + this.#orphans.count() < this.#options.workers) this.#start();
+    // The kept ones: not while held off (a missing module would fail every start), until a timer says so.
+    while (slots.length + this.#orphans.count() < this.#keep && this.#keepHold.over() && this.#start());
+    this.#idle.touch();
+  }
 }
 
 /** The error of a Worker that failed (its `message`) or did not load in `startMs` (no message). */
@@ -393,6 +431,37 @@ function createIdleTimer(idleMs: number | undefined, isIdle: () => boolean, reti
       Deno.unrefTimer(timer);
     },
     stop,
+  };
+}
+
+/**
+ * A hold-off: `hold` starts one of `holdMs`; `over` says whether it is over, and when it is not, arms a timer that
+ * calls `resume` once it is, so that what waits for it does not wait for something else to happen.
+ */
+function createHoldOff(holdMs: number, resume: () => void) {
+  let until = -Infinity;
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  return {
+    hold() {
+      until = performance.now() + holdMs;
+    },
+    over(): boolean {
+      const left = until - performance.now();
+      if (left <= 0) return true;
+      if (timer === undefined) {
+        timer = setTimeout(() => {
+          timer = undefined;
+          resume();
+        }, left);
+        // Like the idle timer, it keeps no process alive.
+        Deno.unrefTimer(timer);
+      }
+      return false;
+    },
+    stop() {
+      clearTimeout(timer);
+      timer = undefined;
+    },
   };
 }
 

@@ -92,3 +92,35 @@ Deno.test("a run's input is an object of any properties, so generated types acce
   // Without it, openapi-typescript types `input` as Record<string, never>.
   assert.deepEqual(input.additionalProperties, {});
 });
+
+Deno.test("every body the document describes refers to one of its components by name, and each component is used", () => {
+  const doc = openApiDocument() as {
+    components: { schemas: Record<string, unknown> };
+    paths: Record<string, Record<string, unknown>>;
+    webhooks: Record<string, unknown>;
+  };
+  const refs: string[] = [];
+  const walk = (node: unknown): void => {
+    if (Array.isArray(node)) return node.forEach(walk);
+    if (typeof node !== "object" || node === null) return;
+    for (const [key, value] of Object.entries(node)) {
+      if (key === "content") {
+        for (const media of Object.values(value as Record<string, { schema?: { $ref?: string } }>)) {
+          // A body without a schema (/metrics' text, this document) says only its media type.
+          if (media.schema) refs.push(media.schema.$ref ?? `inline: ${JSON.stringify(media.schema)}`);
+        }
+      } else walk(value);
+    }
+  };
+  walk([doc.paths, doc.webhooks]);
+  assert.ok(refs.length > 20, `${refs.length} bodies`);
+  for (const ref of refs) {
+    const name = /^#\/components\/schemas\/(\w+)$/.exec(ref)?.[1];
+    assert.ok(name !== undefined && name in doc.components.schemas, ref);
+  }
+  assert.deepEqual(
+    Object.keys(doc.components.schemas).filter((name) => !refs.includes(`#/components/schemas/${name}`)),
+    [],
+    "every component is used",
+  );
+});

@@ -301,3 +301,55 @@ Deno.test("a pool keeps `keep` children started: with the pool, past idleMs, and
     await pool.close();
   }
 });
+
+Deno.test("a kept child killed from outside is not started again at once: kept ones wait keepRetryMs, work does not", async () => {
+  // A hold-off longer than the test: only work may start a child here.
+  const pool = fixturePool({ keep: 1, keepRetryMs: 600_000 });
+  try {
+    await waitFor("the kept child to start", () => pool.stats().workers === 1);
+    const first = await fixtureRun(pool, "echo");
+    // Something outside the pool that killed each kept child as soon as it was up made the pool start them in a
+    // loop: a fresh one was started the moment the death was seen, so the pool never held none.
+    Deno.kill(first, "SIGKILL");
+    await waitFor("the death to be seen, and no child started", () => {
+      const { workers, orphans } = pool.stats();
+      return workers === 0 && orphans === 0;
+    });
+    const next = await fixtureRun(pool, "echo");
+    assert.notEqual(next, first, "work started a child of its own");
+  } finally {
+    await pool.close();
+  }
+});
+
+Deno.test("kept children are started again by the pool's own timer once the hold-off after a death is over", async () => {
+  const pool = fixturePool({ keep: 1, keepRetryMs: 1_000 });
+  try {
+    await waitFor("the kept child to start", () => pool.stats().workers === 1);
+    const first = await fixtureRun(pool, "echo");
+    Deno.kill(first, "SIGKILL");
+    await waitFor("the death to be seen", () => pool.stats().workers === 0);
+    // No work and no orphan wakes the pool: only its timer can.
+    await waitFor("a kept child started again", () => pool.stats().workers === 1);
+    assert.notEqual(await fixtureRun(pool, "echo"), first);
+  } finally {
+    await pool.close();
+  }
+});
+
+Deno.test("kept children that fail to start are tried again by the pool's own timer once the hold-off is over", async () => {
+  const pool = fixturePool({
+    url: new URL("../support/no_such_pool_worker.ts", import.meta.url).href,
+    keep: 1,
+    keepRetryMs: 500,
+  });
+  try {
+    // Started with the pool, and failed: the child cannot load its module.
+    assert.equal(pool.stats().workers, 1);
+    await waitFor("the failed start to be seen", () => pool.stats().workers === 0);
+    // Nothing else wakes the pool: before the timer, keeping resumed only when work came.
+    await waitFor("a second try, by the timer", () => pool.stats().workers === 1);
+  } finally {
+    await pool.close();
+  }
+});
