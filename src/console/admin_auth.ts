@@ -6,7 +6,7 @@
  */
 import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
-import { defineScript } from "../redis/script.ts";
+import { TAKE_TURN_SCRIPT } from "./take_turn_script.ts";
 import { deleteIfEqual } from "../redis/delete_if_equal.ts";
 
 /** The check's pace and the sessions' lifetime. */
@@ -62,22 +62,6 @@ export function consoleKeys(prefix: string) {
   };
 }
 
-// KEYS[1]: next_turn, the Redis time (ms) from which the next check may run.
-// ARGV[1]: the turn's length in ms. ARGV[2]: the longest wait granted, in ms.
-// Returns {wait_ms, turn_start_ms}: the caller checks after wait_ms. Or {-1, wait_ms} when the turn would
-// come later than ARGV[2]: then nothing is reserved.
-// Redis's own clock, so every API process agrees on the order.
-// Run twice (a resend after a lost reply), it reserves a second turn, and its caller waits for that one: the checks
-// queued behind it wait one turn longer. That errs the safe way (slower guessing, never faster), so it is left so.
-const TAKE_TURN = defineScript(`
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local start = math.max(now, tonumber(redis.call('GET', KEYS[1]) or '0'))
-if start - now > tonumber(ARGV[2]) then return {-1, start - now} end
-local after = start + tonumber(ARGV[1])
-redis.call('SET', KEYS[1], string.format('%.0f', after), 'PX', math.floor(after - now) + 1000)
-return {start - now, start}`);
-
 const encoder = new TextEncoder();
 const base64url = (bytes: ArrayBuffer | Uint8Array) =>
   btoa(String.fromCharCode(...new Uint8Array(bytes))).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
@@ -122,7 +106,7 @@ export async function createAdminAuth(
   return {
     mac,
     async check(candidate, source) {
-      const [wait, at] = (await TAKE_TURN.run(redis, [keys.nextTurn], [turnMs, maxWaitMs])) as [number, number];
+      const [wait, at] = (await TAKE_TURN_SCRIPT.run(redis, [keys.nextTurn], [turnMs, maxWaitMs])) as [number, number];
       if (wait < 0) {
         const retryAfterS = Math.max(1, Math.ceil(at / 1000)); // `at` is then how long the queue is
         failed(source, { reason: "throttled", retry_after_s: retryAfterS });

@@ -9,7 +9,7 @@
 import type { RedisClient } from "../clients.ts";
 import type { DeadLetterHook, RecordUpdate } from "../queue/dead_letter.ts";
 import type { QueueNames, StreamMessage } from "../queue/message.ts";
-import { defineScript } from "../redis/script.ts";
+import { MARK_CANCELLED_SCRIPT } from "./mark_cancelled_script.ts";
 import { JOB_RECORD_TTL_S, jobKeyBeside, type JobKeys, type ServiceKeys } from "./keys.ts";
 
 /** What an enqueue script does to a job's record: fields to set, fields to delete, and its lifetime. */
@@ -70,19 +70,9 @@ export function markQueuedOnReplay(keys: JobKeys, jobId: string): RecordUpdate {
   };
 }
 
-const MARK_CANCELLED = defineScript(`
--- Mark cancelled: records a cancel Postgres decided in the job's record. Only an existing record changes: a
--- cancel never creates one for a job Redis no longer knows.
--- KEYS[1]  the job's record (hash)
--- Returns 1 when the record was changed, 0 when there was none.
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'cancelled')
-redis.call('HDEL', KEYS[1], 'error')
-return 1`);
-
 /** Records a cancel that Postgres decided (`cancelJob`) in the job's record at `key`. */
 export async function markCancelled(redis: RedisClient, key: string): Promise<void> {
-  await MARK_CANCELLED.run(redis, [key], []);
+  await MARK_CANCELLED_SCRIPT.run(redis, [key], []);
 }
 
 /** A job's status record (tenant, status, error) and the key it is under. */
