@@ -15,13 +15,10 @@ import assert from "node:assert/strict";
 const KNOWN = {
   /** Folder-level imports, `from -> to`, that close a folder cycle. */
   folderImports: [
-    "budgets -> usage", // budgets/budgets.ts -> usage/usage_schemas.ts
-    "tenants -> budgets", // tenants/tenant_budgets.ts -> budgets/budgets.ts
     "cache -> runs", // cache/result_cache.ts -> runs/keys.ts
   ],
   /** Functions over {@linkcode MAX_FUNCTION_LINES}, by name. */
   longFunctions: [
-    "createBudgets",
     "createStreamWorker",
   ],
 };

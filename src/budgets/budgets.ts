@@ -1,6 +1,7 @@
 /**
  * Tenant budgets: limits in USD and tokens per UTC day and month, kept in
- * Postgres (`tenant budget`), enforced in Redis (see `budget_scripts.ts`).
+ * Postgres by the tenants store (`tenant budget`), enforced in Redis (one
+ * hash per tenant, see `budget_hash.ts`, touched only by this folder).
  *
  * Every process reads the limits of the tenants that have any (one small
  * query, at most every `ttlMs`), so a raised budget takes effect within
@@ -8,28 +9,23 @@
  * trip at all. Before each model call a worker reserves the call's worst
  * case (see {@linkcode worstCaseTokens}) against every budget and settles it
  * at the charge afterwards (see `charge.ts`); intake refuses a run whose
- * worst case no longer fits what is spent.
+ * worst case no longer fits what is spent. What the budgets read from
+ * Postgres comes through {@linkcode BudgetRecords}, which the stores that own
+ * those tables implement; the hash's name through {@linkcode BudgetKeys}.
  */
-import type { Sql } from "postgres";
 import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
-import type { BudgetView } from "../usage/usage_schemas.ts";
 import { GateRefused } from "../retry/errors.ts";
 import { type CallEnd, type CallTokens, chargeOf } from "./charge.ts";
 import { costNanos, type ModelPrice, nanosToUsd, type Prices, usdToNanos } from "../llm/prices.ts";
 import type { ReplicaAck } from "../redis/replica_ack.ts";
-import { taskModels } from "../jobs/task_store.ts";
-import {
-  type BudgetState,
-  type InFlight,
-  type Limits,
-  readBudgetState,
-  reinstateReservations,
-  type ReserveReply,
-  runReserve,
-  runSettle,
-  seedBudgetState,
-} from "./budget_scripts.ts";
+import type { BudgetView } from "./budget_view.ts";
+import { type BudgetState, type Limits, whole } from "./budget_hash.ts";
+import { readBudgetState } from "./read_script.ts";
+import { type InFlight, reinstateReservations } from "./reinstate_script.ts";
+import { type ReserveReply, runReserve } from "./reserve_script.ts";
+import { runSettle } from "./settle_script.ts";
+import { seedBudgetState } from "./seed_script.ts";
 
 /** A tenant's limits as set (`tenant budget`); absent = none. */
 export interface TenantBudget {
@@ -47,12 +43,24 @@ export const BUDGETS = [
   { period: "month", unit: "usd" },
 ] as const;
 
-/** One budget as `GET /v1/usage`, `tenant list` and the console show it: the usage document's schema is its one definition. */
-export type { BudgetView };
+/** The name of a tenant's budget hash (under the tenant's lane tag, so in its lane's slot): the key book builds it. */
+export interface BudgetKeys {
+  budget(tenant: string): string;
+}
 
-/** The Redis key of a tenant's budget state: under the tenant's lane tag, so in its lane's slot. */
-export function budgetKey(prefix: string, tenant: string): string {
-  return `${prefix}:{t:${tenant}}:budget`;
+/** What Postgres's record says a tenant's calls were charged in the current UTC day and month, each at its charge. */
+export interface RecordedSpend {
+  day: { tokens: number; usd: number };
+  month: { tokens: number; usd: number };
+}
+
+/**
+ * What the budgets read from Postgres, from the stores that own it (wired in `src/processes/`): every tenant's
+ * limits (the tenants store) and what a tenant was charged this period (the job store's `model_attempts`).
+ */
+export interface BudgetRecords {
+  limits(): Promise<Map<string, TenantBudget>>;
+  spent(tenant: string): Promise<RecordedSpend>;
 }
 
 /** Whether any limit is set. */
@@ -164,45 +172,46 @@ function tooSmall(tenant: string, limits: Limits, worst: { tokens: number; nanos
   );
 }
 
-function exhausted(tenant: string, reply: ReserveReply, worst: { tokens: number; nanos: number }): BudgetExhausted {
-  const { period, unit } = BUDGETS[reply.budget]!;
+/** The refusal of a budget the worst case does not fit now: `refusal.budget` is its index, 0..3. */
+function exhausted(
+  tenant: string,
+  refusal: { budget: number; limit: number; spent: number; now: number },
+  worst: { tokens: number; nanos: number },
+): BudgetExhausted {
+  const { period, unit } = BUDGETS[refusal.budget]!;
   return new BudgetExhausted(
     tenant,
     {
       period,
       unit,
-      limit: unit === "usd" ? money(reply.limit) : reply.limit,
-      spent: unit === "usd" ? money(reply.spent) : reply.spent,
+      limit: unit === "usd" ? money(refusal.limit) : refusal.limit,
+      spent: unit === "usd" ? money(refusal.spent) : refusal.spent,
     },
-    periodEnd(period, reply.now),
-    reply.now,
+    periodEnd(period, refusal.now),
+    refusal.now,
     worst,
   );
 }
 
-/** Reads every tenant's limits from Postgres. */
-export async function loadBudgets(sql: Sql): Promise<Map<string, TenantBudget>> {
-  const rows = await sql<
-    {
-      name: string;
-      usd_day: string | null;
-      usd_month: string | null;
-      tok_day: string | null;
-      tok_month: string | null;
-    }[]
-  >`
-    SELECT name, budget_usd_day::text AS usd_day, budget_usd_month::text AS usd_month,
-      budget_tokens_day::text AS tok_day, budget_tokens_month::text AS tok_month
-    FROM tenants
-    WHERE budget_usd_day IS NOT NULL OR budget_usd_month IS NOT NULL
-      OR budget_tokens_day IS NOT NULL OR budget_tokens_month IS NOT NULL`;
-  const num = (v: string | null) => v === null ? undefined : Number(v);
-  return new Map(rows.map((r) => [r.name, {
-    ...(r.usd_day === null ? {} : { usd_per_day: num(r.usd_day) }),
-    ...(r.usd_month === null ? {} : { usd_per_month: num(r.usd_month) }),
-    ...(r.tok_day === null ? {} : { tokens_per_day: num(r.tok_day) }),
-    ...(r.tok_month === null ? {} : { tokens_per_month: num(r.tok_month) }),
-  }]));
+/**
+ * The budget a worst case would pass, as the reserve script picks it: of those it would pass, the one whose period
+ * ends last (so a wait names when it can fit again), 0..3; `never` when it is over a limit by itself. Without
+ * `held` it is intake's question, which counts what is spent only; with it, what is reserved in flight counts too.
+ */
+export function overLimit(
+  limits: Limits,
+  spent: Limits,
+  held: Limits | undefined,
+  worst: { tokens: number; nanos: number },
+): { budget: number; never: boolean } | undefined {
+  let budget = -1;
+  let never = false;
+  limits.forEach((limit, i) => {
+    const want = whole(i % 2 === 0 ? worst.tokens : worst.nanos);
+    if (limit >= 0 && spent[i]! + (held?.[i] ?? 0) + want > limit) budget = i;
+    if (limit >= 0 && want > limit) never = true;
+  });
+  return budget < 0 ? undefined : { budget, never };
 }
 
 /** What a budget reports, for metrics and logs. */
@@ -242,11 +251,20 @@ export interface Budgets {
   views(tenant: string): Promise<BudgetView[]>;
   /** Whether a blocked tenant's refused worst case fits again (the period ended, the budget was raised, calls settled). */
   fitsAgain(error: BudgetExhausted, model?: string): Promise<boolean>;
+  /** Marks the tenant's runs as held back for its budget until `untilMs` (the worker holding them renews it). */
+  markWaiting(tenant: string, untilMs: number): Promise<void>;
+  /** Removes the mark: the tenant's runs go on. */
+  clearWaiting(tenant: string): Promise<void>;
+  /** Until when (epoch ms) the tenant's runs are marked held back for its budget; 0 when they are not. */
+  waitingUntil(tenant: string): Promise<number>;
 }
 
 /** Options for {@linkcode createBudgets}. */
 export interface BudgetsOptions {
-  prefix: string;
+  /** The name of each tenant's budget hash. */
+  keys: BudgetKeys;
+  /** The limits and the recorded spend, from the stores that own them. */
+  records: BudgetRecords;
   prices: Prices;
   /** How long limits read from Postgres are used; default 2 s. */
   ttlMs?: number;
@@ -279,22 +297,89 @@ export class ReservationNotReplicated extends Error {
   }
 }
 
+/** The field of a tenant's budget hash that says until when a worker holds the tenant's runs back. */
+const WAITING_UNTIL = "waiting_until";
+
+/** What one process's budgets share: its clients and options, the limits it read, and its own calls in flight. */
+interface ProcessBudgets {
+  redis: RedisClient;
+  log: Logger;
+  ack?: ReplicaAck;
+  keys: BudgetKeys;
+  records: BudgetRecords;
+  prices: Prices;
+  events: BudgetEvents;
+  /** The tenant's limits (read again at most every `ttlMs`); undefined without any. */
+  of(tenant: string): Promise<TenantBudget | undefined>;
+  /**
+   * This process's reservations of calls in flight, by tenant. A hash lost in Redis and rebuilt from Postgres's
+   * record has none of them (the record has no calls in flight): they are held in it again (reinstated) as soon
+   * as this process sees another incarnation of the hash, or seeds it.
+   */
+  inFlight: Map<string, Map<string, InFlight>>;
+  /** The seed running for a tenant: one at a time, and every caller waits for it (see {@linkcode seed}). */
+  seeding: Map<string, Promise<void>>;
+}
+
 /**
  * Creates the budgets of one process. With `ack` (REDIS_MIN_REPLICAS_ACK > 0), every reservation and settlement
  * is followed by a WAIT in the same round trip, so a promoted replica has every one a call was made under.
  */
 export function createBudgets(
-  { redis, sql, log, ack }: { redis: RedisClient; sql: Sql; log: Logger; ack?: ReplicaAck },
+  { redis, log, ack }: { redis: RedisClient; log: Logger; ack?: ReplicaAck },
   options: BudgetsOptions,
 ): Budgets {
-  const ttlMs = options.ttlMs ?? 2_000;
-  const events = options.events ?? {};
+  const { keys, records, prices } = options;
+  const p: ProcessBudgets = {
+    redis,
+    log,
+    ack,
+    keys,
+    records,
+    prices,
+    events: options.events ?? {},
+    of: limitsReader(records, log, options.ttlMs ?? 2_000),
+    inFlight: new Map(),
+    seeding: new Map(),
+  };
+  return {
+    of: p.of,
+    reserve: (tenant, model, worst) => reserve(p, tenant, model, worst),
+    check: (tenant, model, worst) => check(p, tenant, model, worst),
+    async views(tenant) {
+      const budget = await p.of(tenant);
+      return budget ? viewsOf(limitsOf(budget), await readSeeded(p, tenant)) : [];
+    },
+    async fitsAgain(error) {
+      const budget = await p.of(error.tenant);
+      if (!budget) return true;
+      // What is spent leaves room; so must what is reserved in flight, or the run would be refused again at once.
+      const state = await readSeeded(p, error.tenant);
+      return overLimit(limitsOf(budget), state.spent, state.reserved, error.worst) === undefined;
+    },
+    async markWaiting(tenant, untilMs) {
+      await redis.hset(keys.budget(tenant), WAITING_UNTIL, untilMs);
+    },
+    async clearWaiting(tenant) {
+      await redis.hdel(keys.budget(tenant), WAITING_UNTIL);
+    },
+    async waitingUntil(tenant) {
+      return Number(await redis.hget(keys.budget(tenant), WAITING_UNTIL));
+    },
+  };
+}
+
+/** Every tenant's limits, read again at most every `ttlMs`: a tenant's, or undefined when it has none. */
+function limitsReader(
+  records: BudgetRecords,
+  log: Logger,
+  ttlMs: number,
+): (tenant: string) => Promise<TenantBudget | undefined> {
   let loaded: { at: number; budgets: Map<string, TenantBudget> } | undefined;
   let loading: Promise<Map<string, TenantBudget>> | undefined;
-
   async function all(): Promise<Map<string, TenantBudget>> {
     if (loaded && performance.now() - loaded.at < ttlMs) return loaded.budgets;
-    loading ??= loadBudgets(sql).then((budgets) => {
+    loading ??= records.limits().then((budgets) => {
       loaded = { at: performance.now(), budgets };
       return budgets;
     }, (error) => {
@@ -307,228 +392,237 @@ export function createBudgets(
     }).finally(() => loading = undefined);
     return await loading;
   }
-
-  async function of(tenant: string) {
+  return async (tenant) => {
     const budget = (await all()).get(tenant);
     return hasBudget(budget) ? budget : undefined;
+  };
+}
+
+/** A call's worst case in tokens and nano-dollars at the model's price. @throws {ModelUnpriced} for a USD budget. */
+function worstOf(
+  p: ProcessBudgets,
+  tenant: string,
+  budget: TenantBudget,
+  model: string,
+  worst: CallTokens,
+): { price: ModelPrice | undefined; held: { tokens: number; nanos: number } } {
+  const price = p.prices.of(model);
+  if (!price && (budget.usd_per_day !== undefined || budget.usd_per_month !== undefined)) {
+    throw new ModelUnpriced(model, tenant);
   }
+  const nanos = price ? costNanos(price, worst.prompt, worst.completion) : 0;
+  return { price, held: { tokens: worst.prompt + worst.completion, nanos } };
+}
 
-  function priceFor(tenant: string, budget: TenantBudget, model: string): ModelPrice | undefined {
-    const price = options.prices.of(model);
-    if (!price && (budget.usd_per_day !== undefined || budget.usd_per_month !== undefined)) {
-      throw new ModelUnpriced(model, tenant);
-    }
-    return price;
+/** The incarnation this process's calls in flight for the tenant were reserved in ('' when none). */
+function incOf(p: ProcessBudgets, tenant: string): string {
+  const held = p.inFlight.get(tenant);
+  if (!held) return "";
+  for (const r of held.values()) return r.inc;
+  return "";
+}
+
+/** Holds this process's calls in flight for the tenant again in its hash, unless they are all held in `inc`. */
+async function reinstate(p: ProcessBudgets, tenant: string, inc?: string): Promise<void> {
+  const held = p.inFlight.get(tenant);
+  if (!held || held.size === 0) return;
+  const items = [...held.values()];
+  if (inc !== undefined && items.every((r) => r.inc === inc)) return;
+  const after = await reinstateReservations(p.redis, p.keys.budget(tenant), items, { ack: p.ack });
+  for (const r of items) r.inc = after.inc;
+  if (after.added > 0) p.log.warn("budget_reservations_reinstated", { tenant, reservations: after.added });
+}
+
+/**
+ * Rebuilds a tenant's budget state from Postgres's record when Redis lost it (a flush, a failover without
+ * persistence, an eviction): its spend this day and month becomes what `model_attempts` recorded, never less
+ * than what the hash holds. One seed per tenant at a time; every caller waits for it.
+ */
+function seed(p: ProcessBudgets, tenant: string): Promise<void> {
+  let running = p.seeding.get(tenant);
+  if (!running) {
+    running = seedFromRecord(p, tenant)
+      .then(() => p.log.info("budget_state_seeded", { tenant }))
+      .then(() => reinstate(p, tenant))
+      .finally(() => p.seeding.delete(tenant));
+    p.seeding.set(tenant, running);
   }
+  return running;
+}
 
-  const key = (tenant: string) => budgetKey(options.prefix, tenant);
-  /**
-   * This process's reservations of calls in flight, by tenant. A hash lost in Redis and rebuilt from Postgres's
-   * record has none of them (the record has no calls in flight): they are held in it again (reinstated) as soon
-   * as this process sees another incarnation of the hash, or seeds it.
-   */
-  const inFlight = new Map<string, Map<string, InFlight>>();
-  /** The incarnation this process's calls in flight for the tenant were reserved in ('' when none). */
-  const incOf = (tenant: string) => {
-    const held = inFlight.get(tenant);
-    if (!held) return "";
-    for (const r of held.values()) return r.inc;
-    return "";
-  };
-  const reinstate = async (tenant: string, inc?: string) => {
-    const held = inFlight.get(tenant);
-    if (!held || held.size === 0) return;
-    const items = [...held.values()];
-    if (inc !== undefined && items.every((r) => r.inc === inc)) return;
-    const after = await reinstateReservations(redis, key(tenant), items, { ack });
-    for (const r of items) r.inc = after.inc;
-    if (after.added > 0) log.warn("budget_reservations_reinstated", { tenant, reservations: after.added });
-  };
-  /**
-   * Rebuilds a tenant's budget state from Postgres's record when Redis lost it (a flush, a failover without
-   * persistence, an eviction): its spend this day and month becomes what `model_attempts` recorded, never less
-   * than what the hash holds. One seed per tenant at a time; every caller waits for it.
-   */
-  const seeding = new Map<string, Promise<void>>();
-  const seed = (tenant: string) => {
-    let running = seeding.get(tenant);
-    if (!running) {
-      running = seedFromRecord(redis, sql, options.prefix, tenant)
-        .then(() => log.info("budget_state_seeded", { tenant }))
-        .then(() => reinstate(tenant))
-        .finally(() => seeding.delete(tenant));
-      seeding.set(tenant, running);
-    }
-    return running;
-  };
-  /** The reserve script, after a seed if the tenant's hash was never seeded. */
-  const ask = async (
-    tenant: string,
-    limits: Limits,
-    worst: { tokens: number; nanos: number },
-    mode: "reserve" | "check",
-  ) => {
-    // One id for every try: an unseeded answer wrote nothing, and a resend of a try finds its own reservation.
-    const id = mode === "reserve" ? crypto.randomUUID() : "";
-    try {
-      // Lost again between the seed and the question (a flush in a loop): seeded again, a few times. A hash of
-      // another incarnation than this process's calls in flight were reserved in holds them again first.
-      for (let tries = 0; tries < 3; tries++) {
-        const expectInc = mode === "reserve" ? incOf(tenant) : "";
-        const reply = await again(() =>
-          runReserve(redis, key(tenant), limits, worst, mode, { requireSeeded: true, id, ack, expectInc })
-        );
-        if (reply.otherInc !== undefined) await reinstate(tenant);
-        else if (reply.unseeded) await seed(tenant);
-        else return reply;
-      }
-      return await again(() => runReserve(redis, key(tenant), limits, worst, mode, { id, ack }));
-    } catch (error) {
-      // The reserve may have run though its caller heard an error (a reply lost with its connection, or a command
-      // ioredis aborted behind it in a pipeline): its id is released, or it would hold the budget for an epoch.
-      if (mode === "reserve") {
-        await again(() =>
-          runSettle(redis, key(tenant), { epoch: 0, inc: "", id }, worst, { tokens: 0, nanos: 0 }, limits)
-        )
-          .catch((release) => log.warn("budget_release_failed", { tenant, error: release }));
-      }
-      throw error;
-    }
-  };
+/** The tenant's budget state, after a seed if its hash was never seeded (lost again meanwhile: seeded again). */
+async function readSeeded(p: ProcessBudgets, tenant: string): Promise<BudgetState> {
+  const read = () => again(() => readBudgetState(p.redis, p.keys.budget(tenant)));
+  let state = await read();
+  for (let tries = 0; !state.seeded && tries < 3; tries++) {
+    await seed(p, tenant);
+    state = await read();
+  }
+  return state;
+}
 
+/** Releases a reservation (a settlement at nothing); a failure is logged, and the reservation is charged later. */
+async function release(
+  p: ProcessBudgets,
+  tenant: string,
+  at: { epoch: number; inc: string; id: string },
+  held: { tokens: number; nanos: number },
+  limits: Limits,
+): Promise<void> {
+  await again(() => runSettle(p.redis, p.keys.budget(tenant), at, held, { tokens: 0, nanos: 0 }, limits))
+    .catch((error) => p.log.warn("budget_release_failed", { tenant, error }));
+}
+
+/** The reserve script, after a seed if the tenant's hash was never seeded. */
+async function ask(
+  p: ProcessBudgets,
+  tenant: string,
+  limits: Limits,
+  worst: { tokens: number; nanos: number },
+): Promise<ReserveReply> {
+  const key = p.keys.budget(tenant);
+  // One id for every try: an unseeded answer wrote nothing, and a resend of a try finds its own reservation.
+  const id = crypto.randomUUID();
+  try {
+    // Lost again between the seed and the question (a flush in a loop): seeded again, a few times. A hash of
+    // another incarnation than this process's calls in flight were reserved in holds them again first.
+    for (let tries = 0; tries < 3; tries++) {
+      const expectInc = incOf(p, tenant);
+      const reply = await again(() =>
+        runReserve(p.redis, key, limits, worst, { requireSeeded: true, id, ack: p.ack, expectInc })
+      );
+      if (reply.otherInc !== undefined) await reinstate(p, tenant);
+      else if (reply.unseeded) await seed(p, tenant);
+      else return reply;
+    }
+    return await again(() => runReserve(p.redis, key, limits, worst, { id, ack: p.ack }));
+  } catch (error) {
+    // The reserve may have run though its caller heard an error (a reply lost with its connection, or a command
+    // ioredis aborted behind it in a pipeline): its id is released, or it would hold the budget for an epoch.
+    await release(p, tenant, { epoch: 0, inc: "", id }, worst, limits);
+    throw error;
+  }
+}
+
+/** Logs a budget's 80% or 100% mark (once per period: the scripts decide) and reports it. */
+function announce(
+  p: ProcessBudgets,
+  tenant: string,
+  budget: number,
+  percent: 80 | 100,
+  shown: { limit: number; spent: number },
+): void {
+  const b = BUDGETS[budget]!;
+  p.log[percent === 100 ? "warn" : "info"]("budget_reached", {
+    tenant,
+    period: b.period,
+    unit: b.unit,
+    percent,
+    limit: shown.limit,
+    spent: shown.spent,
+  });
+  p.events.threshold?.(tenant, b, percent);
+}
+
+/** Reserves a call's worst case (see {@linkcode Budgets.reserve}). */
+async function reserve(
+  p: ProcessBudgets,
+  tenant: string,
+  model: string,
+  worst: CallTokens,
+): Promise<HeldReservation | undefined> {
+  const budget = await p.of(tenant);
+  if (!budget) return undefined;
+  const { price, held } = worstOf(p, tenant, budget, model, worst);
+  const limits = limitsOf(budget);
+  const reply = await ask(p, tenant, limits, held);
+  if (!reply.ok && reply.never) throw tooSmall(tenant, limits, held);
+  if (!reply.ok) {
+    p.events.refused?.(tenant, "worker");
+    const error = exhausted(tenant, reply, held);
+    for (const percent of reply.newly) announce(p, tenant, reply.budget, percent, error.budget);
+    throw error;
+  }
+  if (!reply.replicated) {
+    // Released at once (a settle at nothing); should that too be lost in a failover, the reservation is
+    // charged whole when its epoch ends: never less than what may have run.
+    await release(p, tenant, reply, held, limits);
+    throw new ReservationNotReplicated(tenant);
+  }
+  const own: InFlight = { id: reply.id, tok: held.tokens, usd: held.nanos, inc: reply.inc };
+  let mine = p.inFlight.get(tenant);
+  if (!mine) p.inFlight.set(tenant, mine = new Map());
+  mine.set(own.id, own);
+  let charged: (CallTokens & { nanos?: number }) | undefined;
   return {
-    of,
-    async reserve(tenant, model, worst) {
-      const budget = await of(tenant);
-      if (!budget) return undefined;
-      const price = priceFor(tenant, budget, model);
-      const limits = limitsOf(budget);
-      const held = {
-        tokens: worst.prompt + worst.completion,
-        nanos: price ? costNanos(price, worst.prompt, worst.completion) : 0,
-      };
-      const reply = await ask(tenant, limits, held, "reserve");
-      if (!reply.ok && reply.never) throw tooSmall(tenant, limits, held);
-      if (!reply.ok) {
-        events.refused?.(tenant, "worker");
-        const error = exhausted(tenant, reply, held);
-        for (const percent of reply.newly) {
-          log[percent === 100 ? "warn" : "info"]("budget_reached", {
-            tenant,
-            period: error.budget.period,
-            unit: error.budget.unit,
-            percent,
-            limit: error.budget.limit,
-            spent: error.budget.spent,
-          });
-          events.threshold?.(tenant, BUDGETS[reply.budget]!, percent);
-        }
-        throw error;
-      }
-      const own = { id: reply.id, tok: held.tokens, usd: held.nanos, inc: reply.inc };
-      if (!reply.replicated) {
-        // Released at once (a settle at nothing); should that too be lost in a failover, the reservation is
-        // charged whole when its epoch ends: never less than what may have run.
-        await again(() => runSettle(redis, key(tenant), reply, held, { tokens: 0, nanos: 0 }, limits)).catch((error) =>
-          log.warn("budget_release_failed", { tenant, error })
-        );
-        throw new ReservationNotReplicated(tenant);
-      }
-      let mine = inFlight.get(tenant);
-      if (!mine) inFlight.set(tenant, mine = new Map());
-      mine.set(own.id, own);
-      let charged: (CallTokens & { nanos?: number }) | undefined;
-      return {
-        get charged() {
-          return charged;
-        },
-        async settle(end) {
-          const charge = chargeOf(end, worst);
-          const nanos = price ? costNanos(price, charge.prompt, charge.completion) : 0;
-          charged = { prompt: charge.prompt, completion: charge.completion, ...(price ? { nanos } : {}) };
-          // The call is over: no longer this process's to reinstate, whether this settlement lands or not (one that
-          // never does leaves the reservation to be charged whole when its epoch ends).
-          const mine = inFlight.get(tenant);
-          mine?.delete(own.id);
-          if (mine?.size === 0) inFlight.delete(tenant);
-          const settle = () =>
-            runSettle(
-              redis,
-              key(tenant),
-              { epoch: reply.epoch, inc: own.inc, id: own.id },
-              held,
-              { tokens: charge.prompt + charge.completion, nanos },
-              limits,
-              { ack },
-            );
-          let after = await settle();
-          // The hash was lost: seeded from the record first (which has no row of this call yet), then charged.
-          for (let tries = 0; after.unseeded && tries < 3; tries++) {
-            await seed(tenant);
-            after = await settle();
-          }
-          if (after.unseeded) return log.warn("budget_settle_unseeded", { tenant });
-          if (!after.replicated) log.warn("budget_settle_not_replicated", { tenant });
-          // The hash was lost and rebuilt since this call was reserved: this process's other calls are held again.
-          if (after.inc !== own.inc) {
-            await reinstate(tenant, after.inc).catch((error) => log.warn("budget_reinstate_failed", { tenant, error }));
-          }
-          events.state?.(tenant, after.spent, after.reserved);
-          for (const { budget: i, percent } of after.marks) {
-            const b = BUDGETS[i]!;
-            const limit = limits[i]!;
-            log[percent === 100 ? "warn" : "info"]("budget_reached", {
-              tenant,
-              period: b.period,
-              unit: b.unit,
-              percent,
-              limit: b.unit === "usd" ? nanosToUsd(limit) : limit,
-              spent: b.unit === "usd" ? nanosToUsd(after.spent[i]!) : after.spent[i],
-            });
-            events.threshold?.(tenant, b, percent);
-          }
-        },
-      };
+    get charged() {
+      return charged;
     },
-    async check(tenant, model, worst) {
-      const budget = await of(tenant);
-      if (!budget) return undefined;
-      const price = priceFor(tenant, budget, model);
-      const held = {
-        tokens: worst.prompt + worst.completion,
-        nanos: price ? costNanos(price, worst.prompt, worst.completion) : 0,
-      };
-      const reply = await ask(tenant, limitsOf(budget), held, "check");
-      if (reply.ok) return undefined;
-      if (reply.never) return tooSmall(tenant, limitsOf(budget), held);
-      events.refused?.(tenant, "intake");
-      return exhausted(tenant, reply, held);
-    },
-    async views(tenant) {
-      const budget = await of(tenant);
-      if (!budget) return [];
-      let state = await readBudgetState(redis, key(tenant));
-      if (!state.seeded) {
-        await seed(tenant);
-        state = await readBudgetState(redis, key(tenant));
-      }
-      return viewsOf(limitsOf(budget), state);
-    },
-    async fitsAgain(error) {
-      const budget = await of(error.tenant);
-      if (!budget) return true;
-      const reply = await ask(error.tenant, limitsOf(budget), error.worst, "check");
-      if (!reply.ok) return false;
-      // What is spent leaves room; so must what is reserved in flight, or the run would be refused again at once.
-      const state = await readBudgetState(redis, key(error.tenant));
-      const limits = limitsOf(budget);
-      return limits.every((limit, i) => {
-        if (limit < 0) return true;
-        const want = i % 2 === 0 ? error.worst.tokens : error.worst.nanos;
-        return state.spent[i]! + state.reserved[i]! + want <= limit;
+    async settle(end) {
+      const charge = chargeOf(end, worst);
+      const nanos = price ? costNanos(price, charge.prompt, charge.completion) : 0;
+      charged = { prompt: charge.prompt, completion: charge.completion, ...(price ? { nanos } : {}) };
+      // The call is over: no longer this process's to reinstate, whether this settlement lands or not (one that
+      // never does leaves the reservation to be charged whole when its epoch ends).
+      const mine = p.inFlight.get(tenant);
+      mine?.delete(own.id);
+      if (mine?.size === 0) p.inFlight.delete(tenant);
+      await settle(p, tenant, { own, epoch: reply.epoch, held, limits }, {
+        tokens: charge.prompt + charge.completion,
+        nanos,
       });
     },
   };
+}
+
+/** Settles a call's reservation at its charge: after a seed if the hash was lost, and reports where it stands. */
+async function settle(
+  p: ProcessBudgets,
+  tenant: string,
+  call: { own: InFlight; epoch: number; held: { tokens: number; nanos: number }; limits: Limits },
+  charge: { tokens: number; nanos: number },
+): Promise<void> {
+  const { own, limits } = call;
+  const at = () => ({ epoch: call.epoch, inc: own.inc, id: own.id });
+  const run = () => runSettle(p.redis, p.keys.budget(tenant), at(), call.held, charge, limits, { ack: p.ack });
+  let after = await run();
+  // The hash was lost: seeded from the record first (which has no row of this call yet), then charged.
+  for (let tries = 0; after.unseeded && tries < 3; tries++) {
+    await seed(p, tenant);
+    after = await run();
+  }
+  if (after.unseeded) return p.log.warn("budget_settle_unseeded", { tenant });
+  if (!after.replicated) p.log.warn("budget_settle_not_replicated", { tenant });
+  // The hash was lost and rebuilt since this call was reserved: this process's other calls are held again.
+  if (after.inc !== own.inc) {
+    await reinstate(p, tenant, after.inc).catch((error) => p.log.warn("budget_reinstate_failed", { tenant, error }));
+  }
+  p.events.state?.(tenant, after.spent, after.reserved);
+  for (const { budget: i, percent } of after.marks) {
+    const usd = BUDGETS[i]!.unit === "usd";
+    const show = (n: number) => usd ? nanosToUsd(n) : n;
+    announce(p, tenant, i, percent, { limit: show(limits[i]!), spent: show(after.spent[i]!) });
+  }
+}
+
+/** Intake's question (see {@linkcode Budgets.check}): reservations in flight aside, does the worst case fit? */
+async function check(
+  p: ProcessBudgets,
+  tenant: string,
+  model: string,
+  worst: CallTokens,
+): Promise<BudgetExhausted | BudgetTooSmall | undefined> {
+  const budget = await p.of(tenant);
+  if (!budget) return undefined;
+  const { held } = worstOf(p, tenant, budget, model, worst);
+  const limits = limitsOf(budget);
+  const state = await readSeeded(p, tenant);
+  const over = overLimit(limits, state.spent, undefined, held);
+  if (!over) return undefined;
+  if (over.never) return tooSmall(tenant, limits, held);
+  p.events.refused?.(tenant, "intake");
+  const i = over.budget;
+  return exhausted(tenant, { budget: i, limit: limits[i]!, spent: state.spent[i]!, now: state.now }, held);
 }
 
 /** The budgets with a limit, as the API shows them (USD as dollars). */
@@ -551,28 +645,37 @@ export function viewsOf(limits: Limits, state: BudgetState): BudgetView[] {
 }
 
 /**
- * Raises the tenant's current spend in Redis to what `model_attempts` recorded (a budget set mid-period, a hash
- * lost): each call at what it was charged (`charged_tokens`, `cost_usd`), so a call charged its reservation counts
- * its reservation, not 0.
+ * The tenant's budgets as its hash holds them now, for a tool that only looks (nothing is seeded); without
+ * `redis`, the limits with nothing spent.
  */
-export async function seedFromRecord(redis: RedisClient, sql: Sql, prefix: string, tenant: string): Promise<void> {
-  const [row] = await sql<{ day_tok: string; day_usd: string; month_tok: string; month_usd: string }[]>`
-    SELECT
-      COALESCE(sum(COALESCE(charged_tokens, COALESCE(prompt_tokens, 0) + COALESCE(completion_tokens, 0)))
-        FILTER (WHERE started_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'), 0)::text AS day_tok,
-      COALESCE(sum(cost_usd) FILTER (WHERE started_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'), 0)::text AS day_usd,
-      COALESCE(sum(COALESCE(charged_tokens, COALESCE(prompt_tokens, 0) + COALESCE(completion_tokens, 0))), 0)::text AS month_tok,
-      COALESCE(sum(cost_usd), 0)::text AS month_usd
-    FROM model_attempts
-    WHERE tenant = ${tenant}
-      AND started_at >= date_trunc('month', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'`;
-  const usd = (v: string) => Math.ceil(Number(v) * 1e9);
-  await seedBudgetState(redis, budgetKey(prefix, tenant), [
-    Number(row!.day_tok),
-    usd(row!.day_usd),
-    Number(row!.month_tok),
-    usd(row!.month_usd),
-  ]);
+export async function currentViews(
+  { redis, keys }: { redis?: RedisClient; keys: BudgetKeys },
+  tenant: string,
+  budget: TenantBudget,
+): Promise<BudgetView[]> {
+  const state: BudgetState = redis ? await readBudgetState(redis, keys.budget(tenant)) : {
+    now: Date.now(),
+    day: 0,
+    month: 0,
+    spent: [0, 0, 0, 0],
+    reserved: [0, 0, 0, 0],
+    seeded: false,
+  };
+  return viewsOf(limitsOf(budget), state);
+}
+
+/**
+ * Raises the tenant's current spend in Redis to what Postgres recorded (a budget set mid-period, a hash lost):
+ * each call at what it was charged (`model_attempts.charged_tokens`, `cost_usd`), so a call charged its
+ * reservation counts its reservation, not 0.
+ */
+export async function seedFromRecord(
+  { redis, keys, records }: { redis: RedisClient; keys: BudgetKeys; records: Pick<BudgetRecords, "spent"> },
+  tenant: string,
+): Promise<void> {
+  const { day, month } = await records.spent(tenant);
+  const nanos = (usd: number) => Math.ceil(usd * 1e9);
+  await seedBudgetState(redis, keys.budget(tenant), [day.tokens, nanos(day.usd), month.tokens, nanos(month.usd)]);
 }
 
 /**
@@ -580,17 +683,21 @@ export async function seedFromRecord(redis: RedisClient, sql: Sql, prefix: strin
  * has a USD budget. Such a model's runs of those tenants fail (their cost could not be bounded).
  */
 export async function warnUnpricedModels(
-  { sql, log }: { sql: Sql; log: Logger },
+  { log, records, taskModels }: {
+    log: Logger;
+    records: Pick<BudgetRecords, "limits">;
+    /** Every model a task names (the task store, from its `model` column: no definition is read). */
+    taskModels: () => Promise<string[]>;
+  },
   config: { OPENAI_MODEL: string; LLM_PROVIDER: string },
   prices: Prices,
 ): Promise<string[]> {
-  const budgets = await loadBudgets(sql);
+  const budgets = await records.limits();
   const usd = [...budgets].filter(([, b]) => b.usd_per_day !== undefined || b.usd_per_month !== undefined);
   if (usd.length === 0) return [];
-  // From the tasks' `model` column: no definition is read (each may be 256 KiB).
   const models = new Set([
     config.LLM_PROVIDER === "openai" ? config.OPENAI_MODEL : "extractive",
-    ...await taskModels(sql),
+    ...await taskModels(),
   ]);
   const missing = [...models].filter((model) => !prices.of(model)).sort();
   if (missing.length > 0) {

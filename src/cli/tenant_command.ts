@@ -7,19 +7,11 @@ import { WEBHOOK_HOSTS } from "../tenants/webhook_hosts.ts";
 import { ensureWebhookSecret, rotateWebhookSecret } from "../tenants/webhook_secrets.ts";
 import { parseTenantWeight, setTenantWeight, TENANT_WEIGHTS_TTL_MS } from "../tenants/tenant_weights.ts";
 import type { RedisClient } from "../clients.ts";
-import { KEY_PREFIX } from "../runs/keys.ts";
-import { parseBudgetArgs, setTenantBudget } from "../tenants/tenant_budgets.ts";
-import {
-  budgetKey,
-  type BudgetView,
-  hasBudget,
-  limitsOf,
-  loadBudgets,
-  seedFromRecord,
-  type TenantBudget,
-  viewsOf,
-} from "../budgets/budgets.ts";
-import { type Limits, readBudgetState } from "../budgets/budget_scripts.ts";
+import { KEY_PREFIX, serviceKeys } from "../runs/keys.ts";
+import { loadTenantBudgets, parseBudgetArgs, setTenantBudget } from "../tenants/tenant_budgets.ts";
+import { chargedThisPeriod } from "../jobs/job_store.ts";
+import { currentViews, hasBudget, seedFromRecord, type TenantBudget } from "../budgets/budgets.ts";
+import type { BudgetView } from "../budgets/budget_view.ts";
 
 const USAGE = "Usage: deno task tenant create NAME | list [--json] | revoke NAME | rotate-webhook-secret NAME" +
   " | allow-domain NAME DOMAIN | allow-domain NAME --any | allow-webhook-host NAME HOST" +
@@ -127,7 +119,7 @@ const ACTIONS = {
 
 async function list(sql: Sql, _name: string, args: string[], out: (line: string) => void, spend?: Spend) {
   const rows = await listTenants(sql);
-  const budgets = await loadBudgets(sql);
+  const budgets = await loadTenantBudgets(sql);
   const shown = await Promise.all(rows.map(async (r) => {
     const budget = budgets.get(r.name);
     return {
@@ -204,16 +196,8 @@ async function setWeight(sql: Sql, name: string, args: string[], out: (line: str
 }
 
 /** A tenant's budgets with what is spent (and reserved), when Redis is at hand; the limits alone otherwise. */
-async function budgetViews(budget: TenantBudget, tenant: string, spend?: Spend): Promise<BudgetView[]> {
-  const state = spend?.redis ? await readBudgetState(spend.redis, budgetKey(spend.prefix, tenant)) : {
-    now: Date.now(),
-    day: 0,
-    month: 0,
-    spent: [0, 0, 0, 0] as Limits,
-    reserved: [0, 0, 0, 0] as Limits,
-    seeded: false,
-  };
-  return viewsOf(limitsOf(budget), state);
+function budgetViews(budget: TenantBudget, tenant: string, spend?: Spend): Promise<BudgetView[]> {
+  return currentViews({ redis: spend?.redis, keys: serviceKeys(spend?.prefix ?? KEY_PREFIX) }, tenant, budget);
 }
 
 /** `usd/day 4.2/10 (reserved 0.3), tokens/month 120000/1000000`. */
@@ -245,7 +229,10 @@ async function budget(sql: Sql, name: string, args: string[], out: (line: string
     console.error(`No tenant named ${JSON.stringify(name)}`);
     return 1;
   }
-  if (spend?.redis && hasBudget(after)) await seedFromRecord(spend.redis, sql, spend.prefix, name);
+  if (spend?.redis && hasBudget(after)) {
+    const records = { spent: (tenant: string) => chargedThisPeriod(sql, tenant) };
+    await seedFromRecord({ redis: spend.redis, keys: serviceKeys(spend.prefix), records }, name);
+  }
   if (!hasBudget(after)) {
     out(`Tenant "${name}" has no budget: its spending is not limited.`);
     return 0;

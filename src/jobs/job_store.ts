@@ -532,3 +532,29 @@ export async function attemptedTaskOf(
     SELECT task, version FROM model_attempts WHERE job_id = ${runId}::uuid ORDER BY started_at LIMIT 1`;
   return row;
 }
+
+/**
+ * What `tenant`'s calls were charged in the current UTC day and month, by Postgres's clock: each call at what it
+ * was charged against the budgets (`charged_tokens`, else its reported tokens; `cost_usd`), so a call charged its
+ * reservation counts its reservation, not 0. One query on the `(tenant, started_at)` index (the budgets seed a
+ * lost hash from it).
+ */
+export async function chargedThisPeriod(
+  sql: Queryable,
+  tenant: string,
+): Promise<{ day: { tokens: number; usd: number }; month: { tokens: number; usd: number } }> {
+  const [row] = await sql<{ day_tok: string; day_usd: string; month_tok: string; month_usd: string }[]>`
+    SELECT
+      COALESCE(sum(COALESCE(charged_tokens, COALESCE(prompt_tokens, 0) + COALESCE(completion_tokens, 0)))
+        FILTER (WHERE started_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'), 0)::text AS day_tok,
+      COALESCE(sum(cost_usd) FILTER (WHERE started_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'), 0)::text AS day_usd,
+      COALESCE(sum(COALESCE(charged_tokens, COALESCE(prompt_tokens, 0) + COALESCE(completion_tokens, 0))), 0)::text AS month_tok,
+      COALESCE(sum(cost_usd), 0)::text AS month_usd
+    FROM model_attempts
+    WHERE tenant = ${tenant}
+      AND started_at >= date_trunc('month', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'`;
+  return {
+    day: { tokens: Number(row!.day_tok), usd: Number(row!.day_usd) },
+    month: { tokens: Number(row!.month_tok), usd: Number(row!.month_usd) },
+  };
+}

@@ -12,6 +12,7 @@ import { createDefinitionChecker, type DefinitionChecker } from "../tasks/defini
 import { type RunApiDeps, runRoutes } from "../runs/runs_api.ts";
 import { createBudgets } from "../budgets/budgets.ts";
 import { budgetEvents } from "../budgets/budget_metrics.ts";
+import { budgetRecords } from "./_budgets.ts";
 import { createPrices, servedModels } from "../llm/prices.ts";
 import { createTaskCache, type TaskCache } from "../tasks/task_cache.ts";
 import { createSchemaValidators, VALIDATION_LIMITS } from "../tasks/validator.ts";
@@ -187,8 +188,9 @@ export async function serveApi(
     keys,
     recipients: createRecipientPolicy({ sql }),
     maxBodyBytes: config.MAX_BODY_BYTES,
-    budgets: createBudgets({ redis, sql, log }, {
-      prefix: keys.prefix,
+    budgets: createBudgets({ redis, log }, {
+      keys,
+      records: budgetRecords(sql),
       prices: createPrices(config),
       events: budgetEvents(registry),
     }),

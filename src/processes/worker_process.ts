@@ -20,6 +20,8 @@ import type { ComponentDeps } from "./_deps.ts";
 import { createBudgets, warnUnpricedModels } from "../budgets/budgets.ts";
 import { budgetEvents } from "../budgets/budget_metrics.ts";
 import { replicaAckOf } from "./_replica_ack.ts";
+import { budgetRecords } from "./_budgets.ts";
+import { taskModels } from "../jobs/task_store.ts";
 
 /** Runs a summary worker until `signal` aborts, then drains it within the grace period. */
 export async function startWorker(
@@ -37,12 +39,9 @@ export async function startWorker(
   const prices = createPrices(config);
   // REDIS_MIN_REPLICAS_ACK: a call goes out only under a reservation the replicas have, so a promotion keeps it.
   const ack = replicaAckOf(config, redis);
-  const budgets = createBudgets({ redis, sql, log, ack }, {
-    prefix: keys.prefix,
-    prices,
-    events: budgetEvents(registry),
-  });
-  await warnUnpricedModels({ sql, log }, config, prices);
+  const records = budgetRecords(sql);
+  const budgets = createBudgets({ redis, log, ack }, { keys, records, prices, events: budgetEvents(registry) });
+  await warnUnpricedModels({ log, records, taskModels: () => taskModels(sql) }, config, prices);
   const worker = createSummaryWorker({
     redis,
     sql,

@@ -33,6 +33,8 @@ export interface ServiceKeys {
   lane(tenant: string): JobKeys;
   /** The registry of lanes with work. */
   registry: LaneRegistryKeys;
+  /** Tenant `tenant`'s budget hash (`budgets/`), under its lane's tag. */
+  budget(tenant: string): string;
 }
 
 /** The service's keys under a prefix: {@linkcode KEY_PREFIX} in the service, a random one in tests. */
@@ -49,6 +51,7 @@ export function serviceKeys(prefix: string): ServiceKeys {
       return keys;
     },
     registry: laneRegistryKeys(prefix),
+    budget: (tenant) => `${prefix}:{t:${tenant}}:budget`,
   };
 }
 

@@ -26,7 +26,6 @@ import type { RunPayload } from "./run_payload.ts";
 import { skipsCache } from "../cache/result_cache.ts";
 import { parseRunRequest, type RunDocument } from "./run_schemas.ts";
 import type { TaskCache } from "../tasks/task_cache.ts";
-import { budgetKey } from "../budgets/budgets.ts";
 
 /** What the run routes need beyond the summary API's. */
 export interface RunApiDeps extends RunHttpDeps {
@@ -64,7 +63,7 @@ function runDocument({ document, tokens, run }: Pick<JobFound, "document" | "tok
  */
 async function withWaiting(deps: RunApiDeps, tenant: string, document: RunDocument): Promise<RunDocument> {
   if (document.status !== "queued" || !deps.budgets || !(await deps.budgets.of(tenant))) return document;
-  const until = Number(await deps.redis.hget(budgetKey(deps.keys.prefix, tenant), "waiting_until"));
+  const until = await deps.budgets.waitingUntil(tenant);
   return until > Date.now() ? { ...document, waiting_for: "budget" } : document;
 }
 

@@ -18,7 +18,7 @@ import { notifyJob } from "./job_waiter.ts";
 import { keepDrainingLegacyStream } from "./legacy_drain.ts";
 import { createSummaryJob, type SummaryJobOptions } from "./run_job.ts";
 import { createAttemptLog, describeFailures } from "./attempt_log.ts";
-import { type BudgetExhausted, budgetKey, type Budgets } from "../budgets/budgets.ts";
+import type { BudgetExhausted, Budgets } from "../budgets/budgets.ts";
 import { announceLane } from "../queue/lanes.ts";
 import { sleep } from "../async/timeout.ts";
 import { createResultCache, type ResultCacheOptions } from "../cache/result_cache.ts";
@@ -296,7 +296,7 @@ function budgetBlocks(
 ) {
   const blocked = new Map<string, BudgetExhausted>();
   const mark = (tenant: string) =>
-    deps.redis.hset(budgetKey(keys.prefix, tenant), "waiting_until", Date.now() + BUDGET_WAITING_MARK_MS)
+    deps.budgets.markWaiting(tenant, Date.now() + BUDGET_WAITING_MARK_MS)
       .catch((error) => deps.log.warn("budget_mark_failed", { tenant, error }));
   const wake = (tenant: string) =>
     announceLane(deps.redis, keys.registry, tenant).catch((error) =>
@@ -311,7 +311,7 @@ function budgetBlocks(
       if (fits) {
         blocked.delete(tenant);
         deps.log.info("budget_fits_again", { tenant });
-        await deps.redis.hdel(budgetKey(keys.prefix, tenant), "waiting_until").catch(() => {});
+        await deps.budgets.clearWaiting(tenant).catch(() => {});
         await wake(tenant);
       } else await mark(tenant);
     }

@@ -1,3 +1,7 @@
+/**
+ * The tenants store's budget columns: the limits `tenant budget` sets (`budget_usd_day`, `budget_usd_month`,
+ * `budget_tokens_day`, `budget_tokens_month`), and the one read of every tenant's limits the budgets make.
+ */
 import type { Sql } from "postgres";
 import type { TenantBudget } from "../budgets/budgets.ts";
 
@@ -67,4 +71,29 @@ export async function setTenantBudget(sql: Sql, tenant: string, change: BudgetCh
     if (row[column] !== null) budget[field] = Number(row[column]);
   }
   return budget;
+}
+
+/** Every tenant's limits, for the tenants that have any (the budgets read them through `BudgetRecords.limits`). */
+export async function loadTenantBudgets(sql: Sql): Promise<Map<string, TenantBudget>> {
+  const rows = await sql<
+    {
+      name: string;
+      usd_day: string | null;
+      usd_month: string | null;
+      tok_day: string | null;
+      tok_month: string | null;
+    }[]
+  >`
+    SELECT name, budget_usd_day::text AS usd_day, budget_usd_month::text AS usd_month,
+      budget_tokens_day::text AS tok_day, budget_tokens_month::text AS tok_month
+    FROM tenants
+    WHERE budget_usd_day IS NOT NULL OR budget_usd_month IS NOT NULL
+      OR budget_tokens_day IS NOT NULL OR budget_tokens_month IS NOT NULL`;
+  const num = (v: string | null) => v === null ? undefined : Number(v);
+  return new Map(rows.map((r) => [r.name, {
+    ...(r.usd_day === null ? {} : { usd_per_day: num(r.usd_day) }),
+    ...(r.usd_month === null ? {} : { usd_per_month: num(r.usd_month) }),
+    ...(r.tok_day === null ? {} : { tokens_per_day: num(r.tok_day) }),
+    ...(r.tok_month === null ? {} : { tokens_per_month: num(r.tok_month) }),
+  }]));
 }

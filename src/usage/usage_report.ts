@@ -6,7 +6,8 @@
 import type { Sql } from "postgres";
 import { type TaskAttemptUsage, taskAttemptUsage } from "../jobs/job_store.ts";
 import { nanosToUsd } from "../llm/prices.ts";
-import type { BudgetView, UsageDocument, UsageFigures } from "./usage_schemas.ts";
+import type { BudgetView } from "../budgets/budget_view.ts";
+import type { UsageDocument, UsageFigures } from "./usage_schemas.ts";
 
 /** Figures being added up: costs in nano-dollars, null until a priced line is added. */
 interface Sum {

@@ -39,14 +39,11 @@ import { fmt, median, quantile } from "./stats.ts";
 import { RUN_BODY, storedDefinition, TRIAGE_BODIES, triageInput } from "./triage_task.ts";
 import { putTaskVersion } from "../../src/jobs/task_store.ts";
 import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
-import { budgetKey } from "../../src/budgets/budgets.ts";
-import {
-  type Limits,
-  readBudgetState,
-  runReserve,
-  runSettle,
-  seedBudgetState,
-} from "../../src/budgets/budget_scripts.ts";
+import type { Limits } from "../../src/budgets/budget_hash.ts";
+import { readBudgetState } from "../../src/budgets/read_script.ts";
+import { runReserve } from "../../src/budgets/reserve_script.ts";
+import { runSettle } from "../../src/budgets/settle_script.ts";
+import { seedBudgetState } from "../../src/budgets/seed_script.ts";
 import { announceLane } from "../../src/queue/lanes.ts";
 import { benchHostile, type HostileRow } from "./hostile.ts";
 
@@ -673,7 +670,7 @@ async function workerProcessRun(
     }
     if (options.budget) {
       // Every call reserved and settled: the fake model reports 1 + 1 tokens a call, and one call a job.
-      const { spent, reserved } = await readBudgetState(redis, budgetKey(KEY_PREFIX, "bench"));
+      const { spent, reserved } = await readBudgetState(redis, serviceKeys(KEY_PREFIX).budget("bench"));
       if (spent[0] !== 2 * (warmUp + jobs) || reserved[0] !== 0) {
         throw new Error(
           `worker process: the budget spent ${spent[0]} tokens (reserved ${reserved[0]}) for ${warmUp + jobs} jobs`,
@@ -796,7 +793,7 @@ async function benchBudgetScripts() {
   const url = await emptyRedisDatabase(REDIS_URL);
   const redis = new Redis(url, { maxRetriesPerRequest: 1 });
   try {
-    const key = budgetKey(KEY_PREFIX, "bench");
+    const key = serviceKeys(KEY_PREFIX).budget("bench");
     // Budgets in tokens and USD per day, never reached; a call's worst case and its charge as a summary's.
     const limits: Limits = [1e12, 1e15, -1, -1];
     const worst = { tokens: 1_400, nanos: 1_800_000 }, charge = { tokens: 150, nanos: 100_000 };
@@ -805,7 +802,7 @@ async function benchBudgetScripts() {
     await seedBudgetState(redis, key, [0, 0, 0, 0]);
     for (let i = 0; i < n + 200; i++) {
       let t = performance.now();
-      const reply = await runReserve(redis, key, limits, worst, "reserve");
+      const reply = await runReserve(redis, key, limits, worst);
       await runSettle(redis, key, reply, worst, charge, limits);
       if (i >= 200) pairs.push((performance.now() - t) * 1000);
       t = performance.now();

@@ -6,18 +6,17 @@
  * The cases run back to back on one tenant's hash, as production would.
  */
 import assert from "node:assert/strict";
-import { budgetKey, createBudgets, ReservationNotReplicated, seedFromRecord } from "../../src/budgets/budgets.ts";
+import { ReservationNotReplicated, seedFromRecord } from "../../src/budgets/budgets.ts";
 import { afterEachScript } from "../support/resending_redis.ts";
-import {
-  type Limits,
-  readBudgetState,
-  runReserve,
-  runSettle,
-  seedBudgetState,
-} from "../../src/budgets/budget_scripts.ts";
+import type { Limits } from "../../src/budgets/budget_hash.ts";
+import { readBudgetState } from "../../src/budgets/read_script.ts";
+import { runReserve } from "../../src/budgets/reserve_script.ts";
+import { runSettle } from "../../src/budgets/settle_script.ts";
+import { seedBudgetState } from "../../src/budgets/seed_script.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
+import { budgetRecords, budgetsOn } from "../support/fixtures.ts";
 import { createReplicaAck } from "../../src/redis/replica_ack.ts";
 import { createPrices } from "../../src/llm/prices.ts";
-import { silentLogger } from "../../src/log/logger.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
@@ -27,7 +26,7 @@ const worst = (tokens: number) => ({ tokens, nanos: 0 });
 
 Deno.test("budget scripts applied twice (a resend after a lost reply) change the budget once", async (t) => {
   const r = await createTestRedis();
-  const key = budgetKey(r.prefix, "twice");
+  const key = serviceKeys(r.prefix).budget("twice");
   const state = async () => {
     const s = await readBudgetState(r.redis, key);
     return { spent: s.spent[0], reserved: s.reserved[0] };
@@ -36,8 +35,8 @@ Deno.test("budget scripts applied twice (a resend after a lost reply) change the
     await seedBudgetState(r.redis, key, [0, 0, 0, 0]);
     await t.step("a reserve run twice holds one reservation, and answers the second run as the first", async () => {
       const id = crypto.randomUUID();
-      const first = await runReserve(r.redis, key, LIMITS, worst(600), "reserve", { id });
-      const again = await runReserve(r.redis, key, LIMITS, worst(600), "reserve", { id });
+      const first = await runReserve(r.redis, key, LIMITS, worst(600), { id });
+      const again = await runReserve(r.redis, key, LIMITS, worst(600), { id });
       // 600 + 600 would pass 1,000: a second hold would have been refused, and a phantom one kept.
       assert.equal(first.ok, true);
       assert.equal(again.ok, true, "the resend is answered as the reservation it finds");
@@ -48,8 +47,8 @@ Deno.test("budget scripts applied twice (a resend after a lost reply) change the
     });
 
     await t.step("a settle run twice charges once and removes only its own reservation", async () => {
-      const a = await runReserve(r.redis, key, LIMITS, worst(300), "reserve");
-      const b = await runReserve(r.redis, key, LIMITS, worst(400), "reserve");
+      const a = await runReserve(r.redis, key, LIMITS, worst(300));
+      const b = await runReserve(r.redis, key, LIMITS, worst(400));
       assert.ok(a.ok && b.ok);
       const settleA = () => runSettle(r.redis, key, a, worst(300), worst(100), LIMITS);
       assert.equal((await settleA()).applied, true);
@@ -63,7 +62,7 @@ Deno.test("budget scripts applied twice (a resend after a lost reply) change the
     });
 
     await t.step("a settle of a lost hash's reservation, run twice, charges it once in the rebuilt hash", async () => {
-      const held = await runReserve(r.redis, key, LIMITS, worst(500), "reserve");
+      const held = await runReserve(r.redis, key, LIMITS, worst(500));
       assert.ok(held.ok);
       await r.redis.del(key);
       // Settled before the rebuild: nothing is written (the seed would overwrite it), and the caller seeds first.
@@ -88,12 +87,10 @@ Deno.test("a reservation too few replicas acknowledged is released, and its call
   try {
     await createApiKey(db.sql, "acme");
     await setTenantBudget(db.sql, "acme", { "--tokens-per-day": 10_000 });
-    const budgets = createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger, ack }, {
-      prefix: r.prefix,
-      prices: createPrices({}),
-    });
+    const keys = serviceKeys(r.prefix);
+    const budgets = budgetsOn({ redis: r.redis, sql: db.sql, keys, ack }, { prices: createPrices({}) });
     await assert.rejects(budgets.reserve("acme", "m", { prompt: 100, completion: 50 }), ReservationNotReplicated);
-    const s = await readBudgetState(r.redis, budgetKey(r.prefix, "acme"));
+    const s = await readBudgetState(r.redis, keys.budget("acme"));
     assert.deepEqual([s.spent[0], s.reserved[0]], [0, 0], "released, and charged nothing");
   } finally {
     await ack.close();
@@ -108,11 +105,11 @@ Deno.test("another process's call in flight when the hash is lost is held again 
   try {
     await createApiKey(db.sql, "acme");
     await setTenantBudget(db.sql, "acme", { "--tokens-per-day": 1_000 });
-    const make = () =>
-      createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger }, { prefix: r.prefix, prices: createPrices({}) });
+    const keys = serviceKeys(r.prefix);
+    const make = () => budgetsOn({ redis: r.redis, sql: db.sql, keys }, { prices: createPrices({}) });
     const one = make();
     const two = make();
-    const key = budgetKey(r.prefix, "acme");
+    const key = keys.budget("acme");
     // Process one has two calls in flight (300 + 300); the hash is lost and rebuilt by process two's reservation.
     const first = (await one.reserve("acme", "m", { prompt: 250, completion: 50 }))!;
     await one.reserve("acme", "m", { prompt: 250, completion: 50 });
@@ -138,7 +135,8 @@ Deno.test("a reserve that ran though its caller heard an error is asked again wi
   try {
     await createApiKey(db.sql, "acme");
     await setTenantBudget(db.sql, "acme", { "--tokens-per-day": 10_000 });
-    await seedFromRecord(r.redis, db.sql, r.prefix, "acme");
+    const keys = serviceKeys(r.prefix);
+    await seedFromRecord({ redis: r.redis, keys, records: budgetRecords(db.sql) }, "acme");
     // The next `failures` scripts run in Redis, and their callers hear an error instead of the reply: a reply lost
     // with its connection, or a command ioredis aborted behind it in a pipeline ("Command aborted due to
     // connection close"), after Redis had run it.
@@ -148,11 +146,8 @@ Deno.test("a reserve that ran though its caller heard an error is asked again wi
       failures--;
       return Promise.reject(new Error("Command aborted due to connection close"));
     });
-    const budgets = createBudgets({ redis: faulty, sql: db.sql, log: silentLogger }, {
-      prefix: r.prefix,
-      prices: createPrices({}),
-    });
-    const reserved = async () => (await readBudgetState(r.redis, budgetKey(r.prefix, "acme"))).reserved[0];
+    const budgets = budgetsOn({ redis: faulty, sql: db.sql, keys }, { prices: createPrices({}) });
+    const reserved = async () => (await readBudgetState(r.redis, keys.budget("acme"))).reserved[0];
 
     // One lost reply: asked again with the same id, it finds its own reservation; held once, not twice.
     failures = 1;
@@ -166,7 +161,7 @@ Deno.test("a reserve that ran though its caller heard an error is asked again wi
     // budget until its epoch ended, then was charged whole).
     failures = 3;
     await assert.rejects(budgets.reserve("acme", "m", { prompt: 100, completion: 50 }), /aborted/);
-    const s = await readBudgetState(r.redis, budgetKey(r.prefix, "acme"));
+    const s = await readBudgetState(r.redis, keys.budget("acme"));
     assert.deepEqual([s.spent[0], s.reserved[0]], [110, 0]);
   } finally {
     await r.close();
@@ -183,11 +178,9 @@ Deno.test("a settlement that comes first after the hash is lost is charged on to
     await db.sql`INSERT INTO model_attempts
       (job_id, tenant, delivery, attempt, started_at, duration_ms, outcome, prompt_tokens, completion_tokens, model)
       VALUES (${crypto.randomUUID()}, 'acme', 1, 1, now(), 10, 'ok', 600, 200, 'm')`;
-    const budgets = createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger }, {
-      prefix: r.prefix,
-      prices: createPrices({}),
-    });
-    const key = budgetKey(r.prefix, "acme");
+    const keys = serviceKeys(r.prefix);
+    const budgets = budgetsOn({ redis: r.redis, sql: db.sql, keys }, { prices: createPrices({}) });
+    const key = keys.budget("acme");
     const held = (await budgets.reserve("acme", "m", { prompt: 1000, completion: 2000 }))!;
     await r.redis.del(key);
     // The call's settlement is the first to touch the lost hash (its attempt row is not written yet). Before, it

@@ -11,19 +11,18 @@ import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
 import { createLogger, silentLogger } from "../../src/log/logger.ts";
-import { budgetKey, createBudgets, warnUnpricedModels, worstCaseTokens } from "../../src/budgets/budgets.ts";
-import {
-  readBudgetState,
-  RESERVATION_EPOCH_MS,
-  runReserve,
-  runSettle,
-  seedBudgetState,
-} from "../../src/budgets/budget_scripts.ts";
+import { overLimit, warnUnpricedModels, worstCaseTokens } from "../../src/budgets/budgets.ts";
+import { RESERVATION_EPOCH_MS } from "../../src/budgets/budget_hash.ts";
+import { readBudgetState } from "../../src/budgets/read_script.ts";
+import { runReserve } from "../../src/budgets/reserve_script.ts";
+import { runSettle } from "../../src/budgets/settle_script.ts";
+import { seedBudgetState } from "../../src/budgets/seed_script.ts";
+import { taskModels } from "../../src/jobs/task_store.ts";
 import { createPrices } from "../../src/llm/prices.ts";
 import { createRegistry } from "../../src/metrics/metrics.ts";
 import { budgetEvents } from "../../src/budgets/budget_metrics.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
-import { apiHandler, summaryWorker } from "../support/fixtures.ts";
+import { apiHandler, budgetRecords, budgetsOn, summaryWorker } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 
 const TASK = {
@@ -60,12 +59,7 @@ Deno.test("budgets: a tenant is stopped at its budget with 0 overshoot, waits, a
   const prices = createPrices({ LLM_PRICES: { "default-model": { in: 0.4, out: 1.6 } } });
   const registry = createRegistry();
   const budgets = () =>
-    createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger }, {
-      prefix: r.prefix,
-      prices,
-      ttlMs: 200,
-      events: budgetEvents(registry),
-    });
+    budgetsOn({ redis: r.redis, sql: db.sql, keys }, { prices, ttlMs: 200, events: budgetEvents(registry) });
   const api = apiHandler({ redis: r.redis, sql: db.sql, keys }, {
     authMode: "api-key",
     budgets: budgets(),
@@ -133,7 +127,7 @@ Deno.test("budgets: a tenant is stopped at its budget with 0 overshoot, waits, a
       await waitFor("the other tenant's 20 runs", async () => (await statuses("other")).done === 20, 20_000);
       // The budgeted tenant settles: nothing in flight, its runs held back.
       await waitFor("acme's runs held back for the budget", async () => {
-        const state = await readBudgetState(r.redis, budgetKey(r.prefix, "acme"));
+        const state = await readBudgetState(r.redis, keys.budget("acme"));
         const doc = await call("acme", "GET", `/v1/runs/${ids.at(-1)}`);
         // Settled: nothing in flight, and what is left of the budget no longer fits one run's worst case.
         const done = (await statuses("acme")).done ?? 0;
@@ -147,7 +141,7 @@ Deno.test("budgets: a tenant is stopped at its budget with 0 overshoot, waits, a
       assert.ok(done >= 1 && done <= 10, `${done} runs finished`);
       // 0 overshoot, by the provider's own count.
       assert.ok(reported.get("acme")! <= budget, `provider reported ${reported.get("acme")} tokens of ${budget}`);
-      const state = await readBudgetState(r.redis, budgetKey(r.prefix, "acme"));
+      const state = await readBudgetState(r.redis, keys.budget("acme"));
       assert.equal(state.spent[0], reported.get("acme"), "the budget's spend is the provider's count, to the token");
       // The rest are queued, waiting for the budget, and none is failed or dead-lettered.
       const outcomes = await statuses("acme");
@@ -246,14 +240,14 @@ Deno.test("budgets: a tenant is stopped at its budget with 0 overshoot, waits, a
       assert.equal(posted.status, 202);
       const hung = worstCaseTokens([`Echo: ${text}`], TASK.max_output_tokens);
       await waitFor("the timed-out call's charge", async () => {
-        const state = await readBudgetState(r.redis, budgetKey(r.prefix, "slow"));
+        const state = await readBudgetState(r.redis, keys.budget("slow"));
         return state.spent[2] === hung.prompt + hung.completion && state.reserved[2] === 0;
       }, 10_000);
       // A call the provider refused (a 400) is not billed: released, not charged.
-      const before = (await readBudgetState(r.redis, budgetKey(r.prefix, "slow"))).spent[2];
+      const before = (await readBudgetState(r.redis, keys.budget("slow"))).spent[2];
       assert.equal((await post("slow", 2, "slow [[fail]]")).status, 202);
       await waitFor("the refused run failed", async () => (await statuses("slow")).failed === 1, 10_000);
-      const after = await readBudgetState(r.redis, budgetKey(r.prefix, "slow"));
+      const after = await readBudgetState(r.redis, keys.budget("slow"));
       assert.equal(after.spent[2], before);
       assert.equal(after.reserved[2], 0);
       // The hash is lost: rebuilt from model_attempts, the timed-out call counts at its charge (it counted 0).
@@ -262,7 +256,7 @@ Deno.test("budgets: a tenant is stopped at its budget with 0 overshoot, waits, a
           SELECT count(*)::int AS n FROM model_attempts WHERE tenant = 'slow' AND charged_tokens IS NOT NULL`;
         return (row?.n ?? 0) >= 2;
       });
-      await r.redis.del(budgetKey(r.prefix, "slow"));
+      await r.redis.del(keys.budget("slow"));
       const views = await budgets().views("slow");
       assert.equal(views[0]?.spent, hung.prompt + hung.completion);
     });
@@ -279,10 +273,10 @@ Deno.test("budgets: a tenant is stopped at its budget with 0 overshoot, waits, a
 Deno.test("budget scripts: 200 reservations at once never pass the limit, and settle at the charge", async () => {
   const r = await createTestRedis();
   try {
-    const key = budgetKey(r.prefix, "t");
+    const key = serviceKeys(r.prefix).budget("t");
     const limits: [number, number, number, number] = [1_000, -1, -1, 5_000_000];
     const replies = await Promise.all(
-      Array.from({ length: 200 }, () => runReserve(r.redis, key, limits, { tokens: 10, nanos: 30_000 }, "reserve")),
+      Array.from({ length: 200 }, () => runReserve(r.redis, key, limits, { tokens: 10, nanos: 30_000 })),
     );
     assert.equal(replies.filter((x) => x.ok).length, 100);
     const refused = replies.find((x) => !x.ok)!;
@@ -291,8 +285,12 @@ Deno.test("budget scripts: 200 reservations at once never pass the limit, and se
     assert.equal(refused.reserved, 1_000);
     const state = await readBudgetState(r.redis, key);
     assert.deepEqual(state.reserved, [1_000, 3_000_000, 1_000, 3_000_000]);
-    // The intake's question ignores reservations: nothing is spent yet.
-    assert.ok((await runReserve(r.redis, key, limits, { tokens: 10, nanos: 0 }, "check")).ok);
+    // The intake's question ignores reservations: nothing is spent yet. The worker's counts them: it is refused.
+    assert.equal(overLimit(limits, state.spent, undefined, { tokens: 10, nanos: 0 }), undefined);
+    assert.deepEqual(overLimit(limits, state.spent, state.reserved, { tokens: 10, nanos: 0 }), {
+      budget: 0,
+      never: false,
+    });
   } finally {
     await r.close();
   }
@@ -307,11 +305,12 @@ Deno.test("start-up names the models in use that have no price while a tenant ha
     const config = { OPENAI_MODEL: "unpriced-a", LLM_PROVIDER: "openai" };
     const prices = createPrices({ LLM_PRICES: { priced: { in: 1, out: 2 } } });
     // No USD budget: nothing to say.
-    assert.deepEqual(await warnUnpricedModels({ sql: db.sql, log: silentLogger }, config, prices), []);
+    const stores = { records: budgetRecords(db.sql), taskModels: () => taskModels(db.sql) };
+    assert.deepEqual(await warnUnpricedModels({ ...stores, log: silentLogger }, config, prices), []);
     await setTenantBudget(db.sql, "acme", { "--usd-per-month": 10 });
     const lines: string[] = [];
     const log = createLogger({ level: "error", write: (line) => lines.push(line) });
-    assert.deepEqual(await warnUnpricedModels({ sql: db.sql, log }, config, prices), ["unpriced-a", "unpriced-b"]);
+    assert.deepEqual(await warnUnpricedModels({ ...stores, log }, config, prices), ["unpriced-a", "unpriced-b"]);
     assert.match(lines.join(""), /budget_models_unpriced/);
   } finally {
     await db.close();
@@ -321,11 +320,11 @@ Deno.test("start-up names the models in use that have no price while a tenant ha
 Deno.test("a reservation never settled (its worker killed mid-call) is charged as spent an epoch later", async () => {
   const r = await createTestRedis();
   try {
-    const key = budgetKey(r.prefix, "t");
+    const key = serviceKeys(r.prefix).budget("t");
     const limits: [number, number, number, number] = [1_000, -1, -1, -1];
     await seedBudgetState(r.redis, key, [0, 0, 0, 0]);
     // A worker reserves, then is killed before it settles: its reservation is held, not spent.
-    const held = await runReserve(r.redis, key, limits, { tokens: 300, nanos: 0 }, "reserve");
+    const held = await runReserve(r.redis, key, limits, { tokens: 300, nanos: 0 });
     assert.ok(held.ok);
     let state = await readBudgetState(r.redis, key);
     assert.equal(state.spent[0], 0);
@@ -343,7 +342,7 @@ Deno.test("a reservation never settled (its worker killed mid-call) is charged a
     await r.redis.hset(key, `r${old}:tok`, tokens!, "open", String(old), `R:${held.id}`, `${old},300,0`);
     state = await readBudgetState(r.redis, key);
     assert.deepEqual([state.spent[0], state.reserved[0]], [300, 0]);
-    const next = await runReserve(r.redis, key, limits, { tokens: 800, nanos: 0 }, "reserve");
+    const next = await runReserve(r.redis, key, limits, { tokens: 800, nanos: 0 });
     assert.equal(next.ok, false, "300 charged + 800 would pass 1,000");
     assert.equal(next.spent, 300);
     assert.equal(await r.redis.hget(key, `r${old}:tok`), null);
@@ -380,12 +379,9 @@ Deno.test("a budget's state lost in Redis (a flush, a failover) is rebuilt from 
       (job_id, tenant, delivery, attempt, started_at, duration_ms, outcome, prompt_tokens, completion_tokens, model)
       VALUES (${crypto.randomUUID()}, 'acme', 1, 1, now(), 10, 'ok', 500, 200, 'm'),
              (${crypto.randomUUID()}, 'acme', 1, 1, now(), 10, 'ok', 80, 20, 'm')`;
-    const budgets = createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger }, {
-      prefix: r.prefix,
-      prices: createPrices({}),
-      ttlMs: 200,
-    });
-    const key = budgetKey(r.prefix, "acme");
+    const keys = serviceKeys(r.prefix);
+    const budgets = budgetsOn({ redis: r.redis, sql: db.sql, keys }, { prices: createPrices({}), ttlMs: 200 });
+    const key = keys.budget("acme");
     // No state in Redis at all (never made, or lost): a call worth 300 more does not fit the 200 left.
     await assert.rejects(budgets.reserve("acme", "m", { prompt: 250, completion: 50 }), /budget/i);
     assert.equal((await readBudgetState(r.redis, key)).spent[0], 800);
@@ -424,12 +420,9 @@ Deno.test("a call in flight when the budget's state is lost is charged in full b
     await db.sql`INSERT INTO model_attempts
       (job_id, tenant, delivery, attempt, started_at, duration_ms, outcome, prompt_tokens, completion_tokens, model)
       VALUES (${crypto.randomUUID()}, 'acme', 1, 1, now(), 10, 'ok', 600, 200, 'm')`;
-    const budgets = createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger }, {
-      prefix: r.prefix,
-      prices: createPrices({}),
-      ttlMs: 200,
-    });
-    const key = budgetKey(r.prefix, "acme");
+    const keys = serviceKeys(r.prefix);
+    const budgets = budgetsOn({ redis: r.redis, sql: db.sql, keys }, { prices: createPrices({}), ttlMs: 200 });
+    const key = keys.budget("acme");
     // A call holds its worst case (3,000 tokens); Redis loses the hash meanwhile, and it is rebuilt (800 recorded).
     const held = (await budgets.reserve("acme", "m", { prompt: 1000, completion: 2000 }))!;
     await r.redis.del(key);

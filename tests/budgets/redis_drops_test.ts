@@ -19,10 +19,9 @@
  */
 import assert from "node:assert/strict";
 import { connectRedis, type RedisClient } from "../../src/clients.ts";
-import { budgetKey, createBudgets, worstCaseTokens } from "../../src/budgets/budgets.ts";
-import { readBudgetState } from "../../src/budgets/budget_scripts.ts";
+import { worstCaseTokens } from "../../src/budgets/budgets.ts";
+import { readBudgetState } from "../../src/budgets/read_script.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
-import { silentLogger } from "../../src/log/logger.ts";
 import { createPrices } from "../../src/llm/prices.ts";
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import type { StreamWorker } from "../../src/queue/stream_worker.ts";
@@ -31,7 +30,7 @@ import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { type ChatBody, defaultAnswer, realisticUsage, startFakeModel } from "../support/fake_model_server.ts";
-import { apiHandler, jsonClient, relayTo, summaryWorker } from "../support/fixtures.ts";
+import { apiHandler, budgetsOn, jsonClient, relayTo, summaryWorker } from "../support/fixtures.ts";
 import { startRedisDropProxy } from "../support/redis_drop_proxy.ts";
 import { createTestDatabase, createTestRedis, REDIS_URL, waitFor } from "../_support.ts";
 
@@ -89,7 +88,7 @@ Deno.test({
     try {
       const api = apiHandler({ redis: r.redis, sql: db.sql, keys }, {
         authMode: "api-key",
-        budgets: createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger }, { prefix: r.prefix, prices }),
+        budgets: budgetsOn({ redis: r.redis, sql: db.sql, keys }, { prices }),
         defaultModel: MODEL,
       });
       const call = jsonClient(api, await createApiKey(db.sql, "acme"));
@@ -99,11 +98,7 @@ Deno.test({
         // The service's own client, as a worker process opens it, through the proxy.
         const redis = await connectRedis(proxy.url(), { name: `worker-${n}` });
         workerClients.push(redis);
-        const budgets = createBudgets({ redis, sql: db.sql, log: silentLogger }, {
-          prefix: r.prefix,
-          prices,
-          ttlMs: 200,
-        });
+        const budgets = budgetsOn({ redis, sql: db.sql, keys }, { prices, ttlMs: 200 });
         workers.push(summaryWorker({ redis, sql: db.sql, llm, keys, budgets, prices }, {
           concurrency: 32,
           consumer: `w${n}`,
@@ -166,7 +161,7 @@ Deno.test({
         model.usages.forEach((u) => tokens += u ? u.prompt_tokens + u.completion_tokens : 0);
         return tokens;
       };
-      const state = () => readBudgetState(r.redis, budgetKey(r.prefix, "acme"));
+      const state = () => readBudgetState(r.redis, keys.budget("acme"));
       /**
        * What the budget must have spent, by the provider's count and the service's record: every call the provider
        * billed (each one a `model_attempts` row naming its request), and every call charged its reservation

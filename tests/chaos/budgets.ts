@@ -60,9 +60,9 @@
 import type { Sql } from "postgres";
 import { sleep } from "../../src/async/timeout.ts";
 import type { RedisClient } from "../../src/clients.ts";
-import { budgetKey, worstCaseTokens } from "../../src/budgets/budgets.ts";
+import { worstCaseTokens } from "../../src/budgets/budgets.ts";
 import type { CallTokens } from "../../src/budgets/charge.ts";
-import { readBudgetState } from "../../src/budgets/budget_scripts.ts";
+import { readBudgetState } from "../../src/budgets/read_script.ts";
 import { MAX_OUTPUT_TOKENS } from "../../src/llm/llm.ts";
 import { costNanos, nanosToUsd, type Prices, usdToNanos } from "../../src/llm/prices.ts";
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
@@ -267,7 +267,7 @@ export function chaosBudgets(deps: BudgetDeps): ChaosBudgets {
   }
 
   async function state(tenant: Budgeted) {
-    const s = await readBudgetState(deps.redis, budgetKey(deps.keys.prefix, tenant));
+    const s = await readBudgetState(deps.redis, deps.keys.budget(tenant));
     const i = index(BUDGETED[tenant]);
     return { spent: s.spent[i]!, reserved: s.reserved[i]! };
   }

@@ -12,12 +12,11 @@
  * A 429 answered through the API is recorded for its tenant, in Redis and in
  * `oncely_tenant_refusals_total`.
  */
-import { seedBudgetState } from "../../src/budgets/budget_scripts.ts";
+import { seedBudgetState } from "../../src/budgets/seed_script.ts";
 import assert from "node:assert/strict";
 import { clockWindow } from "../../src/console/chart_windows.ts";
 import { createConsole } from "../../src/console/console.ts";
 import { formatCount, formatUsd } from "../../src/console/charts.ts";
-import { budgetKey, createBudgets } from "../../src/budgets/budgets.ts";
 import { createPrices } from "../../src/llm/prices.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { apiMetrics, createRegistry } from "../../src/metrics/metrics.ts";
@@ -31,7 +30,7 @@ import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { launchBrowser } from "../support/browser.ts";
 import { figureOf, marksOf, valuesOf } from "../support/chart_marks.ts";
-import { apiHandler } from "../support/fixtures.ts";
+import { apiHandler, budgetsOn } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis, seededRandom } from "../_support.ts";
 
 const TOKEN = "charts-test-admin-token-0123456789";
@@ -396,11 +395,11 @@ Deno.test("a 429 for a spent budget is recorded per minute for its tenant, and c
     // answers 429 (a worst case over the whole budget would be a 422: it could never fit).
     await createApiKey(db.sql, "acme");
     await db.sql`UPDATE tenants SET budget_tokens_day = 5000 WHERE name = 'acme'`;
-    await seedBudgetState(r.redis, budgetKey(r.prefix, "acme"), [4_900, 0, 4_900, 0]);
+    await seedBudgetState(r.redis, keys.budget("acme"), [4_900, 0, 4_900, 0]);
     const prices = createPrices({ LLM_PRICES: { "default-model": { in: 0.4, out: 1.6 } } });
     const handler = apiHandler({ redis: r.redis, sql: db.sql, keys }, {
       metrics: { api: apiMetrics(registry), registry },
-      budgets: createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger }, { prefix: r.prefix, prices }),
+      budgets: budgetsOn({ redis: r.redis, sql: db.sql, keys }, { prices }),
       defaultModel: "default-model",
     });
     const before = Date.now();

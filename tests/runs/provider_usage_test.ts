@@ -8,8 +8,8 @@
  * worker, Redis and Postgres.
  */
 import assert from "node:assert/strict";
-import { budgetKey, createBudgets, worstCaseTokens } from "../../src/budgets/budgets.ts";
-import { readBudgetState } from "../../src/budgets/budget_scripts.ts";
+import { worstCaseTokens } from "../../src/budgets/budgets.ts";
+import { readBudgetState } from "../../src/budgets/read_script.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { MAX_OUTPUT_TOKENS, summaryPrompt } from "../../src/llm/llm.ts";
 import { createLogger, silentLogger } from "../../src/log/logger.ts";
@@ -22,7 +22,7 @@ import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import { enqueueToLane } from "../support/enqueue.ts";
-import { summaryWorker } from "../support/fixtures.ts";
+import { budgetsOn, summaryWorker } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis, recordingLogger, waitFor } from "../_support.ts";
 
 /** The bad usages, each as a provider might send it: the marker in a document picks one. */
@@ -73,7 +73,7 @@ Deno.test("usage out of range or not an integer is unknown: the run is done, oth
     keys,
     prices,
     flow,
-    budgets: createBudgets({ redis: r.redis, sql: db.sql, log: silentLogger }, { prefix: r.prefix, prices }),
+    budgets: budgetsOn({ redis: r.redis, sql: db.sql, keys }, { prices }),
   }, { job: { model: "priced-model", maxAttempts: 1, budgetMs: 5_000, perCallTimeoutMs: 2_000 } });
   const others = ["globex", "initech", "umbrella"];
   for (const kind of Object.keys(BAD_USAGE)) {
@@ -139,7 +139,7 @@ Deno.test("usage out of range or not an integer is unknown: the run is done, oth
         assert.equal(lines[0]!.value, JSON.stringify(BAD_USAGE[kind]!.prompt_tokens));
         logged.lines.length = 0;
         // The budget is charged the reservation too, and nothing stays reserved.
-        const state = await readBudgetState(r.redis, budgetKey(r.prefix, tenant));
+        const state = await readBudgetState(r.redis, keys.budget(tenant));
         assert.deepEqual([state.spent[0], state.reserved[0]], [worst.prompt + worst.completion, 0]);
       });
     }

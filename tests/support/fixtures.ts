@@ -3,7 +3,16 @@
  * way the processes do, with test-friendly defaults. Tests and the bench
  * pass their own clients and override only what they are about.
  */
-import type { Budgets } from "../../src/budgets/budgets.ts";
+import {
+  type BudgetKeys,
+  type BudgetRecords,
+  type Budgets,
+  type BudgetsOptions,
+  createBudgets,
+} from "../../src/budgets/budgets.ts";
+import { chargedThisPeriod } from "../../src/jobs/job_store.ts";
+import { loadTenantBudgets } from "../../src/tenants/tenant_budgets.ts";
+import type { ReplicaAck } from "../../src/redis/replica_ack.ts";
 import type { RedisClient } from "../../src/clients.ts";
 import type { Sql } from "postgres";
 import type { LLM } from "../../src/llm/llm.ts";
@@ -169,4 +178,23 @@ export function relayTo(
     defer,
     log,
   }, { batch: 20, maxAttempts: 5, leaseMs: 5_000, ...overrides });
+}
+
+/** What the budgets read from `sql`, from the stores that own it, as the processes wire it. */
+export function budgetRecords(sql: Sql): BudgetRecords {
+  return { limits: () => loadTenantBudgets(sql), spent: (tenant) => chargedThisPeriod(sql, tenant) };
+}
+
+/** A process's budgets on `redis`, reading limits and spend from `sql` as the processes do. */
+export function budgetsOn(
+  { redis, sql, keys, ack, log = silentLogger }: {
+    redis: RedisClient;
+    sql: Sql;
+    keys: BudgetKeys;
+    ack?: ReplicaAck;
+    log?: Logger;
+  },
+  options: Omit<BudgetsOptions, "keys" | "records">,
+): Budgets {
+  return createBudgets({ redis, log, ack }, { keys, records: budgetRecords(sql), ...options });
 }

@@ -12,7 +12,7 @@ import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { costNanos, createPrices, type ModelPrice, nanosToUsd } from "../../src/llm/prices.ts";
 import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
-import type { BudgetView } from "../../src/usage/usage_schemas.ts";
+import type { BudgetView } from "../../src/budgets/budget_view.ts";
 import { UsageDocument } from "../../src/usage/usage_schemas.ts";
 import { type ModelBehaviour, startFakeModel } from "../support/fake_model_server.ts";
 import { apiHandler, summaryWorker } from "../support/fixtures.ts";
