@@ -13,11 +13,11 @@ import {
   cacheHitsPerBucket,
   outcomesPerBucket,
   spentSince,
-  tenantBudgets,
   usagePerBucket,
   usageTenants,
   type Window,
 } from "../jobs/usage_series.ts";
+import { tenantBudgets } from "../tenants/tenant_budgets.ts";
 import { refusalsKeptFrom, refusalsPerMinute } from "../metrics/refusals.ts";
 import { clockWindow, unknownWindow, type UsageWindow, usageWindow, windowSwitch } from "./chart_windows.ts";
 import { type Bucket, bucketRange, chart, type ChartSeries, formatCount, formatMs, formatUsd } from "./charts.ts";

@@ -137,23 +137,6 @@ export async function outcomesPerBucket(
     ORDER BY 1`;
 }
 
-/** A tenant's spending limits (`tenant budget`); null where it has none. */
-export interface TenantBudgets {
-  budget_usd_day: string | null;
-  budget_usd_month: string | null;
-  budget_tokens_day: number | null;
-  budget_tokens_month: number | null;
-}
-
-/** `tenant`'s budgets; all null for a tenant with none, or with no row (trusted-header tenants). */
-export async function tenantBudgets(sql: Queryable, tenant: string): Promise<TenantBudgets> {
-  const [row] = await sql<TenantBudgets[]>`
-    SELECT budget_usd_day::text, budget_usd_month::text, budget_tokens_day::float8 AS budget_tokens_day,
-      budget_tokens_month::float8 AS budget_tokens_month
-    FROM tenants WHERE name = ${tenant}`;
-  return row ?? { budget_usd_day: null, budget_usd_month: null, budget_tokens_day: null, budget_tokens_month: null };
-}
-
 /** What `tenant`'s calls since `sinceMs` came to: tokens (prompt and completion) and cost (numeric, as text). */
 export async function spentSince(
   sql: Queryable,

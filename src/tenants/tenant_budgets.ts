@@ -3,6 +3,7 @@
  * `budget_tokens_day`, `budget_tokens_month`), and the one read of every tenant's limits the budgets make.
  */
 import type { Sql } from "postgres";
+import type { Queryable } from "../db/queryable.ts";
 import type { TenantBudget } from "../budgets/budgets.ts";
 
 /** The `tenant budget` flags and the tenants columns they set. */
@@ -96,4 +97,21 @@ export async function loadTenantBudgets(sql: Sql): Promise<Map<string, TenantBud
     ...(r.tok_day === null ? {} : { tokens_per_day: num(r.tok_day) }),
     ...(r.tok_month === null ? {} : { tokens_per_month: num(r.tok_month) }),
   }]));
+}
+
+/** A tenant's spending limits (`tenant budget`); null where it has none. */
+export interface TenantBudgets {
+  budget_usd_day: string | null;
+  budget_usd_month: string | null;
+  budget_tokens_day: number | null;
+  budget_tokens_month: number | null;
+}
+
+/** `tenant`'s budgets; all null for a tenant with none, or with no row (trusted-header tenants). */
+export async function tenantBudgets(sql: Queryable, tenant: string): Promise<TenantBudgets> {
+  const [row] = await sql<TenantBudgets[]>`
+    SELECT budget_usd_day::text, budget_usd_month::text, budget_tokens_day::float8 AS budget_tokens_day,
+      budget_tokens_month::float8 AS budget_tokens_month
+    FROM tenants WHERE name = ${tenant}`;
+  return row ?? { budget_usd_day: null, budget_usd_month: null, budget_tokens_day: null, budget_tokens_month: null };
 }
