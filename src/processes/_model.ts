@@ -1,10 +1,12 @@
-/** The model and flow control the configuration picks. */
+/** The model, flow control and deployments the configuration picks. */
 import type { RedisClient } from "../clients.ts";
 import type { Config } from "../config.ts";
 import { createExtractiveLlm } from "../llm/extractive.ts";
 import type { LLM } from "../llm/llm.ts";
+import type { Models } from "../llm/models.ts";
 import { createOpenAiLlm } from "../llm/openai_llm.ts";
 import type { Logger } from "../log/logger.ts";
+import { createDeployment } from "../provider/deployment.ts";
 import { createProviderFlow, type FlowEvents, type ProviderFlow, providerStateKey } from "../provider/flow_control.ts";
 import { KEY_PREFIX } from "../runs/keys.ts";
 
@@ -19,6 +21,19 @@ export function buildLlm(config: Config, log?: Logger): LLM {
     baseURL: config.OPENAI_BASE_URL,
     log,
   });
+}
+
+/** The configured model's name: OPENAI_MODEL, or `extractive`. */
+export function modelName(config: Config): string {
+  return config.LLM_PROVIDER === "openai" ? config.OPENAI_MODEL : "extractive";
+}
+
+/**
+ * The deployments the worker's model calls go to: today the one the configuration names, its model under its
+ * `flow` (none for the local model). A second deployment is added here, as another implementation of `Models`.
+ */
+export function buildModels(config: Config, { llm, flow }: { llm: LLM; flow?: ProviderFlow }): Models {
+  return createDeployment({ llm, flow, model: modelName(config) });
 }
 
 /** The provider as people name it: base URL and model (never the key). */

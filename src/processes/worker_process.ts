@@ -13,7 +13,7 @@ import { createSummaryWorker } from "../runs/worker.ts";
 import { createTaskCache } from "../tasks/task_cache.ts";
 import { createPrices } from "../llm/prices.ts";
 import { createSchemaValidators, VALIDATION_LIMITS } from "../tasks/validator.ts";
-import { buildFlow, buildLlm, providerLabel } from "./_model.ts";
+import { buildFlow, buildLlm, buildModels, providerLabel } from "./_model.ts";
 import { settlesWithin } from "../async/timeout.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
 import type { ComponentDeps } from "./_deps.ts";
@@ -45,9 +45,8 @@ export async function startWorker(
   const worker = createSummaryWorker({
     redis,
     sql,
-    llm: buildLlm(config, log),
+    models: buildModels(config, { llm: buildLlm(config, log), flow }),
     log,
-    flow,
     tasks: createTaskCache(sql),
     validators,
     budgets,
@@ -66,7 +65,6 @@ export async function startWorker(
       perCallTimeoutMs: config.LLM_CALL_TIMEOUT_S * 1000,
       maxAttempts: config.LLM_MAX_ATTEMPTS,
       onAttempt: attemptObserver(metrics),
-      model: config.LLM_PROVIDER === "openai" ? config.OPENAI_MODEL : "extractive",
     },
     cache: {
       defaultTtlS: config.RESULT_CACHE_TTL_S,

@@ -41,21 +41,33 @@ export interface AttemptDetails {
   charge?: "reported" | "reserved" | "none";
 }
 
+/** The right to make one attempt, settled with how it ended. */
+export interface AttemptPermit<T> {
+  readonly waitedMs: number;
+  /**
+   * `notSent`: with `aborted`, the call never went out (stopped before it started).
+   * @returns true when the gate absorbed the failure: retry after its wait, without counting an attempt.
+   */
+  settle(outcome: { value?: T; error?: unknown; aborted?: boolean; notSent?: boolean }): Promise<boolean>;
+}
+
+/** What the gate grants one attempt: its permit, if flow control applies, and whatever the call is made with. */
+export interface Granted<T> {
+  readonly permit?: AttemptPermit<T>;
+}
+
 /**
  * Shared flow control in front of every attempt (the provider limiter and
- * breaker). Each attempt first takes a permit, then reports how it ended.
+ * breaker). Each attempt first takes a grant, which the call receives (so
+ * the gate may choose where the call goes), then its permit is settled with
+ * how the attempt ended.
  */
-export interface AttemptGate<T> {
-  acquire(signal?: AbortSignal): Promise<{
-    readonly waitedMs: number;
-    /** @returns true when the gate absorbed the failure: retry after its wait, without counting an attempt. */
-    /** `notSent`: with `aborted`, the call never went out (stopped before it started). */
-    settle(outcome: { value?: T; error?: unknown; aborted?: boolean; notSent?: boolean }): Promise<boolean>;
-  }>;
+export interface AttemptGate<T, G extends Granted<T> = Granted<T>> {
+  acquire(signal?: AbortSignal): Promise<G>;
 }
 
 /** Options for {@linkcode callWithRetries}. */
-export interface RetryOptions<T = unknown> {
+export interface RetryOptions<T = unknown, G extends Granted<T> = Granted<T>> {
   deadline: Deadline;
   /** Wall-clock cap of one attempt. */
   perCallTimeoutMs: number;
@@ -80,7 +92,7 @@ export interface RetryOptions<T = unknown> {
   /** Reads an attempt's details (tokens, request id) from its value or error, for `onAttempt`. */
   describe?: (outcome: { value?: T; error?: unknown }) => AttemptDetails;
   /** Flow control shared with other callers; its waits are not charged to `deadline`. */
-  gate?: AttemptGate<T>;
+  gate?: AttemptGate<T, G>;
 }
 
 /** Defaults of {@linkcode RetryOptions}, in one place. */
@@ -113,17 +125,25 @@ export function backoffMs(
  * `min(perCallTimeoutMs, deadline.remaining())`, enforced by racing a
  * wall-clock timer as well as aborting `fn`'s signal: a server that drips a
  * byte every few seconds never trips an HTTP read timeout. With a `gate`,
- * every attempt (the first and each retry) waits for its permit first, and a
- * failure the gate absorbs is retried after the gate's wait without counting
- * toward `maxAttempts`.
+ * every attempt (the first and each retry) waits for its grant first and
+ * `fn` is called with it, and a failure the gate absorbs is retried after the
+ * gate's wait without counting toward `maxAttempts`.
  * @throws {DeadlineExceeded} when the budget cannot fit another useful attempt
  * (its `cause` is the last error).
  * @throws {GateUnavailable} when the gate cannot be asked.
  * @throws the last error when it is not retryable or attempts are exhausted.
  */
-export async function callWithRetries<T>(
+export function callWithRetries<T>(
   fn: (signal: AbortSignal) => Promise<T>,
-  options: RetryOptions<T>,
+  options: RetryOptions<T> & { gate?: undefined },
+): Promise<T>;
+export function callWithRetries<T, G extends Granted<T>>(
+  fn: (signal: AbortSignal, granted: G) => Promise<T>,
+  options: RetryOptions<T, G> & { gate: AttemptGate<T, G> },
+): Promise<T>;
+export async function callWithRetries<T, G extends Granted<T>>(
+  fn: (signal: AbortSignal, granted: G) => Promise<T>,
+  options: RetryOptions<T, G>,
 ): Promise<T> {
   const clock = options.clock ?? systemClock;
   const random = options.random ?? Math.random;
@@ -143,12 +163,13 @@ export async function callWithRetries<T>(
       });
     }
     // Waiting for the shared permit costs the job nothing: the provider, not the job, is the bottleneck.
-    const permit = await options.gate?.acquire(options.signal).catch((cause) => {
+    const granted = await options.gate?.acquire(options.signal).catch((cause) => {
       if (options.signal?.aborted || cause instanceof GateRefused) throw cause;
       throw new GateUnavailable(`flow control unavailable: ${cause instanceof Error ? cause.message : cause}`, {
         cause,
       });
     });
+    const permit = granted?.permit;
     if (permit) deadline.extend(permit.waitedMs);
     // Stopped while the permit (or a budget's reservation) was being granted: the call never goes out, so there
     // is no attempt to record and nothing to charge.
@@ -171,7 +192,8 @@ export async function callWithRetries<T>(
     const signal = linked?.signal ?? timer.signal;
     let result: T;
     try {
-      result = await Promise.race([fn(signal), timedOut]);
+      // Without a gate, `fn` takes the signal alone (the first overload).
+      result = await Promise.race([fn(signal, granted as G), timedOut]);
     } catch (error) {
       lastError = error;
       timer.cancel();

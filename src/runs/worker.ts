@@ -1,22 +1,22 @@
 import { JOB_ID } from "./shapes.ts";
 import type { RedisClient } from "../clients.ts";
 import type { Sql } from "postgres";
-import { estimateTokens, estimateTokensOfLength, type LLM, summaryPrompt } from "../llm/llm.ts";
-import { FLOW_DEFAULTS, type ProviderFlow } from "../provider/flow_control.ts";
+import { estimateTokens, estimateTokensOfLength, summaryPrompt } from "../llm/llm.ts";
+import type { Models } from "../llm/models.ts";
 import type { Logger } from "../log/logger.ts";
 import { createStreamWorker, type StreamWorker, type WorkerEvents } from "../queue/stream_worker.ts";
 import { acceptedMsOf, type QueueNames, type StreamMessage } from "../queue/message.ts";
 import { createTenantWeights, TENANT_WEIGHT } from "../tenants/tenant_weights.ts";
 import { createGroupCommitter, failRun } from "./commit.ts";
 import { runOfPayload } from "./run_payload.ts";
-import type { SummaryJobDeps } from "./run_job.ts";
+import type { SummaryJobDeps, SummaryJobOptions } from "./run_deps.ts";
 import type { JobKeys, ServiceKeys } from "./keys.ts";
 import { createLaneRegistry } from "../queue/lanes.ts";
 import { staticLanes } from "../queue/static_lanes.ts";
 import { markFailedHook, recordExpiryOnAck } from "./job_status.ts";
 import { notifyJob } from "./job_waiter.ts";
 import { keepDrainingLegacyStream } from "./legacy_drain.ts";
-import { createSummaryJob, type SummaryJobOptions } from "./run_job.ts";
+import { createSummaryJob } from "./run_job.ts";
 import { createAttemptLog, describeFailures } from "./attempt_log.ts";
 import type { BudgetExhausted, Budgets } from "../budgets/budgets.ts";
 import { announceLane } from "../queue/lanes.ts";
@@ -54,8 +54,8 @@ export interface SummaryWorkerOptions {
 /** The summary worker: the stream worker running the summary job. The caller closes it. */
 export function createSummaryWorker(
   deps:
-    & { redis: RedisClient; sql: Sql; llm: LLM; log: Logger }
-    & Pick<SummaryJobDeps, "flow" | "tasks" | "validators" | "budgets" | "prices">,
+    & { redis: RedisClient; sql: Sql; models: Models; log: Logger }
+    & Pick<SummaryJobDeps, "tasks" | "validators" | "budgets" | "prices">,
   options: SummaryWorkerOptions,
 ): StreamWorker {
   const committer = createGroupCommitter({ sql: deps.sql, log: deps.log });
@@ -131,8 +131,9 @@ export function createSummaryWorker(
         }
       },
     },
-    // With a shared provider limit, jobs wait in the stream until a permit is near, not in this process.
-    gate: deps.flow && tokenGate(deps.flow, share.averageCost),
+    // With a shared provider limit, jobs wait in the stream until a permit is near, not in this process: the
+    // deployments say how many jobs of the recent average estimate may be read.
+    gate: deps.models.capacity && (() => deps.models.capacity!(share.averageCost())),
     // A tenant whose budget is spent: its runs wait in its lane, which is not read until the budget fits again.
     skip: blocks?.skip,
     // A job read ahead makes its pre-check while it waits for its slot; one that failed is asked again at start.
@@ -246,35 +247,6 @@ function tokenShare(deps: { sql: Sql; log: Logger }, options: SummaryWorkerOptio
       const byTenant = await tenantWeights.current();
       return (lane) => byTenant.get(tenants.get(lane.stream) ?? "") ?? TENANT_WEIGHT.default;
     },
-  };
-}
-
-/**
- * The provider's gate, bounded by its tokens as well as its requests. `flow.ready()` counts the calls that may
- * start within the booking horizon whatever their size, but under a tokens-per-minute limit one job of 5,000
- * estimated tokens books seconds of it: reading a second's worth of requests at once would hold a batch of one
- * tenant's large documents in memory, each waiting for its permit, ahead of every job another tenant posts
- * next. So a read takes only as many jobs of the recent average estimate as the token budget can book now
- * (less this process's jobs already waiting), and the lanes' fair share decides whose they are.
- */
-function tokenGate(flow: ProviderFlow, averageCost: () => number) {
-  // Whether the provider has a tokens-per-minute limit, as last seen: without one, the status is asked for only
-  // once a second (a high-rate worker reads often, and each look is a round trip).
-  let unlimitedUntil = 0;
-  return async (): Promise<{ permits: number; waitMs: number }> => {
-    const gate = await flow.ready();
-    if (gate.permits <= 1 || performance.now() < unlimitedUntil) return gate;
-    const status = await flow.status();
-    if (!status.tpm.limit) {
-      unlimitedUntil = performance.now() + 1_000;
-      return gate;
-    }
-    const msPerToken = 60_000 / (status.tpm.limit * FLOW_DEFAULTS.margin);
-    // How far the next booking may still be from now, as the limiter allows it.
-    const room = FLOW_DEFAULTS.maxAheadMs - (status.next_permit_at - status.now);
-    if (room < 0) return { permits: 0, waitMs: Math.ceil(-room) };
-    const fit = Math.floor(room / (averageCost() * msPerToken)) + 1 - flow.waiting;
-    return fit > 0 ? { permits: Math.min(gate.permits, fit), waitMs: gate.waitMs } : { permits: 0, waitMs: 50 };
   };
 }
 

@@ -13,6 +13,7 @@ import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import { commitResults } from "../../src/runs/commit.ts";
 import { jobKeys, KEY_PREFIX, serviceKeys } from "../../src/runs/keys.ts";
 import { createSummaryWorker } from "../../src/runs/worker.ts";
+import { createDeployment } from "../../src/provider/deployment.ts";
 import { createStreamWorker, type StreamWorker } from "../../src/queue/stream_worker.ts";
 import { staticLanes } from "../../src/queue/static_lanes.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
@@ -455,7 +456,12 @@ async function workerRun(opts: { jobs: number; concurrency: number; delayMs: num
     let finished!: () => void;
     const allDone = new Promise<void>((res) => (finished = res));
     const worker = createSummaryWorker(
-      { redis: r.redis, sql: db.sql, llm: fixedLlm(opts.delayMs), log: silentLogger },
+      {
+        redis: r.redis,
+        sql: db.sql,
+        models: createDeployment({ llm: fixedLlm(opts.delayMs), model: "bench" }),
+        log: silentLogger,
+      },
       {
         keys,
         consumer: "bench",
@@ -1144,7 +1150,8 @@ async function benchMemory() {
     await enqueueMany(r, inFlight, keys);
     (globalThis as { gc?: () => void }).gc?.();
     const before = Deno.memoryUsage().rss;
-    const worker = createSummaryWorker({ redis: r.redis, sql: db.sql, llm: fixedLlm(60_000), log: silentLogger }, {
+    const models = createDeployment({ llm: fixedLlm(60_000), model: "bench" });
+    const worker = createSummaryWorker({ redis: r.redis, sql: db.sql, models, log: silentLogger }, {
       keys,
       consumer: "mem",
       claimIdleMs: 60_000,

@@ -14,6 +14,7 @@ import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { enqueueJob } from "../support/enqueue.ts";
 import { jobKeys } from "../../src/runs/keys.ts";
 import { createSummaryWorker } from "../../src/runs/worker.ts";
+import { createDeployment } from "../../src/provider/deployment.ts";
 import { limitedProvider, startFakeModel } from "../support/fake_model_server.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 
@@ -56,9 +57,12 @@ Deno.test("two workers share one provider's limit, pause and breaker", async (t)
       workers.push(createSummaryWorker({
         redis,
         sql: db.sql,
-        llm: createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: model.url }),
+        models: createDeployment({
+          llm: createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: model.url }),
+          flow,
+          model: "m",
+        }),
         log: silentLogger,
-        flow,
       }, {
         keys,
         consumer: name,

@@ -18,6 +18,7 @@ import { createProviderFlow, providerStateKey, type ProviderStatus } from "../..
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { type ServiceKeys, serviceKeys } from "../../src/runs/keys.ts";
 import { createSummaryWorker } from "../../src/runs/worker.ts";
+import { createDeployment } from "../../src/provider/deployment.ts";
 import { enqueueToLane } from "../support/enqueue.ts";
 import { errorBody, type FakeModelServer, startFakeModel } from "../support/fake_model_server.ts";
 import { createTestDatabase, createTestRedis, type TestDatabase, type TestRedis, waitFor } from "../_support.ts";
@@ -101,9 +102,12 @@ function startWorker(s: Service, { tpm, concurrency = 40 }: { tpm?: number; conc
   const worker = createSummaryWorker({
     redis: s.r.redis,
     sql: s.db.sql,
-    llm: createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: s.provider.model.url }),
+    models: createDeployment({
+      llm: createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: s.provider.model.url }),
+      flow,
+      model: "m",
+    }),
     log: silentLogger,
-    flow,
   }, {
     keys: s.keys,
     consumer: `w${s.workers++}`,

@@ -13,6 +13,7 @@ import { createProviderFlow, providerStateKey } from "../../src/provider/flow_co
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { serviceKeys } from "../../src/runs/keys.ts";
 import { createSummaryWorker } from "../../src/runs/worker.ts";
+import { createDeployment } from "../../src/provider/deployment.ts";
 import { enqueueToLane } from "../support/enqueue.ts";
 import { errorBody, type ModelBehaviour, startFakeModel } from "../support/fake_model_server.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
@@ -40,9 +41,12 @@ Deno.test("isolation: a poison document or a bad key", async (t) => {
     const worker = createSummaryWorker({
       redis: r.redis,
       sql: db.sql,
-      llm: createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: model.url }),
+      models: createDeployment({
+        llm: createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: model.url }),
+        flow,
+        model: "m",
+      }),
       log: silentLogger,
-      flow,
     }, {
       keys,
       consumer: `w${run}`,

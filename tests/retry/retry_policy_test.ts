@@ -278,10 +278,12 @@ Deno.test("callWithRetries() with a gate: an absorbed failure costs neither an a
     acquire() {
       clock.advance(30_000); // the provider's outage: a long wait for the permit
       return Promise.resolve({
-        waitedMs: 30_000,
-        settle(o: { value?: unknown; error?: unknown }) {
-          outcomes.push(o.error ? "error" : "ok");
-          return Promise.resolve(o.error !== undefined && calls <= 5); // the first five failures are the provider's
+        permit: {
+          waitedMs: 30_000,
+          settle(o: { value?: unknown; error?: unknown }) {
+            outcomes.push(o.error ? "error" : "ok");
+            return Promise.resolve(o.error !== undefined && calls <= 5); // the first five failures are the provider's
+          },
         },
       });
     },
@@ -315,6 +317,46 @@ Deno.test("callWithRetries() with a gate: an absorbed failure costs neither an a
   assert.equal(outcomes.length, 7, "every attempt settled its permit");
 });
 
+Deno.test("callWithRetries() asks the gate before every attempt and calls each with its own grant, settled with its own outcome", async () => {
+  const clock = fakeClock();
+  const settled: string[] = [];
+  const endpoints = ["a", "b"];
+  let grants = 0;
+  const gate = {
+    acquire() {
+      // A later attempt may go elsewhere: the grant, not the caller, names where the call goes.
+      const endpoint = endpoints[Math.min(grants++, endpoints.length - 1)]!;
+      return Promise.resolve({
+        endpoint,
+        permit: {
+          waitedMs: 0,
+          settle(o: { value?: unknown; error?: unknown }) {
+            settled.push(`${endpoint}:${o.error ? "error" : o.value}`);
+            return Promise.resolve(false);
+          },
+        },
+      });
+    },
+  };
+  const called: string[] = [];
+  const result = await callWithRetries((_signal, { endpoint }) => {
+    called.push(endpoint);
+    return endpoint === "a" ? Promise.reject(upstream(503)) : Promise.resolve(`from ${endpoint}`);
+  }, {
+    gate,
+    deadline: Deadline.after(10_000, clock),
+    perCallTimeoutMs: 5_000,
+    maxAttempts: 3,
+    baseMs: 1,
+    clock,
+    random: () => 0,
+  });
+  assert.equal(result, "from b");
+  assert.equal(grants, 2);
+  assert.deepEqual(called, ["a", "b"]);
+  assert.deepEqual(settled, ["a:error", "b:from b"]);
+});
+
 Deno.test("callWithRetries() leaves the job transient when the gate cannot settle, and never calls without a permit", async () => {
   const clock = fakeClock();
   let calls = 0;
@@ -323,7 +365,10 @@ Deno.test("callWithRetries() leaves the job transient when the gate cannot settl
     return Promise.reject(new UpstreamHttpError(429, new Headers(), "quota", { refusal: "quota_exhausted" }));
   }, {
     gate: {
-      acquire: () => Promise.resolve({ waitedMs: 0, settle: () => Promise.reject(new Error("Connection is closed.")) }),
+      acquire: () =>
+        Promise.resolve({
+          permit: { waitedMs: 0, settle: () => Promise.reject(new Error("Connection is closed.")) },
+        }),
     },
     deadline: Deadline.after(10_000, clock),
     perCallTimeoutMs: 5_000,
@@ -410,8 +455,7 @@ Deno.test("callWithRetries() stopped while its permit is granted never calls and
       acquire: () => {
         stop.abort(new Error("stopping"));
         return Promise.resolve({
-          waitedMs: 0,
-          settle: (o: unknown) => (settled.push(o), Promise.resolve(false)),
+          permit: { waitedMs: 0, settle: (o: unknown) => (settled.push(o), Promise.resolve(false)) },
         });
       },
     },
@@ -436,7 +480,9 @@ Deno.test("callWithRetries() stopped while its permit is granted never calls and
       signal.addEventListener("abort", () => reject(signal.reason), { once: true });
       inFlight.abort(new Error("stopping"));
     }), {
-    gate: { acquire: () => Promise.resolve({ waitedMs: 0, settle: () => new Promise<boolean>(() => {}) }) },
+    gate: {
+      acquire: () => Promise.resolve({ permit: { waitedMs: 0, settle: () => new Promise<boolean>(() => {}) } }),
+    },
     deadline: Deadline.after(10_000, clock),
     perCallTimeoutMs: 5_000,
     maxAttempts: 3,

@@ -12,6 +12,7 @@ import { fieldsToObject } from "../../src/redis/fields.ts";
 import { createGroupCommitter } from "../../src/runs/commit.ts";
 import { jobKeys } from "../../src/runs/keys.ts";
 import { createSummaryJob } from "../../src/runs/run_job.ts";
+import { createDeployment } from "../../src/provider/deployment.ts";
 import { enqueueJob } from "../support/enqueue.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 
@@ -49,7 +50,7 @@ Deno.test("a read-ahead pre-check that failed is asked again: the job completes 
     const message = { id, fields: fieldsToObject(flat), deliveries: 1 };
     const job = createSummaryJob({
       sql,
-      llm,
+      models: createDeployment({ llm, model: "extractive" }),
       log: silentLogger,
       committer: createGroupCommitter({ sql, log: silentLogger }),
     }, { budgetMs: 5_000, perCallTimeoutMs: 2_000, maxAttempts: 2, backoffBaseMs: 1, backoffCapMs: 5 });

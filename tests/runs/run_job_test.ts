@@ -9,6 +9,7 @@ import { commitResults, createGroupCommitter } from "../../src/runs/commit.ts";
 import { enqueueJob } from "../support/enqueue.ts";
 import { jobKeys } from "../../src/runs/keys.ts";
 import { createSummaryJob } from "../../src/runs/run_job.ts";
+import { createDeployment } from "../../src/provider/deployment.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { errorBody, startFakeModel } from "../support/fake_model_server.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
@@ -59,7 +60,7 @@ Deno.test("summary job", async (t) => {
         const llm = countingLlm();
         const job = createSummaryJob({
           sql: db.sql,
-          llm,
+          models: createDeployment({ llm, model: "extractive" }),
           log: silentLogger,
           committer: createGroupCommitter({ sql: db.sql, log: silentLogger }),
         }, jobOptions);
@@ -144,7 +145,8 @@ Deno.test("summary job", async (t) => {
           },
         };
         const committer = createGroupCommitter({ sql: db.sql, log: silentLogger });
-        const job = createSummaryJob({ sql: db.sql, llm: gated, log: silentLogger, committer }, jobOptions);
+        const models = createDeployment({ llm: gated, model: "extractive" });
+        const job = createSummaryJob({ sql: db.sql, models, log: silentLogger, committer }, jobOptions);
         const message = {
           id: "1-0",
           fields: { job_id: jobId, tenant: "acme", payload: JSON.stringify({ text: TEXT, notify: "a@b.co" }) },

@@ -24,7 +24,9 @@ import { commitResults, createGroupCommitter } from "../../src/runs/commit.ts";
 import { createIntake } from "../../src/runs/intake.ts";
 import { markFailedHook } from "../../src/runs/job_status.ts";
 import { serviceKeys } from "../../src/runs/keys.ts";
-import { createSummaryJob, JobFailedElsewhere } from "../../src/runs/run_job.ts";
+import { createSummaryJob } from "../../src/runs/run_job.ts";
+import { createDeployment } from "../../src/provider/deployment.ts";
+import { JobFailedElsewhere } from "../../src/runs/run_decided.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { apiHandler, summaryWorker } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
@@ -136,7 +138,7 @@ Deno.test("nothing accepted is stranded", async (t) => {
         // The doomed process: its only delivery (the last allowed) commits, then it dies before XACK.
         const job = createSummaryJob({
           sql: db.sql,
-          llm: createExtractiveLlm(),
+          models: createDeployment({ llm: createExtractiveLlm(), model: "extractive" }),
           log: silentLogger,
           committer: createGroupCommitter({ sql: db.sql, log: silentLogger }),
         }, { budgetMs: 5_000, perCallTimeoutMs: 2_000, maxAttempts: 1 });
@@ -243,7 +245,7 @@ Deno.test("nothing accepted is stranded", async (t) => {
         };
         const job = createSummaryJob({
           sql: db.sql,
-          llm: stalledLlm,
+          models: createDeployment({ llm: stalledLlm, model: "extractive" }),
           log: silentLogger,
           committer: createGroupCommitter({ sql: db.sql, log: silentLogger }),
         }, { budgetMs: 60_000, perCallTimeoutMs: 60_000, maxAttempts: 1 });

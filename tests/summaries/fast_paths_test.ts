@@ -4,7 +4,7 @@
  */
 import assert from "node:assert/strict";
 import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
-import { JobFields, jobFields } from "../../src/runs/run_job.ts";
+import { JobFields, jobFields } from "../../src/runs/run_load.ts";
 import { PermanentJobError } from "../../src/queue/errors.ts";
 import { parseRunRequest, RunRequest } from "../../src/runs/run_schemas.ts";
 import { renderedChars, renderTemplate } from "../../src/tasks/definition.ts";

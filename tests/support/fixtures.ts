@@ -16,12 +16,14 @@ import type { ReplicaAck } from "../../src/redis/replica_ack.ts";
 import type { RedisClient } from "../../src/clients.ts";
 import type { Sql } from "postgres";
 import type { LLM } from "../../src/llm/llm.ts";
+import type { Models } from "../../src/llm/models.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import type { Logger } from "../../src/log/logger.ts";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import type { Mailer } from "../../src/mail/mailer.ts";
 import { createRelay, type Deferral, type Relay, type RelayOptions } from "../../src/outbox/relay.ts";
 import type { ProviderFlow } from "../../src/provider/flow_control.ts";
+import { createDeployment } from "../../src/provider/deployment.ts";
 import type { Prices } from "../../src/llm/prices.ts";
 import type { StreamWorker } from "../../src/queue/stream_worker.ts";
 import { type ApiDeps, createApiHandler } from "../../src/processes/api_process.ts";
@@ -33,7 +35,7 @@ import { createSchemaValidators } from "../../src/tasks/validator.ts";
 import { createIntake } from "../../src/runs/intake.ts";
 import type { JobKeys, ServiceKeys } from "../../src/runs/keys.ts";
 import { createSummaryWorker, type SummaryWorkerOptions } from "../../src/runs/worker.ts";
-import type { SummaryJobDeps } from "../../src/runs/run_job.ts";
+import type { SummaryJobDeps, SummaryJobOptions } from "../../src/runs/run_deps.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { createSecretCheck } from "../../src/tenants/webhook_secrets.ts";
 import { createWebhookHostPolicy } from "../../src/tenants/webhook_hosts.ts";
@@ -102,14 +104,19 @@ export function jsonClient(api: (req: Request) => Promise<Response>, key: string
   };
 }
 
-/** A summary worker with short timings: redelivery after a minute, small budgets, fast backoff. */
+/**
+ * A summary worker with short timings: redelivery after a minute, small budgets, fast backoff. Its calls go to
+ * `models`, or else to one deployment of `llm` under `flow`, whose model is named `overrides.job.model`.
+ */
 export function summaryWorker(
-  { redis, sql, llm, keys, flow, budgets, prices, tasks, validators, log = silentLogger }: {
+  { redis, sql, llm, models, keys, flow, budgets, prices, tasks, validators, log = silentLogger }: {
     redis: RedisClient;
     sql: Sql;
-    llm: LLM;
     keys: ServiceKeys | JobKeys;
     flow?: ProviderFlow;
+    /** The deployments; one of `llm` and `flow` when unset. */
+    models?: Models;
+    llm?: LLM;
     budgets?: Budgets;
     /** Model prices: each attempt's `cost_usd` (NULL without). */
     prices?: Prices;
@@ -119,14 +126,18 @@ export function summaryWorker(
     validators?: SummaryJobDeps["validators"];
     log?: Logger;
   },
-  overrides: Partial<SummaryWorkerOptions> = {},
+  overrides: Partial<Omit<SummaryWorkerOptions, "job">> & {
+    /** `model`: the deployment's model, as attempts record it ("unknown" when unset). */
+    job?: Partial<SummaryJobOptions> & { model?: string };
+  } = {},
 ): StreamWorker {
+  const { model = "unknown", ...job } = overrides.job ?? {};
+  if (!models && !llm) throw new TypeError("summaryWorker needs `models` or `llm`");
   return createSummaryWorker({
     redis,
     sql,
-    llm,
+    models: models ?? createDeployment({ llm: llm!, flow, model }),
     log,
-    flow,
     budgets,
     prices,
     tasks: tasks ?? createTaskCache(sql),
@@ -145,7 +156,7 @@ export function summaryWorker(
       maxAttempts: 4,
       backoffBaseMs: 1,
       backoffCapMs: 5,
-      ...overrides.job,
+      ...job,
     },
   });
 }

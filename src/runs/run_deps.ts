@@ -1,0 +1,101 @@
+/**
+ * What the run job's modules share: its dependencies and options, one delivery, and one model call. The job is
+ * `run_job.ts` (the orchestrator); it loads and renders (`run_load.ts`), asks whether the job was decided
+ * elsewhere (`run_decided.ts`), calls the model (`run_call.ts`), checks and repairs a structured answer
+ * (`run_check.ts`) and commits (`run_commit.ts`).
+ */
+import type { Sql } from "postgres";
+import type { CallOptions } from "../llm/llm.ts";
+import type { Models } from "../llm/models.ts";
+import type { Logger } from "../log/logger.ts";
+import type { BudgetExhausted, Budgets } from "../budgets/budgets.ts";
+import type { StreamMessage } from "../queue/message.ts";
+import type { Clock } from "../retry/clock.ts";
+import type { AttemptReport } from "../retry/retry_policy.ts";
+import type { AttemptLog } from "./attempt_log.ts";
+import type { Prices } from "../llm/prices.ts";
+import type { Outcome } from "../jobs/job_store.ts";
+import type { GroupCommitter } from "./commit.ts";
+import type { RunJob } from "./run_payload.ts";
+import type { TaskCache } from "../tasks/task_cache.ts";
+import type { SchemaValidators } from "../tasks/validator.ts";
+import type { ResultCache, RunCache } from "../cache/result_cache.ts";
+
+/** Options for `createSummaryJob`. */
+export interface SummaryJobOptions {
+  /** Budget of one delivery across attempts and sleeps (JOB_BUDGET_S). */
+  budgetMs: number;
+  perCallTimeoutMs: number;
+  maxAttempts: number;
+  clock?: Clock;
+  random?: () => number;
+  backoffBaseMs?: number;
+  backoffCapMs?: number;
+  onAttempt?: (report: AttemptReport & { job_id: string }) => void;
+}
+
+/** What `createSummaryJob` needs. */
+export interface SummaryJobDeps {
+  sql: Sql;
+  /** Where each model call goes: every attempt takes its deployment and its permit from `models.acquire`. */
+  models: Models;
+  log: Logger;
+  committer: GroupCommitter;
+  /** The record of model attempts (`model_attempts`); none when unset. */
+  attempts?: AttemptLog;
+  /** Task versions (runs of tasks other than summarize); without it, only summary jobs run. */
+  tasks?: TaskCache;
+  /**
+   * Validates a model's answer against a task's output schema, compiled once per `key`; the schema is compiled
+   * (`prepare`) before the model is called.
+   */
+  validators?: Pick<SchemaValidators, "validate" | "prepare">;
+  /** Tenant budgets: every call's worst case is reserved before it and settled after it. */
+  budgets?: Budgets;
+  /** A run's budget is spent: told before the run is deferred, so its tenant's lane is not read meanwhile. */
+  budgetExhausted?: (error: BudgetExhausted) => void;
+  /** Model prices (LLM_PRICES): each attempt's `cost_usd`; without them, or for a model without one, NULL. */
+  prices?: Prices;
+  /** The result cache; without it, every run calls the model. */
+  cache?: ResultCache;
+  /**
+   * The status its Redis record gives a job (`queued`, `cancelled`, ...), asked only of a message older than
+   * `RECORD_CHECK_AFTER_MS` that Postgres finds undecided: retention may have deleted the outcome of a job
+   * cancelled while it waited that long, and the record, which lives as long as the message waits, still says.
+   */
+  recordStatus?: (jobId: string, tenant: string) => Promise<string | undefined>;
+}
+
+/** What one summary job's deliveries share. */
+export interface Job extends SummaryJobDeps {
+  options: SummaryJobOptions;
+  decided: (jobId: string) => Promise<Outcome | undefined>;
+  /** Pre-checks made when messages were read ahead (`prepare`), by message, until their deliveries take them. */
+  prepared: Map<string, Promise<Outcome | undefined>>;
+}
+
+/** One delivery's job, read from its message. */
+export interface Delivery {
+  message: StreamMessage;
+  job_id: string;
+  tenant: string;
+  run: RunJob;
+  log: Logger;
+  /** Attempts recorded so far: a repair call's attempts continue the first call's numbering. */
+  recorded: number;
+  /** The tokens this delivery's model calls used, as reported: what its result costs (a cache entry's). */
+  usage: { prompt: number; completion: number };
+  /** The result cache as this run sees it, when it is on for the run: a done result fills it. */
+  cache?: RunCache;
+  /** Tells the worker that only the commit is left. */
+  finishing?: () => void;
+}
+
+/** One model call of a run: the user message, how to ask, and the models it accepts. */
+export interface ModelCall {
+  prompt: string;
+  /** Everything but the signal and the model, which the attempt's deployment names. */
+  options: Omit<CallOptions, "signal" | "model">;
+  /** The models the task accepts, in order of preference; empty: the deployment's default. */
+  models: readonly string[];
+}
