@@ -7,22 +7,6 @@
  */
 import assert from "node:assert/strict";
 
-/**
- * What is not fixed yet. issue 38: removed as the moves land. Every entry
- * must still occur (the test fails when one is gone), so the lists only
- * shrink.
- */
-const KNOWN = {
-  /** Folder-level imports, `from -> to`, that close a folder cycle. */
-  folderImports: [
-    "cache -> runs", // cache/result_cache.ts -> runs/keys.ts
-  ],
-  /** Functions over {@linkcode MAX_FUNCTION_LINES}, by name. */
-  longFunctions: [
-    "createStreamWorker",
-  ],
-};
-
 /** The most lines a function may span, from its declaration to its closing brace. */
 const MAX_FUNCTION_LINES = 150;
 
@@ -178,17 +162,6 @@ Deno.test("no folder of src/ is on an import cycle, each root file of src/ a nod
       behind.set(`${from} -> ${to}`, [...behind.get(`${from} -> ${to}`) ?? [], `${file} -> ${target}`]);
     }
   }
-  const component = new Map(components(folders).flatMap((c) => c.map((folder) => [folder, c])));
-  const stale = KNOWN.folderImports.filter((edge) => {
-    const [from, to] = edge.split(" -> ") as [string, string];
-    return !folders.get(from)?.has(to) || component.get(from) !== component.get(to);
-  });
-  assert.deepEqual(stale, [], `KNOWN.folderImports lists imports that no longer close a cycle; remove them`);
-
-  for (const edge of KNOWN.folderImports) {
-    const [from, to] = edge.split(" -> ") as [string, string];
-    folders.get(from)!.delete(to);
-  }
   const found = cycles(folders).map((c) => {
     const path = shortestCycle(folders, c);
     const hops = path.slice(1).map((to, i) => {
@@ -289,12 +262,6 @@ Deno.test(`no function in src/ is over ${MAX_FUNCTION_LINES} lines`, async () =>
       }
     }
   }
-  const gone = KNOWN.longFunctions.filter((name) => !long.some((f) => f.name === name));
-  assert.deepEqual(
-    gone,
-    [],
-    `KNOWN.longFunctions lists functions no longer over ${MAX_FUNCTION_LINES} lines; remove them`,
-  );
-  const found = long.filter((f) => !KNOWN.longFunctions.includes(f.name)).map((f) => f.where);
+  const found = long.map((f) => f.where);
   assert.deepEqual(found, [], `functions over ${MAX_FUNCTION_LINES} lines:\n  ${found.join("\n  ")}`);
 });

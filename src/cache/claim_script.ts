@@ -1,8 +1,8 @@
 import { defineScript } from "../redis/script.ts";
 
 // CLAIM: a result-cache lookup that, on a miss, makes the caller the one run computing the entry.
-// KEYS[1]  the entry (`cacheEntry`).
-// KEYS[2]  the entry's lock (`cacheLock`; both share the tenant's hash tag).
+// KEYS[1]  the entry (`CacheKeys.entry`).
+// KEYS[2]  the entry's lock (`CacheKeys.lock`; both share the tenant's hash tag).
 // ARGV[1]  the caller's run id: the lock's holder.
 // ARGV[2]  the lock's lease in ms.
 // Returns the entry (a JSON string) when there is one; else 1 when the caller now holds the lock (it was free or

@@ -2,7 +2,7 @@ import { defineScript } from "../redis/script.ts";
 
 // LEASE: renews or ends a result-cache lock, only while the caller holds it (a lapsed lease may have been taken
 // over by another run, whose lock this must not touch).
-// KEYS[1]  the entry's lock (`cacheLock`).
+// KEYS[1]  the entry's lock (`CacheKeys.lock`).
 // ARGV[1]  the caller's run id.
 // ARGV[2]  the new lease in ms, or 0 to end the lock.
 // Returns 1 when the caller held the lock, 0 otherwise.

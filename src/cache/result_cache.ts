@@ -21,7 +21,6 @@ import type { Logger } from "../log/logger.ts";
 import { costNanos, nanosToUsd, type Prices } from "../llm/prices.ts";
 import { type Clock, systemClock } from "../retry/clock.ts";
 import type { Deadline } from "../retry/deadline.ts";
-import type { JobKeys } from "../runs/keys.ts";
 import type { CacheHit } from "./cache_hit_store.ts";
 import { CLAIM_SCRIPT } from "./claim_script.ts";
 import { FILL_SCRIPT } from "./fill_script.ts";
@@ -53,6 +52,15 @@ type CacheEntry = z.infer<typeof CacheEntry>;
 export interface ResultCacheEvents {
   /** A lookup found the entry (`hit`), or did not and the run makes the call itself (`miss`). */
   lookup?(tenant: string, result: "hit" | "miss"): void;
+}
+
+/**
+ * The Redis keys of one tenant's cache entries, by their key's hash (`cacheKeyHash`): the entry and the lock of the
+ * one run computing it (in-flight dedupe). Both must share the tenant's hash tag, so each script is in one slot.
+ */
+export interface CacheKeys {
+  entry(keyHash: string): string;
+  lock(keyHash: string): string;
 }
 
 /** The longest an entry is kept, whatever a task's `cache_ttl_s` says: a year. */
@@ -137,10 +145,10 @@ export interface ResultCache {
   forRun(run: CacheableRun): RunCache | undefined;
 }
 
-/** Creates the result cache over `redis`; `keys` names a tenant's lane (whose hash tag the entries share). */
+/** Creates the result cache over `redis`; `keys` names a tenant's entries (in the tenant's hash tag). */
 export function createResultCache(
   { redis, log }: { redis: RedisClient; log: Logger },
-  { keys, ...options }: ResultCacheOptions & { keys: (tenant: string) => JobKeys },
+  { keys, ...options }: ResultCacheOptions & { keys: (tenant: string) => CacheKeys },
 ): ResultCache {
   const leaseMs = options.leaseMs ?? RESULT_CACHE_DEFAULTS.leaseMs;
   const pollMinMs = options.pollMinMs ?? RESULT_CACHE_DEFAULTS.pollMinMs;
@@ -158,9 +166,9 @@ export function createResultCache(
       const ttlS = Math.min(run.ttlS ?? options.defaultTtlS, MAX_TTL_S);
       if (!(ttlS > 0)) return undefined;
       const hash = cacheKeyHash(run);
-      const lane = keys(run.tenant);
-      const entryKey = lane.cacheEntry(hash);
-      const lockKey = lane.cacheLock(hash);
+      const tenantKeys = keys(run.tenant);
+      const entryKey = tenantKeys.entry(hash);
+      const lockKey = tenantKeys.lock(hash);
       const ctx = { tenant: run.tenant, job_id: run.runId, task: run.task };
       let renewal: ReturnType<typeof setInterval> | undefined;
       let holding = false;

@@ -2,7 +2,7 @@ import type { Sql } from "postgres";
 import type { RedisClient } from "../clients.ts";
 import type { ReplicaAck } from "../redis/replica_ack.ts";
 import { deadLetterPages, droppedPerLane } from "../queue/inspector.ts";
-import type { JobKeys, ServiceKeys } from "../runs/keys.ts";
+import type { ServiceKeys } from "../runs/keys.ts";
 import { allLanes } from "../runs/all_lanes.ts";
 import { replayDeadLetters, replaySummary, type ReplayTarget } from "../runs/dead_letters.ts";
 import { printRows } from "./table.ts";
@@ -24,7 +24,7 @@ const USAGE = "Usage: deno task dlq list [--json|--table] | replay ID [--tenant 
  */
 export async function dlqCommand(
   { redis, sql, ack }: { redis: RedisClient; sql: Sql; ack?: ReplicaAck },
-  keys: ServiceKeys | JobKeys,
+  keys: ServiceKeys,
   args: string[],
   { out = console.log, err = console.error, isTerminal = false }: {
     out?: (line: string) => void;
@@ -56,7 +56,7 @@ export async function dlqCommand(
     // Said apart from the rows (stderr), so a program reading the JSON lines is not handed a sentence.
     for (const { lane, n } of await droppedPerLane(redis, lanes)) {
       err(
-        `${n} older dead letter(s) of ${lane.tenant ?? "the single stream"} were dropped by the caps ` +
+        `${n} older dead letter(s) of ${lane.tenant} were dropped by the caps ` +
           `(about 10,000 a lane, 7 days each); the worker logs each drop as dead_letters_trimmed.`,
       );
     }

@@ -28,7 +28,7 @@ export async function queuesPage(deps: PageDeps, view: View, note?: string, wind
       oldestAgeMs(redis, lane.keys),
     ]);
     return [
-      html`${lane.tenant ?? "(single stream)"}`,
+      html`${lane.tenant}`,
       html`${depth}`,
       html`${pending}`,
       html`${lane.tenant === null ? "" : done.get(lane.tenant) ?? 0}`,

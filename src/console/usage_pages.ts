@@ -69,7 +69,7 @@ async function refusalsPerBucket(
   const out = Array.from({ length: window.count }, (_, i) => (i < kept ? null : 0));
   const fromMs = window.fromMs + kept * window.widthMs, toMs = window.fromMs + window.count * window.widthMs;
   const each = await Promise.all(
-    tenants.map((t) => refusalsPerMinute(deps.redis, deps.keys.prefix, t, { fromMs, toMs })),
+    tenants.map((t) => refusalsPerMinute(deps.redis, deps.keys, t, { fromMs, toMs })),
   );
   for (const minutes of each) {
     for (const [minute, n] of minutes) out[Math.floor((minute * MINUTE_MS - window.fromMs) / window.widthMs)]! += n;

@@ -2,8 +2,9 @@
  * Refusals by tenant and minute: each `429` the API answers a tenant (over
  * its budget, or any other limit) is counted in Redis, so the console can
  * chart the last 24 hours of them, and in a Prometheus counter. One hash per
- * tenant and UTC hour, in the tenant's slot (`{t:<tenant>}`, beside its lane),
- * with a field per status and minute of the hour (`429:17`), kept 25 hours.
+ * tenant and UTC hour ({@linkcode RefusalKeys}: in the tenant's slot, beside
+ * its lane), with a field per status and minute of the hour (`429:17`), kept
+ * 25 hours.
  * Recording is fire-and-forget: a refusal is never slowed or failed by its
  * own record.
  */
@@ -25,9 +26,10 @@ export function refusalsKeptFrom(nowMs: number): number {
   return (Math.floor(nowMs / HOUR_MS) + 1) * HOUR_MS - REFUSALS_TTL_S * 1000;
 }
 
-/** The hash of `tenant`'s refusals in the UTC hour that holds `ms` (hours since the epoch name it). */
-export function refusalsKey(prefix: string, tenant: string, ms: number): string {
-  return `${prefix}:{t:${tenant}}:refusals:${Math.floor(ms / HOUR_MS)}`;
+/** Where the refusals are kept: one hash per tenant and UTC hour, in the tenant's hash tag. */
+export interface RefusalKeys {
+  /** The hash of `tenant`'s refusals in UTC hour `hour` (hours since the epoch). */
+  refusals(tenant: string, hour: number): string;
 }
 
 /**
@@ -38,12 +40,12 @@ export function refusalsKey(prefix: string, tenant: string, ms: number): string 
  */
 export function recordRefusal(
   redis: RedisClient,
-  prefix: string,
+  keys: RefusalKeys,
   tenant: string,
   status: number,
   nowMs: number = Date.now(),
 ): Promise<void> {
-  const key = refusalsKey(prefix, tenant, nowMs);
+  const key = keys.refusals(tenant, Math.floor(nowMs / HOUR_MS));
   return redis.pipeline()
     .hincrby(key, `${status}:${Math.floor((nowMs % HOUR_MS) / MINUTE_MS)}`, 1)
     .expire(key, REFUSALS_TTL_S)
@@ -57,13 +59,13 @@ export function recordRefusal(
  */
 export async function refusalsPerMinute(
   redis: RedisClient,
-  prefix: string,
+  keys: RefusalKeys,
   tenant: string,
   { status = 429, fromMs, toMs }: { status?: number; fromMs: number; toMs: number },
 ): Promise<Map<number, number>> {
   const first = Math.floor(fromMs / HOUR_MS), last = Math.floor((toMs - 1) / HOUR_MS);
   const pipeline = redis.pipeline();
-  for (let h = first; h <= last; h++) pipeline.hgetall(refusalsKey(prefix, tenant, h * HOUR_MS));
+  for (let h = first; h <= last; h++) pipeline.hgetall(keys.refusals(tenant, h));
   const replies = (await pipeline.exec()) ?? [];
   const minutes = new Map<number, number>();
   replies.forEach(([error, fields], i) => {

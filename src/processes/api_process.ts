@@ -112,7 +112,7 @@ export function createApiHandler(apiDeps: ApiDeps): (req: Request, client?: Clie
       tenants.delete(req);
     }
     if (tenant !== undefined && response.status === 429) {
-      recordRefusal(deps.redis, deps.keys.prefix, tenant, 429);
+      recordRefusal(deps.redis, deps.keys, tenant, 429);
       refusals?.(tenant, 429);
     }
     return response;

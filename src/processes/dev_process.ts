@@ -44,7 +44,7 @@ export async function runDev({ config, clients, log, shutdown }: RunContext<{ re
     serveApi({ config, ...clients, log: log.child({ component: "api" }), registry }, signal),
     startWorker({ config, ...clients, log: log.child({ component: "worker" }), registry }, signal),
     startRelay({ config, sql: clients.sql, log: log.child({ component: "relay" }), registry }, signal),
-    startRetention({ config, sql: clients.sql, log: log.child({ component: "retention" }) }, signal),
+    startRetention({ config, log: log.child({ component: "retention" }) }, signal),
   ]);
   return 0;
 }

@@ -9,7 +9,7 @@ import type { Sql } from "postgres";
 import { Gauge, type Registry } from "prom-client";
 import type { RelayEvents } from "../outbox/relay.ts";
 import { outboxBacklog } from "../outbox/outbox_store.ts";
-import type { JobKeys, ServiceKeys } from "../runs/keys.ts";
+import type { ServiceKeys } from "../runs/keys.ts";
 import { allLanes } from "../runs/all_lanes.ts";
 import { groupLag, laneStats } from "../queue/inspector.ts";
 import type { WorkerEvents } from "../queue/stream_worker.ts";
@@ -46,9 +46,9 @@ export const QUEUE_DEPTH_TENANTS = 20;
 
 /**
  * Pending count and consumer lag summed over every lane, and each tenant's
- * queue depth (messages in its lane's stream), read on scrape.
+ * queue depth (messages in its lane's streams), read on scrape.
  */
-export function queueGauges(registry: Registry, redis: RedisClient, keys: ServiceKeys | JobKeys): void {
+export function queueGauges(registry: Registry, redis: RedisClient, keys: ServiceKeys): void {
   type LaneStat = { tenant: string; length: number; pending: number; lag: number };
   const read = async (): Promise<LaneStat[]> => {
     return await Promise.all((await allLanes(redis, keys)).map(async ({ tenant, keys: lane }) => {
@@ -56,7 +56,7 @@ export function queueGauges(registry: Registry, redis: RedisClient, keys: Servic
         laneStats(redis, lane),
         groupLag(redis, lane),
       ]);
-      return { tenant: tenant ?? "(single stream)", length, pending, lag };
+      return { tenant, length, pending, lag };
     }));
   };
   const sum = (field: "pending" | "lag") => async () => (await read()).reduce((n, s) => n + s[field], 0);

@@ -8,6 +8,7 @@ import { JOB_RECORD_TTL_S } from "../runs/keys.ts";
 import { summaryEmailRenderer, summaryPayloadLoader, tenantHourlyLimits } from "../summaries/email.ts";
 import { SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../runs/commit.ts";
 import { pipelineNotifications } from "../runs/notifications.ts";
+import { connectPostgres } from "../clients.ts";
 import { buildMailer } from "./_mailer.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
 import type { ComponentDeps } from "./_deps.ts";
@@ -61,22 +62,32 @@ export const OUTCOME_MIN_AGE_MS = (Math.max(JOB_RECORD_TTL_S, DEAD_LETTER_BOUNDS
 
 /**
  * Runs retention until `signal` aborts, then waits for a pass in progress. Relay processes run it beside the
- * relay, not in its send loop (and `dev`, once): each pass deletes in batches and is safe beside other
- * processes' passes.
+ * relay, not in its send loop (and `dev`, once): one pass runs at a time across them all.
+ *
+ * Its passes run on a Postgres client of one connection of its own, not on the process's pool `sql`: a pass's
+ * lock is a session lock, and a connection reserved from the pool is one that postgres.js 3.4.9 crashes the
+ * process on once its backend has died (porsager/postgres#1208), as backends do in a failover. The connection
+ * closes when idle (`connectPostgres`'s idle timeout), so between passes it holds nothing.
+ * @throws {DependencyDown} when Postgres does not answer at start.
  */
 export async function startRetention(
-  { config, sql, log }: Pick<ComponentDeps, "config" | "sql" | "log">,
+  { config, log }: Pick<ComponentDeps, "config" | "log">,
   signal: AbortSignal,
 ): Promise<void> {
-  const retention = createRetention({ sql, log }, {
-    outboxRetentionMs: config.OUTBOX_RETENTION_S * 1000,
-    summaryRetentionMs: config.SUMMARY_RETENTION_S === undefined ? undefined : config.SUMMARY_RETENTION_S * 1000,
-    attemptRetentionMs: config.MODEL_ATTEMPTS_RETENTION_S * 1000,
-    outcomeMinAgeMs: OUTCOME_MIN_AGE_MS,
-  });
-  retention.start();
-  if (!signal.aborted) await new Promise((resolve) => signal.addEventListener("abort", resolve, { once: true }));
-  await retention.stop();
+  const sql = await connectPostgres(config.DATABASE_URL, { max: 1 });
+  try {
+    const retention = createRetention({ sql, log }, {
+      outboxRetentionMs: config.OUTBOX_RETENTION_S * 1000,
+      summaryRetentionMs: config.SUMMARY_RETENTION_S === undefined ? undefined : config.SUMMARY_RETENTION_S * 1000,
+      attemptRetentionMs: config.MODEL_ATTEMPTS_RETENTION_S * 1000,
+      outcomeMinAgeMs: OUTCOME_MIN_AGE_MS,
+    });
+    retention.start();
+    if (!signal.aborted) await new Promise((resolve) => signal.addEventListener("abort", resolve, { once: true }));
+    await retention.stop();
+  } finally {
+    await sql.end({ timeout: 5 });
+  }
 }
 
 /** `deno task relay`: the relay, and retention beside it. */
@@ -86,7 +97,7 @@ export async function runRelay({ config, clients, log, shutdown }: RunContext<{ 
   maybeServeMetrics(config, registry, signal);
   await Promise.all([
     startRelay({ config, sql: clients.sql, log, registry }, signal),
-    startRetention({ config, sql: clients.sql, log }, signal),
+    startRetention({ config, log }, signal),
   ]);
   return 0;
 }

@@ -1,6 +1,6 @@
 /**
  * The consumer pruner: every process restart adds a consumer name to each
- * group it reads, so consumers that hold nothing and have been idle long
+ * group it reads (one per stream of each lane), so consumers that hold nothing and have been idle long
  * enough are removed, on an interval of their own.
  */
 import type { RedisClient } from "../clients.ts";
@@ -10,6 +10,7 @@ import { defineScript } from "../redis/script.ts";
 import type { GroupCache } from "./consumer_group.ts";
 import type { LaneSource } from "./lanes.ts";
 import { fieldsToObject } from "../redis/fields.ts";
+import { streamsOf } from "./message.ts";
 
 /** Defaults of {@linkcode createConsumerPruner}. */
 export const PRUNER_DEFAULTS = {
@@ -77,24 +78,28 @@ export function createConsumerPruner(
   async function prune(): Promise<string[]> {
     const removed: string[] = [];
     for (const lane of await options.lanes.all()) {
-      let consumers: unknown[][];
-      try {
-        await groups.ready(lane);
-        consumers = await redis.call("XINFO", "CONSUMERS", lane.stream, lane.group) as unknown[][];
-      } catch (error) {
-        groups.failed(lane, error);
-        continue;
-      }
-      for (const c of consumers) {
-        const f = fieldsToObject(c);
-        const name = String(f.name);
-        // Only consumers with an empty PEL: deleting one that holds messages would drop them from the PEL.
-        if (name === consumer || Number(f.pending) !== 0 || Number(f.idle) < idleMs) continue;
-        await options.beforePrune?.(name);
-        if ((await DELETE_IDLE_CONSUMER.run(redis, [lane.stream], [lane.group, name, idleMs])) === 1) {
-          removed.push(name);
+      // Named once per lane, though it leaves the group of each of the lane's streams.
+      const fromLane = new Set<string>();
+      for (const stream of streamsOf(lane)) {
+        let consumers: unknown[][];
+        try {
+          await groups.ready(lane);
+          consumers = await redis.call("XINFO", "CONSUMERS", stream.stream, stream.group) as unknown[][];
+        } catch (error) {
+          groups.failed(lane, error);
+          break;
+        }
+        for (const c of consumers) {
+          const f = fieldsToObject(c);
+          const name = String(f.name);
+          // Only consumers with an empty PEL: deleting one that holds messages would drop them from the PEL.
+          if (name === consumer || Number(f.pending) !== 0 || Number(f.idle) < idleMs) continue;
+          await options.beforePrune?.(name);
+          const gone = await DELETE_IDLE_CONSUMER.run(redis, [stream.stream], [stream.group, name, idleMs]);
+          if (gone === 1) fromLane.add(name);
         }
       }
+      removed.push(...fromLane);
     }
     if (removed.length) log.info("consumers_pruned", { consumers: removed });
     return removed;

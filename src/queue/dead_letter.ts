@@ -43,7 +43,7 @@ const META = ["dead_reason", "dead_deliveries", "dead_at", "original_id", "dead_
 export const DEAD_LETTER_BOUNDS = { maxEntries: 10_000, keptFieldChars: 8_192, maxAgeS: 7 * 24 * 3600 };
 
 /** The key counting the dead letters the caps dropped from `names.dead` (same hash tag). */
-export function droppedKey(names: QueueNames): string {
+export function droppedKey(names: Pick<QueueNames, "dead">): string {
   return `${names.dead}:dropped`;
 }
 
@@ -128,7 +128,7 @@ export async function deadLetter(
 }
 
 /** How many dead letters the caps have dropped from `names.dead`, ever. */
-export async function droppedDeadLetters(redis: RedisClient, names: QueueNames): Promise<number> {
+export async function droppedDeadLetters(redis: RedisClient, names: Pick<QueueNames, "dead">): Promise<number> {
   return Number(await redis.get(droppedKey(names)) ?? 0);
 }
 
@@ -153,7 +153,7 @@ export interface DeadLetter {
  */
 export async function* pagesOfDeadLetters(
   redis: RedisClient,
-  names: QueueNames,
+  names: Pick<QueueNames, "dead">,
   pageSize = 500,
 ): AsyncGenerator<DeadLetter[]> {
   let after: string | undefined;
@@ -169,7 +169,7 @@ export async function* pagesOfDeadLetters(
 /** Lists dead letters, oldest first. */
 export async function listDeadLetters(
   redis: RedisClient,
-  names: QueueNames,
+  names: Pick<QueueNames, "dead">,
   count = 1000,
   after?: string,
 ): Promise<DeadLetter[]> {
@@ -217,7 +217,7 @@ export interface RecordUpdate {
 export const REPLAY_BOUNDS = { claimMs: 30_000, keptMs: 3_600_000 };
 
 /** The replay record of dead letter `deadId` (same hash tag as `names.dead`). */
-export function replayKey(names: QueueNames, deadId: string): string {
+export function replayKey(names: Pick<QueueNames, "dead">, deadId: string): string {
   return `${names.dead}:replay:${deadId}`;
 }
 
@@ -243,7 +243,7 @@ export interface ReplayClaim {
  */
 export async function claimReplay(
   redis: RedisClient,
-  names: QueueNames,
+  names: Pick<QueueNames, "dead">,
   { deadId, token }: ReplayClaim,
 ): Promise<ReplayMiss | null> {
   const reply = await runClaimReplay(redis, [names.dead, replayKey(names, deadId)], {
@@ -259,7 +259,7 @@ export async function claimReplay(
 /** Gives up the claim of replay `token` (one that decided not to replay); another replay's claim is left alone. */
 export async function releaseReplay(
   redis: RedisClient,
-  names: QueueNames,
+  names: Pick<QueueNames, "dead">,
   { deadId, token }: ReplayClaim,
 ): Promise<void> {
   await runClaimReplay(redis, [names.dead, replayKey(names, deadId)], { dead_id: deadId, token, claim_ms: 0 });
@@ -280,8 +280,9 @@ export class ReplayNotReplicated extends NotReplicated {
 
 /**
  * Replays dead letter `claim.deadId` as the replay `claim.token`: re-enqueues
- * it with its original fields (so the original job id) and deletes it from
- * the dead stream, atomically, applying `record` in the same step. It runs
+ * it on `names.stream` (of a lane of several streams, the one its intake
+ * writes) with its original fields (so the original job id) and deletes it
+ * from the dead stream, atomically, applying `record` in the same step. It runs
  * unless another replay holds the dead letter or ran; the token need not have
  * claimed it first. Safe to run twice: the same replay sent again answers
  * its new entry and enqueues nothing more. With `ack`

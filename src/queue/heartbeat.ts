@@ -7,7 +7,7 @@ import type { RedisClient } from "../clients.ts";
 import { every } from "../async/every.ts";
 import type { Logger } from "../log/logger.ts";
 import { defineScript } from "../redis/script.ts";
-import { type AckItem, groupByLane } from "./ack_batcher.ts";
+import { type AckItem, groupByStream } from "./ack_batcher.ts";
 
 /** Defaults of {@linkcode createHeartbeat}. */
 export const HEARTBEAT_DEFAULTS = {
@@ -59,12 +59,12 @@ export function createHeartbeat(
     const items = held();
     if (items.length === 0) return [];
     const refreshed: string[] = [];
-    for (const { lane, ids } of groupByLane(items).values()) {
-      const ok = await REFRESH_OWNED.run(redis, [lane.stream], [lane.group, consumer, ...ids]) as string[];
+    for (const { stream, ids } of groupByStream(items).values()) {
+      const ok = await REFRESH_OWNED.run(redis, [stream.stream], [stream.group, consumer, ...ids]) as string[];
       refreshed.push(...ok);
       if (ok.length < ids.length) {
         const lost = ids.filter((id) => !ok.includes(id));
-        log.warn("messages_reclaimed_by_another_consumer", { stream: lane.stream, msg_ids: lost });
+        log.warn("messages_reclaimed_by_another_consumer", { stream: stream.stream, msg_ids: lost });
       }
     }
     return refreshed;

@@ -1,14 +1,15 @@
 /**
  * The reader: takes new messages from the lanes with work into a worker's
  * free slots, sharing them fairly by weighted cost (see
- * `lane_shares.ts`), each lane within its in-flight cap.
+ * `lane_shares.ts`), each lane within its in-flight cap, and each lane's
+ * streams in the lane's order.
  */
 import type { RedisClient } from "../clients.ts";
 import { defineScript } from "../redis/script.ts";
 import type { GroupCache } from "./consumer_group.ts";
 import type { LaneShares } from "./lane_shares.ts";
 import type { LaneSource } from "./lanes.ts";
-import { type QueueNames, type StreamMessage } from "./message.ts";
+import { laneId, type LaneNames, type QueueNames, type StreamMessage, streamsOf } from "./message.ts";
 import { fieldsToObject } from "../redis/fields.ts";
 
 /** Defaults of {@linkcode createLaneReader}. */
@@ -24,53 +25,65 @@ export const READER_DEFAULTS = {
 
 type RawEntry = [id: string, fields: string[] | null];
 
-// TAKE_WITHIN_CAP: reads new messages for a consumer, but never more than leave `cap` pending in the group
-// across all consumers: a tenant's in-flight cap, checked and taken in one step.
-// KEYS[1]  the stream.
-// KEYS[2]  the consumer's take record in the lane (takeRecordKey): the last take's id and the ids it
-//          delivered.
+// TAKE_WITHIN_CAP: reads new messages of a lane for a consumer, from its streams in the lane's order (the first
+// stream first, the next for what the first did not have), but never more than leave `cap` pending in the group
+// across all the lane's streams and all consumers: a tenant's in-flight cap, checked and taken in one step.
+// KEYS[1]  the consumer's take record in the lane (takeRecordKey): the last take's id and the entries it
+//          delivered, each as `<index of its stream in KEYS>:<id>`.
+// KEYS[2…] the lane's streams, in read order (one slot: they share the lane's hash tag).
 // ARGV[1]  the group.
 // ARGV[2]  the consumer.
 // ARGV[3]  how many messages to read at most.
 // ARGV[4]  the cap on the group's pending messages (0 = no cap).
 // ARGV[5]  this take's id.
 // ARGV[6]  how long the record is kept, in ms.
-// Returns {capped (1 when the cap stopped the read), entries}.
+// Returns {capped (1 when the cap stopped the read), the entries of KEYS[2], the entries of KEYS[3], …}.
 // Safe to run twice: the client resends a take whose reply was lost with its connection, and Redis may have run
 // it. The messages the first run delivered are this consumer's, yet it never saw them: run again, the take would
 // read the next ones, and those would wait for a reclaim (the claim idle time, and one more delivery). So the
 // take whose id the record holds answers the messages it delivered, those still pending to this consumer.
 const TAKE_WITHIN_CAP = defineScript(`
-local record = redis.call('GET', KEYS[2])
+local out = {0}
+for k = 2, #KEYS do out[k] = {} end
+local record = redis.call('GET', KEYS[1])
 if record then
   local take, ids = string.match(record, '^(%S+) (.*)$')
   if take == ARGV[5] then
-    local entries = {}
-    for id in string.gmatch(ids, '[^,]+') do
-      if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) == 1 then
-        local entry = redis.call('XRANGE', KEYS[1], id, id)[1]
-        if entry then entries[#entries + 1] = entry end
+    for at, id in string.gmatch(ids, '(%d+):([^,]+)') do
+      local k = tonumber(at)
+      if #redis.call('XPENDING', KEYS[k], ARGV[1], id, id, 1, ARGV[2]) == 1 then
+        local entry = redis.call('XRANGE', KEYS[k], id, id)[1]
+        if entry then table.insert(out[k], entry) end
       end
     end
-    return {0, entries}
+    return out
   end
 end
 local count = tonumber(ARGV[3])
 local cap = tonumber(ARGV[4])
 if cap > 0 then
-  local pending = redis.call('XPENDING', KEYS[1], ARGV[1])[1]
+  local pending = 0
+  for k = 2, #KEYS do pending = pending + redis.call('XPENDING', KEYS[k], ARGV[1])[1] end
   count = math.min(count, cap - pending)
-  if count <= 0 then return {1, {}} end
+  if count <= 0 then
+    out[1] = 1
+    return out
+  end
 end
-local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count, 'STREAMS', KEYS[1], '>')
-if not reply then return {0, {}} end
-local entries = reply[1][2]
 local ids = {}
-for i, entry in ipairs(entries) do ids[i] = entry[1] end
-redis.call('SET', KEYS[2], ARGV[5] .. ' ' .. table.concat(ids, ','), 'PX', ARGV[6])
-return {0, entries}`);
+for k = 2, #KEYS do
+  if count <= 0 then break end
+  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count, 'STREAMS', KEYS[k], '>')
+  if reply then
+    out[k] = reply[1][2]
+    for _, entry in ipairs(out[k]) do ids[#ids + 1] = k .. ':' .. entry[1] end
+    count = count - #out[k]
+  end
+end
+if #ids > 0 then redis.call('SET', KEYS[1], ARGV[5] .. ' ' .. table.concat(ids, ','), 'PX', ARGV[6]) end
+return out`);
 
-/** The record of `consumer`'s last take from the lane whose stream is `stream`, in the lane's slot. */
+/** The record of `consumer`'s last take from the lane whose first stream is `stream`, in the lane's slot. */
 export function takeRecordKey(stream: string, consumer: string): string {
   return `${stream}:taken:${consumer}`;
 }
@@ -84,26 +97,27 @@ export interface LaneReaderOptions {
   /** The most messages of one lane pending across all consumers (0 or none: no cap). */
   laneMaxInFlight?: number;
   /** Lanes not to read for now (a tenant whose budget is spent); asked on every read. */
-  skip?: (lane: QueueNames) => boolean;
+  skip?: (lane: LaneNames) => boolean;
   /** Each lane's weight; asked once per read. Default: every lane weighs 1. */
-  weights?: () => Promise<(lane: QueueNames) => number>;
+  weights?: () => Promise<(lane: LaneNames) => number>;
 }
 
 /** The reader of one worker. */
 export interface LaneReader {
   /**
-   * Reads up to `free` new messages, passing each to `start`; with none to take, waits up to `block` ms for a
-   * wake-up. `lanes`: the lanes with work, when the caller looked them up already (see `lanes()`).
+   * Reads up to `free` new messages, passing each to `start` with its lane and the stream it came from; with
+   * none to take, waits up to `block` ms for a wake-up. `lanes`: the lanes with work, when the caller looked
+   * them up already (see `lanes()`).
    * @returns how many were started.
    */
   read(
     free: number,
     block: number,
-    start: (lane: QueueNames, message: StreamMessage) => void,
-    lanes?: Promise<QueueNames[]>,
+    start: (lane: LaneNames, stream: QueueNames, message: StreamMessage) => void,
+    lanes?: Promise<LaneNames[]>,
   ): Promise<number>;
   /** The lanes with work now, for a `read` that follows: a caller may look them up beside another round trip. */
-  lanes(): Promise<QueueNames[]>;
+  lanes(): Promise<LaneNames[]>;
 }
 
 /** Creates the reader of one worker. */
@@ -111,21 +125,27 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
   const { consumer, groups, shares, lanes: source } = options;
   let lastServed = "";
 
-  /** Takes from one lane, within its in-flight cap. @returns the messages, and whether the cap stopped it. */
-  async function take(lane: QueueNames, count: number): Promise<{ messages: StreamMessage[]; capped: boolean }> {
+  /**
+   * Takes from one lane, its streams in the lane's order, within its in-flight cap.
+   * @returns the messages with the stream each came from, and whether the cap stopped the take.
+   */
+  async function take(
+    lane: LaneNames,
+    count: number,
+  ): Promise<{ messages: { stream: QueueNames; message: StreamMessage }[]; capped: boolean }> {
     await groups.ready(lane);
+    const streams = streamsOf(lane);
     // The take's id is made before it is sent: a resend of it carries the same one.
-    const [capped, entries] = await TAKE_WITHIN_CAP.run(redis, [lane.stream, takeRecordKey(lane.stream, consumer)], [
-      lane.group,
-      consumer,
-      count,
-      options.laneMaxInFlight ?? 0,
-      crypto.randomUUID(),
-      READER_DEFAULTS.takeRecordMs,
-    ]) as [number, RawEntry[]];
-    // A new message has been delivered exactly once.
-    const messages = entries.filter((e): e is [string, string[]] => e[1] !== null)
-      .map(([id, flat]) => ({ id, fields: fieldsToObject(flat), deliveries: 1 }));
+    const [capped, ...perStream] = await TAKE_WITHIN_CAP.run(
+      redis,
+      [takeRecordKey(laneId(lane), consumer), ...lane.streams],
+      [lane.group, consumer, count, options.laneMaxInFlight ?? 0, crypto.randomUUID(), READER_DEFAULTS.takeRecordMs],
+    ) as [number, ...RawEntry[][]];
+    const messages = streams.flatMap((stream, i) =>
+      (perStream[i] ?? []).filter((e): e is [string, string[]] => e[1] !== null)
+        // A new message has been delivered exactly once.
+        .map(([id, flat]) => ({ stream, message: { id, fields: fieldsToObject(flat), deliveries: 1 } }))
+    );
     return { messages, capped: capped === 1 };
   }
 
@@ -137,8 +157,8 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
   async function read(
     free: number,
     block: number,
-    start: (lane: QueueNames, m: StreamMessage) => void,
-    ahead?: Promise<QueueNames[]>,
+    start: (lane: LaneNames, stream: QueueNames, m: StreamMessage) => void,
+    ahead?: Promise<LaneNames[]>,
   ) {
     const active = await (ahead ?? source.active());
     const lanes = options.skip ? active.filter((lane) => !options.skip!(lane)) : active;
@@ -146,26 +166,26 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
     let capped = false;
     if (lanes.length > 0) {
       const weightOf = options.weights ? await options.weights() : () => 1;
-      shares.begin(lanes.map((lane) => ({ id: lane.stream, weight: weightOf(lane) })));
+      shares.begin(lanes.map((lane) => ({ id: laneId(lane), weight: weightOf(lane) })));
       // Round-robin order from one lane after the one served first last time. Keep asking until the free
       // slots are used or every lane has said it has no more: an empty or capped lane never leaves a slot
       // idle while another lane has work.
-      const at = lanes.findIndex((l) => l.stream > lastServed);
+      const at = lanes.findIndex((l) => laneId(l) > lastServed);
       const first = at < 0 ? 0 : at;
       let candidates = [...lanes.slice(first), ...lanes.slice(0, first)];
       for (let asked = 0; free > 0 && candidates.length > 0; asked++) {
-        const pick = shares.next(candidates.map((l) => l.stream), free);
-        const lane = candidates.find((l) => l.stream === pick.lane)!;
-        if (asked === 0) lastServed = lane.stream;
+        const pick = shares.next(candidates.map(laneId), free);
+        const lane = candidates.find((l) => laneId(l) === pick.lane)!;
+        if (asked === 0) lastServed = laneId(lane);
         let took = 0;
         try {
           const taken = await take(lane, pick.count);
           capped ||= taken.capped;
           if (taken.messages.length === 0 && !taken.capped) {
-            shares.drained(lane.stream);
+            shares.drained(laneId(lane));
             await source.idle(lane);
           }
-          for (const m of taken.messages) start(lane, m);
+          for (const { stream, message } of taken.messages) start(lane, stream, message);
           took = taken.messages.length;
         } catch (error) {
           // One lane's trouble (its node failing over, a lost group) must not stall the others.

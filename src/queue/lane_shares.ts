@@ -34,7 +34,7 @@ export interface LaneCharge {
  * it gets three times the share.
  */
 export interface LaneShares {
-  /** Starts a read with the lanes that have work now (by stream name) and their weights. */
+  /** Starts a read with the lanes that have work now (by `laneId`) and their weights. */
   begin(lanes: { id: string; weight: number }[]): void;
   /**
    * Which of `candidates` (in round-robin order: ties go to the first) to ask next, and for how many of

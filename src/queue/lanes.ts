@@ -1,9 +1,10 @@
 /**
- * Lanes: one stream and consumer group per tenant, each under the tenant's
- * own hash tag, so lanes spread over a Redis Cluster's slots while every
- * atomic step stays inside one. A registry of lanes with work (a set, in its
- * own slot) lets workers find them without scanning the keyspace, and a
- * publish after each enqueue wakes idle workers at once.
+ * Lanes: a consumer group on one or more streams per tenant (read in the
+ * lane's order), each lane under the tenant's own hash tag, so lanes spread
+ * over a Redis Cluster's slots while every atomic step stays inside one. A
+ * registry of lanes with work (a set, in its own slot) lets workers find
+ * them without scanning the keyspace, and a publish after each enqueue wakes
+ * idle workers at once.
  *
  * The registry is kept free of lost updates by ordering, not by locks: the
  * producer adds a lane *after* its enqueue, and a worker that found a lane
@@ -22,18 +23,18 @@ import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
 import { defineScript } from "../redis/script.ts";
 import { pendingCount } from "./inspector.ts";
-import type { QueueNames } from "./message.ts";
+import { laneId, type LaneNames, streamsOf } from "./message.ts";
 
 export { createLaneShares, LANE_SHARE_DEFAULTS, type LaneCharge, type LaneShares } from "./lane_shares.ts";
 
 /** Where a multi-lane worker finds its lanes. */
 export interface LaneSource {
   /** Lanes that may have work now. */
-  active(): Promise<QueueNames[]>;
+  active(): Promise<LaneNames[]>;
   /** Every lane there is (for reclaim, heartbeats and pruning). */
-  all(): Promise<QueueNames[]>;
-  /** A read found `lane` empty: take it off the active set, unless work arrived meanwhile. */
-  idle(lane: QueueNames): Promise<void>;
+  all(): Promise<LaneNames[]>;
+  /** A read found every stream of `lane` empty: take it off the active set, unless work arrived meanwhile. */
+  idle(lane: LaneNames): Promise<void>;
   /** Resolves on a wake-up (new work somewhere), or after `ms`. */
   wait(ms: number): Promise<void>;
 }
@@ -128,14 +129,16 @@ export async function foldLaneHomes(redis: RedisClient, keys: LaneRegistryKeys):
   return [...found];
 }
 
-/** Whether a lane's stream holds messages not yet delivered to its group. */
-async function hasUndelivered(redis: RedisClient, lane: QueueNames): Promise<boolean> {
-  const [length, pending] = await Promise.all([
-    redis.xlen(lane.stream),
-    pendingCount(redis, lane),
-  ]);
-  // Acked entries are deleted (XDEL), so everything beyond the pending ones is undelivered.
-  return length > pending;
+/** Whether any of a lane's streams holds messages not yet delivered to its group. */
+async function hasUndelivered(redis: RedisClient, lane: LaneNames): Promise<boolean> {
+  const found = await Promise.all(
+    streamsOf(lane).map(async (stream) => {
+      const [length, pending] = await Promise.all([redis.xlen(stream.stream), pendingCount(redis, stream)]);
+      // Acked entries are deleted (XDEL), so everything beyond the pending ones is undelivered.
+      return length > pending;
+    }),
+  );
+  return found.includes(true);
 }
 
 /**
@@ -163,8 +166,8 @@ return 1`);
 /** Options for {@linkcode createLaneRegistry}. */
 export interface LaneRegistryOptions {
   keys: LaneRegistryKeys;
-  /** The queue names of lane `id`. */
-  lane(id: string): QueueNames;
+  /** The names of lane `id`. */
+  lane(id: string): LaneNames;
   /** How often the sweep re-adds lanes that have work but fell off the active set. */
   sweepMs?: number;
 }
@@ -175,10 +178,10 @@ export function createLaneRegistry(
   options: LaneRegistryOptions,
 ): LaneSource & { sweep(): Promise<number>; close(): Promise<void> } {
   const { keys } = options;
-  const ids = new Map<string, string>(); // stream -> lane id
+  const ids = new Map<string, string>(); // laneId -> the registry's id of the lane
   const toLane = (id: string) => {
     const lane = options.lane(id);
-    ids.set(lane.stream, id);
+    ids.set(laneId(lane), id);
     return lane;
   };
   let waiters: (() => void)[] = [];
@@ -240,7 +243,7 @@ export function createLaneRegistry(
       return (await redis.smembers(keys.all)).sort().map(toLane);
     },
     async idle(lane) {
-      const id = ids.get(lane.stream);
+      const id = ids.get(laneId(lane));
       if (id === undefined) return;
       await redis.srem(keys.active, id);
       // Look again *after* removing: an enqueue that landed meanwhile has either re-added the lane

@@ -35,9 +35,34 @@ export async function entriesAfter(
   return await redis.xrange(stream, after === "-" ? "-" : `(${after}`, "+", "COUNT", count);
 }
 
-/** Names of a consumer group's stream and its dead-letter stream. Both must share one hash tag. */
+/**
+ * Names of one stream of a lane, with the lane's dead-letter stream and consumer group: what each step on one
+ * stream takes (a take's record, a reclaim, a heartbeat, an ack, a dead letter, a requeue). All share one hash tag.
+ */
 export interface QueueNames {
   stream: string;
   dead: string;
   group: string;
+}
+
+/**
+ * Names of a lane: its streams in the order a read takes from them (the first stream first, the next when the
+ * first has nothing more), its one dead-letter stream, and the consumer group each of its streams has. All share
+ * one hash tag, so one script may touch every stream of a lane (a Redis Cluster slot). The default lane has one
+ * stream.
+ */
+export interface LaneNames {
+  streams: readonly string[];
+  dead: string;
+  group: string;
+}
+
+/** The lane's streams, in read order, each as the names of one stream. */
+export function streamsOf(lane: LaneNames): QueueNames[] {
+  return lane.streams.map((stream) => ({ stream, dead: lane.dead, group: lane.group }));
+}
+
+/** What tells a lane from another inside a worker (its shares, its place in the round): its first stream. */
+export function laneId(lane: LaneNames): string {
+  return lane.streams[0] ?? "";
 }

@@ -1,12 +1,13 @@
 /**
  * The reclaimer: takes over messages other consumers left pending past the
- * claim idle time (a crash, a stall), with XAUTOCLAIM, lane by lane.
+ * claim idle time (a crash, a stall), with XAUTOCLAIM, lane by lane and, in
+ * each lane, stream by stream in the lane's order.
  */
 import type { RedisClient } from "../clients.ts";
 import { defineScript } from "../redis/script.ts";
 import type { GroupCache } from "./consumer_group.ts";
 import type { LaneSource } from "./lanes.ts";
-import { type QueueNames, type StreamMessage } from "./message.ts";
+import { type LaneNames, type QueueNames, type StreamMessage, streamsOf } from "./message.ts";
 import { fieldsToObject } from "../redis/fields.ts";
 
 /** Defaults of {@linkcode createReclaimer}. */
@@ -21,9 +22,9 @@ export const RECLAIMER_DEFAULTS = {
 
 type RawEntry = [id: string, fields: string[] | null];
 
-// RECLAIM: takes over a lane's messages idle past the claim idle time (XAUTOCLAIM).
+// RECLAIM: takes over the messages of a lane's stream idle past the claim idle time (XAUTOCLAIM).
 // KEYS[1]  the stream.
-// KEYS[2]  the consumer's reclaim record in the lane (reclaimRecordKey): the last reclaim's id, its next cursor and
+// KEYS[2]  the consumer's reclaim record of the stream (reclaimRecordKey): the last reclaim's id, its next cursor and
 //          the ids it claimed.
 // ARGV[1]  the group.   ARGV[2]  the consumer.   ARGV[3]  the claim idle time, in ms.   ARGV[4]  the cursor.
 // ARGV[5]  how many messages to claim at most.   ARGV[6]  this reclaim's id.   ARGV[7]  the record's lifetime, in ms.
@@ -55,7 +56,7 @@ if #ids > 0 then
 end
 return {claimed[1], claimed[2]}`);
 
-/** The record of `consumer`'s last reclaim from the lane whose stream is `stream`, in the lane's slot. */
+/** The record of `consumer`'s last reclaim from `stream`, a stream of a lane, in the lane's slot. */
 export function reclaimRecordKey(stream: string, consumer: string): string {
   return `${stream}:reclaimed:${consumer}`;
 }
@@ -70,7 +71,7 @@ export interface ReclaimerOptions {
   lanes: LaneSource;
   groups: GroupCache;
   /** Whether this consumer already holds the message (it is running here): such an entry is not started again. */
-  holds(lane: QueueNames, id: string): boolean;
+  holds(stream: QueueNames, id: string): boolean;
   /** How many messages this consumer holds. */
   held(): number;
 }
@@ -78,41 +79,41 @@ export interface ReclaimerOptions {
 /** The reclaimer of one worker. */
 export interface Reclaimer {
   /**
-   * Reclaims up to `free` idle messages, passing each to `start`, at most once per `intervalMs`; each pass
-   * starts one lane further on, so one lane's stream of failures cannot take every pass. @returns how many.
+   * Reclaims up to `free` idle messages, passing each to `start` with its lane and stream, at most once per
+   * `intervalMs`; each pass starts one lane further on, so one lane's stream of failures cannot take every pass.
+   * @returns how many.
    */
-  reclaim(free: number, start: (lane: QueueNames, message: StreamMessage) => void): Promise<number>;
+  reclaim(free: number, start: (lane: LaneNames, stream: QueueNames, message: StreamMessage) => void): Promise<number>;
 }
 
 /** Creates the reclaimer of one worker. */
 export function createReclaimer({ redis }: { redis: RedisClient }, options: ReclaimerOptions): Reclaimer {
   const { consumer, groups } = options;
-  // Each lane's XAUTOCLAIM cursor: kept, or every call rescans the PEL from the start.
+  // Each stream's XAUTOCLAIM cursor: kept, or every call rescans the PEL from the start.
   const cursors = new Map<string, string>();
   let turn = 0;
   let last = -Infinity;
 
-  async function reclaimLane(lane: QueueNames, count: number): Promise<StreamMessage[]> {
-    await groups.ready(lane);
+  async function reclaimStream(stream: QueueNames, count: number): Promise<StreamMessage[]> {
     // The reclaim's id is made before it is sent: a resend of it carries the same one.
-    const [next, entries] = await RECLAIM.run(redis, [lane.stream, reclaimRecordKey(lane.stream, consumer)], [
-      lane.group,
+    const [next, entries] = await RECLAIM.run(redis, [stream.stream, reclaimRecordKey(stream.stream, consumer)], [
+      stream.group,
       consumer,
       options.claimIdleMs,
-      cursors.get(lane.stream) ?? RECLAIMER_DEFAULTS.firstCursor,
+      cursors.get(stream.stream) ?? RECLAIMER_DEFAULTS.firstCursor,
       count,
       crypto.randomUUID(),
       RECLAIMER_DEFAULTS.recordMs,
     ]) as [string, RawEntry[]];
-    cursors.set(lane.stream, next);
-    const live = entries.filter((e): e is [string, string[]] => e[1] !== null && !options.holds(lane, e[0]));
+    cursors.set(stream.stream, next);
+    const live = entries.filter((e): e is [string, string[]] => e[1] !== null && !options.holds(stream, e[0]));
     if (live.length === 0) return [];
     // XAUTOCLAIM bumped each delivery count; read the counts back from the PEL.
     const counts = new Map<string, number>();
     const ids = live.map(([id]) => id);
     const pending = await redis.xpending(
-      lane.stream,
-      lane.group,
+      stream.stream,
+      stream.group,
       ids[0]!,
       ids[ids.length - 1]!,
       // Our in-flight entries may sit in the same id range; ask for enough rows to cover them too.
@@ -137,9 +138,13 @@ export function createReclaimer({ redis }: { redis: RedisClient }, options: Recl
       for (let i = 0; i < lanes.length && free - started > 0; i++) {
         const lane = lanes[(first + i) % lanes.length]!;
         try {
-          const reclaimed = await reclaimLane(lane, free - started);
-          for (const m of reclaimed) start(lane, m);
-          started += reclaimed.length;
+          await groups.ready(lane);
+          for (const stream of streamsOf(lane)) {
+            if (free - started <= 0) break;
+            const reclaimed = await reclaimStream(stream, free - started);
+            for (const m of reclaimed) start(lane, stream, m);
+            started += reclaimed.length;
+          }
         } catch (error) {
           // One lane's trouble (its node failing over, a lost group) must not stall the others.
           groups.failed(lane, error);

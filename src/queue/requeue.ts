@@ -36,7 +36,7 @@ local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 5))
 redis.call('SET', KEYS[2], id .. ' ' .. ARGV[3], 'PX', ARGV[4])
 return id`);
 
-/** The record of a requeue of entry `id` of `stream`, in the lane's slot. */
+/** The record of a requeue of entry `id` of `stream` (a stream of a lane), in the lane's slot. */
 export function requeueRecordKey(stream: string, id: string): string {
   return `${stream}:requeued:${id}`;
 }
@@ -48,13 +48,14 @@ export function priorDeliveries(message: StreamMessage): number {
 }
 
 /**
- * Puts `message` back at the end of `lane`. The entry keeps its fields, and `accepted_ms` (when the job was
- * first accepted: the first entry id's time) so that latency still counts from acceptance.
+ * Puts `message` back at the end of `stream`, the stream of its lane it came from. The entry keeps its fields, and
+ * `accepted_ms` (when the job was first accepted: the first entry id's time) so that latency still counts from
+ * acceptance.
  * @returns the new entry id, or null when `consumer` no longer holds the entry (settled, or reclaimed by another).
  */
 export async function requeue(
   redis: RedisClient,
-  lane: QueueNames,
+  stream: QueueNames,
   message: StreamMessage,
   consumer: string,
 ): Promise<string | null> {
@@ -65,8 +66,8 @@ export async function requeue(
   const prior = priorDeliveries(message) + message.deliveries - 1;
   if (prior > 0) fields.prior_deliveries = String(prior);
   const flat = Object.entries(fields).flat();
-  return (await REQUEUE.run(redis, [lane.stream, requeueRecordKey(lane.stream, message.id)], [
-    lane.group,
+  return (await REQUEUE.run(redis, [stream.stream, requeueRecordKey(stream.stream, message.id)], [
+    stream.group,
     message.id,
     consumer,
     REQUEUE_DEFAULTS.recordMs,

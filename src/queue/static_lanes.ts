@@ -1,6 +1,6 @@
 import { sleep } from "../async/timeout.ts";
 import type { LaneSource } from "./lanes.ts";
-import type { QueueNames } from "./message.ts";
+import type { LaneNames } from "./message.ts";
 
 /** Defaults of {@linkcode staticLanes}. */
 export const STATIC_LANES_DEFAULTS = {
@@ -9,11 +9,11 @@ export const STATIC_LANES_DEFAULTS = {
 } as const;
 
 /**
- * A {@linkcode LaneSource} of fixed lanes, always read: a one-stream queue
- * (tests, benches, tools) with no lane registry. New work is found by
- * polling every `pollMs` while the lanes are empty.
+ * A {@linkcode LaneSource} of fixed lanes, always read, with no lane
+ * registry (the queue's own tests and benches). New work is found by polling
+ * every `pollMs` while the lanes are empty.
  */
-export function staticLanes(lanes: QueueNames[], { pollMs = STATIC_LANES_DEFAULTS.pollMs } = {}): LaneSource {
+export function staticLanes(lanes: LaneNames[], { pollMs = STATIC_LANES_DEFAULTS.pollMs } = {}): LaneSource {
   return {
     active: () => Promise.resolve([...lanes]),
     all: () => Promise.resolve([...lanes]),

@@ -1,10 +1,11 @@
 /**
- * The stream worker: one consumer reading lanes (one stream and group per
- * tenant) with at-least-once delivery. It is a loop that starts handlers in
- * free slots, and the services it runs beside that loop, each in a module of
- * its own: the reader (`lane_reader.ts`), the reclaimer (`reclaimer.ts`), the
- * heartbeat (`heartbeat.ts`), the consumer pruner (`consumer_pruner.ts`) and
- * the ack batcher (`ack_batcher.ts`).
+ * The stream worker: one consumer reading lanes (a group on one or more
+ * streams per tenant, read in the lane's order) with at-least-once
+ * delivery. It is a loop that starts handlers in free slots, and the
+ * services it runs beside that loop, each in a module of its own: the
+ * reader (`lane_reader.ts`), the reclaimer (`reclaimer.ts`), the heartbeat
+ * (`heartbeat.ts`), the consumer pruner (`consumer_pruner.ts`) and the ack
+ * batcher (`ack_batcher.ts`).
  */
 import type { RedisClient } from "../clients.ts";
 import { settlesWithin, sleep } from "../async/timeout.ts";
@@ -19,7 +20,7 @@ import { createHeartbeat, heartbeatInterval } from "./heartbeat.ts";
 import { createLaneReader } from "./lane_reader.ts";
 import { createLaneShares, type LaneCharge } from "./lane_shares.ts";
 import type { LaneSource } from "./lanes.ts";
-import type { QueueNames, StreamMessage } from "./message.ts";
+import { laneId, type LaneNames, type QueueNames, type StreamMessage } from "./message.ts";
 import { createReclaimer } from "./reclaimer.ts";
 
 export { ensureGroup } from "./consumer_group.ts";
@@ -66,8 +67,8 @@ export const STREAM_WORKER_DEFAULTS = {
 /** Options for {@linkcode createStreamWorker}. */
 export interface StreamWorkerOptions {
   /**
-   * The lanes (one stream and group per tenant), shared fairly: each read takes from the lanes with work in
-   * turn. A one-stream queue is {@linkcode staticLanes} of that stream.
+   * The lanes (a group on one or more streams per tenant, read in the lane's order), shared fairly: each read
+   * takes from the lanes with work in turn. Fixed lanes without a registry are {@linkcode staticLanes}.
    */
   lanes: LaneSource;
   /** Unique per process: host + pid + random. */
@@ -97,9 +98,10 @@ export interface StreamWorkerOptions {
   onDeadLetter?: DeadLetterHook;
   /**
    * A record (in the lane's hash tag) whose lifetime starts when a message is acknowledged: it is given `ttlS` in
-   * the ack's own MULTI (a job's status record, which does not expire while its job is queued).
+   * the ack's own MULTI (a job's status record, which does not expire while its job is queued). `stream`: the
+   * stream of its lane the message came from.
    */
-  expireOnAck?: (lane: QueueNames, message: StreamMessage) => { key: string; ttlS: number } | undefined;
+  expireOnAck?: (stream: QueueNames, message: StreamMessage) => { key: string; ttlS: number } | undefined;
   /**
    * Asked before a message is dead-lettered (the application decides there
    * that the job failed). `false`: the job was already decided otherwise
@@ -109,16 +111,16 @@ export interface StreamWorkerOptions {
    */
   beforeDeadLetter?: (message: StreamMessage, reason: string) => Promise<boolean | string>;
   /** Lanes not to read new messages from for now (a tenant whose budget is spent). */
-  skip?: (lane: QueueNames) => boolean;
+  skip?: (lane: LaneNames) => boolean;
   /**
    * Told of each message read ahead, which waits for a slot (see {@linkcode MessageHandler}): its handler may
    * start then what it can do before it runs.
    */
   readAhead?: (message: StreamMessage) => void;
-  /** After a deferred message went back to its lane (to wake whoever may take it). */
-  onDeferred?: (lane: QueueNames, message: StreamMessage, error: JobDeferred) => Promise<void>;
-  /** After a stop, a message read ahead and never started went back to the end of its lane (no delivery spent). */
-  onHandedBack?: (lane: QueueNames, message: StreamMessage) => Promise<void>;
+  /** After a deferred message went back to the end of its stream (to wake whoever may take it). */
+  onDeferred?: (stream: QueueNames, message: StreamMessage, error: JobDeferred) => Promise<void>;
+  /** After a stop, a message read ahead and never started went back to the end of its stream (no delivery spent). */
+  onHandedBack?: (stream: QueueNames, message: StreamMessage) => Promise<void>;
   events?: WorkerEvents;
   /**
    * Asked before each read: how many messages the downstream can start soon.
@@ -143,7 +145,7 @@ export interface StreamWorkerOptions {
    * Each lane's weight, 1 or more: while both have work, a lane of weight 3 gets three times the share of a
    * lane of weight 1. Asked once per read, so answer from a cache. Default: every lane weighs 1.
    */
-  weights?: () => Promise<(lane: QueueNames) => number>;
+  weights?: () => Promise<(lane: LaneNames) => number>;
 }
 
 /** Test seams: each runs at its point, and may throw or wait to stand in for a crash or a stall there. */
@@ -179,9 +181,9 @@ export interface StreamWorker {
  * acknowledged only after their handler resolves, reclaimed with XAUTOCLAIM
  * when idle past `claimIdleMs`, and dead-lettered after `maxDeliveries`.
  * Up to `concurrency` handlers run at once; more are read as slots free up.
- * Every stream the lane source names is one lane with its own group,
- * reclaim, heartbeats, acks and dead letters, and free slots go to the lanes
- * with work in turn.
+ * Every lane the lane source names has its own group on each of its streams,
+ * read in the lane's order, with reclaim, heartbeats, acks and dead letters
+ * stream by stream; free slots go to the lanes with work in turn.
  */
 export function createStreamWorker(
   { redis, log, faults }: { redis: RedisClient; log: Logger; faults?: StreamWorkerFaults },
@@ -191,7 +193,6 @@ export function createStreamWorker(
   const { consumer, lanes } = options;
   const blockMs = options.blockMs ?? STREAM_WORKER_DEFAULTS.blockMs;
   const heartbeatMs = heartbeatInterval(options.claimIdleMs, options.heartbeatMs);
-  const graceMs = options.graceMs ?? STREAM_WORKER_DEFAULTS.graceMs;
   const events = options.events ?? {};
   const shares = createLaneShares();
   // What the message really cost (the provider's token count) replaces its estimate in its lane's share.
@@ -205,7 +206,7 @@ export function createStreamWorker(
     intervalMs: options.reclaimIntervalMs ?? heartbeatMs,
     lanes,
     groups,
-    holds: (lane, id) => slots.holds(lane, id),
+    holds: (stream, id) => slots.holds(stream, id),
     held: () => slots.heldCount(),
   });
   const heartbeat = createHeartbeat({ redis, log }, { consumer, intervalMs: heartbeatMs, held: () => slots.held() });
@@ -219,29 +220,29 @@ export function createStreamWorker(
   const handlerAbort = new AbortController();
   const processMessage = createMessageProcessor({ redis, log, faults }, options, handler, {
     ack: createAckBatcher(redis),
-    release: (lane, id) => slots.release(lane, id),
+    release: (stream, id) => slots.release(stream, id),
     signal: handlerAbort.signal,
   });
   // Set by runOnce when the gate had no permits: how long to wait before asking again.
   let gateWaitMs = 0;
 
-  function start(lane: QueueNames, message: StreamMessage, source: "new" | "reclaimed") {
+  function start(lane: LaneNames, stream: QueueNames, message: StreamMessage, source: "new" | "reclaimed") {
     events.delivered?.(message, source);
     // Charged before the handler runs: its slot and its share are released together.
-    const charge = shares.charge(lane.stream, options.cost?.(message) ?? 1);
-    slots.occupy(lane, message, charge, (settle, finishing) =>
-      processMessage(lane, message, finishing)
+    const charge = shares.charge(laneId(lane), options.cost?.(message) ?? 1);
+    slots.occupy(stream, message, charge, (settle, finishing) =>
+      processMessage(stream, message, finishing)
         .catch((error) => log.error("message_processing_error", { msg_id: message.id, error }))
         .finally(settle));
   }
-  const startNew = (lane: QueueNames, m: StreamMessage) => start(lane, m, "new");
-  const startReclaimed = (lane: QueueNames, m: StreamMessage) => start(lane, m, "reclaimed");
+  const startNew = (lane: LaneNames, stream: QueueNames, m: StreamMessage) => start(lane, stream, m, "new");
+  const startReclaimed = (lane: LaneNames, stream: QueueNames, m: StreamMessage) => start(lane, stream, m, "reclaimed");
 
   async function runOnce(block = blockMs): Promise<number> {
     let free = slots.wanted();
     if (free <= 0) return 0;
     gateWaitMs = 0;
-    let lanes: Promise<QueueNames[]> | undefined;
+    let lanes: Promise<LaneNames[]> | undefined;
     if (options.gate) {
       // The lanes with work are looked up beside the gate: a read waits for one round trip before its take, not two.
       lanes = reader.lanes();
@@ -261,72 +262,16 @@ export function createStreamWorker(
     return started;
   }
 
-  /** Puts messages read ahead and never started back at the end of their lanes; one that fails stays pending. */
-  async function handBack(entries: { lane: QueueNames; message: StreamMessage }[]): Promise<void> {
-    if (entries.length === 0) return;
-    let handedBack = 0;
-    await Promise.all(entries.map(async ({ lane, message }) => {
-      try {
-        if (await requeue(redis, lane, message, consumer) === null) return;
-        handedBack++;
-        await options.onHandedBack?.(lane, message);
-      } catch (error) {
-        // Still pending for this consumer: another worker reclaims it after claimIdleMs.
-        log.warn("worker_hand_back_failed", { msg_id: message.id, job_id: message.fields.job_id, error });
-      }
-    }));
-    log.info("worker_handed_back", { read_ahead: entries.length, requeued: handedBack });
-  }
-
-  async function run(signal: AbortSignal): Promise<void> {
-    const stopHeartbeat = heartbeat.start();
-    const stopPruner = pruner.start();
-    // From the stop on, no message starts: those a read still in flight returns wait read ahead, and go back too.
-    const wake = () => {
-      slots.stopping();
-      slots.wake();
-    };
-    signal.addEventListener("abort", wake);
-    try {
-      while (!signal.aborted) {
-        if (slots.wanted() <= 0) {
-          await slots.freed(Infinity, signal);
-          continue;
-        }
-        try {
-          await runOnce(Math.min(blockMs, STREAM_WORKER_DEFAULTS.maxLoopBlockMs));
-          // A job that finishes meanwhile may give back tokens its permit reserved: ask again then.
-          if (gateWaitMs > 0) await slots.freed(Math.min(gateWaitMs, STREAM_WORKER_DEFAULTS.maxGateWaitMs), signal);
-        } catch (error) {
-          if (signal.aborted) break;
-          log.warn("worker_read_failed", { error });
-          await sleep(STREAM_WORKER_DEFAULTS.readRetryMs, signal).catch(() => {});
-        }
-      }
-      // Stop reading. Messages read ahead never start now: each goes back to the end of its lane at once (no
-      // delivery spent), so no model call begins after the stop and another worker can take it without waiting
-      // for a reclaim. Then let the running handlers finish within the grace period.
-      // The hand-back is bounded by the grace period too (a Redis that does not answer must not hold the stop):
-      // a message it could not put back stays pending for this consumer and is reclaimed by another worker.
-      const graceEnd = performance.now() + graceMs;
-      await settlesWithin(handBack(slots.abandonReadAhead()), graceMs);
-      if (!(await settlesWithin(slots.drain(), Math.max(0, graceEnd - performance.now())))) {
-        // Abandoned messages stay pending and are reclaimed by another worker.
-        log.warn("worker_abandoned_in_flight", { count: slots.running() + slots.readAhead() });
-        slots.abandonReadAhead();
-        handlerAbort.abort(new Error("worker stopping"));
-        await settlesWithin(slots.drain(), STREAM_WORKER_DEFAULTS.abortedSettleMs);
-      }
-    } finally {
-      stopHeartbeat();
-      stopPruner();
-      signal.removeEventListener("abort", wake);
-    }
-  }
-
   return {
     runOnce,
-    run,
+    run: (signal) =>
+      runUntilStopped({ redis, log }, options, {
+        slots,
+        services: [heartbeat, pruner],
+        runOnce,
+        gateWaitMs: () => gateWaitMs,
+        abortHandlers: () => handlerAbort.abort(new Error("worker stopping")),
+      }, signal),
     drain: () => slots.drain(),
     heartbeat: () => heartbeat.beat(),
     pruneConsumers: () => pruner.prune(),
@@ -341,21 +286,110 @@ export function createStreamWorker(
   };
 }
 
+/** What {@linkcode runUntilStopped} drives: the worker's slots, the services beside its loop, and its read. */
+interface WorkerLoop {
+  slots: Slots;
+  /** Started with the loop and stopped with it (the heartbeat, the consumer pruner). */
+  services: { start(): () => void }[];
+  runOnce(block: number): Promise<number>;
+  /** Set by the last `runOnce` when the gate had no permits: how long to wait before asking again (0: none). */
+  gateWaitMs(): number;
+  /** Aborts the running handlers (a stop past its grace). */
+  abortHandlers(): void;
+}
+
+/** The worker's `run`: reads until `signal` aborts, then hands back what it read ahead and drains within the grace. */
+async function runUntilStopped(
+  { redis, log }: { redis: RedisClient; log: Logger },
+  options: StreamWorkerOptions,
+  { slots, services, runOnce, gateWaitMs, abortHandlers }: WorkerLoop,
+  signal: AbortSignal,
+): Promise<void> {
+  const blockMs = options.blockMs ?? STREAM_WORKER_DEFAULTS.blockMs;
+  const graceMs = options.graceMs ?? STREAM_WORKER_DEFAULTS.graceMs;
+  const stops = services.map((service) => service.start());
+  // From the stop on, no message starts: those a read still in flight returns wait read ahead, and go back too.
+  const wake = () => {
+    slots.stopping();
+    slots.wake();
+  };
+  signal.addEventListener("abort", wake);
+  try {
+    while (!signal.aborted) {
+      if (slots.wanted() <= 0) {
+        await slots.freed(Infinity, signal);
+        continue;
+      }
+      try {
+        await runOnce(Math.min(blockMs, STREAM_WORKER_DEFAULTS.maxLoopBlockMs));
+        // A job that finishes meanwhile may give back tokens its permit reserved: ask again then.
+        const waitMs = gateWaitMs();
+        if (waitMs > 0) await slots.freed(Math.min(waitMs, STREAM_WORKER_DEFAULTS.maxGateWaitMs), signal);
+      } catch (error) {
+        if (signal.aborted) break;
+        log.warn("worker_read_failed", { error });
+        await sleep(STREAM_WORKER_DEFAULTS.readRetryMs, signal).catch(() => {});
+      }
+    }
+    // Stop reading. Messages read ahead never start now: each goes back to the end of its stream at once (no
+    // delivery spent), so no model call begins after the stop and another worker can take it without waiting
+    // for a reclaim. Then let the running handlers finish within the grace period.
+    // The hand-back is bounded by the grace period too (a Redis that does not answer must not hold the stop):
+    // a message it could not put back stays pending for this consumer and is reclaimed by another worker.
+    const graceEnd = performance.now() + graceMs;
+    await settlesWithin(handBack({ redis, log }, options, slots.abandonReadAhead()), graceMs);
+    if (!(await settlesWithin(slots.drain(), Math.max(0, graceEnd - performance.now())))) {
+      // Abandoned messages stay pending and are reclaimed by another worker.
+      log.warn("worker_abandoned_in_flight", { count: slots.running() + slots.readAhead() });
+      slots.abandonReadAhead();
+      abortHandlers();
+      await settlesWithin(slots.drain(), STREAM_WORKER_DEFAULTS.abortedSettleMs);
+    }
+  } finally {
+    for (const stop of stops) stop();
+    signal.removeEventListener("abort", wake);
+  }
+}
+
+/** Puts messages read ahead and never started back at the end of their streams; one that fails stays pending. */
+async function handBack(
+  { redis, log }: { redis: RedisClient; log: Logger },
+  options: Pick<StreamWorkerOptions, "consumer" | "onHandedBack">,
+  entries: { stream: QueueNames; message: StreamMessage }[],
+): Promise<void> {
+  if (entries.length === 0) return;
+  let handedBack = 0;
+  await Promise.all(entries.map(async ({ stream, message }) => {
+    try {
+      if (await requeue(redis, stream, message, options.consumer) === null) return;
+      handedBack++;
+      await options.onHandedBack?.(stream, message);
+    } catch (error) {
+      // Still pending for this consumer: another worker reclaims it after claimIdleMs.
+      log.warn("worker_hand_back_failed", { msg_id: message.id, job_id: message.fields.job_id, error });
+    }
+  }));
+  log.info("worker_handed_back", { read_ahead: entries.length, requeued: handedBack });
+}
+
+/** The slots of one worker (see {@linkcode createSlots}). */
+type Slots = ReturnType<typeof createSlots>;
+
 /**
  * The worker's slots: every message this consumer holds and has not yet acked (heartbeats keep those), the
  * handlers running, and the slots they use up. A handler holds a slot until it says it is finishing (only a short
  * last step left: the summary job's commit, after its model call) or ends; so at most `concurrency` handlers are
  * before that point, and at most `concurrency` more past it (a finishing handler keeps its slot while as many
  * already finish without one). For each handler finishing without its slot, one message may be read ahead: it
- * waits here, held, and starts the moment a slot frees. Messages are known by lane and id: two lanes' streams
+ * waits here, held, and starts the moment a slot frees. Messages are known by stream and id: two streams
  * may use the same entry ids.
  */
 function createSlots(
   options: Pick<StreamWorkerOptions, "events" | "concurrency" | "readAhead">,
   released: (message: StreamMessage, charge: LaneCharge) => void,
 ) {
-  const tag = (lane: QueueNames, id: string) => `${lane.stream}\n${id}`;
-  const held = new Map<string, { task: Promise<void>; lane: QueueNames; id: string }>();
+  const tag = (stream: QueueNames, id: string) => `${stream.stream}\n${id}`;
+  const held = new Map<string, { task: Promise<void>; stream: QueueNames; id: string }>();
   // Every running handler, and which of them hold a slot.
   const handlers = new Map<string, { message: StreamMessage; charge: LaneCharge }>();
   const slotted = new Set<string>();
@@ -363,7 +397,7 @@ function createSlots(
   const unslotted = new Set<string>();
   const refused = new Set<string>();
   // Messages read ahead, in the order they were read: each starts (or is abandoned) once.
-  const readAhead: { lane: QueueNames; message: StreamMessage; start(): void; abandon(): void }[] = [];
+  const readAhead: { stream: QueueNames; message: StreamMessage; start(): void; abandon(): void }[] = [];
   let changed: (() => void) | undefined;
   const inFlight = () => options.events?.inFlight?.(handlers.size);
   /** A slot is free: the first message read ahead takes it. */
@@ -409,19 +443,19 @@ function createSlots(
     /** Messages read ahead, not started yet. */
     readAhead: () => readAhead.length,
     heldCount: () => held.size,
-    held: (): AckItem[] => [...held.values()].map(({ lane, id }) => ({ lane, id })),
-    holds: (lane: QueueNames, id: string) => held.has(tag(lane, id)),
+    held: (): AckItem[] => [...held.values()].map(({ stream, id }) => ({ stream, id })),
+    holds: (stream: QueueNames, id: string) => held.has(tag(stream, id)),
     /**
      * Runs `message`'s handler in a slot, at once if one is free, else as soon as one frees (it was read ahead).
      * `run` calls `settle` once it is done, and may call `finishing` before.
      */
     occupy(
-      lane: QueueNames,
+      stream: QueueNames,
       message: StreamMessage,
       charge: LaneCharge,
       run: (settle: () => void, finishing: () => void) => Promise<void>,
     ) {
-      const key = tag(lane, message.id);
+      const key = tag(stream, message.id);
       const go = () => {
         handlers.set(key, { message, charge });
         slotted.add(key);
@@ -432,14 +466,14 @@ function createSlots(
         }, () => finishing(key));
       };
       if (!stopping && slotted.size < options.concurrency) {
-        held.set(key, { task: go(), lane, id: message.id });
+        held.set(key, { task: go(), stream, id: message.id });
         return;
       }
       options.readAhead?.(message);
       // Abandoned (a stop past its grace): never started, it stays pending for another worker to reclaim.
       const task = new Promise<void>((resolve) =>
         readAhead.push({
-          lane,
+          stream,
           message,
           start: () => void go().then(resolve),
           abandon: () => {
@@ -449,20 +483,20 @@ function createSlots(
           },
         })
       );
-      held.set(key, { task, lane, id: message.id });
+      held.set(key, { task, stream, id: message.id });
     },
     /** The worker is stopping: no message starts from now on (each waits read ahead, to be handed back). */
     stopping() {
       stopping = true;
     },
     /** Gives up the messages read ahead and not started (they stay pending until handed back or reclaimed). */
-    abandonReadAhead(): { lane: QueueNames; message: StreamMessage }[] {
+    abandonReadAhead(): { stream: QueueNames; message: StreamMessage }[] {
       const entries = readAhead.splice(0);
       for (const entry of entries) entry.abandon();
       return entries;
     },
     /** The handler is done (its work committed): the slot is free, though the ack may still be under way. */
-    release: (lane: QueueNames, id: string) => release(tag(lane, id)),
+    release: (stream: QueueNames, id: string) => release(tag(stream, id)),
     wake: () => changed?.(),
     /** Waits up to `ms`, or until a slot frees (a handler finishes or ends) or `signal` aborts. */
     freed(ms: number, signal: AbortSignal): Promise<void> {
@@ -490,57 +524,57 @@ function createMessageProcessor(
   handler: MessageHandler,
   { ack, release, signal }: {
     ack: (item: AckItem) => Promise<void>;
-    release: (lane: QueueNames, id: string) => void;
+    release: (stream: QueueNames, id: string) => void;
     signal: AbortSignal;
   },
-): (lane: QueueNames, message: StreamMessage, finishing: () => void) => Promise<void> {
+): (stream: QueueNames, message: StreamMessage, finishing: () => void) => Promise<void> {
   const events = options.events ?? {};
 
   /** Dead-letters `message`, unless its job turns out to be decided already: then acks it. */
-  async function bury(lane: QueueNames, message: StreamMessage, given: string, msgLog: Logger): Promise<void> {
+  async function bury(stream: QueueNames, message: StreamMessage, given: string, msgLog: Logger): Promise<void> {
     const verdict = options.beforeDeadLetter ? await options.beforeDeadLetter(message, given) : true;
     const reason = typeof verdict === "string" ? verdict : given;
     if (verdict === false) {
       msgLog.info("message_already_decided", { reason, deliveries: message.deliveries });
-      release(lane, message.id);
-      await ack({ lane, id: message.id, expire: options.expireOnAck?.(lane, message) });
+      release(stream, message.id);
+      await ack({ stream, id: message.id, expire: options.expireOnAck?.(stream, message) });
       return;
     }
     await faults?.beforeDeadLetter?.(message);
-    const trimmed = await deadLetter(redis, lane, message, reason, options.onDeadLetter);
+    const trimmed = await deadLetter(redis, stream, message, reason, options.onDeadLetter);
     events.deadLettered?.(message, reason);
     msgLog.warn("message_dead_lettered", { reason, deliveries: message.deliveries });
     if (trimmed > 0) {
       events.deadLettersTrimmed?.(trimmed);
-      log.warn("dead_letters_trimmed", { stream: lane.dead, entries: trimmed });
+      log.warn("dead_letters_trimmed", { stream: stream.dead, entries: trimmed });
     }
   }
 
-  return async (lane, message, finishing) => {
+  return async (stream, message, finishing) => {
     const started = performance.now();
     // Made only when a line is logged: most messages log nothing here.
     const msgLog = () =>
       log.child({ msg_id: message.id, job_id: message.fields.job_id, tenant: message.fields.tenant });
     // Deliveries before a deferral count too (see `requeue.ts`).
     if (message.deliveries + priorDeliveries(message) > options.maxDeliveries) {
-      await bury(lane, message, `exceeded ${options.maxDeliveries} deliveries`, msgLog());
+      await bury(stream, message, `exceeded ${options.maxDeliveries} deliveries`, msgLog());
       return;
     }
     try {
       await handler(message, signal, finishing);
     } catch (error) {
       if (error instanceof PermanentJobError) {
-        await bury(lane, message, `permanent: ${error.message}`, msgLog());
+        await bury(stream, message, `permanent: ${error.message}`, msgLog());
         return;
       }
       if (error instanceof JobDeferred) {
         // If the requeue fails, the message stays pending and is redelivered later, as after any failure.
-        const again = await requeue(redis, lane, message, options.consumer);
-        release(lane, message.id);
+        const again = await requeue(redis, stream, message, options.consumer);
+        release(stream, message.id);
         msgLog().info("message_deferred", { reason: error.message, requeued_as: again });
         if (again !== null) {
           events.deferred?.(message, error.message);
-          await options.onDeferred?.(lane, message, error);
+          await options.onDeferred?.(stream, message, error);
         }
         return;
       }
@@ -551,9 +585,9 @@ function createMessageProcessor(
       return;
     }
     // The slot is free once the work is committed; the ack can finish in the background.
-    release(lane, message.id);
+    release(stream, message.id);
     // Ack only after the handler's effects are committed.
-    await ack({ lane, id: message.id, expire: options.expireOnAck?.(lane, message) });
+    await ack({ stream, id: message.id, expire: options.expireOnAck?.(stream, message) });
     events.acked?.(message, performance.now() - started);
   };
 }

@@ -25,7 +25,7 @@ import { failJob, type RunOf, SUMMARY_RUN } from "../jobs/job_store.ts";
 import { runOfPayload } from "./run_payload.ts";
 import { reopenFailedJob } from "./commit.ts";
 import { markQueuedOnReplay } from "./job_status.ts";
-import type { JobKeys, ServiceKeys } from "./keys.ts";
+import type { LaneKeys, ServiceKeys } from "./keys.ts";
 import { JOB_ID } from "./shapes.ts";
 
 /** Which dead letters to replay: all of them, or the one with stream id `id` (in `tenant`'s lane when given). */
@@ -42,7 +42,7 @@ export type ReplayReport =
   /** No dead letter matched. */
   | { kind: "none" }
   /** The id names dead letters in more than one lane (each lane numbers its own): nothing done. */
-  | { kind: "ambiguous"; lanes: (string | null)[] }
+  | { kind: "ambiguous"; lanes: string[] }
   | {
     kind: "done";
     steps: ReplayStep[];
@@ -68,12 +68,12 @@ export type ReplayReport =
  */
 export async function replayDeadLetters(
   { redis, sql, ack }: { redis: RedisClient; sql: Sql; ack?: ReplicaAck },
-  keys: ServiceKeys | JobKeys,
+  keys: ServiceKeys,
   target: ReplayTarget,
   /** Told of each step as it happens, so a replay that fails midway has said what it did before. */
   onStep?: (step: ReplayStep) => void,
 ): Promise<ReplayReport> {
-  const chosen: LaneDeadLetter<JobKeys>[] = [];
+  const chosen: LaneDeadLetter<LaneKeys>[] = [];
   for await (const page of deadLetterPages(redis, await allLanes(redis, keys))) {
     chosen.push(
       ...(target.all
@@ -91,8 +91,7 @@ export async function replayDeadLetters(
   // The replay is done once its script ran: an announce that fails (a node failing over) only delays the workers
   // until the lane sweep finds the lane, so it must not turn a replay that happened into an error.
   let unannounced = 0;
-  const wake = async (tenant: string | null) => {
-    if (tenant === null || !("lane" in keys)) return;
+  const wake = async (tenant: string) => {
     await announceLane(redis, keys.registry, tenant).catch(() => unannounced++);
   };
   let untried = 0;
@@ -210,7 +209,7 @@ export function replaySummary(report: ReplayReport, target: ReplayTarget): strin
   }
   if (report.kind === "ambiguous") {
     return `Dead letter ${target.all ? "" : target.id} exists in the lanes of ${
-      report.lanes.map((t) => t ?? "(single stream)").join(", ")
+      report.lanes.join(", ")
     }; add --tenant T to say which. Nothing done.`;
   }
   return `${report.replayed} dead letter(s) replayed.` +

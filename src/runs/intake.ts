@@ -11,7 +11,7 @@ import { encodeScope, jobIdFor, type Scope } from "../idempotency/scope.ts";
 import { defineScript } from "../redis/script.ts";
 import { type AckedRun, notReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
 import { markQueued } from "./job_status.ts";
-import type { JobKeys, ServiceKeys } from "./keys.ts";
+import type { LaneKeys, ServiceKeys } from "./keys.ts";
 import { announceLane, type LaneKnown, laneKnownArgs } from "../queue/lanes.ts";
 import { allLanes } from "./all_lanes.ts";
 import type { Logger } from "../log/logger.ts";
@@ -76,8 +76,9 @@ export interface Intake {
 // each of a batch of submissions (`createIntake` sends the submissions that arrive together in one call).
 // KEYS[1…n]   the registry sets that make a lane known (`laneKnownArgs`; on a cluster, the lane's home): the same
 //             for every submission of the batch (a batch is one tenant's on a cluster).
-// KEYS[n+1…]  three per submission: the scope's idempotency record, the lane's stream, the job's status record
-//             (the three share the lane's hash tag).
+// KEYS[n+1…]  three per submission: the scope's idempotency record, the lane's intake stream (`LaneKeys.stream`;
+//             the per-tenant cap counts it alone, the only stream of a lane any API writes), the job's status
+//             record (the three share the lane's hash tag).
 // ARGV[1]     '1' when a WAIT follows (REDIS_MIN_REPLICAS_ACK): a found record is then written again, expiry
 //             unchanged, because WAIT covers only its own connection's writes and the record may have been
 //             written on another one (a first attempt answered 503, another API process) and not replicated yet.
@@ -216,7 +217,10 @@ export function createIntake(
     // shares follow the queue as it is, not as it was up to a second ago.
     if (performance.now() - total.at > 1_000 || (maxQueued !== undefined && total.value >= maxQueued)) {
       const lanes = await allLanes(redis, keys);
-      const lengths = await Promise.all(lanes.map((lane) => redis.xlen(lane.keys.stream)));
+      const lengths = await Promise.all(lanes.map(async ({ keys: lane }) => {
+        const each = await Promise.all(lane.streams.map((stream) => redis.xlen(stream)));
+        return each.reduce((n, x) => n + x, 0);
+      }));
       total = {
         at: performance.now(),
         value: lengths.reduce((n, x) => n + x, 0),
@@ -247,7 +251,7 @@ export function createIntake(
    * that make the lane known, and its head. Built once per tenant (and version): serialising the whole argument
    * per request was most of `enqueue`'s own time in a `--cpu-prof` under load.
    */
-  const heads = new Map<string, { lane: JobKeys; known: LaneKnown; head: string }>();
+  const heads = new Map<string, { lane: LaneKeys; known: LaneKnown; head: string }>();
   const headFor = (tenant: string, run?: RunSubmission) => {
     const id = run ? `${tenant}\n${run.task}\n${run.version}` : tenant;
     let found = heads.get(id);

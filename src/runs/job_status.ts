@@ -10,7 +10,7 @@ import type { RedisClient } from "../clients.ts";
 import type { DeadLetterHook, RecordUpdate } from "../queue/dead_letter.ts";
 import type { QueueNames, StreamMessage } from "../queue/message.ts";
 import { MARK_CANCELLED_SCRIPT } from "./mark_cancelled_script.ts";
-import { JOB_RECORD_TTL_S, jobKeyBeside, type JobKeys, type ServiceKeys } from "./keys.ts";
+import { JOB_RECORD_TTL_S, jobKeyBeside, type LaneKeys, type ServiceKeys } from "./keys.ts";
 
 /** What an enqueue script does to a job's record: fields to set, fields to delete, and its lifetime. */
 export interface RecordChange {
@@ -41,10 +41,10 @@ export function markQueued(tenant: string, run?: { task: string; version: number
  */
 export function recordExpiryOnAck(
   ttlS = JOB_RECORD_TTL_S,
-): (lane: QueueNames, message: StreamMessage) => { key: string; ttlS: number } | undefined {
-  return (lane, message) => {
+): (stream: QueueNames, message: StreamMessage) => { key: string; ttlS: number } | undefined {
+  return (stream, message) => {
     const jobId = message.fields.job_id;
-    return jobId ? { key: jobKeyBeside(lane.stream, jobId), ttlS } : undefined;
+    return jobId ? { key: jobKeyBeside(stream.stream, jobId), ttlS } : undefined;
   };
 }
 
@@ -60,7 +60,7 @@ export const markFailedHook: DeadLetterHook = (message, reason, lane) => {
  * What a replay does to the job's record, inside the replay script: queued again, its error gone, and no expiry
  * while it waits again (see {@linkcode markQueued}).
  */
-export function markQueuedOnReplay(keys: JobKeys, jobId: string): RecordUpdate {
+export function markQueuedOnReplay(keys: Pick<LaneKeys, "job">, jobId: string): RecordUpdate {
   return {
     key: keys.job(jobId),
     match: { field: "job_id", value: jobId },

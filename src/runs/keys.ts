@@ -1,85 +1,166 @@
 /**
- * Redis key names of the summary pipeline. Each tenant has a lane: its
- * stream, dead letters, job status records and idempotency records share the
- * tag `{t:<tenant>}`, so every MULTI or script stays in one Redis Cluster
- * slot while lanes spread over all of them. (A very large tenant could later
- * be split over `{t:<tenant>:N}` lanes with the same code.)
+ * The key book: every Redis key name of the run pipeline is built here, under
+ * one prefix, and nowhere else. A tenant's keys share the hash tag
+ * `{t:<tenant>}`, spelled once ({@linkcode tenantTag}), so every MULTI or
+ * script on one tenant's keys stays in one Redis Cluster slot while tenants
+ * spread over all of them:
+ *
+ * - its lane ({@linkcode LaneKeys}): the streams, in the order a read takes
+ *   from them (the default lane has one, `…:stream`), and the dead letters;
+ * - beside them, its jobs' status records and its idempotency records, which
+ *   the intake script writes in the same step as the stream;
+ * - its result cache's entries and their locks;
+ * - its budget hash and its refusal counters.
+ *
+ * The lane registry has a slot of its own (`queue/lanes.ts` names its keys
+ * under the prefix). The folders that use these keys type what they take in
+ * their own modules (`queue/`'s `LaneNames`, `cache/`'s `CacheKeys`,
+ * `metrics/`'s `RefusalKeys`, the budgets' builder of the budget hash):
+ * {@linkcode ServiceKeys} satisfies each, and none of them imports this
+ * module. A deployed Redis holds these names: none may change.
  */
+import type { CacheKeys } from "../cache/result_cache.ts";
 import { type LaneRegistryKeys, laneRegistryKeys } from "../queue/lanes.ts";
-
-export interface JobKeys {
-  stream: string;
-  dead: string;
-  group: string;
-  /** Hash with the job's tenant and status, read by `GET /v1/summaries/{id}`. */
-  job(jobId: string): string;
-  /** The stored answer for an Idempotency-Key scope (by its hash), in the same slot as the stream it enqueues to. */
-  idempotency(scopeHash: string): string;
-  /** Marks that the pre-lane stream's entry `entryId` was moved into this lane (see `legacy_drain.ts`). */
-  movedFromLegacy(entryId: string): string;
-  /** A result cache entry (`cache/result_cache.ts`), by its key's hash: in the tenant's slot. */
-  cacheEntry(keyHash: string): string;
-  /** The lock of the one run computing a cache entry (in-flight dedupe), beside the entry. */
-  cacheLock(keyHash: string): string;
-}
+import type { LaneNames, QueueNames } from "../queue/message.ts";
 
 /** The prefix of every Redis key the service writes. */
 export const KEY_PREFIX = "oncely";
 
+/** The consumer group on every stream of every lane (named before runs were). */
+const GROUP = "summarisers";
+
+/** The stream intake adds to, after the tenant's tag: in every lane. */
+const INTAKE_STREAM = "stream";
+
+/** The streams of a lane, by their names after the tenant's tag, in read order: the default lane has one. */
+export const DEFAULT_LANE_STREAMS: readonly string[] = [INTAKE_STREAM];
+
+/** A tenant's lane, and the records kept beside it (in its hash tag). */
+export interface LaneKeys extends LaneNames, QueueNames {
+  /** The stream intake adds a job to, and a dead letter's replay puts it back on: one of `streams`. */
+  stream: string;
+  /** The lane's streams in the order a read takes from them. */
+  streams: readonly string[];
+  /** The lane's dead letters (of all its streams). */
+  dead: string;
+  /** The consumer group on each of the lane's streams. */
+  group: string;
+  /** Hash with the job's tenant and status, read by `GET /v1/runs/{id}` (`job_status.ts` writes it). */
+  job(jobId: string): string;
+  /** The stored answer for an Idempotency-Key scope (its encoding), in the same slot as the stream it enqueues to. */
+  idempotency(scope: string): string;
+  /** Marks that the pre-lane stream's entry `entryId` was moved into this lane (see `legacy_drain.ts`). */
+  movedFromLegacy(entryId: string): string;
+}
+
+/**
+ * The single `{jobs}` stream of releases before lanes, under the service's prefix, and its jobs' status records:
+ * only the workers' legacy drain reads it, to empty it into the lanes (see `legacy_drain.ts`).
+ */
+export interface LegacyKeys extends QueueNames {
+  job(jobId: string): string;
+}
+
 /** Every key name the service uses under a prefix. */
 export interface ServiceKeys {
   prefix: string;
-  /** Tenant `tenant`'s lane. */
-  lane(tenant: string): JobKeys;
+  /** Tenant `tenant`'s lane and the records beside it. */
+  lane(tenant: string): LaneKeys;
+  /** Tenant `tenant`'s result cache entries and their locks (`cache/`'s `CacheKeys`). */
+  cache(tenant: string): CacheKeys;
+  /** Tenant `tenant`'s budget hash: its spend, reservations and marks. */
+  budget(tenant: string): string;
+  /** The hash of tenant `tenant`'s refusals in UTC hour `hour`, hours since the epoch (`metrics/`' `RefusalKeys`). */
+  refusals(tenant: string, hour: number): string;
   /** The registry of lanes with work. */
   registry: LaneRegistryKeys;
-  /** Tenant `tenant`'s budget hash (`budgets/`), under its lane's tag. */
-  budget(tenant: string): string;
+  /** The pre-lane stream, for the legacy drain alone. */
+  legacy: LegacyKeys;
 }
 
-/** The service's keys under a prefix: {@linkcode KEY_PREFIX} in the service, a random one in tests. */
-export function serviceKeys(prefix: string): ServiceKeys {
-  const lanes = new Map<string, JobKeys>();
+/** Options for {@linkcode serviceKeys}. */
+export interface ServiceKeysOptions {
+  /**
+   * Each lane's streams, by their names after the tenant's tag, in the order a read takes from them; they must
+   * include intake's `stream`. Default {@linkcode DEFAULT_LANE_STREAMS}.
+   */
+  laneStreams?: readonly string[];
+}
+
+/** The start of every key of `tenant`'s: the prefix and the tenant's hash tag. The one place the tag is spelled. */
+function tenantTag(prefix: string, tenant: string): string {
+  return `${prefix}:{t:${tenant}}`;
+}
+
+/**
+ * The service's keys under a prefix: {@linkcode KEY_PREFIX} in the service, a random one in tests.
+ * @throws {TypeError} if `laneStreams` is empty, names a stream twice, or lacks intake's `stream`.
+ */
+export function serviceKeys(
+  prefix: string,
+  { laneStreams = DEFAULT_LANE_STREAMS }: ServiceKeysOptions = {},
+): ServiceKeys {
+  if (!laneStreams.includes(INTAKE_STREAM) || new Set(laneStreams).size !== laneStreams.length) {
+    throw new TypeError(
+      `A lane's streams must be distinct and include "${INTAKE_STREAM}" (got ${JSON.stringify(laneStreams)})`,
+    );
+  }
+  const lanes = new Map<string, LaneKeys>();
+  const legacyTag = `${prefix}:{jobs}`;
   return {
     prefix,
     lane(tenant) {
       let keys = lanes.get(tenant);
       if (!keys) {
-        keys = keysUnder(`${prefix}:{t:${tenant}}`);
+        keys = laneUnder(tenantTag(prefix, tenant), laneStreams);
         if (lanes.size < 10_000) lanes.set(tenant, keys);
       }
       return keys;
     },
+    cache(tenant) {
+      const tag = tenantTag(prefix, tenant);
+      return { entry: (keyHash) => `${tag}:cache:${keyHash}`, lock: (keyHash) => `${tag}:cache_lock:${keyHash}` };
+    },
+    budget: (tenant) => `${tenantTag(prefix, tenant)}:budget`,
+    refusals: (tenant, hour) => `${tenantTag(prefix, tenant)}:refusals:${hour}`,
     registry: laneRegistryKeys(prefix),
-    budget: (tenant) => `${prefix}:{t:${tenant}}:budget`,
+    legacy: {
+      stream: `${legacyTag}:stream`,
+      dead: `${legacyTag}:dead`,
+      group: GROUP,
+      job: (jobId) => jobUnder(legacyTag, jobId),
+    },
   };
 }
 
-/** The status record of `jobId` in the lane whose stream is `stream` (lanes keep both under one tag). */
-export function jobKeyBeside(stream: string, jobId: string): string {
-  return `${stream.slice(0, stream.lastIndexOf(":stream"))}:job:${jobId}`;
+function laneUnder(tag: string, streams: readonly string[]): LaneKeys {
+  return {
+    stream: `${tag}:${INTAKE_STREAM}`,
+    streams: streams.map((name) => `${tag}:${name}`),
+    dead: `${tag}:dead`,
+    group: GROUP,
+    job: (jobId) => jobUnder(tag, jobId),
+    idempotency: (scope) => `${tag}:idem:${scope}`,
+    movedFromLegacy: (entryId) => `${tag}:moved:${entryId}`,
+  };
 }
 
 /**
- * The single `{jobs}` stream's keys: a one-stream queue for tests and tools. Under the service's prefix it is
- * the stream of releases before lanes, which the workers' legacy drain empties into the lanes (see
- * `legacy_drain.ts`); nothing else reads or writes it there.
+ * The status record of `jobId` beside `laneKey`, any key of a lane (a stream, its dead letters): every key of a
+ * lane starts with the prefix and the lane's hash tag, and the record is under the same.
+ * @throws {TypeError} if `laneKey` has no hash tag.
  */
-export function jobKeys(prefix: string): JobKeys {
-  return keysUnder(`${prefix}:{jobs}`);
+export function jobKeyBeside(laneKey: string, jobId: string): string {
+  // Redis's own rule: the tag is up to the first `}` after the first `{` (a tenant's name holds neither).
+  const open = laneKey.indexOf("{");
+  const close = open < 0 ? -1 : laneKey.indexOf("}", open + 1);
+  if (close < 0) throw new TypeError(`Not a key of a lane: ${JSON.stringify(laneKey)}`);
+  return jobUnder(laneKey.slice(0, close + 1), jobId);
 }
 
-function keysUnder(tag: string): JobKeys {
-  return {
-    stream: `${tag}:stream`,
-    dead: `${tag}:dead`,
-    group: "summarisers",
-    job: (jobId) => `${tag}:job:${jobId}`,
-    idempotency: (scopeHash) => `${tag}:idem:${scopeHash}`,
-    movedFromLegacy: (entryId) => `${tag}:moved:${entryId}`,
-    cacheEntry: (keyHash) => `${tag}:cache:${keyHash}`,
-    cacheLock: (keyHash) => `${tag}:cache_lock:${keyHash}`,
-  };
+/** A job's status record under a lane's `<prefix>:{<tag>}`. */
+function jobUnder(tag: string, jobId: string): string {
+  return `${tag}:job:${jobId}`;
 }
 
 /** How long a job's status record lives in Redis (the summary itself lives in Postgres). */

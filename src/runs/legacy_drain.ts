@@ -30,7 +30,7 @@ import { deleteEmptyStream } from "../queue/delete_empty_stream.ts";
 import { entriesAfter } from "../queue/message.ts";
 import { fieldsToObject } from "../redis/fields.ts";
 import { defineScript } from "../redis/script.ts";
-import { jobKeys, type ServiceKeys } from "./keys.ts";
+import type { ServiceKeys } from "./keys.ts";
 
 /** Defaults of {@linkcode drainLegacyStream}. */
 export const LEGACY_DRAIN_DEFAULTS = {
@@ -46,7 +46,7 @@ export const LEGACY_DRAIN_DEFAULTS = {
 } as const;
 
 // MOVE_INTO_LANE: adds one entry of the old stream to its tenant's lane, once.
-// KEYS[1]   the lane's stream.
+// KEYS[1]   the lane's intake stream.
 // KEYS[2]   the job's status record in the lane.
 // KEYS[3]   the lane's marker for the old entry.
 // KEYS[4…]  the registry sets that make the lane known (`laneKnownArgs`).
@@ -76,7 +76,7 @@ export async function drainLegacyStream(
   { redis, log }: { redis: RedisClient; log: Logger },
   { keys, batch = LEGACY_DRAIN_DEFAULTS.batch, signal }: { keys: ServiceKeys; batch?: number; signal?: AbortSignal },
 ): Promise<number> {
-  const legacy = jobKeys(keys.prefix);
+  const legacy = keys.legacy;
   if ((await redis.exists(legacy.stream)) === 0) return 0;
   let moved = 0;
   let from = "-";

@@ -5,14 +5,13 @@ import { estimateTokens, estimateTokensOfLength, summaryPrompt } from "../llm/ll
 import type { Models } from "../llm/models.ts";
 import type { Logger } from "../log/logger.ts";
 import { createStreamWorker, type StreamWorker, type WorkerEvents } from "../queue/stream_worker.ts";
-import { acceptedMsOf, type QueueNames, type StreamMessage } from "../queue/message.ts";
+import { acceptedMsOf, laneId, type LaneNames, type StreamMessage } from "../queue/message.ts";
 import { createTenantWeights, TENANT_WEIGHT } from "../tenants/tenant_weights.ts";
 import { createGroupCommitter, failRun } from "./commit.ts";
 import { runOfPayload } from "./run_payload.ts";
 import type { SummaryJobDeps, SummaryJobOptions } from "./run_deps.ts";
-import type { JobKeys, ServiceKeys } from "./keys.ts";
+import type { LaneKeys, ServiceKeys } from "./keys.ts";
 import { createLaneRegistry } from "../queue/lanes.ts";
-import { staticLanes } from "../queue/static_lanes.ts";
 import { markFailedHook, recordExpiryOnAck } from "./job_status.ts";
 import { notifyJob } from "./job_waiter.ts";
 import { keepDrainingLegacyStream } from "./legacy_drain.ts";
@@ -28,8 +27,8 @@ const PROMPT_FRAME = summaryPrompt("").length;
 
 /** Options for {@linkcode createSummaryWorker}. */
 export interface SummaryWorkerOptions {
-  /** The service's keys (a lane per tenant), or one stream (a one-lane queue, for tests and tools). */
-  keys: ServiceKeys | JobKeys;
+  /** The service's keys: a lane per tenant, each read stream by stream in its order. */
+  keys: ServiceKeys;
   /** The most jobs of one tenant in flight across all workers (TENANT_MAX_IN_FLIGHT). */
   tenantMaxInFlight?: number;
   /** How often the lane registry's sweep finds lanes with work the workers were not told about; default 30 s. */
@@ -63,17 +62,15 @@ export function createSummaryWorker(
   const attempts = createAttemptLog({ sql: deps.sql, log: deps.log });
   const share = tokenShare(deps, options);
   const keys = options.keys;
-  const blocks = deps.budgets && "lane" in keys
-    ? budgetBlocks({ ...deps, budgets: deps.budgets }, keys, share.tenantOf)
-    : undefined;
+  const blocks = deps.budgets ? budgetBlocks({ ...deps, budgets: deps.budgets }, keys, share.tenantOf) : undefined;
   // Always there: a task version's cache_ttl_s turns it on for its runs even when RESULT_CACHE_TTL_S is 0.
   const cache = createResultCache(deps, {
     ...options.cache,
     defaultTtlS: options.cache?.defaultTtlS ?? 0,
-    keys: "lane" in keys ? (tenant) => keys.lane(tenant) : () => keys,
+    keys: (tenant) => keys.cache(tenant),
   });
   const recordStatus = async (jobId: string, tenant: string) =>
-    await deps.redis.hget(("lane" in keys ? keys.lane(tenant) : keys).job(jobId), "status") ?? undefined;
+    await deps.redis.hget(keys.lane(tenant).job(jobId), "status") ?? undefined;
   const job = createSummaryJob({
     ...deps,
     committer,
@@ -85,13 +82,11 @@ export function createSummaryWorker(
     ...options.job,
     onAttempt: share.onAttempt,
   });
-  const lanes = "lane" in keys
-    ? createLaneRegistry({ redis: deps.redis, log: deps.log }, {
-      keys: keys.registry,
-      lane: share.laneOf((tenant) => keys.lane(tenant)),
-      sweepMs: options.laneSweepMs,
-    })
-    : { ...staticLanes([keys]), close: () => Promise.resolve() };
+  const lanes = createLaneRegistry({ redis: deps.redis, log: deps.log }, {
+    keys: keys.registry,
+    lane: share.laneOf((tenant) => keys.lane(tenant)),
+    sweepMs: options.laneSweepMs,
+  });
   const worker = createStreamWorker({ redis: deps.redis, log: deps.log }, {
     lanes,
     laneMaxInFlight: options.tenantMaxInFlight,
@@ -140,16 +135,14 @@ export function createSummaryWorker(
     readAhead: job.prepare,
     onDeferred: blocks?.deferred,
     // A job read ahead and handed back at a stop: the other workers are told its lane has work.
-    onHandedBack: "lane" in keys
-      ? async (_lane, message) => {
-        const tenant = message.fields.tenant;
-        if (tenant) {
-          await announceLane(deps.redis, keys.registry, tenant).catch((error) =>
-            deps.log.warn("lane_announce_failed", { tenant, error })
-          );
-        }
+    onHandedBack: async (_stream, message) => {
+      const tenant = message.fields.tenant;
+      if (tenant) {
+        await announceLane(deps.redis, keys.registry, tenant).catch((error) =>
+          deps.log.warn("lane_announce_failed", { tenant, error })
+        );
       }
-      : undefined,
+    },
   }, job);
   return {
     ...worker,
@@ -157,7 +150,7 @@ export function createSummaryWorker(
       const stopBlocks = blocks?.start(signal);
       // Whatever an upgrade left in the stream of releases before lanes moves into the lanes, beside the first
       // reads and then every 30 s while the worker runs; the moved jobs are read from their lanes like any other.
-      const drained = "lane" in keys ? keepDrainingLegacyStream(deps, { keys, signal }) : undefined;
+      const drained = keepDrainingLegacyStream(deps, { keys, signal });
       await worker.run(signal);
       await drained;
       await stopBlocks;
@@ -198,7 +191,7 @@ function failRunOf(
  */
 function tokenShare(deps: { sql: Sql; log: Logger }, options: SummaryWorkerOptions) {
   const tenantWeights = createTenantWeights(deps, { ttlMs: options.weightsTtlMs });
-  // Lane stream -> tenant, filled as the registry names lanes.
+  // Lane (its laneId) -> tenant, filled as the registry names lanes.
   const tenants = new Map<string, string>();
   // Job id -> tokens the provider reported for this delivery's attempts so far, and whether any did.
   const used = new Map<string, { tokens: number; reported: boolean }>();
@@ -207,12 +200,12 @@ function tokenShare(deps: { sql: Sql; log: Logger }, options: SummaryWorkerOptio
   return {
     averageCost: () => average || estimateTokens(""),
     /** The tenant of a lane the registry named. */
-    tenantOf: (lane: QueueNames) => tenants.get(lane.stream),
-    laneOf(lane: (tenant: string) => JobKeys) {
+    tenantOf: (lane: LaneNames) => tenants.get(laneId(lane)),
+    laneOf(lane: (tenant: string) => LaneKeys) {
       return (tenant: string) => {
         const keys = lane(tenant);
         if (tenants.size >= 100_000) tenants.clear();
-        tenants.set(keys.stream, tenant);
+        tenants.set(laneId(keys), tenant);
         return keys;
       };
     },
@@ -243,9 +236,9 @@ function tokenShare(deps: { sql: Sql; log: Logger }, options: SummaryWorkerOptio
       });
       options.job.onAttempt?.(report);
     }) satisfies SummaryJobOptions["onAttempt"],
-    async weights(): Promise<(lane: QueueNames) => number> {
+    async weights(): Promise<(lane: LaneNames) => number> {
       const byTenant = await tenantWeights.current();
-      return (lane) => byTenant.get(tenants.get(lane.stream) ?? "") ?? TENANT_WEIGHT.default;
+      return (lane) => byTenant.get(tenants.get(laneId(lane)) ?? "") ?? TENANT_WEIGHT.default;
     },
   };
 }
@@ -264,7 +257,7 @@ const BUDGET_WAITING_MARK_MS = 5_000;
 function budgetBlocks(
   deps: { redis: RedisClient; log: Logger; budgets: Budgets },
   keys: ServiceKeys,
-  tenantOf: (lane: QueueNames) => string | undefined,
+  tenantOf: (lane: LaneNames) => string | undefined,
 ) {
   const blocked = new Map<string, BudgetExhausted>();
   const mark = (tenant: string) =>
@@ -296,13 +289,13 @@ function budgetBlocks(
       // tenant's smaller ones once they fit.
       if (!known || error.worst.tokens < known.worst.tokens) blocked.set(error.tenant, error);
     },
-    skip(lane: QueueNames): boolean {
+    skip(lane: LaneNames): boolean {
       if (blocked.size === 0) return false;
       const tenant = tenantOf(lane);
       return tenant !== undefined && blocked.has(tenant);
     },
     // The lane keeps its place among the lanes with work: this worker reads it again once the budget fits.
-    async deferred(_lane: QueueNames, message: StreamMessage) {
+    async deferred(_stream: unknown, message: StreamMessage) {
       if (message.fields.tenant) await wake(message.fields.tenant);
     },
     async start(signal: AbortSignal): Promise<void> {

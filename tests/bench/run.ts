@@ -11,7 +11,7 @@ import { createLogger, silentLogger } from "../../src/log/logger.ts";
 import type { LLM } from "../../src/llm/llm.ts";
 import { createResendMailer } from "../../src/mail/resend_mailer.ts";
 import { commitResults } from "../../src/runs/commit.ts";
-import { jobKeys, KEY_PREFIX, serviceKeys } from "../../src/runs/keys.ts";
+import { KEY_PREFIX, type ServiceKeys, serviceKeys } from "../../src/runs/keys.ts";
 import { createSummaryWorker } from "../../src/runs/worker.ts";
 import { createDeployment } from "../../src/provider/deployment.ts";
 import { createStreamWorker, type StreamWorker } from "../../src/queue/stream_worker.ts";
@@ -83,14 +83,17 @@ async function countRows(
   return row!.n;
 }
 
-async function enqueueMany(r: ScratchRedis, n: number, keys = jobKeys(r.prefix)) {
+/** Queues `n` jobs of tenant `bench` in its lane, then announces the lane once. */
+async function enqueueMany(r: ScratchRedis, n: number, keys: ServiceKeys) {
+  const lane = keys.lane("bench");
   for (let start = 0; start < n; start += 1000) {
     const p = r.redis.pipeline();
     for (let i = start; i < Math.min(n, start + 1000); i++) {
-      p.xadd(keys.stream, "*", "job_id", crypto.randomUUID(), "tenant", "bench", "payload", BODY);
+      p.xadd(lane.stream, "*", "job_id", crypto.randomUUID(), "tenant", "bench", "payload", BODY);
     }
     await p.exec();
   }
+  await announceLane(r.redis, keys.registry, "bench");
 }
 
 /** The load run whose rate is the median of `results` (its p50 and p99 go with it). */
@@ -450,7 +453,7 @@ async function workerRun(opts: { jobs: number; concurrency: number; delayMs: num
   const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench", max: 10 });
   const r = await createScratchRedis(REDIS_URL, "oncely_bench");
   try {
-    const keys = jobKeys(r.prefix);
+    const keys = serviceKeys(r.prefix);
     await enqueueMany(r, opts.jobs, keys);
     let acked = 0;
     let finished!: () => void;
@@ -894,17 +897,23 @@ async function benchFairness() {
     const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
     const r = await createScratchRedis(REDIS_URL, "oncely_bench");
     const service = serviceKeys(r.prefix);
-    const fifo = jobKeys(r.prefix);
-    const enqueue = (tenant: string, i: number) => {
+    // The baseline: every tenant's jobs in one lane's stream, read in the order they came, as before lanes.
+    const fifo = service.lane("fifo");
+    const enqueue = async (tenant: string, i: number) => {
       const job = {
         jobId: crypto.randomUUID(),
         tenant,
         request: { text: `${tenant} ${i}. Revenue rose.`, notify: "o@x.co" },
       };
-      return (lanes ? enqueueToLane(r.redis, service, job) : enqueueJob(r.redis, fifo, job)).then(() => job.jobId);
+      if (lanes) await enqueueToLane(r.redis, service, job);
+      else {
+        await enqueueJob(r.redis, fifo, job);
+        await announceLane(r.redis, service.registry, "fifo");
+      }
+      return job.jobId;
     };
     const worker = summaryWorker(
-      { redis: r.redis, sql: db.sql, llm: fixedLlm(delayMs), keys: lanes ? service : fifo },
+      { redis: r.redis, sql: db.sql, llm: fixedLlm(delayMs), keys: service },
       {
         consumer: "fair",
         concurrency: 8,
@@ -1144,7 +1153,7 @@ async function benchMemory() {
   progress(`memory: worker RSS with ${inFlight} jobs in flight`);
   const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
   const r = await createScratchRedis(REDIS_URL, "oncely_bench");
-  const keys = jobKeys(r.prefix);
+  const keys = serviceKeys(r.prefix);
   const stop = new AbortController();
   try {
     await enqueueMany(r, inFlight, keys);
@@ -1187,7 +1196,8 @@ async function benchMemory() {
 /** Our stream worker with a no-op handler: jobs/s until `n` pre-enqueued messages are acked (and deleted). */
 async function oursNoop(n: number, concurrency: number): Promise<number> {
   const r = await createScratchRedis(REDIS_URL, "oncely_bench");
-  const names = { stream: `${r.prefix}:{q}:stream`, dead: `${r.prefix}:{q}:dead`, group: "g" };
+  const stream = `${r.prefix}:{q}:stream`;
+  const names = { stream, streams: [stream], dead: `${r.prefix}:{q}:dead`, group: "g" };
   try {
     for (let start = 0; start < n; start += 1000) {
       const p = r.redis.pipeline();

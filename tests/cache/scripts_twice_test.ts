@@ -18,9 +18,9 @@ Deno.test("the result cache's scripts applied twice leave the entry and its lock
   const twice = resendingRedis(r.redis);
   let n = 0;
   const entryOf = () => {
-    const lane = serviceKeys(r.prefix).lane("acme");
+    const cache = serviceKeys(r.prefix).cache("acme");
     const hash = `h${n++}`;
-    return { entry: lane.cacheEntry(hash), lock: lane.cacheLock(hash) };
+    return { entry: cache.entry(hash), lock: cache.lock(hash) };
   };
   const claim = (redis: typeof r.redis, k: { entry: string; lock: string }, run: string) =>
     CLAIM_SCRIPT.run(redis, [k.entry, k.lock], [run, LEASE_MS]);

@@ -8,8 +8,9 @@ import { tenantCommand } from "../../src/cli/tenant_command.ts";
 import { DEAD_LETTER_BOUNDS, deadLetter, droppedDeadLetters, pagesOfDeadLetters } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { commitResults } from "../../src/runs/commit.ts";
-import { enqueueJob } from "../support/enqueue.ts";
-import { jobKeys } from "../../src/runs/keys.ts";
+import { enqueueToLane } from "../support/enqueue.ts";
+import { type LaneKeys, type ServiceKeys, serviceKeys } from "../../src/runs/keys.ts";
+import { announceLane } from "../../src/queue/lanes.ts";
 import { markFailedHook } from "../../src/runs/job_status.ts";
 import { parseApiKey } from "../../src/tenants/tenant_store.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
@@ -22,7 +23,15 @@ function capture() {
 Deno.test("operator commands", async (t) => {
   const db = await createTestDatabase();
   const r = await createTestRedis();
-  const keys = jobKeys(r.prefix);
+  // The dead letters are tenant acme's, in its lane.
+  const service = serviceKeys(r.prefix);
+  const keys = service.lane("acme");
+  /** Tenant acme's lane under `prefix`, known to the registry as `dlq` finds lanes. */
+  const acmeUnder = async (prefix: string): Promise<[ServiceKeys, LaneKeys]> => {
+    const under = serviceKeys(prefix);
+    await announceLane(r.redis, under.registry, "acme");
+    return [under, under.lane("acme")];
+  };
   try {
     await t.step("tenant create prints the key as the last line; list shows it; revoke revokes it", async () => {
       const c = capture();
@@ -87,7 +96,7 @@ Deno.test("operator commands", async (t) => {
       "dlq list prints JSON lines with id, job_id, tenant, reason, deliveries; replay twice is harmless",
       async () => {
         const jobId = crypto.randomUUID();
-        await enqueueJob(r.redis, keys, { jobId, tenant: "acme", request: { text: "t", notify: "a@b.co" } });
+        await enqueueToLane(r.redis, service, { jobId, tenant: "acme", request: { text: "t", notify: "a@b.co" } });
         await ensureGroup(r.redis, keys);
         const reply = await r.redis.xreadgroup("GROUP", keys.group, "c", "STREAMS", keys.stream, ">") as [
           string,
@@ -100,7 +109,7 @@ Deno.test("operator commands", async (t) => {
         await deadLetter(r.redis, keys, { id, fields, deliveries: 6 }, "exceeded 5 deliveries", markFailedHook);
         assert.equal(await r.redis.hget(keys.job(jobId), "status"), "failed");
         const list = capture();
-        await dlqCommand({ redis: r.redis, sql: db.sql }, keys, ["list"], { out: list.out });
+        await dlqCommand({ redis: r.redis, sql: db.sql }, service, ["list"], { out: list.out });
         const row = JSON.parse(list.lines[0]!);
         assert.deepEqual(Object.keys(row).slice(0, 5), ["id", "job_id", "tenant", "reason", "deliveries"]);
         assert.deepEqual([row.job_id, row.tenant, row.reason, row.deliveries], [
@@ -111,11 +120,11 @@ Deno.test("operator commands", async (t) => {
         ]);
         const before = await r.redis.xlen(keys.stream);
         assert.equal(
-          await dlqCommand({ redis: r.redis, sql: db.sql }, keys, ["replay", row.id], { out: capture().out }),
+          await dlqCommand({ redis: r.redis, sql: db.sql }, service, ["replay", row.id], { out: capture().out }),
           0,
         );
         assert.equal(
-          await dlqCommand({ redis: r.redis, sql: db.sql }, keys, ["replay", row.id], { out: capture().out }),
+          await dlqCommand({ redis: r.redis, sql: db.sql }, service, ["replay", row.id], { out: capture().out }),
           0,
         );
         assert.equal(await r.redis.xlen(keys.stream), before + 1, "enqueued once");
@@ -148,7 +157,7 @@ Deno.test("operator commands", async (t) => {
     await t.step(
       "the dead-letter stream is bounded: big payloads are truncated and refused on replay, old entries trimmed",
       async () => {
-        const boundKeys = jobKeys(`${r.prefix}:bound`);
+        const [bound, boundKeys] = await acmeUnder(`${r.prefix}:bound`);
         // The dead-letter step moves only a message still in its stream.
         const inStream = async () => await r.redis.xadd(boundKeys.stream, "*", "job_id", "x") as string;
         const big = "x".repeat(150_000);
@@ -167,11 +176,11 @@ Deno.test("operator commands", async (t) => {
         const payload = bigEntry![1][bigEntry![1].indexOf("payload") + 1]!;
         assert.equal(payload.length, DEAD_LETTER_BOUNDS.keptFieldChars, "the payload kept is a bounded prefix");
         const list = capture();
-        await dlqCommand({ redis: r.redis, sql: db.sql }, boundKeys, ["list", "--json"], { out: list.out });
+        await dlqCommand({ redis: r.redis, sql: db.sql }, bound, ["list", "--json"], { out: list.out });
         assert.deepEqual(list.lines.map((l) => JSON.parse(l).replayable), [false, true]);
         const out = capture();
         assert.equal(
-          await dlqCommand({ redis: r.redis, sql: db.sql }, boundKeys, ["replay", "--all"], { out: out.out }),
+          await dlqCommand({ redis: r.redis, sql: db.sql }, bound, ["replay", "--all"], { out: out.out }),
           1,
         );
         assert.match(out.lines.at(-1)!, /1 dead letter\(s\) replayed\. 1 could not be/);
@@ -203,7 +212,7 @@ Deno.test("operator commands", async (t) => {
         assert.equal(await droppedDeadLetters(r.redis, boundKeys), dropped);
         const listed = capture();
         const notes = capture();
-        await dlqCommand({ redis: r.redis, sql: db.sql }, boundKeys, ["list", "--json"], {
+        await dlqCommand({ redis: r.redis, sql: db.sql }, bound, ["list", "--json"], {
           out: listed.out,
           err: notes.out,
         });
@@ -213,7 +222,7 @@ Deno.test("operator commands", async (t) => {
     );
 
     await t.step("dlq list pages through a long dead-letter stream instead of loading it whole", async () => {
-      const pageKeys = jobKeys(`${r.prefix}:pages`);
+      const [pages, pageKeys] = await acmeUnder(`${r.prefix}:pages`);
       const p = r.redis.pipeline();
       for (let i = 0; i < 1_201; i++) {
         p.xadd(
@@ -238,7 +247,7 @@ Deno.test("operator commands", async (t) => {
       for await (const page of pagesOfDeadLetters(r.redis, pageKeys)) sizes.push(page.length);
       assert.deepEqual(sizes, [500, 500, 201]);
       const list = capture();
-      await dlqCommand({ redis: r.redis, sql: db.sql }, pageKeys, ["list", "--json"], { out: list.out });
+      await dlqCommand({ redis: r.redis, sql: db.sql }, pages, ["list", "--json"], { out: list.out });
       assert.equal(list.lines.length, 1_201);
       assert.equal(new Set(list.lines.map((l) => JSON.parse(l).job_id)).size, 1_201, "each once, none skipped");
     });

@@ -171,7 +171,7 @@ Deno.test("the usage page and the queue charts draw exactly the seeded figures, 
     FROM unnest(${outcomes.map((o) => o.tenant)}::text[], ${outcomes.map((o) => o.outcome)}::text[],
       ${outcomes.map((o) => o.decided)}::float8[], ${outcomes.map((o) => o.latency)}::float8[])
       AS t(tenant, outcome, decided, latency)`;
-  for (const x of refusals) await recordRefusal(r.redis, keys.prefix, x.tenant, 429, x.at);
+  for (const x of refusals) await recordRefusal(r.redis, keys, x.tenant, 429, x.at);
 
   // acme's daily budgets: the busier of the window's two days comes to about three quarters of them.
   const byDay = (of: (c: Call) => number) => {
@@ -422,7 +422,7 @@ Deno.test("a 429 for a spent budget is recorded per minute for its tenant, and c
     assert.equal(unauthenticated.status, 401);
     await unauthenticated.body?.cancel();
     const counted = async () => {
-      const minutes = await refusalsPerMinute(r.redis, keys.prefix, "acme", {
+      const minutes = await refusalsPerMinute(r.redis, keys, "acme", {
         fromMs: before - MINUTE,
         toMs: Date.now() + MINUTE,
       });

@@ -116,7 +116,7 @@ Deno.test("the usage page's windows: buckets, labels, units, figures, links and 
     });
     // 429s 10 minutes and 2, 20 and 30 hours ago: Redis keeps each UTC hour 25 hours, so the last is lost.
     for (const ago of [10 * MINUTE, 2 * HOUR, 20 * HOUR, 30 * HOUR]) {
-      await recordRefusal(r.redis, keys.prefix, "acme", 429, NOW - ago);
+      await recordRefusal(r.redis, keys, "acme", 429, NOW - ago);
     }
 
     /** Per bucket of `window`: the prompt tokens of acme's calls in it. */

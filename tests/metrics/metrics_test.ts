@@ -9,8 +9,9 @@ import {
   relayEvents,
   workerEvents,
 } from "../../src/processes/metrics_wiring.ts";
-import { enqueueJob, enqueueToLane } from "../support/enqueue.ts";
-import { jobKeys, serviceKeys } from "../../src/runs/keys.ts";
+import { enqueueToLane } from "../support/enqueue.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
+import { announceLane } from "../../src/queue/lanes.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
@@ -36,7 +37,9 @@ function parseExposition(text: string): Map<string, number> {
 Deno.test("metrics", async (t) => {
   const db = await createTestDatabase();
   const r = await createTestRedis();
-  const keys = jobKeys(r.prefix);
+  // The worker's step has lanes of its own, apart from the jobs the API's steps queue.
+  const keys = serviceKeys(`${r.prefix}:worker`);
+  const acme = keys.lane("acme");
   await createApiKey(db.sql, "acme"); // trusted-header mode serves only tenants that exist
   const handlerWith = (registry: Registry, token?: string) =>
     apiHandler({ redis: r.redis, sql: db.sql, keys: serviceKeys(r.prefix) }, {
@@ -162,21 +165,22 @@ Deno.test("metrics", async (t) => {
           job: { budgetMs: 5_000, perCallTimeoutMs: 2_000, maxAttempts: 3, onAttempt: attemptObserver(metrics) },
         });
         try {
-          await r.redis.del(keys.stream);
-          await enqueueJob(r.redis, keys, {
+          await r.redis.del(acme.stream);
+          await enqueueToLane(r.redis, keys, {
             jobId: crypto.randomUUID(),
             tenant: "acme",
             request: { text: "Revenue rose.", notify: "a@b.co" },
           });
-          await enqueueJob(r.redis, keys, {
+          await enqueueToLane(r.redis, keys, {
             jobId: crypto.randomUUID(),
             tenant: "acme",
             request: { text: "Costs fell.", notify: "a@b.co" },
           });
           await worker.runOnce(0);
           await worker.drain();
-          await r.redis.xadd(keys.stream, "*", "job_id", "bad", "tenant", "acme", "payload", "{}");
-          await r.redis.xadd(keys.stream, "*", "job_id", "waiting", "tenant", "acme", "payload", "{}");
+          await r.redis.xadd(acme.stream, "*", "job_id", "bad", "tenant", "acme", "payload", "{}");
+          await r.redis.xadd(acme.stream, "*", "job_id", "waiting", "tenant", "acme", "payload", "{}");
+          await announceLane(r.redis, keys.registry, "acme");
           const m0 = parseExposition(await registry.metrics());
           assert.equal(m0.get("oncely_queue_lag"), 2);
           await worker.runOnce(0);

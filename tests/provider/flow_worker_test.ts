@@ -12,7 +12,8 @@ import { createProviderFlow, providerStateKey } from "../../src/provider/flow_co
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { enqueueJob } from "../support/enqueue.ts";
-import { jobKeys } from "../../src/runs/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
+import { announceLane } from "../../src/queue/lanes.ts";
 import { createSummaryWorker } from "../../src/runs/worker.ts";
 import { createDeployment } from "../../src/provider/deployment.ts";
 import { limitedProvider, startFakeModel } from "../support/fake_model_server.ts";
@@ -23,7 +24,9 @@ const RPS = 20;
 Deno.test("two workers share one provider's limit, pause and breaker", async (t) => {
   const db = await createTestDatabase();
   const r = await createTestRedis();
-  const keys = jobKeys(r.prefix);
+  // Every job is tenant acme's, in its lane.
+  const service = serviceKeys(r.prefix);
+  const keys = service.lane("acme");
   let run = 0;
 
   /** Runs `jobs` jobs through two workers; `during` may act while they run. */
@@ -64,7 +67,7 @@ Deno.test("two workers share one provider's limit, pause and breaker", async (t)
         }),
         log: silentLogger,
       }, {
-        keys,
+        keys: service,
         consumer: name,
         claimIdleMs: 60_000,
         maxDeliveries: 5,
@@ -81,6 +84,7 @@ Deno.test("two workers share one provider's limit, pause and breaker", async (t)
           request: { text: `Revenue rose ${i}%. Costs fell.`, notify: "ops@example.com" },
         });
       }
+      await announceLane(r.redis, service.registry, "acme");
       const running = workers.map((w) => w.run(stop.signal));
       await during?.(provider);
       const done = async () => {

@@ -1,11 +1,11 @@
 /**
- * Lanes: one stream per tenant, shared fairly by one worker's slots. The
+ * Lanes: a group on one stream per tenant here, shared fairly by one worker's slots. The
  * assertions are about order and counts (which lane's messages completed
  * when), never about elapsed time.
  */
 import assert from "node:assert/strict";
 import { announceLane, createLaneRegistry, createLaneShares, laneRegistryKeys } from "../../src/queue/lanes.ts";
-import type { QueueNames, StreamMessage } from "../../src/queue/message.ts";
+import type { LaneNames, QueueNames, StreamMessage } from "../../src/queue/message.ts";
 import { createStreamWorker, type MessageHandler } from "../../src/queue/stream_worker.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { sleep } from "../../src/async/timeout.ts";
@@ -17,8 +17,9 @@ Deno.test("lanes", async (t) => {
   const setup = () => {
     const prefix = `${r.prefix}:run${run++}`;
     const keys = laneRegistryKeys(prefix);
-    const lane = (id: string): QueueNames => ({
+    const lane = (id: string): QueueNames & LaneNames => ({
       stream: `${prefix}:{t:${id}}:stream`,
+      streams: [`${prefix}:{t:${id}}:stream`],
       dead: `${prefix}:{t:${id}}:dead`,
       group: "g",
     });
@@ -230,7 +231,7 @@ Deno.test("lanes", async (t) => {
       const served: string[] = [];
       const worker = workerWith((m) => (served.push(m.fields.tenant!), Promise.resolve()), {
         concurrency: 1,
-        weights: () => Promise.resolve((l: QueueNames) => (l.stream.includes("{t:a}") ? 3 : 1)),
+        weights: () => Promise.resolve((l: LaneNames) => (l.streams[0]!.includes("{t:a}") ? 3 : 1)),
       });
       await oneByOne(worker, 40);
       assert.equal(count(served, "a"), 30, served.join(""));

@@ -12,7 +12,7 @@ import { deleteEmptyStream } from "../../src/queue/delete_empty_stream.ts";
 import { createHeartbeat } from "../../src/queue/heartbeat.ts";
 import { createLaneReader } from "../../src/queue/lane_reader.ts";
 import { announceLane, createLaneShares, laneRegistryKeys } from "../../src/queue/lanes.ts";
-import type { QueueNames, StreamMessage } from "../../src/queue/message.ts";
+import type { LaneNames, QueueNames, StreamMessage } from "../../src/queue/message.ts";
 import { createReclaimer } from "../../src/queue/reclaimer.ts";
 import { requeue } from "../../src/queue/requeue.ts";
 import { staticLanes } from "../../src/queue/static_lanes.ts";
@@ -26,9 +26,9 @@ Deno.test("the queue's writes applied twice change the lane once", async (t) => 
   const twice = resendingRedis(r.redis);
   let run = 0;
   /** A fresh lane with `n` messages and its group. */
-  const laneWith = async (n: number): Promise<{ lane: QueueNames; ids: string[] }> => {
+  const laneWith = async (n: number): Promise<{ lane: QueueNames & LaneNames; ids: string[] }> => {
     const tag = `${r.prefix}:{t:twice${run++}}`;
-    const lane = { stream: `${tag}:stream`, dead: `${tag}:dead`, group: "g" };
+    const lane = { stream: `${tag}:stream`, streams: [`${tag}:stream`], dead: `${tag}:dead`, group: "g" };
     await ensureGroup(r.redis, lane);
     const ids: string[] = [];
     for (let i = 0; i < n; i++) {
@@ -38,7 +38,7 @@ Deno.test("the queue's writes applied twice change the lane once", async (t) => 
   };
   const pendingOf = async ({ stream, group }: QueueNames) =>
     await r.redis.xpending(stream, group, "-", "+", 100) as Pending[];
-  const readerOf = (redis: TestRedis["redis"], lane: QueueNames, consumer: string, laneMaxInFlight = 0) =>
+  const readerOf = (redis: TestRedis["redis"], lane: LaneNames, consumer: string, laneMaxInFlight = 0) =>
     createLaneReader({ redis }, {
       consumer,
       lanes: staticLanes([lane]),
@@ -49,7 +49,7 @@ Deno.test("the queue's writes applied twice change the lane once", async (t) => 
   /** Reads up to `free` messages with `reader`, without waiting. @returns the ids started. */
   const read = async (reader: ReturnType<typeof readerOf>, free: number) => {
     const started: StreamMessage[] = [];
-    await reader.read(free, 0, (_lane, m) => started.push(m));
+    await reader.read(free, 0, (_lane, _stream, m) => started.push(m));
     return started;
   };
 
@@ -69,6 +69,26 @@ Deno.test("the queue's writes applied twice change the lane once", async (t) => 
       const next = await read(readerOf(r.redis, lane, "c1"), 2);
       assert.deepEqual(next.map((m) => m.id), ids.slice(2));
     });
+
+    await t.step(
+      "a take resent over a lane of two streams hands the consumer what it delivered from each",
+      async () => {
+        const { lane: first, ids: firstIds } = await laneWith(1);
+        const tag = first.stream.slice(0, first.stream.lastIndexOf(":"));
+        const second = { stream: `${tag}:second`, dead: first.dead, group: first.group };
+        await ensureGroup(r.redis, second);
+        const secondIds: string[] = [];
+        for (let i = 0; i < 3; i++) secondIds.push(await r.redis.xadd(second.stream, "*", "job_id", `s${i}`) as string);
+        const lane = { streams: [first.stream, second.stream], dead: first.dead, group: first.group };
+        const started = await read(readerOf(twice, lane, "c1"), 3);
+        assert.deepEqual(started.map((m) => m.id), [firstIds[0], secondIds[0], secondIds[1]]);
+        assert.deepEqual((await pendingOf(first)).map(([id, c, , n]) => [id, c, n]), [[firstIds[0], "c1", 1]]);
+        assert.deepEqual((await pendingOf(second)).map(([id, c, , n]) => [id, c, n]), [
+          [secondIds[0], "c1", 1],
+          [secondIds[1], "c1", 1],
+        ]);
+      },
+    );
 
     await t.step("a capped take resent is answered its messages, not the cap they reached", async () => {
       const { lane, ids } = await laneWith(3);
@@ -102,7 +122,7 @@ Deno.test("the queue's writes applied twice change the lane once", async (t) => 
         held: () => 0,
       });
       const started: StreamMessage[] = [];
-      await reclaimer.reclaim(2, (_lane, m) => started.push(m));
+      await reclaimer.reclaim(2, (_lane, _stream, m) => started.push(m));
       // Run again without its record, XAUTOCLAIM passes over the two it just claimed (idle no more) and claims the
       // next two: the first two stay pending to c2, unseen, and spend one more delivery at the next reclaim.
       assert.deepEqual(started.map((m) => [m.id, m.deliveries]), [[ids[0], 2], [ids[1], 2]]);
@@ -142,7 +162,7 @@ Deno.test("the queue's writes applied twice change the lane once", async (t) => 
       const { lane, ids } = await laneWith(2);
       await r.redis.xreadgroup("GROUP", lane.group, "c1", "COUNT", 1, "STREAMS", lane.stream, ">");
       await r.redis.xreadgroup("GROUP", lane.group, "c2", "COUNT", 1, "STREAMS", lane.stream, ">");
-      const held = ids.map((id) => ({ lane, id }));
+      const held = ids.map((id) => ({ stream: lane, id }));
       const heartbeat = createHeartbeat({ redis: twice, log: silentLogger }, {
         consumer: "c1",
         intervalMs: 1_000,
@@ -178,8 +198,8 @@ Deno.test("the queue's writes applied twice change the lane once", async (t) => 
       await r.redis.xreadgroup("GROUP", lane.group, "c1", "COUNT", 2, "STREAMS", lane.stream, ">");
       const ack = createAckBatcher(r.redis);
       // The MULTI of XACK + XDEL, sent again as it was.
-      await ack({ lane, id: ids[0]! });
-      await ack({ lane, id: ids[0]! });
+      await ack({ stream: lane, id: ids[0]! });
+      await ack({ stream: lane, id: ids[0]! });
       assert.deepEqual((await pendingOf(lane)).map(([id]) => id), [ids[1]]);
       assert.deepEqual((await r.redis.xrange(lane.stream, "-", "+")).map(([id]) => id), [ids[1]]);
     });

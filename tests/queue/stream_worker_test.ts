@@ -8,8 +8,10 @@ import { silentLogger } from "../../src/log/logger.ts";
 import { settlesWithin } from "../../src/async/timeout.ts";
 import { createTestRedis, type TestRedis, waitFor } from "../_support.ts";
 
+/** A lane of one stream: its names as a lane and as that stream's. */
 function names(prefix: string) {
-  return { stream: `${prefix}:{q}:stream`, dead: `${prefix}:{q}:dead`, group: "g" };
+  const stream = `${prefix}:{q}:stream`;
+  return { stream, streams: [stream], dead: `${prefix}:{q}:dead`, group: "g" };
 }
 
 function worker(r: TestRedis, consumer: string, handler: MessageHandler, overrides: Record<string, unknown> = {}) {

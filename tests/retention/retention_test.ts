@@ -1,11 +1,11 @@
 import assert from "node:assert/strict";
 import { insertAttempts } from "../../src/jobs/job_store.ts";
-import { silentLogger } from "../../src/log/logger.ts";
-import { createRetention, type RetentionOptions } from "../../src/retention/retention.ts";
+import { createLogger, type Logger, silentLogger } from "../../src/log/logger.ts";
+import { createRetention, type Retention, type RetentionOptions } from "../../src/retention/retention.ts";
 import { OUTCOME_MIN_AGE_MS } from "../../src/processes/relay_process.ts";
 import { commitResults } from "../../src/runs/commit.ts";
-import postgres from "postgres";
-import { createTestDatabase, waitFor } from "../_support.ts";
+import postgres, { type Sql } from "postgres";
+import { createTestDatabase, recordingLogger, waitFor } from "../_support.ts";
 
 const DAY_MS = 24 * 3600 * 1000;
 
@@ -23,18 +23,88 @@ Deno.test("retention", async (t) => {
   };
   const count = async (table: string) =>
     (await sql<{ n: number }[]>`SELECT count(*)::int AS n FROM ${sql(table)}`)[0]!.n;
-  /** A retention service whose DELETE statements are recorded: [table, rows deleted] each. */
-  const retentionWith = (options: Partial<RetentionOptions>) => {
+  /**
+   * A retention service whose DELETE statements are recorded: [table, rows deleted] each. It runs on the test's
+   * pool unless given `sql` (a relay's one-connection client), and logs nowhere unless given `log`.
+   */
+  const retentionWith = (
+    { sql: client = sql, log = silentLogger, ...options }: Partial<RetentionOptions> & { sql?: Sql; log?: Logger },
+  ) => {
     const batches: [string, number][] = [];
-    const retention = createRetention({ sql, log: silentLogger }, {
+    const retention = createRetention({ sql: client, log }, {
       outcomeMinAgeMs: OUTCOME_MIN_AGE_MS,
       pauseMs: 0,
-      ...options,
       onBatch: (table, rows) => batches.push([table, rows]),
+      ...options,
     });
     return { retention, batches };
   };
+  /** A client of one connection, as the relay process gives retention. */
+  const oneConnection = () => postgres(db.url, { max: 1, onnotice: () => {} });
+  const backendPid = async (client: Sql) => (await client<{ pid: number }[]>`SELECT pg_backend_pid() AS pid`)[0]!.pid;
+  /** The backends holding retention's pass lock on this database. */
+  const lockHolders = async () =>
+    (await sql<{ pid: number }[]>`
+      SELECT pid FROM pg_locks
+      WHERE locktype = 'advisory' AND granted AND objsubid = 1
+        AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+        AND ((classid::bigint << 32) | objid::bigint) = hashtextextended('oncely/retention', 0)`).map((r) => r.pid);
+  /** A `sleep` for retention's pauses that holds each pause until `release()` (from then on, none), or the stop. */
+  const heldPauses = () => {
+    let pauses = 0;
+    let held = true;
+    const waiting = new Set<() => void>();
+    return {
+      count: () => pauses,
+      sleep(_ms: number, signal: AbortSignal) {
+        pauses++;
+        if (!held) return Promise.resolve();
+        return new Promise<void>((resolve) => {
+          const done = () => {
+            waiting.delete(done);
+            signal.removeEventListener("abort", done);
+            resolve();
+          };
+          waiting.add(done);
+          signal.addEventListener("abort", done, { once: true });
+        });
+      },
+      release() {
+        held = false;
+        for (const done of [...waiting]) done();
+      },
+    };
+  };
   const reset = () => sql`TRUNCATE summaries, outbox, job_outcomes, model_attempts`;
+  /** Starts over with `n` jobs whose emails were sent 10 days ago. */
+  const resetWithSentRows = async (n: number) => {
+    await reset();
+    await addJobs(n);
+    await sql`UPDATE outbox SET sent_at = now() - interval '10 days'`;
+  };
+  /**
+   * Two relays' retention on one database, each on a connection of its own as `startRetention` opens it, in
+   * batches of 2: A pauses 100 ms between batches, each pause held (`paused`); B does not pause.
+   */
+  const twoRelays = (optionsB: Partial<RetentionOptions> & { log?: Logger } = {}) => {
+    const [clientA, clientB] = [oneConnection(), oneConnection()];
+    const paused = heldPauses();
+    const a = retentionWith({ sql: clientA, batch: 2, pauseMs: 100, sleep: paused.sleep, firstPassAfterMs: 0 });
+    const b = retentionWith({ sql: clientB, batch: 2, pauseMs: 0, ...optionsB });
+    return {
+      a,
+      b,
+      clientA,
+      paused,
+      async close() {
+        paused.release();
+        await a.retention.stop();
+        await b.retention.stop();
+        await clientA.end();
+        await clientB.end();
+      },
+    };
+  };
 
   try {
     await t.step("runOnce deletes in batches until a batch deletes fewer than the batch size", async () => {
@@ -157,27 +227,103 @@ Deno.test("retention", async (t) => {
       assert.equal(batches.length, seen, "no pass after stop()");
     });
 
-    await t.step("two replicas: one pass at a time, the other skips; a pass pauses between full batches", async () => {
-      await reset();
-      await addJobs(6);
-      await sql`UPDATE outbox SET sent_at = now() - interval '10 days'`;
-      // Two relay replicas on one database, as two processes would run them (each reserves its own connection).
-      const a = retentionWith({ batch: 2, pauseMs: 200 });
-      const b = retentionWith({ batch: 2, pauseMs: 0 });
-      const started = performance.now();
-      const passA = a.retention.runOnce();
-      await waitFor("A's first batch", () => a.batches.length >= 1);
-      // A pauses between its batches, holding the pass: B's pass is skipped, not run beside it.
-      assert.equal(await b.retention.runOnce(), 0);
-      assert.deepEqual(b.batches, [], "B deleted nothing and ran no statement");
-      assert.equal(await passA, 6);
-      assert.deepEqual(a.batches, [["outbox", 2], ["outbox", 2], ["outbox", 2], ["outbox", 0]]);
-      // Three full batches, three pauses of 100-300 ms each.
-      assert.ok(performance.now() - started >= 300, "A paused after each full batch");
-      // A's pass over, the lock is free: B's next pass runs.
-      assert.equal(await b.retention.runOnce(), 0);
-      assert.deepEqual(b.batches, [["outbox", 0]]);
+    await t.step("a pass pauses after each full batch, jittered, and holds its lock through the pauses", async () => {
+      await resetWithSentRows(5);
+      const events: string[] = [];
+      const jitter = [0, 0.999];
+      let retention: Retention | undefined;
+      const client = oneConnection();
+      try {
+        ({ retention } = retentionWith({
+          sql: client,
+          batch: 2,
+          pauseMs: 100,
+          random: () => jitter.shift()!,
+          async sleep(ms) {
+            events.push(`pause ${ms.toFixed(1)}`);
+            // Mid-pass, the lock is held by this pass's session alone, and this replica's own next pass skips.
+            assert.deepEqual(await lockHolders(), [await backendPid(client)]);
+            assert.equal(await retention!.runOnce(), 0, "a second pass of the same replica skips");
+          },
+          onBatch: (table, rows) => events.push(`${table} ${rows}`),
+        }));
+        assert.equal(await retention.runOnce(), 5);
+        // 100 ms from half to one and a half times; no pause after the batch that ended the table.
+        assert.deepEqual(events, ["outbox 2", "pause 50.0", "outbox 2", "pause 149.9", "outbox 1"]);
+        assert.deepEqual(await lockHolders(), [], "the pass released its lock");
+      } finally {
+        await client.end();
+      }
     });
+
+    await t.step(
+      "two relays on one database: one runs a pass, the other skips it and takes over when the first stops",
+      async () => {
+        await resetWithSentRows(6);
+        const logB = recordingLogger();
+        const { a, b, clientA, paused, close } = twoRelays({
+          firstPassAfterMs: 0,
+          everyMs: 20,
+          log: createLogger({ level: "debug", write: logB.write }),
+        });
+        const skipped = () => logB.lines.filter((l) => l.event === "retention_skipped").length;
+        try {
+          a.retention.start();
+          // A deleted its first batch and pauses, inside its pass, holding the lock.
+          await waitFor("A's pause", () => paused.count() === 1);
+          assert.deepEqual(await lockHolders(), [await backendPid(clientA)], "A's session holds the lock");
+
+          b.retention.start();
+          await waitFor("B's ticks, each skipped", () => skipped() >= 3);
+          assert.equal(b.batches.length, 0, "B ran no DELETE while A's pass ran");
+          assert.deepEqual(a.batches, [["outbox", 2]]);
+          assert.equal(await count("outbox"), 4);
+
+          // A stops: its pass ends in its pause, and the lock is free for B's next tick.
+          await a.retention.stop();
+          assert.deepEqual(a.batches, [["outbox", 2]], "A ran no batch after its stop");
+          await waitFor("B's pass", () => b.batches.length >= 3);
+          await b.retention.stop();
+          assert.deepEqual(b.batches.slice(0, 3), [["outbox", 2], ["outbox", 2], ["outbox", 0]]);
+          assert.ok(b.batches.slice(3).every(([, rows]) => rows === 0), "B's later passes found nothing");
+          assert.equal(await count("outbox"), 0);
+          assert.equal(logB.lines.find((l) => l.event === "retention_deleted")?.outbox, 4);
+        } finally {
+          await close();
+        }
+      },
+    );
+
+    await t.step(
+      "a pass whose connection is lost ends before its next batch, and another relay's pass takes over",
+      async () => {
+        await resetWithSentRows(6);
+        const { a, b, paused, close } = twoRelays();
+        try {
+          const passA = a.retention.runOnce().then(() => undefined, (error: Error) => error);
+          await waitFor("A's pause", () => paused.count() === 1);
+          // A's backend dies mid-pass (a failover, an operator): Postgres frees the lock with it.
+          const [holder] = await lockHolders();
+          await sql`SELECT pg_terminate_backend(${holder!})`;
+          await waitFor("the lock freed", async () => (await lockHolders()).length === 0);
+          // Meanwhile B's pass runs: the lock is free.
+          assert.equal(await b.retention.runOnce(), 4);
+          await addJobs(2);
+          await sql`UPDATE outbox SET sent_at = now() - interval '10 days' WHERE sent_at IS NULL`;
+          // A's pause ends; its connection is a new one without the lock, so A deletes nothing more.
+          paused.release();
+          const error = await passA;
+          assert.match(String(error), /lost its advisory lock/, "A's pass checked its lock before its next batch");
+          assert.deepEqual(a.batches, [["outbox", 2]]);
+          assert.equal(await count("outbox"), 2, "the rows sent since are left for the next pass");
+          assert.deepEqual(await lockHolders(), []);
+          // A's client works again, and its next pass is a whole one.
+          assert.equal(await a.retention.runOnce(), 2);
+        } finally {
+          await close();
+        }
+      },
+    );
 
     await t.step("a replica that dies mid-pass frees the pass with its connection", async () => {
       await reset();

@@ -10,7 +10,7 @@ import { createExtractiveLlm } from "../../src/llm/extractive.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { drainLegacyStream, keepDrainingLegacyStream } from "../../src/runs/legacy_drain.ts";
-import { jobKeys, serviceKeys } from "../../src/runs/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { enqueueJob } from "../support/enqueue.ts";
 import { apiHandler, summaryWorker } from "../support/fixtures.ts";
@@ -22,7 +22,7 @@ Deno.test("legacy drain", async (t) => {
   const db = await createTestDatabase();
   const r = await createTestRedis();
   const keys = serviceKeys(r.prefix);
-  const legacy = jobKeys(r.prefix);
+  const legacy = keys.legacy;
   let calls = 0;
   const countingLlm: LLM = {
     complete(prompt, options) {

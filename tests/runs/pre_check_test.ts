@@ -10,7 +10,7 @@ import { silentLogger } from "../../src/log/logger.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { fieldsToObject } from "../../src/redis/fields.ts";
 import { createGroupCommitter } from "../../src/runs/commit.ts";
-import { jobKeys } from "../../src/runs/keys.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createSummaryJob } from "../../src/runs/run_job.ts";
 import { createDeployment } from "../../src/provider/deployment.ts";
 import { enqueueJob } from "../support/enqueue.ts";
@@ -21,7 +21,7 @@ const APP = "pre_check_blip";
 Deno.test("a read-ahead pre-check that failed is asked again: the job completes on its first delivery", async () => {
   const db = await createTestDatabase();
   const r = await createTestRedis();
-  const keys = jobKeys(r.prefix);
+  const keys = serviceKeys(r.prefix).lane("acme");
   // The job's own connections, named so that the test finds the one to end.
   const sql = postgres(db.url, { max: 2, onnotice: () => {}, connection: { application_name: APP } });
   const extractive = createExtractiveLlm();

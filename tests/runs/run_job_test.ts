@@ -6,8 +6,9 @@ import { silentLogger } from "../../src/log/logger.ts";
 import { listDeadLetters } from "../../src/queue/dead_letter.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { commitResults, createGroupCommitter } from "../../src/runs/commit.ts";
-import { enqueueJob } from "../support/enqueue.ts";
-import { jobKeys } from "../../src/runs/keys.ts";
+import { enqueueToLane } from "../support/enqueue.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
+import { announceLane } from "../../src/queue/lanes.ts";
 import { createSummaryJob } from "../../src/runs/run_job.ts";
 import { createDeployment } from "../../src/provider/deployment.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
@@ -32,7 +33,9 @@ function countingLlm(inner: LLM = createExtractiveLlm()) {
 Deno.test("summary job", async (t) => {
   const db = await createTestDatabase();
   const r = await createTestRedis();
-  const keys = jobKeys(r.prefix);
+  // The worker reads the lanes; the tests' jobs are all tenant acme's.
+  const service = serviceKeys(r.prefix);
+  const keys = service.lane("acme");
   const counts = async () => {
     const [row] = await db.sql<{ s: number; o: number }[]>`
       SELECT (SELECT count(*) FROM summaries)::int AS s, (SELECT count(*) FROM outbox)::int AS o`;
@@ -44,10 +47,10 @@ Deno.test("summary job", async (t) => {
     await ensureGroup(r.redis, keys);
   };
   const enqueue = (jobId: string) =>
-    enqueueJob(r.redis, keys, { jobId, tenant: "acme", request: { text: TEXT, notify: "ops@example.com" } });
+    enqueueToLane(r.redis, service, { jobId, tenant: "acme", request: { text: TEXT, notify: "ops@example.com" } });
   const jobOptions = { budgetMs: 5_000, perCallTimeoutMs: 2_000, maxAttempts: 4, backoffBaseMs: 1, backoffCapMs: 5 };
   const makeWorker = (consumer: string, llm: LLM, overrides: Partial<SummaryWorkerOptions> = {}) =>
-    summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, { consumer, job: jobOptions, ...overrides });
+    summaryWorker({ redis: r.redis, sql: db.sql, llm, keys: service }, { consumer, job: jobOptions, ...overrides });
   const pending = async () => ((await r.redis.xpending(keys.stream, keys.group)) as [number])[0];
 
   try {
@@ -246,7 +249,7 @@ Deno.test("summary job", async (t) => {
           return n === 1 ? { kind: "status", status: 503 } : { kind: "ok" };
         });
         const llm = createOpenAiLlm({ apiKey: "k", model: "m", baseURL: model.url });
-        const w = summaryWorker({ redis: r.redis, sql, llm, keys }, { consumer: "w", job: jobOptions });
+        const w = summaryWorker({ redis: r.redis, sql, llm, keys: service }, { consumer: "w", job: jobOptions });
         try {
           const jobId = crypto.randomUUID();
           await enqueue(jobId);
@@ -330,6 +333,7 @@ Deno.test("summary job", async (t) => {
     await t.step("a malformed message is dead-lettered without a model call", async () => {
       await reset();
       await r.redis.xadd(keys.stream, "*", "job_id", "nope", "tenant", "acme", "payload", "{");
+      await announceLane(r.redis, service.registry, "acme");
       const llm = countingLlm();
       const w = makeWorker("w", llm);
       try {

@@ -4,7 +4,7 @@
  */
 import type { RedisClient } from "../../src/clients.ts";
 import { defineScript } from "../../src/redis/script.ts";
-import type { JobKeys, ServiceKeys } from "../../src/runs/keys.ts";
+import type { LaneKeys, ServiceKeys } from "../../src/runs/keys.ts";
 import { announceLane } from "../../src/queue/lanes.ts";
 import { markQueued } from "../../src/runs/job_status.ts";
 import type { SummaryRequest } from "../../src/runs/shapes.ts";
@@ -27,7 +27,8 @@ if status.ttl_s > 0 then redis.call('EXPIRE', KEYS[2], status.ttl_s) end
 return id`);
 
 /**
- * Puts a job on the stream and records it as queued for `GET`, atomically
+ * Puts a job on the stream (a lane's intake stream, or the pre-lane stream of the legacy drain's tests) and records
+ * it as queued for `GET`, atomically
  * in one round trip. Enqueuing the same job id twice, as happens when the
  * API dies between XADD and finalising the idempotency record, is harmless:
  * the worker's summary primary key makes the second delivery a duplicate.
@@ -35,7 +36,7 @@ return id`);
  */
 export async function enqueueJob(
   redis: RedisClient,
-  keys: JobKeys,
+  keys: Pick<LaneKeys, "stream" | "job">,
   job: { jobId: string; tenant: string; request: SummaryRequest },
 ): Promise<string> {
   const id = await ENQUEUE.run(redis, [keys.stream, keys.job(job.jobId)], [

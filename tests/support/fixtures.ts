@@ -33,7 +33,7 @@ import { summaryEmailRenderer, summaryPayloadLoader } from "../../src/summaries/
 import { createTaskCache, type TaskCache } from "../../src/tasks/task_cache.ts";
 import { createSchemaValidators } from "../../src/tasks/validator.ts";
 import { createIntake } from "../../src/runs/intake.ts";
-import type { JobKeys, ServiceKeys } from "../../src/runs/keys.ts";
+import type { ServiceKeys } from "../../src/runs/keys.ts";
 import { createSummaryWorker, type SummaryWorkerOptions } from "../../src/runs/worker.ts";
 import type { SummaryJobDeps, SummaryJobOptions } from "../../src/runs/run_deps.ts";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
@@ -112,7 +112,7 @@ export function summaryWorker(
   { redis, sql, llm, models, keys, flow, budgets, prices, tasks, validators, log = silentLogger }: {
     redis: RedisClient;
     sql: Sql;
-    keys: ServiceKeys | JobKeys;
+    keys: ServiceKeys;
     flow?: ProviderFlow;
     /** The deployments; one of `llm` and `flow` when unset. */
     models?: Models;

@@ -44,7 +44,7 @@ Deno.test("two definitions of one task version differing only in the prompt do n
   const keys = serviceKeys(r.prefix);
   const cache = createResultCache({ redis: r.redis, log: silentLogger }, {
     defaultTtlS: 60,
-    keys: (tenant) => keys.lane(tenant),
+    keys: (tenant) => keys.cache(tenant),
   });
   const signal = new AbortController().signal;
   const run = (runId: string, definition: unknown) =>

@@ -79,7 +79,7 @@ Deno.test("the result cache: off at a TTL of 0, keyed per tenant, waiters take o
   const cacheWith = (defaultTtlS: number) =>
     createResultCache({ redis: r.redis, log: silentLogger }, {
       defaultTtlS,
-      keys: (tenant) => keys.lane(tenant),
+      keys: (tenant) => keys.cache(tenant),
       leaseMs: 300,
       pollMinMs: 5,
       pollMaxMs: 20,
@@ -141,7 +141,7 @@ Deno.test("the result cache: off at a TTL of 0, keyed per tenant, waiters take o
 
     await t.step("a crashed holder's lock lapses with its lease, and a waiter takes over", async () => {
       const input = { q: 2 };
-      const lock = keys.lane("acme").cacheLock(cacheKeyHash(run("", { input })));
+      const lock = keys.cache("acme").lock(cacheKeyHash(run("", { input })));
       // A holder whose process died: its lease is not renewed any more.
       await r.redis.set(lock, "dead-run", "PX", 200);
       const b = cacheWith(60).forRun(run("run-e", { input }))!;
