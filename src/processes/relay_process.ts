@@ -6,7 +6,7 @@ import { createRetention } from "../retention/retention.ts";
 import { DEAD_LETTER_BOUNDS } from "../queue/dead_letter.ts";
 import { JOB_RECORD_TTL_S } from "../runs/keys.ts";
 import { summaryEmailRenderer, summaryPayloadLoader, tenantHourlyLimits } from "../summaries/email.ts";
-import { SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../runs/commit.ts";
+import { SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../runs/shapes.ts";
 import { pipelineNotifications } from "../runs/notifications.ts";
 import { connectPostgres } from "../clients.ts";
 import { buildMailer } from "./_mailer.ts";

@@ -1,4 +1,13 @@
 import type { Sql } from "postgres";
+import {
+  RUN_EMAIL_TOPIC,
+  RUN_KEY_PREFIX,
+  RUN_WEBHOOK_TOPIC,
+  SUMMARY_READY_KEY_PREFIX,
+  SUMMARY_READY_TOPIC,
+  SUMMARY_WEBHOOK_KEY_PREFIX,
+  SUMMARY_WEBHOOK_TOPIC,
+} from "./shapes.ts";
 import { createBatcher } from "../async/batcher.ts";
 import * as jobs from "../jobs/job_store.ts";
 import type { Outcome } from "../jobs/job_store.ts";
@@ -43,19 +52,6 @@ export interface TaskRunResult extends jobs.RunOf {
 /** What a worker commits: a summary job's summary, or a task run's output. */
 export type JobResult = SummaryResult | TaskRunResult;
 
-/** The outbox topic of a finished run's email (done or failed). */
-export const RUN_EMAIL_TOPIC = "email.run_finished";
-/** The outbox topic of a finished run's webhook (`run.completed` or `run.failed`). */
-export const RUN_WEBHOOK_TOPIC = "webhook.run_finished";
-/**
- * Dedupe-key prefixes of run notifications, plus the run id: one per run and outcome, so a run's done and
- * failed notifications are distinct rows (a failed run replayed from its dead letter may still complete).
- */
-export const RUN_KEY_PREFIX = {
-  email: { done: "run_done:", failed: "run_failed:" },
-  webhook: { done: "run_done_webhook:", failed: "run_failed_webhook:" },
-} as const;
-
 /** The outbox row of a run's notification; none without a target. */
 export function runOutboxRow(
   r: { jobId: string; tenant: string; notify?: Notify; traceparent?: string } & jobs.RunOf,
@@ -75,15 +71,6 @@ export function runOutboxRow(
     ),
   };
 }
-
-/** The outbox topic of a summary's notification email. */
-export const SUMMARY_READY_TOPIC = "email.summary_ready";
-/** Its dedupe key is this prefix plus the job id; the relay passes it to the provider as Idempotency-Key. */
-export const SUMMARY_READY_KEY_PREFIX = "summary_ready:";
-/** The outbox topic of a summary's webhook. */
-export const SUMMARY_WEBHOOK_TOPIC = "webhook.summary_ready";
-/** Its dedupe key is this prefix plus the job id, sent as `webhook-id` so a receiver can deduplicate. */
-export const SUMMARY_WEBHOOK_KEY_PREFIX = "summary_webhook:";
 
 /** The outbox row a result's notification becomes: its topic, dedupe key and payload (a reference to the summary). */
 function outboxRowFor(r: JobResult): outbox.NewOutboxRow | undefined {

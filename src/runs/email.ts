@@ -7,7 +7,7 @@ import type { Sql } from "postgres";
 import type { Email } from "../mail/mailer.ts";
 import { runOutputsOf } from "../jobs/job_store.ts";
 import type { PayloadLoader, Renderer } from "../outbox/relay.ts";
-import { RUN_EMAIL_TOPIC, RUN_WEBHOOK_TOPIC } from "./commit.ts";
+import { RUN_EMAIL_TOPIC, RUN_WEBHOOK_TOPIC } from "./shapes.ts";
 
 /** The most characters of a run's output (pretty-printed) an email carries; the whole is at `/v1/runs/{id}`. */
 export const EMAIL_OUTPUT_MAX_CHARS = 20_000;

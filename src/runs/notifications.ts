@@ -8,7 +8,7 @@
 import type { Sql } from "postgres";
 import type { OutboxSender, PayloadLoader, Renderer } from "../outbox/relay.ts";
 import type { ResolveHost, WebhookUrlPolicy } from "../webhooks/addresses.ts";
-import { RUN_WEBHOOK_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "./commit.ts";
+import { RUN_WEBHOOK_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "./shapes.ts";
 import { runEmailRenderer, runPayloadLoader } from "./email.ts";
 import { summaryWebhooks } from "./webhook.ts";
 

@@ -122,3 +122,25 @@ export const RunWebhook = z.object({
   error: z.string().optional(),
 });
 export type RunWebhook = z.infer<typeof RunWebhook>;
+
+/** The outbox topic of a finished run's email (done or failed). */
+export const RUN_EMAIL_TOPIC = "email.run_finished";
+/** The outbox topic of a finished run's webhook (`run.completed` or `run.failed`). */
+export const RUN_WEBHOOK_TOPIC = "webhook.run_finished";
+/**
+ * Dedupe-key prefixes of run notifications, plus the run id: one per run and outcome, so a run's done and
+ * failed notifications are distinct rows (a failed run replayed from its dead letter may still complete).
+ */
+export const RUN_KEY_PREFIX = {
+  email: { done: "run_done:", failed: "run_failed:" },
+  webhook: { done: "run_done_webhook:", failed: "run_failed_webhook:" },
+} as const;
+
+/** The outbox topic of a summary's notification email. */
+export const SUMMARY_READY_TOPIC = "email.summary_ready";
+/** Its dedupe key is this prefix plus the job id; the relay passes it to the provider as Idempotency-Key. */
+export const SUMMARY_READY_KEY_PREFIX = "summary_ready:";
+/** The outbox topic of a summary's webhook. */
+export const SUMMARY_WEBHOOK_TOPIC = "webhook.summary_ready";
+/** Its dedupe key is this prefix plus the job id, sent as `webhook-id` so a receiver can deduplicate. */
+export const SUMMARY_WEBHOOK_KEY_PREFIX = "summary_webhook:";

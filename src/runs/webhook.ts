@@ -9,7 +9,7 @@ import type { OutboxRow, OutboxSender, PayloadLoader } from "../outbox/relay.ts"
 import { signingSecrets } from "../tenants/webhook_secrets.ts";
 import { type ResolveHost, WebhookRefused, type WebhookUrlPolicy } from "../webhooks/addresses.ts";
 import { sendWebhook } from "../webhooks/http_post.ts";
-import { RUN_WEBHOOK_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "./commit.ts";
+import { RUN_WEBHOOK_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "./shapes.ts";
 import type { RunWebhook, SummaryWebhook } from "./shapes.ts";
 
 /** Loads what a batch's webhook rows need, and sends them. */

@@ -3,7 +3,7 @@ import type { Email } from "../mail/mailer.ts";
 import { summariesOf } from "../jobs/job_store.ts";
 import { sentLastHour } from "../outbox/outbox_store.ts";
 import type { Deferral, PayloadLoader, Renderer } from "../outbox/relay.ts";
-import { RUN_EMAIL_TOPIC, RUN_WEBHOOK_TOPIC, SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../runs/commit.ts";
+import { RUN_EMAIL_TOPIC, RUN_WEBHOOK_TOPIC, SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../runs/shapes.ts";
 
 /**
  * The most characters of a summary an email carries. A summary is short,

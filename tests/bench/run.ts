@@ -27,7 +27,7 @@ import {
 import { type HttpLoad, postLoad } from "./wrk.ts";
 import { VARIANTS } from "./ingest_variants.ts";
 import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
-import { SUMMARY_READY_KEY_PREFIX } from "../../src/runs/commit.ts";
+import { SUMMARY_READY_KEY_PREFIX } from "../../src/runs/shapes.ts";
 import { cpuMs, sdkCeiling, startModelProcess, startServiceProcess, startWorkerProcess } from "./worker_process.ts";
 import { startApi } from "./api_server.ts";
 import { completionBody } from "../support/fake_model_server.ts";

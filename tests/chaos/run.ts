@@ -97,7 +97,7 @@ import { parseConfig } from "../../src/config.ts";
 import type { Command } from "../../src/commands.ts";
 import { permissionFlags } from "../../src/permissions.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
-import { RUN_KEY_PREFIX, SUMMARY_READY_KEY_PREFIX, SUMMARY_WEBHOOK_KEY_PREFIX } from "../../src/runs/commit.ts";
+import { RUN_KEY_PREFIX, SUMMARY_READY_KEY_PREFIX, SUMMARY_WEBHOOK_KEY_PREFIX } from "../../src/runs/shapes.ts";
 import { compileSchema } from "../../src/tasks/json_schema.ts";
 import { ensureWebhookSecret } from "../../src/tenants/webhook_secrets.ts";
 import { startFakeWebhookReceiver } from "../support/fake_webhook_receiver.ts";

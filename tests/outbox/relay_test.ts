@@ -6,7 +6,8 @@ import { silentLogger } from "../../src/log/logger.ts";
 import { type RelayOptions } from "../../src/outbox/relay.ts";
 import { createRetention } from "../../src/retention/retention.ts";
 import { cancelJob } from "../../src/jobs/job_store.ts";
-import { commitResults, SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../../src/runs/commit.ts";
+import { commitResults } from "../../src/runs/commit.ts";
+import { SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../../src/runs/shapes.ts";
 import {
   summaryEmailRenderer,
   summaryPayloadLoader,

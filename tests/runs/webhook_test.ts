@@ -11,7 +11,7 @@ import { createExtractiveLlm } from "../../src/llm/extractive.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createJobWaiter } from "../../src/runs/job_waiter.ts";
 import { serviceKeys } from "../../src/runs/keys.ts";
-import { SUMMARY_WEBHOOK_KEY_PREFIX } from "../../src/runs/commit.ts";
+import { SUMMARY_WEBHOOK_KEY_PREFIX } from "../../src/runs/shapes.ts";
 import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis } from "../_support.ts";
 
