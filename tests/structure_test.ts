@@ -1,9 +1,10 @@
 /**
  * The shape of `src/` (issue 38): no import cycle between files, none between
  * folders (each root file of `src/` is a node of its own), type-only and
- * dynamic imports included, and no function over 150 lines. Imports and
- * functions are read with regular expressions: `deno fmt` keeps their form
- * and the indentation regular.
+ * dynamic imports included, no function over 150 lines, and every Redis
+ * script in a `*_script.ts` module of its own with a header naming its KEYS.
+ * Imports, functions and scripts are read with regular expressions: `deno
+ * fmt` keeps their form and the indentation regular.
  */
 import assert from "node:assert/strict";
 
@@ -264,4 +265,44 @@ Deno.test(`no function in src/ is over ${MAX_FUNCTION_LINES} lines`, async () =>
   }
   const found = long.map((f) => f.where);
   assert.deepEqual(found, [], `functions over ${MAX_FUNCTION_LINES} lines:\n  ${found.join("\n  ")}`);
+});
+
+/** A call of `defineScript(`, not its declaration (`function defineScript(`). */
+const DEFINE_SCRIPT = /(?<!function\s+)\bdefineScript\(/g;
+const DEFINE_SCRIPT_LINE = new RegExp(DEFINE_SCRIPT.source);
+
+/**
+ * The header of each script a file defines: the comment lines right above its `defineScript(` line (`//`, or a
+ * JSDoc's) and the Lua comment lines (`--`) that open its body.
+ */
+function scriptHeaders(text: string): string[] {
+  const lines = text.split("\n");
+  const out: string[] = [];
+  for (let i = 0; i < lines.length; i++) {
+    if (!DEFINE_SCRIPT_LINE.test(lines[i]!)) continue;
+    const header: string[] = [];
+    for (let j = i - 1; j >= 0 && /^\s*(?:\/\/|\/\*|\*)/.test(lines[j]!); j--) header.unshift(lines[j]!);
+    for (let j = i + 1; j < lines.length && /^\s*--/.test(lines[j]!); j++) header.push(lines[j]!);
+    out.push(header.join("\n"));
+  }
+  return out;
+}
+
+Deno.test("every Redis script has a module of its own", async () => {
+  const found: string[] = [];
+  for (const [file, text] of await sources()) {
+    const calls = text.match(DEFINE_SCRIPT)?.length ?? 0;
+    if (file.endsWith("_script.ts")) {
+      if (calls !== 1) found.push(`${file}: ${calls} defineScript( calls in a *_script.ts module, not one`);
+    } else if (calls > 0) {
+      found.push(`${file}: ${calls} defineScript( call(s) outside a *_script.ts module (give each its own)`);
+    }
+    if (scriptHeaders(text).some((header) => !/\bKEYS\b/.test(header) && !/\bno keys\b/i.test(header))) {
+      found.push(
+        `${file}: a script's header (the comments right above or opening its Lua) names no KEYS and does not say it takes no keys`,
+      );
+    }
+  }
+  found.sort();
+  assert.deepEqual(found, [], `Redis scripts out of their own module or header:\n  ${found.join("\n  ")}`);
 });

@@ -7,7 +7,7 @@
 import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
 import { TAKE_TURN_SCRIPT } from "./take_turn_script.ts";
-import { deleteIfEqual } from "../redis/delete_if_equal.ts";
+import { deleteIfEqual } from "../redis/delete_if_equal_script.ts";
 
 /** The check's pace and the sessions' lifetime. */
 export interface AdminAuthOptions {

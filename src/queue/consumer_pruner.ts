@@ -6,7 +6,7 @@
 import type { RedisClient } from "../clients.ts";
 import { every } from "../async/every.ts";
 import type { Logger } from "../log/logger.ts";
-import { defineScript } from "../redis/script.ts";
+import { DELETE_IDLE_CONSUMER_SCRIPT } from "./delete_idle_consumer_script.ts";
 import type { GroupCache } from "./consumer_group.ts";
 import type { LaneSource } from "./lanes.ts";
 import { fieldsToObject } from "../redis/fields.ts";
@@ -26,28 +26,6 @@ export const PRUNER_DEFAULTS = {
 export function pruneIdle(claimIdleMs: number, given?: number): number {
   return given ?? Math.max(PRUNER_DEFAULTS.claimIdles * claimIdleMs, PRUNER_DEFAULTS.minIdleMs);
 }
-
-// DELETE_IDLE_CONSUMER: removes a consumer from a group only if it still holds nothing and has been idle long
-// enough, checked and done in one step: a consumer that read or reclaimed a message since the caller's look is
-// left alone (XGROUP DELCONSUMER would drop its pending messages for good).
-// KEYS[1]  the stream.
-// ARGV[1]  the group.
-// ARGV[2]  the consumer.
-// ARGV[3]  the least idle time, in ms.
-// Returns 1 when it was removed, else 0.
-// Safe to run twice (a resend after a lost reply): the second run finds the consumer gone and answers 0; the pruner
-// then leaves it out of its log line, nothing else.
-const DELETE_IDLE_CONSUMER = defineScript(`
-for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
-  local f = {}
-  for i = 1, #c, 2 do f[c[i]] = c[i + 1] end
-  if f['name'] == ARGV[2] then
-    if tonumber(f['pending']) ~= 0 or tonumber(f['idle']) < tonumber(ARGV[3]) then return 0 end
-    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
-    return 1
-  end
-end
-return 0`);
 
 /** Options for {@linkcode createConsumerPruner}. */
 export interface ConsumerPrunerOptions {
@@ -95,7 +73,7 @@ export function createConsumerPruner(
           // Only consumers with an empty PEL: deleting one that holds messages would drop them from the PEL.
           if (name === consumer || Number(f.pending) !== 0 || Number(f.idle) < idleMs) continue;
           await options.beforePrune?.(name);
-          const gone = await DELETE_IDLE_CONSUMER.run(redis, [stream.stream], [stream.group, name, idleMs]);
+          const gone = await DELETE_IDLE_CONSUMER_SCRIPT.run(redis, [stream.stream], [stream.group, name, idleMs]);
           if (gone === 1) fromLane.add(name);
         }
       }

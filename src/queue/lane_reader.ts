@@ -5,7 +5,7 @@
  * streams in the lane's order.
  */
 import type { RedisClient } from "../clients.ts";
-import { defineScript } from "../redis/script.ts";
+import { TAKE_WITHIN_CAP_SCRIPT } from "./take_within_cap_script.ts";
 import type { GroupCache } from "./consumer_group.ts";
 import type { LaneShares } from "./lane_shares.ts";
 import type { LaneSource } from "./lanes.ts";
@@ -17,71 +17,13 @@ export const READER_DEFAULTS = {
   /** The longest wait for a wake-up while a capped lane has work: it frees up as its jobs finish. */
   cappedWaitMs: 50,
   /**
-   * How long a take's record is kept, for a resend of that take (see TAKE_WITHIN_CAP): the default claim idle
+   * How long a take's record is kept, for a resend of that take (see `take_within_cap_script.ts`): the default claim idle
    * time, after which the messages it delivered may be another consumer's anyway.
    */
   takeRecordMs: 120_000,
 } as const;
 
 type RawEntry = [id: string, fields: string[] | null];
-
-// TAKE_WITHIN_CAP: reads new messages of a lane for a consumer, from its streams in the lane's order (the first
-// stream first, the next for what the first did not have), but never more than leave `cap` pending in the group
-// across all the lane's streams and all consumers: a tenant's in-flight cap, checked and taken in one step.
-// KEYS[1]  the consumer's take record in the lane (takeRecordKey): the last take's id and the entries it
-//          delivered, each as `<index of its stream in KEYS>:<id>`.
-// KEYS[2…] the lane's streams, in read order (one slot: they share the lane's hash tag).
-// ARGV[1]  the group.
-// ARGV[2]  the consumer.
-// ARGV[3]  how many messages to read at most.
-// ARGV[4]  the cap on the group's pending messages (0 = no cap).
-// ARGV[5]  this take's id.
-// ARGV[6]  how long the record is kept, in ms.
-// Returns {capped (1 when the cap stopped the read), the entries of KEYS[2], the entries of KEYS[3], …}.
-// Safe to run twice: the client resends a take whose reply was lost with its connection, and Redis may have run
-// it. The messages the first run delivered are this consumer's, yet it never saw them: run again, the take would
-// read the next ones, and those would wait for a reclaim (the claim idle time, and one more delivery). So the
-// take whose id the record holds answers the messages it delivered, those still pending to this consumer.
-const TAKE_WITHIN_CAP = defineScript(`
-local out = {0}
-for k = 2, #KEYS do out[k] = {} end
-local record = redis.call('GET', KEYS[1])
-if record then
-  local take, ids = string.match(record, '^(%S+) (.*)$')
-  if take == ARGV[5] then
-    for at, id in string.gmatch(ids, '(%d+):([^,]+)') do
-      local k = tonumber(at)
-      if #redis.call('XPENDING', KEYS[k], ARGV[1], id, id, 1, ARGV[2]) == 1 then
-        local entry = redis.call('XRANGE', KEYS[k], id, id)[1]
-        if entry then table.insert(out[k], entry) end
-      end
-    end
-    return out
-  end
-end
-local count = tonumber(ARGV[3])
-local cap = tonumber(ARGV[4])
-if cap > 0 then
-  local pending = 0
-  for k = 2, #KEYS do pending = pending + redis.call('XPENDING', KEYS[k], ARGV[1])[1] end
-  count = math.min(count, cap - pending)
-  if count <= 0 then
-    out[1] = 1
-    return out
-  end
-end
-local ids = {}
-for k = 2, #KEYS do
-  if count <= 0 then break end
-  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count, 'STREAMS', KEYS[k], '>')
-  if reply then
-    out[k] = reply[1][2]
-    for _, entry in ipairs(out[k]) do ids[#ids + 1] = k .. ':' .. entry[1] end
-    count = count - #out[k]
-  end
-end
-if #ids > 0 then redis.call('SET', KEYS[1], ARGV[5] .. ' ' .. table.concat(ids, ','), 'PX', ARGV[6]) end
-return out`);
 
 /** The record of `consumer`'s last take from the lane whose first stream is `stream`, in the lane's slot. */
 export function takeRecordKey(stream: string, consumer: string): string {
@@ -136,7 +78,7 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
     await groups.ready(lane);
     const streams = streamsOf(lane);
     // The take's id is made before it is sent: a resend of it carries the same one.
-    const [capped, ...perStream] = await TAKE_WITHIN_CAP.run(
+    const [capped, ...perStream] = await TAKE_WITHIN_CAP_SCRIPT.run(
       redis,
       [takeRecordKey(laneId(lane), consumer), ...lane.streams],
       [lane.group, consumer, count, options.laneMaxInFlight ?? 0, crypto.randomUUID(), READER_DEFAULTS.takeRecordMs],

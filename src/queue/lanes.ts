@@ -21,7 +21,7 @@
 import calculateSlot from "cluster-key-slot";
 import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
-import { defineScript } from "../redis/script.ts";
+import { ANNOUNCE_LANE_SCRIPT } from "./announce_lane_script.ts";
 import { pendingCount } from "./inspector.ts";
 import { laneId, type LaneNames, streamsOf } from "./message.ts";
 
@@ -146,22 +146,8 @@ async function hasUndelivered(redis: RedisClient, lane: LaneNames): Promise<bool
  * publishes a wake-up. Call it after the enqueue has committed.
  */
 export async function announceLane(redis: RedisClient, keys: LaneRegistryKeys, id: string): Promise<void> {
-  await ANNOUNCE_LANE.run(redis, [keys.active, keys.all], [id, keys.wake]);
+  await ANNOUNCE_LANE_SCRIPT.run(redis, [keys.active, keys.all], [id, keys.wake]);
 }
-
-// ANNOUNCE_LANE: tells workers about new work in a lane, in one command: both registry sets (one slot) and the
-// wake-up.
-// KEYS[1]  the registry's set of lanes with work (active).
-// KEYS[2]  the registry's set of every lane (all).
-// ARGV[1]  the lane id.
-// ARGV[2]  the wake-up channel.
-// Returns 1.
-// Safe to run twice (a resend after a lost reply): the sets already hold the lane; idle workers wake once more.
-const ANNOUNCE_LANE = defineScript(`
-redis.call('SADD', KEYS[1], ARGV[1])
-redis.call('SADD', KEYS[2], ARGV[1])
-redis.call('PUBLISH', ARGV[2], ARGV[1])
-return 1`);
 
 /** Options for {@linkcode createLaneRegistry}. */
 export interface LaneRegistryOptions {

@@ -4,7 +4,7 @@
  * each lane, stream by stream in the lane's order.
  */
 import type { RedisClient } from "../clients.ts";
-import { defineScript } from "../redis/script.ts";
+import { RECLAIM_SCRIPT } from "./reclaim_script.ts";
 import type { GroupCache } from "./consumer_group.ts";
 import type { LaneSource } from "./lanes.ts";
 import { type LaneNames, type QueueNames, type StreamMessage, streamsOf } from "./message.ts";
@@ -16,45 +16,11 @@ export const RECLAIMER_DEFAULTS = {
   unknownDeliveries: 2,
   /** Where XAUTOCLAIM starts scanning a lane's PEL the first time. */
   firstCursor: "0-0",
-  /** How long a reclaim's record is kept, for a resend of that reclaim (see RECLAIM). */
+  /** How long a reclaim's record is kept, for a resend of that reclaim (see `reclaim_script.ts`). */
   recordMs: 120_000,
 } as const;
 
 type RawEntry = [id: string, fields: string[] | null];
-
-// RECLAIM: takes over the messages of a lane's stream idle past the claim idle time (XAUTOCLAIM).
-// KEYS[1]  the stream.
-// KEYS[2]  the consumer's reclaim record of the stream (reclaimRecordKey): the last reclaim's id, its next cursor and
-//          the ids it claimed.
-// ARGV[1]  the group.   ARGV[2]  the consumer.   ARGV[3]  the claim idle time, in ms.   ARGV[4]  the cursor.
-// ARGV[5]  how many messages to claim at most.   ARGV[6]  this reclaim's id.   ARGV[7]  the record's lifetime, in ms.
-// Returns XAUTOCLAIM's {next cursor, entries}.
-// Safe to run twice: the client resends a reclaim whose reply was lost with its connection, and Redis may have run
-// it. Run again, XAUTOCLAIM would pass over the messages the first run claimed (idle no more), and those would wait
-// another claim idle time and spend one more delivery, perhaps their last. So the reclaim whose id the record holds
-// answers what it claimed, those messages still pending to this consumer.
-const RECLAIM = defineScript(`
-local record = redis.call('GET', KEYS[2])
-if record then
-  local call, next, ids = string.match(record, '^(%S+) (%S+) (.*)$')
-  if call == ARGV[6] then
-    local entries = {}
-    for id in string.gmatch(ids, '[^,]+') do
-      if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) == 1 then
-        local entry = redis.call('XRANGE', KEYS[1], id, id)[1]
-        if entry then entries[#entries + 1] = entry end
-      end
-    end
-    return {next, entries}
-  end
-end
-local claimed = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5])
-local ids = {}
-for i, entry in ipairs(claimed[2]) do ids[i] = entry[1] end
-if #ids > 0 then
-  redis.call('SET', KEYS[2], ARGV[6] .. ' ' .. claimed[1] .. ' ' .. table.concat(ids, ','), 'PX', ARGV[7])
-end
-return {claimed[1], claimed[2]}`);
 
 /** The record of `consumer`'s last reclaim from `stream`, a stream of a lane, in the lane's slot. */
 export function reclaimRecordKey(stream: string, consumer: string): string {
@@ -96,15 +62,19 @@ export function createReclaimer({ redis }: { redis: RedisClient }, options: Recl
 
   async function reclaimStream(stream: QueueNames, count: number): Promise<StreamMessage[]> {
     // The reclaim's id is made before it is sent: a resend of it carries the same one.
-    const [next, entries] = await RECLAIM.run(redis, [stream.stream, reclaimRecordKey(stream.stream, consumer)], [
-      stream.group,
-      consumer,
-      options.claimIdleMs,
-      cursors.get(stream.stream) ?? RECLAIMER_DEFAULTS.firstCursor,
-      count,
-      crypto.randomUUID(),
-      RECLAIMER_DEFAULTS.recordMs,
-    ]) as [string, RawEntry[]];
+    const [next, entries] = await RECLAIM_SCRIPT.run(
+      redis,
+      [stream.stream, reclaimRecordKey(stream.stream, consumer)],
+      [
+        stream.group,
+        consumer,
+        options.claimIdleMs,
+        cursors.get(stream.stream) ?? RECLAIMER_DEFAULTS.firstCursor,
+        count,
+        crypto.randomUUID(),
+        RECLAIMER_DEFAULTS.recordMs,
+      ],
+    ) as [string, RawEntry[]];
     cursors.set(stream.stream, next);
     const live = entries.filter((e): e is [string, string[]] => e[1] !== null && !options.holds(stream, e[0]));
     if (live.length === 0) return [];

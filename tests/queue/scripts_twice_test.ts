@@ -8,7 +8,7 @@ import { silentLogger } from "../../src/log/logger.ts";
 import { createAckBatcher } from "../../src/queue/ack_batcher.ts";
 import { createGroupCache, ensureGroup } from "../../src/queue/consumer_group.ts";
 import { createConsumerPruner } from "../../src/queue/consumer_pruner.ts";
-import { deleteEmptyStream } from "../../src/queue/delete_empty_stream.ts";
+import { deleteEmptyStream } from "../../src/queue/delete_empty_stream_script.ts";
 import { createHeartbeat } from "../../src/queue/heartbeat.ts";
 import { createLaneReader } from "../../src/queue/lane_reader.ts";
 import { announceLane, createLaneShares, laneRegistryKeys } from "../../src/queue/lanes.ts";

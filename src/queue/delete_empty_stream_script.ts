@@ -3,6 +3,7 @@ import { defineScript } from "../redis/script.ts";
 
 // DELETE_EMPTY_STREAM: deletes a stream, and its groups with it, only while it holds nothing.
 // KEYS[1]  the stream.
+// ARGV     none.
 // Returns 1 when the stream is gone (deleted now, or not there), 0 when it holds entries.
 // Safe to run twice: a second run finds nothing to delete, and answers as the first did (the client resends a
 // call whose reply was lost, and Redis may have run it).
