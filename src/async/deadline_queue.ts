@@ -2,8 +2,10 @@
  * Many deadlines of one length, on one timer. Deadlines of equal length
  * expire in the order they were set, so they form a queue, and a single timer
  * armed for the oldest one serves them all: setting one costs a small object,
- * not a timer (a timer per request body was 4% of the API's CPU under load,
- * the creation of node-compatible `Timeout` objects in a `--cpu-prof`).
+ * not a timer (a timer per request body showed in a `--cpu-prof` of the API
+ * under load as the creation of node-compatible `Timeout` objects; its share
+ * is in the README, "Intake against both baselines, its profile, and all
+ * cores (issue 26)").
  */
 
 /** A deadline that is set; the queue clears it once the work it bounds is done. */

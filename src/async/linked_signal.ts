@@ -5,7 +5,8 @@
  * `AbortSignal.any` cannot be told that an operation is over. A signal it makes that has an `abort` listener
  * (`fetch` adds one, the `openai` SDK adds one it never removes) stays reachable from every source that can still
  * abort, as the spec requires, with everything its listeners hold: in Deno 2.9.6, combining a process's stop
- * signal with each call's kept about 1.3 KB a call and the call's own objects for the life of the process.
+ * signal with each call's kept every call's signal and the call's own objects for the life of the process (what
+ * that held a call is in the README, "A leak" under "Per-job cost of the worker (issue 26)").
  */
 export function linkedSignal(...signals: AbortSignal[]): { signal: AbortSignal; unlink(): void } {
   const controller = new AbortController();

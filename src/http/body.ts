@@ -80,10 +80,8 @@ export async function readBody(
 ): Promise<Uint8Array> {
   if (req.body === null) return new Uint8Array();
   // One reader for every body, declared length or not: `req.arrayBuffer()` cannot be stopped once started, so a
-  // body dripped within its declared length would hold the connection for as long as the client likes. The price,
-  // measured with wrk (64 connections, a bare Deno.serve calling readJsonBody, alternating runs): 33,700 vs 26,800
-  // requests/s for a 150-byte body (about 7 µs a request, some 3% of an accepted POST), no difference for 4 KB,
-  // 10,500 vs 7,200/s for 40 KB.
+  // body dripped within its declared length would hold the connection for as long as the client likes. The price
+  // is some throughput on small and large bodies (measured in the README, "Security", "Oversized bodies").
   const reader = req.body.getReader();
   const declared = req.headers.get("content-length");
   if (declared !== null && Number(declared) > maxBytes) {

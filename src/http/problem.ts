@@ -34,7 +34,7 @@ export class HttpError extends Error {
   readonly extra: Record<string, unknown>;
   /**
    * A 503 that sheds load by design (a cap reached, `Retry-After` set), not a failure: logged as a refusal, folded,
-   * not as an error per request (a flood over a cap wrote 192 error lines).
+   * not as an error per request (a flood over a cap would write a line per request; see README, "Observe").
    */
   readonly shed: boolean;
 }

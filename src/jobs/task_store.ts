@@ -32,7 +32,8 @@ export const TASK_LIMITS = {
 /**
  * Each tenant's PUTs that would store a new version: a bucket of `burst` tokens that refills at `perMinute`
  * (`TASK_PUTS_PER_MINUTE`, `TASK_PUT_BURST`). A deploy may change 20 tasks at once, and then one a second;
- * each such PUT compiles its schemas (up to about 100 ms on the checking Worker) and may store 256 KiB.
+ * each such PUT compiles its schemas on the checking Worker (its CPU is in the README, "Defining a task") and may
+ * store 256 KiB.
  */
 export const TASK_PUT_RATE = { perMinute: 60, burst: 20 } as const;
 

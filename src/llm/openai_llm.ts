@@ -61,7 +61,7 @@ export function boundedFetch(inner: typeof fetch, maxBytes: number): typeof fetc
     const declared = Number(response.headers.get("content-length") ?? NaN);
     // A body of a declared length within the bound, not compressed, is passed on as it is: HTTP's framing ends it
     // at that length, so nothing can run past the bound, and the usual answer costs no stream of ours (a stream
-    // per call cost the worker about a tenth of its throughput at 200 ms).
+    // per call cost the worker throughput at 200 ms: see README, "Model calls").
     if (declared <= maxBytes && !response.headers.has("content-encoding")) return response;
     const tooLarge = (bytes: string) =>
       new AnswerTooLarge(`the model provider's response is ${bytes} bytes, over the limit of ${maxBytes}`);

@@ -28,8 +28,9 @@ const encoder = new TextEncoder();
 
 /**
  * How long an `info` or `debug` line may wait in memory before it is written.
- * One write per line was 6% of the API's CPU under load (`op_write_sync` in
- * a `--cpu-prof` under wrk); lines now go out together, at most this late.
+ * One write per line cost the API a share of its CPU under load
+ * (`op_write_sync` in a `--cpu-prof` under wrk; see README, "Observe"); lines
+ * now go out together, at most this late.
  * A `warn` or `error` line is written at once, with every line before it, and
  * so is everything pending when the process exits, or when an uncaught error
  * or rejection is about to end it: only a SIGKILL can lose the last few

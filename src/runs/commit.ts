@@ -194,7 +194,8 @@ export const COMMIT_DEFAULTS = {
    * Commits in flight at once (each on its own connection of the pool). Jobs that finish while all are in flight
    * wait for one to end and share the next. A finishing job commits without its slot, so a commit's wait holds
    * no slot: two in flight make larger groups than four, fewer statements per job (each a write to Postgres,
-   * charged to the worker's thread on loopback): 0.75 to 0.72 ms of the worker's CPU per job at 200 ms.
+   * charged to the worker's thread on loopback), and less of the worker's CPU per job (see README, "Per-job cost
+   * of the worker (issue 26)").
    */
   inFlight: 2,
 } as const;
@@ -263,7 +264,8 @@ export function createDecidedCheck(sql: Sql): (jobId: string) => Promise<Outcome
     const found = await jobs.outcomesOf(sql, ids);
     return ids.map((id) => found.get(id));
     // One in flight: the checks asked during a round trip share the next (larger batches, fewer statements);
-    // a job that starts waits at most one more round trip for its own. With the commits' two in flight: 0.75 to
-    // 0.72 ms of the worker's CPU per job at 200 ms, and 0.90x of the SDK alone (median of three).
+    // a job that starts waits at most one more round trip for its own. With the commits' two in flight, the worker
+    // spent less CPU per job at 200 ms (measured against the SDK alone in the README, "Per-job cost of the worker
+    // (issue 26)").
   }, { maxBatch: 1000, maxInFlight: 1 });
 }

@@ -99,7 +99,7 @@ function valueAt(input: unknown, path: readonly string[]): unknown {
  * `renderedValue(...).length` without rendering: a string's length, else the length of its JSON, from the
  * lengths of its parts, each object's kept in `lengths`. So placeholders that name an object and the objects
  * inside it (`{{input.a}}{{input.a.a}}`...) cost one walk of the input in all, where stringifying each cost the
- * input's size per placeholder (62 nested placeholders over 960 KB held the API's thread 380 ms a request).
+ * input's size per placeholder (what that held the API's thread is in the README, "Running a task").
  */
 function renderedValueLength(value: unknown, lengths: WeakMap<object, number>): number {
   if (value === undefined) return 0;

@@ -1,9 +1,10 @@
 /**
  * Checks of new task definitions off the thread that serves requests. A
  * definition's check compiles its two schemas (up to 64 KiB each) against
- * the meta-schemas and walks its templates: 68-106 ms of CPU measured for
- * the largest the limits allow, which on the API's thread would hold every
- * other tenant's requests for as long. So each check runs on a Web Worker
+ * the meta-schemas and walks its templates, and for the largest the limits
+ * allow that CPU time (measured in the README, "Defining a task") would, on
+ * the API's thread, hold every other tenant's requests for as long. So each
+ * check runs on a Web Worker
  * (`definition_worker.ts`, in a `worker_pool.ts` pool) under a deadline
  * counted from when the Worker takes it: a Worker that runs over is
  * terminated and the check fails with {@linkcode DefinitionCheckTimeout}.

@@ -28,8 +28,8 @@ export const SCHEMA_LIMITS = {
   maxPatterns: 32,
   /**
    * Their sizes as RE2 compiles them (`LinearRegex.size`), added up: with `maxPatterns`, bounds the time to
-   * compile them all, which the API's thread spends at a version's first run there (measured, warm: 32
-   * expressions of size 40, 6 ms; two of size 1,000, 5 ms; at most 11 ms).
+   * compile them all, which the API's thread spends at a version's first run there (measured in the README,
+   * "Tenant regular expressions cannot run long").
    */
   maxPatternsSize: 2_500,
   /** Nesting of objects and arrays in a schema's JSON. */
@@ -200,9 +200,9 @@ const SHORT_FORMAT_CHARS = 64;
 /*
  * Formats of `@cfworker/json-schema` 4.1.6 (dist/esm/format.js) run V8 regular expressions on the tenant's
  * string. Searched with every repetition of one or two characters of their alphabets after each likely prefix,
- * at 4,000 characters, `uri`, `uri-reference`, `uri-template`, `email`, `hostname` and `date-time` took at most
- * 5 ms; `url` backtracks exponentially (`(?:[a-z\u{00a1}-\u{ffff}0-9]+-?)*` before each label: "http://" and 32
- * letters and a "_" took 85 ms, each two more letters four times as long; and its `\S+(?::\S*)?@` is quadratic).
+ * `uri`, `uri-reference`, `uri-template`, `email`, `hostname` and `date-time` stayed fast; `url` backtracks
+ * exponentially (`(?:[a-z\u{00a1}-\u{ffff}0-9]+-?)*` before each label: "http://", letters and a "_"; and its
+ * `\S+(?::\S*)?@` is quadratic). The times are in the README, "Tenant regular expressions cannot run long".
  * So `url` runs on RE2 here, with the same meaning: its look-aheads, which only exclude private IPv4 addresses
  * (10/8, 127/8, 169.254/16, 192.168/16, 172.16/12), written out as the addresses it accepts. `regex` compiles the
  * tenant's string to see whether it is one, which runs nothing, but must do so with V8's own `RegExp`, not with
@@ -231,8 +231,9 @@ format.url = (text) => URL_FORMAT.test(text);
 const Z_ANCHOR = /[^\\]\\Z/;
 /**
  * While a schema is checked against the meta-schemas, whose `format: "regex"` names every `pattern`: V8 parses
- * each `\p{...}` eagerly (up to 68 µs a character), so a 64 KiB pattern took 2.7 s to check before its length was;
- * `compilePatterns` checks each pattern right after, its length and count first.
+ * each `\p{...}` eagerly, so a 64 KiB pattern took long to check before its length was (see README, "Every
+ * validation is bounded in time", the sixth probe); `compilePatterns` checks each pattern right after, its length
+ * and count first.
  */
 let metaChecking = false;
 format.regex = (text) => {
@@ -248,7 +249,8 @@ format.regex = (text) => {
 };
 /**
  * Formats whose valid values are short, but whose checks walk the whole string (`date-time` splits it on
- * `/t|\s/i` first: 60 of them over a 1 MB string took 2 s): a longer string fails at once.
+ * `/t|\s/i` first; see README, "Every validation is bounded in time", the sixth probe): a longer string fails at
+ * once.
  */
 for (const name of ["date-time", "date", "time", "duration", "uuid", "ipv4", "ipv6"] as const) {
   const check = format[name]!;

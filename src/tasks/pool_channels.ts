@@ -10,8 +10,8 @@
  * system when it ends; a Worker's heap stays in this process's resident
  * memory even after it is terminated. It runs with no permission at all: no
  * file, network, environment or subprocess. It costs this process the right
- * to run its own Deno binary (`--allow-run=<Deno.execPath()>`), and about
- * 60 ms to start.
+ * to run its own Deno binary (`--allow-run=<Deno.execPath()>`), and CPU to
+ * start (see README, "Defining a task").
  *
  * A binary built by `deno compile` uses Workers (`"thread"`): it cannot run
  * Deno's `run` subcommand, and its path is known only once it is deployed.

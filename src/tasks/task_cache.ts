@@ -23,9 +23,9 @@ export interface LoadedTask {
 /**
  * Bounds of the cache, in every API and worker process. `maxBytes` counts each version's definition as the
  * store measures it (UTF-8 bytes of compact JSON, at most 256 KiB a version): 64 versions at the largest size,
- * thousands of usual ones. Parsed, a definition of 240-260 KB took 0.63x (2-byte text) to 1.45x (two 64 KiB
- * schemas of small objects) its bytes on the heap, so the cache holds at most about 24 MiB. (It was 32 MiB: with
- * the compiled schemas' caches, two tenants' full quotas of the largest definitions left an API 600 MiB larger.)
+ * thousands of usual ones. Parsed, a definition takes less or more than its bytes on the heap, within a small
+ * factor, so the heap the cache holds stays near `maxBytes`; the ratios measured, and what the cache's earlier
+ * 32 MiB left an API holding, are in the README, "Defining a task".
  */
 export const TASK_CACHE = { maxVersions: 10_000, maxBytes: 16 * 1024 * 1024, latestTtlMs: 1_000 };
 

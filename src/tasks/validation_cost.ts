@@ -6,12 +6,11 @@
  * this estimate, not the deadline.
  *
  * One unit is a subschema evaluated on one value, one keyword or array entry
- * or key of either, or 64 characters of a string: at most 0.55 µs of
- * `@cfworker/json-schema` (2 µs for a string of "t"s against `format:
- * date-time`). A regular expression run on RE2 (`linear_regex.ts`) costs per
- * character in proportion to its size: `1 + size / 12` units. Measured on
- * re2js 2.10.0, the worst we found took 0.3 µs a character at size 16 (a DFA
- * that keeps starting again), 13.7 µs at size 996: under 0.9 and 46 µs.
+ * or key of either, or 64 characters of a string. A regular expression run on
+ * RE2 (`linear_regex.ts`) costs per character in proportion to its size:
+ * `1 + size / 12` units, which covers the worst runs found on re2js 2.10.0 (a
+ * DFA that keeps starting again). What a unit and those runs took, measured,
+ * is in the README, "Every validation is bounded in time".
  */
 import { type CompiledSchema, linearFormatSize, resolvePointer } from "./json_schema.ts";
 
@@ -49,21 +48,22 @@ const CHARS_PER_UNIT = 64;
 
 /**
  * Units per key of an object per `patternProperties` expression, besides running it: the validator builds a
- * location per key there (measured: 2.2 µs a key for `[a-z0-9]`, four of our units).
+ * location per key there, which costs about what four units do (measured in the README, "Every validation is
+ * bounded in time", the fifth probe).
  */
 const PATTERN_KEY_UNITS = 4;
 
 /**
  * Units per character of a string checked against `format: "regex"`: V8 parses it as an expression, each
- * `\p{...}` eagerly (measured up to 68 µs a character in a class of them), once per distinct string. The format
- * refuses strings longer than a pattern may be (1,000 characters) without parsing them.
+ * `\p{...}` eagerly (see README, "Every validation is bounded in time", the sixth probe), once per distinct
+ * string. The format refuses strings longer than a pattern may be (1,000 characters) without parsing them.
  */
 const REGEX_FORMAT_UNITS = 128;
 
 /**
- * The formats V8 checks with expressions linear in the string but slower than a unit per 64 characters: up to
- * 35 ns a character (`uri-reference` on "a://a@" and "f-" repeated; 11 of them over 1 MB took 267 ms where
- * 64 characters a unit estimated 103 ms, the seventh probe of issue 37). Counted at 12 characters a unit.
+ * The formats V8 checks with expressions linear in the string but slower than a unit per 64 characters (the
+ * seventh probe of issue 37 found 64 characters a unit an underestimate; measured in the README, "Every
+ * validation is bounded in time"). Counted at 12 characters a unit.
  */
 const URI_FORMATS = new Set(["uri", "uri-reference", "uri-template"]);
 const URI_CHARS_PER_UNIT = 12;
@@ -120,7 +120,7 @@ export interface CostedSchema {
   requiredNames: WeakMap<object, number>;
   /** The subschemas with `format: "regex"`: V8 parses the string as an expression (`REGEX_FORMAT_UNITS`). */
   regexFormats: WeakSet<object>;
-  /** The subschemas with a `uri` format: V8's expressions for them take up to 35 ns a character (`URI_CHARS_PER_UNIT`). */
+  /** The subschemas with a `uri` format: V8's expressions for them cost more a character (`URI_CHARS_PER_UNIT`). */
   uriFormats: WeakSet<object>;
   /** Its weight: every subschema's, added up. */
   total: number;
@@ -226,9 +226,10 @@ export function costed(schema: unknown, compiled: CompiledSchema): CostedSchema 
  * Values, keys and array entries in a JSON value, a string or key counting one more per 64 characters. The
  * validator writes a failing `const` or `enum` value into its message (`Instance does not match ...`, a
  * `JSON.stringify` of it), and `contains`, `anyOf` and their kind keep every failing branch's messages until they
- * finish: counted as one unit, a 60 KB `const` in `contains` over 100,000 items was estimated at 500,000 units
- * and took an API to its heap limit (the fourth probe of issue 37). By its length, the work and the memory are
- * both bounded by the estimate: at most 64 characters of message a unit.
+ * finish: counted as one unit, a 60 KB `const` in `contains` over 100,000 items was estimated far below its
+ * cost and took an API to its heap limit (the fourth probe of issue 37; see README, "Every validation is bounded
+ * in time"). By its length, the work and the memory are both bounded by the estimate: at most 64 characters of
+ * message a unit.
  */
 function jsonSize(value: unknown): number {
   if (typeof value === "string") return 1 + Math.floor(value.length / CHARS_PER_UNIT);
@@ -295,7 +296,8 @@ export function estimate(entry: CostedSchema, instance: unknown, budget: number)
   /**
    * One evaluation of `schema` on `value`, at a location `at` characters long: the validator writes each
    * evaluation's location, and keeps it with each error (the whole path of keys to the value: a 600,000-
-   * character key times 10,000 failing items was 6 GB, where counting the key once estimated 29,000 units).
+   * character key times 10,000 failing items ran an API out of memory where counting the key once estimated it
+   * small; see README, "Every validation is bounded in time", the fifth probe).
    */
   const evaluate = (schema: unknown, value: unknown, at: number, frames: number): void => {
     const located = Math.floor(at / CHARS_PER_UNIT);

@@ -45,8 +45,9 @@ export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
   /** Compiled schemas kept, in the caller's thread and in each Worker. */
   cacheSize: 500,
   /**
-   * The largest schema (its JSON, in characters) compiled in the caller's thread: compiling takes about 0.5 ms a
-   * KiB there (measured), once per key. A larger one is compiled, and its every validation run, on a Worker.
+   * The largest schema (its JSON, in characters) compiled in the caller's thread: compiling there takes time in
+   * proportion to the schema's size (measured in the README, "Every validation is bounded in time"), once per
+   * key. A larger one is compiled, and its every validation run, on a Worker.
    */
   threadSchemaBytes: 2_048,
   /**
@@ -58,27 +59,27 @@ export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
   threadPatterns: 4,
   /**
    * What they may hold, in bytes (`CompiledSchema.weight`: about eight times a schema's JSON, and each regular
-   * expression's program and DFA; a compiled 64 KiB schema measured 301 KiB of heap against a weight of 509), in
-   * the caller's thread and in each Worker: three caches in an API process.
+   * expression's program and DFA, more than the heap a compiled schema was measured to take: see README, "Every
+   * validation is bounded in time"), in the caller's thread and in each Worker: three caches in an API process.
    */
   cacheBytes: 16 * 1024 * 1024,
   /**
    * Work a validation may be estimated at and still run in the caller's thread: one unit is a subschema
    * evaluated on one value, one keyword or array entry or key of either, or 64 characters of a string, and a
-   * regular expression costs per character by its size (`validation_cost.ts`). Measured, a unit took at most
-   * 0.55 µs of `@cfworker/json-schema` (2 µs for a string of "t"s against `format: date-time`, which splits it
-   * at each one): so at most about 1 ms here, 4 ms in the worst case.
+   * regular expression costs per character by its size (`validation_cost.ts`). With what a unit was measured to
+   * take, that is about a millisecond here, a few in the worst case (`format: date-time` on a string of "t"s,
+   * which it splits at each one): see README, "Every validation is bounded in time".
    */
   fastPathUnits: 2_000,
   /**
-   * Work a validation may be estimated at and run at all, on a Worker (about 0.1 s, 0.4 s in the worst case):
-   * past it, it fails with {@linkcode ValidationTooCostly} without running. A Worker that is terminated at the
-   * deadline runs on until its validation ends, so this, not the deadline, bounds how long that is. It fits the
-   * deadline, and a tenant's `maxPendingPerTenant` of them fit a second on two Workers: at 1,000,000 a validation
-   * the estimate admitted could not finish in 250 ms (the longest input a Worker admitted against the costliest
-   * pattern a PUT accepts took 0.45 s), so each one ran over, and a tenant's eight at once were answered after
-   * 2.4-9.6 s; at 400,000, after 1.1-1.6 s on a loaded machine, most of them timed out. An input past it (say
-   * 15,000 small objects, or 100 KB of text against a pattern) is a `422`.
+   * Work a validation may be estimated at and run at all, on a Worker: past it, it fails with
+   * {@linkcode ValidationTooCostly} without running. A Worker that is terminated at the deadline runs on until its
+   * validation ends, so this, not the deadline, bounds how long that is. It fits the deadline, and a tenant's
+   * `maxPendingPerTenant` of them fit a second on two Workers: at 1,000,000 a validation the estimate admitted
+   * could not finish in 250 ms, so each one ran over, and a tenant's eight at once were answered long after it;
+   * at 400,000, most of them timed out (what it takes, and those runs, are in the README, "Every validation is
+   * bounded in time"). An input past it (say 15,000 small objects, or 100 KB of text against a pattern) is a
+   * `422`.
    */
   workerUnits: 200_000,
   /** Validations of one tenant waiting for or running on a Worker; past it, {@linkcode ValidationBusy}. */
@@ -91,23 +92,24 @@ export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
    * Schema JSON a Worker may have been sent to compile before it is stopped (once its validation is done) and a
    * fresh one takes its place: its heap grows with what it compiles and never shrinks, and a stopped one gives it
    * all back (a child process to the system; a Web Worker's stays in the process's resident memory). 1 MiB is 16
-   * of the largest schemas, hundreds of usual ones; a child starts in about 60 ms of CPU, compiling 1 MiB takes
-   * about 500 ms. At 4 MiB two validation children each held about 160 MiB after two tenants' quotas of the
-   * largest definitions were run once.
+   * of the largest schemas, hundreds of usual ones; a child's start costs little beside compiling 1 MiB, and at
+   * 4 MiB the validation children held more after two tenants' quotas of the largest definitions were run once
+   * (both measured in the README, "Defining a task").
    */
   recycleChars: 1024 * 1024,
   /**
    * A Worker with nothing to validate for this long is stopped too (the next validation starts one). Not less: a
-   * child starts cold (60 ms or more of CPU, and its code not yet optimised), and at 10 s the hostile bench's
-   * floods, 15 s apart, met a fresh pair each time, their first answers 2-3 times as slow.
+   * child starts cold (CPU to start, and its code not yet optimised), and at 10 s the hostile bench's floods, 15 s
+   * apart, met a fresh pair each time, their first answers slower (see README, "Every validation is bounded in time").
    */
   idleMs: 60_000,
   /** A validation child process's V8 heap cap, in MiB: past it the child ends, and only its work fails. */
   heapMiB: 128,
   /**
-   * Workers kept started, however idle (the API and worker processes keep all of them): a child costs about 0.1 s
-   * of CPU and 48 MB to start, and a flood of hostile validations that had to start two held another tenant's
-   * p99 at 131 ms where it was 30-55 ms once they were up. Unset, a pool starts them as it needs them.
+   * Workers kept started, however idle (the API and worker processes keep all of them): a child costs CPU and
+   * memory to start, and a flood of hostile validations that had to start two held another tenant's p99 well
+   * above what it was once they were up (see README, "Every validation is bounded in time"). Unset, a pool
+   * starts them as it needs them.
    */
   keep: 0,
   /** Web Workers validating at once. */
@@ -118,7 +120,8 @@ export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
    * How long a terminated Worker counts against the pool at most, should it never say it has finished (were it
    * ever stopped mid-validation, it could not). Far longer than `workerUnits` of work should take: were the
    * estimate ever wrong, a thread still running past this would be one more thread than the pool's (at 30 s, an
-   * underestimate of 130 s of work once ran four validation threads in a pool of two).
+   * underestimate once ran more validation threads than the pool's two: see README, "Every validation is bounded
+   * in time").
    */
   orphanMs: 600_000,
 };
@@ -390,7 +393,7 @@ function validationPool(limits: Required<ValidatorOptions>, isolation: PoolIsola
 
 /**
  * The schema compiled in this thread, or `ON_WORKER` when its JSON is larger than `threadSchemaBytes` (it would
- * hold this thread for milliseconds: about 0.5 ms a KiB measured, a regular expression more).
+ * hold this thread for milliseconds, a regular expression more: see README, "Every validation is bounded in time").
  * @throws {SchemaRefused} when `compileSchema` refuses `schema` (now or before: a refusal is cached).
  */
 function compiledFor({ cache, limits }: Validation, key: string, schema: unknown): Exclude<Entry, SchemaRefused> {
@@ -467,11 +470,11 @@ function onWorker(
 
 /**
  * Whether a schema's regular expressions may be costly to compile, read from its JSON: more than `most` of them
- * (32 short ones in a 1 KB schema took 13-65 ms on a loaded machine), a Unicode property class under a counted
- * repetition (RE2 writes the class out once per count: `[\p{L}\p{N}]{0,198}` ten times took 40 ms, where
- * `^\p{L}{1,100}$` takes 2.3 ms and `^[a-z]{1,200}$` 0.9 ms), more Unicode property classes than `most` (two
- * patterns of 165 `\p{L}` in a class took 100 ms), or counts adding up past 1,000. Text that only
- * looks like one (in a description, say) sends a schema to a Worker for nothing, which costs little.
+ * (32 short ones in a 1 KB schema), a Unicode property class under a counted repetition (RE2 writes the class out
+ * once per count: `[\p{L}\p{N}]{0,198}` ten times), more Unicode property classes than `most` (two patterns of
+ * 165 `\p{L}` in a class), or counts adding up past 1,000; what each took to compile, against plain patterns, is
+ * in the README, "Every validation is bounded in time". Text that only looks like one (in a description, say)
+ * sends a schema to a Worker for nothing, which costs little.
  */
 function costlyPatterns(json: string, most: number): boolean {
   if (json.split('"pattern').length - 1 > most) return true;

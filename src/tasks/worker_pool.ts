@@ -64,10 +64,11 @@ export interface WorkerPoolOptions<S> {
   heapMiB?: number;
   /**
    * Workers kept started, idle or not (at most `workers`): started with the pool, and again as soon as one stops,
-   * so that work does not wait for a child to start (0.1 s of CPU each) when it comes. After a Worker failed to
-   * start or ended on its own (a crash, or killed from outside the pool; not one the pool stopped), not for
-   * `keepRetryMs`, and then by a timer. None unless set; a pool that keeps Workers keeps its process alive until
-   * it is closed (its live Workers do; the timer of a hold-off does not).
+   * so that work does not wait for a child to start when it comes (what a start costs is in the README, "Hostile
+   * tenants (issue 37), measured from outside"). After a Worker failed to start or ended on its own (a crash, or
+   * killed from outside the pool; not one the pool stopped), not for `keepRetryMs`, and then by a timer. None
+   * unless set; a pool that keeps Workers keeps its process alive until it is closed (its live Workers do; the
+   * timer of a hold-off does not).
    */
   keep?: number;
   /** How long kept Workers are held off after a Worker failed to start or ended on its own; 5 s unless set. */

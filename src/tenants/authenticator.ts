@@ -44,7 +44,8 @@ function constantTimeEqual(a: string, b: string): boolean {
  * briefly), and compares the secret's hash in constant time; the key that
  * passed is kept with the cached row, so the next request with the same key
  * costs one constant-time string comparison instead of a hash (a SHA-256 per
- * request was 5% of the API's CPU under load). In `trusted-header` mode it
+ * request cost the API a share of its CPU under load; see README, "Tenants
+ * and API keys"). In `trusted-header` mode it
  * trusts `X-Tenant-Id`, which only an authenticating gateway in front of the
  * service may set.
  * @throws {HttpError} 401 on missing or bad credentials.
