@@ -295,13 +295,21 @@ function postgresRefusal(url: string, cause: unknown): string {
     `Start it with \`docker compose up -d postgres\` or \`pg_ctlcluster 15 main start\`.`;
 }
 
-export async function connectPostgres(url: string, options: { max?: number } = {}): Promise<Sql> {
+export async function connectPostgres(
+  url: string,
+  options: {
+    max?: number;
+    /** Seconds a connection lives before it is replaced; null: until it fails (postgres.js: 30-60 minutes). */
+    maxLifetimeS?: number | null;
+  } = {},
+): Promise<Sql> {
   const target = new URLSearchParams(/\?([^#]*)/.exec(url)?.[1]).get("target_session_attrs");
   const sql = postgres(await answeringFirst(url), {
     max: options.max ?? 10,
     onnotice: () => {},
     connect_timeout: PG_CONNECT_TIMEOUT_S,
     idle_timeout: PG_IDLE_TIMEOUT_S,
+    ...(options.maxLifetimeS !== undefined ? { max_lifetime: options.maxLifetimeS } : {}),
     // postgres.js 3.4 tells read-write by default_transaction_read_only alone, which a hot standby of
     // Postgres 14+ reports as off: it would connect to the standby, and every write would fail there
     // (hapostgres/pg_auto_failover#970). `primary` tells by in_hot_standby, as libpq does for read-write.

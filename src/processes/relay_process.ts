@@ -8,7 +8,9 @@ import { JOB_RECORD_TTL_S } from "../runs/keys.ts";
 import { summaryEmailRenderer, summaryPayloadLoader, tenantHourlyLimits } from "../summaries/email.ts";
 import { SUMMARY_READY_TOPIC, SUMMARY_WEBHOOK_TOPIC } from "../runs/shapes.ts";
 import { pipelineNotifications } from "../runs/notifications.ts";
-import { connectPostgres } from "../clients.ts";
+import { connectPostgres, DependencyDown } from "../clients.ts";
+import { sleep } from "../async/timeout.ts";
+import type { Sql } from "postgres";
 import { buildMailer } from "./_mailer.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
 import type { ComponentDeps } from "./_deps.ts";
@@ -60,6 +62,9 @@ export async function startRelay(
  */
 export const OUTCOME_MIN_AGE_MS = (Math.max(JOB_RECORD_TTL_S, DEAD_LETTER_BOUNDS.maxAgeS) * 1000) + 24 * 3600 * 1000;
 
+/** Seconds between retention's tries to connect while Postgres does not answer. */
+export const RETENTION_CONNECT_RETRY_S = 30;
+
 /**
  * Runs retention until `signal` aborts, then waits for a pass in progress. Relay processes run it beside the
  * relay, not in its send loop (and `dev`, once): one pass runs at a time across them all.
@@ -68,13 +73,25 @@ export const OUTCOME_MIN_AGE_MS = (Math.max(JOB_RECORD_TTL_S, DEAD_LETTER_BOUNDS
  * lock is a session lock, and a connection reserved from the pool is one that postgres.js 3.4.9 crashes the
  * process on once its backend has died (porsager/postgres#1208), as backends do in a failover. The connection
  * closes when idle (`connectPostgres`'s idle timeout), so between passes it holds nothing.
- * @throws {DependencyDown} when Postgres does not answer at start.
+ * While Postgres does not answer at start, it asks again every {@linkcode RETENTION_CONNECT_RETRY_S} seconds.
  */
 export async function startRetention(
   { config, log }: Pick<ComponentDeps, "config" | "log">,
   signal: AbortSignal,
 ): Promise<void> {
-  const sql = await connectPostgres(config.DATABASE_URL, { max: 1 });
+  // Never replaced on a timer (a pass's lock lives on its connection), and asked again while Postgres does not
+  // answer at start: retention waiting for Postgres must not take the relay down with it.
+  let sql: Sql | undefined;
+  while (!sql) {
+    try {
+      sql = await connectPostgres(config.DATABASE_URL, { max: 1, maxLifetimeS: null });
+    } catch (error) {
+      if (!(error instanceof DependencyDown)) throw error;
+      log.warn("retention_connect_failed", { error, retry_in_s: RETENTION_CONNECT_RETRY_S });
+      await sleep(RETENTION_CONNECT_RETRY_S * 1000, signal).catch(() => {});
+      if (signal.aborted) return;
+    }
+  }
   try {
     const retention = createRetention({ sql, log }, {
       outboxRetentionMs: config.OUTBOX_RETENTION_S * 1000,

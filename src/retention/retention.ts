@@ -15,7 +15,7 @@
  * jittered), so a large backlog is deleted beside the service's own writes
  * rather than ahead of them.
  */
-import type { ReservedSql, Sql } from "postgres";
+import type { ReservedSql, Sql, TransactionSql } from "postgres";
 import { sleep } from "../async/timeout.ts";
 import * as cacheHits from "../cache/cache_hit_store.ts";
 import * as jobs from "../jobs/job_store.ts";
@@ -70,6 +70,8 @@ export interface RetentionOptions {
   sleep?: (ms: number, signal: AbortSignal) => Promise<void>;
   /** Called after each DELETE statement with its table and how many rows it deleted (for tests and metrics). */
   onBatch?: (table: string, rows: number) => void;
+  /** Called between a batch's lock check and its delete (for crash tests). */
+  onLockChecked?: (table: string) => Promise<void>;
 }
 
 /** A retention service. */
@@ -97,12 +99,10 @@ interface Pass {
   pause: (ms: number, signal: AbortSignal) => Promise<void>;
   /** Rows deleted per table, for the pass's log line. */
   deleted: Record<string, number>;
-  /** Whether the lock is to be checked before the next batch (not before the pass's first). */
-  check: boolean;
 }
 
 /** Whether `db`'s session still holds the pass lock: a connection lost mid-pass is replaced by one without it. */
-async function holdsLock(db: Sql): Promise<boolean> {
+async function holdsLock(db: Sql | TransactionSql): Promise<boolean> {
   const [row] = await db<{ held: boolean }[]>`
     SELECT EXISTS (
       SELECT 1 FROM pg_locks
@@ -110,6 +110,25 @@ async function holdsLock(db: Sql): Promise<boolean> {
         AND ((classid::bigint << 32) | objid::bigint) = hashtextextended(${PASS_LOCK}, 0)
     ) AS held`;
   return row!.held;
+}
+
+/**
+ * Runs one batch on the pass's session after checking that the session still holds the pass lock: another
+ * replica may hold it by now if this session was lost, and then its pass runs, not this one. On a client of its
+ * own (`begin`), the check and the batch are one transaction, so they run on one backend: a connection replaced
+ * between them fails the transaction instead of deleting without the lock. A reserved connection (tests) has
+ * no `begin`; it is never replaced, only lost, and then the batch fails.
+ */
+async function underLock(pass: Pass, table: string, batch: (db: Sql) => Promise<number>): Promise<number> {
+  const checked = async (tx: Sql | TransactionSql) => {
+    if (!await holdsLock(tx)) {
+      throw new Error(`Retention's pass lost its advisory lock (its connection was lost) before a batch of ${table}`);
+    }
+    await pass.options.onLockChecked?.(table);
+    return await batch(tx as Sql);
+  };
+  if (typeof pass.db.begin !== "function") return await checked(pass.db);
+  return await pass.db.begin((tx) => checked(tx)) as number;
 }
 
 /** Runs `deleteBatch` until it deletes fewer than a batch (or the service stops). @returns rows deleted. */
@@ -120,12 +139,7 @@ async function drain(
 ): Promise<number> {
   let total = 0;
   while (!pass.signal.aborted) {
-    // Another replica may hold the lock by now if this session was lost: then its pass runs, not this one.
-    if (pass.check && !await holdsLock(pass.db)) {
-      throw new Error(`Retention's pass lost its advisory lock (its connection was lost) before a batch of ${table}`);
-    }
-    pass.check = true;
-    const deleted = await deleteBatch(pass.db, pass.batch);
+    const deleted = await underLock(pass, table, (db) => deleteBatch(db, pass.batch));
     pass.options.onBatch?.(table, deleted);
     pass.deleted[table] = (pass.deleted[table] ?? 0) + deleted;
     total += deleted;
@@ -236,7 +250,6 @@ export function createRetention({ sql, log }: { sql: Sql; log: Logger }, options
           random,
           pause,
           deleted: {},
-          check: false,
         };
         const deleted = await deleteAll(pass, outboxAgeMs);
         if (deleted > 0) log.info("retention_deleted", { rows: deleted, ...pass.deleted });

@@ -70,7 +70,7 @@ function describeAttempt({ value, error }: { value?: Completion; error?: unknown
 
 /**
  * The model call, with retries under the job's deadline and the permits of the deployments it is given (the
- * first one asked for already, as `first`).
+ * first one asked for already, as `first.pending`, which the first attempt takes and clears).
  * @returns the answer, or how the delivery ended when the job was decided meanwhile.
  * @throws {JobDeferred} when the tenant's budget refused the call (the run goes back to its lane).
  * @throws {PermanentJobError} for a model error no retry can fix.
@@ -83,7 +83,7 @@ export async function callModel(
     call: ModelCall;
     estimated: number;
     deadline: Deadline;
-    first: Promise<Acquired> | undefined;
+    first: { pending?: Promise<Acquired> };
     signal: AbortSignal;
   },
 ): Promise<Answered | { skipped: Committed }> {
@@ -150,15 +150,15 @@ function attemptGate(
   { call, estimated, first, served }: {
     call: ModelCall;
     estimated: number;
-    first: Promise<Acquired> | undefined;
+    first: { pending?: Promise<Acquired> };
     served: { current?: Acquired };
   },
 ): AttemptGate<Completion, Acquired> {
   const { job_id, tenant } = delivery;
   return {
     acquire: async (signal) => {
-      const pending = first;
-      first = undefined;
+      const { pending } = first;
+      first.pending = undefined;
       const acquired = await (pending ?? job.models.acquire(call.models, estimated, { signal, jobId: job_id, tenant }));
       served.current = acquired;
       const { permit } = acquired;

@@ -90,7 +90,7 @@ export async function structuredOutput(
   const again = await callModel(job, delivery, {
     call: repair,
     estimated: estimated + Math.ceil(added / 4),
-    first: undefined,
+    first: {},
     signal,
     deadline,
   });

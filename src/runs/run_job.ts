@@ -164,7 +164,15 @@ async function answer(
   if (skip) return skip;
   // One budget for the delivery, the repair call included.
   const deadline = Deadline.after(job.options.budgetMs, job.options.clock);
-  const answered = await callModel(job, delivery, { call, estimated, first, signal, deadline });
+  // The first attempt takes the permit; one never taken (a stop or the deadline ended the call before its first
+  // attempt) goes back, so its tokens and a probe's lease are not held for nothing.
+  const unclaimed: { pending?: Promise<Acquired> } = { pending: first };
+  let answered: Awaited<ReturnType<typeof callModel>>;
+  try {
+    answered = await callModel(job, delivery, { call, estimated, first: unclaimed, signal, deadline });
+  } finally {
+    if (unclaimed.pending) await releaseFirst("the call ended before its first attempt");
+  }
   if ("skipped" in answered) return answered.skipped;
   if (task.definition.output_schema === undefined) {
     return await commit(job, delivery, { output: answered.text, model: answered.model });

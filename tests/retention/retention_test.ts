@@ -325,6 +325,37 @@ Deno.test("retention", async (t) => {
       },
     );
 
+    await t.step("a connection lost between a batch's lock check and its delete deletes nothing", async () => {
+      await resetWithSentRows(3);
+      const client = oneConnection();
+      let killed = false;
+      try {
+        const { retention } = retentionWith({
+          sql: client,
+          batch: 2,
+          // The check passed; the connection dies before the delete is sent (a failover, an operator). Without
+          // the check and the delete in one transaction, the delete went out on a new connection, lockless.
+          async onLockChecked() {
+            if (killed) return;
+            killed = true;
+            const [holder] = await lockHolders();
+            await sql`SELECT pg_terminate_backend(${holder!})`;
+            await waitFor("the lock freed", async () => (await lockHolders()).length === 0);
+            // Time for the client to see its socket close, so that a statement sent now would go out on a new
+            // connection (as it would after a failover's reconnect).
+            await new Promise((resolve) => setTimeout(resolve, 200));
+          },
+        });
+        const error = await retention.runOnce().then(() => undefined, (e: Error) => e);
+        assert.ok(error, "the pass failed with its connection");
+        assert.equal(await count("outbox"), 3, "no row deleted without the lock");
+        assert.deepEqual(await lockHolders(), []);
+        assert.equal(await retention.runOnce(), 3, "the next pass deletes them, under the lock");
+      } finally {
+        await client.end();
+      }
+    });
+
     await t.step("a replica that dies mid-pass frees the pass with its connection", async () => {
       await reset();
       const other = postgres(db.url, { max: 1, onnotice: () => {} });
