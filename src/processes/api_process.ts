@@ -1,4 +1,5 @@
 import type { RunContext } from "./run_context.ts";
+import { createBodyAdmission } from "../http/body_admission.ts";
 import type { ComponentDeps } from "./_deps.ts";
 import { type ApiMetrics, apiMetrics, createRegistry, metricsResponse } from "../metrics/metrics.ts";
 import type { Registry } from "prom-client";
@@ -188,6 +189,7 @@ export async function serveApi(
     keys,
     recipients: createRecipientPolicy({ sql }),
     maxBodyBytes: config.MAX_BODY_BYTES,
+    bodies: createBodyAdmission(config.TENANT_BODY_BYTES_IN_FLIGHT),
     budgets: createBudgets({ redis, log }, {
       keys,
       records: budgetRecords(sql),

@@ -195,7 +195,11 @@ const SUMMARY_ROUTES: Route[] = [{
         "(not https, a private address, credentials) or the tenant has no signing secret",
     ),
     "429": OVER_BUDGET,
-    "503": problem("The queue, or the tenant's part of it, is over its cap", retryAfter("string")),
+    "503": problem(
+      "The queue, or the tenant's part of it, is over its cap; or the tenant's request bodies being read are over " +
+        "its share (TENANT_BODY_BYTES_IN_FLIGHT): nothing was stored",
+      retryAfter("string"),
+    ),
     "500": problem("Not stored: retry with the same key"),
   },
 }, {
@@ -349,7 +353,11 @@ const RUN_ROUTES: Route[] = [{
         "refused; the key was used with another body",
     ),
     "429": OVER_BUDGET,
-    "503": problem("The queue is full; nothing was stored", retryAfter("integer")),
+    "503": problem(
+      "The queue is full, the input cannot be validated now, or the tenant's request bodies being read are over " +
+        "its share (TENANT_BODY_BYTES_IN_FLIGHT); nothing was stored",
+      retryAfter("integer"),
+    ),
   },
 }, {
   method: "get",

@@ -18,10 +18,39 @@ import { NotReplicated } from "../redis/replica_ack.ts";
 import { cancelJob } from "../jobs/job_store.ts";
 import { jobDocument } from "./job_document.ts";
 import { markCancelled } from "./job_status.ts";
+import { type BodyAdmission, type BodyRelease, declaredBytes } from "../http/body_admission.ts";
 import { type JobWaiter, preferredWaitS } from "./job_waiter.ts";
 import { checkWebhookUrl, WebhookRefused } from "../webhooks/addresses.ts";
 import type { ServiceKeys } from "./keys.ts";
 import { IDEMPOTENCY_KEY, idempotencyKeyOf, type SummaryRequest, type SummaryStatus } from "./shapes.ts";
+
+/**
+ * Runs `handle` with `tenant`'s request body admitted to its share of this process (`http/body_admission.ts`);
+ * `handle` gets the release, to give the share back once the run is handed to intake (it is given back at the
+ * end in any case).
+ * @throws {HttpError} 503 with `Retry-After: 1` when the tenant's share is full: the body is never read.
+ */
+export async function withBodyAdmitted<T>(
+  deps: RunHttpDeps,
+  req: Request,
+  tenant: string,
+  handle: (release: BodyRelease) => Promise<T>,
+): Promise<T> {
+  if (!deps.bodies) return await handle(() => {});
+  const release = deps.bodies.admit(tenant, declaredBytes(req, deps.maxBodyBytes));
+  if (!release) {
+    throw new HttpError(
+      503,
+      "This tenant's requests already being read hold its share of this server; try again",
+      { "retry-after": "1" },
+    );
+  }
+  try {
+    return await handle(release);
+  } finally {
+    release();
+  }
+}
 
 /** The problem type of a 429 for a spent budget. */
 export const BUDGET_EXHAUSTED = "urn:oncely:problem:budget-exhausted";
@@ -35,6 +64,8 @@ export interface RunHttpDeps {
   intake: Intake;
   keys: ServiceKeys;
   maxBodyBytes: number;
+  /** Each tenant's share of request bodies in flight (`TENANT_BODY_BYTES_IN_FLIGHT`); unbounded when unset. */
+  bodies?: BodyAdmission;
   /** Whether a tenant may email an address (its allowed domains); every address when unset. */
   recipients?: (tenant: string, address: string) => Promise<boolean>;
   /** How long a POST body may take to arrive; default 10 s (`BODY_DEADLINE_MS` in `http/body.ts`). */

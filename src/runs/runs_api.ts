@@ -16,6 +16,7 @@ import {
   idempotencyKeyFrom,
   type RunHttpDeps,
   waitIfPreferred,
+  withBodyAdmitted,
 } from "./http.ts";
 import { jobDocument, type JobFound } from "./job_document.ts";
 import { currentTraceparent } from "../tracing.ts";
@@ -78,78 +79,86 @@ export function runRoutes(deps: RunApiDeps): Router {
     const tenant = await deps.authenticate(req);
     if (!TASK_NAME.test(name)) throw new HttpError(404, `No task ${name} for this tenant`);
     const key = idempotencyKeyFrom(req);
-    const raw = await readJsonBody(req, deps.maxBodyBytes, { deadlineMs: deps.bodyDeadlineMs });
-    const parsed = parseRunRequest(raw);
-    if (!parsed.success) {
-      deps.metrics?.api.validationErrors.inc();
-      const errors = parsed.error.issues.map((i) => ({ pointer: pointerOf(i.path), message: i.message }));
-      throw new HttpError(422, "The request body failed validation", {}, { extra: { errors } });
-    }
-    const request = parsed.data;
-    for (const field of ["priority", "expires_in"] as const) {
-      if (request[field] !== undefined) {
-        throw refused(`/${field}`, `${field} is not available yet on this server; send the run without it`);
+    return await withBodyAdmitted(deps, req, tenant, async (release) => {
+      const raw = await readJsonBody(req, deps.maxBodyBytes, { deadlineMs: deps.bodyDeadlineMs });
+      const parsed = parseRunRequest(raw);
+      if (!parsed.success) {
+        deps.metrics?.api.validationErrors.inc();
+        const errors = parsed.error.issues.map((i) => ({ pointer: pointerOf(i.path), message: i.message }));
+        throw new HttpError(422, "The request body failed validation", {}, { extra: { errors } });
       }
-    }
-    const size = unstorableJson(request.input);
-    if ("pointer" in size) throw refused(`/input${size.pointer}`, size.message);
-    // Cached, the version is found without a wait (every await on this path costs throughput).
-    const task = deps.tasks.peek(tenant, name, request.version) ?? await deps.tasks.get(tenant, name, request.version);
-    if (!task) {
-      throw new HttpError(404, `No task ${name}${request.version === undefined ? "" : ` version ${request.version}`}`);
-    }
-    const validating = checkInput(deps, tenant, task, request.input, size.units);
-    if (validating) await validating;
-    const chars = renderedChars(task.definition, request.input);
-    if (chars > RENDER_LIMITS.maxChars) {
-      throw refused(
-        "/input",
-        `the prompt and system message rendered from this input come to ${chars} characters; at most ` +
-          `${RENDER_LIMITS.maxChars} are allowed`,
-      );
-    }
-    if (request.notify !== undefined) await checkNotify(deps, tenant, request.notify);
-    const scope = { tenant, method: "POST", path: `/v1/tasks/${name}/runs`, key };
-    const { definition } = task;
-    const refuse = deps.budgets && await budgetRefusal(deps, tenant, {
-      model: Array.isArray(definition.model) ? definition.model[0] : definition.model,
-      messages: () => [
-        renderTemplate(definition.prompt, request.input),
-        ...(definition.system === undefined ? [] : [renderTemplate(definition.system, request.input)]),
-        // The output schema goes with the call (response_format) and is counted as prompt tokens.
-        ...(definition.output_schema === undefined ? [] : [JSON.stringify(definition.output_schema)]),
-      ],
-      maxOutputTokens: definition.max_output_tokens,
-    });
-    const payload: RunPayload = {
-      task: task.name,
-      version: task.version,
-      input: request.input,
-      notify: request.notify,
-      ...(skipsCache(req.headers) ? { no_cache: true as const } : {}),
-    };
-    return await answerSubmission(
-      deps,
-      req,
-      tenant,
-      () =>
-        deps.intake.submitRun({
-          scope,
-          request,
-          run: { task: task.name, version: task.version, payload: JSON.stringify(payload) },
-          traceparent: currentTraceparent(),
-          refuse,
-        }),
-      {
-        enqueued: (jobId) =>
-          deps.log.info("run_enqueued", { job_id: jobId, tenant, task: task.name, version: task.version }),
-        // The wait ended on the run's outcome: read it once more for its output and tokens by kind.
-        finished: async (jobId, waited) => {
-          const now = await jobDocument(deps, tenant, jobId);
-          return now ? runDocument(now) : waited.document;
+      const request = parsed.data;
+      for (const field of ["priority", "expires_in"] as const) {
+        if (request[field] !== undefined) {
+          throw refused(`/${field}`, `${field} is not available yet on this server; send the run without it`);
+        }
+      }
+      const size = unstorableJson(request.input);
+      if ("pointer" in size) throw refused(`/input${size.pointer}`, size.message);
+      // Cached, the version is found without a wait (every await on this path costs throughput).
+      const task = deps.tasks.peek(tenant, name, request.version) ??
+        await deps.tasks.get(tenant, name, request.version);
+      if (!task) {
+        throw new HttpError(
+          404,
+          `No task ${name}${request.version === undefined ? "" : ` version ${request.version}`}`,
+        );
+      }
+      const validating = checkInput(deps, tenant, task, request.input, size.units);
+      if (validating) await validating;
+      const chars = renderedChars(task.definition, request.input);
+      if (chars > RENDER_LIMITS.maxChars) {
+        throw refused(
+          "/input",
+          `the prompt and system message rendered from this input come to ${chars} characters; at most ` +
+            `${RENDER_LIMITS.maxChars} are allowed`,
+        );
+      }
+      if (request.notify !== undefined) await checkNotify(deps, tenant, request.notify);
+      const scope = { tenant, method: "POST", path: `/v1/tasks/${name}/runs`, key };
+      const { definition } = task;
+      const refuse = deps.budgets && await budgetRefusal(deps, tenant, {
+        model: Array.isArray(definition.model) ? definition.model[0] : definition.model,
+        messages: () => [
+          renderTemplate(definition.prompt, request.input),
+          ...(definition.system === undefined ? [] : [renderTemplate(definition.system, request.input)]),
+          // The output schema goes with the call (response_format) and is counted as prompt tokens.
+          ...(definition.output_schema === undefined ? [] : [JSON.stringify(definition.output_schema)]),
+        ],
+        maxOutputTokens: definition.max_output_tokens,
+      });
+      const payload: RunPayload = {
+        task: task.name,
+        version: task.version,
+        input: request.input,
+        notify: request.notify,
+        ...(skipsCache(req.headers) ? { no_cache: true as const } : {}),
+      };
+      return await answerSubmission(
+        deps,
+        req,
+        tenant,
+        () => {
+          release();
+          return deps.intake.submitRun({
+            scope,
+            request,
+            run: { task: task.name, version: task.version, payload: JSON.stringify(payload) },
+            traceparent: currentTraceparent(),
+            refuse,
+          });
         },
-      },
-    );
+        {
+          enqueued: (jobId) =>
+            deps.log.info("run_enqueued", { job_id: jobId, tenant, task: task.name, version: task.version }),
+          // The wait ended on the run's outcome: read it once more for its output and tokens by kind.
+          finished: async (jobId, waited) => {
+            const now = await jobDocument(deps, tenant, jobId);
+            return now ? runDocument(now) : waited.document;
+          },
+        },
+      );
+    });
   }
 
   async function getRun(req: Request, runId: string): Promise<Response> {

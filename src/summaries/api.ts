@@ -22,6 +22,7 @@ import {
   idempotencyKeyFrom,
   type RunHttpDeps,
   waitIfPreferred,
+  withBodyAdmitted,
 } from "../runs/http.ts";
 
 /** What the summary API needs: what every API that takes runs needs. */
@@ -38,37 +39,41 @@ export function summaryRoutes(deps: SummaryApiDeps): Router {
   async function postSummary(req: Request): Promise<Response> {
     const tenant = await authenticate(req);
     const key = idempotencyKeyFrom(req);
-    const raw = await readJsonBody(req, deps.maxBodyBytes, { deadlineMs: deps.bodyDeadlineMs });
-    const parsed = parseSummaryRequest(raw);
-    if (!parsed.success) {
-      deps.metrics?.api.validationErrors.inc();
-      const errors = parsed.error.issues.map((i) => ({ path: i.path.join("."), message: i.message }));
-      throw new HttpError(422, "The request body failed validation", {}, { extra: { errors } });
-    }
-    await checkNotify(deps, tenant, parsed.data.notify);
-    const scope = { tenant, method: "POST", path: SUMMARIES, key };
-    const refuse = await budgetRefusal(deps, tenant, {
-      messages: () => [summaryPrompt(parsed.data.text)],
-      maxOutputTokens: SUMMARIZE_DEFINITION.max_output_tokens,
+    return await withBodyAdmitted(deps, req, tenant, async (release) => {
+      const raw = await readJsonBody(req, deps.maxBodyBytes, { deadlineMs: deps.bodyDeadlineMs });
+      const parsed = parseSummaryRequest(raw);
+      if (!parsed.success) {
+        deps.metrics?.api.validationErrors.inc();
+        const errors = parsed.error.issues.map((i) => ({ path: i.path.join("."), message: i.message }));
+        throw new HttpError(422, "The request body failed validation", {}, { extra: { errors } });
+      }
+      await checkNotify(deps, tenant, parsed.data.notify);
+      const scope = { tenant, method: "POST", path: SUMMARIES, key };
+      const refuse = await budgetRefusal(deps, tenant, {
+        messages: () => [summaryPrompt(parsed.data.text)],
+        maxOutputTokens: SUMMARIZE_DEFINITION.max_output_tokens,
+      });
+      // With tracing on, the job's trace continues from this request's span (Deno.serve's) in the worker.
+      return await answerSubmission(
+        deps,
+        req,
+        tenant,
+        () => {
+          release();
+          return intake.submit({
+            scope,
+            request: parsed.data,
+            traceparent: currentTraceparent(),
+            ...summaryForms(parsed.data, { noCache: skipsCache(req.headers) }),
+            refuse,
+          });
+        },
+        {
+          enqueued: (jobId) => log.info("job_enqueued", { job_id: jobId, tenant }),
+          finished: (_, waited) => Promise.resolve(waited.document),
+        },
+      );
     });
-    // With tracing on, the job's trace continues from this request's span (Deno.serve's) in the worker.
-    return await answerSubmission(
-      deps,
-      req,
-      tenant,
-      () =>
-        intake.submit({
-          scope,
-          request: parsed.data,
-          traceparent: currentTraceparent(),
-          ...summaryForms(parsed.data, { noCache: skipsCache(req.headers) }),
-          refuse,
-        }),
-      {
-        enqueued: (jobId) => log.info("job_enqueued", { job_id: jobId, tenant }),
-        finished: (_, waited) => Promise.resolve(waited.document),
-      },
-    );
   }
 
   async function getSummary(req: Request, jobId: string): Promise<Response> {
