@@ -159,15 +159,17 @@ export function createIntake(
     return value >= maxQueued ? Math.max(1, Math.floor(maxQueued / (lanes + 1))) : 0;
   };
   // The scope's unambiguous encoding is the key: bounded (a validated tenant name and a key of at most 128
-  // visible characters) and not hashed, since every hash costs the request path several microseconds.
+  // visible characters) and not hashed, since every hash is paid on the request path (what one costs: README,
+  // 'Intake against both baselines, its profile, and all cores', the `uuidV5` row).
   const keyFor = (scope: Scope) => keys.lane(scope.tenant).idempotency(encodeScope(scope));
   /** What the script's submissions of one tenant (and task version) share: their entry in its heads. */
   const headOf = (tenant: string, known: LaneKnown, run?: RunSubmission) =>
     JSON.stringify({ tenant, cap: maxQueuedPerTenant ?? 0, status: markQueued(tenant, run), lane: known.lane });
   /**
    * What a tenant's summary jobs (or runs of one task version) share in the script's call: its lane, the sets
-   * that make the lane known, and its head. Built once per tenant (and version): serialising the whole argument
-   * per request was most of `enqueue`'s own time in a `--cpu-prof` under load.
+   * that make the lane known, and its head. Built once per tenant (and version), so that a request does not
+   * serialise the whole argument (what that cost: README, 'Intake against both baselines, its profile, and all
+   * cores', the `enqueue` row).
    */
   const heads = new Map<string, { lane: LaneKeys; known: LaneKnown; head: string }>();
   const headFor = (tenant: string, run?: RunSubmission) => {
@@ -271,9 +273,10 @@ interface Submission {
  * Group intake: the submissions that arrive while a batch's calls are in flight (or in the same turn of the
  * event loop) go to Redis in one call of the script, as a group commit does. With little load each goes
  * alone, at once; under load, a call and its reply, the script's start and the lane's announcement are paid
- * once per batch rather than once per POST (the API's Redis client and Redis itself were most of an accepted
- * POST's cost in a profile under wrk). Nothing is answered before its own batch's call has returned. With a replica
- * acknowledgement (REDIS_MIN_REPLICAS_ACK) every submission has its call to itself, as before.
+ * once per batch rather than once per POST (where an accepted POST's cost goes: README, 'Intake against both
+ * baselines, its profile, and all cores', 'Group intake'). Nothing is answered before its own batch's call has
+ * returned. With a replica acknowledgement (REDIS_MIN_REPLICAS_ACK) every submission has its call to itself, as
+ * before.
  */
 function createIntakeBatches(
   redis: RedisClient,

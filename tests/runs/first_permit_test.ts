@@ -5,7 +5,7 @@
  */
 import assert from "node:assert/strict";
 import type { LLM } from "../../src/llm/llm.ts";
-import type { Models, CallOutcome } from "../../src/llm/models.ts";
+import type { CallOutcome, Models } from "../../src/llm/models.ts";
 import { serviceKeys } from "../../src/runs/keys.ts";
 import { enqueueToLane } from "../support/enqueue.ts";
 import { summaryWorker } from "../support/fixtures.ts";
