@@ -47,6 +47,10 @@ import { runSettle } from "../../src/budgets/settle_script.ts";
 import { seedBudgetState } from "../../src/budgets/seed_script.ts";
 import { announceLane } from "../../src/queue/lanes.ts";
 import { benchHostile, type HostileRow } from "./hostile.ts";
+import type { SummaryRequest } from "../../src/runs/shapes.ts";
+import { createIntake } from "../../src/runs/intake.ts";
+import { summaryForms } from "../../src/runs/run_payload.ts";
+import { SUMMARIES } from "../../src/summaries/api.ts";
 
 const ADMIN_URL = Deno.env.get("BENCH_DATABASE_URL") ?? "postgres://postgres@127.0.0.1:5432/postgres";
 const REDIS_URL = Deno.env.get("BENCH_REDIS_URL") ?? "redis://127.0.0.1:6379/0";
@@ -595,14 +599,20 @@ const WORKER_WARM_UP_JOBS = 500;
  * starts when the lane is announced: what is measured is the worker draining a queue, not the bench's own
  * enqueuing competing with it for the machine's two cores.
  * With `budget`, the tenant has budgets in tokens and USD per day that the jobs never reach, so every call is
- * reserved and settled (checked afterwards: the budget's spend is every call's reported usage). CPU ms per job is
+ * reserved and settled (checked afterwards: the budget's spend is every call's reported usage). With `lanes`, the
+ * backlog is summary jobs of `lanes.request` spread round robin over `lanes.tenants` tenants ({@linkcode laneTenant}),
+ * none of them the warm-up's, and the clock starts when all their lanes are announced at once. CPU ms per job is
  * the worker's, the fake model's and Redis's.
  */
 async function workerProcessRun(
   model: { url: string; pid: number },
   jobs: number,
   task?: { name: string; body: unknown },
-  options: { budget?: boolean; env?: Record<string, string> } = {},
+  options: {
+    budget?: boolean;
+    env?: Record<string, string>;
+    lanes?: { tenants: number; request: SummaryRequest };
+  } = {},
 ) {
   const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
   const url = await emptyRedisDatabase(REDIS_URL);
@@ -645,11 +655,13 @@ async function workerProcessRun(
         SELECT count(*)::int AS n, (count(*) FILTER (WHERE outcome = 'done'))::int AS done FROM job_outcomes`;
       return row!;
     };
+    // At least 50 jobs/s, and never less than 180 s: a backlog over thousands of lanes may drain that slowly.
+    const boundS = Math.max(180, Math.ceil(jobs / 50));
     const until = async (n: number, what: string) => {
-      const end = performance.now() + 180_000;
+      const end = performance.now() + boundS * 1000;
       for (;;) {
         if ((await decided()).n >= n) return;
-        if (performance.now() > end) throw new Error(`worker process: ${what}: fewer than ${n} decided in 180 s`);
+        if (performance.now() > end) throw new Error(`worker process: ${what}: fewer than ${n} decided in ${boundS} s`);
         await sleep(20);
       }
     };
@@ -661,12 +673,15 @@ async function workerProcessRun(
       if (performance.now() > end) throw new Error("worker process: the lane stayed active after the warm-up");
       await sleep(20);
     }
-    await Promise.all(Array.from({ length: jobs }, (_, i) => enqueue(warmUp + i, false)));
+    if (options.lanes) await queueSpread(redis, keys, jobs, options.lanes);
+    else await Promise.all(Array.from({ length: jobs }, (_, i) => enqueue(warmUp + i, false)));
     const before = await cpuMs(worker.pid);
     const modelBefore = await cpuMs(model.pid);
     const redisBefore = await redisCpuMs(redis);
     const started = performance.now();
-    await announceLane(redis, keys.registry, "bench");
+    if (options.lanes) {
+      await announceAll(redis, keys, Array.from({ length: options.lanes.tenants }, (_, i) => laneTenant(i + 1)));
+    } else await announceLane(redis, keys.registry, "bench");
     await until(warmUp + jobs, "backlog");
     const seconds = (performance.now() - started) / 1000;
     const after = await cpuMs(worker.pid);
@@ -1434,6 +1449,330 @@ async function benchWait() {
   }
 }
 
+/** Tenant `i` (from 1) of the lanes-scale rows: their lanes, their API keys and wrk's `X-Tenant-Id`. */
+const LANE_TENANT_PREFIX = "lane-";
+const laneTenant = (i: number) => `${LANE_TENANT_PREFIX}${i}`;
+/** Issue 39's tenant counts (the first is the baseline), and the backlog each drains: the same at every count. */
+const LANE_COUNTS = smoke ? [1, 100, 1_000] : [1, 100, 5_000, 20_000];
+const LANE_JOBS = smoke ? 2_000 : 20_000;
+/** Issue 39's document: a text of 110 bytes. */
+const LANES_REQUEST: SummaryRequest = {
+  text:
+    "Revenue rose 12% in Q3. Costs fell. The board approved the expansion plan for next year. Hiring resumes in Q1.",
+  notify: "ops@example.com",
+};
+const LANES_GATEWAY_SECRET = "bench-gateway-secret-0123456789";
+/** `list` rotated left by `i`, so each round starts with another entry. */
+function rotated<T>(list: readonly T[], i: number): T[] {
+  const at = i % list.length;
+  return [...list.slice(at), ...list.slice(0, at)];
+}
+
+/**
+ * Queues `jobs` summary jobs of `request` round robin over tenants 1 to `tenants` with the enqueue script of the
+ * tests (stream entry and status record, as intake writes them), pipelined, announcing no lane.
+ */
+async function queueSpread(
+  redis: Redis,
+  keys: ServiceKeys,
+  jobs: number,
+  { tenants, request }: { tenants: number; request: SummaryRequest },
+) {
+  for (let start = 0; start < jobs; start += 5_000) {
+    await Promise.all(Array.from({ length: Math.min(5_000, jobs - start) }, (_, k) => {
+      const tenant = laneTenant(((start + k) % tenants) + 1);
+      return enqueueJob(redis, keys.lane(tenant), { jobId: crypto.randomUUID(), tenant, request });
+    }));
+  }
+}
+
+/**
+ * Announces the lanes of `tenants` at once: both registry sets in one MULTI, then one wake-up, so a backlog over
+ * thousands of lanes appears in one instant (an announce per lane would wake the worker once per lane).
+ */
+async function announceAll(redis: Redis, keys: ServiceKeys, tenants: string[]) {
+  const { active, all, wake } = keys.registry;
+  await redis.multi().sadd(active, ...tenants).sadd(all, ...tenants).publish(wake, tenants[0]!).exec();
+}
+
+/** Tenants 1 to `count` ({@linkcode laneTenant}), each with an API key, as `deno task tenant create` makes them. */
+async function createLaneTenants(sql: Sql, count: number) {
+  for (let start = 1; start <= count; start += 200) {
+    await Promise.all(
+      Array.from({ length: Math.min(200, count - start + 1) }, (_, k) => createApiKey(sql, laneTenant(start + k))),
+    );
+  }
+}
+
+/** Issue 39's goal at `tenants` tenants: none for the baseline, and said to start at `from` tenants below that. */
+function laneGoal(tenants: number, from: number, goal: string, met: boolean): string {
+  if (tenants === 1) return "";
+  if (tenants < from) return `none here (issue 39: ${goal} from ${fmt(from)} tenants)`;
+  return `${goal} ${met ? "(met)" : "(NOT met)"}`;
+}
+
+/**
+ * Drain by tenant count: the real worker process (as in the worker-process rows, instant model, concurrency 256)
+ * over the same backlog spread over 1 to 20,000 tenants, each run on a fresh database and Redis database, the order
+ * of the counts rotating between rounds; the baseline is one tenant in the same rounds.
+ */
+async function benchLanesDrain() {
+  const model = await startModelProcess(0);
+  try {
+    const runs = new Map<number, { perSecond: number; cpuMsPerJob: number; redisCpuMsPerJob: number }[]>();
+    for (let i = 0; i < RUNS; i++) {
+      for (const tenants of rotated(LANE_COUNTS, i)) {
+        progress(
+          `lanes scale: drain of ${fmt(LANE_JOBS)} jobs over ${fmt(tenants)} tenant(s), real worker process, ` +
+            `instant model (round ${i + 1})`,
+        );
+        const run = await workerProcessRun(model, LANE_JOBS, undefined, {
+          lanes: { tenants, request: LANES_REQUEST },
+        });
+        progress(
+          `lanes scale: ${fmt(tenants)} tenant(s): ${fmt(run.perSecond)} jobs/s, worker CPU ` +
+            `${fmt(run.cpuMsPerJob, 2)} ms/job, Redis CPU ${fmt(run.redisCpuMsPerJob, 2)} ms/job`,
+        );
+        runs.set(tenants, [...runs.get(tenants) ?? [], run]);
+      }
+    }
+    const of = (tenants: number) => {
+      const list = runs.get(tenants)!;
+      return {
+        rate: median(list.map((x) => x.perSecond)),
+        cpu: median(list.map((x) => x.cpuMsPerJob)),
+        redisCpu: median(list.map((x) => x.redisCpuMsPerJob)),
+      };
+    };
+    const one = of(1);
+    const cpuText = (x: typeof one) => `CPU ${fmt(x.cpu, 2)} ms/job worker, ${fmt(x.redisCpu, 2)} ms/job Redis`;
+    for (const tenants of LANE_COUNTS) {
+      const x = of(tenants);
+      const ratio = x.rate / one.rate;
+      rows.push({
+        benchmark: `Lanes: drain of ${fmt(LANE_JOBS)} queued jobs over ${fmt(tenants)} tenant(s) ` +
+          `(${fmt(LANE_JOBS / tenants)} each), real worker process, openai SDK over HTTP, instant model, ` +
+          "WORKER_CONCURRENCY=256",
+        result: `${fmt(x.rate)}/s; ${cpuText(x)}`,
+        baseline: tenants === 1
+          ? "the baseline of the drain rows below"
+          : `1 tenant, same rounds: ${fmt(one.rate)}/s; ${cpuText(one)}`,
+        ratio: `${fmt(ratio, 2)}x`,
+        goal: laneGoal(tenants, 5_000, ">= 0.8x", ratio >= 0.8),
+        value: x.rate,
+        baselineValue: one.rate,
+      });
+    }
+  } finally {
+    await model.stop();
+  }
+}
+
+/**
+ * Intake by tenant count: one real API per count (`deno task api`, AUTH_MODE=trusted-header, so the tenants need
+ * no keys in the requests), side by side on one database of tenants and one Redis database, each loaded in turn
+ * by wrk with `X-Tenant-Id` drawn at random per POST from its count's tenants, the order rotating; Redis is
+ * emptied after every load, so each starts from an empty queue. The baseline is one tenant in the same rounds.
+ */
+async function benchLanesIntake() {
+  const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
+  const redisUrl = await emptyRedisDatabase(REDIS_URL);
+  const redis = new Redis(redisUrl, { maxRetriesPerRequest: 1 });
+  const seconds = smoke ? 1 : 5;
+  const runId = crypto.randomUUID().slice(0, 8);
+  const servers = new Map<number, { port: number; cpuMs(): Promise<number>; stop(): Promise<void> }>();
+  const load = async (tenants: number, seconds: number, tag: string) => {
+    const server = servers.get(tenants)!;
+    const before = await server.cpuMs();
+    const result = await postLoad({
+      url: `http://127.0.0.1:${server.port}${SUMMARIES}`,
+      headers: { "content-type": "application/json", "x-gateway-secret": LANES_GATEWAY_SECRET },
+      body: JSON.stringify(LANES_REQUEST),
+      vary: { header: "idempotency-key", prefix: `lanes-${tenants}-${runId}-${tag}-` },
+      spread: { header: "x-tenant-id", prefix: LANE_TENANT_PREFIX, count: tenants },
+      connections: 64,
+      seconds,
+      expectStatus: 202,
+    }, progress);
+    const cpuUs = ((await server.cpuMs()) - before) * 1000 / (result.perSecond * seconds);
+    await redis.flushdb();
+    if (result.errors > 0) {
+      throw new Error(`lanes intake, ${tenants} tenant(s): ${result.errors} POSTs not answered 202`);
+    }
+    progress(
+      `lanes scale: intake over ${fmt(tenants)} tenant(s): ${fmt(result.perSecond)}/s, p99 ${fmt(result.p99, 1)} ms, ` +
+        `${fmt(cpuUs)} µs CPU/req`,
+    );
+    return { ...result, cpuUs };
+  };
+  try {
+    progress(`lanes scale: ${fmt(LANE_COUNTS.at(-1)!)} tenants with a key each (trusted-header serves only those)`);
+    await createLaneTenants(db.sql, LANE_COUNTS.at(-1)!);
+    for (const tenants of LANE_COUNTS) {
+      progress(`lanes scale: starting the API for ${fmt(tenants)} tenant(s)`);
+      const port = freePort();
+      const api = await startApi({
+        DATABASE_URL: db.url,
+        REDIS_URL: redisUrl,
+        PORT: String(port),
+        LOG_LEVEL: "info",
+        AUTH_MODE: "trusted-header",
+        GATEWAY_SECRET: LANES_GATEWAY_SECRET,
+      });
+      servers.set(tenants, { port, cpuMs: api.cpuMs, stop: api.stop });
+    }
+    // Every API compiled by the JIT before any is measured.
+    for (const tenants of LANE_COUNTS) await load(tenants, smoke ? 1 : 3, "warm");
+    const results = new Map<number, (HttpLoad & { cpuUs: number })[]>();
+    for (let i = 0; i < RUNS; i++) {
+      for (const tenants of rotated(LANE_COUNTS, i)) {
+        progress(`lanes scale: intake over ${fmt(tenants)} tenant(s), ${seconds} s (round ${i + 1})`);
+        results.set(tenants, [...results.get(tenants) ?? [], await load(tenants, seconds, String(i))]);
+      }
+    }
+    const one = medianRun(results.get(1)!);
+    const cpu = (tenants: number) => median(results.get(tenants)!.map((x) => x.cpuUs));
+    const latency = (x: ReturnType<typeof medianRun>) => `p50 ${fmt(x.p50, 1)} ms, p99 ${fmt(x.p99, 1)} ms`;
+    const by = generatorLabel(results.get(1)![0]!.generator);
+    for (const tenants of LANE_COUNTS) {
+      const x = medianRun(results.get(tenants)!);
+      const ratio = x.rps / one.rps;
+      rows.push({
+        benchmark: `Lanes: intake POST ${SUMMARIES} per s over ${fmt(tenants)} tenant(s) (X-Tenant-Id at random per ` +
+          `POST), real API (deno task api, AUTH_MODE=trusted-header), one process, ${INGEST_LOAD}, ${by}`,
+        result: `${fmt(x.rps)}/s (${latency(x)}); API CPU ${fmt(cpu(tenants))} µs/request`,
+        baseline: tenants === 1
+          ? "the baseline of the intake rows below"
+          : `1 tenant, same rounds: ${fmt(one.rps)}/s (${latency(one)}); API CPU ${fmt(cpu(1))} µs/request`,
+        ratio: `${fmt(ratio, 2)}x`,
+        goal: laneGoal(tenants, 20_000, ">= 0.9x, p99 <= 30 ms", ratio >= 0.9 && x.p99 <= 30),
+        value: x.rps,
+        baselineValue: one.rps,
+      });
+    }
+  } finally {
+    for (const server of servers.values()) await server.stop();
+    await redis.flushdb().catch(() => {});
+    await redis.quit().catch(() => redis.disconnect());
+    await db.close();
+  }
+}
+
+/** Redis's `used_memory`, in bytes: the whole server's. */
+async function usedMemory(redis: Redis): Promise<number> {
+  return Number(/^used_memory:(\d+)/m.exec(await redis.info("memory"))?.[1] ?? NaN);
+}
+
+/** The sum of `MEMORY USAGE` (exact: `SAMPLES 0`) over every key of the client's database, in bytes. */
+async function keysMemory(redis: Redis): Promise<number> {
+  let total = 0;
+  let cursor = "0";
+  do {
+    const [next, keys] = await redis.scan(cursor, "COUNT", 1000);
+    cursor = next;
+    const sizes = await Promise.all(keys.map((key) => redis.memory("USAGE", key, "SAMPLES", 0)));
+    for (const size of sizes) total += Number(size ?? 0);
+  } while (cursor !== "0");
+  return total;
+}
+
+/**
+ * Redis bytes per queued job: `jobs` summary jobs of issue 39's document through the service's intake (its script:
+ * the stream entry, the status record and the idempotency record, batched as the API batches them), round robin
+ * over `tenants` tenants, into an empty Redis database with no worker. Measured as the growth of `used_memory`
+ * (the whole server's: meaningful while nothing else writes to it) and of the keys' own `MEMORY USAGE`, after
+ * one job of another tenant has loaded the script and made the registry's sets, with the writing connection
+ * closed (its buffers freed) before each reading.
+ */
+async function queuedBytes(jobs: number, tenants: number): Promise<{ used: number; keys: number }> {
+  const url = await emptyRedisDatabase(REDIS_URL);
+  const probe = new Redis(url, { maxRetriesPerRequest: 1 });
+  const submit = async (count: number, tenantOf: (i: number) => string) => {
+    const writer = new Redis(url, { maxRetriesPerRequest: 1 });
+    try {
+      const intake = createIntake({ redis: writer }, {
+        keys: serviceKeys(KEY_PREFIX),
+        resultTtlS: 86_400,
+        path: SUMMARIES,
+      });
+      const forms = summaryForms(LANES_REQUEST);
+      for (let start = 0; start < count; start += 5_000) {
+        await Promise.all(Array.from({ length: Math.min(5_000, count - start) }, (_, k) =>
+          intake.submit({
+            scope: { tenant: tenantOf(start + k), method: "POST", path: SUMMARIES, key: crypto.randomUUID() },
+            request: LANES_REQUEST,
+            ...forms,
+          })));
+      }
+    } finally {
+      await writer.quit();
+    }
+    await sleep(100);
+  };
+  try {
+    await submit(1, () => "warm-up");
+    const [usedBefore, keysBefore] = [await usedMemory(probe), await keysMemory(probe)];
+    await submit(jobs, (i) => laneTenant((i % tenants) + 1));
+    const [usedAfter, keysAfter] = [await usedMemory(probe), await keysMemory(probe)];
+    return { used: (usedAfter - usedBefore) / jobs, keys: (keysAfter - keysBefore) / jobs };
+  } finally {
+    await probe.flushdb().catch(() => {});
+    await probe.quit().catch(() => probe.disconnect());
+  }
+}
+
+/** Redis bytes per queued job with one tenant and with the most tenants, against the payload alone. */
+async function benchLanesBytes() {
+  const most = LANE_COUNTS.at(-1)!;
+  const measured = new Map<number, { used: number; keys: number }[]>();
+  for (let i = 0; i < RUNS; i++) {
+    for (const tenants of rotated([1, most], i)) {
+      progress(
+        `lanes scale: Redis bytes per queued job, ${fmt(LANE_JOBS)} jobs through the intake over ${fmt(tenants)} ` +
+          `tenant(s) (round ${i + 1})`,
+      );
+      const x = await queuedBytes(LANE_JOBS, tenants);
+      progress(`lanes scale: ${fmt(x.used)} bytes/job (used_memory), ${fmt(x.keys)} bytes/job (MEMORY USAGE)`);
+      measured.set(tenants, [...measured.get(tenants) ?? [], x]);
+    }
+  }
+  const of = (tenants: number) => ({
+    used: median(measured.get(tenants)!.map((x) => x.used)),
+    keys: median(measured.get(tenants)!.map((x) => x.keys)),
+  });
+  const one = of(1);
+  const payload = new TextEncoder().encode(summaryForms(LANES_REQUEST).payload).length;
+  for (const tenants of [1, most]) {
+    const x = of(tenants);
+    rows.push({
+      benchmark:
+        `Lanes: Redis bytes per queued job, ${fmt(LANE_JOBS)} jobs of a ${
+          new TextEncoder().encode(LANES_REQUEST.text).length
+        }-byte document through the service's intake script (stream entry, status record, idempotency record), ` +
+        `${fmt(tenants)} tenant(s), no worker`,
+      result: `${fmt(x.used)} bytes/job (INFO used_memory growth / ${fmt(LANE_JOBS)}); the keys' own MEMORY USAGE ` +
+        `${fmt(x.keys)} bytes/job`,
+      baseline: tenants === 1
+        ? `the stream entry's payload alone: ${payload} bytes`
+        : `1 tenant, same run: ${fmt(one.used)} bytes/job`,
+      ratio: `${fmt(x.used / (tenants === 1 ? payload : one.used), 2)}x`,
+      goal: `<= 500 bytes ${x.used <= 500 ? "(met)" : "(NOT met)"}`,
+      value: x.used,
+      baselineValue: tenants === 1 ? payload : one.used,
+    });
+  }
+}
+
+/**
+ * Issue 39's rows: drain and intake at 1, 100, 5,000 and 20,000 tenants (smoke: 1, 100, 1,000), the same backlog
+ * at every count, and Redis bytes per queued job.
+ */
+async function benchLanesScale() {
+  await benchLanesDrain();
+  await benchLanesIntake();
+  await benchLanesBytes();
+}
+
 /** Issue 37's figures: hostile patterns, definitions and PUTs against the real API and worker (`hostile.ts`). */
 async function benchHostileSection() {
   rows.push(...await benchHostile({ adminUrl: ADMIN_URL, redisUrl: REDIS_URL, smoke, runs: RUNS, progress }));
@@ -1457,6 +1796,7 @@ const sections: Record<string, () => Promise<void>> = {
   wait: benchWait,
   provider: benchProvider,
   hostile: benchHostileSection,
+  "lanes-scale": benchLanesScale,
 };
 
 const log = createLogger({ level: "warn" });

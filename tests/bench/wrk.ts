@@ -25,6 +25,8 @@ export interface PostLoad {
   body: string;
   /** A header whose value is `${prefix}${thread}-${counter}` (unique per request), or one fixed value. */
   vary?: { header: string; prefix: string };
+  /** A header whose value is `${prefix}${n}`, `n` drawn at random from 1 to `count` per request (say, a tenant). */
+  spread?: { header: string; prefix: string; count: number };
   connections: number;
   seconds: number;
   expectStatus: number;
@@ -80,7 +82,13 @@ export async function postLoad(load: PostLoad, progress: (msg: string) => void =
     const result = await closedLoop((i) =>
       new Request(load.url, {
         method: "POST",
-        headers: load.vary ? { ...load.headers, [load.vary.header]: `${load.vary.prefix}0-${i}` } : load.headers,
+        headers: {
+          ...load.headers,
+          ...(load.vary ? { [load.vary.header]: `${load.vary.prefix}0-${i}` } : {}),
+          ...(load.spread
+            ? { [load.spread.header]: `${load.spread.prefix}${1 + Math.floor(Math.random() * load.spread.count)}` }
+            : {}),
+        },
         body: load.body,
       }), { connections: load.connections, seconds: load.seconds });
     const wrong = Object.entries(result.statuses).filter(([s]) => Number(s) !== load.expectStatus)
@@ -107,15 +115,27 @@ function setup(thread)
 end
 function init(args)
   thread_id = tid
+  math.randomseed(os.time() * 100 + thread_id)
 end
 ${
-    load.vary
+    load.vary || load.spread
       ? `function request()
   counter = counter + 1
   -- wrk.format replaces wrk.headers with the table it is given, so copy them first.
   local headers = {}
   for k, v in pairs(wrk.headers) do headers[k] = v end
-  headers[${luaString(load.vary.header)}] = ${luaString(load.vary.prefix)} .. thread_id .. "-" .. counter
+  ${
+        load.vary
+          ? `headers[${luaString(load.vary.header)}] = ${luaString(load.vary.prefix)} .. thread_id .. "-" .. counter`
+          : ""
+      }
+  ${
+        load.spread
+          ? `headers[${luaString(load.spread.header)}] = ${luaString(load.spread.prefix)} .. math.random(${
+            Math.trunc(load.spread.count)
+          })`
+          : ""
+      }
   return wrk.format(nil, nil, headers)
 end`
       : ""
