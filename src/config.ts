@@ -67,7 +67,7 @@ const schema = z.object({
   MAIL_SEND_TIMEOUT_S: seconds.default(10),
   OUTBOX_RETENTION_S: int(60).default(7 * 24 * 3600),
   MAX_BODY_BYTES: int(64).default(1048576),
-  TENANT_BODY_BYTES_IN_FLIGHT: int(0).default(4 * 1048576),
+  TENANT_BODY_BYTES_IN_FLIGHT: int(0).default(0),
   LOG_LEVEL: z.enum(["debug", "info", "warn", "error"], "must be debug, info, warn or error").default("info"),
   METRICS_PORT: int(0, 65535).optional(),
   METRICS_TOKEN: z.string().trim().min(16, "must be at least 16 characters").optional(),

@@ -189,7 +189,9 @@ export async function serveApi(
     keys,
     recipients: createRecipientPolicy({ sql }),
     maxBodyBytes: config.MAX_BODY_BYTES,
-    bodies: createBodyAdmission(config.TENANT_BODY_BYTES_IN_FLIGHT),
+    bodies: config.TENANT_BODY_BYTES_IN_FLIGHT > 0
+      ? createBodyAdmission(config.TENANT_BODY_BYTES_IN_FLIGHT)
+      : undefined,
     budgets: createBudgets({ redis, log }, {
       keys,
       records: budgetRecords(sql),
