@@ -240,17 +240,28 @@ Deno.test("missing required names are counted per enclosing evaluation", async (
   }
 });
 
-Deno.test("a validation deeper than the validator's stack is too costly, in this thread and on a Worker", async () => {
+Deno.test("a validation deeper than the validator's stack is too costly, never an error, in this thread and on a Worker", async () => {
   const inThread = createSchemaValidators({ workers: 1, fastPathUnits: Infinity });
   const onWorker = createSchemaValidators({ workers: 1, fastPathUnits: 0 });
   try {
-    // The estimate walks it; the validator's own recursion, several frames a reference, does not.
+    // The estimate walks it; the validator's own recursion, several frames a reference, may not: whether 900
+    // references fit the stack depends on how far V8 has optimised the validator (its frames shrink), and the
+    // longest chain a definition may hold is about that long. So either outcome is right, never an error: too
+    // costly when the stack ran out, else the verdict.
     const $defs: Record<string, unknown> = {};
     for (let i = 0; i < 900; i++) $defs[`d${i}`] = { $ref: `#/$defs/d${i + 1}` };
     $defs.d900 = { type: "string" };
     const schema = { $ref: "#/$defs/d0", $defs };
     for (const pool of [inThread, onWorker]) {
-      await assert.rejects(pool.validate("acme/deep/1/input", schema, "x"), ValidationTooCostly);
+      const outcome = await pool.validate("acme/deep/1/input", schema, "x").then(
+        (violations) => violations,
+        (error) => error,
+      );
+      if (outcome instanceof Error) assert.ok(outcome instanceof ValidationTooCostly, String(outcome));
+      else assert.deepEqual(outcome, [], "validated: a string is a string");
+      const wrong = await pool.validate("acme/deep/1/input", schema, 7).then((v) => v, (error) => error);
+      if (wrong instanceof Error) assert.ok(wrong instanceof ValidationTooCostly, String(wrong));
+      else assert.equal(wrong.length, 1, "validated: a number is not a string");
     }
   } finally {
     await inThread.close();
