@@ -4,7 +4,8 @@ import { defineScript } from "../redis/script.ts";
 // stream first, the next for what the first did not have), but never more than leave `cap` pending in the group
 // across all the lane's streams and all consumers: a tenant's in-flight cap, checked and taken in one step.
 // KEYS[1]  the consumer's take record in the lane (takeRecordKey): the last take's id and the entries it
-//          delivered, each as `<index of its stream in KEYS>:<id>`.
+//          delivered, stream by stream as `<index of the stream in KEYS>:<id>,<id>…;…` (one number per stream, not per
+//          entry: this script's cost is most of a worker's Redis time on a busy lane).
 // KEYS[2…] the lane's streams, in read order (one slot: they share the lane's hash tag).
 // ARGV[1]  the group.
 // ARGV[2]  the consumer.
@@ -24,11 +25,13 @@ local record = redis.call('GET', KEYS[1])
 if record then
   local take, ids = string.match(record, '^(%S+) (.*)$')
   if take == ARGV[5] then
-    for at, id in string.gmatch(ids, '(%d+):([^,]+)') do
+    for at, list in string.gmatch(ids, '(%d+):([^;]+)') do
       local k = tonumber(at)
-      if #redis.call('XPENDING', KEYS[k], ARGV[1], id, id, 1, ARGV[2]) == 1 then
-        local entry = redis.call('XRANGE', KEYS[k], id, id)[1]
-        if entry then table.insert(out[k], entry) end
+      for id in string.gmatch(list, '[^,]+') do
+        if #redis.call('XPENDING', KEYS[k], ARGV[1], id, id, 1, ARGV[2]) == 1 then
+          local entry = redis.call('XRANGE', KEYS[k], id, id)[1]
+          if entry then table.insert(out[k], entry) end
+        end
       end
     end
     return out
@@ -50,10 +53,13 @@ for k = 2, #KEYS do
   if count <= 0 then break end
   local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count, 'STREAMS', KEYS[k], '>')
   if reply then
-    out[k] = reply[1][2]
-    for _, entry in ipairs(out[k]) do ids[#ids + 1] = k .. ':' .. entry[1] end
-    count = count - #out[k]
+    local entries = reply[1][2]
+    out[k] = entries
+    local these = {}
+    for i, entry in ipairs(entries) do these[i] = entry[1] end
+    ids[#ids + 1] = k .. ':' .. table.concat(these, ',')
+    count = count - #entries
   end
 end
-if #ids > 0 then redis.call('SET', KEYS[1], ARGV[5] .. ' ' .. table.concat(ids, ','), 'PX', ARGV[6]) end
+if #ids > 0 then redis.call('SET', KEYS[1], ARGV[5] .. ' ' .. table.concat(ids, ';'), 'PX', ARGV[6]) end
 return out`);
