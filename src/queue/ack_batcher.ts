@@ -1,5 +1,6 @@
 import type { RedisClient } from "../clients.ts";
 import { createBatcher } from "../async/batcher.ts";
+import { ACK_SCRIPT } from "./ack_script.ts";
 import type { QueueNames } from "./message.ts";
 
 /** One message to acknowledge: the stream of its lane it came from, and its entry id. */
@@ -12,22 +13,20 @@ export interface AckItem {
 
 /**
  * Acknowledges messages whose handlers have committed. Acks that finish
- * together share one MULTI per stream: XACK + XDEL of their ids. XDEL keeps the
- * stream bounded without MAXLEN, which could trim pending entries.
+ * together share one script per stream (`ack_script.ts`): XACK + XDEL of their
+ * ids, and the EXPIRE of their records.
  * @returns a function resolving once its message's ack has committed.
- * @throws the MULTI's error when it fails; the message then stays pending.
+ * @throws the script's error when it fails; the message then stays pending.
  */
 export function createAckBatcher(redis: RedisClient): (item: AckItem) => Promise<void> {
   return createBatcher<AckItem>(async (items) => {
     const byStream = groupByStream(items);
     await Promise.all([...byStream.values()].map(async ({ stream, ids, expire }) => {
-      // Every command here is safe to run twice (a resend after a lost reply): XACK and XDEL of ids already gone
-      // do nothing, and EXPIRE sets the same lifetime again.
-      const multi = redis.multi().xack(stream.stream, stream.group, ...ids).xdel(stream.stream, ...ids);
-      for (const { key, ttlS } of expire) multi.expire(key, ttlS);
-      const results = await multi.exec();
-      const failed = results?.find(([error]) => error);
-      if (!results || failed) throw failed?.[0] ?? new Error("ack transaction aborted");
+      await ACK_SCRIPT.run(
+        redis,
+        [stream.stream, ...expire.map((e) => e.key)],
+        [stream.group, ids.length, ...ids, ...expire.map((e) => e.ttlS)],
+      );
     }));
     return items.map(() => undefined);
   });

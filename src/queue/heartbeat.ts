@@ -39,14 +39,15 @@ export function createHeartbeat(
     const items = held();
     if (items.length === 0) return [];
     const refreshed: string[] = [];
-    for (const { stream, ids } of groupByStream(items).values()) {
+    // The streams of a beat at once (their lanes are as many as the messages held, at most): one round trip.
+    await Promise.all([...groupByStream(items).values()].map(async ({ stream, ids }) => {
       const ok = await REFRESH_OWNED_SCRIPT.run(redis, [stream.stream], [stream.group, consumer, ...ids]) as string[];
       refreshed.push(...ok);
       if (ok.length < ids.length) {
         const lost = ids.filter((id) => !ok.includes(id));
         log.warn("messages_reclaimed_by_another_consumer", { stream: stream.stream, msg_ids: lost });
       }
-    }
+    }));
     return refreshed;
   }
   return {

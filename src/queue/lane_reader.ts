@@ -9,7 +9,7 @@ import { TAKE_WITHIN_CAP_SCRIPT } from "./take_within_cap_script.ts";
 import type { GroupCache } from "./consumer_group.ts";
 import type { LaneShares } from "./lane_shares.ts";
 import type { LaneSource } from "./lanes.ts";
-import { laneId, type LaneNames, type QueueNames, type StreamMessage, streamsOf } from "./message.ts";
+import { laneId, type LaneNames, type QueueNames, type StreamMessage } from "./message.ts";
 import { fieldsToObject } from "../redis/fields.ts";
 
 /** Defaults of {@linkcode createLaneReader}. */
@@ -48,101 +48,168 @@ export interface LaneReaderOptions {
 export interface LaneReader {
   /**
    * Reads up to `free` new messages, passing each to `start` with its lane and the stream it came from; with
-   * none to take, waits up to `block` ms for a wake-up. `lanes`: the lanes with work, when the caller looked
-   * them up already (see `lanes()`).
+   * none to take, waits up to `block` ms for a wake-up. `lanes`: the news of lanes with work being learned,
+   * when the caller asked for them already (see `lanes()`).
    * @returns how many were started.
    */
   read(
     free: number,
     block: number,
     start: (lane: LaneNames, stream: QueueNames, message: StreamMessage) => void,
-    lanes?: Promise<LaneNames[]>,
+    lanes?: Promise<void>,
   ): Promise<number>;
-  /** The lanes with work now, for a `read` that follows: a caller may look them up beside another round trip. */
-  lanes(): Promise<LaneNames[]>;
+  /**
+   * Asks the source for news of lanes with work and learns them, for a `read` that follows: a caller may ask
+   * beside another round trip. What it learns is kept even when no read follows.
+   */
+  lanes(): Promise<void>;
+}
+
+/** One take's answer: the entries of each of the lane's streams, in the lane's order. */
+interface Taken {
+  perStream: RawEntry[][];
+  capped: boolean;
+  drained: boolean;
 }
 
 /** Creates the reader of one worker. */
 export function createLaneReader({ redis }: { redis: RedisClient }, options: LaneReaderOptions): LaneReader {
   const { consumer, groups, shares, lanes: source } = options;
-  let lastServed = "";
+  // The lanes with work as this reader knows them (by laneId): learned from the source's news, forgotten when a
+  // take finds them drained. Their order of service is the shares' heap, so no read walks them all.
+  const known = new Map<string, LaneNames>();
+  // Lanes with work not to read for now (`skip`: a tenant whose budget is spent), looked at again on every read.
+  const skipped = new Map<string, LaneNames>();
+  let weightOf: (lane: LaneNames) => number = () => 1;
 
   /**
    * Takes from one lane, its streams in the lane's order, within its in-flight cap.
-   * @returns the messages with the stream each came from, and whether the cap stopped the take.
+   * @returns the entries of each stream, whether the cap stopped the take, and whether it drained the lane.
    */
-  async function take(
-    lane: LaneNames,
-    count: number,
-  ): Promise<{ messages: { stream: QueueNames; message: StreamMessage }[]; capped: boolean }> {
-    await groups.ready(lane);
-    const streams = streamsOf(lane);
+  async function take(lane: LaneNames, count: number): Promise<Taken> {
+    // No `groups.ready`: the script makes a missing group itself.
     // The take's id is made before it is sent: a resend of it carries the same one.
-    const [capped, ...perStream] = await TAKE_WITHIN_CAP_SCRIPT.run(
+    const [state, ...perStream] = await TAKE_WITHIN_CAP_SCRIPT.run(
       redis,
       [takeRecordKey(laneId(lane), consumer), ...lane.streams],
       [lane.group, consumer, count, options.laneMaxInFlight ?? 0, crypto.randomUUID(), READER_DEFAULTS.takeRecordMs],
     ) as [number, ...RawEntry[][]];
-    const messages = streams.flatMap((stream, i) =>
-      (perStream[i] ?? []).filter((e): e is [string, string[]] => e[1] !== null)
+    return { perStream, capped: state === 1, drained: state === 2 };
+  }
+
+  /** `lane` (has work) joins the lanes served, unless skipped; a lane served already has its weight renewed. */
+  function serve(lane: LaneNames) {
+    const id = laneId(lane);
+    known.set(id, lane);
+    if (!skipped.has(id)) shares.activate(id, weightOf(lane));
+  }
+
+  /** Asks the source for news of lanes with work, and learns them. */
+  const refresh = () => source.active().then((news) => news.forEach(serve));
+
+  /**
+   * Lanes skipped that may be read again rejoin the lanes served, at the clock: a tenant whose budget was spent
+   * banked no credit meanwhile. Costs a look per lane skipped, not per lane known.
+   */
+  function unskip() {
+    for (const [id, lane] of skipped) {
+      if (options.skip?.(lane)) continue;
+      skipped.delete(id);
+      if (known.has(id)) shares.activate(id, weightOf(lane));
+    }
+  }
+
+  /** `lanes` have nothing undelivered: they leave the lanes served and the source's lanes with work, unless work came. */
+  async function drained(lanes: LaneNames[]) {
+    if (lanes.length === 0) return;
+    for (const lane of lanes) {
+      shares.drained(laneId(lane));
+      known.delete(laneId(lane));
+    }
+    for (const lane of await source.idle(lanes)) serve(lane);
+  }
+
+  /** Starts what a take gave, each message with its stream. @returns how many. */
+  function startTaken(lane: LaneNames, taken: Taken, start: (l: LaneNames, s: QueueNames, m: StreamMessage) => void) {
+    let took = 0;
+    lane.streams.forEach((stream, k) => {
+      const names = { stream, dead: lane.dead, group: lane.group };
+      for (const [id, flat] of taken.perStream[k] ?? []) {
+        if (flat === null) continue;
         // A new message has been delivered exactly once.
-        .map(([id, flat]) => ({ stream, message: { id, fields: fieldsToObject(flat), deliveries: 1 } }))
-    );
-    return { messages, capped: capped === 1 };
+        start(lane, names, { id, fields: fieldsToObject(flat), deliveries: 1 });
+        took++;
+      }
+    });
+    return took;
   }
 
   /**
-   * Shares `free` slots between the lanes with work by weighted cost: each take goes to the lane furthest
-   * behind, ties in turn starting one lane further on every call, so one tenant's backlog never stalls another's
-   * jobs, and a tenant of large documents does not take the provider's tokens from one of small ones.
+   * Shares `free` slots between the lanes with work by weighted cost: each round asks the lanes furthest behind
+   * (see `LaneShares.plan`) at once, one take each, so one tenant's backlog never stalls another's jobs, a tenant of
+   * large documents does not take the provider's tokens from one of small ones, and a read over 20,000 lanes of one
+   * job each waits for a round trip per round, not one per lane.
    */
   async function read(
     free: number,
     block: number,
     start: (lane: LaneNames, stream: QueueNames, m: StreamMessage) => void,
-    ahead?: Promise<LaneNames[]>,
+    ahead?: Promise<void>,
   ) {
-    const active = await (ahead ?? source.active());
-    const lanes = options.skip ? active.filter((lane) => !options.skip!(lane)) : active;
+    if (options.weights) weightOf = await options.weights();
+    await (ahead ?? refresh());
+    unskip();
     let started = 0;
     let capped = false;
-    if (lanes.length > 0) {
-      const weightOf = options.weights ? await options.weights() : () => 1;
-      shares.begin(lanes.map((lane) => ({ id: laneId(lane), weight: weightOf(lane) })));
-      // Round-robin order from one lane after the one served first last time. Keep asking until the free
-      // slots are used or every lane has said it has no more: an empty or capped lane never leaves a slot
-      // idle while another lane has work.
-      const at = lanes.findIndex((l) => laneId(l) > lastServed);
-      const first = at < 0 ? 0 : at;
-      let candidates = [...lanes.slice(first), ...lanes.slice(0, first)];
-      for (let asked = 0; free > 0 && candidates.length > 0; asked++) {
-        const pick = shares.next(candidates.map(laneId), free);
-        const lane = candidates.find((l) => laneId(l) === pick.lane)!;
-        if (asked === 0) lastServed = laneId(lane);
-        let took = 0;
-        try {
-          const taken = await take(lane, pick.count);
-          capped ||= taken.capped;
-          if (taken.messages.length === 0 && !taken.capped) {
-            shares.drained(laneId(lane));
-            await source.idle(lane);
+    // Lanes not asked again in this read (capped, or gave fewer than asked): put back at its end.
+    const aside: string[] = [];
+    const usable = (id: string) => {
+      const lane = known.get(id);
+      if (!lane) return false;
+      if (!options.skip?.(lane)) return true;
+      // Out of the lanes served until it may be read again (see `unskip`).
+      shares.drained(id);
+      skipped.set(id, lane);
+      return false;
+    };
+    try {
+      // Keep asking until the free slots are used or every lane has said it has no more: an empty or capped lane
+      // never leaves a slot idle while another lane has work.
+      while (free > 0) {
+        const plan = shares.plan(free, usable);
+        if (plan.length === 0) break;
+        const results = await Promise.all(plan.map(async ({ lane: id }, i) => {
+          const lane = known.get(id)!;
+          try {
+            return await take(lane, plan[i]!.count);
+          } catch (error) {
+            // One lane's trouble (its node failing over, a lost group) must not stall the others.
+            groups.failed(lane, error);
+            return undefined;
           }
-          for (const { stream, message } of taken.messages) start(lane, stream, message);
-          took = taken.messages.length;
-        } catch (error) {
-          // One lane's trouble (its node failing over, a lost group) must not stall the others.
-          groups.failed(lane, error);
-        }
-        free -= took;
-        started += took;
-        // A lane that gave fewer than asked is empty or capped for now: not asked again in this read.
-        if (took < pick.count) candidates = candidates.filter((l) => l !== lane);
+        }));
+        const emptied: LaneNames[] = [];
+        plan.forEach(({ lane: id, count }, i) => {
+          const lane = known.get(id)!;
+          const taken = results[i];
+          const took = taken ? startTaken(lane, taken, start) : 0;
+          capped ||= taken?.capped ?? false;
+          free -= took;
+          started += took;
+          if (taken?.drained) emptied.push(lane);
+          // A lane that gave fewer than asked is capped (or failed) for now: not asked again in this read.
+          else if (took < count) aside.push(id);
+          else shares.putBack(id);
+        });
+        await drained(emptied);
       }
+    } finally {
+      for (const id of aside) shares.putBack(id);
     }
     // Nothing to take: wait for a wake-up; a capped lane frees up as its jobs finish, so look again soon.
     if (started === 0 && block > 0) await source.wait(capped ? Math.min(block, READER_DEFAULTS.cappedWaitMs) : block);
     return started;
   }
 
-  return { read, lanes: () => source.active() };
+  return { read, lanes: refresh };
 }

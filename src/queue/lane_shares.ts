@@ -2,6 +2,7 @@
  * Fair shares between lanes inside one worker: which lane a free slot goes
  * to, by weighted cost on a virtual clock (see {@linkcode LaneShares}).
  */
+import { createLaneHeap } from "./lane_heap.ts";
 
 /** One message's charge against its lane's share, to be settled when the message is finished. */
 export interface LaneCharge {
@@ -25,31 +26,44 @@ export interface LaneCharge {
  * uses), and settled to what it really cost when it finishes, or to its
  * estimate when that is unknown. Each read serves the
  * lane that is furthest behind. A lane that becomes active starts at the
- * clock, never below it: the *finished* service (what was given, less what
- * is still in flight) of the lanes being served now, which only moves
- * forward. So an idle tenant cannot bank credit, and a newcomer still takes
- * freed slots until it holds as much as the lanes already running. A lane
- * that cannot be served (capped, or read by other workers) does not hold the
- * clock back. A lane of weight 3 is charged a third as much per message, so
- * it gets three times the share.
+ * clock, never below it: the most *finished* service (what was given, less
+ * what is still in flight) of a lane being served, taken as each message
+ * settles, which only moves forward. So an idle tenant cannot bank credit,
+ * and a newcomer still takes freed slots until it holds as much as the lanes
+ * already running. A lane that cannot be served (capped, or read by other
+ * workers) does not hold the clock back. A lane of weight 3 is charged a
+ * third as much per message, so it gets three times the share.
+ *
+ * Every step costs the same at 10 lanes and at 20,000: the lanes to ask are
+ * a heap by finish time, kept as lanes get work, drain, are charged and
+ * settle, never a pass over every lane.
  */
 export interface LaneShares {
-  /** Starts a read with the lanes that have work now (by `laneId`) and their weights. */
-  begin(lanes: { id: string; weight: number }[]): void;
   /**
-   * Which of `candidates` (in round-robin order: ties go to the first) to ask next, and for how many of
-   * the `free` slots: one lane alone gets them all; otherwise enough to catch up with the next lane, or
-   * an equal part of them, whichever is more.
+   * `lane` has work: it joins the lanes served (at the clock, when it was idle or is new) with `weight`. Nothing
+   * changes for a lane served already but its weight.
    */
-  next(candidates: string[], free: number): { lane: string; count: number };
+  activate(lane: string, weight: number): void;
+  /** A read found `lane` empty: it leaves the lanes served; when it has work again it starts from the clock. */
+  drained(lane: string): void;
+  /**
+   * The lanes to ask next, furthest behind first (ties in the order they were last put back: round robin), and
+   * how many of the `free` slots each: one lane alone gets them all; otherwise enough to catch up with the lane
+   * behind it, or an equal part of the free slots among the lanes served, whichever is more, and at least one.
+   * Each lane planned is out of the lanes to ask until {@linkcode LaneShares.putBack}; `usable` (asked of each
+   * lane popped) sets aside those not to ask now, also until put back. Costs O(k log n) for k lanes planned of n.
+   */
+  plan(free: number, usable?: (lane: string) => boolean): { lane: string; count: number }[];
+  /** Puts a lane planned or set aside back among those to ask, at its finish time now (no-op when drained). */
+  putBack(lane: string): void;
   /** A message of `lane` estimated to cost `cost` started. */
   charge(lane: string, cost: number): LaneCharge;
   /** The message finished; `actual` is what it really cost (undefined: unknown, the estimate stands). */
   settle(charge: LaneCharge, actual?: number): void;
-  /** A read found `lane` empty: when it has work again it starts from the clock. */
-  drained(lane: string): void;
   /** The lane's virtual finish time, for tests and inspection. */
   finish(lane: string): number | undefined;
+  /** How many lanes are served (have work, as far as this worker knows), and how many it keeps figures of. */
+  size(): { active: number; known: number };
 }
 
 /** Defaults of {@linkcode createLaneShares}. */
@@ -60,92 +74,120 @@ export const LANE_SHARE_DEFAULTS = {
   minRatio: 0.001,
   /** Virtual times are moved back to zero past this, so they never lose precision. */
   rebaseAt: 2 ** 40,
+  /** Lanes looked at per plan for figures no longer needed (idle, at or behind the clock): forgetting is spread. */
+  forgetPerPlan: 16,
 } as const;
+
+interface Lane {
+  finish: number;
+  /** Weighted estimates of this lane's messages still in flight here. */
+  inFlight: number;
+  weight: number;
+  /** Running average expected cost per message; 0 until one was seen. */
+  unit: number;
+  /** Running average of real cost / estimate; 0 until one finished with its real cost known. */
+  ratio: number;
+  /** Has work, as far as this worker knows. */
+  active: boolean;
+  /** The sequence number of its live entry in the heap; 0 when it has none (planned, set aside, or drained). */
+  entry: number;
+}
 
 /** Creates the fair-share bookkeeping of one worker. */
 export function createLaneShares(): LaneShares {
-  interface Lane {
-    finish: number;
-    /** Weighted estimates of this lane's messages still in flight here. */
-    inFlight: number;
-    weight: number;
-    /** Running average expected cost per message; 0 until one was seen. */
-    unit: number;
-    /** Running average of real cost / estimate; 0 until one finished with its real cost known. */
-    ratio: number;
-    active: boolean;
-    /** The read in which it was last given a message. */
-    servedIn: number;
-  }
   const lanes = new Map<string, Lane>();
+  let live = 0; // lanes with an entry in the heap
+  const heap = createLaneHeap((e) => lanes.get(e.id)?.entry === e.seq, () => live);
   let clock = 0;
   let unit = 0;
   let ratio = 0;
-  let read = 0;
+  let active = 0;
+  let forgetting: Iterator<[string, Lane]> = lanes.entries();
   const average = (old: number, cost: number) => old === 0 ? cost : old + LANE_SHARE_DEFAULTS.averaging * (cost - old);
   const get = (id: string) => {
     let lane = lanes.get(id);
     if (!lane) {
-      lanes.set(
-        id,
-        lane = {
-          finish: clock,
-          inFlight: 0,
-          weight: 1,
-          unit: 0,
-          ratio: 0,
-          active: false,
-          servedIn: -1,
-        },
-      );
+      lanes.set(id, lane = { finish: clock, inFlight: 0, weight: 1, unit: 0, ratio: 0, active: false, entry: 0 });
     }
     return lane;
   };
+  /** Puts `id` among the lanes to ask at its finish time now (its older entry, if any, goes stale). */
+  function push(id: string, lane: Lane) {
+    if (lane.entry === 0) live++;
+    lane.entry = heap.push(id, lane.finish);
+  }
+  /** Takes `id` out of the lanes to ask (its heap entry goes stale). */
+  function take(lane: Lane) {
+    if (lane.entry !== 0) live--;
+    lane.entry = 0;
+  }
+  /** Forgets a few lanes whose figures say nothing any more: idle, nothing in flight, at or behind the clock. */
+  function forget() {
+    for (let i = 0; i < LANE_SHARE_DEFAULTS.forgetPerPlan; i++) {
+      let next = forgetting.next();
+      if (next.done) {
+        forgetting = lanes.entries();
+        next = forgetting.next();
+        if (next.done) return;
+      }
+      const [id, lane] = next.value;
+      if (!lane.active && lane.inFlight <= 0 && lane.finish <= clock && lane.entry === 0) lanes.delete(id);
+    }
+  }
+  /** The clock: the finished service of the lanes served, which only moves forward. */
+  function advance(lane: Lane) {
+    clock = Math.max(clock, lane.finish - lane.inFlight);
+    if (clock > LANE_SHARE_DEFAULTS.rebaseAt) {
+      for (const l of lanes.values()) l.finish -= clock;
+      heap.shift(clock);
+      clock = 0;
+    }
+  }
 
   return {
-    begin(active) {
-      // The clock: the finished service of the lanes being served (running here, or given a message in the last
-      // read). Fair shares keep those within about a message of each other; the clock never goes back.
-      let level = -Infinity;
-      for (const lane of lanes.values()) {
-        if (lane.inFlight > 0 || lane.servedIn === read) level = Math.max(level, lane.finish - lane.inFlight);
-      }
-      clock = Math.max(clock, level);
-      read++;
-      const seen = new Set<string>();
-      for (const { id, weight } of active) {
-        seen.add(id);
-        const lane = get(id);
-        lane.weight = weight > 0 && Number.isFinite(weight) ? weight : 1;
-        // Back from idle (or new): start at the clock, not where it stopped, so no credit was banked.
-        if (!lane.active) lane.finish = Math.max(lane.finish, clock);
-        lane.active = true;
-      }
-      for (const [id, lane] of lanes) {
-        if (seen.has(id)) continue;
-        lane.active = false;
-        // A lane at or behind the clock with nothing in flight is the same as a lane never seen.
-        if (lane.inFlight <= 0 && lane.finish <= clock) lanes.delete(id);
-      }
-      if (clock > LANE_SHARE_DEFAULTS.rebaseAt) {
-        for (const lane of lanes.values()) lane.finish -= clock;
-        clock = 0;
-      }
+    activate(id, weight) {
+      const lane = get(id);
+      lane.weight = weight > 0 && Number.isFinite(weight) ? weight : 1;
+      if (lane.active) return;
+      // Back from idle (or new): start at the clock, not where it stopped, so no credit was banked.
+      lane.finish = Math.max(lane.finish, clock);
+      lane.active = true;
+      active++;
+      push(id, lane);
     },
-    next(candidates, free) {
-      let best = candidates[0]!;
-      let bestLane = get(best);
-      for (const id of candidates) {
-        const lane = get(id);
-        if (lane.finish < bestLane.finish) [best, bestLane] = [id, lane];
+    drained(id) {
+      const lane = lanes.get(id);
+      if (!lane?.active) return;
+      lane.active = false;
+      active--;
+      take(lane);
+    },
+    plan(free, usable) {
+      forget();
+      const planned: { lane: string; count: number }[] = [];
+      const served = live;
+      while (free > 0) {
+        const top = heap.pop();
+        if (!top) break;
+        const lane = lanes.get(top.id)!;
+        take(lane);
+        if (usable && !usable(top.id)) continue;
+        let count = free;
+        if (served > 1) {
+          const behind = heap.peek()?.finish ?? lane.finish;
+          const perMessage = (lane.unit || unit || 1) / lane.weight;
+          const catchUp = Math.ceil((behind - lane.finish) / perMessage);
+          const part = Math.floor(free / served);
+          count = Math.max(1, Math.min(free, Math.max(catchUp, part)));
+        }
+        planned.push({ lane: top.id, count });
+        free -= count;
       }
-      if (candidates.length === 1) return { lane: best, count: free };
-      let second = Infinity;
-      for (const id of candidates) if (id !== best) second = Math.min(second, get(id).finish);
-      const perMessage = (bestLane.unit || unit || 1) / bestLane.weight;
-      const catchUp = Math.ceil((second - bestLane.finish) / perMessage);
-      const part = Math.floor(free / candidates.length);
-      return { lane: best, count: Math.max(1, Math.min(free, Math.max(catchUp, part))) };
+      return planned;
+    },
+    putBack(id) {
+      const lane = lanes.get(id);
+      if (lane?.active) push(id, lane);
     },
     charge(id, cost) {
       const lane = get(id);
@@ -154,9 +196,9 @@ export function createLaneShares(): LaneShares {
       lane.unit = average(lane.unit, expected);
       unit = average(unit, expected);
       const weighted = expected / lane.weight;
-      lane.servedIn = read;
       lane.finish += weighted;
       lane.inFlight += weighted;
+      if (lane.entry !== 0) push(id, lane);
       return { lane: id, estimate, weighted, weight: lane.weight };
     },
     settle(charge, actual) {
@@ -171,13 +213,13 @@ export function createLaneShares(): LaneShares {
       }
       // Unknown (no usage reported, a failed call): the estimate stands, the cautious side.
       lane.finish += (known ? actual : charge.estimate) / charge.weight - charge.weighted;
-    },
-    drained(id) {
-      const lane = lanes.get(id);
-      if (lane) lane.active = false;
+      // Its place among the lanes to ask follows its finish time.
+      if (lane.entry !== 0) push(charge.lane, lane);
+      advance(lane);
     },
     finish(id) {
       return lanes.get(id)?.finish;
     },
+    size: () => ({ active, known: lanes.size }),
   };
 }

@@ -22,22 +22,42 @@ import calculateSlot from "cluster-key-slot";
 import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
 import { ANNOUNCE_LANE_SCRIPT } from "./announce_lane_script.ts";
-import { pendingCount } from "./inspector.ts";
-import { laneId, type LaneNames, streamsOf } from "./message.ts";
+import { HAS_UNDELIVERED_SCRIPT } from "./has_undelivered_script.ts";
+import { laneId, type LaneNames } from "./message.ts";
 
 export { createLaneShares, LANE_SHARE_DEFAULTS, type LaneCharge, type LaneShares } from "./lane_shares.ts";
 
 /** Where a multi-lane worker finds its lanes. */
 export interface LaneSource {
-  /** Lanes that may have work now. */
+  /**
+   * News of lanes that may have work: those woken since the last call (a wake-up names its lane), and the next
+   * bounded batch of the lanes with work (a walk that starts over as it ends, so every lane with work is named
+   * again within a pass). A reader keeps its own set of lanes with work from these, and drops a lane when it
+   * finds it drained. What one call costs does not grow with the number of lanes.
+   */
   active(): Promise<LaneNames[]>;
-  /** Every lane there is (for reclaim, heartbeats and pruning). */
-  all(): Promise<LaneNames[]>;
-  /** A read found every stream of `lane` empty: take it off the active set, unless work arrived meanwhile. */
-  idle(lane: LaneNames): Promise<void>;
+  /** A walk over every lane there is, a bounded batch at a time (for reclaim and pruning). */
+  walk(): LaneWalk;
+  /**
+   * A read found every stream of each of `lanes` empty: take them off the lanes with work, unless work arrived
+   * meanwhile. @returns those whose work had arrived (they stay among the lanes with work).
+   */
+  idle(lanes: LaneNames[]): Promise<LaneNames[]>;
   /** Resolves on a wake-up (new work somewhere), or after `ms`. */
   wait(ms: number): Promise<void>;
 }
+
+/** A walk over every lane there is (see {@linkcode LaneSource.walk}). */
+export interface LaneWalk {
+  /** The next batch of lanes (perhaps none); `done` once the walk has named every lane there was at its start. */
+  next(): Promise<{ lanes: LaneNames[]; done: boolean }>;
+}
+
+/** Defaults of the registry's walks. */
+export const LANE_WALK_DEFAULTS = {
+  /** Lanes asked for per batch of a walk (SSCAN's COUNT: a hint, which Redis may exceed on a small set). */
+  batch: 256,
+} as const;
 
 /** Registry key names. */
 export interface LaneRegistryKeys {
@@ -116,29 +136,29 @@ export function laneKnownArgs(redis: RedisClient, keys: LaneRegistryKeys, id: st
  */
 export async function foldLaneHomes(redis: RedisClient, keys: LaneRegistryKeys): Promise<string[]> {
   if (!redis.isCluster) return [];
-  const known = new Set(await redis.smembers(keys.all));
   const found = new Set<string>();
   const homes = keys.homes();
   // In pieces, so one sweep never queues 16,384 commands at once.
   for (let i = 0; i < homes.length; i += 1_024) {
     // One home on a node that is failing over must not stop the sweep: it is read again next time.
     const members = await Promise.all(homes.slice(i, i + 1_024).map((home) => redis.smembers(home).catch(() => [])));
-    for (const list of members) for (const id of list) if (!known.has(id)) found.add(id);
+    for (const list of members) for (const id of list) found.add(id);
   }
-  if (found.size > 0) await redis.sadd(keys.all, ...found);
-  return [...found];
+  // Which of them `all` lacks, asked in bounded pieces (never the whole of `all` in one reply).
+  const ids = [...found];
+  const missing: string[] = [];
+  for (let i = 0; i < ids.length; i += 1_024) {
+    const piece = ids.slice(i, i + 1_024);
+    const member = await redis.smismember(keys.all, ...piece);
+    piece.forEach((id, k) => member[k] === 0 && missing.push(id));
+  }
+  if (missing.length > 0) await redis.sadd(keys.all, ...missing);
+  return missing;
 }
 
-/** Whether any of a lane's streams holds messages not yet delivered to its group. */
+/** Whether any of a lane's streams holds messages not yet delivered to its group (one command). */
 async function hasUndelivered(redis: RedisClient, lane: LaneNames): Promise<boolean> {
-  const found = await Promise.all(
-    streamsOf(lane).map(async (stream) => {
-      const [length, pending] = await Promise.all([redis.xlen(stream.stream), pendingCount(redis, stream)]);
-      // Acked entries are deleted (XDEL), so everything beyond the pending ones is undelivered.
-      return length > pending;
-    }),
-  );
-  return found.includes(true);
+  return await HAS_UNDELIVERED_SCRIPT.run(redis, [...lane.streams], [lane.group]) === 1;
 }
 
 /**
@@ -164,10 +184,10 @@ export function createLaneRegistry(
   options: LaneRegistryOptions,
 ): LaneSource & { sweep(): Promise<number>; close(): Promise<void> } {
   const { keys } = options;
-  const ids = new Map<string, string>(); // laneId -> the registry's id of the lane
+  const registryIds = new Map<string, string>(); // laneId -> the registry's id of the lane
   const toLane = (id: string) => {
     const lane = options.lane(id);
-    ids.set(laneId(lane), id);
+    registryIds.set(laneId(lane), id);
     return lane;
   };
   let waiters: (() => void)[] = [];
@@ -183,7 +203,12 @@ export function createLaneRegistry(
   // Wake-ups come on a connection of their own: a subscribed connection can do nothing else.
   const subscriber = redis.duplicate();
   subscriber.on("error", () => {});
-  subscriber.on("message", wakeAll);
+  // The lanes woken since the last `active()`: a wake-up names its lane (a set: a busy lane is named once).
+  const news = new Set<string>();
+  subscriber.on("message", (_channel: string, id: string) => {
+    if (id) news.add(id);
+    wakeAll();
+  });
   const subscribed = subscriber.subscribe(keys.wake).catch((error) => log.warn("lane_wakeup_unavailable", { error }));
 
   /** On a cluster: lanes in their homes but not in `all` (never announced) join it, and `active` if they have work. */
@@ -192,23 +217,45 @@ export function createLaneRegistry(
     if (found.length === 0) return 0;
     log.warn("lanes_found_unannounced", { lanes: found });
     let repaired = 0;
-    for (const id of found) {
-      if (await hasUndelivered(redis, toLane(id)) && (await redis.sadd(keys.active, id)) === 1) repaired++;
+    for (let i = 0; i < found.length; i += LANE_WALK_DEFAULTS.batch) {
+      const piece = found.slice(i, i + LANE_WALK_DEFAULTS.batch);
+      const withWork = await Promise.all(piece.map((id) => hasUndelivered(redis, toLane(id)).catch(() => false)));
+      const ids = piece.filter((_, k) => withWork[k]);
+      if (ids.length > 0) repaired += await redis.sadd(keys.active, ...ids);
+      for (const id of ids) news.add(id);
     }
     if (repaired) wakeAll();
     return repaired;
   }
-  /** Re-adds to `active` every known lane with undelivered messages. */
-  async function walk(): Promise<number> {
+  /** Re-adds to `active` every known lane with undelivered messages, a bounded batch at a time. */
+  async function repair(): Promise<number> {
     let repaired = 0;
-    for (const id of await redis.smembers(keys.all)) {
-      const lane = toLane(id);
-      if (await hasUndelivered(redis, lane) && (await redis.sadd(keys.active, id)) === 1) repaired++;
+    const all = walkSet(keys.all);
+    for (let done = false; !done;) {
+      const batch = await all.next();
+      done = batch.done;
+      const withWork = await Promise.all(batch.lanes.map((lane) => hasUndelivered(redis, lane).catch(() => false)));
+      const ids = batch.lanes.filter((_, i) => withWork[i]).map((lane) => registryIds.get(laneId(lane))!);
+      if (ids.length > 0) repaired += await redis.sadd(keys.active, ...ids);
     }
     if (repaired) log.info("lanes_repaired", { lanes: repaired });
     return repaired;
   }
-  const sweep = async () => (await foldHomes()) + (await walk());
+  /** A walk over a registry set with SSCAN: each batch bounded, whatever the set's size. */
+  function walkSet(key: string): LaneWalk {
+    let cursor = "0";
+    let started = false;
+    return {
+      async next() {
+        if (started && cursor === "0") return { lanes: [], done: true };
+        started = true;
+        const [next, found] = await redis.sscan(key, cursor, "COUNT", LANE_WALK_DEFAULTS.batch);
+        cursor = next;
+        return { lanes: [...new Set(found)].map(toLane), done: cursor === "0" };
+      },
+    };
+  }
+  const sweep = async () => (await foldHomes()) + (await repair());
   const sweepNow = () => sweep().catch((error) => log.warn("lane_sweep_failed", { error }));
   // Before the first read, the known lanes are walked (a restarted worker finds at once what a crash hid);
   // the homes (16,384 reads on a cluster) are folded in beside the first reads, never in front of them.
@@ -217,26 +264,40 @@ export function createLaneRegistry(
   foldHomes().catch((error) => log.warn("lane_sweep_failed", { error }));
   const sweeper = setInterval(sweepNow, options.sweepMs ?? 30_000);
   Deno.unrefTimer(sweeper);
+  // The lanes with work, walked a batch per read: a lane whose wake-up was lost is still found within a pass.
+  let activeWalk = walkSet(keys.active);
 
   return {
     async active() {
       await subscribed;
-      await (firstWalk ??= walk().catch((error) => log.warn("lane_sweep_failed", { error })));
+      await (firstWalk ??= repair().catch((error) => log.warn("lane_sweep_failed", { error })));
       wakesSeen = wakes;
-      return (await redis.smembers(keys.active)).sort().map(toLane);
+      const woken = [...news];
+      news.clear();
+      let batch: { lanes: LaneNames[]; done: boolean };
+      try {
+        batch = await activeWalk.next();
+      } catch (error) {
+        // The woken lanes are still news: a failed walk must not lose them.
+        for (const id of woken) news.add(id);
+        throw error;
+      }
+      if (batch.done) activeWalk = walkSet(keys.active);
+      return [...woken.map(toLane), ...batch.lanes];
     },
-    async all() {
-      return (await redis.smembers(keys.all)).sort().map(toLane);
-    },
-    async idle(lane) {
-      const id = ids.get(laneId(lane));
-      if (id === undefined) return;
-      await redis.srem(keys.active, id);
+    walk: () => walkSet(keys.all),
+    async idle(lanes) {
+      const known = lanes.filter((lane) => registryIds.has(laneId(lane)));
+      if (known.length === 0) return [];
+      const ids = known.map((lane) => registryIds.get(laneId(lane))!);
+      await redis.srem(keys.active, ...ids);
       // Look again *after* removing: an enqueue that landed meanwhile has either re-added the lane
       // itself (it adds after enqueuing), or is visible here. If the look fails, put the lane back:
       // an extra read of an empty lane costs little, a lost one waits for the sweep.
-      const more = await hasUndelivered(redis, lane).catch(() => true);
-      if (more) await redis.sadd(keys.active, id);
+      const more = await Promise.all(known.map((lane) => hasUndelivered(redis, lane).catch(() => true)));
+      const back = ids.filter((_, i) => more[i]);
+      if (back.length > 0) await redis.sadd(keys.active, ...back);
+      return known.filter((_, i) => more[i]);
     },
     wait(ms) {
       if (wakes !== wakesSeen) return Promise.resolve();

@@ -1,12 +1,15 @@
 /**
  * The reclaimer: takes over messages other consumers left pending past the
  * claim idle time (a crash, a stall), with XAUTOCLAIM, lane by lane and, in
- * each lane, stream by stream in the lane's order.
+ * each lane, stream by stream in the lane's order. A pass walks every lane a
+ * bounded batch per read, asking each batch at once which lanes hold idle
+ * messages (one XPENDING per stream), and reclaims from those only: no read
+ * waits for a pass over 20,000 lanes.
  */
 import type { RedisClient } from "../clients.ts";
 import { RECLAIM_SCRIPT } from "./reclaim_script.ts";
 import type { GroupCache } from "./consumer_group.ts";
-import type { LaneSource } from "./lanes.ts";
+import type { LaneSource, LaneWalk } from "./lanes.ts";
 import { type LaneNames, type QueueNames, type StreamMessage, streamsOf } from "./message.ts";
 import { fieldsToObject } from "../redis/fields.ts";
 
@@ -45,8 +48,9 @@ export interface ReclaimerOptions {
 /** The reclaimer of one worker. */
 export interface Reclaimer {
   /**
-   * Reclaims up to `free` idle messages, passing each to `start` with its lane and stream, at most once per
-   * `intervalMs`; each pass starts one lane further on, so one lane's stream of failures cannot take every pass.
+   * Reclaims up to `free` idle messages, passing each to `start` with its lane and stream. A pass over the lanes
+   * starts at most once per `intervalMs` and goes on a batch per call; a lane that may hold more than it gave goes
+   * to the back of those found, so one lane's stream of failures cannot take every call.
    * @returns how many.
    */
   reclaim(free: number, start: (lane: LaneNames, stream: QueueNames, message: StreamMessage) => void): Promise<number>;
@@ -57,8 +61,24 @@ export function createReclaimer({ redis }: { redis: RedisClient }, options: Recl
   const { consumer, groups } = options;
   // Each stream's XAUTOCLAIM cursor: kept, or every call rescans the PEL from the start.
   const cursors = new Map<string, string>();
-  let turn = 0;
-  let last = -Infinity;
+  // The pass in progress, and the lanes it found holding idle messages, not yet reclaimed.
+  let walk: LaneWalk | undefined;
+  let passStarted = -Infinity;
+  const due: LaneNames[] = [];
+
+  /** Whether any stream of `lane` has a message pending past the claim idle time (a lane never read has none). */
+  async function holdsIdle(lane: LaneNames): Promise<boolean> {
+    const found = await Promise.all(lane.streams.map(async (stream) => {
+      try {
+        const idle = await redis.call("XPENDING", stream, lane.group, "IDLE", options.claimIdleMs, "-", "+", 1);
+        return (idle as unknown[]).length > 0;
+      } catch (error) {
+        // No group (or no stream) yet: nothing pending. Anything else: look at the lane, as before.
+        return !(error instanceof Error && /NOGROUP|no such key/i.test(error.message));
+      }
+    }));
+    return found.includes(true);
+  }
 
   async function reclaimStream(stream: QueueNames, count: number): Promise<StreamMessage[]> {
     // The reclaim's id is made before it is sent: a resend of it carries the same one.
@@ -100,25 +120,39 @@ export function createReclaimer({ redis }: { redis: RedisClient }, options: Recl
 
   return {
     async reclaim(free, start) {
-      if (performance.now() - last < options.intervalMs) return 0;
-      last = performance.now();
+      if (due.length === 0) {
+        if (!walk) {
+          if (performance.now() - passStarted < options.intervalMs) return 0;
+          passStarted = performance.now();
+          walk = options.lanes.walk();
+        }
+        const batch = await walk.next();
+        if (batch.done) walk = undefined;
+        const idle = await Promise.all(batch.lanes.map(holdsIdle));
+        due.push(...batch.lanes.filter((_, i) => idle[i]));
+      }
       let started = 0;
-      const lanes = await options.lanes.all();
-      const first = lanes.length ? turn++ % lanes.length : 0;
-      for (let i = 0; i < lanes.length && free - started > 0; i++) {
-        const lane = lanes[(first + i) % lanes.length]!;
+      while (due.length > 0 && free - started > 0) {
+        const lane = due.shift()!;
+        let more = false;
         try {
           await groups.ready(lane);
           for (const stream of streamsOf(lane)) {
-            if (free - started <= 0) break;
-            const reclaimed = await reclaimStream(stream, free - started);
+            const want = free - started;
+            if (want <= 0) {
+              more = true;
+              break;
+            }
+            const reclaimed = await reclaimStream(stream, want);
             for (const m of reclaimed) start(lane, stream, m);
             started += reclaimed.length;
+            if (reclaimed.length === want) more = true;
           }
         } catch (error) {
           // One lane's trouble (its node failing over, a lost group) must not stall the others.
           groups.failed(lane, error);
         }
+        if (more) due.push(lane);
       }
       return started;
     },

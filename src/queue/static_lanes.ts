@@ -10,14 +10,24 @@ export const STATIC_LANES_DEFAULTS = {
 
 /**
  * A {@linkcode LaneSource} of fixed lanes, always read, with no lane
- * registry (the queue's own tests and benches). New work is found by polling
- * every `pollMs` while the lanes are empty.
+ * registry (the queue's own tests and benches): every call names them all
+ * as news (they are few). New work is found by polling every `pollMs` while
+ * the lanes are empty.
  */
 export function staticLanes(lanes: LaneNames[], { pollMs = STATIC_LANES_DEFAULTS.pollMs } = {}): LaneSource {
   return {
     active: () => Promise.resolve([...lanes]),
-    all: () => Promise.resolve([...lanes]),
-    idle: () => Promise.resolve(),
+    walk: () => {
+      let done = false;
+      return {
+        next: () => {
+          const batch = { lanes: done ? [] : [...lanes], done: true };
+          done = true;
+          return Promise.resolve(batch);
+        },
+      };
+    },
+    idle: () => Promise.resolve([]),
     wait: (ms) => sleep(Math.min(ms, pollMs)),
   };
 }

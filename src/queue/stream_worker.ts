@@ -242,7 +242,7 @@ export function createStreamWorker(
     let free = slots.wanted();
     if (free <= 0) return 0;
     gateWaitMs = 0;
-    let lanes: Promise<LaneNames[]> | undefined;
+    let lanes: Promise<void> | undefined;
     if (options.gate) {
       // The lanes with work are looked up beside the gate: a read waits for one round trip before its take, not two.
       lanes = reader.lanes();

@@ -292,7 +292,7 @@ Deno.test("lanes", async (t) => {
         assert.deepEqual(await r.redis.smembers(keys.active), ["c"]);
         // An idle check that races a new message re-adds the lane.
         await r.redis.xadd(lane("a").stream, "*", "job_id", "a-1", "tenant", "a");
-        await registry.idle(lane("a"));
+        await registry.idle([lane("a")]);
         assert.ok((await r.redis.smembers(keys.active)).includes("a"));
         await worker.close();
         await registry.close();
@@ -316,7 +316,7 @@ Deno.test("lanes", async (t) => {
 
 Deno.test("lane shares: charged at the expected cost, settled at the real one; newcomers start at the clock", () => {
   const shares = createLaneShares();
-  shares.begin([{ id: "a", weight: 1 }]);
+  shares.activate("a", 1);
   // Nothing known yet: the estimate is charged, then settled to what the message really cost.
   const first = shares.charge("a", 1_000);
   assert.equal(shares.finish("a"), 1_000);
@@ -326,9 +326,9 @@ Deno.test("lane shares: charged at the expected cost, settled at the real one; n
   const running = [shares.charge("a", 1_000), shares.charge("a", 1_000)];
   assert.equal(shares.finish("a"), 300);
   // B arrives while two of A's run: it starts at A's finished service, 100, behind A by what A has running.
-  shares.begin([{ id: "a", weight: 1 }, { id: "b", weight: 1 }]);
+  shares.activate("b", 1);
   assert.equal(shares.finish("b"), 100);
-  assert.equal(shares.next(["a", "b"], 2).lane, "b");
+  assert.equal(shares.plan(2)[0]!.lane, "b");
   // Unknown cost (no usage reported): the estimate stands. A call never made costs nothing.
   shares.settle(running[0]!, undefined);
   assert.equal(shares.finish("a"), 1_200);

@@ -197,7 +197,7 @@ Deno.test("the queue's writes applied twice change the lane once", async (t) => 
       const { lane, ids } = await laneWith(2);
       await r.redis.xreadgroup("GROUP", lane.group, "c1", "COUNT", 2, "STREAMS", lane.stream, ">");
       const ack = createAckBatcher(r.redis);
-      // The MULTI of XACK + XDEL, sent again as it was.
+      // The ack script (XACK + XDEL), sent again as it was.
       await ack({ stream: lane, id: ids[0]! });
       await ack({ stream: lane, id: ids[0]! });
       assert.deepEqual((await pendingOf(lane)).map(([id]) => id), [ids[1]]);
