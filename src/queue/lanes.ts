@@ -283,7 +283,11 @@ export function createLaneRegistry(
         throw error;
       }
       if (batch.done) activeWalk = walkSet(keys.active);
-      return [...woken.map(toLane), ...batch.lanes];
+      // In order of their ids, as a reader learns them (news of the same lanes named twice, once).
+      const named = new Map<string, LaneNames>();
+      for (const id of woken) named.set(id, toLane(id));
+      for (const lane of batch.lanes) named.set(registryIds.get(laneId(lane))!, lane);
+      return [...named.keys()].sort().map((id) => named.get(id)!);
     },
     walk: () => walkSet(keys.all),
     async idle(lanes) {
