@@ -49,3 +49,12 @@ export function uuidV5(name: string, namespace: string): string {
 export function jobIdFor(scope: Scope, canonicalBody: string): string {
   return uuidV5(`${encodeScope(scope)}\n${canonicalBody}`, JOB_ID_NAMESPACE);
 }
+
+/**
+ * The scope's digest, 128 bits of the SHA-1 of its encoding in base64url (22 characters): the field of its
+ * idempotency record, which its tenant's lane already names. Short, so that a record costs a few dozen bytes
+ * rather than the encoding's length (an Idempotency-Key may have 128 characters).
+ */
+export function scopeDigest(scope: Scope): string {
+  return createHash("sha1").update(encodeScope(scope), "utf8").digest("base64url").slice(0, 22);
+}

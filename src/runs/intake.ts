@@ -1,13 +1,17 @@
 /**
  * Intake in one round trip: the idempotency check, the enqueue, the job's
- * status record and the stored response happen in one Lua script, so no
+ * status record and the idempotency record happen in one Lua script, so no
  * crash can leave a key "in progress" and a concurrent duplicate simply finds
- * the first request's record (Redis runs scripts one at a time).
+ * the first request's record (Redis runs scripts one at a time). A record
+ * holds the job's fingerprint and its expiry, not the answer: the answer to a
+ * replay is rebuilt from the job id, byte for byte the first one's (what a
+ * record costs, and why: README, issue 39's "Fewer bytes per queued job").
  */
 import type { RedisClient } from "../clients.ts";
 import { KeyReused } from "../idempotency/errors.ts";
 import { canonicalJson } from "../idempotency/fingerprint.ts";
-import { encodeScope, jobIdFor, type Scope } from "../idempotency/scope.ts";
+import { encodeScope, jobIdFor, type Scope, scopeDigest } from "../idempotency/scope.ts";
+import type { Clock } from "../retry/clock.ts";
 import { INTAKE_SCRIPT } from "./intake_script.ts";
 import { type AckedRun, notReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
 import { markQueued } from "./job_status.ts";
@@ -68,31 +72,51 @@ export interface Intake {
   submitRun(
     input: { scope: Scope; request: unknown; run: RunSubmission; traceparent?: string; refuse?: Error },
   ): Promise<IntakeResult>;
-  /** The Redis key of a scope's record. */
-  keyFor(scope: Scope): string;
+  /**
+   * Whether the scope has a record that has not expired, on `on` (a replica, a cluster node; default the intake's
+   * client), in either form: tests look at the records through this and {@linkcode Intake.forget}.
+   */
+  hasRecord(scope: Scope, on?: RedisClient): Promise<boolean>;
+  /** Removes the scope's record, in either form, as its expiry does. */
+  forget(scope: Scope): Promise<void>;
 }
 
 /** The intake script's SHA-1, for counting its calls (`INFO commandstats` names only EVALSHA). */
 export const INTAKE_SHA = INTAKE_SCRIPT.sha;
 
-type StoredRecord = { fp: string } & IntakeResponse;
-
 /**
- * A summary job's stored answer, as `JSON.stringify` writes its record (`{fp, status, body, headers}`); the job
- * id is a UUID and needs no escaping.
+ * A record as releases before issue 39 stored it, one string key per scope: the answer, and the job id as its
+ * fingerprint (`{fp, status, body, headers}`). Still read, until the last of them expires.
  */
-export function summaryRecord(jobId: string, path: string): string {
-  return `{"fp":"${jobId}","status":202,"body":{"job_id":"${jobId}","status":"queued"},"headers":{"location":${
-    JSON.stringify(`${path}/${jobId}`)
-  }}}`;
-}
+type StoredRecord = { fp: string } & IntakeResponse;
 
 /** Where runs live: a run's answer points to `/v1/runs/{run_id}`. */
 const RUNS_PATH = "/v1/runs";
 
-/** The stored answer to a run's POST, as `JSON.stringify` writes its {@linkcode StoredRecord}, from a template. */
-export function runRecord(jobId: string): string {
-  return `{"fp":"${jobId}","status":202,"body":{"run_id":"${jobId}","status":"queued"},"headers":{"location":"${RUNS_PATH}/${jobId}"}}`;
+/**
+ * The job's fingerprint in its scope's record: the job id's first 16 hex digits (60 bits of the hash, beside the
+ * version digit). It tells a replay (the same body names the same job) from a key used with another body.
+ */
+export function jobFingerprint(jobId: string): string {
+  return `${jobId.slice(0, 8)}${jobId.slice(9, 13)}${jobId.slice(14, 18)}`;
+}
+
+/**
+ * The records' period at `nowMs` (a period lasts their lifetime, `ttlS`), and its hash's lifetime once it has a
+ * record: to the end of the next period, when the last record it can hold expires, and then the shorter of a minute
+ * and a period (a margin for the API processes' clocks, and for the next period's first record to unlink it).
+ */
+function recordPeriod(ttlS: number, nowMs: number): { index: number; keepS: number } {
+  const index = Math.floor(nowMs / (ttlS * 1000));
+  return { index, keepS: (index + 2) * ttlS - Math.floor(nowMs / 1000) + Math.min(ttlS, 60) };
+}
+
+/**
+ * Where a scope's record is looked for in period `index`: the lane's records hashes of that period and of the
+ * one before, and the one before that (which the first record of the period unlinks).
+ */
+function recordHashes(lane: LaneKeys, ttlS: number, index: number): string[] {
+  return [index, index - 1, index - 2].map((i) => lane.idempotencyRecords(ttlS, i));
 }
 
 /** How long a client told "full" should wait before trying again. */
@@ -118,7 +142,14 @@ export interface IntakeFaults {
  * replicas have the record: a new job's, or a replayed one's.
  */
 export function createIntake(
-  { redis, log, faults, ack }: { redis: RedisClient; log?: Logger; faults?: IntakeFaults; ack?: ReplicaAck },
+  { redis, log, faults, ack, clock = Date }: {
+    redis: RedisClient;
+    log?: Logger;
+    faults?: IntakeFaults;
+    ack?: ReplicaAck;
+    /** The records' clock (their expiry, their period's hash). */
+    clock?: { now: Clock["epochNow"] };
+  },
   { keys, resultTtlS, path, maxQueued, maxQueuedPerTenant }: {
     keys: ServiceKeys;
     resultTtlS: number;
@@ -158,10 +189,6 @@ export function createIntake(
     const { value, lanes } = await totalQueued();
     return value >= maxQueued ? Math.max(1, Math.floor(maxQueued / (lanes + 1))) : 0;
   };
-  // The scope's unambiguous encoding is the key: bounded (a validated tenant name and a key of at most 128
-  // visible characters) and not hashed, since every hash is paid on the request path (what one costs: README,
-  // 'Intake against both baselines, its profile, and all cores', the `uuidV5` row).
-  const keyFor = (scope: Scope) => keys.lane(scope.tenant).idempotency(encodeScope(scope));
   /** What the script's submissions of one tenant (and task version) share: their entry in its heads. */
   const headOf = (tenant: string, known: LaneKnown, run?: RunSubmission) =>
     JSON.stringify({ tenant, cap: maxQueuedPerTenant ?? 0, status: markQueued(tenant, run), lane: known.lane });
@@ -171,7 +198,10 @@ export function createIntake(
    * serialise the whole argument (what that cost: README, 'Intake against both baselines, its profile, and all
    * cores', the `enqueue` row).
    */
-  const heads = new Map<string, { lane: LaneKeys; known: LaneKnown; head: string }>();
+  const heads = new Map<string, Head>();
+  // A large TTL still makes periods of whole seconds; 0 is refused by the configuration.
+  const ttlS = Math.max(1, Math.floor(resultTtlS));
+  const records = scopeRecords(keys, ttlS, clock);
   const headFor = (tenant: string, run?: RunSubmission) => {
     const id = run ? `${tenant}\n${run.task}\n${run.version}` : tenant;
     let found = heads.get(id);
@@ -184,7 +214,7 @@ export function createIntake(
     }
     return found;
   };
-  const batches = createIntakeBatches(redis, ack, resultTtlS, () => maxQueued ? fullQueueShare() : 0);
+  const batches = createIntakeBatches(redis, { ack, ttlS, clock }, () => maxQueued ? fullQueueShare() : 0);
   const enqueue = async (
     { scope, request, traceparent, run, payload, refuse, canonical }: {
       scope: Scope;
@@ -199,22 +229,28 @@ export function createIntake(
   ): Promise<IntakeResult> => {
     // One hash covers the scope and the body's canonical JSON: the job id. A key reused with another body
     // after its record expired therefore names a new job, never the old job's result, and the job id is
-    // the body's fingerprint in the stored record.
+    // the body's fingerprint in the record (its first digits, `jobFingerprint`; all of it in an old record).
     const jobId = jobIdFor(scope, canonical ?? canonicalJson(request));
     const fingerprint = jobId;
+    // The answer, the same for the first request and every replay of it: a replay's is this one, rebuilt.
     const response: IntakeResponse = run
       ? { status: 202, body: { run_id: jobId, status: "queued" }, headers: { location: `${RUNS_PATH}/${jobId}` } }
       : { status: 202, body: { job_id: jobId, status: "queued" }, headers: { location: `${path}/${jobId}` } };
-    const record = run ? runRecord(jobId) : summaryRecord(jobId, path);
     const { lane, known, head } = headFor(scope.tenant, run);
     const { stored, acked } = await batches.submit(
       // On one server every lane's known sets are the same two: one batch for all tenants. On a cluster a batch
       // is one tenant's, its keys in the lane's slot.
       redis.isCluster ? scope.tenant : "",
-      known,
-      head,
-      [keyFor(scope), lane.stream, lane.job(jobId)],
-      [jobId, traceparent ?? "", refuse ? "1" : "0", run ? run.payload : payload ?? JSON.stringify(request), record],
+      { known, head, lane },
+      [records.legacyKeyFor(scope), lane.stream, lane.job(jobId)],
+      [
+        jobId,
+        traceparent ?? "",
+        refuse ? "1" : "0",
+        run ? run.payload : payload ?? JSON.stringify(request),
+        scopeDigest(scope),
+        jobFingerprint(jobId),
+      ],
     );
     if (stored === 1) throw new QueueFull(`tenant ${scope.tenant}'s queue is full`, RETRY_AFTER_S);
     if (stored === 2) throw new QueueFull("the queue is full", RETRY_AFTER_S);
@@ -229,27 +265,64 @@ export function createIntake(
         log?.warn("lane_announce_failed", { tenant: scope.tenant, error })
       );
     }
-    const previous = stored === 0 ? null : JSON.parse(stored as string) as StoredRecord;
+    const previous = typeof stored === "string" ? JSON.parse(stored) as StoredRecord : null;
     // A reused key is refused whatever the replicas hold: nothing of this request's was written.
-    if (previous && previous.fp !== fingerprint) throw new KeyReused();
+    if (stored === REUSED || (previous && previous.fp !== fingerprint)) throw new KeyReused();
     // Not promised until the replicas have it. The record may stay on the primary: the client's retry with
     // the same key then finds it (a replay, waited for again) or, if a failover lost it, enqueues the job
     // under the same id; either way one job id, and the commit's primary key on it keeps its effects to one.
     if (ack && acked && !acked.replicated) throw notReplicated(ack, acked.acked);
-    if (previous === null) return { response, replayed: false, jobId };
+    if (stored === 0) return { response, replayed: false, jobId };
+    if (stored === REPLAYED || previous === null) return { response, replayed: true, jobId };
+    // A record of a release before issue 39: its stored answer (the same, as that release built it).
     const { status, body, headers } = previous;
     return { response: { status, body, headers }, replayed: true, jobId };
   };
   return {
-    keyFor,
     submit: enqueue,
     submitRun: enqueue,
+    hasRecord: (scope, on = redis) => records.has(on, scope),
+    forget: (scope) => records.forget(redis, scope),
   };
 }
 
+/**
+ * Where a scope's record is: the key a release before issue 39 stored it under (the script reads it), and the
+ * look-ups of {@linkcode Intake.hasRecord} and {@linkcode Intake.forget}.
+ */
+function scopeRecords(keys: ServiceKeys, ttlS: number, clock: { now(): number }) {
+  // A record of a release before issue 39 is under the scope's unambiguous encoding (not hashed then, since every
+  // hash is paid on the request path: README, 'Intake against both baselines, its profile, and all cores', the
+  // `uuidV5` row). A record now is a field named by the scope's digest: one more SHA-1 per POST, for 32 bytes less
+  // per record than the encoding as its name with a UUID as the key (about 130 with a key of 128 characters).
+  const legacyKeyFor = (scope: Scope) => keys.lane(scope.tenant).idempotency(encodeScope(scope));
+  const hashesOf = (scope: Scope) =>
+    recordHashes(keys.lane(scope.tenant), ttlS, recordPeriod(ttlS, clock.now()).index).slice(0, 2);
+  return {
+    legacyKeyFor,
+    async has(redis: RedisClient, scope: Scope) {
+      const field = scopeDigest(scope);
+      const now = clock.now();
+      for (const hash of hashesOf(scope)) {
+        const record = await redis.hget(hash, field);
+        if (record !== null && Number(record.slice(0, record.indexOf(":"))) * 1000 > now) return true;
+      }
+      return (await redis.exists(legacyKeyFor(scope))) === 1;
+    },
+    async forget(redis: RedisClient, scope: Scope) {
+      for (const hash of hashesOf(scope)) await redis.hdel(hash, scopeDigest(scope));
+      await redis.del(legacyKeyFor(scope));
+    },
+  };
+}
+
+/** The script's answer when the scope's record names this job (a replay), and when it names another. */
+const REPLAYED = 4;
+const REUSED = 5;
+
 /** Submissions that arrive together share one script call: at most this many in one call. */
 const BATCH_MAX = 64;
-/** At most about this many bytes of payloads and answers in one call (a larger submission goes alone). */
+/** At most about this many bytes of payloads in one call (a larger submission goes alone). */
 const BATCH_MAX_BYTES = 512 * 1024;
 /** Calls in flight per batch; submissions that arrive meanwhile wait for one to return, and go together. */
 const BATCH_IN_FLIGHT = 2;
@@ -260,8 +333,16 @@ interface Outcome {
   acked?: AckedRun;
 }
 
-interface Submission {
+/** What the submissions of one tenant (and task version) share in a call: see the script's heads. */
+interface Head {
+  known: LaneKnown;
+  /** Its entry in the script's heads (JSON). */
   head: string;
+  lane: LaneKeys;
+}
+
+interface Submission {
+  head: Head;
   keys: string[];
   args: string[];
   bytes: number;
@@ -280,8 +361,7 @@ interface Submission {
  */
 function createIntakeBatches(
   redis: RedisClient,
-  ack: ReplicaAck | undefined,
-  resultTtlS: number,
+  { ack, ttlS, clock }: { ack: ReplicaAck | undefined; ttlS: number; clock: { now(): number } },
   share: () => Promise<number> | number,
 ) {
   const queues = new Map<string, { known: LaneKnown; waiting: Submission[]; inFlight: number; scheduled: boolean }>();
@@ -290,25 +370,33 @@ function createIntakeBatches(
     try {
       const heads: string[] = [];
       const index = new Map<string, number>();
+      const quota = String(await share());
+      const now = clock.now();
+      const period = recordPeriod(ttlS, now);
       const keys = [...known.keys];
       const args = [
         ack ? "1" : "0",
         String(known.keys.length),
         "",
-        String(resultTtlS),
-        String(await share()),
+        String(ttlS),
+        quota,
         known.wake,
+        String(now),
+        String(period.keepS),
       ];
+      const submitted: string[] = [];
       for (const submission of batch) {
-        let head = index.get(submission.head);
+        let head = index.get(submission.head.head);
         if (head === undefined) {
-          heads.push(submission.head);
-          index.set(submission.head, head = heads.length);
+          heads.push(submission.head.head);
+          index.set(submission.head.head, head = heads.length);
+          keys.push(...recordHashes(submission.head.lane, ttlS, period.index));
         }
-        keys.push(submission.keys[0]!, submission.keys[1]!, submission.keys[2]!);
+        submitted.push(submission.keys[0]!, submission.keys[1]!, submission.keys[2]!);
         args.push(String(head));
         for (const arg of submission.args) args.push(arg);
       }
+      for (const key of submitted) keys.push(key);
       args[2] = `[${heads.join(",")}]`;
       const acked = ack ? await ack.run(INTAKE_SCRIPT, keys, args) : undefined;
       const results =
@@ -344,13 +432,14 @@ function createIntakeBatches(
   };
   return {
     /**
-     * Runs one submission's part of the script (`keys`: its record, stream and status record; `args`: its
-     * job id, traceparent, refusal, payload and answer) in the next call of batch `id`, whose submissions all
-     * share `known`.
+     * Runs one submission's part of the script (`keys`: its record of a release before issue 39, stream and
+     * status record; `args`: its job id, traceparent, refusal, payload, scope digest and job fingerprint) in the
+     * next call of batch `id`, whose submissions all share `head.known`.
      */
-    submit(id: string, known: LaneKnown, head: string, keys: string[], args: string[]): Promise<Outcome> {
+    submit(id: string, head: Head, keys: string[], args: string[]): Promise<Outcome> {
       const { promise, resolve, reject } = Promise.withResolvers<Outcome>();
-      const submission = { head, keys, args, bytes: args[3]!.length + args[4]!.length, resolve, reject };
+      const { known } = head;
+      const submission = { head, keys, args, bytes: args[3]!.length, resolve, reject };
       if (ack) {
         // With REDIS_MIN_REPLICAS_ACK each submission keeps its own call: the replica runner bounds its wait (for one
         // of its connections and for the replicas, REDIS_ACK_TIMEOUT_MS), which a queue in front of it would not.

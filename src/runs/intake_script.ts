@@ -1,12 +1,26 @@
 import { defineScript } from "../redis/script.ts";
 
-// INTAKE: the idempotency check, the enqueue, the job's status record and the stored answer, in one step, for
+// INTAKE: the idempotency check, the enqueue, the job's status record and the idempotency record, in one step, for
 // each of a batch of submissions (`createIntake` sends the submissions that arrive together in one call).
+//
+// An idempotency record is a field of a hash its lane's scopes share, one hash per period of the records' lifetime
+// (IDEMPOTENCY_RESULT_TTL_S, the period's length too): field the scope's digest (`scopeDigest`), value
+// '<expiry, unix seconds>:<the job's fingerprint>' (`jobFingerprint`). The answer is not stored: a replay's is
+// rebuilt from the job id, which the fingerprint confirms (the scope and the body name it). A record past its
+// expiry is as good as absent; one is found in the hash of its own period or of the one before (it lives one
+// period at most), and each hash expires once every record in it has. A scope's job status record is a separate
+// key: it is looked up by job id (`GET`, the worker's acknowledgement and dead letters), and the job id, a hash of
+// the scope and the body, names no scope.
+//
 // KEYS[1…n]   the registry sets that make a lane known (`laneKnownArgs`; on a cluster, the lane's home): the same
 //             for every submission of the batch (a batch is one tenant's on a cluster).
-// KEYS[n+1…]  three per submission: the scope's idempotency record, the lane's intake stream (`LaneKeys.stream`;
-//             the per-tenant cap counts it alone, the only stream of a lane any API writes), the job's status
-//             record (the three share the lane's hash tag).
+// KEYS[n+1…]  three per head (below): its lane's records hash of the current period, of the one before, and of the
+//             one before that (unlinked when the current one gets its first record: its records have all expired,
+//             and a background free spares Redis the stall of its expiry freeing a large hash in line).
+// KEYS[…]     then three per submission: the scope's record as releases before issue 39 stored it (a string key:
+//             read, never stored anew), the lane's intake stream (`LaneKeys.stream`; the per-tenant cap counts it
+//             alone, the only stream of a lane any API writes), the job's status record (all of them share the
+//             lane's hash tag).
 // ARGV[1]     '1' when a WAIT follows (REDIS_MIN_REPLICAS_ACK): a found record is then written again, expiry
 //             unchanged, because WAIT covers only its own connection's writes and the record may have been
 //             written on another one (a first attempt answered 503, another API process) and not replicated yet.
@@ -14,40 +28,71 @@ import { defineScript } from "../redis/script.ts";
 // ARGV[3]     JSON: the heads, what the batch's submissions of one tenant (and task version) share:
 //             [{ tenant, cap (the lane's cap, 0 = none), status (the status record's change, `markQueued`),
 //             lane (the lane id) }, …].
-// ARGV[4]     the stored answer's lifetime in seconds. ARGV[5] the lane's share of a full queue (0 = the queue is
-//             not full). ARGV[6] the channel to publish a lane on when it gets work, '' for none.
-// ARGV[7…]    six per submission: its head (1-based), the job id, the traceparent ('' when not tracing: the
+// ARGV[4]     the records' lifetime in seconds. ARGV[5] the lane's share of a full queue (0 = the queue is not
+//             full). ARGV[6] the channel to publish a lane on when it gets work, '' for none. ARGV[7] now, in
+//             milliseconds since the epoch (the intake's clock, which named the period's hashes). ARGV[8] the
+//             current period's hash's lifetime in seconds, set with its first record (to the end of the period
+//             after it, when its last record expires, and then the shorter of a minute and a period).
+// ARGV[9…]    seven per submission: its head (1-based), the job id, the traceparent ('' when not tracing: the
 //             message then has no such field), '1' when a new job is refused (the tenant's budget is spent; a
-//             replay is still answered), the payload (the stream entry's), the stored answer (the record).
-// Returns, per submission: the existing record (or ours, stored again, when the key's record expired but the
-// job is still known: it is not enqueued twice and its status is left alone), 1 when the lane is full, 2 when
-// the whole queue is full and this lane holds its share of it, 3 when refused (nothing written in these), or 0
-// after enqueuing, making the lane known and storing ours, or an error reply (a key of the wrong type) that is
+//             replay is still answered), the payload (the stream entry's), the scope's digest, the job's
+//             fingerprint.
+// Returns, per submission: 4 when the scope's record names this job (a replay; also when the scope had no record
+// but the job is still known: it is not enqueued twice, its status is left alone, and the record is stored
+// again), 5 when it names another (the key was used with another body), the stored answer of a record of a
+// release before issue 39 (the caller compares its fingerprint), 1 when the lane is full, 2 when the whole queue
+// is full and this lane holds its share of it, 3 when refused (nothing written in these three), or 0 after
+// enqueuing, making the lane known and storing the record, or an error reply (a key of the wrong type) that is
 // that submission's alone. The submissions run in order, so a second one with the same key finds the first's
 // record.
 // Safe to run twice (a resend after a lost reply): each submission the first run enqueued stored its record, so
-// the second run finds that record and answers it (a replay of the same body): nothing is enqueued twice and no
+// the second run finds that record and answers 4 (a replay of the same body): nothing is enqueued twice and no
 // lane is made known again. One the first run answered 1, 2 or 3 wrote nothing, and is decided again.
 export const INTAKE_SCRIPT = defineScript(`
 local n = tonumber(ARGV[2])
 local heads = cjson.decode(ARGV[3])
-local ttl = ARGV[4]
 local share = tonumber(ARGV[5])
+local now = tonumber(ARGV[7])
+local expires = math.floor(now / 1000) + tonumber(ARGV[4])
+local first = n + 3 * #heads
 local added = {}
+-- A live record and the fingerprint it holds, or nil.
+local function live(records, field)
+  local record = redis.call('HGET', records, field)
+  if not record then return nil end
+  local at, fp = string.match(record, '^(%d+):(.*)$')
+  if tonumber(at) * 1000 > now then return record, fp end
+  return nil
+end
+local function store(r, field, fp)
+  redis.call('HSET', KEYS[r], field, expires .. ':' .. fp)
+  if redis.call('EXPIRE', KEYS[r], ARGV[8], 'NX') == 1 then redis.call('UNLINK', KEYS[r + 2]) end
+end
 local function submit(k, a)
-  local record, stream, job = KEYS[k], KEYS[k + 1], KEYS[k + 2]
-  local h = heads[tonumber(ARGV[a])]
-  local stored = redis.call('GET', record)
+  local legacy, stream, job = KEYS[k], KEYS[k + 1], KEYS[k + 2]
+  local head = tonumber(ARGV[a])
+  local h = heads[head]
+  local r = n + 3 * head - 2
+  local field, fp = ARGV[a + 5], ARGV[a + 6]
+  for at = r, r + 1 do
+    local record, found = live(KEYS[at], field)
+    if record then
+      if ARGV[1] == '1' then redis.call('HSET', KEYS[at], field, record) end
+      if found == fp then return 4 end
+      return 5
+    end
+  end
+  local stored = redis.call('GET', legacy)
   if stored then
     if ARGV[1] == '1' then
-      local at = redis.call('PEXPIRETIME', record)
-      if at > 0 then redis.call('PEXPIREAT', record, at) end
+      local at = redis.call('PEXPIRETIME', legacy)
+      if at > 0 then redis.call('PEXPIREAT', legacy, at) end
     end
     return stored
   end
   if redis.call('EXISTS', job) == 1 then
-    redis.call('SET', record, ARGV[a + 5], 'EX', ttl)
-    return ARGV[a + 5]
+    store(r, field, fp)
+    return 4
   end
   if ARGV[a + 3] == '1' then return 3 end
   if h.cap > 0 and redis.call('XLEN', stream) >= h.cap then return 1 end
@@ -66,12 +111,12 @@ local function submit(k, a)
     for i = 1, n do redis.call('SADD', KEYS[i], h.lane) end
     if ARGV[6] ~= '' then redis.call('PUBLISH', ARGV[6], h.lane) end
   end
-  redis.call('SET', record, ARGV[a + 5], 'EX', ttl)
+  store(r, field, fp)
   return 0
 end
 local out = {}
-local a = 7
-for k = n + 1, #KEYS, 3 do
+local a = 9
+for k = first + 1, #KEYS, 3 do
   -- One submission's error (a key of the wrong type) is its own: the others of the batch go on.
   local ok, result = pcall(submit, k, a)
   if ok then
@@ -81,6 +126,6 @@ for k = n + 1, #KEYS, 3 do
   else
     out[#out + 1] = { err = tostring(result) }
   end
-  a = a + 6
+  a = a + 7
 end
 return out`);

@@ -4,7 +4,9 @@
  * its only writer: every change is one of the operations below, each inside
  * the atomic step that causes it (the enqueue script, the dead-letter script,
  * the replay script), except a cancel, which Postgres decides and this
- * records right after.
+ * records right after. A record without `status` is a queued job's: intake
+ * writes none (issue 39: 16 bytes of every queued job), and every reader,
+ * this release's and the one before's, reads a missing status as `queued`.
  */
 import type { RedisClient } from "../clients.ts";
 import type { DeadLetterHook, RecordUpdate } from "../queue/dead_letter.ts";
@@ -23,14 +25,14 @@ export interface RecordChange {
 }
 
 /**
- * The enqueue script's change to the job's record: queued for `tenant`, no error, and no expiry: a queued run is
- * visible and cancellable for as long as it waits (a month's budget, a provider's outage), and a re-POST of its key
- * is a replay however long ago the key's own record expired. Its lifetime starts when its message leaves its lane
- * (see {@linkcode recordExpiryOnAck}, and the dead letter's mark). A task run's record also names its task and
- * version (a summary job's has neither: it runs summarize v1).
+ * The enqueue script's change to the job's record: `tenant`'s, queued (no status field: see above), no error, and
+ * no expiry: a queued run is visible and cancellable for as long as it waits (a month's budget, a provider's
+ * outage), and a re-POST of its key is a replay however long ago the key's own record expired. Its lifetime starts
+ * when its message leaves its lane (see {@linkcode recordExpiryOnAck}, and the dead letter's mark). A task run's
+ * record also names its task and version (a summary job's has neither: it runs summarize v1).
  */
 export function markQueued(tenant: string, run?: { task: string; version: number }): RecordChange {
-  const set = ["tenant", tenant, "status", "queued"];
+  const set = ["tenant", tenant];
   if (run) set.push("task", run.task, "version", String(run.version));
   return { set, del: ["error"], ttl_s: 0 };
 }
@@ -75,7 +77,7 @@ export async function markCancelled(redis: RedisClient, key: string): Promise<vo
   await MARK_CANCELLED_SCRIPT.run(redis, [key], []);
 }
 
-/** A job's status record (tenant, status, error) and the key it is under. */
+/** A job's status record (tenant, status (none while queued), error) and the key it is under. */
 export interface JobRecord {
   record: Record<string, string>;
   key: string;

@@ -7,8 +7,9 @@
  *
  * - its lane ({@linkcode LaneKeys}): the streams, in the order a read takes
  *   from them (the default lane has one, `…:stream`), and the dead letters;
- * - beside them, its jobs' status records and its idempotency records, which
- *   the intake script writes in the same step as the stream;
+ * - beside them, its jobs' status records and its idempotency records (one
+ *   hash per period of their lifetime), which the intake script writes in
+ *   the same step as the stream;
  * - its result cache's entries and their locks;
  * - its budget hash and its refusal counters.
  *
@@ -47,7 +48,15 @@ export interface LaneKeys extends LaneNames, QueueNames {
   group: string;
   /** Hash with the job's tenant and status, read by `GET /v1/runs/{id}` (`job_status.ts` writes it). */
   job(jobId: string): string;
-  /** The stored answer for an Idempotency-Key scope (its encoding), in the same slot as the stream it enqueues to. */
+  /**
+   * The idempotency records written in period `index` (periods of `periodS` seconds since the epoch): a hash, one
+   * field per scope (see `intake_script.ts`), in the same slot as the stream it enqueues to.
+   */
+  idempotencyRecords(periodS: number, index: number): string;
+  /**
+   * The stored answer for an Idempotency-Key scope (its encoding) as releases before issue 39 wrote it, one
+   * string key per scope: intake still reads it until it expires (`IDEMPOTENCY_RESULT_TTL_S` after the upgrade).
+   */
   idempotency(scope: string): string;
   /** Marks that the pre-lane stream's entry `entryId` was moved into this lane (see `legacy_drain.ts`). */
   movedFromLegacy(entryId: string): string;
@@ -140,6 +149,7 @@ function laneUnder(tag: string, streams: readonly string[]): LaneKeys {
     dead: `${tag}:dead`,
     group: GROUP,
     job: (jobId) => jobUnder(tag, jobId),
+    idempotencyRecords: (periodS, index) => `${tag}:idem_records:${periodS}:${index}`,
     idempotency: (scope) => `${tag}:idem:${scope}`,
     movedFromLegacy: (entryId) => `${tag}:moved:${entryId}`,
   };

@@ -66,7 +66,12 @@ if (import.meta.main) {
       replayed: false,
       jobId: "x",
     });
-  const nothing = { keyFor: () => "", submit: accept, submitRun: accept };
+  const nothing = {
+    submit: accept,
+    submitRun: accept,
+    hasRecord: () => Promise.resolve(false),
+    forget: () => Promise.resolve(),
+  };
   const index = VARIANTS.findIndex(([name]) => name === variant);
   const handler = variant === "bare"
     ? bareHandler()

@@ -1562,8 +1562,8 @@ function sentinelRows(): [string, string][] {
 /** One stranded job: its tenant, how its POST went, its status record, and whether its lane can be found. */
 async function describeStranded(s: Submission): Promise<string> {
   const lane = redisKeys.lane(s.plan.tenant);
-  const [status, known, active, length] = await Promise.all([
-    redisAdmin.hget(lane.job(idOf(s)), "status"),
+  const [[status, tenant], known, active, length] = await Promise.all([
+    redisAdmin.hmget(lane.job(idOf(s)), "status", "tenant"),
     redisAdmin.sismember(redisKeys.registry.all, s.plan.tenant),
     redisAdmin.sismember(redisKeys.registry.active, s.plan.tenant),
     redisAdmin.xlen(lane.stream),
@@ -1571,8 +1571,10 @@ async function describeStranded(s: Submission): Promise<string> {
   return `  job ${idOf(s)} of tenant ${s.plan.tenant} (${s.plan.fresh ? "new" : "existing"} tenant, ${
     s.plan.first ? "its first job" : "not its first job"
   }), key ${s.key}: ${accepted.has(s.key) ? "202 received" : "POST never answered, not retried"}; status ${
-    status ?? "(no record)"
-  }; lane ${known ? "in" : "NOT in"} the registry${active ? " (active)" : ""}, stream length ${length}`;
+    // A queued job's record names its tenant and no status (issue 39).
+    status ?? (tenant ? "queued" : "(no record)")}; lane ${known ? "in" : "NOT in"} the registry${
+    active ? " (active)" : ""
+  }, stream length ${length}`;
 }
 
 // ---------------------------------------------------------------- clean up

@@ -220,7 +220,7 @@ Deno.test("summary job", async (t) => {
         assert.equal(await pending(), 1);
         assert.equal((await listDeadLetters(r.redis, keys)).length, 0);
         assert.deepEqual(await counts(), [0, 0]);
-        assert.equal(await r.redis.hget(keys.job(jobId), "status"), "queued");
+        assert.equal(await r.redis.hget(keys.job(jobId), "status"), null, "still queued: no status");
       } finally {
         await w.close();
         await model.close();
@@ -258,7 +258,7 @@ Deno.test("summary job", async (t) => {
           assert.equal(model.requests, 1, "no call after the failed check");
           assert.equal((await listDeadLetters(r.redis, keys)).length, 0);
           assert.equal(await pending(), 1);
-          assert.equal(await r.redis.hget(keys.job(jobId), "status"), "queued");
+          assert.equal(await r.redis.hget(keys.job(jobId), "status"), null, "still queued: no status");
           // The redelivery does the job.
           const b = makeWorker("w-b", llm, { claimIdleMs: 0 });
           try {

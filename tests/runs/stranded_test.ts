@@ -357,7 +357,7 @@ Deno.test("nothing accepted is stranded", async (t) => {
         const length = await r.redis.xlen(lane.stream);
         // IDEMPOTENCY_RESULT_TTL_S passes: the key's record is gone, the job's status record is not.
         const scope = { tenant: "repost", method: "POST", path: SUMMARIES, key };
-        await r.redis.del(createIntake({ redis: r.redis }, { keys, resultTtlS: 1, path: SUMMARIES }).keyFor(scope));
+        await createIntake({ redis: r.redis }, { keys, resultTtlS: 86_400, path: SUMMARIES }).forget(scope);
         const again = await post(api(), apiKey, key);
         assert.equal(again.status, 202);
         assert.equal((await again.json()).job_id, job_id);

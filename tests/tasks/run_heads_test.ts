@@ -43,7 +43,7 @@ Deno.test("runs of two versions of a task, in any order, each queue a record nam
   const acme = await createApiKey(db.sql, "acme");
   const call = jsonClient(api, acme);
   const versionOf = async (runId: string) =>
-    await r.redis.hmget(keys.lane("acme").job(runId), "task", "version", "status");
+    await r.redis.hmget(keys.lane("acme").job(runId), "task", "version", "tenant", "status");
   try {
     assert.equal((await call("PUT", "/v1/tasks/triage", TASK)).status, 201);
     let n = 0;
@@ -57,10 +57,11 @@ Deno.test("runs of two versions of a task, in any order, each queue a record nam
     const second = await post({ input: { ticket: "b" } });
     const pinned = await post({ input: { ticket: "c" }, version: 1 });
     const latest = await post({ input: { ticket: "d" }, version: 2 });
-    assert.deepEqual(await versionOf(first), ["triage", "1", "queued"]);
-    assert.deepEqual(await versionOf(second), ["triage", "2", "queued"]);
-    assert.deepEqual(await versionOf(pinned), ["triage", "1", "queued"]);
-    assert.deepEqual(await versionOf(latest), ["triage", "2", "queued"]);
+    // Each names its task and version, and its tenant; none a status (a queued run's record has none).
+    assert.deepEqual(await versionOf(first), ["triage", "1", "acme", null]);
+    assert.deepEqual(await versionOf(second), ["triage", "2", "acme", null]);
+    assert.deepEqual(await versionOf(pinned), ["triage", "1", "acme", null]);
+    assert.deepEqual(await versionOf(latest), ["triage", "2", "acme", null]);
 
     // Three waits that end unfinished (nothing runs the jobs): each links the shutdown signal while it waits only.
     for (const runId of [first, second, pinned]) {
