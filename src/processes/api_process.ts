@@ -171,14 +171,18 @@ export async function serveApi(
     webhooks: {
       allowHttp: config.WEBHOOK_ALLOW_HTTP,
       allowPrivate: config.WEBHOOK_ALLOW_PRIVATE,
-      hasSecret: createSecretCheck(sql),
-      hosts: createWebhookHostPolicy({ sql }),
+      hasSecret: createSecretCheck(sql, { signal }),
+      hosts: createWebhookHostPolicy({ sql }, { signal }),
     },
     metrics: { api: apiMetrics(registry), registry, token: config.METRICS_TOKEN },
     redis,
     sql,
     log,
-    authenticate: createAuthenticator({ sql }, { mode: config.AUTH_MODE, gatewaySecret: config.GATEWAY_SECRET }),
+    authenticate: createAuthenticator({ sql }, {
+      mode: config.AUTH_MODE,
+      gatewaySecret: config.GATEWAY_SECRET,
+      signal,
+    }),
     intake: createIntake({ redis, log, ack }, {
       maxQueued: config.INTAKE_MAX_QUEUED,
       maxQueuedPerTenant: config.INTAKE_MAX_QUEUED_PER_TENANT,
@@ -187,7 +191,7 @@ export async function serveApi(
       path: SUMMARIES,
     }),
     keys,
-    recipients: createRecipientPolicy({ sql }),
+    recipients: createRecipientPolicy({ sql }, { signal }),
     maxBodyBytes: config.MAX_BODY_BYTES,
     bodies: config.TENANT_BODY_BYTES_IN_FLIGHT > 0
       ? createBodyAdmission(config.TENANT_BODY_BYTES_IN_FLIGHT)

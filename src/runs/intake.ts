@@ -18,6 +18,7 @@ import { markQueued } from "./job_status.ts";
 import type { LaneKeys, ServiceKeys } from "./keys.ts";
 import { announceLane, type LaneKnown, laneKnownArgs } from "../queue/lanes.ts";
 import { allLanes } from "./all_lanes.ts";
+import { TenantMap } from "../tenants/tenant_map.ts";
 import type { Logger } from "../log/logger.ts";
 import type { SummaryRequest } from "./shapes.ts";
 
@@ -44,6 +45,12 @@ export interface IntakeResult {
   /** The key had been used with this body before: `response` is the stored one and nothing was enqueued. */
   replayed: boolean;
 }
+
+/**
+ * The most bytes (estimated: `tenants/tenant_map.ts`) of the intake's per-tenant heads, about 250 bytes each: some
+ * 65,000 tenants (and task versions) in use. A head is only work saved: past the bound, the oldest are built again.
+ */
+export const HEADS_BYTES = 16 * 1024 * 1024;
 
 /** Accepts summary jobs at most once per Idempotency-Key scope. */
 export interface Intake {
@@ -194,25 +201,23 @@ export function createIntake(
     JSON.stringify({ tenant, cap: maxQueuedPerTenant ?? 0, status: markQueued(tenant, run), lane: known.lane });
   /**
    * What a tenant's summary jobs (or runs of one task version) share in the script's call: its lane, the sets
-   * that make the lane known, and its head. Built once per tenant (and version), so that a request does not
-   * serialise the whole argument (what that cost: README, 'Intake against both baselines, its profile, and all
-   * cores', the `enqueue` row).
+   * that make the lane known, and its head. The head is built once per tenant (and version) in use, so that a
+   * request does not serialise the whole argument (what that cost: README, 'Intake against both baselines, its
+   * profile, and all cores', the `enqueue` row), and kept within a bound of bytes, so that every tenant in use
+   * keeps its own (a cap of 10,000 entries rebuilt one per request at 20,000 tenants, and its eviction walked
+   * the map).
    */
-  const heads = new Map<string, Head>();
+  const heads = new TenantMap<string>(HEADS_BYTES, (head) => head.length);
   // A large TTL still makes periods of whole seconds; 0 is refused by the configuration.
   const ttlS = Math.max(1, Math.floor(resultTtlS));
   const records = scopeRecords(keys, ttlS, clock);
   const headFor = (tenant: string, run?: RunSubmission) => {
     const id = run ? `${tenant}\n${run.task}\n${run.version}` : tenant;
-    let found = heads.get(id);
-    if (!found) {
-      const lane = keys.lane(tenant);
-      const known = laneKnownArgs(redis, keys.registry, tenant, lane.stream);
-      found = { lane, known, head: headOf(tenant, known, run) };
-      if (heads.size >= 10_000) heads.delete(heads.keys().next().value!);
-      heads.set(id, found);
-    }
-    return found;
+    const lane = keys.lane(tenant);
+    const known = laneKnownArgs(redis, keys.registry, tenant, lane.stream);
+    let head = heads.get(id);
+    if (head === undefined) heads.set(id, head = headOf(tenant, known, run));
+    return { lane, known, head };
   };
   const batches = createIntakeBatches(redis, { ack, ttlS, clock }, () => maxQueued ? fullQueueShare() : 0);
   const enqueue = async (

@@ -4,6 +4,7 @@
  * webhook hosts are two such lists.
  */
 import type { Sql } from "postgres";
+import { createTenantCache } from "./tenant_cache.ts";
 
 /** How one list is stored and what it accepts. */
 export interface AllowListSpec {
@@ -17,8 +18,6 @@ export interface AllowListSpec {
 
 /** How long a tenant's list is cached by a policy; a change takes effect within it. */
 export const ALLOW_LIST_CACHE_MS = 10_000;
-/** Tenants whose lists a policy caches at once. */
-const CACHE_TENANTS = 10_000;
 
 /**
  * Adds `value` to the tenant's list, or with `value` null empties it (the
@@ -42,25 +41,49 @@ export async function allowValue(sql: Sql, spec: AllowListSpec, tenant: string, 
   return rows.map((r) => r.value);
 }
 
+/** How a policy caches the lists. */
+export interface AllowListCacheOptions {
+  /** How old a cached list may be: a change takes effect within it. {@linkcode ALLOW_LIST_CACHE_MS} when unset. */
+  ttlMs?: number;
+  /** The process's lifetime: the lists in use are read again in bulk while it lasts (`tenant_cache.ts`). */
+  signal?: AbortSignal;
+  now?: () => number;
+}
+
 /**
  * A cached reader of tenants' lists: resolves to the tenant's allowed values,
- * or null when it may use any.
+ * or null when it may use any. The lists of the tenants in use are read again
+ * in bulk within `ttlMs` (`tenant_cache.ts`, which states the bound).
  */
 export function createAllowListReader(
   sql: Sql,
   spec: AllowListSpec,
-  { ttlMs = ALLOW_LIST_CACHE_MS, now = () => performance.now() }: { ttlMs?: number; now?: () => number } = {},
+  { ttlMs = ALLOW_LIST_CACHE_MS, now, signal }: AllowListCacheOptions = {},
 ): (tenant: string) => Promise<Set<string> | null> {
-  const cache = new Map<string, { values: Set<string> | null; expires: number }>();
+  const lists = createTenantCache<Set<string> | null>({
+    ttlMs,
+    now,
+    signal,
+    // Every tenant asked about is answered: most have no list (null), and are read again with the others.
+    read: async (tenants) => {
+      const rows = await sql<{ tenant: string; value: string }[]>`
+        SELECT tenant, ${sql(spec.column)} AS value FROM ${sql(spec.table)} WHERE tenant = ANY(${tenants})`;
+      const found = new Map<string, Set<string> | null>(tenants.map((tenant) => [tenant, null]));
+      for (const { tenant, value } of rows) {
+        const values = found.get(tenant);
+        if (values) values.add(value);
+        else found.set(tenant, new Set([value]));
+      }
+      return found;
+    },
+    weigh: (values) => {
+      let bytes = 0;
+      for (const value of values ?? []) bytes += 64 + 2 * value.length;
+      return bytes;
+    },
+  });
   return async (tenant) => {
-    let entry = cache.get(tenant);
-    if (!entry || entry.expires <= now()) {
-      const rows = await sql<{ value: string }[]>`
-        SELECT ${sql(spec.column)} AS value FROM ${sql(spec.table)} WHERE tenant = ${tenant}`;
-      entry = { values: rows.length ? new Set(rows.map((r) => r.value)) : null, expires: now() + ttlMs };
-      if (cache.size >= CACHE_TENANTS) cache.delete(cache.keys().next().value!);
-      cache.set(tenant, entry);
-    }
-    return entry.values;
+    const hit = lists.peek(tenant);
+    return (hit ? hit.value : await lists.get(tenant)) ?? null;
   };
 }

@@ -1,5 +1,5 @@
 import type { Sql } from "postgres";
-import { type AllowListSpec, createAllowListReader } from "./allow_list.ts";
+import { type AllowListCacheOptions, type AllowListSpec, createAllowListReader } from "./allow_list.ts";
 
 /** An email domain as stored and compared: lower case, no trailing dot. */
 export function normaliseDomain(domain: string): string {
@@ -22,7 +22,7 @@ export const MAIL_DOMAINS: AllowListSpec = {
  */
 export function createRecipientPolicy(
   { sql }: { sql: Sql },
-  options: { ttlMs?: number; now?: () => number } = {},
+  options: AllowListCacheOptions = {},
 ): (tenant: string, address: string) => Promise<boolean> {
   const domainsOf = createAllowListReader(sql, MAIL_DOMAINS, options);
   return async (tenant, address) => {

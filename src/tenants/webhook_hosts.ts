@@ -1,5 +1,5 @@
 import type { Sql } from "postgres";
-import { type AllowListSpec, createAllowListReader } from "./allow_list.ts";
+import { type AllowListCacheOptions, type AllowListSpec, createAllowListReader } from "./allow_list.ts";
 
 /** A host as stored and compared: lower case, no trailing dot, an IPv6 literal in brackets. */
 export function normaliseHost(host: string): string {
@@ -24,7 +24,7 @@ export const WEBHOOK_HOSTS: AllowListSpec = {
  */
 export function createWebhookHostPolicy(
   { sql }: { sql: Sql },
-  options: { ttlMs?: number; now?: () => number } = {},
+  options: AllowListCacheOptions = {},
 ): (tenant: string, url: string) => Promise<boolean> {
   const hostsOf = createAllowListReader(sql, WEBHOOK_HOSTS, options);
   return async (tenant, url) => {

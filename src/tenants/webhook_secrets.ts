@@ -7,6 +7,7 @@
  */
 import type { Sql } from "postgres";
 import { newWebhookSecret } from "../webhooks/signature.ts";
+import { createTenantCache } from "./tenant_cache.ts";
 
 /** How long a rotated-out secret still signs. */
 export const PREVIOUS_SECRET_GRACE_S = 24 * 3600;
@@ -45,20 +46,27 @@ export async function signingSecrets(sql: Sql, tenants: string[]): Promise<Map<s
 
 /**
  * Whether a tenant has a secret, cached per tenant for 10 s once it has one
- * (the API asks on every webhook POST). "No secret" is not cached, so a
- * webhook POST works as soon as `rotate-webhook-secret` has run.
+ * (the API asks on every webhook POST), and read again in bulk while in use
+ * (`tenant_cache.ts`, which states the bound; a timer reads them too while
+ * `signal` lasts). "No secret" is not cached, so a webhook POST works as soon
+ * as `rotate-webhook-secret` has run.
  */
-export function createSecretCheck(sql: Sql): (tenant: string) => Promise<boolean> {
-  const cache = new Map<string, { has: boolean; expires: number }>();
+export function createSecretCheck(
+  sql: Sql,
+  { signal }: { signal?: AbortSignal } = {},
+): (tenant: string) => Promise<boolean> {
+  const secrets = createTenantCache<true>({
+    ttlMs: CACHE_MS,
+    signal,
+    absentBytes: 0,
+    read: async (tenants) => {
+      const rows = await sql<{ name: string }[]>`
+        SELECT name FROM tenants WHERE name = ANY(${tenants}) AND webhook_secret IS NOT NULL`;
+      return new Map(rows.map((r) => [r.name, true]));
+    },
+  });
   return async (tenant) => {
-    const hit = cache.get(tenant);
-    if (hit && hit.expires > performance.now()) return hit.has;
-    const [row] = await sql<{ has: boolean }[]>`
-      SELECT webhook_secret IS NOT NULL AS has FROM tenants WHERE name = ${tenant}`;
-    const has = row?.has ?? false;
-    if (!has) return false;
-    if (cache.size >= 10_000) cache.delete(cache.keys().next().value!);
-    cache.set(tenant, { has, expires: performance.now() + CACHE_MS });
-    return has;
+    const hit = secrets.peek(tenant);
+    return (hit ? hit.value : await secrets.get(tenant)) === true;
   };
 }

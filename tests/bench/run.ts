@@ -1884,9 +1884,15 @@ const sections: Record<string, () => Promise<void>> = {
   hostile: benchHostileSection,
   "lanes-scale": benchLanesScale,
 };
+/** Parts of a section that `--only` may name alone, to measure one of them cheaply; a full run runs them in it. */
+const parts: Record<string, () => Promise<void>> = {
+  "lanes-drain": benchLanesDrain,
+  "lanes-intake": benchLanesIntake,
+  "lanes-bytes": benchLanesBytes,
+};
 
 const log = createLogger({ level: "warn" });
-for (const [name, fn] of Object.entries(sections)) {
+for (const [name, fn] of Object.entries(only ? { ...sections, ...parts } : sections)) {
   if (only && !only.includes(name)) continue;
   try {
     await fn();

@@ -2,7 +2,8 @@ import assert from "node:assert/strict";
 import type { Sql } from "postgres";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { createApiKey, revokeTenant } from "../../src/tenants/tenant_store.ts";
-import { createTestDatabase } from "../_support.ts";
+import { createTestDatabase, waitFor } from "../_support.ts";
+import { entryBytes } from "../../src/tenants/tenant_map.ts";
 
 Deno.test("API-key lookups: unknown ids are cached apart and a flood of them never evicts a good key", async () => {
   const db = await createTestDatabase();
@@ -12,7 +13,13 @@ Deno.test("API-key lookups: unknown ids are cached apart and a flood of them nev
       queries++;
       return (db.sql as unknown as (...a: unknown[]) => unknown)(...args);
     }) as unknown as Sql;
-    const auth = createAuthenticator({ sql: counting }, { mode: "api-key", cacheSize: 10, cacheTtlMs: 60_000 });
+    // Room for about ten unknown ids (each about 200 bytes by the cache's estimate), on a clock that stands still.
+    const auth = createAuthenticator({ sql: counting }, {
+      mode: "api-key",
+      absentCacheBytes: entryBytes("0123456789ab") * 10,
+      cacheTtlMs: 60_000,
+      now: () => 0,
+    });
     const good = await createApiKey(db.sql, "acme");
     const as = (key: string) => auth(new Request("http://api/", { headers: { authorization: `Bearer ${key}` } }));
     assert.equal(await as(good), "acme");
@@ -109,6 +116,60 @@ Deno.test("a wrong secret for a known, verified id is never accepted, in any spe
     assert.equal(await as(`Bearer ${other}`), "other");
     await assert.rejects(as(`Bearer ${key} extra`), /malformed/);
     await assert.rejects(as(`Basic ${key}`), /malformed/);
+  } finally {
+    await db.close();
+  }
+});
+
+Deno.test("a revoked key in constant use stops within cacheTtlMs through the bulk read, no request waiting on a read", async () => {
+  const db = await createTestDatabase();
+  try {
+    const { as, advance, queries } = clocked(db.sql, 10_000);
+    const key = await createApiKey(db.sql, "acme");
+    assert.equal(await as(`Bearer ${key}`), "acme");
+    advance(2_000);
+    assert.equal(await as(`Bearer ${key}`), "acme");
+    await revokeTenant(db.sql, "acme");
+    // Half the TTL on: this request is answered from the cache, and starts the bulk read of the keys in use.
+    advance(3_000);
+    assert.equal(await as(`Bearer ${key}`), "acme");
+    await waitFor("the bulk read to find the key revoked", () => as(`Bearer ${key}`).then(() => false, () => true));
+    assert.equal(queries(), 2, "the first read and the bulk read: no request read the row itself");
+  } finally {
+    await db.close();
+  }
+});
+
+Deno.test("trusted-header mode: 12,000 tenants are read in bulk, then answered from the cache alone", async () => {
+  const db = await createTestDatabase();
+  try {
+    await db.sql`INSERT INTO tenants (name) SELECT 'lane-' || i FROM generate_series(1, 12000) AS i`;
+    await db.sql`
+      INSERT INTO api_keys (id, tenant, secret_sha256)
+      SELECT lpad(to_hex(i), 12, '0'), 'lane-' || i, '\\x00'::bytea FROM generate_series(1, 12000) AS i`;
+    await db.sql`UPDATE api_keys SET revoked_at = now() WHERE tenant = 'lane-12000'`;
+    let queries = 0;
+    const counting = ((...args: Parameters<Sql>) => {
+      queries++;
+      return (db.sql as unknown as (...a: unknown[]) => unknown)(...args);
+    }) as unknown as Sql;
+    const secret = "gateway-secret-0123456789";
+    const auth = createAuthenticator({ sql: counting }, {
+      mode: "trusted-header",
+      gatewaySecret: secret,
+      now: () => 0,
+    });
+    const as = (tenant: string) =>
+      auth(new Request("http://x", { headers: { "x-gateway-secret": secret, "x-tenant-id": tenant } }))
+        .then(() => true, () => false);
+    const tenants = Array.from({ length: 12_000 }, (_, i) => `lane-${i + 1}`);
+    const first = await Promise.all(tenants.map(as));
+    assert.equal(first.filter(Boolean).length, 11_999, "every active tenant, and not the revoked one");
+    assert.ok(queries <= 20, `tenants asked for together were read together (${queries} queries)`);
+    const before = queries;
+    const again = await Promise.all(tenants.map(as));
+    assert.deepEqual(again, first);
+    assert.equal(queries, before, "no query once warm (a cap of 10,000 entries read each of them again)");
   } finally {
     await db.close();
   }
