@@ -129,7 +129,10 @@ async function answeringFirst(url: string): Promise<string> {
       max: 1,
       connect_timeout: PG_CONNECT_TIMEOUT_S,
       onnotice: () => {},
-      connection: { application_name: "oncely" },
+      // Each execution planned for its arguments and the table as it is: a prepared statement's generic plan made
+    // while a table was small (a new deployment, or autovacuum off) stays a sequential scan as the table grows
+    // (README, "Lanes at scale").
+    connection: { application_name: "oncely", plan_cache_mode: "force_custom_plan" },
     });
     try {
       await withTimeout(probe`SELECT 1`, PG_CONNECT_TIMEOUT_S * 1000 + 500, "Postgres probe");
@@ -314,7 +317,10 @@ export async function connectPostgres(
     // Postgres 14+ reports as off: it would connect to the standby, and every write would fail there
     // (hapostgres/pg_auto_failover#970). `primary` tells by in_hot_standby, as libpq does for read-write.
     ...(target === "read-write" ? { target_session_attrs: "primary" as const } : {}),
-    connection: { application_name: "oncely" },
+    // Each execution planned for its arguments and the table as it is: a prepared statement's generic plan made
+    // while a table was small (a new deployment, or autovacuum off) stays a sequential scan as the table grows
+    // (README, "Lanes at scale").
+    connection: { application_name: "oncely", plan_cache_mode: "force_custom_plan" },
   });
   try {
     await withTimeout(sql`SELECT 1`, STARTUP_TIMEOUT_MS + 500, "Postgres query");
