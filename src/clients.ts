@@ -129,10 +129,7 @@ async function answeringFirst(url: string): Promise<string> {
       max: 1,
       connect_timeout: PG_CONNECT_TIMEOUT_S,
       onnotice: () => {},
-      // Each execution planned for its arguments and the table as it is: a prepared statement's generic plan made
-    // while a table was small (a new deployment, or autovacuum off) stays a sequential scan as the table grows
-    // (README, "Lanes at scale").
-    connection: { application_name: "oncely", plan_cache_mode: "force_custom_plan" },
+      connection: { application_name: "oncely" },
     });
     try {
       await withTimeout(probe`SELECT 1`, PG_CONNECT_TIMEOUT_S * 1000 + 500, "Postgres probe");
