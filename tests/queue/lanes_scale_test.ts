@@ -101,24 +101,30 @@ Deno.test("lanes at scale", async (t) => {
     return { prefix, keys, lane, ids, fill };
   };
 
+  /** A worker of 8 slots on the registry of `keys`, recording the jobs it starts. */
+  const workerOn = (redis: RedisClient, keys: ReturnType<typeof laneRegistryKeys>, lane: (id: string) => LaneNames) => {
+    const registry = createLaneRegistry({ redis, log: silentLogger }, { keys, lane });
+    const started: string[] = [];
+    const worker = createStreamWorker({ redis, log: silentLogger }, {
+      consumer: "w",
+      claimIdleMs: 60_000,
+      maxDeliveries: 5,
+      concurrency: 8,
+      blockMs: 0,
+      lanes: registry,
+    }, (m) => {
+      started.push(String(m.fields.job_id));
+      return Promise.resolve();
+    });
+    return { registry, worker, started };
+  };
+
   try {
     await t.step("a read over 3,000 lanes with work sends about one take per message it starts", async () => {
       const { keys, lane, fill } = setup(3_000);
       await fill(1);
       const counted = countingRedis(r.redis);
-      const registry = createLaneRegistry({ redis: counted.redis, log: silentLogger }, { keys, lane });
-      const started: string[] = [];
-      const worker = createStreamWorker({ redis: counted.redis, log: silentLogger }, {
-        consumer: "w",
-        claimIdleMs: 60_000,
-        maxDeliveries: 5,
-        concurrency: 8,
-        blockMs: 0,
-        lanes: registry,
-      }, (m) => {
-        started.push(String(m.fields.job_id));
-        return Promise.resolve();
-      });
+      const { registry, worker, started } = workerOn(counted.redis, keys, lane);
       try {
         await worker.runOnce(0); // the first walk and the first batch of lanes
         await worker.drain();
@@ -198,19 +204,7 @@ Deno.test("lanes at scale", async (t) => {
     await t.step("a lane that gets work while another worker drained it is found again", async () => {
       const { keys, lane, fill } = setup(3);
       await fill(1);
-      const registry = createLaneRegistry({ redis: r.redis, log: silentLogger }, { keys, lane });
-      const started: string[] = [];
-      const worker = createStreamWorker({ redis: r.redis, log: silentLogger }, {
-        consumer: "w",
-        claimIdleMs: 60_000,
-        maxDeliveries: 5,
-        concurrency: 8,
-        blockMs: 0,
-        lanes: registry,
-      }, (m) => {
-        started.push(String(m.fields.job_id));
-        return Promise.resolve();
-      });
+      const { registry, worker, started } = workerOn(r.redis, keys, lane);
       try {
         for (let i = 0; i < 5 && started.length < 3; i++) {
           await worker.runOnce(0);
