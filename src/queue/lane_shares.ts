@@ -76,6 +76,11 @@ export const LANE_SHARE_DEFAULTS = {
   rebaseAt: 2 ** 40,
   /** Lanes looked at per plan for figures no longer needed (idle, at or behind the clock): forgetting is spread. */
   forgetPerPlan: 16,
+  /**
+   * A lane that gets work again within this many plans of being drained keeps its virtual time instead of starting
+   * at the clock: a take that drains a lane says so at once, and a burst's next job is often a few ms behind.
+   */
+  refillGracePlans: 4,
 } as const;
 
 interface Lane {
@@ -91,6 +96,8 @@ interface Lane {
   active: boolean;
   /** The sequence number of its live entry in the heap; 0 when it has none (planned, set aside, or drained). */
   entry: number;
+  /** The plan in which it was last drained (see `refillGracePlans`). */
+  drainedIn: number;
 }
 
 /** Creates the fair-share bookkeeping of one worker. */
@@ -102,12 +109,25 @@ export function createLaneShares(): LaneShares {
   let unit = 0;
   let ratio = 0;
   let active = 0;
+  let plans = 0;
   let forgetting: Iterator<[string, Lane]> = lanes.entries();
   const average = (old: number, cost: number) => old === 0 ? cost : old + LANE_SHARE_DEFAULTS.averaging * (cost - old);
   const get = (id: string) => {
     let lane = lanes.get(id);
     if (!lane) {
-      lanes.set(id, lane = { finish: clock, inFlight: 0, weight: 1, unit: 0, ratio: 0, active: false, entry: 0 });
+      lanes.set(
+        id,
+        lane = {
+          finish: clock,
+          inFlight: 0,
+          weight: 1,
+          unit: 0,
+          ratio: 0,
+          active: false,
+          entry: 0,
+          drainedIn: -Infinity,
+        },
+      );
     }
     return lane;
   };
@@ -131,7 +151,8 @@ export function createLaneShares(): LaneShares {
         if (next.done) return;
       }
       const [id, lane] = next.value;
-      if (!lane.active && lane.inFlight <= 0 && lane.finish <= clock && lane.entry === 0) lanes.delete(id);
+      const idle = !lane.active && plans - lane.drainedIn > LANE_SHARE_DEFAULTS.refillGracePlans;
+      if (idle && lane.inFlight <= 0 && lane.finish <= clock && lane.entry === 0) lanes.delete(id);
     }
   }
   /** The clock: the finished service of the lanes served, which only moves forward. */
@@ -149,8 +170,10 @@ export function createLaneShares(): LaneShares {
       const lane = get(id);
       lane.weight = weight > 0 && Number.isFinite(weight) ? weight : 1;
       if (lane.active) return;
-      // Back from idle (or new): start at the clock, not where it stopped, so no credit was banked.
-      lane.finish = Math.max(lane.finish, clock);
+      // Back from idle (or new): start at the clock, not where it stopped, so no credit was banked; unless it was
+      // drained only a few plans ago (a burst whose jobs arrive a few ms apart keeps its place, as it did when a
+      // lane left only once a take found it empty).
+      if (plans - lane.drainedIn > LANE_SHARE_DEFAULTS.refillGracePlans) lane.finish = Math.max(lane.finish, clock);
       lane.active = true;
       active++;
       push(id, lane);
@@ -159,10 +182,12 @@ export function createLaneShares(): LaneShares {
       const lane = lanes.get(id);
       if (!lane?.active) return;
       lane.active = false;
+      lane.drainedIn = plans;
       active--;
       take(lane);
     },
     plan(free, usable) {
+      plans++;
       forget();
       const planned: { lane: string; count: number }[] = [];
       const served = live;

@@ -228,3 +228,24 @@ Deno.test("lanes at scale", async (t) => {
     await r.close();
   }
 });
+
+Deno.test("a lane refilled within a few plans of draining keeps its place; later it starts at the clock", () => {
+  const shares = createLaneShares();
+  shares.activate("a", 1);
+  shares.activate("b", 1);
+  // A runs three messages and they finish: the clock moves to A's finished service, 3.
+  const plan = shares.plan(4);
+  assert.deepEqual(plan.map((p) => p.lane), ["a", "b"]);
+  const charges = [shares.charge("a", 1), shares.charge("a", 1), shares.charge("a", 1)];
+  for (const c of charges) shares.settle(c, 1);
+  // B took one message and its take drained it; its next job arrives at once: B keeps its virtual time, 1.
+  shares.charge("b", 1);
+  shares.drained("b");
+  shares.activate("b", 1);
+  assert.equal(shares.finish("b"), 1);
+  // Drained again, and back only after more plans than the grace: it starts at the clock, banking nothing.
+  shares.drained("b");
+  for (let i = 0; i <= 4; i++) shares.plan(1).forEach((p) => shares.putBack(p.lane));
+  shares.activate("b", 1);
+  assert.equal(shares.finish("b"), 3);
+});
