@@ -12,6 +12,7 @@ import {
   type Config,
   CONFIG_VARIABLES,
   ConfigError,
+  deploymentKeyVariables,
   isSentinelUrl,
   parseConfig,
   parseSentinelUrl,
@@ -38,9 +39,14 @@ const PROBE_TIMEOUT_MS = 10_000;
 const SELF = decodeURIComponent(new URL(import.meta.url).pathname);
 const MIGRATIONS = decodeURIComponent(new URL("./migrations/", import.meta.url).pathname);
 
-/** Reads exactly the variables the service knows, so the env permission can list them. */
+/**
+ * Reads exactly the variables the service knows, so the env permission can list them: its own, and the key
+ * variables LLM_DEPLOYMENTS names (the launch task may read every `LLM_KEY_*`; a process only its own).
+ */
 function readEnv(): Record<string, string | undefined> {
-  return Object.fromEntries(CONFIG_VARIABLES.map((name) => [name, Deno.env.get(name)]));
+  const env = Object.fromEntries(CONFIG_VARIABLES.map((name) => [name, Deno.env.get(name)]));
+  for (const name of deploymentKeyVariables(env.LLM_DEPLOYMENTS)) env[name] = Deno.env.get(name);
+  return env;
 }
 
 /** Calls `onOrphaned` once the process that started this one is gone (its parent pid changed). */
@@ -250,6 +256,7 @@ async function withResolvedRedis(config: Config): Promise<Config> {
 async function compile(env: Record<string, string | undefined>): Promise<number> {
   const config = parseConfig({
     ...env,
+    ...Object.fromEntries(deploymentKeyVariables(env.LLM_DEPLOYMENTS).map((name) => [name, env[name] || "compile"])),
     OPENAI_API_KEY: env.OPENAI_API_KEY || "compile",
     RESEND_API_KEY: env.RESEND_API_KEY || "compile",
   });
@@ -275,7 +282,8 @@ async function compile(env: Record<string, string | undefined>): Promise<number>
 
 async function main(argv: string[]): Promise<number> {
   if (argv[0] === "redis-nodes") {
-    const url = parseConfig(readEnv()).REDIS_URL;
+    // REDIS_URL alone: the probe may read no deployment's key, and needs none.
+    const url = parseConfig({ REDIS_URL: Deno.env.get("REDIS_URL") }).REDIS_URL;
     let nodes: string[];
     if (isSentinelUrl(url)) {
       const { sentinelNodes } = await import("./src/redis/sentinel_nodes.ts");
@@ -301,8 +309,9 @@ async function main(argv: string[]): Promise<number> {
   const env = readEnv();
   let config: Config;
   try {
-    config = parseConfig(env);
+    // A binary is built without the keys: compile() stands in for them.
     if (compiling) return await compile(env);
+    config = parseConfig(env);
   } catch (error) {
     if (error instanceof ConfigError) {
       console.error(error.message);

@@ -41,6 +41,16 @@ const schema = z.object({
   OPENAI_API_KEY: z.string().min(1).optional(),
   OPENAI_BASE_URL: url(["http:", "https:"], "https://api.openai.com/v1").optional(),
   OPENAI_MODEL: z.string().trim().min(1, "must not be empty").default("gpt-4.1-mini"),
+  // JSON [{"name", "base_url", "api_key_env", "models", "weight"?, "rpm"?, "tpm"?, "batch"?}]: see parseConfig
+  // for the keys, which live in the variables the deployments name.
+  LLM_DEPLOYMENTS: z.string().trim().transform((text, ctx) => {
+    const parsed = parseDeployments(text);
+    if (typeof parsed === "string") {
+      ctx.addIssue({ code: "custom", message: parsed });
+      return z.NEVER;
+    }
+    return parsed;
+  }).optional(),
   MAIL_PROVIDER: z.enum(["resend", "log"], "must be resend or log").optional(),
   RESEND_API_KEY: z.string().min(1).optional(),
   RESEND_BASE_URL: url(["http:", "https:"], "https://api.resend.com").default("https://api.resend.com"),
@@ -56,6 +66,9 @@ const schema = z.object({
   LLM_RPM: int(1).optional(),
   LLM_TPM: int(1).optional(),
   LLM_BREAKER_COOLDOWN_S: seconds.default(30),
+  // A run moves to its task's next model only when every deployment of its model is unavailable or paused longer.
+  LLM_FALLBACK_AFTER_S: z.string().trim().regex(/^\d+(\.\d+)?$/, "must be a number of seconds")
+    .transform(Number).pipe(z.number().max(86400, "must be at most 86400")).default(10),
   TENANT_MAX_IN_FLIGHT: int(1).optional(),
   INTAKE_MAX_QUEUED: int(1).optional(),
   SUMMARY_RETENTION_S: int(60).optional(),
@@ -111,10 +124,11 @@ export const CONFIG_VARIABLES: readonly string[] = Object.keys(schema.shape);
 
 type Raw = z.output<typeof schema>;
 
-/** Validated configuration, with provider choices resolved. */
-export type Config = Omit<Raw, "LLM_PROVIDER" | "MAIL_PROVIDER"> & {
+/** Validated configuration, with provider choices resolved and the deployments' keys read. */
+export type Config = Omit<Raw, "LLM_PROVIDER" | "MAIL_PROVIDER" | "LLM_DEPLOYMENTS"> & {
   LLM_PROVIDER: "openai" | "extractive";
   MAIL_PROVIDER: "resend" | "log";
+  LLM_DEPLOYMENTS?: readonly ConfiguredDeployment[];
 };
 
 /** A configuration value that stops the process at start-up. */
@@ -125,11 +139,20 @@ export class ConfigError extends Error {
   }
 }
 
-const SECRETS = new Set(["OPENAI_API_KEY", "RESEND_API_KEY", "METRICS_TOKEN", "GATEWAY_SECRET", "ADMIN_TOKEN"]);
+// LLM_DEPLOYMENTS holds no key, but one pasted into it by mistake must not be printed either.
+const SECRETS = new Set([
+  "OPENAI_API_KEY",
+  "RESEND_API_KEY",
+  "METRICS_TOKEN",
+  "GATEWAY_SECRET",
+  "ADMIN_TOKEN",
+  "LLM_DEPLOYMENTS",
+]);
 
 /**
  * Parses the service configuration from an environment record.
  * Empty strings count as unset, so `PORT=` falls back to the default.
+ * The deployments' keys are read from the variables `LLM_DEPLOYMENTS` names (see {@linkcode deploymentKeyVariables}).
  * @throws {ConfigError} naming the first invalid variable.
  */
 export function parseConfig(env: Record<string, string | undefined>): Config {
@@ -145,7 +168,9 @@ export function parseConfig(env: Record<string, string | undefined>): Config {
     const value = input[variable] ?? "";
     // Never echo a secret: API keys, or a URL that may carry a password.
     const got = SECRETS.has(variable) || value.includes("@") ? "" : ` (got ${JSON.stringify(value)})`;
-    throw new ConfigError(variable, `Cannot start: ${variable} ${issue.message}${got}`);
+    // A message about one element of a list (LLM_DEPLOYMENTS) begins with its index: `LLM_DEPLOYMENTS[1] ...`.
+    const space = issue.message.startsWith("[") ? "" : " ";
+    throw new ConfigError(variable, `Cannot start: ${variable}${space}${issue.message}${got}`);
   }
   const raw = parsed.data;
   if (raw.AUTH_MODE === "trusted-header" && !raw.GATEWAY_SECRET) {
@@ -172,15 +197,47 @@ export function parseConfig(env: Record<string, string | undefined>): Config {
     );
   }
   checkPostgresTarget(raw.DATABASE_URL);
-  const llm = raw.LLM_PROVIDER ?? (raw.OPENAI_API_KEY ? "openai" : "extractive");
-  if (llm === "openai" && !raw.OPENAI_API_KEY) {
-    throw new ConfigError("OPENAI_API_KEY", "Cannot start: OPENAI_API_KEY must be set when LLM_PROVIDER=openai");
-  }
+  const llm = llmProvider(raw);
+  const deployments = raw.LLM_DEPLOYMENTS && withKeys(raw.LLM_DEPLOYMENTS, env);
   const mail = raw.MAIL_PROVIDER ?? (raw.RESEND_API_KEY ? "resend" : "log");
   if (mail === "resend" && !raw.RESEND_API_KEY) {
     throw new ConfigError("RESEND_API_KEY", "Cannot start: RESEND_API_KEY must be set when MAIL_PROVIDER=resend");
   }
-  return { ...raw, LLM_PROVIDER: llm, MAIL_PROVIDER: mail };
+  const { LLM_DEPLOYMENTS: _, ...rest } = raw;
+  return { ...rest, LLM_PROVIDER: llm, MAIL_PROVIDER: mail, ...(deployments ? { LLM_DEPLOYMENTS: deployments } : {}) };
+}
+
+/**
+ * LLM_PROVIDER, resolved: `openai` when LLM_DEPLOYMENTS or OPENAI_API_KEY is set, else `extractive`.
+ * @throws {ConfigError} for `openai` with neither, for `extractive` with deployments, and for LLM_RPM or LLM_TPM
+ * with deployments (each deployment has its own `rpm` and `tpm`: those would be ignored).
+ */
+function llmProvider(raw: Raw): Config["LLM_PROVIDER"] {
+  if (raw.LLM_DEPLOYMENTS) {
+    if (raw.LLM_PROVIDER === "extractive") {
+      throw new ConfigError(
+        "LLM_PROVIDER",
+        "Cannot start: LLM_PROVIDER=extractive is the embedded model, which takes no LLM_DEPLOYMENTS; unset one of them",
+      );
+    }
+    for (const limit of ["LLM_RPM", "LLM_TPM"] as const) {
+      if (raw[limit] === undefined) continue;
+      throw new ConfigError(
+        limit,
+        `Cannot start: ${limit} limits the one deployment OPENAI_* names; with LLM_DEPLOYMENTS set, give each ` +
+          `deployment its own "${limit.slice(4).toLowerCase()}" instead`,
+      );
+    }
+    return "openai";
+  }
+  const llm = raw.LLM_PROVIDER ?? (raw.OPENAI_API_KEY ? "openai" : "extractive");
+  if (llm === "openai" && !raw.OPENAI_API_KEY) {
+    throw new ConfigError(
+      "OPENAI_API_KEY",
+      "Cannot start: OPENAI_API_KEY must be set when LLM_PROVIDER=openai (or set LLM_DEPLOYMENTS)",
+    );
+  }
+  return llm;
 }
 
 /** Replaces the password in a connection URL (a multi-host one too), so it can be printed. */
@@ -329,4 +386,159 @@ function checkPostgresTarget(databaseUrl: string): void {
       : `Cannot start: DATABASE_URL's target_session_attrs must be read-write or primary (got "${target}"): ` +
         "the service writes, and a standby refuses writes",
   );
+}
+
+// ---- LLM_DEPLOYMENTS: the OpenAI-compatible servers model calls go to, each with its own key, models and limits ----
+
+/** One deployment of `LLM_DEPLOYMENTS`, with its key read from the variable `api_key_env` names. */
+export interface ConfiguredDeployment {
+  name: string;
+  base_url: string;
+  api_key_env: string;
+  /** The value of `api_key_env`: a secret, never logged. */
+  api_key: string;
+  models: readonly string[];
+  weight: number;
+  rpm?: number;
+  tpm?: number;
+  batch: boolean;
+}
+
+/**
+ * Where a deployment's key may live: `OPENAI_API_KEY`, or a variable whose name begins with this. The launch task
+ * may read any such variable (`--allow-env=...,LLM_KEY_*` in deno.json), and each process is granted exactly the
+ * ones its deployments name, so no deployment can make a process read another variable.
+ */
+export const DEPLOYMENT_KEY_PREFIX = "LLM_KEY_";
+
+/**
+ * The names a deployment's `api_key_env` may take. Only capitals, digits and `_`: the name goes into an
+ * `--allow-env=` list, where a comma would grant one more variable.
+ */
+const KEY_VARIABLE = new RegExp(`^(?:OPENAI_API_KEY|${DEPLOYMENT_KEY_PREFIX}[A-Z0-9_]{1,64})$`);
+const DEPLOYMENT_NAME = /^[A-Za-z0-9._-]{1,64}$/;
+const DEPLOYMENTS_EXAMPLE = '[{"name": "openai", "base_url": "https://api.openai.com/v1", ' +
+  '"api_key_env": "LLM_KEY_OPENAI", "models": ["gpt-4.1-mini"]}]';
+
+/** A field's message: `missing` when absent, else `wrong`. */
+const field = (wrong: string, missing = "is missing") => ({
+  error: (issue: { input?: unknown }) => issue.input === undefined ? missing : wrong,
+});
+
+const positiveWhole = z.number(field("must be a whole number of at least 1")).int(
+  "must be a whole number of at least 1",
+)
+  .min(1, "must be a whole number of at least 1");
+
+const deploymentSchema = z.strictObject({
+  name: z.string(field("must be a string")).regex(
+    DEPLOYMENT_NAME,
+    "must be 1 to 64 letters, digits, '.', '_' or '-'",
+  ),
+  base_url: z.string(field("must be a string")).refine(
+    (value) => url(["http:", "https:"], "").safeParse(value).success && value.trim() === value,
+    "is not an http:// or https:// URL (for example https://api.openai.com/v1)",
+  ).refine(
+    // The URL is printed (logs, `provider status`); the key goes in a header, from api_key_env's variable.
+    (value) => !URL.canParse(value) || (({ username, password }) => !username && !password)(new URL(value)),
+    "must carry no user name or password: the key belongs in the variable api_key_env names",
+  ),
+  api_key_env: z.string(field("must be a string")).regex(
+    KEY_VARIABLE,
+    `must name OPENAI_API_KEY or a variable whose name is ${DEPLOYMENT_KEY_PREFIX} followed by capitals, digits ` +
+      "or '_' (the variable that holds the key, not the key)",
+  ),
+  models: z.array(
+    z.string(field("must be a string")).min(1, "must not be empty").max(256, "must be at most 256 characters")
+      .refine((model) => model.trim() === model, "must have no leading or trailing spaces"),
+    field("must be a list of model names"),
+  ).min(1, "must list at least one model").refine(
+    (models) => new Set(models).size === models.length,
+    "lists a model twice",
+  ),
+  weight: positiveWhole.default(1),
+  rpm: positiveWhole.optional(),
+  tpm: positiveWhole.optional(),
+  batch: z.boolean(field("must be true or false")).default(false),
+}, {
+  error: (issue) =>
+    issue.code === "unrecognized_keys"
+      ? `has an unknown field ${issue.keys.map((key) => JSON.stringify(key)).join(", ")} (it takes name, ` +
+        "base_url, api_key_env, models, weight, rpm, tpm, batch)"
+      : `must be an object, for example ${DEPLOYMENTS_EXAMPLE.slice(1, -1)}`,
+});
+
+type ParsedDeployment = Omit<ConfiguredDeployment, "api_key">;
+
+/**
+ * Parses `LLM_DEPLOYMENTS` (its keys are read later, from the variables it names).
+ * @returns the deployments, or a message naming the element and the field that is wrong. It quotes no string value
+ * but a valid name (a key pasted where a variable's name belongs would be printed), only field names and numbers.
+ */
+function parseDeployments(text: string): ParsedDeployment[] | string {
+  let value: unknown;
+  try {
+    value = JSON.parse(text);
+  } catch {
+    return `is not JSON; for example ${DEPLOYMENTS_EXAMPLE}`;
+  }
+  if (!Array.isArray(value)) return `must be a JSON array of deployments, for example ${DEPLOYMENTS_EXAMPLE}`;
+  if (value.length === 0) return "must list at least one deployment (unset it for the one OPENAI_* names)";
+  const deployments: ParsedDeployment[] = [];
+  for (const [i, element] of value.entries()) {
+    const parsed = deploymentSchema.safeParse(element, { reportInput: true });
+    if (!parsed.success) {
+      const issue = parsed.error.issues[0]!;
+      const path = issue.path.map((part) => typeof part === "number" ? `[${part}]` : `.${String(part)}`).join("");
+      const got = typeof issue.input === "number" || typeof issue.input === "boolean" ? ` (got ${issue.input})` : "";
+      return `[${i}]${nameOf(element)}${path} ${issue.message}${got}`;
+    }
+    const earlier = deployments.findIndex((d) => d.name === parsed.data.name);
+    if (earlier >= 0) {
+      return `[${i}] has the name "${parsed.data.name}" of LLM_DEPLOYMENTS[${earlier}]: each deployment needs its own`;
+    }
+    deployments.push(parsed.data);
+  }
+  return deployments;
+}
+
+/** ` ("name")` for an element with a valid name, to say which deployment a message is about. */
+function nameOf(element: unknown): string {
+  const name = typeof element === "object" && element !== null ? (element as { name?: unknown }).name : undefined;
+  return typeof name === "string" && DEPLOYMENT_NAME.test(name) ? ` ("${name}")` : "";
+}
+
+/**
+ * The key variables `LLM_DEPLOYMENTS` names, as far as it can be read: what the launcher reads besides
+ * {@linkcode CONFIG_VARIABLES}. Only names a deployment may use; anything unreadable is parseConfig's to report.
+ */
+export function deploymentKeyVariables(text: string | undefined): string[] {
+  if (text === undefined || text.trim() === "") return [];
+  let value: unknown;
+  try {
+    value = JSON.parse(text);
+  } catch {
+    return [];
+  }
+  if (!Array.isArray(value)) return [];
+  const names = value.map((element) => (element as { api_key_env?: unknown } | null)?.api_key_env);
+  return [...new Set(names.filter((name): name is string => typeof name === "string" && KEY_VARIABLE.test(name)))];
+}
+
+/**
+ * Each deployment with its key, read from `env`.
+ * @throws {ConfigError} naming the key variable that is unset or empty, and the deployment that names it.
+ */
+function withKeys(deployments: ParsedDeployment[], env: Record<string, string | undefined>): ConfiguredDeployment[] {
+  return deployments.map((deployment, i) => {
+    const key = env[deployment.api_key_env];
+    if (key === undefined || key.trim() === "") {
+      throw new ConfigError(
+        deployment.api_key_env,
+        `Cannot start: ${deployment.api_key_env} is ${key === undefined ? "not set" : "empty"}, and ` +
+          `LLM_DEPLOYMENTS[${i}] ("${deployment.name}") names it as its api_key_env`,
+      );
+    }
+    return { ...deployment, api_key: key };
+  });
 }

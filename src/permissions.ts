@@ -56,11 +56,23 @@ export function requiredHosts(config: Config, needs: NetNeeds): Record<string, s
   if (needs.metrics && config.METRICS_PORT !== undefined) {
     out.METRICS_PORT = `${config.HOST.replace(/^\[|\]$/g, "")}:${config.METRICS_PORT}`;
   }
-  if (needs.model && config.LLM_PROVIDER === "openai") {
+  if (needs.model && config.LLM_DEPLOYMENTS) {
+    // Each deployment's server, and only those: OPENAI_BASE_URL names none of them then.
+    for (const { name, base_url } of config.LLM_DEPLOYMENTS) out[`LLM_DEPLOYMENTS[${name}]`] = hostOf(base_url);
+  } else if (needs.model && config.LLM_PROVIDER === "openai") {
     out.OPENAI_BASE_URL = hostOf(config.OPENAI_BASE_URL ?? "https://api.openai.com/v1");
   }
   if (needs.mail && config.MAIL_PROVIDER === "resend") out.RESEND_BASE_URL = hostOf(config.RESEND_BASE_URL);
   return out;
+}
+
+/**
+ * The variables a process reads: the service's, and the key variables `LLM_DEPLOYMENTS` names (each process parses
+ * the whole configuration, and so checks that they are set).
+ */
+export function envVariables(config: Config): string[] {
+  const keys = (config.LLM_DEPLOYMENTS ?? []).map((deployment) => deployment.api_key_env);
+  return [...new Set([...CONFIG_VARIABLES, ...keys])];
 }
 
 /**
@@ -101,7 +113,7 @@ export function permissionFlags(
   const spec = COMMAND_TABLE[command];
   const hosts = [...new Set(Object.values(requiredHosts(config, spec.net)))];
   // A process with validation children tells them where Deno's cache is (`DENO_DIR`), and nothing else.
-  const variables = spec.validation && !binary ? [...CONFIG_VARIABLES, "DENO_DIR"] : CONFIG_VARIABLES;
+  const variables = spec.validation && !binary ? [...envVariables(config), "DENO_DIR"] : envVariables(config);
   const flags = [...netFlags(config, spec.net, hosts), `--allow-env=${variables.join(",")}`, "--ignore-env"];
   if (spec.hostname) flags.push("--allow-sys=hostname");
   const reads = [...(spec.migrations ? [migrationsDir] : []), ...(spec.validation && binary ? WORKER_FILES : [])];

@@ -1,5 +1,6 @@
 import assert from "node:assert/strict";
-import { ConfigError, parseConfig } from "../src/config.ts";
+import { ConfigError, deploymentKeyVariables, parseConfig } from "../src/config.ts";
+import { deployment, deploymentsEnv, keyOf } from "./support/deployments_env.ts";
 
 Deno.test("parseConfig() applies the contract's defaults", () => {
   const c = parseConfig({});
@@ -22,6 +23,8 @@ Deno.test("parseConfig() applies the contract's defaults", () => {
   assert.equal(c.MAX_BODY_BYTES, 1048576);
   assert.equal(c.LOG_LEVEL, "info");
   assert.equal(c.METRICS_PORT, undefined);
+  assert.equal(c.LLM_DEPLOYMENTS, undefined);
+  assert.equal(c.LLM_FALLBACK_AFTER_S, 10);
 });
 
 Deno.test("parseConfig() picks openai and resend when their keys are set", () => {
@@ -192,4 +195,176 @@ Deno.test("parseConfig() refuses WEBHOOK_TENANT_HOURLY_LIMIT when OUTBOX_RETENTI
     },
   );
   assert.equal(parseConfig({ WEBHOOK_TENANT_HOURLY_LIMIT: "50" }).WEBHOOK_TENANT_HOURLY_LIMIT, 50);
+});
+
+Deno.test("LLM_DEPLOYMENTS: each deployment with its defaults and its key, read from the variable it names", () => {
+  const c = parseConfig(deploymentsEnv([
+    deployment("east", { weight: 3, rpm: 900, tpm: 90_000, batch: true }),
+    deployment("west", { models: ["gpt-4.1-mini", "gpt-4.1"], api_key_env: "OPENAI_API_KEY" }),
+  ], { LLM_FALLBACK_AFTER_S: "2.5" }));
+  assert.equal(c.LLM_PROVIDER, "openai", "LLM_DEPLOYMENTS alone picks openai");
+  assert.equal(c.LLM_FALLBACK_AFTER_S, 2.5);
+  assert.deepEqual(c.LLM_DEPLOYMENTS, [
+    {
+      name: "east",
+      base_url: "https://east.example.com/v1",
+      api_key_env: "LLM_KEY_EAST",
+      api_key: keyOf("LLM_KEY_EAST"),
+      models: ["gpt-4.1-mini"],
+      weight: 3,
+      rpm: 900,
+      tpm: 90_000,
+      batch: true,
+    },
+    {
+      name: "west",
+      base_url: "https://west.example.com/v1",
+      api_key_env: "OPENAI_API_KEY",
+      api_key: keyOf("OPENAI_API_KEY"),
+      models: ["gpt-4.1-mini", "gpt-4.1"],
+      weight: 1,
+      batch: false,
+    },
+  ]);
+  // OPENAI_API_KEY is not needed when no deployment names it, and LLM_PROVIDER=openai may still be said.
+  const named = parseConfig(deploymentsEnv([deployment("east")], { LLM_PROVIDER: "openai" }));
+  assert.equal(named.OPENAI_API_KEY, undefined);
+  assert.equal(named.LLM_DEPLOYMENTS![0]!.api_key, keyOf("LLM_KEY_EAST"));
+  assert.equal(parseConfig({ LLM_FALLBACK_AFTER_S: "0" }).LLM_FALLBACK_AFTER_S, 0);
+});
+
+Deno.test("LLM_DEPLOYMENTS: each mistake is one line naming the deployment and the field, never a key", () => {
+  const east = deployment("east");
+  const cases: [Record<string, string>, string, RegExp][] = [
+    [{ LLM_DEPLOYMENTS: "[{" }, "LLM_DEPLOYMENTS", /^Cannot start: LLM_DEPLOYMENTS is not JSON; for example \[/],
+    [{ LLM_DEPLOYMENTS: '{"name": "east"}' }, "LLM_DEPLOYMENTS", /LLM_DEPLOYMENTS must be a JSON array of deployments/],
+    [{ LLM_DEPLOYMENTS: "[]" }, "LLM_DEPLOYMENTS", /LLM_DEPLOYMENTS must list at least one deployment/],
+    [deploymentsEnv([east, "west"]), "LLM_DEPLOYMENTS", /LLM_DEPLOYMENTS\[1\] must be an object/],
+    [
+      deploymentsEnv([east, { ...east }]),
+      "LLM_DEPLOYMENTS",
+      /LLM_DEPLOYMENTS\[1\] has the name "east" of LLM_DEPLOYMENTS\[0\]/,
+    ],
+    [deploymentsEnv([{ ...east, name: undefined }]), "LLM_DEPLOYMENTS", /LLM_DEPLOYMENTS\[0\]\.name is missing/],
+    [deploymentsEnv([{ ...east, name: "east coast" }]), "LLM_DEPLOYMENTS", /\[0\]\.name must be 1 to 64 letters/],
+    [deploymentsEnv([{ ...east, name: "x".repeat(65) }]), "LLM_DEPLOYMENTS", /\[0\]\.name must be 1 to 64/],
+    [
+      deploymentsEnv([{ ...east, base_url: "ftp://east.example.com" }]),
+      "LLM_DEPLOYMENTS",
+      /LLM_DEPLOYMENTS\[0\] \("east"\)\.base_url is not an http:\/\/ or https:\/\/ URL/,
+    ],
+    [deploymentsEnv([{ ...east, base_url: "east.example.com" }]), "LLM_DEPLOYMENTS", /\("east"\)\.base_url is not/],
+    [
+      deploymentsEnv([{ ...east, base_url: "https://u:sk-test-pw@east.example.com/v1" }]),
+      "LLM_DEPLOYMENTS",
+      /\("east"\)\.base_url must carry no user name or password/,
+    ],
+    [
+      deploymentsEnv([{ ...east, api_key_env: "EAST_KEY" }]),
+      "LLM_DEPLOYMENTS",
+      /\("east"\)\.api_key_env must name OPENAI_API_KEY or a variable whose name is LLM_KEY_/,
+    ],
+    // A comma would grant one more variable in the --allow-env list.
+    [deploymentsEnv([{ ...east, api_key_env: "LLM_KEY_EAST,HOME" }]), "LLM_DEPLOYMENTS", /\.api_key_env must name/],
+    [deploymentsEnv([{ ...east, api_key_env: "LLM_KEY_" }]), "LLM_DEPLOYMENTS", /\.api_key_env must name/],
+    [deploymentsEnv([{ ...east, models: [] }]), "LLM_DEPLOYMENTS", /\("east"\)\.models must list at least one model/],
+    [deploymentsEnv([{ ...east, models: "gpt-4.1" }]), "LLM_DEPLOYMENTS", /\.models must be a list of model names/],
+    [deploymentsEnv([{ ...east, models: ["gpt-4.1", ""] }]), "LLM_DEPLOYMENTS", /\.models\[1\] must not be empty/],
+    [deploymentsEnv([{ ...east, models: ["a", "a"] }]), "LLM_DEPLOYMENTS", /\.models lists a model twice/],
+    [
+      deploymentsEnv([{ ...east, weight: 0 }]),
+      "LLM_DEPLOYMENTS",
+      /\.weight must be a whole number of at least 1 \(got 0\)/,
+    ],
+    [deploymentsEnv([{ ...east, weight: 1.5 }]), "LLM_DEPLOYMENTS", /\.weight must be a whole number.*\(got 1\.5\)/],
+    [
+      deploymentsEnv([{ ...east, rpm: -60 }]),
+      "LLM_DEPLOYMENTS",
+      /\("east"\)\.rpm must be a whole number of at least 1/,
+    ],
+    [deploymentsEnv([{ ...east, tpm: "1000" }]), "LLM_DEPLOYMENTS", /\("east"\)\.tpm must be a whole number/],
+    [deploymentsEnv([{ ...east, batch: "yes" }]), "LLM_DEPLOYMENTS", /\("east"\)\.batch must be true or false/],
+    [
+      deploymentsEnv([{ ...east, weigth: 2 }]),
+      "LLM_DEPLOYMENTS",
+      /\("east"\) has an unknown field "weigth" \(it takes name, base_url/,
+    ],
+    [
+      { LLM_DEPLOYMENTS: JSON.stringify([east]) },
+      "LLM_KEY_EAST",
+      /^Cannot start: LLM_KEY_EAST is not set, and LLM_DEPLOYMENTS\[0\] \("east"\) names it as its api_key_env$/,
+    ],
+    [deploymentsEnv([east], { LLM_KEY_EAST: "" }), "LLM_KEY_EAST", /LLM_KEY_EAST is empty, and LLM_DEPLOYMENTS\[0\]/],
+    [
+      deploymentsEnv([{ ...east, api_key_env: "OPENAI_API_KEY" }], { OPENAI_API_KEY: "" }),
+      "OPENAI_API_KEY",
+      /OPENAI_API_KEY is empty, and LLM_DEPLOYMENTS\[0\] \("east"\) names it/,
+    ],
+    [
+      deploymentsEnv([east], { LLM_PROVIDER: "extractive" }),
+      "LLM_PROVIDER",
+      /LLM_PROVIDER=extractive is the embedded model, which takes no LLM_DEPLOYMENTS/,
+    ],
+    [deploymentsEnv([east], { LLM_RPM: "600" }), "LLM_RPM", /LLM_RPM limits the one deployment OPENAI_\* names/],
+    [deploymentsEnv([east], { LLM_TPM: "60000" }), "LLM_TPM", /give each deployment its own "tpm"/],
+    [{ LLM_FALLBACK_AFTER_S: "soon" }, "LLM_FALLBACK_AFTER_S", /LLM_FALLBACK_AFTER_S must be a number of seconds/],
+    [{ LLM_FALLBACK_AFTER_S: "-1" }, "LLM_FALLBACK_AFTER_S", /LLM_FALLBACK_AFTER_S must be a number of seconds/],
+  ];
+  for (const [env, variable, message] of cases) {
+    assert.throws(() => parseConfig(env), (e: unknown) => {
+      assert.ok(e instanceof ConfigError, String(e));
+      assert.equal(e.variable, variable, e.message);
+      assert.match(e.message, message);
+      assert.ok(!e.message.includes("\n"), "one line");
+      assert.doesNotMatch(e.message, /sk-test/, "no key");
+      return true;
+    });
+  }
+});
+
+Deno.test("LLM_DEPLOYMENTS: a key pasted into it is never printed", () => {
+  const east = deployment("east");
+  for (
+    const entry of [
+      { ...east, api_key_env: "sk-live-abcdef0123456789" },
+      { ...east, api_key: "sk-live-abcdef0123456789" },
+      { ...east, base_url: "https://user:sk-live-abcdef0123456789@" },
+      { ...east, models: ["sk-live-abcdef0123456789", "sk-live-abcdef0123456789"] },
+    ]
+  ) {
+    assert.throws(() => parseConfig(deploymentsEnv([entry])), (e: Error) => {
+      assert.match(e.message, /^Cannot start: LLM_DEPLOYMENTS\[0\] \("east"\)/);
+      assert.doesNotMatch(e.message, /sk-live/);
+      return true;
+    });
+  }
+});
+
+Deno.test("deploymentKeyVariables() names the key variables a deployment may use, for the launcher to read", () => {
+  const text = JSON.stringify([
+    deployment("east"),
+    deployment("west", { api_key_env: "OPENAI_API_KEY" }),
+    deployment("again", { api_key_env: "LLM_KEY_EAST" }),
+    deployment("bad", { api_key_env: "HOME" }),
+    { api_key_env: "LLM_KEY_A,HOME" },
+    null,
+  ]);
+  assert.deepEqual(deploymentKeyVariables(text), ["LLM_KEY_EAST", "OPENAI_API_KEY"]);
+  for (const unreadable of [undefined, "", "[{", "{}"]) assert.deepEqual(deploymentKeyVariables(unreadable), []);
+});
+
+Deno.test("main.ts reads the key variable a deployment names, and says which one is unset", async () => {
+  const run = (env: Record<string, string>) =>
+    new Deno.Command(Deno.execPath(), {
+      args: ["run", "--allow-env", "--allow-read", "--allow-net", "--allow-sys", "main.ts", "tenant", "list"],
+      env: { ...env, REDIS_URL: "redis://127.0.0.1:1/0", DATABASE_URL: "postgres://postgres@127.0.0.1:1/postgres" },
+      stdout: "piped",
+      stderr: "piped",
+    }).output();
+  const unset = await run({ LLM_DEPLOYMENTS: JSON.stringify([deployment("east")]) });
+  assert.equal(unset.code, 2);
+  assert.match(new TextDecoder().decode(unset.stderr), /^Cannot start: LLM_KEY_EAST is not set, and LLM_DEPLOYMENTS/);
+  // Set, the configuration is accepted: the command goes on to find Postgres down (exit 1, not 2).
+  const set = await run(deploymentsEnv([deployment("east")]));
+  assert.equal(set.code, 1, new TextDecoder().decode(set.stderr));
 });

@@ -5,7 +5,8 @@
  * it, never a `deno` found on PATH.
  */
 import assert from "node:assert/strict";
-import { createTestDatabase } from "./_support.ts";
+import { createTestDatabase, REDIS_URL } from "./_support.ts";
+import { deployment, deploymentsEnv } from "./support/deployments_env.ts";
 
 const ROOT = decodeURIComponent(new URL("..", import.meta.url).pathname);
 const MAIN = new URL("../main.ts", import.meta.url).href;
@@ -107,4 +108,43 @@ Deno.test("behind Sentinel, the relay is not launched when no sentinel names the
   // A process that only uses Redis still starts: its client finds the nodes itself once a sentinel answers.
   const flags = await launchFlags("worker", config);
   assert.ok(flags.some((f) => f.startsWith("--allow-net=") && f.includes("127.0.0.1:1")));
+});
+
+Deno.test("the launch task reads any LLM_KEY_ variable a deployment names, and its process may read it too", async () => {
+  const db = await createTestDatabase({ migrate: false });
+  try {
+    const task = (env: Record<string, string>) =>
+      new Deno.Command(Deno.execPath(), {
+        args: ["task", "migrate"],
+        cwd: ROOT,
+        env: { ...env, DATABASE_URL: db.url, NO_COLOR: "1" },
+        clearEnv: true,
+        stdout: "piped",
+        stderr: "piped",
+      }).output();
+    const path = { PATH: Deno.env.get("PATH") ?? "", HOME: Deno.env.get("HOME") ?? "" };
+    // The launcher's static --allow-env has LLM_KEY_*: without it (with --ignore-env) the key would read as unset.
+    const ok = await task({ ...path, ...deploymentsEnv([deployment("east"), deployment("azure-west")]) });
+    assert.equal(ok.code, 0, new TextDecoder().decode(ok.stderr));
+    const unset = await task({ ...path, LLM_DEPLOYMENTS: JSON.stringify([deployment("east")]) });
+    assert.equal(unset.code, 2);
+    assert.match(new TextDecoder().decode(unset.stderr), /Cannot start: LLM_KEY_EAST is not set, and LLM_DEPLOYMENTS/);
+  } finally {
+    await db.close();
+  }
+});
+
+Deno.test("the Redis probe starts with deployments configured: it reads REDIS_URL, no key", async () => {
+  const { parseConfig } = await import("../src/config.ts");
+  const { redisProbeFlags } = await import("../src/permissions.ts");
+  const env = { ...deploymentsEnv([deployment("east")]), REDIS_URL };
+  // Its flags grant the service's variables only: were it to parse the whole configuration, the key would be unset.
+  const out = await new Deno.Command(Deno.execPath(), {
+    args: ["run", ...redisProbeFlags(parseConfig(env)), "main.ts", "redis-nodes"],
+    cwd: ROOT,
+    env,
+    stdout: "piped",
+    stderr: "piped",
+  }).output();
+  assert.equal(out.code, 0, new TextDecoder().decode(out.stderr));
 });

@@ -2,23 +2,27 @@
  * The read grants of the permission sets: the processes that validate
  * against tenants' schemas may read the validation Worker's and the
  * definition check Worker's modules, and nothing more; the rest read nothing but the migrations where they migrate.
- * And the network grants for Redis behind Sentinel.
+ * And the network grants for Redis behind Sentinel, and for the model deployments with their key variables.
  */
 import assert from "node:assert/strict";
-import { parseConfig, parseSentinelUrl } from "../src/config.ts";
-import { COMMANDS } from "../src/commands.ts";
+import { CONFIG_VARIABLES, parseConfig, parseSentinelUrl } from "../src/config.ts";
+import { COMMAND_TABLE, COMMANDS } from "../src/commands.ts";
 import {
   DEFINITION_WORKER,
   DEFINITION_WORKER_FILES,
+  envVariables,
   permissionFlags,
   redisHostNames,
   redisProbeFlags,
+  requiredHosts,
   VALIDATION_WORKER,
   VALIDATION_WORKER_FILES,
   withRedisAddresses,
   withRedisHosts,
   WORKER_FILES,
 } from "../src/permissions.ts";
+
+import { deployment, deploymentsEnv } from "./support/deployments_env.ts";
 
 const ROOT = decodeURIComponent(new URL("..", import.meta.url).pathname);
 const MIGRATIONS = decodeURIComponent(new URL("../migrations/", import.meta.url).pathname);
@@ -119,4 +123,45 @@ Deno.test("REDIS_URL behind Sentinel: the sentinels, then the nodes the launcher
     assert.ok(denied.includes(host), `${host} is denied to the relay`);
   }
   assert.deepEqual(redisHostNames(found), ["sentinel-b"]);
+});
+
+Deno.test("LLM_DEPLOYMENTS: each deployment's server is granted to the commands that call the model, and only those", () => {
+  const config = parseConfig(deploymentsEnv([
+    deployment("east", { base_url: "https://east.example.com/v1" }),
+    deployment("local", { base_url: "http://10.0.0.5:8080/v1", api_key_env: "OPENAI_API_KEY" }),
+  ], { OPENAI_BASE_URL: "https://api.openai.com/v1", DATABASE_URL: "postgres://postgres@db:5432/postgres" }));
+  assert.deepEqual(requiredHosts(config, { model: true }), {
+    "LLM_DEPLOYMENTS[east]": "east.example.com:443",
+    "LLM_DEPLOYMENTS[local]": "10.0.0.5:8080",
+  }, "OPENAI_BASE_URL names no deployment then");
+  const allowNet = (command: (typeof COMMANDS)[number]) =>
+    permissionFlags(command, config, MIGRATIONS).find((f) => f.startsWith("--allow-net="))?.slice(12).split(",");
+  assert.deepEqual(allowNet("worker"), ["127.0.0.1:6379", "db:5432", "east.example.com:443", "10.0.0.5:8080"]);
+  for (const command of COMMANDS.filter((c) => !COMMAND_TABLE[c].net.model && !COMMAND_TABLE[c].net.anyHost)) {
+    const hosts = allowNet(command) ?? [];
+    assert.ok(!hosts.includes("east.example.com:443") && !hosts.includes("10.0.0.5:8080"), command);
+  }
+  // dev reaches any host but Redis and the metadata endpoints: the deployments among them.
+  assert.ok(permissionFlags("dev", config, MIGRATIONS).includes("--allow-net"));
+});
+
+Deno.test("LLM_DEPLOYMENTS: every command may read the key variables its deployments name, and no other", () => {
+  const config = parseConfig(deploymentsEnv([
+    deployment("east"),
+    deployment("west"),
+    deployment("spare", { api_key_env: "LLM_KEY_EAST" }),
+  ]));
+  assert.deepEqual(envVariables(config), [...CONFIG_VARIABLES, "LLM_KEY_EAST", "LLM_KEY_WEST"]);
+  for (const command of COMMANDS) {
+    for (const binary of [false, true]) {
+      const env = permissionFlags(command, config, MIGRATIONS, { binary }).find((f) => f.startsWith("--allow-env="))!;
+      const names = env.slice("--allow-env=".length).split(",");
+      assert.ok(names.includes("LLM_KEY_EAST") && names.includes("LLM_KEY_WEST"), `${command} reads both keys`);
+      assert.ok(!names.some((name) => name.includes("*")), `${command}: the named keys, no pattern`);
+    }
+  }
+  // Without deployments, the service's variables as before; OPENAI_API_KEY named by a deployment is among them.
+  assert.deepEqual(envVariables(parseConfig({})), [...CONFIG_VARIABLES]);
+  const openai = parseConfig(deploymentsEnv([deployment("east", { api_key_env: "OPENAI_API_KEY" })]));
+  assert.deepEqual(envVariables(openai), [...CONFIG_VARIABLES]);
 });

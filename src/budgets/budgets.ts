@@ -17,7 +17,7 @@ import type { RedisClient } from "../clients.ts";
 import type { Logger } from "../log/logger.ts";
 import { GateRefused } from "../retry/errors.ts";
 import { type CallEnd, type CallTokens, chargeOf } from "./charge.ts";
-import { costNanos, type ModelPrice, nanosToUsd, type Prices, usdToNanos } from "../llm/prices.ts";
+import { costNanos, type ModelPrice, nanosToUsd, type Prices, servedModels, usdToNanos } from "../llm/prices.ts";
 import type { ReplicaAck } from "../redis/replica_ack.ts";
 import type { BudgetView } from "./budget_view.ts";
 import { type BudgetState, type Limits, whole } from "./budget_hash.ts";
@@ -679,8 +679,9 @@ export async function seedFromRecord(
 }
 
 /**
- * At start-up: names every model in use (the default and every task's) that has no price while some tenant
- * has a USD budget. Such a model's runs of those tenants fail (their cost could not be bounded).
+ * At start-up: names every model in use (every model served, the default among them, and every task's) that has no
+ * price while some tenant has a USD budget. Such a model's runs of those tenants fail (their cost could not be
+ * bounded).
  */
 export async function warnUnpricedModels(
   { log, records, taskModels }: {
@@ -689,16 +690,14 @@ export async function warnUnpricedModels(
     /** Every model a task names (the task store, from its `model` column: no definition is read). */
     taskModels: () => Promise<string[]>;
   },
-  config: { OPENAI_MODEL: string; LLM_PROVIDER: string },
+  config: Parameters<typeof servedModels>[0],
   prices: Prices,
 ): Promise<string[]> {
   const budgets = await records.limits();
   const usd = [...budgets].filter(([, b]) => b.usd_per_day !== undefined || b.usd_per_month !== undefined);
   if (usd.length === 0) return [];
-  const models = new Set([
-    config.LLM_PROVIDER === "openai" ? config.OPENAI_MODEL : "extractive",
-    ...await taskModels(),
-  ]);
+  // With LLM_DEPLOYMENTS any model a deployment lists may be asked for, so each needs a price.
+  const models = new Set([...servedModels(config), ...await taskModels()]);
   const missing = [...models].filter((model) => !prices.of(model)).sort();
   if (missing.length > 0) {
     log.error("budget_models_unpriced", {

@@ -52,13 +52,22 @@ export function formatProviderStatus(s: ProviderStatus, provider: string): strin
   ];
 }
 
+/** Several flows' states for people, each under its own label, a blank line between them. */
+export async function formatProviderStatuses(
+  flows: readonly { label: string; flow: ProviderFlow }[],
+): Promise<string[]> {
+  const statuses = await Promise.all(flows.map((f) => f.flow.status()));
+  return statuses.flatMap((status, i) => [...(i ? [""] : []), ...formatProviderStatus(status, flows[i]!.label)]);
+}
+
 /**
- * `provider status [--json]`: the shared limiter and breaker of the
- * configured model provider, with where each limit came from.
+ * `provider status [--json]`: the shared limiter and breaker of the configured model provider, with where each
+ * limit came from; with LLM_DEPLOYMENTS, of each model of each deployment (`--json`: an array of them, each with
+ * its `deployment` and `model`).
  * @returns the process exit code.
  */
 export async function providerCommand(
-  flow: ProviderFlow | undefined,
+  flows: ProviderFlow | undefined | readonly FlowLike[],
   provider: string,
   args: string[],
   out: (line: string) => void = console.log,
@@ -67,12 +76,38 @@ export async function providerCommand(
     console.error(USAGE);
     return 2;
   }
-  if (!flow) {
+  const list: readonly FlowLike[] = flows === undefined
+    ? []
+    : "status" in flows
+    ? [{ deployment: undefined, model: "", label: provider, flow: flows }]
+    : flows;
+  if (list.length === 0) {
     out(`The model provider is ${provider}: a local model with no shared limiter or breaker.`);
     return 0;
   }
-  const status = await flow.status();
-  if (args.includes("--json")) out(JSON.stringify({ provider, ...status }));
-  else for (const line of formatProviderStatus(status, provider)) out(line);
+  const json = args.includes("--json");
+  if (list.length === 1 && list[0]!.deployment === undefined) {
+    const status = await list[0]!.flow.status();
+    if (json) out(JSON.stringify({ provider: list[0]!.label, ...status }));
+    else for (const line of formatProviderStatus(status, list[0]!.label)) out(line);
+    return 0;
+  }
+  if (!json) {
+    for (const line of await formatProviderStatuses(list)) out(line);
+    return 0;
+  }
+  const statuses = await Promise.all(list.map((f) => f.flow.status()));
+  out(JSON.stringify(statuses.map((status, i) => {
+    const { deployment, model, label } = list[i]!;
+    return { deployment, model, provider: label, ...status };
+  })));
   return 0;
+}
+
+/** One flow as `provider status` lists it. */
+interface FlowLike {
+  deployment: string | undefined;
+  model: string;
+  label: string;
+  flow: ProviderFlow;
 }

@@ -31,13 +31,20 @@ const NANOS_PER_USD = 1e9;
 const PRICE_KEYS = new Set(["in", "out", "batch_in", "batch_out"]);
 
 /**
- * The models this deployment serves, and so the only ones a task may name: `OPENAI_MODEL` (or `extractive`, the
- * embedded model) and every model `LLM_PRICES` prices. So every model a run can use has a price of its own (the
- * default model the flat `LLM_PRICE_*_PER_MTOK` when `LLM_PRICES` does not name it).
+ * The models served here, and so the only ones a task or request may name. With `LLM_DEPLOYMENTS`, every model a
+ * deployment lists (and those only). Without, the one deployment's: `OPENAI_MODEL` (or `extractive`, the embedded
+ * model) and every model `LLM_PRICES` prices, so every model a run can use has a price of its own (the default model
+ * the flat `LLM_PRICE_*_PER_MTOK` when `LLM_PRICES` does not name it).
  */
 export function servedModels(
-  config: { LLM_PROVIDER: string; OPENAI_MODEL: string; LLM_PRICES?: Record<string, ModelPrice> },
+  config: {
+    LLM_PROVIDER: string;
+    OPENAI_MODEL: string;
+    LLM_PRICES?: Record<string, ModelPrice>;
+    LLM_DEPLOYMENTS?: readonly { models: readonly string[] }[];
+  },
 ): ReadonlySet<string> {
+  if (config.LLM_DEPLOYMENTS) return new Set(config.LLM_DEPLOYMENTS.flatMap((deployment) => deployment.models));
   return new Set([
     config.LLM_PROVIDER === "openai" ? config.OPENAI_MODEL : "extractive",
     ...Object.keys(config.LLM_PRICES ?? {}),

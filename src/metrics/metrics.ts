@@ -23,12 +23,12 @@ export interface WorkerMetrics {
   modelRetries: Counter<"reason">;
   deadlineExpiries: Counter;
   modelDuration: Histogram<"outcome">;
-  permits: Counter<"kind">;
+  permits: Counter<"kind" | "deployment">;
   permitWait: Histogram;
-  rateLimited: Counter<"kind">;
-  modelFailures: Counter<"attribution" | "reason">;
-  tokens: Counter<"kind">;
-  breakerTransitions: Counter<"to">;
+  rateLimited: Counter<"kind" | "deployment">;
+  modelFailures: Counter<"attribution" | "reason" | "deployment">;
+  tokens: Counter<"kind" | "deployment">;
+  breakerTransitions: Counter<"to" | "deployment">;
 }
 
 /** Relay metrics. */
@@ -131,7 +131,7 @@ export function workerMetrics(registry: Registry): WorkerMetrics {
     permits: new Counter({
       name: "oncely_llm_permits_total",
       help: "Model-call permits granted by the shared limiter, by kind (permit, or the breaker's probe).",
-      labelNames: ["kind"] as const,
+      labelNames: ["kind", "deployment"] as const,
       registers,
     }),
     permitWait: new Histogram({
@@ -143,26 +143,26 @@ export function workerMetrics(registry: Registry): WorkerMetrics {
     rateLimited: new Counter({
       name: "oncely_llm_429_total",
       help: "429 answers from the model provider, by kind (rate_limited, quota).",
-      labelNames: ["kind"] as const,
+      labelNames: ["kind", "deployment"] as const,
       registers,
     }),
     tokens: new Counter({
       name: "oncely_llm_tokens_total",
       help: "Tokens the model provider reported, by kind (prompt, completion).",
-      labelNames: ["kind"] as const,
+      labelNames: ["kind", "deployment"] as const,
       registers,
     }),
     breakerTransitions: new Counter({
       name: "oncely_llm_breaker_transitions_total",
       help: "Breaker state changes this process caused, by new state.",
-      labelNames: ["to"] as const,
+      labelNames: ["to", "deployment"] as const,
       registers,
     }),
     modelFailures: new Counter({
       name: "oncely_model_failures_total",
       help: "Failed model calls by whom they were charged to (provider: the breaker or a pause took it; " +
         "job: the job's attempt), and reason.",
-      labelNames: ["attribution", "reason"] as const,
+      labelNames: ["attribution", "reason", "deployment"] as const,
       registers,
     }),
   };

@@ -8,7 +8,7 @@ import { tenantCommand } from "../cli/tenant_command.ts";
 import { usageCommand } from "../cli/usage_command.ts";
 import { migrate, readMigrations } from "../db/migrate.ts";
 import { KEY_PREFIX, serviceKeys } from "../runs/keys.ts";
-import { buildFlow, providerLabel } from "./_model.ts";
+import { buildFlows, providerLabel } from "./_model.ts";
 import { replicaAckOf } from "./_replica_ack.ts";
 
 /** `deno task migrate`. */
@@ -47,7 +47,7 @@ export function runOutbox({ clients, args }: RunContext<{ sql: true }>): Promise
 
 /** `deno task provider status [--json]`. */
 export function runProvider({ config, clients, args, log }: RunContext<{ redis: true }>): Promise<number> {
-  return providerCommand(buildFlow(config, clients.redis, log), providerLabel(config), args);
+  return providerCommand(buildFlows(config, clients.redis, log), providerLabel(config), args);
 }
 
 /** `deno task usage [--tenant T] [--since 24h] [--json]`. */

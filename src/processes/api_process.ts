@@ -15,6 +15,7 @@ import { createBudgets } from "../budgets/budgets.ts";
 import { budgetEvents } from "../budgets/budget_metrics.ts";
 import { budgetRecords } from "./_budgets.ts";
 import { createPrices, servedModels } from "../llm/prices.ts";
+import { defaultModel } from "../llm/deployment_specs.ts";
 import { createTaskCache, type TaskCache } from "../tasks/task_cache.ts";
 import { createSchemaValidators, VALIDATION_LIMITS } from "../tasks/validator.ts";
 import { KEY_PREFIX, serviceKeys } from "../runs/keys.ts";
@@ -23,7 +24,7 @@ import { createRecipientPolicy } from "../tenants/mail_domains.ts";
 import { createSecretCheck } from "../tenants/webhook_secrets.ts";
 import { createWebhookHostPolicy } from "../tenants/webhook_hosts.ts";
 import { startJobWaiter } from "../runs/job_waiter.ts";
-import { buildFlow, providerLabel } from "./_model.ts";
+import { buildFlows } from "./_model.ts";
 import { replicaAckOf } from "./_replica_ack.ts";
 import { problem } from "../http/problem.ts";
 import { usageRoutes } from "../usage/usage_api.ts";
@@ -132,7 +133,7 @@ export async function serveApi(
   const keys = serviceKeys(KEY_PREFIX);
   // One LISTEN connection serves every `Prefer: wait` request of this process.
   const waiter = startJobWaiter({ sql, log }, signal);
-  const flow = buildFlow(config, redis, log);
+  const flows = buildFlows(config, redis, log);
   // REDIS_MIN_REPLICAS_ACK: intake and the console's dead-letter replay answer only once the replicas have it.
   const ack = replicaAckOf(config, redis);
   const operatorConsole = config.ADMIN_TOKEN
@@ -144,11 +145,12 @@ export async function serveApi(
       ack,
       token: config.ADMIN_TOKEN,
       maxBodyBytes: config.MAX_BODY_BYTES,
-      providerStatus: flow &&
-        (async () => {
-          const { formatProviderStatus } = await import("../cli/provider_command.ts");
-          return formatProviderStatus(await flow.status(), providerLabel(config));
-        }),
+      providerStatus: flows.length > 0
+        ? (async () => {
+          const { formatProviderStatuses } = await import("../cli/provider_command.ts");
+          return await formatProviderStatuses(flows);
+        })
+        : undefined,
     })
     : undefined;
   // Run inputs are validated under a deadline: a tenant's schema cannot stall this process (`validator.ts`).
@@ -202,7 +204,7 @@ export async function serveApi(
       prices: createPrices(config),
       events: budgetEvents(registry),
     }),
-    defaultModel: config.LLM_PROVIDER === "openai" ? config.OPENAI_MODEL : "extractive",
+    defaultModel: defaultModel(config),
   });
   const server = Deno.serve({
     hostname: config.HOST,

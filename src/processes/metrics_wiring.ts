@@ -123,40 +123,59 @@ export function outboxGauges(registry: Registry, sql: Sql): void {
   );
 }
 
-/** Flow-control events that feed the worker metrics. */
-export function flowEvents(m: WorkerMetrics): FlowEvents {
+/**
+ * Flow-control events that feed the worker metrics: of a named deployment's flows (LLM_DEPLOYMENTS) with its name
+ * as the `deployment` label, of the single provider's without one.
+ */
+export function flowEvents(m: WorkerMetrics, deployment?: string): FlowEvents {
+  const by = deployment === undefined ? {} : { deployment };
+  if (deployment !== undefined) zeroFlowSeries(m, { deployment });
   return {
     granted: (waitMs, probe) => {
-      m.permits.inc({ kind: probe ? "probe" : "permit" });
+      m.permits.inc({ kind: probe ? "probe" : "permit", ...by });
       m.permitWait.observe(waitMs / 1000);
     },
-    limited: (kind) => m.rateLimited.inc({ kind }),
+    limited: (kind) => m.rateLimited.inc({ kind, ...by }),
     tokens: (usage) => {
-      m.tokens.inc({ kind: "prompt" }, usage.prompt_tokens);
-      m.tokens.inc({ kind: "completion" }, usage.completion_tokens);
+      m.tokens.inc({ kind: "prompt", ...by }, usage.prompt_tokens);
+      m.tokens.inc({ kind: "completion", ...by }, usage.completion_tokens);
     },
-    breaker: (_from, to) => m.breakerTransitions.inc({ to }),
+    breaker: (_from, to) => m.breakerTransitions.inc({ to, ...by }),
     // Reasons are the classifier's bounded labels (timeout, connection, http_NNN, ...).
-    failed: (attribution, reason) => m.modelFailures.inc({ attribution, reason }),
+    failed: (attribution, reason) => m.modelFailures.inc({ attribution, reason, ...by }),
   };
+}
+
+/** A deployment's series of bounded label sets, from 0 (as `workerMetrics` makes the single provider's). */
+function zeroFlowSeries(m: WorkerMetrics, by: { deployment: string }): void {
+  for (const kind of ["permit", "probe"]) m.permits.inc({ kind, ...by }, 0);
+  for (const kind of ["rate_limited", "quota"]) m.rateLimited.inc({ kind, ...by }, 0);
+  for (const kind of ["prompt", "completion"]) m.tokens.inc({ kind, ...by }, 0);
+  for (const to of ["closed", "open", "half_open"]) m.breakerTransitions.inc({ to, ...by }, 0);
 }
 
 const BREAKER_VALUES = { closed: 0, half_open: 1, open: 2 } as const;
 
-/** The shared breaker's state (0 closed, 1 half-open, 2 open) and pause, read from Redis on scrape. */
-export function providerGauges(registry: Registry, flow: ProviderFlow, provider: string): void {
+/**
+ * Each shared breaker's state (0 closed, 1 half-open, 2 open), read from Redis on scrape: one series per flow,
+ * labelled `provider` (base URL and model; with LLM_DEPLOYMENTS, the deployment's name first).
+ */
+export function providerGauges(registry: Registry, flows: readonly { label: string; flow: ProviderFlow }[]): void {
+  if (flows.length === 0) return;
   new Gauge({
     name: "oncely_llm_breaker_state",
     help: "The provider's shared circuit breaker: 0 closed, 1 half-open, 2 open.",
     labelNames: ["provider"] as const,
     registers: [registry],
     async collect() {
-      try {
-        const status = await flow.status();
-        this.set({ provider }, BREAKER_VALUES[status.breaker.state]);
-      } catch {
-        // A failed read leaves the last value; /metrics must still answer.
-      }
+      await Promise.all(flows.map(async ({ label, flow }) => {
+        try {
+          const status = await flow.status();
+          this.set({ provider: label }, BREAKER_VALUES[status.breaker.state]);
+        } catch {
+          // A failed read leaves the last value; /metrics must still answer.
+        }
+      }));
     },
   });
 }

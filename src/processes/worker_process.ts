@@ -13,8 +13,9 @@ import { createSummaryWorker } from "../runs/worker.ts";
 import { createTaskCache } from "../tasks/task_cache.ts";
 import { createPrices } from "../llm/prices.ts";
 import { createSchemaValidators, VALIDATION_LIMITS } from "../tasks/validator.ts";
-import { buildFlow, buildLlm, buildModels, providerLabel } from "./_model.ts";
+import { buildFlows, buildModels } from "./_model.ts";
 import { settlesWithin } from "../async/timeout.ts";
+import type { ProviderFlow } from "../provider/flow_control.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
 import type { ComponentDeps } from "./_deps.ts";
 import { createBudgets, warnUnpricedModels } from "../budgets/budgets.ts";
@@ -32,8 +33,8 @@ export async function startWorker(
   const keys = serviceKeys(KEY_PREFIX);
   queueGauges(registry, redis, keys);
   const consumer = `${Deno.hostname()}-${Deno.pid}-${crypto.randomUUID().slice(0, 6)}`;
-  const flow = buildFlow(config, redis, log, flowEvents(metrics));
-  if (flow) providerGauges(registry, flow, providerLabel(config));
+  const flows = buildFlows(config, redis, log, (deployment) => flowEvents(metrics, deployment));
+  providerGauges(registry, flows);
   // Model answers are validated under a deadline: a tenant's output schema cannot stall this process.
   const validators = createSchemaValidators({ keep: VALIDATION_LIMITS.workers });
   const prices = createPrices(config);
@@ -45,7 +46,7 @@ export async function startWorker(
   const worker = createSummaryWorker({
     redis,
     sql,
-    models: buildModels(config, { llm: buildLlm(config, log), flow }),
+    models: buildModels(config, { flows, log }),
     log,
     tasks: createTaskCache(sql),
     validators,
@@ -76,8 +77,9 @@ export async function startWorker(
     consumer,
     concurrency: config.WORKER_CONCURRENCY,
     llm: config.LLM_PROVIDER,
-    rpm: config.LLM_RPM ?? (flow ? "from headers" : "unlimited"),
-    tpm: config.LLM_TPM ?? (flow ? "from headers" : "unlimited"),
+    deployments: flows.length ? flows.map((f) => f.label) : undefined,
+    rpm: config.LLM_RPM ?? (flows.length ? "from headers" : "unlimited"),
+    tpm: config.LLM_TPM ?? (flows.length ? "from headers" : "unlimited"),
   });
   try {
     await worker.run(signal);
@@ -85,11 +87,12 @@ export async function startWorker(
     await worker.close();
     // Successes are reported to the shared limiter in the background: the last of them land before the exit,
     // unless Redis does not answer (a report lost only leaves the limiter a little ahead of what was spent).
-    if (flow && !(await settlesWithin(flow.settled(), FLOW_SETTLE_MS))) {
+    const all = <T>(each: (flow: ProviderFlow) => Promise<T>) => Promise.all(flows.map((f) => each(f.flow)));
+    if (!(await settlesWithin(all((flow) => flow.settled()), FLOW_SETTLE_MS))) {
       log.warn("flow_reports_unsettled", { waited_ms: FLOW_SETTLE_MS });
     }
     // Its configured limits stop counting for the other processes now, not when their entry expires.
-    if (flow && !(await settlesWithin(flow.withdraw(), FLOW_SETTLE_MS))) {
+    if (!(await settlesWithin(all((flow) => flow.withdraw()), FLOW_SETTLE_MS))) {
       log.warn("flow_config_not_withdrawn", { waited_ms: FLOW_SETTLE_MS });
     }
     await validators.close();

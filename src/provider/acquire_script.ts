@@ -124,7 +124,10 @@ local function one(mode, est, probe_id, job)
   local suspect = state == 'half_open' or n(h[10]) >= 2
   local learning = rpm == 0 and tpm == 0 and h[9] ~= '1'
   local single = suspect or learning
-  if single and probe_until > now then return 0, math.min(probe_until - now, 100), 'probing' end
+  if single and probe_until > now then
+    -- A half-open breaker's probe is out: the provider is not known to be back yet (callers that may go elsewhere do).
+    return 0, math.min(probe_until - now, 100), state == 'half_open' and 'half_open' or 'probing'
+  end
   local bad = false
   if job ~= '' then
     local list = ',' .. (h[13] or '') .. ','

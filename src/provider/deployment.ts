@@ -42,7 +42,7 @@ export function createDeployment({ llm, flow, model, name }: DeploymentOptions):
  * next. So a read takes only as many jobs of the recent average estimate as the token budget can book now
  * (less this process's jobs already waiting), and the lanes' fair share decides whose they are.
  */
-function tokenGate(flow: ProviderFlow): (averageTokens: number) => Promise<Capacity> {
+export function tokenGate(flow: ProviderFlow): (averageTokens: number) => Promise<Capacity> {
   // Whether the provider has a tokens-per-minute limit, as last seen: without one, the status is asked for only
   // once a second (a high-rate worker reads often, and each look is a round trip).
   let unlimitedUntil = 0;

@@ -191,6 +191,17 @@ export interface Permit {
   settle(outcome: PermitOutcome): Promise<boolean>;
 }
 
+/**
+ * Why a try for a permit got none: `reason` is the script's (`breaker_open`, `half_open`, `paused`, `probing`,
+ * `suspect`, `pacing`), `ms` how long until it is worth asking again, and `lost` whether a slot booked ahead was
+ * taken back when it came (the breaker opened or a pause began meanwhile).
+ */
+export interface Refusal {
+  ms: number;
+  reason: string;
+  lost: boolean;
+}
+
 /** Where a limit in force came from. */
 export type LimitSource = "config" | "headers" | "none";
 
@@ -256,6 +267,12 @@ export interface ProviderFlow {
    * or else `waitMs` until it is worth asking again.
    */
   ready(): Promise<{ permits: number; waitMs: number }>;
+  /**
+   * One try for a permit, for a caller that may go elsewhere: a permit now (or booked within about a second and
+   * slept for), or why there is none and when to ask again. Not counted as waiting meanwhile.
+   * @throws the signal's reason when it aborts; `GateRefused` when the call can never fit the token limit.
+   */
+  tryAcquire(estimatedTokens: number, signal?: AbortSignal, jobId?: string, tenant?: string): Promise<Permit | Refusal>;
   /** The shared state, once this process's outcomes reported so far are applied. */
   status(): Promise<ProviderStatus>;
   /** Callers of this process waiting for a permit now. */
@@ -423,6 +440,10 @@ export function createProviderFlow(
     },
     acquire: (estimatedTokens, signal, jobId = "", tenant = "") =>
       acquire(flow, estimatedTokens, signal, jobId, tenantTag(tenant)),
+    tryAcquire: (estimatedTokens, signal, jobId = "", tenant = "") => {
+      signal?.throwIfAborted();
+      return takeOnce(flow, estimatedTokens, signal, jobId, tenantTag(tenant), performance.now(), () => {});
+    },
     async ready() {
       if (leased(flow)) return { permits: Math.max(0, UNLIMITED - (flow.waiting - flow.suspects)), waitMs: 0 };
       // Once per read, never behind a batch of takes in flight: its own round trip. A peek writes nothing, so it
@@ -483,77 +504,95 @@ async function acquire(
   tenant: string,
 ): Promise<Permit> {
   signal?.throwIfAborted();
-  if (leased(flow)) {
-    // Unpaced, and said so less than `leaseMs` ago: granted here, without a round trip.
-    flow.lease!.left--;
-    flow.events.granted?.(0, false);
-    const permit: Permit = {
-      waitedMs: 0,
-      probe: false,
-      settle: (outcome) => settle(flow, estimatedTokens, "", outcome, jobId, tenant),
-    };
-    return permit;
-  }
   const started = performance.now();
+  // Counted as waiting until a slot is booked (a caller sleeping until its booked slot is not waiting for one).
+  let counted = true;
   flow.waiting++;
-  let booked = false;
+  const booked = () => {
+    if (counted) flow.waiting--;
+    counted = false;
+  };
   try {
     for (;;) {
       signal?.throwIfAborted();
-      const id = crypto.randomUUID();
-      const [code, ms, reason] = await ask(flow, estimatedTokens, "take", id, jobId);
-      if (code === -1) {
-        throw new GateRefused(
-          `the call's ${estimatedTokens} estimated tokens exceed the provider's tokens-per-minute limit`,
-        );
-      }
-      if (code > 0) {
-        const probe = code === 2;
-        const probeId = probe ? id : "";
-        if (reason === "unpaced" && flow.unappliedFailures === 0) {
-          flow.lease = { until: performance.now() + FLOW_DEFAULTS.leaseMs, left: FLOW_DEFAULTS.leasePermits };
-        }
-        if (!booked) flow.waiting--;
-        booked = true;
-        try {
-          if (ms > 0) await sleep(ms, signal);
-        } catch (error) {
-          if (probe) await release(flow, estimatedTokens, probeId, jobId);
-          throw error;
-        }
-        // A slot booked ahead is checked again when it comes: the breaker may have opened, or a 429
-        // paused everyone, while this caller slept. Then the slot is forfeit and the caller waits.
-        if (ms > 0) {
-          const [go, again] = await ask(flow, estimatedTokens, probe ? "confirm_probe" : "confirm");
-          if (go !== 1) {
-            if (probe) await release(flow, estimatedTokens, probeId, jobId);
-            flow.waiting++;
-            booked = false;
-            await sleep(again + flow.random() * 20, signal);
-            continue;
-          }
-        }
-        const waitedMs = performance.now() - started;
-        flow.events.granted?.(waitedMs, probe);
-        const permit: Permit = {
-          waitedMs,
-          probe,
-          settle: (outcome) => settle(flow, estimatedTokens, probeId, outcome, jobId, tenant),
-        };
-        return permit;
-      }
+      const got = await takeOnce(flow, estimatedTokens, signal, jobId, tenant, started, booked);
+      if ("settle" in got) return got;
+      if (!counted) flow.waiting++;
+      counted = true;
       // Spread the callers a pause or an open breaker releases at the same instant.
-      const suspect = reason === "suspect";
+      const suspect = got.reason === "suspect";
       if (suspect) flow.suspects++;
       try {
-        await sleep(ms + flow.random() * Math.min(100, ms * 0.1 + 10), signal);
+        await sleep(got.ms + flow.random() * (got.lost ? 20 : Math.min(100, got.ms * 0.1 + 10)), signal);
       } finally {
         if (suspect) flow.suspects--;
       }
     }
   } finally {
-    if (!booked) flow.waiting--;
+    if (counted) flow.waiting--;
   }
+}
+
+/**
+ * A permit now (or booked within `maxAheadMs`, slept for), or why not and when to ask again: one ask of the
+ * script. `onBooked` is told when a slot is booked (before sleeping until it comes).
+ * @throws {GateRefused} when the call can never fit the token limit; the signal's reason when it aborts.
+ */
+async function takeOnce(
+  flow: Flow,
+  estimatedTokens: number,
+  signal: AbortSignal | undefined,
+  jobId: string,
+  tenant: string,
+  started: number,
+  onBooked: () => void,
+): Promise<Permit | Refusal> {
+  if (leased(flow)) {
+    // Unpaced, and said so less than `leaseMs` ago: granted here, without a round trip.
+    flow.lease!.left--;
+    flow.events.granted?.(0, false);
+    return {
+      waitedMs: 0,
+      probe: false,
+      settle: (outcome) => settle(flow, estimatedTokens, "", outcome, jobId, tenant),
+    };
+  }
+  const id = crypto.randomUUID();
+  const [code, ms, reason] = await ask(flow, estimatedTokens, "take", id, jobId);
+  if (code === -1) {
+    throw new GateRefused(
+      `the call's ${estimatedTokens} estimated tokens exceed the provider's tokens-per-minute limit`,
+    );
+  }
+  if (code <= 0) return { ms, reason, lost: false };
+  const probe = code === 2;
+  const probeId = probe ? id : "";
+  if (reason === "unpaced" && flow.unappliedFailures === 0) {
+    flow.lease = { until: performance.now() + FLOW_DEFAULTS.leaseMs, left: FLOW_DEFAULTS.leasePermits };
+  }
+  onBooked();
+  try {
+    if (ms > 0) await sleep(ms, signal);
+  } catch (error) {
+    if (probe) await release(flow, estimatedTokens, probeId, jobId);
+    throw error;
+  }
+  // A slot booked ahead is checked again when it comes: the breaker may have opened, or a 429
+  // paused everyone, while this caller slept. Then the slot is forfeit and the caller waits.
+  if (ms > 0) {
+    const [go, again, why] = await ask(flow, estimatedTokens, probe ? "confirm_probe" : "confirm");
+    if (go !== 1) {
+      if (probe) await release(flow, estimatedTokens, probeId, jobId);
+      return { ms: again, reason: why, lost: true };
+    }
+  }
+  const waitedMs = performance.now() - started;
+  flow.events.granted?.(waitedMs, probe);
+  return {
+    waitedMs,
+    probe,
+    settle: (outcome) => settle(flow, estimatedTokens, probeId, outcome, jobId, tenant),
+  };
 }
 
 /** Gives a probe's slot back at once (its call never went out), and waits until that is applied. */

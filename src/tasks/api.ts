@@ -73,7 +73,7 @@ export interface TaskApiDeps {
   /** Checks new definitions on a Worker; one of these routes' own (started on the first check) when unset. */
   definitions?: DefinitionChecker;
   taskLimits?: Partial<TaskPutLimits>;
-  /** The models a task may name (OPENAI_MODEL and those LLM_PRICES prices); any model when unset. */
+  /** The models a task may name (`servedModels`: the deployments'); any model when unset. */
   models?: ReadonlySet<string>;
 }
 
@@ -228,7 +228,7 @@ function definitionOf(raw: unknown, models: ReadonlySet<string> | undefined) {
         `the limit is ${DEFINITION_LIMITS.maxBytes}`,
     );
   }
-  // Only a model this deployment serves: any other name would be called at a price nobody set (and fail).
+  // Only a model a deployment serves: any other name would be called at a price nobody set (and fail).
   const named = definition.model === undefined ? [] : [definition.model].flat();
   const unserved = models ? named.findIndex((m) => !models.has(m)) : -1;
   if (unserved >= 0) {
@@ -236,7 +236,7 @@ function definitionOf(raw: unknown, models: ReadonlySet<string> | undefined) {
       Array.isArray(definition.model) ? `/model/${unserved}` : "/model",
       `Model ${JSON.stringify(named[unserved])} is not served here; the models served are ${
         [...models!].sort().join(", ")
-      } (OPENAI_MODEL and the models LLM_PRICES prices)`,
+      }`,
     );
   }
   return { definition, measured };

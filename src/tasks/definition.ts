@@ -27,7 +27,8 @@ export const TaskDefinition = z.strictObject({
   ),
   system: storableText("system").max(100_000).optional().describe("The system message, a template as prompt is"),
   model: z.union([MODEL, z.array(MODEL).min(1).max(8)]).optional().describe(
-    "A model, or models in order of preference (runs use the first for now); unset, the deployment's OPENAI_MODEL",
+    "A model, or models in order of preference (runs use the first for now), each one a deployment serves; " +
+      "unset, the default model (OPENAI_MODEL when a deployment serves it)",
   ),
   input_schema: z.record(z.string(), z.unknown()).describe(
     "JSON Schema 2020-12 of the input: an object, at most 64 KiB",

@@ -24,6 +24,8 @@ import { budgetEvents } from "../../src/budgets/budget_metrics.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import { apiHandler, budgetRecords, budgetsOn, summaryWorker } from "../support/fixtures.ts";
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
+import { parseConfig } from "../../src/config.ts";
+import { deployment, deploymentsEnv } from "../support/deployments_env.ts";
 
 const TASK = {
   prompt: "Echo: {{input.text}}",
@@ -312,6 +314,23 @@ Deno.test("start-up names the models in use that have no price while a tenant ha
     const log = createLogger({ level: "error", write: (line) => lines.push(line) });
     assert.deepEqual(await warnUnpricedModels({ ...stores, log }, config, prices), ["unpriced-a", "unpriced-b"]);
     assert.match(lines.join(""), /budget_models_unpriced/);
+  } finally {
+    await db.close();
+  }
+});
+
+Deno.test("with LLM_DEPLOYMENTS, start-up names each deployment's model that has no price under a USD budget", async () => {
+  const db = await createTestDatabase();
+  try {
+    await createApiKey(db.sql, "acme");
+    await setTenantBudget(db.sql, "acme", { "--usd-per-day": 5 });
+    const config = parseConfig(deploymentsEnv([
+      deployment("east", { models: ["gpt-4.1-mini", "gpt-4.1"] }),
+      deployment("local", { models: ["llama-3.1-8b"] }),
+    ], { LLM_PRICES: '{"gpt-4.1-mini": {"in": 0.4, "out": 1.6}, "gpt-4.1": {"in": 2, "out": 8}}' }));
+    const stores = { records: budgetRecords(db.sql), taskModels: () => taskModels(db.sql), log: silentLogger };
+    // OPENAI_MODEL (gpt-4.1-mini by default) is priced, but the deployments may be asked for any model they list.
+    assert.deepEqual(await warnUnpricedModels(stores, config, createPrices(config)), ["llama-3.1-8b"]);
   } finally {
     await db.close();
   }

