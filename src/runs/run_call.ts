@@ -247,6 +247,9 @@ function recordAttempt(
         "gen_ai.usage.input_tokens": report.details?.prompt_tokens,
         "gen_ai.usage.output_tokens": report.details?.completion_tokens,
         "gen_ai.response.model": report.details?.model,
+        // The model and deployment the router gave this attempt (a fallback's, when it fell back).
+        "gen_ai.request.model": served?.model,
+        "oncely.deployment": served?.deployment,
       },
     });
   }
