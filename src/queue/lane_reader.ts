@@ -2,7 +2,7 @@
  * The reader: takes new messages from the lanes with work into a worker's
  * free slots, sharing them fairly by weighted cost (see
  * `lane_shares.ts`), each lane within its in-flight cap, and each lane's
- * streams in the lane's order.
+ * streams by priority (see `take_within_cap_script.ts`).
  */
 import type { RedisClient } from "../clients.ts";
 import { TAKE_WITHIN_CAP_SCRIPT } from "./take_within_cap_script.ts";
@@ -83,16 +83,25 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
   let weightOf: (lane: LaneNames) => number = () => 1;
 
   /**
-   * Takes from one lane, its streams in the lane's order, within its in-flight cap.
+   * Takes from one lane, its streams by their shares (see `take_within_cap_script.ts`), within its in-flight cap.
    * @returns the entries of each stream, whether the cap stopped the take, and whether it drained the lane.
    */
   async function take(lane: LaneNames, count: number): Promise<Taken> {
     // No `groups.ready`: the script makes a missing group itself.
     // The take's id is made before it is sent: a resend of it carries the same one.
+    const prioritised = lane.priorityState !== undefined && lane.streams.length > 1;
     const [state, ...perStream] = await TAKE_WITHIN_CAP_SCRIPT.run(
       redis,
-      [takeRecordKey(laneId(lane), consumer), ...lane.streams],
-      [lane.group, consumer, count, options.laneMaxInFlight ?? 0, crypto.randomUUID(), READER_DEFAULTS.takeRecordMs],
+      [takeRecordKey(laneId(lane), consumer), ...lane.streams, ...(prioritised ? [lane.priorityState!] : [])],
+      [
+        lane.group,
+        consumer,
+        count,
+        options.laneMaxInFlight ?? 0,
+        crypto.randomUUID(),
+        READER_DEFAULTS.takeRecordMs,
+        ...(prioritised ? [lane.streams.length, ...lane.streams.map((_, i) => lane.shares?.[i] ?? 1)] : []),
+      ],
     ) as [number, ...RawEntry[][]];
     return { perStream, capped: state === 1, drained: state === 2 };
   }

@@ -46,15 +46,20 @@ export interface QueueNames {
 }
 
 /**
- * Names of a lane: its streams in the order a read takes from them (the first stream first, the next when the
- * first has nothing more), its one dead-letter stream, and the consumer group each of its streams has. All share
- * one hash tag, so one script may touch every stream of a lane (a Redis Cluster slot). The default lane has one
- * stream.
+ * Names of a lane: its streams (one per priority), its one dead-letter stream, and the consumer group each of its
+ * streams has. All share one hash tag, so one script may touch every stream of a lane (a Redis Cluster slot). While
+ * several streams hold messages, a read shares the lane's takes between them by `shares` (see
+ * `take_within_cap_script.ts`), keeping its passes in `priorityState`; without it, it reads them in order. The
+ * first stream names the lane (`laneId`).
  */
 export interface LaneNames {
   streams: readonly string[];
   dead: string;
   group: string;
+  /** The hash of the lane's priority state (each stream's pass), beside its streams. */
+  priorityState?: string;
+  /** Each stream's share of the lane's takes while several have messages, by index in `streams` (absent: 1). */
+  shares?: readonly number[];
 }
 
 /** The lane's streams, in read order, each as the names of one stream. */

@@ -33,15 +33,36 @@ const GROUP = "summarisers";
 /** The stream intake adds to, after the tenant's tag: in every lane. */
 const INTAKE_STREAM = "stream";
 
-/** The streams of a lane, by their names after the tenant's tag, in read order: the default lane has one. */
-export const DEFAULT_LANE_STREAMS: readonly string[] = [INTAKE_STREAM];
+/**
+ * A run's priority (`priority` of `POST /v1/tasks/{name}/runs`; a `batch` run is queued as `low` unless a provider
+ * batch takes it).
+ */
+export type Priority = "high" | "normal" | "low";
+
+/** The stream of each priority, by its name after the tenant's tag: `normal` is intake's stream of old. */
+const PRIORITY_STREAMS: Record<Priority, string> = { high: "high", normal: INTAKE_STREAM, low: "low" };
+
+/**
+ * Each priority's share of its lane's takes while several have runs waiting (stride scheduling, see
+ * `take_within_cap_script.ts`): high runs go 16 to every 4 normal and 1 low, so each overtakes the lower ones'
+ * backlog and none is starved. A lane's share of the worker (between tenants) does not change with them.
+ */
+export const PRIORITY_SHARES: Readonly<Record<string, number>> = { high: 16, [INTAKE_STREAM]: 4, low: 1 };
+
+/**
+ * The streams of a lane, by their names after the tenant's tag: one per priority. The first names the lane in the
+ * registry and the workers (`laneId`), so it stays intake's stream of the releases that had only it.
+ */
+export const DEFAULT_LANE_STREAMS: readonly string[] = [INTAKE_STREAM, PRIORITY_STREAMS.high, PRIORITY_STREAMS.low];
 
 /** A tenant's lane, and the records kept beside it (in its hash tag). */
 export interface LaneKeys extends LaneNames, QueueNames {
-  /** The stream intake adds a job to, and a dead letter's replay puts it back on: one of `streams`. */
+  /** The stream of `normal` runs: summaries and runs without a priority, and a dead letter's replay. */
   stream: string;
-  /** The lane's streams in the order a read takes from them. */
+  /** The lane's streams: one per priority (see {@linkcode DEFAULT_LANE_STREAMS}). */
   streams: readonly string[];
+  /** The stream a run of `priority` is queued on: one of `streams` (`normal`'s when the lane has no other). */
+  streamOf(priority: Priority | undefined): string;
   /** The lane's dead letters (of all its streams). */
   dead: string;
   /** The consumer group on each of the lane's streams. */
@@ -143,9 +164,17 @@ export function serviceKeys(
 }
 
 function laneUnder(tag: string, streams: readonly string[]): LaneKeys {
+  const names = streams.map((name) => `${tag}:${name}`);
+  const stream = `${tag}:${INTAKE_STREAM}`;
   return {
-    stream: `${tag}:${INTAKE_STREAM}`,
-    streams: streams.map((name) => `${tag}:${name}`),
+    stream,
+    streams: names,
+    streamOf: (priority) => {
+      const name = PRIORITY_STREAMS[priority ?? "normal"];
+      return streams.includes(name) ? `${tag}:${name}` : stream;
+    },
+    priorityState: `${tag}:priority`,
+    shares: streams.map((name) => PRIORITY_SHARES[name] ?? 1),
     dead: `${tag}:dead`,
     group: GROUP,
     job: (jobId) => jobUnder(tag, jobId),

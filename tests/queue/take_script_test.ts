@@ -26,6 +26,20 @@ Deno.test("the take, the ack and the look at a drained lane", async (t) => {
     ) as [number, ...Entry[][]];
     return { state, ids: perStream.map((entries) => entries.map(([, f]) => f[1])) };
   };
+  /** A take with the lane's priority state (its last key) and shares: a resend passes the same `id`. */
+  const takeShared = async (
+    lane: { tag: string; streams: string[]; group: string },
+    count: number,
+    shares: number[],
+    { id = crypto.randomUUID(), cap = 0 } = {},
+  ) => {
+    const [state, ...perStream] = await TAKE_WITHIN_CAP_SCRIPT.run(
+      r.redis,
+      [`${lane.tag}:taken:c`, ...lane.streams, `${lane.tag}:priority`],
+      [lane.group, "c", count, cap, id, 60_000, lane.streams.length, ...shares],
+    ) as [number, ...Entry[][]];
+    return { state, ids: perStream.map((entries) => entries.map(([, f]) => f[1])) };
+  };
   const add = async (stream: string, ...jobs: string[]) => {
     for (const job of jobs) await r.redis.xadd(stream, "*", "job_id", job);
   };
@@ -59,6 +73,32 @@ Deno.test("the take, the ack and the look at a drained lane", async (t) => {
       assert.deepEqual(await take(lane, 2), { state: 0, ids: [["a1", "a2"], []] }, "the second stream not read");
       assert.deepEqual(await take(lane, 2), { state: 2, ids: [[], ["b1"]] });
     });
+
+    await t.step(
+      "shared takes: 4 : 1 while both streams hold messages, a resend answers the same and moves no pass",
+      async () => {
+        const lane = laneOf(2);
+        await add(lane.streams[0]!, ...Array.from({ length: 12 }, (_, i) => `n${i}`));
+        await add(lane.streams[1]!, ...Array.from({ length: 12 }, (_, i) => `l${i}`));
+        // Both start a stride after the lane's time: n at 1/4, l at 1; n goes until its pass passes l's.
+        const id = crypto.randomUUID();
+        const first = await takeShared(lane, 5, [4, 1], { id });
+        assert.deepEqual(first, { state: 0, ids: [["n0", "n1", "n2", "n3"], ["l0"]] });
+        const passes = await r.redis.hgetall(`${lane.tag}:priority`);
+        assert.deepEqual(await takeShared(lane, 5, [4, 1], { id }), first, "the resend: the same messages");
+        assert.deepEqual(await r.redis.hgetall(`${lane.tag}:priority`), passes, "and no pass moved");
+        assert.deepEqual(await takeShared(lane, 5, [4, 1]), { state: 0, ids: [["n4", "n5", "n6", "n7"], ["l1"]] });
+        // The cap counts both streams' pending messages: 10 pending, cap 12: two more.
+        assert.deepEqual(await takeShared(lane, 5, [4, 1], { cap: 12 }), { state: 0, ids: [["n8", "n9"], []] });
+        assert.deepEqual((await takeShared(lane, 5, [4, 1], { cap: 12 })).state, 1, "capped");
+        // The rest: the normal stream runs out, the low one gives the rest, and the lane is drained.
+        const rest = await takeShared(lane, 20, [4, 1]);
+        assert.deepEqual(rest, {
+          state: 2,
+          ids: [["n10", "n11"], ["l2", "l3", "l4", "l5", "l6", "l7", "l8", "l9", "l10", "l11"]],
+        });
+      },
+    );
 
     await t.step("the cap counts a group the take had to make as holding nothing", async () => {
       const lane = laneOf();

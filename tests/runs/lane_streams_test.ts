@@ -1,7 +1,6 @@
 /**
- * The summary worker on lanes of two streams (the key book's `laneStreams`; no API writes a second stream yet):
- * each tenant's streams are read in the lane's order, and a job's record and dead letter are its lane's whichever
- * stream it came from.
+ * The summary worker on lanes of two streams (the key book's `laneStreams`): the high stream's jobs go first by its
+ * share, and a job's record and dead letter are its lane's whichever stream it came from.
  */
 import assert from "node:assert/strict";
 import { createExtractiveLlm } from "../../src/llm/extractive.ts";
@@ -36,7 +35,14 @@ Deno.test("the summary worker reads every stream of a tenant's lane, in the lane
     await t.step("the key book names the lane's streams in order, the intake stream among them", () => {
       assert.deepEqual(lane.streams, [`${r.prefix}:{t:acme}:high`, `${r.prefix}:{t:acme}:stream`]);
       assert.equal(lane.stream, `${r.prefix}:{t:acme}:stream`);
-      assert.deepEqual(serviceKeys(r.prefix).lane("acme").streams, [lane.stream], "the default lane has one");
+      const normal = serviceKeys(r.prefix).lane("acme");
+      assert.deepEqual(
+        normal.streams,
+        [normal.stream, `${r.prefix}:{t:acme}:high`, `${r.prefix}:{t:acme}:low`],
+        "the default lane has one stream per priority, intake's (normal) first: it names the lane",
+      );
+      assert.deepEqual([normal.streamOf("high"), normal.streamOf(undefined)], [normal.streams[1], normal.stream]);
+      assert.equal(lane.streamOf("low"), lane.stream, "a lane without a low stream queues low runs as normal");
       assert.throws(() => serviceKeys(r.prefix, { laneStreams: ["high"] }), TypeError);
     });
 

@@ -4,7 +4,7 @@
  */
 import type { RedisClient } from "../../src/clients.ts";
 import { defineScript } from "../../src/redis/script.ts";
-import type { LaneKeys, ServiceKeys } from "../../src/runs/keys.ts";
+import type { LaneKeys, Priority, ServiceKeys } from "../../src/runs/keys.ts";
 import { announceLane } from "../../src/queue/lanes.ts";
 import { markQueued } from "../../src/runs/job_status.ts";
 import type { SummaryRequest } from "../../src/runs/shapes.ts";
@@ -51,17 +51,17 @@ export async function enqueueJob(
 /**
  * Enqueues a run of a task into the tenant's lane, as `POST /v1/tasks/{name}/runs` does after validating its
  * input (the payload names the version, which must exist for the worker), and announces the lane (unless
- * `announce` is false: a bench queues a backlog first, then announces it once).
+ * `announce` is false: a bench queues a backlog first, then announces it once), on its `priority`'s stream.
  * @returns the stream entry id.
  */
 export async function enqueueRunToLane(
   redis: RedisClient,
   keys: ServiceKeys,
   job: { jobId: string; tenant: string; run: RunPayload },
-  { announce = true }: { announce?: boolean } = {},
+  { announce = true, priority }: { announce?: boolean; priority?: Priority } = {},
 ): Promise<string> {
   const lane = keys.lane(job.tenant);
-  const id = await ENQUEUE.run(redis, [lane.stream, lane.job(job.jobId)], [
+  const id = await ENQUEUE.run(redis, [lane.streamOf(priority), lane.job(job.jobId)], [
     job.jobId,
     job.tenant,
     JSON.stringify(job.run),
