@@ -122,12 +122,15 @@ export interface LaneKnown {
  * its enqueue (see the module comment); the script adds `lane` to each of
  * `keys` and, unless `wake` is '', publishes it there. On a cluster that is
  * the lane's home (any key of the lane is `laneKey`), with no publish; on one
- * server the registry's `all` and `active` sets and the wake-up, so the
- * script announces the lane fully and nothing is left to do after it.
+ * server the registry's `active` and `all` sets and the wake-up, so the
+ * script announces the lane fully and nothing is left to do after it. A
+ * script may stop after the first of `keys` when that set holds the lane
+ * already: on one server, a lane in `active` is in `all` (nothing removes a
+ * lane from `all`) and is served (see `intake_script.ts`).
  */
 export function laneKnownArgs(redis: RedisClient, keys: LaneRegistryKeys, id: string, laneKey: string): LaneKnown {
   if (redis.isCluster) return { keys: [keys.home(laneKey)], lane: id, wake: "", announced: false };
-  return { keys: [keys.all, keys.active], lane: id, wake: keys.wake, announced: true };
+  return { keys: [keys.active, keys.all], lane: id, wake: keys.wake, announced: true };
 }
 
 /**

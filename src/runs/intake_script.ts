@@ -12,8 +12,10 @@ import { defineScript } from "../redis/script.ts";
 // key: it is looked up by job id (`GET`, the worker's acknowledgement and dead letters), and the job id, a hash of
 // the scope and the body, names no scope.
 //
-// KEYS[1…n]   the registry sets that make a lane known (`laneKnownArgs`; on a cluster, the lane's home): the same
-//             for every submission of the batch (a batch is one tenant's on a cluster).
+// KEYS[1…n]   the registry sets that make a lane known (`laneKnownArgs`: on one server the lanes with work, then
+//             every lane; on a cluster, the lane's home): the same for every submission of the batch (a batch is
+//             one tenant's on a cluster). The lane is added to KEYS[1]; only when that set lacked it is it added to
+//             the others and published (below).
 // KEYS[n+1…]  three per head (below): its lane's records hash of the current period, of the one before, and of the
 //             one before that (unlinked when the current one gets its first record: its records have all expired,
 //             and a background free spares Redis the stall of its expiry freeing a large hash in line).
@@ -37,6 +39,13 @@ import { defineScript } from "../redis/script.ts";
 //             message then has no such field), '1' when a new job is refused (the tenant's budget is spent; a
 //             replay is still answered), the payload (the stream entry's), the scope's digest, the job's
 //             fingerprint.
+// A lane the set KEYS[1] holds already is neither added to the others nor published. On one server KEYS[1] is
+// the lanes with work, a subset of every lane (nothing takes a lane out of that one), and a lane in it is
+// served: a worker knows it, or finds it by its walk of the set, or is taking it out after finding it drained,
+// and then looks at its streams again *after* taking it out (`LaneSource.idle`) and finds this job. Once taken
+// out, the next enqueue adds and publishes it again, so a worker's crash between its removal and its look
+// leaves the lane unknown only until the next enqueue or the sweep. With 20,000 tenants, one submission of a
+// batch in each lane, this spared two commands of three per submission (README, issue 39, "Lanes at scale").
 // Returns, per submission: 4 when the scope's record names this job (a replay; also when the scope had no record
 // but the job is still known: it is not enqueued twice, its status is left alone, and the record is stored
 // again), 5 when it names another (the key was used with another body), the stored answer of a record of a
@@ -108,8 +117,10 @@ local function submit(k, a)
   if h.status.ttl_s > 0 then redis.call('EXPIRE', job, h.status.ttl_s) end
   if not added[h.lane] then
     added[h.lane] = true
-    for i = 1, n do redis.call('SADD', KEYS[i], h.lane) end
-    if ARGV[6] ~= '' then redis.call('PUBLISH', ARGV[6], h.lane) end
+    if redis.call('SADD', KEYS[1], h.lane) == 1 then
+      for i = 2, n do redis.call('SADD', KEYS[i], h.lane) end
+      if ARGV[6] ~= '' then redis.call('PUBLISH', ARGV[6], h.lane) end
+    end
   end
   store(r, field, fp)
   return 0

@@ -23,9 +23,19 @@
 import type { CacheKeys } from "../cache/result_cache.ts";
 import { type LaneRegistryKeys, laneRegistryKeys } from "../queue/lanes.ts";
 import type { LaneNames, QueueNames } from "../queue/message.ts";
+import { TenantMap } from "../tenants/tenant_map.ts";
 
 /** The prefix of every Redis key the service writes. */
 export const KEY_PREFIX = "oncely";
+
+/**
+ * The most bytes (estimated: `tenants/tenant_map.ts`) of lanes' key builders one key book keeps, about 700 bytes
+ * each ({@linkcode LANE_KEYS_BYTES_EACH}): some 24,000 tenants. Past it the oldest are built again when asked for
+ * (a count of 10,000 built one per request at 20,000 tenants); the intake keeps its own with its heads.
+ */
+export const LANE_KEYS_BYTES = 16 * 1024 * 1024;
+/** A lane's key builders beyond its tenant's name: measured at about 680 bytes (a name of 10 characters). */
+const LANE_KEYS_BYTES_EACH = 600;
 
 /** The consumer group on every stream of every lane (named before runs were). */
 const GROUP = "summarisers";
@@ -135,7 +145,7 @@ export function serviceKeys(
       `A lane's streams must be distinct and include "${INTAKE_STREAM}" (got ${JSON.stringify(laneStreams)})`,
     );
   }
-  const lanes = new Map<string, LaneKeys>();
+  const lanes = new TenantMap<LaneKeys>(LANE_KEYS_BYTES, () => LANE_KEYS_BYTES_EACH);
   const legacyTag = `${prefix}:{jobs}`;
   return {
     prefix,
@@ -143,7 +153,7 @@ export function serviceKeys(
       let keys = lanes.get(tenant);
       if (!keys) {
         keys = laneUnder(tenantTag(prefix, tenant), laneStreams);
-        if (lanes.size < 10_000) lanes.set(tenant, keys);
+        lanes.set(tenant, keys);
       }
       return keys;
     },

@@ -6,8 +6,10 @@
  * with the most samples, by self time and by inclusive time, as shares of
  * the non-idle samples taken while the load ran.
  *
- * Usage: deno task bench:profile [--seconds=15] [--top=30] [--out=DIR] [--runs]
- * (`--runs`: `POST /v1/tasks/triage/runs` of the run benchmarks' task instead of `POST /v1/summaries`.)
+ * Usage: deno task bench:profile [--seconds=15] [--top=30] [--out=DIR] [--runs] [--tenants=N] [--warm=3]
+ * (`--runs`: `POST /v1/tasks/triage/runs` of the run benchmarks' task instead of `POST /v1/summaries`;
+ * `--tenants=N`: as the lanes-intake bench part loads it, `AUTH_MODE=trusted-header` and each POST's
+ * `X-Tenant-Id` one of N tenants at random, each with a key.)
  * (BENCH_DATABASE_URL and BENCH_REDIS_URL as for the bench; the process uses
  * an empty Redis database index of BENCH_REDIS_URL, since its key names are fixed.)
  */
@@ -47,6 +49,10 @@ export interface FunctionShare {
   selfPct: number;
   totalPct: number;
 }
+
+/** With `--tenants=N`: the tenants' names (1 to N after it) and the gateway's secret. */
+const TENANT_PREFIX = "lane-";
+const GATEWAY_SECRET = "bench-gateway-secret-0123456789";
 
 const IDLE = new Set(["(idle)", "(program)"]);
 
@@ -100,9 +106,21 @@ if (import.meta.main) {
   const adminUrl = Deno.env.get("BENCH_DATABASE_URL") ?? "postgres://postgres@127.0.0.1:5432/postgres";
   const redisUrl = await emptyRedisDatabase(Deno.env.get("BENCH_REDIS_URL") ?? "redis://127.0.0.1:6379/0");
   const db = await createScratchDatabase(adminUrl, { prefix: "oncely_bench" });
+  const tenants = Number(arg("tenants", "0"));
   const key = await createApiKey(db.sql, "bench");
+  for (let start = 1; start <= tenants; start += 200) {
+    const count = Math.min(200, tenants - start + 1);
+    await Promise.all(Array.from({ length: count }, (_, k) => createApiKey(db.sql, `${TENANT_PREFIX}${start + k}`)));
+  }
   const port = freePort();
-  const env = { DATABASE_URL: db.url, REDIS_URL: redisUrl, PORT: String(port), LOG_LEVEL: "info", NO_COLOR: "1" };
+  const env: Record<string, string> = {
+    DATABASE_URL: db.url,
+    REDIS_URL: redisUrl,
+    PORT: String(port),
+    LOG_LEVEL: "info",
+    NO_COLOR: "1",
+    ...(tenants > 0 ? { AUTH_MODE: "trusted-header", GATEWAY_SECRET: GATEWAY_SECRET } : {}),
+  };
   const child = new Deno.Command(Deno.execPath(), {
     args: [
       "run",
@@ -124,7 +142,10 @@ if (import.meta.main) {
       if (i > 300) throw new Error("the API did not start");
       await new Promise((r) => setTimeout(r, 100));
     }
-    const headers = { authorization: `Bearer ${key}`, "content-type": "application/json" };
+    const headers: Record<string, string> = tenants > 0
+      ? { "x-gateway-secret": GATEWAY_SECRET, "content-type": "application/json" }
+      : { authorization: `Bearer ${key}`, "content-type": "application/json" };
+    const spread = tenants > 0 ? { header: "x-tenant-id", prefix: TENANT_PREFIX, count: tenants } : undefined;
     const runs = Deno.args.includes("--runs");
     if (runs) {
       const put = await fetch(`${base}/v1/tasks/triage`, {
@@ -144,10 +165,15 @@ if (import.meta.main) {
       }),
       connections: 64,
       expectStatus: 202,
+      spread,
     };
     const runId = crypto.randomUUID().slice(0, 8);
     const started = performance.now();
-    await postLoad({ ...load, seconds: 3, vary: { header: "idempotency-key", prefix: `warm-${runId}-` } });
+    await postLoad({
+      ...load,
+      seconds: Number(arg("warm", "3")),
+      vary: { header: "idempotency-key", prefix: `warm-${runId}-` },
+    });
     const warmMs = performance.now() - started;
     const result = await postLoad({ ...load, seconds, vary: { header: "idempotency-key", prefix: `prof-${runId}-` } });
     console.log(

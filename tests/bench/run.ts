@@ -1660,6 +1660,7 @@ async function benchLanesIntake() {
   const load = async (tenants: number, seconds: number, tag: string) => {
     const server = servers.get(tenants)!;
     const before = await server.cpuMs();
+    const redisBefore = await redisCpuMs(redis);
     const result = await postLoad({
       url: `http://127.0.0.1:${server.port}${SUMMARIES}`,
       headers: { "content-type": "application/json", "x-gateway-secret": LANES_GATEWAY_SECRET },
@@ -1671,15 +1672,16 @@ async function benchLanesIntake() {
       expectStatus: 202,
     }, progress);
     const cpuUs = ((await server.cpuMs()) - before) * 1000 / (result.perSecond * seconds);
+    const redisCpuUs = ((await redisCpuMs(redis)) - redisBefore) * 1000 / (result.perSecond * seconds);
     await redis.flushdb();
     if (result.errors > 0) {
       throw new Error(`lanes intake, ${tenants} tenant(s): ${result.errors} POSTs not answered 202`);
     }
     progress(
       `lanes scale: intake over ${fmt(tenants)} tenant(s): ${fmt(result.perSecond)}/s, p99 ${fmt(result.p99, 1)} ms, ` +
-        `${fmt(cpuUs)} µs CPU/req`,
+        `${fmt(cpuUs)} µs CPU/req, Redis ${fmt(redisCpuUs, 1)} µs/req`,
     );
-    return { ...result, cpuUs };
+    return { ...result, cpuUs, redisCpuUs };
   };
   try {
     progress(`lanes scale: ${fmt(LANE_COUNTS.at(-1)!)} tenants with a key each (trusted-header serves only those)`);
@@ -1699,7 +1701,7 @@ async function benchLanesIntake() {
     }
     // Every API compiled by the JIT before any is measured.
     for (const tenants of LANE_COUNTS) await load(tenants, smoke ? 1 : 3, "warm");
-    const results = new Map<number, (HttpLoad & { cpuUs: number })[]>();
+    const results = new Map<number, (HttpLoad & { cpuUs: number; redisCpuUs: number })[]>();
     for (let i = 0; i < RUNS; i++) {
       for (const tenants of rotated(LANE_COUNTS, i)) {
         progress(`lanes scale: intake over ${fmt(tenants)} tenant(s), ${seconds} s (round ${i + 1})`);
@@ -1707,7 +1709,10 @@ async function benchLanesIntake() {
       }
     }
     const one = medianRun(results.get(1)!);
-    const cpu = (tenants: number) => median(results.get(tenants)!.map((x) => x.cpuUs));
+    const cpu = (tenants: number) =>
+      `API CPU ${fmt(median(results.get(tenants)!.map((x) => x.cpuUs)))} µs/request, Redis ${
+        fmt(median(results.get(tenants)!.map((x) => x.redisCpuUs)), 1)
+      }`;
     const latency = (x: ReturnType<typeof medianRun>) => `p50 ${fmt(x.p50, 1)} ms, p99 ${fmt(x.p99, 1)} ms`;
     const by = generatorLabel(results.get(1)![0]!.generator);
     for (const tenants of LANE_COUNTS) {
@@ -1716,10 +1721,10 @@ async function benchLanesIntake() {
       rows.push({
         benchmark: `Lanes: intake POST ${SUMMARIES} per s over ${fmt(tenants)} tenant(s) (X-Tenant-Id at random per ` +
           `POST), real API (deno task api, AUTH_MODE=trusted-header), one process, ${INGEST_LOAD}, ${by}`,
-        result: `${fmt(x.rps)}/s (${latency(x)}); API CPU ${fmt(cpu(tenants))} µs/request`,
+        result: `${fmt(x.rps)}/s (${latency(x)}); ${cpu(tenants)}`,
         baseline: tenants === 1
           ? "the baseline of the intake rows below"
-          : `1 tenant, same rounds: ${fmt(one.rps)}/s (${latency(one)}); API CPU ${fmt(cpu(1))} µs/request`,
+          : `1 tenant, same rounds: ${fmt(one.rps)}/s (${latency(one)}); ${cpu(1)}`,
         ratio: `${fmt(ratio, 2)}x`,
         goal: laneGoal(tenants, 20_000, ">= 0.9x, p99 <= 30 ms", ratio >= 0.9 && x.p99 <= 30),
         value: x.rps,

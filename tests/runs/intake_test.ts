@@ -4,7 +4,10 @@ import { canonicalJson } from "../../src/idempotency/fingerprint.ts";
 import { encodeScope, jobIdFor, type Scope, scopeDigest } from "../../src/idempotency/scope.ts";
 import { createIntake, jobFingerprint } from "../../src/runs/intake.ts";
 import { serviceKeys } from "../../src/runs/keys.ts";
-import { createTestRedis } from "../_support.ts";
+import { silentLogger } from "../../src/log/logger.ts";
+import { createLaneRegistry } from "../../src/queue/lanes.ts";
+import { ensureGroup } from "../../src/queue/stream_worker.ts";
+import { createTestRedis, waitFor } from "../_support.ts";
 import { resendingRedis } from "../support/resending_redis.ts";
 
 const PATH = "/v1/summaries";
@@ -225,6 +228,122 @@ Deno.test("intake records", async (t) => {
       },
     );
   } finally {
+    await r.close();
+  }
+});
+
+Deno.test("intake announces a lane only when it is not among the lanes with work, and leaves no job unannounced", async (t) => {
+  const r = await createTestRedis();
+  const keys = serviceKeys(r.prefix);
+  const { active, wake } = keys.registry;
+  const intake = createIntake({ redis: r.redis }, { keys, resultTtlS: 86_400, path: PATH });
+  let n = 0;
+  const submit = (tenant: string) =>
+    intake.submit({
+      scope: { tenant, method: "POST", path: PATH, key: `announce-key-${++n}` },
+      request: { ...BODY, text: `${BODY.text} (${n})` },
+    });
+  // The wake-ups published, in order. On one server the intake script publishes them; on a cluster the
+  // announce after it does, once per POST as before, so their count is asserted on one server only.
+  const subscriber = r.redis.duplicate();
+  const woken: string[] = [];
+  subscriber.on("message", (_channel: string, id: string) => woken.push(id));
+  await subscriber.subscribe(wake);
+  let markers = 0;
+  /** The wake-ups published so far: a marker published after them on the same connection arrives after them. */
+  const wakeups = async () => {
+    const marker = `marker-${++markers}`;
+    await r.redis.publish(wake, marker);
+    await waitFor(`wake-up ${marker}`, () => woken.includes(marker));
+    return woken.filter((id) => !id.startsWith("marker-"));
+  };
+  const inActive = async (tenant: string) => (await r.redis.sismember(active, tenant)) === 1;
+  /** What a worker's take does: every undelivered message of the lane to `consumer` (the take that drains it). */
+  const take = async (tenant: string) => {
+    const lane = keys.lane(tenant);
+    await ensureGroup(r.redis, lane);
+    const reply = await r.redis.xreadgroup("GROUP", lane.group, "w", "COUNT", 100, "STREAMS", lane.stream, ">") as
+      | [string, [string, string[]][]][]
+      | null;
+    return (reply?.[0]?.[1] ?? []).map(([, fields]) => fields[fields.indexOf("job_id") + 1]);
+  };
+  const oneServer = !r.redis.isCluster;
+  // A worker's lane source, with no sweep within the test's time (but its first walk of the lanes).
+  const registry = createLaneRegistry({ redis: r.redis, log: silentLogger }, {
+    keys: keys.registry,
+    lane: (id) => keys.lane(id),
+    sweepMs: 600_000,
+  });
+  try {
+    await t.step(
+      "the first job of a lane announces it; those that follow while it has work announce nothing",
+      async () => {
+        for (let i = 0; i < 3; i++) await submit("a");
+        await waitFor("lane a among the lanes with work", () => inActive("a"));
+        assert.equal(await r.redis.sismember(keys.registry.all, "a"), 1);
+        if (oneServer) assert.deepEqual(await wakeups(), ["a"]);
+      },
+    );
+
+    await t.step(
+      "a job that lands after a take drained its lane, before the worker takes the lane out, is found by its look",
+      async () => {
+        const { jobId: first } = await submit("b");
+        await waitFor("lane b among the lanes with work", () => inActive("b"));
+        await registry.active(); // the worker learns lane b (its first walk, or the wake-up)
+        assert.deepEqual(await take("b"), [first]); // the take that drained the lane
+        const before = oneServer ? (await wakeups()).length : 0;
+        const { jobId: late } = await submit("b"); // lane b is still among the lanes with work: not announced
+        if (oneServer) assert.equal((await wakeups()).length, before, "no wake-up for a lane among those with work");
+        // The worker's idle: takes the lane out, then looks again and finds the late job.
+        const back = await registry.idle([keys.lane("b")]);
+        assert.deepEqual(back.map((lane) => lane.streams[0]), [keys.lane("b").stream]);
+        assert.ok(await inActive("b"), "the lane is back among the lanes with work");
+        assert.deepEqual(await take("b"), [late]);
+      },
+    );
+
+    await t.step(
+      "a worker that dies between taking a lane out and its look: the next job announces the lane at once",
+      async () => {
+        const { jobId: first } = await submit("c");
+        await waitFor("lane c among the lanes with work", () => inActive("c"));
+        assert.deepEqual(await take("c"), [first]);
+        const { jobId: second } = await submit("c"); // lands before the worker takes the lane out: not announced
+        // The worker takes lane c out of the lanes with work, and dies before it looks again: lane c has an
+        // undelivered job and is not among the lanes with work. (A lane's work is no sign that it is known.)
+        await r.redis.srem(active, "c");
+        await registry.active(); // news of everything before
+        const { jobId: third } = await submit("c");
+        await waitFor("lane c among the lanes with work again", () => inActive("c"));
+        if (oneServer) assert.equal((await wakeups()).at(-1), "c", "the next job published a wake-up");
+        // A worker learns the lane from that wake-up (or its walk of the lanes with work), not from the sweep.
+        const named = await waitFor(
+          "lane c named to the worker",
+          async () => (await registry.active()).some((lane) => lane.streams[0] === keys.lane("c").stream),
+        );
+        assert.ok(named);
+        assert.deepEqual(await take("c"), [second, third]);
+      },
+    );
+
+    await t.step(
+      "the same with no job after the crash: the sweep (LaneRegistryOptions.sweepMs) finds the lane",
+      async () => {
+        const { jobId: first } = await submit("d");
+        await waitFor("lane d among the lanes with work", () => inActive("d"));
+        assert.deepEqual(await take("d"), [first]);
+        const { jobId: second } = await submit("d");
+        await r.redis.srem(active, "d"); // the worker's removal, and then its death
+        assert.equal(await inActive("d"), false);
+        assert.ok(await registry.sweep() >= 1);
+        assert.ok(await inActive("d"));
+        assert.deepEqual(await take("d"), [second]);
+      },
+    );
+  } finally {
+    await registry.close();
+    await subscriber.quit();
     await r.close();
   }
 });
