@@ -63,6 +63,17 @@ export function createRouter(options: RouterOptions): Models {
       routes.set(model, route);
     }
   }
+  // A call that names no model (a summary) must still go out as the model it was routed for: the deployment's
+  // client alone would ask for its own first model, which may be another one than the permit, price and record say.
+  const clients = new Map<RoutedDeployment, Map<string, LLM>>();
+  for (const d of deployments) {
+    clients.set(
+      d,
+      new Map([...d.flows.keys()].map((model) => [model, {
+        complete: (prompt, callOptions) => d.llm.complete(prompt, { ...callOptions, model }),
+      }])),
+    );
+  }
   const gates = new Map<ProviderFlow, (averageTokens: number) => Promise<Capacity>>();
   for (const d of deployments) for (const flow of d.flows.values()) gates.set(flow, tokenGate(flow));
   /** When a call last asked for each model (performance.now()). */
@@ -86,7 +97,9 @@ export function createRouter(options: RouterOptions): Models {
         throw error;
       }
       seen.fits = true;
-      if ("settle" in got) return { llm: d.llm, permit: got, model: route.model, deployment: d.name };
+      if ("settle" in got) {
+        return { llm: clients.get(d)!.get(route.model)!, permit: got, model: route.model, deployment: d.name };
+      }
       seen.soonest = Math.min(seen.soonest, got.ms);
       if (!unavailable(got)) available = true;
     }

@@ -13,6 +13,7 @@
  *                   [--provider-limit RPS] [--cluster] [--new-tenants] [--drain-timeout S] [--poison N]
  *                   [--poison-runs N] [--pg-failover [--pg-async]]
  *                   [--sentinel [--replicas-ack N] [--ack-timeout-ms MS]] [--budgets] [--redis-drops [SHARE]]
+ *                   [--deployments]
  *
  * Among the jobs are N (default 3) poison documents, on which the model always
  * hangs: each must be dead-lettered (after MAX_DELIVERIES=5 deliveries, charged
@@ -82,6 +83,15 @@
  * calls a kill cut off may hold. With the usual checks, and in every mode:
  * exactly one dead letter per poison job (the dead streams counted by job id).
  *
+ * With --deployments, LLM_DEPLOYMENTS names three fake providers, each with
+ * its own key, limit and x-ratelimit-* headers: two serve the default model
+ * `primary`, a third `backup`, which the task lists after it. Mid-run one of
+ * the first two has a 503 outage, recovers, then runs out of quota, and for a
+ * while the other is down too (the runs fall back, the summaries wait); the
+ * calls each outage received must stay within the breaker's bound, and the
+ * report gives each deployment's calls and the runs that fell back: see
+ * deployments.ts.
+ *
  * With --pg-failover, Postgres is a primary and a synchronous standby (an
  * asynchronous one with --pg-async), DATABASE_URL lists both, and mid-run the
  * primary is stopped (immediate) and the standby promoted: see pg_failover.ts.
@@ -126,6 +136,7 @@ import { seededRandom } from "../support/random.ts";
 import { pgFailoverMode, startPgFailover } from "./pg_failover.ts";
 import { burstJobs, chaosBudgets, PRICE_ENV, RAISE_AT, type RequestKind } from "./budgets.ts";
 import { MAX_OUTPUT_TOKENS, summaryPrompt } from "../../src/llm/llm.ts";
+import { chaosDeployments, TASK_MODELS } from "./deployments.ts";
 import { createPrices } from "../../src/llm/prices.ts";
 
 const args = Deno.args;
@@ -199,6 +210,13 @@ if (BUDGETS && NEW_TENANTS) {
   );
   Deno.exit(2);
 }
+/** --deployments: the model calls go to three deployments of their own (deployments.ts), one of them broken mid-run. */
+const DEPLOYMENTS = flag("deployments");
+if (DEPLOYMENTS && (PROVIDER_LIMIT > 0 || BUDGETS)) {
+  // Each deployment has its own limit, and the budgets' ledger reads the one provider of the other modes.
+  console.error("--deployments gives each deployment its own limit: it does not go with --provider-limit or --budgets");
+  Deno.exit(2);
+}
 const SEED = option("seed", Date.now() % 1_000_000);
 const random = seededRandom(SEED);
 const pick = <T>(items: T[]) => items[Math.floor(random() * items.length)]!;
@@ -211,12 +229,8 @@ const stderr = (line: string) => Deno.stderr.writeSync(new TextEncoder().encode(
 let modelCalls = 0;
 /** Per run (its job index): the structured answers the model gave, to the first call and to repair calls. */
 const structuredAnswers = new Map<number, { first: number; repair: number }>();
-/** Counts request n's answer if it is a structured one for a run of the task (its first user message names it). */
-function countStructuredAnswer(n: number) {
-  const body = model.bodies[n - 1] as {
-    messages?: { role?: string; content?: string }[];
-    response_format?: { type?: string };
-  } | undefined;
+/** Counts a request's answer if it is a structured one for a run of the task (its first user message names it). */
+function countStructuredAnswer(body: ChatBody | undefined) {
   if (body?.response_format?.type !== "json_schema") return;
   const named = TICKET_INDEX.exec(body.messages?.find((m) => m.role === "user")?.content ?? "");
   if (!named) return;
@@ -237,24 +251,39 @@ function noteKind(respond: (n: number, prompt: string) => ModelBehaviour) {
     return behaviour;
   };
 }
-const model = startFakeModel(noteKind((n, prompt) => {
-  modelCalls++;
-  const gate = limited?.respond(n, prompt);
-  if (gate && gate.kind !== "ok") return gate;
+/**
+ * How the chaos model answers a request its provider's limit (if any) let through, whose answer carries `headers`:
+ * random 429s, 503s and hangs, a hang for every poison document, else a completion.
+ */
+function chaosAnswer(body: ChatBody | undefined, prompt: string, headers?: Record<string, string>): ModelBehaviour {
   if (prompt.includes(POISON_MARK)) return { kind: "hang" };
   const r = random();
   if (r < 0.08) return { kind: "status", status: 429, headers: { "retry-after": "0.2" } };
   if (r < 0.14) return { kind: "status", status: 503 };
   if (r < 0.17) return { kind: "hang" };
-  countStructuredAnswer(n);
+  countStructuredAnswer(body);
   return {
     kind: "ok",
     delayMs: 5 + Math.floor(random() * 30),
-    headers: gate?.kind === "ok" ? gate.headers : undefined,
+    headers,
     // With budgets, the provider bills what it was sent and what it wrote, as a real one does.
     ...(BUDGETS ? { usage: "realistic" as const } : {}),
   };
+}
+/** The one provider OPENAI_* names (with --deployments, none of the processes may call it). */
+const model = startFakeModel(noteKind((n, prompt) => {
+  modelCalls++;
+  const gate = limited?.respond(n, prompt);
+  if (gate && gate.kind !== "ok") return gate;
+  return chaosAnswer(
+    model.bodies[n - 1] as ChatBody | undefined,
+    prompt,
+    gate?.kind === "ok" ? gate.headers : undefined,
+  );
 }));
+const deployments = DEPLOYMENTS
+  ? chaosDeployments({ answer: chaosAnswer, cooldownMs: 1_000, durationMs: DURATION_S * 1000 })
+  : undefined;
 const mail = startFakeMail(() => (random() < 0.1 ? { kind: "status", status: 500 } : { kind: "ok" }));
 
 // ---------------------------------------------------------------- Redis and Postgres
@@ -441,8 +470,7 @@ const env: Record<string, string> = {
   DATABASE_URL: db.url,
   REDIS_URL: processRedisUrl,
   PORT: String(apiPort),
-  OPENAI_API_KEY: "sk-chaos",
-  OPENAI_BASE_URL: model.url,
+  ...(deployments ? deployments.env : { OPENAI_API_KEY: "sk-chaos", OPENAI_BASE_URL: model.url }),
   RESEND_API_KEY: "re_chaos",
   RESEND_BASE_URL: mail.url,
   IDEMPOTENCY_LOCK_TTL_S: "3",
@@ -656,7 +684,8 @@ async function putTaskEverywhere(): Promise<Set<number>> {
         const res = await fetch(`http://127.0.0.1:${apiPort}/v1/tasks/${TASK}`, {
           method: "PUT",
           headers: { authorization: `Bearer ${apiKeys.get(tenant)}`, "content-type": "application/json" },
-          body: JSON.stringify(TRIAGE),
+          // With --deployments the task falls back to `backup` when `primary` is unavailable.
+          body: JSON.stringify(deployments ? { ...TRIAGE, model: TASK_MODELS } : TRIAGE),
           signal: AbortSignal.timeout(5_000),
         }).catch((error: Error) => error);
         const text = res instanceof Response ? await res.text() : "";
@@ -1044,7 +1073,7 @@ const seconds = (ms: number) => `${(ms / 1000).toFixed(1)} s`;
 
 async function killLoop() {
   const end = performance.now() + DURATION_S * 1000;
-  const outages = outageLoop(end);
+  const outages = Promise.all([outageLoop(end), deployments?.outages(end, events)]);
   let redisRestarted = !REDIS_RESTART, pgTerminated = !PG_TERMINATE, masterRestarted = !CLUSTER;
   let failedOver = !SENTINEL, oldPrimaryBack = !SENTINEL;
   while (performance.now() < end) {
@@ -1414,6 +1443,7 @@ const otherDead = dead - poisonDead;
 const poisonDone = [...poison].filter((id) => doneIds.has(id)).length;
 const poisonDecided = await poisonFailed().catch(() => -1);
 await budgetMode?.finish().catch((error) => console.error(`could not read the budgets at the end: ${error}`));
+await deployments?.finish(db.sql, model).catch((error) => console.error(`could not read the deployments: ${error}`));
 
 const rows: [string, string][] = [
   ["seed", String(SEED)],
@@ -1428,6 +1458,7 @@ const rows: [string, string][] = [
       pgPair && `postgres failover (${pgPair.synchronous ? "synchronous" : "asynchronous"} standby)`,
       BUDGETS && "tenant budgets",
       dropProxy && `redis replies dropped (${(100 * REDIS_DROPS).toFixed(1)}%)`,
+      deployments?.describe(),
     ]
       .filter(Boolean).join(", ") ||
     "process kills",
@@ -1473,7 +1504,11 @@ const rows: [string, string][] = [
   ["webhook requests / redeliveries the receiver deduplicated", `${receiver.requests} / ${receiver.redelivered}`],
   ["webhooks failing signature verification", String(receiver.badSignatures)],
   ["send requests / duplicates the provider absorbed", `${mail.requests} / ${mail.deduplicated}`],
-  ["model calls per job", jobIds.length ? (modelCalls / jobIds.length).toFixed(2) : "n/a"],
+  [
+    "model calls per job",
+    jobIds.length ? ((modelCalls + (deployments?.calls() ?? 0)) / jobIds.length).toFixed(2) : "n/a",
+  ],
+  ...(deployments?.rows() ?? []),
   ...(dropProxy ? dropRows(dropProxy) : []),
   ...(limited
     ? [[
@@ -1600,6 +1635,7 @@ await Promise.all(procs.map(async (p) => {
 await Promise.all(procs.map((p) => p.logged));
 await dropProxy?.close();
 await model.close();
+await deployments?.close();
 await mail.close();
 await receiver.close();
 if (!CLUSTER && !SENTINEL) await (redisAdmin as Redis).flushdb().catch(() => {});
@@ -1627,7 +1663,7 @@ const ok = !failure && stoppedCleanly && stuck.length === 0 && lost === 0 && dup
   poisonDead === poison.size && poisonDecided === poison.size && otherDead === 0 && poisonDone === 0 &&
   poisonDeadOnce === poison.size && deadTwice === 0 && (!dropProxy || dropProxy.stats.drops > 0) &&
   (!NEW_TENANTS || (doneWithoutOutbox === 0 && outboxUnknown === 0 && misnamed.length === 0)) &&
-  (pgPair?.ok() ?? true) && (budgetMode?.ok() ?? true) &&
+  (pgPair?.ok() ?? true) && (budgetMode?.ok() ?? true) && (deployments?.ok() ?? true) &&
   failoverProblem === undefined;
 if (pgPair && !pgPair.ok()) console.error(`chaos run failed: ${pgPair.problem()}`);
 if (failure) console.error(`chaos run failed: ${failure instanceof Error ? failure.message : failure}`);
@@ -1637,6 +1673,7 @@ if (dropProxy && dropProxy.stats.drops === 0) {
 }
 if (deadTwice > 0) console.error(`${deadTwice} job(s) have more than one dead letter`);
 for (const problem of budgetMode?.problems() ?? []) console.error(`budgets: ${problem}`);
+for (const problem of deployments?.problems() ?? []) console.error(`deployments: ${problem}`);
 if (stuck.length > 0) console.error(`did not exit within 15 s of SIGTERM (then SIGKILLed): ${stuck.join(", ")}`);
 if (stranded.length > 0) {
   const tenants = [...new Set(stranded.map((s) => s.plan.tenant))];
