@@ -15,7 +15,7 @@ import type { Clock } from "../retry/clock.ts";
 import { INTAKE_SCRIPT } from "./intake_script.ts";
 import { type AckedRun, notReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
 import { markQueued } from "./job_status.ts";
-import type { LaneKeys, ServiceKeys } from "./keys.ts";
+import type { LaneKeys, Priority, ServiceKeys } from "./keys.ts";
 import { announceLane, type LaneKnown, laneKnownArgs } from "../queue/lanes.ts";
 import { allLanes } from "./all_lanes.ts";
 import { TenantMap } from "../tenants/tenant_map.ts";
@@ -35,6 +35,8 @@ export interface RunSubmission {
   version: number;
   /** The stream payload (`RunPayload`'s JSON): the request with its version resolved. */
   payload: string;
+  /** Its priority: the stream of its lane it is queued on (`LaneKeys.streamOf`); normal when unset. */
+  priority?: Priority;
 }
 
 /** What one submission came to. */
@@ -203,8 +205,15 @@ export function createIntake(
     return value >= maxQueued ? Math.max(1, Math.floor(maxQueued / (lanes + 1))) : 0;
   };
   /** What the script's submissions of one tenant (and task version) share: their entry in its heads. */
-  const headOf = (tenant: string, known: LaneKnown, run?: RunSubmission) =>
-    JSON.stringify({ tenant, cap: maxQueuedPerTenant ?? 0, status: markQueued(tenant, run), lane: known.lane });
+  const headOf = (tenant: string, known: LaneKnown, others: number, run?: RunSubmission) =>
+    JSON.stringify({
+      tenant,
+      cap: maxQueuedPerTenant ?? 0,
+      status: markQueued(tenant, run),
+      lane: known.lane,
+      // The lane's other streams, after each submission's three keys: a cap counts the lane over all priorities.
+      others,
+    });
   /**
    * What a tenant's summary jobs (or runs of one task version) share in the script's call: its lane, the sets
    * that make the lane known, and its head. They are built once per tenant (and version) in use, so that a
@@ -215,6 +224,8 @@ export function createIntake(
    * entries rebuilt one per request at 20,000 tenants, and its eviction walked the map).
    */
   const heads = new TenantMap<Head>(HEADS_BYTES, (head) => HEAD_BYTES + head.head.length);
+  // With INTAKE_MAX_QUEUED or INTAKE_MAX_QUEUED_PER_TENANT, the script counts a lane's runs over all its streams.
+  const capped = maxQueuedPerTenant !== undefined || maxQueued !== undefined;
   // A large TTL still makes periods of whole seconds; 0 is refused by the configuration.
   const ttlS = Math.max(1, Math.floor(resultTtlS));
   const records = scopeRecords(keys, ttlS, clock);
@@ -224,7 +235,7 @@ export function createIntake(
     if (head === undefined) {
       const lane = keys.lane(tenant);
       const known = laneKnownArgs(redis, keys.registry, tenant, lane.stream);
-      heads.set(id, head = { lane, known, head: headOf(tenant, known, run) });
+      heads.set(id, head = { lane, known, head: headOf(tenant, known, capped ? lane.streams.length - 1 : 0, run) });
     }
     return head;
   };
@@ -252,12 +263,16 @@ export function createIntake(
       : { status: 202, body: { job_id: jobId, status: "queued" }, headers: { location: `${path}/${jobId}` } };
     const head = headFor(scope.tenant, run);
     const { lane, known } = head;
+    const stream = lane.streamOf(run?.priority);
     const { stored, acked } = await batches.submit(
       // On one server every lane's known sets are the same two: one batch for all tenants. On a cluster a batch
       // is one tenant's, its keys in the lane's slot.
       redis.isCluster ? scope.tenant : "",
       head,
-      [records.legacyKeyIn(lane, scope), lane.stream, lane.job(jobId)],
+      // The run's stream by its priority, then (with a cap) the lane's others, whose runs the cap counts too.
+      capped
+        ? [records.legacyKeyIn(lane, scope), stream, lane.job(jobId), ...lane.streams.filter((s) => s !== stream)]
+        : [records.legacyKeyIn(lane, scope), stream, lane.job(jobId)],
       [
         jobId,
         traceparent ?? "",
@@ -409,7 +424,7 @@ function createIntakeBatches(
           index.set(submission.head.head, head = heads.length);
           keys.push(...recordHashes(submission.head.lane, ttlS, period.index));
         }
-        submitted.push(submission.keys[0]!, submission.keys[1]!, submission.keys[2]!);
+        for (const key of submission.keys) submitted.push(key);
         args.push(String(head));
         for (const arg of submission.args) args.push(arg);
       }

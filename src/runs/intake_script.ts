@@ -19,17 +19,17 @@ import { defineScript } from "../redis/script.ts";
 // KEYS[n+1…]  three per head (below): its lane's records hash of the current period, of the one before, and of the
 //             one before that (unlinked when the current one gets its first record: its records have all expired,
 //             and a background free spares Redis the stall of its expiry freeing a large hash in line).
-// KEYS[…]     then three per submission: the scope's record as releases before issue 39 stored it (a string key:
-//             read, never stored anew), the lane's intake stream (`LaneKeys.stream`; the per-tenant cap counts it
-//             alone, the only stream of a lane any API writes), the job's status record (all of them share the
-//             lane's hash tag).
+// KEYS[…]     then three per submission and its head's `others`: the scope's record as releases before issue 39
+//             stored it (a string key: read, never stored anew), the stream of the lane it is queued on (its
+//             priority's: `LaneKeys.streamOf`), the job's status record, and, with a cap (`others` > 0), the lane's
+//             other streams, which the caps count too (all of them share the lane's hash tag).
 // ARGV[1]     '1' when a WAIT follows (REDIS_MIN_REPLICAS_ACK): a found record is then written again, expiry
 //             unchanged, because WAIT covers only its own connection's writes and the record may have been
 //             written on another one (a first attempt answered 503, another API process) and not replicated yet.
 // ARGV[2]     n.
 // ARGV[3]     JSON: the heads, what the batch's submissions of one tenant (and task version) share:
 //             [{ tenant, cap (the lane's cap, 0 = none), status (the status record's change, `markQueued`),
-//             lane (the lane id) }, …].
+//             lane (the lane id), others (the lane's other streams among a submission's keys) }, …].
 // ARGV[4]     the records' lifetime in seconds. ARGV[5] the lane's share of a full queue (0 = the queue is not
 //             full). ARGV[6] the channel to publish a lane on when it gets work, '' for none. ARGV[7] now, in
 //             milliseconds since the epoch (the intake's clock, which named the period's hashes). ARGV[8] the
@@ -77,10 +77,17 @@ local function store(r, field, fp)
   redis.call('HSET', KEYS[r], field, expires .. ':' .. fp)
   if redis.call('EXPIRE', KEYS[r], ARGV[8], 'NX') == 1 then redis.call('UNLINK', KEYS[r + 2]) end
 end
+-- The runs a submission's lane holds, over all its streams (its others follow its three keys when a cap is set).
+local function queued(k, h)
+  local total = redis.call('XLEN', KEYS[k + 1])
+  for i = 3, 2 + (h.others or 0) do total = total + redis.call('XLEN', KEYS[k + i]) end
+  return total
+end
 local function submit(k, a)
   local legacy, stream, job = KEYS[k], KEYS[k + 1], KEYS[k + 2]
   local head = tonumber(ARGV[a])
   local h = heads[head]
+
   local r = n + 3 * head - 2
   local field, fp = ARGV[a + 5], ARGV[a + 6]
   for at = r, r + 1 do
@@ -104,8 +111,8 @@ local function submit(k, a)
     return 4
   end
   if ARGV[a + 3] == '1' then return 3 end
-  if h.cap > 0 and redis.call('XLEN', stream) >= h.cap then return 1 end
-  if share > 0 and redis.call('XLEN', stream) >= share then return 2 end
+  if h.cap > 0 and queued(k, h) >= h.cap then return 1 end
+  if share > 0 and queued(k, h) >= share then return 2 end
   if ARGV[a + 2] ~= '' then
     redis.call('XADD', stream, '*', 'job_id', ARGV[a + 1], 'tenant', h.tenant, 'payload', ARGV[a + 4],
       'traceparent', ARGV[a + 2])
@@ -127,7 +134,8 @@ local function submit(k, a)
 end
 local out = {}
 local a = 9
-for k = first + 1, #KEYS, 3 do
+local k = first + 1
+while k <= #KEYS do
   -- One submission's error (a key of the wrong type) is its own: the others of the batch go on.
   local ok, result = pcall(submit, k, a)
   if ok then
@@ -137,6 +145,7 @@ for k = first + 1, #KEYS, 3 do
   else
     out[#out + 1] = { err = tostring(result) }
   end
+  k = k + 3 + (heads[tonumber(ARGV[a])].others or 0)
   a = a + 7
 end
 return out`);
