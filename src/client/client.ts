@@ -129,8 +129,12 @@ export interface StartRunOptions extends KeyedOptions {
   /** The task version; the latest at intake when unset. */
   version?: number;
   notify?: Notify;
+  /** `normal` when unset; `high` overtakes the tenant's own normal and low backlog. */
   priority?: "high" | "normal" | "low" | "batch";
-  /** A run whose model call has not started within this many seconds ends `expired`. */
+  /**
+   * A run whose model call has not started within this many seconds (whole, 1 to 604800) ends `expired`, with
+   * no model call; its webhook is `run.expired`. No attempt (a retry included) starts after the expiry.
+   */
   expiresInS?: number;
   /** Skips the result cache (`Cache-Control: no-cache`). */
   noCache?: boolean;

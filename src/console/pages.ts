@@ -223,6 +223,14 @@ export async function jobPage(
 <dt>tenant</dt><dd>${state.tenant}</dd><dt>task</dt><dd id="job-task">${taskOfRun(state.tenant, run)}</dd>
 <dt>status</dt><dd id="job-status">${state.status}</dd>
 ${
+    decided?.expires_at
+      ? html`
+        <dt>expired at</dt>
+        <dd id="job-expires-at">${decided.expires_at.toISOString()}</dd>
+      `
+      : ""
+  }
+${
     state.error
       ? html`
         <dt>error</dt>

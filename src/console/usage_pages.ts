@@ -39,6 +39,7 @@ const COLORS = {
   done: "#2e8b57",
   failed: "#c0392b",
   cancelled: "#9aa3ad",
+  expired: "#c9a227",
   p50: "#3b6fb6",
   p99: "#e08a1e",
 };
@@ -387,7 +388,7 @@ ${
 }
 
 /**
- * The queues page's charts over all tenants: jobs decided per bucket (done, failed, cancelled) and the p50
+ * The queues page's charts over all tenants: jobs decided per bucket (done, failed, cancelled, expired) and the p50
  * and p99 latency from acceptance (the stream entry) to the outcome; per minute over the last hour, or with
  * `window` "24h" per hour over the last 24 hours.
  */
@@ -396,12 +397,13 @@ export async function queueCharts(deps: PageDeps, windowName: string | undefined
   const now = deps.now?.() ?? Date.now();
   const { window, buckets } = day ? clockWindow(now, HOUR_MS, 24) : clockWindow(now, MINUTE_MS, 60);
   const rows = await outcomesPerBucket(deps.sql, { window });
-  const done = zeros(window), failed = zeros(window), cancelled = zeros(window);
+  const done = zeros(window), failed = zeros(window), cancelled = zeros(window), expired = zeros(window);
   const p50: (number | null)[] = buckets.map(() => null), p99: (number | null)[] = buckets.map(() => null);
   for (const r of rows) {
     done[r.bucket] = r.done;
     failed[r.bucket] = r.failed;
     cancelled[r.bucket] = r.cancelled;
+    expired[r.bucket] = r.expired;
     p50[r.bucket] = r.p50_ms;
     p99[r.bucket] = r.p99_ms;
   }
@@ -419,13 +421,14 @@ export async function queueCharts(deps: PageDeps, windowName: string | undefined
         id: "queue-throughput",
         title: `Jobs decided per ${unit}`,
         desc: `Jobs and runs of every tenant decided per ${unit} over ${span} (job_outcomes by decided_at): done, ` +
-          `failed (dead-lettered) and cancelled.`,
+          `failed (dead-lettered), cancelled, and expired (not started within their expires_in).`,
         buckets,
         stacked: true,
         series: [
           { key: "done", name: "done", kind: "bar", values: done, color: COLORS.done },
           { key: "failed", name: "failed", kind: "bar", values: failed, color: COLORS.failed },
           { key: "cancelled", name: "cancelled", kind: "bar", values: cancelled, color: COLORS.cancelled },
+          { key: "expired", name: "expired", kind: "bar", values: expired, color: COLORS.expired },
         ],
         yLabel: `per ${unit}`,
         xLabel,

@@ -8,10 +8,10 @@
 import { deleteBatch, type ExpiryBatch, type Fragment, olderThan, type Queryable } from "../db/queryable.ts";
 
 /** How a job ended: its row in `job_outcomes`, decided once. */
-export type Outcome = "done" | "cancelled" | "failed";
+export type Outcome = "done" | "cancelled" | "failed" | "expired";
 
 /** What cancelling a job came to. */
-export type CancelOutcome = "cancelled" | "already_cancelled" | "done" | "failed";
+export type CancelOutcome = "cancelled" | "already_cancelled" | "done" | "failed" | "expired";
 
 /** Which task version a job runs: summary jobs run the built-in `summarize`, version 1. */
 export interface RunOf {
@@ -157,7 +157,40 @@ export async function cancelJob(
     RETURNING job_id`;
   if (inserted.length > 0) return "cancelled";
   const outcome = (await outcomesOf(sql, [jobId])).get(jobId);
-  return outcome === "cancelled" ? "already_cancelled" : outcome === "failed" ? "failed" : "done";
+  return outcome === "cancelled"
+    ? "already_cancelled"
+    : outcome === "failed" || outcome === "expired"
+    ? outcome
+    : "done";
+}
+
+/**
+ * Decides that a run expired (its model call had not started by `expiresAtMs`), unless it is already decided:
+ * the same primary key as the commit, a cancel and a dead letter, so whichever is decided first stands. A late
+ * delivery then finds it expired in its pre-check and makes no call; a cancel after it answers `expired`.
+ * @returns "expired" when this call decided it, else what the job already is (a summary without an outcome, from
+ * before job_outcomes, counts as done).
+ * @throws Error when its outcome row vanished while it was being decided (let a later delivery look again).
+ */
+export async function expireJob(
+  sql: Queryable,
+  jobId: string,
+  tenant: string,
+  { task, version, acceptedMs, expiresAtMs }: RunOf & { acceptedMs?: number; expiresAtMs: number },
+): Promise<Outcome> {
+  const inserted = await sql`
+    INSERT INTO job_outcomes (job_id, tenant, outcome, task, version, accepted_at, expires_at)
+    SELECT ${jobId}::uuid, ${tenant}, 'expired', ${task}, ${version},
+      to_timestamp(${acceptedMs ?? null}::float8 / 1000), to_timestamp(${expiresAtMs}::float8 / 1000)
+    WHERE NOT EXISTS (SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid)
+    ON CONFLICT (job_id) DO NOTHING
+    RETURNING job_id`;
+  if (inserted.length > 0) return "expired";
+  const outcome = (await outcomesOf(sql, [jobId])).get(jobId);
+  if (outcome) return outcome;
+  const [summary] = await sql`SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid`;
+  if (summary) return "done";
+  throw new Error(`job ${jobId}'s outcome changed while it was being decided expired`);
 }
 
 /**
@@ -204,12 +237,12 @@ export async function reopenFailedJob(
   sql: Queryable,
   jobId: string,
   hasOtherEffects: boolean,
-): Promise<"done" | "cancelled" | null> {
+): Promise<"done" | "cancelled" | "expired" | null> {
   const [row] = await sql<{ outcome: Outcome | null; summary: boolean }[]>`
     SELECT (SELECT outcome FROM job_outcomes WHERE job_id = ${jobId}::uuid) AS outcome,
       EXISTS (SELECT 1 FROM summaries WHERE job_id = ${jobId}::uuid)
         OR EXISTS (SELECT 1 FROM run_results WHERE run_id = ${jobId}::uuid) AS summary`;
-  if (row!.outcome === "cancelled") return "cancelled";
+  if (row!.outcome === "cancelled" || row!.outcome === "expired") return row!.outcome;
   if (row!.outcome === "done" || row!.summary || hasOtherEffects) return "done";
   await sql`DELETE FROM job_outcomes WHERE job_id = ${jobId}::uuid AND outcome = 'failed'`;
   return null;
@@ -508,6 +541,8 @@ export interface DecidedRun extends DecidedJob {
   output: unknown;
   model: string | null;
   cached: boolean | null;
+  /** When an expired run expired; null for every other outcome. */
+  expires_at: Date | null;
 }
 
 /**
@@ -517,7 +552,7 @@ export interface DecidedRun extends DecidedJob {
 export async function decidedRun(sql: Queryable, runId: string): Promise<DecidedRun | undefined> {
   const [decided] = await sql<DecidedRun[]>`
     SELECT o.tenant, o.outcome, o.decided_at, o.error, o.task, o.version, s.summary, r.input, r.output, r.model,
-      r.cached
+      r.cached, o.expires_at
     FROM job_outcomes o LEFT JOIN summaries s USING (job_id) LEFT JOIN run_results r ON r.run_id = o.job_id
     WHERE o.job_id = ${runId}::uuid`;
   return decided;

@@ -103,6 +103,8 @@ export interface OutcomeBucketRow {
   done: number;
   failed: number;
   cancelled: number;
+  /** Runs whose model call had not started by their expiry. */
+  expired: number;
   /** Outcomes that know when their job was accepted (`accepted_at`), which the percentiles are over. */
   timed: number;
   /** Milliseconds from acceptance to outcome (interpolated percentiles); null when none is timed. */
@@ -124,6 +126,7 @@ export async function outcomesPerBucket(
       (count(*) FILTER (WHERE outcome = 'done'))::int AS done,
       (count(*) FILTER (WHERE outcome = 'failed'))::int AS failed,
       (count(*) FILTER (WHERE outcome = 'cancelled'))::int AS cancelled,
+      (count(*) FILTER (WHERE outcome = 'expired'))::int AS expired,
       count(accepted_at)::int AS timed,
       round((percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM decided_at - accepted_at) * 1000)
         FILTER (WHERE accepted_at IS NOT NULL))::numeric, 1)::float8 AS p50_ms,

@@ -349,8 +349,8 @@ const RUN_ROUTES: Route[] = [{
     "415": NOT_JSON,
     "422": problem(
       "The body failed validation, or the input does not match the version's input schema: errors[].pointer " +
-        "names the first failing place (/input/...); priority and expires_in are not available yet and are " +
-        "refused; the key was used with another body",
+        "names the first failing place (/input/..., or /expires_in above 604800 s); the key was used with " +
+        "another body (a different priority or expires_in included)",
     ),
     "429": OVER_BUDGET,
     "503": problem(
@@ -380,7 +380,7 @@ const RUN_ROUTES: Route[] = [{
     "200": { description: "Cancelled (also when it already was)", body: RunDocument },
     "401": UNAUTHORIZED,
     "404": problem("Unknown run, or another tenant's"),
-    "409": problem("The run is already done or failed"),
+    "409": problem("The run is already done, failed or expired"),
   },
 }];
 
@@ -542,6 +542,12 @@ function webhooks() {
     "run.failed": webhook(
       "runFailed",
       'A run with notify {"webhook": URL} failed for good (dead-lettered): its error, per Standard Webhooks',
+      RunWebhook,
+    ),
+    "run.expired": webhook(
+      "runExpired",
+      'A run with notify {"webhook": URL} and expires_in expired: its model call had not started by then, so ' +
+        "it made none; sent per Standard Webhooks",
       RunWebhook,
     ),
   };

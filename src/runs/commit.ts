@@ -55,7 +55,7 @@ export type JobResult = SummaryResult | TaskRunResult;
 /** The outbox row of a run's notification; none without a target. */
 export function runOutboxRow(
   r: { jobId: string; tenant: string; notify?: Notify; traceparent?: string } & jobs.RunOf,
-  status: "done" | "failed",
+  status: "done" | "failed" | "expired",
   error?: string,
 ): outbox.NewOutboxRow | undefined {
   if (r.notify === undefined) return undefined;
@@ -151,13 +151,35 @@ export async function failRun(
 }
 
 /**
+ * Decides that a run expired (its model call had not started by `expiresAtMs`), as {@linkcode jobs.expireJob}
+ * does, and with a notification target writes its `run.expired` notification in the same transaction (once: the
+ * dedupe key is per run, and only the call that decides it writes it).
+ * @returns what the job is now: "expired", or what it was decided first (done, cancelled, failed).
+ */
+export async function expireRun(
+  sql: Sql,
+  run: { jobId: string; tenant: string; notify?: Notify; acceptedMs?: number; traceparent?: string } & jobs.RunOf,
+  expiresAtMs: number,
+): Promise<Outcome> {
+  return await sql.begin(async (tx) => {
+    const outcome = await jobs.expireJob(tx, run.jobId, run.tenant, { ...run, expiresAtMs });
+    const row = outcome === "expired" ? runOutboxRow(run, "expired") : undefined;
+    if (row) await outbox.insertOutboxRows(tx, [row]);
+    return outcome;
+  });
+}
+
+/**
  * Whether a dead letter of `jobId` may run again, and if so, makes it
  * undecided: deletes its 'failed' outcome (a replay is the one step that
  * takes a decision back, and only that kind). A job with any other outcome,
  * a summary or an outbox row has had its effects (or a cancel) already.
  * @returns null when the replay may go ahead, else what the job already is.
  */
-export async function reopenFailedJob(sql: Sql, jobId: string): Promise<"done" | "cancelled" | null> {
+export async function reopenFailedJob(
+  sql: Sql,
+  jobId: string,
+): Promise<"done" | "cancelled" | "expired" | null> {
   return await sql.begin(async (tx) => {
     // A run's failure notification does not count: a replayed run may still complete.
     const notified = await outbox.hasRowWithKey(tx, [
@@ -178,10 +200,10 @@ export async function reopenFailedJob(sql: Sql, jobId: string): Promise<"done" |
 
 /**
  * What one commit came to: "done" if it committed the job, "duplicate" if the
- * job was already done, "cancelled" or "failed" if a cancel or a dead letter
- * decided it first (nothing was written).
+ * job was already done, "cancelled", "failed" or "expired" if a cancel, a
+ * dead letter or its expiry decided it first (nothing was written).
  */
-export type Committed = "done" | "duplicate" | "cancelled" | "failed";
+export type Committed = "done" | "duplicate" | "cancelled" | "failed" | "expired";
 
 /** Commits one summary at a time as jobs finish, grouping those that finish together. */
 export interface GroupCommitter {
@@ -213,7 +235,7 @@ export function createGroupCommitter(
 ): GroupCommitter {
   type Result = Committed | { error: unknown };
   const lostTo = (outcome: Outcome | undefined): Committed =>
-    outcome === "cancelled" || outcome === "failed" ? outcome : "duplicate";
+    outcome === "cancelled" || outcome === "failed" || outcome === "expired" ? outcome : "duplicate";
   const commitOne = async (r: JobResult): Promise<Result> => {
     try {
       if ((await commitResults(sql, [r])).has(r.jobId)) return "done";

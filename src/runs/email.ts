@@ -12,7 +12,7 @@ import { RUN_EMAIL_TOPIC, RUN_WEBHOOK_TOPIC } from "./shapes.ts";
 /** The most characters of a run's output (pretty-printed) an email carries; the whole is at `/v1/runs/{id}`. */
 export const EMAIL_OUTPUT_MAX_CHARS = 20_000;
 
-/** A finished run's email: its output pretty-printed (a text output as it is), or why it failed. */
+/** A finished run's email: its output pretty-printed (a text output as it is), why it failed, or that it expired. */
 function runEmail(from: string, payload: Record<string, unknown>): Email {
   const { job_id, to, task, version, status, error } = payload as {
     job_id?: string;
@@ -27,6 +27,17 @@ function runEmail(from: string, payload: Record<string, unknown>): Email {
   }
   const where = `You can also fetch it with GET /v1/runs/${job_id}.
 `;
+  if (status === "expired") {
+    return {
+      from,
+      to: [to],
+      subject: `Your run of ${task} expired (run ${job_id})`,
+      text: `Run ${job_id} of ${task} (version ${version}) expired: its model call had not started within the \
+expires_in it was given, so it ended without an output.
+
+${where}`,
+    };
+  }
   if (status !== "done") {
     return {
       from,

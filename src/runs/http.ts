@@ -134,7 +134,7 @@ export interface Waited {
 }
 
 /** Statuses after which a job never changes. */
-export const FINISHED: ReadonlySet<SummaryStatus["status"]> = new Set(["done", "failed", "cancelled"]);
+export const FINISHED: ReadonlySet<SummaryStatus["status"]> = new Set(["done", "failed", "cancelled", "expired"]);
 
 function invalid(path: string, message: string): HttpError {
   return new HttpError(422, "The request body failed validation", {}, { extra: { errors: [{ path, message }] } });
@@ -231,7 +231,7 @@ async function waitFor(
  * Cancels a queued job (`DELETE /v1/summaries/{id}` and `/v1/runs/{id}`). Postgres decides (the same
  * primary key the commit inserts into), then the Redis record follows, so GET and the worker's pre-check
  * both see it. Cancelling twice gives the same answer.
- * @throws {HttpError} 404 for an unknown job or another tenant's, 409 for one already done or failed.
+ * @throws {HttpError} 404 for an unknown job or another tenant's, 409 for one already done, failed or expired.
  */
 export async function cancelJobOf(
   deps: RunHttpDeps,
@@ -242,13 +242,14 @@ export async function cancelJobOf(
   const found = await jobDocument(deps, tenant, jobId);
   if (!found || (summaryJobsOnly && !found.run.summaryJob)) throw new HttpError(404, `No job ${jobId} for this tenant`);
   const { status } = found.document;
-  if (status === "done" || status === "failed") {
+  if (status === "done" || status === "failed" || status === "expired") {
     throw new HttpError(409, `Job ${jobId} is already ${status} and cannot be cancelled`);
   }
+  // Races the commit, a dead letter and the worker's expiry on the outcome's primary key: the first decision stands.
   const cancelled = status === "cancelled"
     ? "already_cancelled"
     : await cancelJob(deps.sql, jobId, tenant, { task: found.run.task, version: found.run.version });
-  if (cancelled === "done" || cancelled === "failed") {
+  if (cancelled === "done" || cancelled === "failed" || cancelled === "expired") {
     throw new HttpError(409, `Job ${jobId} is already ${cancelled} and cannot be cancelled`);
   }
   if (found.recordKey) await markCancelled(deps.redis, found.recordKey);

@@ -152,6 +152,38 @@ export interface IntakeFaults {
 }
 
 /**
+ * With INTAKE_MAX_QUEUED: 0 while the queue is under it; once it is full, each lane's share of it (the cap
+ * split between the lanes holding work, and one more lane: the tenant asking may be new). A tenant under
+ * its share is still served, so one tenant filling the queue cannot lock the others out; a replay is
+ * answered whatever the queue holds (the script looks for the stored record first).
+ */
+function queueShare(redis: RedisClient, keys: ServiceKeys, maxQueued: number | undefined): () => Promise<number> {
+  let total = { at: -Infinity, value: 0, lanes: 0 };
+  const totalQueued = async () => {
+    // Read at most once a second while the queue is under its cap; every time once it is over, so the lanes'
+    // shares follow the queue as it is, not as it was up to a second ago.
+    if (performance.now() - total.at > 1_000 || (maxQueued !== undefined && total.value >= maxQueued)) {
+      const lanes = await allLanes(redis, keys);
+      const lengths = await Promise.all(lanes.map(async ({ keys: lane }) => {
+        const each = await Promise.all(lane.streams.map((stream) => redis.xlen(stream)));
+        return each.reduce((n, x) => n + x, 0);
+      }));
+      total = {
+        at: performance.now(),
+        value: lengths.reduce((n, x) => n + x, 0),
+        lanes: lengths.filter((n) => n > 0).length,
+      };
+    }
+    return total;
+  };
+  return async () => {
+    if (!maxQueued) return 0;
+    const { value, lanes } = await totalQueued();
+    return value >= maxQueued ? Math.max(1, Math.floor(maxQueued / (lanes + 1))) : 0;
+  };
+}
+
+/**
  * Creates the intake on `redis`; records live `resultTtlS` (IDEMPOTENCY_RESULT_TTL_S). With `ack`
  * (REDIS_MIN_REPLICAS_ACK), the script and a WAIT share one round trip, and an answer is given only once the
  * replicas have the record: a new job's, or a replayed one's.
@@ -175,35 +207,7 @@ export function createIntake(
     maxQueuedPerTenant?: number;
   },
 ): Intake {
-  let total = { at: -Infinity, value: 0, lanes: 0 };
-  const totalQueued = async () => {
-    // Read at most once a second while the queue is under its cap; every time once it is over, so the lanes'
-    // shares follow the queue as it is, not as it was up to a second ago.
-    if (performance.now() - total.at > 1_000 || (maxQueued !== undefined && total.value >= maxQueued)) {
-      const lanes = await allLanes(redis, keys);
-      const lengths = await Promise.all(lanes.map(async ({ keys: lane }) => {
-        const each = await Promise.all(lane.streams.map((stream) => redis.xlen(stream)));
-        return each.reduce((n, x) => n + x, 0);
-      }));
-      total = {
-        at: performance.now(),
-        value: lengths.reduce((n, x) => n + x, 0),
-        lanes: lengths.filter((n) => n > 0).length,
-      };
-    }
-    return total;
-  };
-  /**
-   * With INTAKE_MAX_QUEUED: 0 while the queue is under it; once it is full, each lane's share of it (the cap
-   * split between the lanes holding work, and one more lane: the tenant asking may be new). A tenant under
-   * its share is still served, so one tenant filling the queue cannot lock the others out; a replay is
-   * answered whatever the queue holds (the script looks for the stored record first).
-   */
-  const fullQueueShare = async () => {
-    if (!maxQueued) return 0;
-    const { value, lanes } = await totalQueued();
-    return value >= maxQueued ? Math.max(1, Math.floor(maxQueued / (lanes + 1))) : 0;
-  };
+  const fullQueueShare = queueShare(redis, keys, maxQueued);
   /** What the script's submissions of one tenant (and task version) share: their entry in its heads. */
   const headOf = (tenant: string, known: LaneKnown, others: number, run?: RunSubmission) =>
     JSON.stringify({

@@ -44,7 +44,7 @@ export async function jobDocument(
       version: decided.version ?? SUMMARY_RUN.version,
       summaryJob: !decided.has_result && (found ? found.record.task === undefined : decided.task === SUMMARY_RUN.task),
     };
-    if (decided.outcome === "cancelled" || decided.outcome === "failed") {
+    if (decided.outcome === "cancelled" || decided.outcome === "failed" || decided.outcome === "expired") {
       const document: SummaryStatus = { job_id: jobId, status: decided.outcome, ...usage };
       if (decided.outcome === "failed") document.error = publicError(decided.error ?? found?.record.error ?? "");
       return { document, recordKey: found?.key, tokens, run };

@@ -20,6 +20,7 @@ import { attemptCharge, attemptCost, attemptRow } from "./attempt_log.ts";
 import type { Committed } from "./commit.ts";
 import type { Delivery, Job, ModelCall } from "./run_deps.ts";
 import { endedBy } from "./run_decided.ts";
+import { beforeExpiry, expire, hasExpired, RunExpired, throwIfExpired, untilExpiry } from "./run_expiry.ts";
 
 /** What a model call answered, and the model that answered it. */
 export interface Answered {
@@ -71,7 +72,8 @@ function describeAttempt({ value, error }: { value?: Completion; error?: unknown
 /**
  * The model call, with retries under the job's deadline and the permits of the deployments it is given (the
  * first one asked for already, as `first.pending`, which the first attempt takes and clears).
- * @returns the answer, or how the delivery ended when the job was decided meanwhile.
+ * @returns the answer, or how the delivery ended when the job was decided meanwhile, or expired before an
+ * attempt could go out.
  * @throws {JobDeferred} when the tenant's budget refused the call (the run goes back to its lane).
  * @throws {PermanentJobError} for a model error no retry can fix.
  * @throws the retryable error, `DeadlineExceeded` or `GateUnavailable`, to leave the message pending.
@@ -122,6 +124,10 @@ export async function callModel(
     return { text: completion.text, model: served.current!.model };
   } catch (error) {
     if (error instanceof JobDecided) return { skipped: endedBy(delivery, error.outcome, "between_attempts") };
+    // No attempt went out at or after the expiry, and none holds a reservation: the run ends expired.
+    if (error instanceof RunExpired) {
+      return { skipped: await expire(job, delivery, served.current ? "retry" : "permit") };
+    }
     if (error instanceof BudgetExhausted) {
       // Back to the end of its lane, no delivery spent; the lane is not read until the budget fits again.
       job.budgetExhausted?.(error);
@@ -155,13 +161,37 @@ function attemptGate(
   },
 ): AttemptGate<Completion, Acquired> {
   const { job_id, tenant } = delivery;
+  const clock = job.options.clock;
   return {
     acquire: async (signal) => {
+      // An attempt (a retry, the repair call) starts only before the run's expiry. Checked before the first
+      // permit is taken: a pending one stays in `first` and the run job gives it back.
+      throwIfExpired(delivery, clock);
       const { pending } = first;
       first.pending = undefined;
-      const acquired = await (pending ?? job.models.acquire(call.models, estimated, { signal, jobId: job_id, tenant }));
-      served.current = acquired;
+      let acquired: Acquired;
+      if (pending) acquired = await pending;
+      else {
+        // The wait for a permit ends at the run's expiry (RunExpired).
+        const bounded = untilExpiry(delivery, signal ?? new AbortController().signal, clock);
+        try {
+          const acquiring = job.models.acquire(call.models, estimated, {
+            signal: bounded.signal,
+            jobId: job_id,
+            tenant,
+          });
+          acquired = await beforeExpiry(acquiring, bounded);
+        } finally {
+          bounded.done();
+        }
+      }
       const { permit } = acquired;
+      if (hasExpired(delivery, clock)) {
+        // Granted at the moment of the expiry: the permit goes back unsent, and no budget is reserved.
+        await permit?.settle({ aborted: true, notSent: true }).catch(() => {});
+        throw new RunExpired(job_id, delivery.run.expiresAt!);
+      }
+      served.current = acquired;
       // The budget once the call may go: a reservation is held only while its call runs (not through a wait
       // for the provider), so one that is never settled (its worker killed) is a call that may have been billed.
       let held: HeldReservation | undefined;
@@ -171,6 +201,14 @@ function attemptGate(
         // Refused (or the budget unreadable): the permit goes back unused.
         await permit?.settle({ aborted: true }).catch(() => {});
         throw error;
+      }
+      if (held && hasExpired(delivery, clock)) {
+        // Expired while the reservation was made: both go back unsent and uncharged; the call does not go out.
+        await Promise.all([
+          permit?.settle({ aborted: true, notSent: true }).catch(() => {}),
+          settleBudget(held, { notSent: true }, delivery.log),
+        ]);
+        throw new RunExpired(job_id, delivery.run.expiresAt!);
       }
       if (!held) return acquired;
       const reserved = held;

@@ -59,6 +59,7 @@ export async function commit(
     duplicate: "job_duplicate",
     cancelled: "job_cancelled",
     failed: "job_failed_elsewhere",
+    expired: "job_expired",
   }[committed];
   const hit = cacheHit ? { cached: true, source_run_id: cacheHit.sourceRunId, waited } : {};
   log.info(event, { stage: "commit", deliveries: message.deliveries, ...hit });

@@ -1,6 +1,6 @@
 /**
  * A run decided elsewhere: the pre-check before the model is called, and how a delivery ends when its job was
- * decided (done, cancelled or failed by another delivery) while it ran.
+ * decided (done, cancelled, expired or failed by another delivery) while it ran.
  */
 import type { Outcome } from "../jobs/job_store.ts";
 import { PermanentJobError } from "../queue/errors.ts";
@@ -35,7 +35,7 @@ export function preparedKey(message: StreamMessage): string {
 
 /**
  * Cheap pre-check: a redelivery of a committed job (crash between commit and
- * XACK), or a cancelled job, skips the model call. The guarantee is the
+ * XACK), or a cancelled or expired job, skips the model call. The guarantee is the
  * outcome's primary key at the commit.
  * @returns how the delivery ends without a model call, or undefined to go on.
  * @throws {PermanentJobError} when the job was decided failed but its message is still here.
@@ -69,9 +69,9 @@ export async function preCheck(
   }
   if (!outcome) return undefined;
   await releaseFirst(`job already ${outcome}`);
-  const event = outcome === "done" ? "job_duplicate" : "job_cancelled";
+  const event = { done: "job_duplicate", cancelled: "job_cancelled", expired: "job_expired" }[outcome];
   log.info(event, { stage: "pre_check", deliveries: message.deliveries });
-  return outcome === "done" ? "duplicate" : "cancelled";
+  return outcome === "done" ? "duplicate" : outcome;
 }
 
 /**
@@ -80,7 +80,12 @@ export async function preCheck(
  * @throws {JobFailedElsewhere} when another delivery decided it failed.
  */
 export function endedBy({ job_id, message, log }: Delivery, outcome: Outcome, stage: string): Committed {
-  const event = { done: "job_duplicate", cancelled: "job_cancelled", failed: "job_failed_elsewhere" }[outcome];
+  const event = {
+    done: "job_duplicate",
+    cancelled: "job_cancelled",
+    failed: "job_failed_elsewhere",
+    expired: "job_expired",
+  }[outcome];
   log.info(event, { stage, deliveries: message.deliveries });
   if (outcome === "failed") throw new JobFailedElsewhere(job_id);
   return outcome === "done" ? "duplicate" : outcome;

@@ -17,6 +17,7 @@ import type { Delivery, Job, ModelCall, SummaryJobDeps, SummaryJobOptions } from
 import { loadTask, modelCall, parseDelivery } from "./run_load.ts";
 import { preCheck, preparedKey } from "./run_decided.ts";
 import { callModel } from "./run_call.ts";
+import { beforeExpiry, expire, hasExpired, untilExpiry } from "./run_expiry.ts";
 import { structuredOutput } from "./run_check.ts";
 import { commit } from "./run_commit.ts";
 
@@ -27,7 +28,8 @@ import { commit } from "./run_commit.ts";
  * the model too, and a cancel that wins the race with the commit leaves
  * nothing written.
  * @returns "done" when this delivery committed the job, "cancelled" when it
- * was cancelled, "duplicate" when it was already done.
+ * was cancelled, "expired" when it expired before its model call started,
+ * "duplicate" when it was already done.
  * @throws {JobFailedElsewhere} when another delivery decided it failed first
  * (its commit wrote nothing), to leave the message pending.
  * @throws {PermanentJobError} for a malformed message or a model error no retry can fix.
@@ -81,6 +83,11 @@ async function deliver(
   finishing: (() => void) | undefined,
 ): Promise<Committed> {
   const delivery = { ...parseDelivery(job, message), finishing };
+  // Taken at or after its expiry (it waited in its lane, was deferred for budget, or is reclaimed after a crash):
+  // decided now, with no permit asked for and no task loaded. Unless something else decided it first.
+  if (hasExpired(delivery, job.options.clock)) {
+    return await preCheck(job, delivery, () => Promise.resolve()) ?? await expire(job, delivery, "taken");
+  }
   const task = await loadTask(job, delivery);
   const call = modelCall(task, delivery.run.input);
   // Off for this run (a TTL of 0), the cache costs nothing: no hash, no Redis, and the first permit is asked for
@@ -150,11 +157,21 @@ async function answer(
   // Ask for the first permit now, in the same tick the worker started this job: the worker's next look at
   // the gate then counts this job as waiting, so it does not read more jobs than permits are coming.
   const early = new AbortController();
-  // Linked while the permit is awaited only: the worker's stop signal outlives every job (see linkedSignal).
+  // Linked while the permit is awaited only: the worker's stop signal outlives every job (see linkedSignal). A
+  // run that expires while it waits (a provider's pause, a queue of permits) stops waiting then (`RunExpired`).
   const waiting = linkedSignal(signal, early.signal);
-  const first: Promise<Acquired> = job.models
-    .acquire(call.models, estimated, { signal: waiting.signal, jobId: delivery.job_id, tenant: delivery.tenant })
-    .finally(waiting.unlink);
+  const bounded = untilExpiry(delivery, waiting.signal, job.options.clock);
+  const first: Promise<Acquired> = beforeExpiry(
+    job.models.acquire(call.models, estimated, {
+      signal: bounded.signal,
+      jobId: delivery.job_id,
+      tenant: delivery.tenant,
+    }),
+    bounded,
+  ).finally(() => {
+    bounded.done();
+    waiting.unlink();
+  });
   first.catch(() => {}); // observed below; never an unhandled rejection while the pre-check runs
   const releaseFirst = async (why: string) => {
     early.abort(new Error(why));

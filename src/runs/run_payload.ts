@@ -19,6 +19,13 @@ export const RunPayload = z.object({
   notify: z.union([z.string(), WebhookTarget]).optional(),
   /** `Cache-Control: no-cache` on the POST: the run skips the result cache's lookup. Absent in older payloads. */
   no_cache: z.literal(true).optional(),
+  /** The run's `priority` when not `normal` (a normal run's payload, like every older one, has none). */
+  priority: z.enum(["high", "low", "batch"]).optional(),
+  /**
+   * When the run expires (epoch ms: its acceptance plus `expires_in`): a model call not started by then never
+   * starts, and the run ends `expired`. Absent: it never expires.
+   */
+  expires_at: z.number().int().positive().optional(),
 });
 export type RunPayload = z.infer<typeof RunPayload>;
 
@@ -32,6 +39,10 @@ export interface RunJob {
   summary: boolean;
   /** The POST said `Cache-Control: no-cache`: no result-cache lookup. */
   noCache?: boolean;
+  /** The run's priority when not `normal`. */
+  priority?: "high" | "low" | "batch";
+  /** Epoch ms after which no model call of the run starts (see `run_expiry.ts`); unset: never. */
+  expiresAt?: number;
 }
 
 /**
@@ -69,8 +80,13 @@ export function summaryForms(
 export function runOfPayload(payload: string): RunJob {
   const value: unknown = JSON.parse(payload);
   if (value !== null && typeof value === "object" && "task" in value) {
-    const { no_cache, ...run } = RunPayload.parse(value);
-    return { ...run, summary: false, ...(no_cache ? { noCache: true } : {}) };
+    const { no_cache, expires_at, ...run } = RunPayload.parse(value);
+    return {
+      ...run,
+      summary: false,
+      ...(no_cache ? { noCache: true } : {}),
+      ...(expires_at === undefined ? {} : { expiresAt: expires_at }),
+    };
   }
   // The request is checked as strictly as at intake, without the one field intake may add.
   const { no_cache, ...rest } = (value ?? {}) as { no_cache?: unknown };

@@ -1,6 +1,9 @@
 import { z } from "zod";
 import { isPlainEmail, SummaryRequest } from "./shapes.ts";
 
+/** The longest `expires_in` a run may set: 7 days. A run that may wait longer does not need an expiry. */
+export const MAX_EXPIRES_IN_S = 7 * 24 * 3600;
+
 /** Body of `POST /v1/tasks/{name}/runs`. Unknown fields are rejected. */
 export const RunRequest = z.strictObject({
   // Checked as an object here and against the task's input schema after: a per-key zod record would only
@@ -18,10 +21,13 @@ export const RunRequest = z.strictObject({
   version: z.number().int().min(1).optional().describe("The task version to run; the latest at intake when unset"),
   notify: SummaryRequest.shape.notify.optional(),
   priority: z.enum(["high", "normal", "low", "batch"]).optional().describe(
-    "Not available yet: a run that sets it is refused with 422 (it comes with deployments and fallback)",
+    "normal when unset. high runs overtake the same tenant's normal and low backlog (never other tenants' " +
+      "shares); batch runs go through a deployment's Batch API where one offers it, else they run as low",
   ),
-  expires_in: z.number().int().min(1).optional().describe(
-    "Not available yet: a run that sets it is refused with 422 (it comes with deployments and fallback)",
+  expires_in: z.number().int().min(1).max(MAX_EXPIRES_IN_S).optional().describe(
+    "Seconds (1 to 604800, 7 days) from acceptance: a run whose model call has not started by then ends " +
+      "expired, with no model call and no charge, and its notification is run.expired. Each attempt (a retry, " +
+      "the repair call, a redelivery's) starts only before the expiry; one already sent finishes",
   ),
 });
 export type RunRequest = z.infer<typeof RunRequest>;
@@ -59,7 +65,9 @@ export const RunDocument = z.object({
   run_id: z.uuid(),
   task: z.string(),
   version: z.number().int().min(1),
-  status: z.enum(["queued", "done", "failed", "cancelled"]),
+  status: z.enum(["queued", "done", "failed", "cancelled", "expired"]).describe(
+    "expired: the run set expires_in and its model call had not started by then",
+  ),
   output: z.unknown().optional().describe("The parsed JSON when the task has an output schema, else the text"),
   error: z.string().optional(),
   model: z.string().optional().describe("The model asked (a done run of a task)"),

@@ -25,7 +25,7 @@ import { SchemaRefused, type SchemaViolation, unstorableJson } from "../tasks/js
 import { ValidationBusy, ValidationTimeout, ValidationTooCostly } from "../tasks/validator.ts";
 import type { RunPayload } from "./run_payload.ts";
 import { skipsCache } from "../cache/result_cache.ts";
-import { parseRunRequest, type RunDocument } from "./run_schemas.ts";
+import { parseRunRequest, type RunDocument, type RunRequest } from "./run_schemas.ts";
 import type { TaskCache } from "../tasks/task_cache.ts";
 
 /** What the run routes need beyond the summary API's. */
@@ -68,6 +68,23 @@ async function withWaiting(deps: RunApiDeps, tenant: string, document: RunDocume
   return until > Date.now() ? { ...document, waiting_for: "budget" } : document;
 }
 
+/**
+ * A run's `priority` and expiry as its stream payload carries them: no field for `normal` (so a normal run's
+ * payload is as every release wrote it), and `expires_at`, the acceptance time (now: the run is enqueued in
+ * this request) plus `expires_in`. Both request fields are in the body's fingerprint already (the job id hashes
+ * the whole validated body), so a replay with another priority or expiry is a 422 like any other difference;
+ * a replay keeps the first request's `expires_at`, since it enqueues nothing.
+ */
+function priorityAndExpiry(
+  { priority, expires_in }: Pick<RunRequest, "priority" | "expires_in">,
+  nowMs = Date.now(),
+): Pick<RunPayload, "priority" | "expires_at"> {
+  return {
+    ...(priority === undefined || priority === "normal" ? {} : { priority }),
+    ...(expires_in === undefined ? {} : { expires_at: nowMs + expires_in * 1000 }),
+  };
+}
+
 /** A 422 whose problem document names the place in the request body. */
 function refused(pointer: string, message: string, title = "The request body failed validation"): HttpError {
   return new HttpError(422, title, {}, { extra: { errors: [{ pointer, message }] } });
@@ -88,11 +105,6 @@ export function runRoutes(deps: RunApiDeps): Router {
         throw new HttpError(422, "The request body failed validation", {}, { extra: { errors } });
       }
       const request = parsed.data;
-      for (const field of ["priority", "expires_in"] as const) {
-        if (request[field] !== undefined) {
-          throw refused(`/${field}`, `${field} is not available yet on this server; send the run without it`);
-        }
-      }
       const size = unstorableJson(request.input);
       if ("pointer" in size) throw refused(`/input${size.pointer}`, size.message);
       // Cached, the version is found without a wait (every await on this path costs throughput).
@@ -133,6 +145,7 @@ export function runRoutes(deps: RunApiDeps): Router {
         input: request.input,
         notify: request.notify,
         ...(skipsCache(req.headers) ? { no_cache: true as const } : {}),
+        ...priorityAndExpiry(request),
       };
       return await answerSubmission(
         deps,
@@ -143,7 +156,13 @@ export function runRoutes(deps: RunApiDeps): Router {
           return deps.intake.submitRun({
             scope,
             request,
-            run: { task: task.name, version: task.version, payload: JSON.stringify(payload) },
+            run: {
+              task: task.name,
+              version: task.version,
+              payload: JSON.stringify(payload),
+              // Its lane's stream: a batch run is low until a deployment's Batch API takes it.
+              priority: payload.priority === "batch" ? "low" : payload.priority,
+            },
             traceparent: currentTraceparent(),
             refuse,
           });

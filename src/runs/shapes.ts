@@ -70,7 +70,8 @@ export function parseSummaryRequest(raw: unknown): z.ZodSafeParseResult<SummaryR
  */
 export const SummaryStatus = z.object({
   job_id: z.uuid(),
-  status: z.enum(["queued", "done", "failed", "cancelled"]),
+  // `expired` only for a run that set `expires_in` (a summary job's POST cannot).
+  status: z.enum(["queued", "done", "failed", "cancelled", "expired"]),
   summary: z.string().optional(),
   error: z.string().optional(),
   attempts: z.number().int().optional().describe("Model calls made for this job so far (recorded within a second)"),
@@ -112,29 +113,33 @@ export const SummaryWebhook = z.object({
 });
 export type SummaryWebhook = z.infer<typeof SummaryWebhook>;
 
-/** The body of a run's webhook: `run.completed` with its output, or `run.failed` with its error. */
+/**
+ * The body of a run's webhook: `run.completed` with its output, `run.failed` with its error, or `run.expired`
+ * (its model call had not started by its expiry) with neither.
+ */
 export const RunWebhook = z.object({
-  type: z.enum(["run.completed", "run.failed"]),
+  type: z.enum(["run.completed", "run.failed", "run.expired"]),
   run_id: z.uuid(),
   task: z.string(),
   version: z.number().int().min(1),
-  status: z.enum(["done", "failed"]),
+  status: z.enum(["done", "failed", "expired"]),
   output: z.unknown().optional().describe("The parsed JSON when the task has an output schema, else the text"),
   error: z.string().optional(),
 });
 export type RunWebhook = z.infer<typeof RunWebhook>;
 
-/** The outbox topic of a finished run's email (done or failed). */
+/** The outbox topic of a finished run's email (done, failed or expired). */
 export const RUN_EMAIL_TOPIC = "email.run_finished";
-/** The outbox topic of a finished run's webhook (`run.completed` or `run.failed`). */
+/** The outbox topic of a finished run's webhook (`run.completed`, `run.failed` or `run.expired`). */
 export const RUN_WEBHOOK_TOPIC = "webhook.run_finished";
 /**
  * Dedupe-key prefixes of run notifications, plus the run id: one per run and outcome, so a run's done and
- * failed notifications are distinct rows (a failed run replayed from its dead letter may still complete).
+ * failed notifications are distinct rows (a failed run replayed from its dead letter may still complete). An
+ * expired run has one, once: `expired` is final.
  */
 export const RUN_KEY_PREFIX = {
-  email: { done: "run_done:", failed: "run_failed:" },
-  webhook: { done: "run_done_webhook:", failed: "run_failed_webhook:" },
+  email: { done: "run_done:", failed: "run_failed:", expired: "run_expired:" },
+  webhook: { done: "run_done_webhook:", failed: "run_failed_webhook:", expired: "run_expired_webhook:" },
 } as const;
 
 /** The outbox topic of a summary's notification email. */

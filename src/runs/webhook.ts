@@ -63,7 +63,7 @@ function summaryWebhookBody(row: OutboxRow): SummaryWebhook {
   return { type: "summary.ready", job_id, status: "done", summary };
 }
 
-/** `run.completed` with the output, or `run.failed` with the error. */
+/** `run.completed` with the output, `run.failed` with the error, or `run.expired` with neither. */
 function runWebhookBody(row: OutboxRow): RunWebhook {
   const { job_id, task, version, status, error } = row.payload as {
     job_id: string;
@@ -75,6 +75,7 @@ function runWebhookBody(row: OutboxRow): RunWebhook {
   if (typeof task !== "string" || typeof version !== "number") {
     throw new WebhookRefused(`outbox row ${row.id} lacks its task or version`);
   }
+  if (status === "expired") return { type: "run.expired", run_id: job_id, task, version, status: "expired" };
   if (status !== "done") return { type: "run.failed", run_id: job_id, task, version, status: "failed", error };
   if (!("output" in row.payload)) {
     throw new WebhookRefused(`outbox row ${row.id}'s run has no output (past retention?)`);

@@ -148,13 +148,12 @@ Deno.test("runs of a task: structured output, repair, failures, notifications", 
       const nul = await run("triage-bad-000004", { input: { ticket: "a\u0000b" } });
       assert.equal(nul.status, 422);
       assert.equal(nul.body.errors[0].pointer, "/input/ticket");
-      for (const field of ["priority", "expires_in"]) {
-        const refused = await run(`triage-bad-${field}-01`, {
-          input: { ticket: "x" },
-          ...(field === "priority" ? { priority: "high" } : { expires_in: 60 }),
-        });
+      // A priority outside the four, and an expiry that is not whole seconds from 1 to 7 days, are refused.
+      const refusals = [{ priority: "urgent" }, { expires_in: 0 }, { expires_in: 1.5 }, { expires_in: 604_801 }];
+      for (const [i, extra] of refusals.entries()) {
+        const refused = await run(`triage-bad-extra-0${i}`, { input: { ticket: "x" }, ...extra });
         assert.equal(refused.status, 422);
-        assert.equal(refused.body.errors[0].pointer, `/${field}`);
+        assert.equal(refused.body.errors[0].pointer, `/${Object.keys(extra)[0]}`);
       }
       assert.equal((await run("triage-bad-000005", { input: { ticket: "x" }, version: 9 })).status, 404);
       assert.equal(
@@ -163,6 +162,22 @@ Deno.test("runs of a task: structured output, repair, failures, notifications", 
         404,
       );
       assert.equal(await queued(), before);
+    });
+
+    await t.step("a run's priority queues it on its lane's stream: high on high, batch on low", async () => {
+      const added = async (stream: string) => {
+        const info = await r.redis.xinfo("STREAM", stream).catch(() => null) as unknown[] | null;
+        return info ? Number(info[info.indexOf("entries-added") + 1]) : 0;
+      };
+      const lane = keys.lane("acme");
+      const before = await Promise.all([lane.streamOf("high"), lane.streamOf("low")].map(added));
+      for (const [i, priority] of ["high", "batch", "low"].entries()) {
+        const done = await run(`triage-priority-0${i}`, { input: { ticket: `printer ${i}` }, priority });
+        assert.equal(done.status, 200);
+        assert.equal(done.body.status, "done");
+      }
+      const after = await Promise.all([lane.streamOf("high"), lane.streamOf("low")].map(added));
+      assert.deepEqual([after[0]! - before[0]!, after[1]! - before[1]!], [1, 2]);
     });
 
     await t.step("an answer that breaks the schema once succeeds after two calls", async () => {

@@ -1,0 +1,383 @@
+/**
+ * Expiry (issue 41): a run whose model call has not started by its
+ * `expires_at` ends `expired`, decided in Postgres, with no model call, no
+ * budget charge and one `run.expired` notification; at every stage (taken
+ * after its expiry, deferred for budget, waiting for a permit, reclaimed
+ * after a crash) and against a cancel in both orders. A call already sent
+ * finishes; a retry after the expiry does not start.
+ */
+import assert from "node:assert/strict";
+import type { Sql } from "postgres";
+import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
+import type { LLM } from "../../src/llm/llm.ts";
+import type { Acquired, Models } from "../../src/llm/models.ts";
+import { createPrices } from "../../src/llm/prices.ts";
+import { ensureGroup } from "../../src/queue/stream_worker.ts";
+import { cancelJob } from "../../src/jobs/job_store.ts";
+import { expireRun } from "../../src/runs/commit.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
+import type { RunPayload } from "../../src/runs/run_payload.ts";
+import { createApiKey } from "../../src/tenants/tenant_store.ts";
+import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
+import { ensureWebhookSecret } from "../../src/tenants/webhook_secrets.ts";
+import { enqueueRunToLane } from "../support/enqueue.ts";
+import { startFakeMail } from "../support/fake_mail_server.ts";
+import { startFakeModel } from "../support/fake_model_server.ts";
+import { recordAttempt } from "../support/run_rows.ts";
+import { apiHandler, budgetsOn, jsonClient, relayTo, summaryWorker } from "../support/fixtures.ts";
+import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
+import type { StreamWorker } from "../../src/queue/stream_worker.ts";
+
+const TASK = {
+  prompt: "Echo: {{input.text}}",
+  input_schema: { type: "object", properties: { text: { type: "string" } }, required: ["text"] },
+};
+
+/** A deployment in a pause that never ends: its permits are waited for until the wait's signal aborts. */
+function pausedModels(): Models & { waits: number } {
+  const models = {
+    defaultModel: "m",
+    waits: 0,
+    acquire(_models: readonly string[], _estimate: number, options?: { signal?: AbortSignal }) {
+      models.waits++;
+      return new Promise<Acquired>((_, reject) => {
+        const signal = options?.signal;
+        if (signal?.aborted) return reject(signal.reason);
+        signal?.addEventListener("abort", () => reject(signal.reason), { once: true });
+      });
+    },
+  };
+  return models;
+}
+
+/** A deployment that does not hear its signal: it grants a permit after `ms`, whatever happened meanwhile. */
+function lateModels(llm: LLM, ms: number): Models & { settled: unknown[] } {
+  const settled: unknown[] = [];
+  return {
+    defaultModel: "m",
+    settled,
+    acquire: () =>
+      new Promise<Acquired>((resolve) =>
+        setTimeout(() =>
+          resolve({
+            llm,
+            model: "m",
+            deployment: "late",
+            permit: {
+              waitedMs: ms,
+              settle: (outcome) => {
+                settled.push(outcome);
+                return Promise.resolve(false);
+              },
+            },
+          }), ms)
+      ),
+  };
+}
+
+Deno.test("expiry", async (t) => {
+  const db = await createTestDatabase();
+  const r = await createTestRedis();
+  const keys = serviceKeys(r.prefix);
+  // A run's calls are those whose prompt carries its text; `[[hang]]`, `[[slow]]` and `[[fail]]` steer the fake.
+  const model = startFakeModel((_, prompt) => {
+    if (prompt.includes("[[slow]]")) return { kind: "ok", content: "late answer", delayMs: 600 };
+    if (prompt.includes("[[fail]]")) return { kind: "status", status: 500, body: { error: { message: "boom" } } };
+    return { kind: "ok", content: "ok" };
+  });
+  const callsFor = (text: string) => model.prompts.filter((p) => p.includes(text)).length;
+  const hooks: Record<string, unknown>[] = [];
+  const receiver = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen() {} }, async (req) => {
+    hooks.push(await req.json());
+    return new Response(null, { status: 204 });
+  });
+  const hookUrl = `http://127.0.0.1:${receiver.addr.port}/hook`;
+  const mail = startFakeMail();
+  const llm = createOpenAiLlm({ apiKey: "sk-test", model: "m", baseURL: model.url });
+  const api = apiHandler({ redis: r.redis, sql: db.sql, keys }, { authMode: "api-key" });
+  const acme = jsonClient(api, await createApiKey(db.sql, "acme"));
+  await ensureWebhookSecret(db.sql, "acme");
+  const lane = keys.lane("acme");
+
+  const enqueue = async (text: string, extra: Partial<RunPayload> = {}) => {
+    const runId = crypto.randomUUID();
+    const run: RunPayload = { task: "echo", version: 1, input: { text }, notify: { webhook: hookUrl }, ...extra };
+    await enqueueRunToLane(r.redis, keys, { jobId: runId, tenant: "acme", run });
+    return runId;
+  };
+  const outcomeOf = async (runId: string) =>
+    (await db.sql<{ outcome: string }[]>`SELECT outcome FROM job_outcomes WHERE job_id = ${runId}`)[0]?.outcome;
+  const outboxOf = (sql: Sql, runId: string) =>
+    sql<{ dedupe_key: string; topic: string }[]>`
+      SELECT dedupe_key, topic FROM outbox WHERE dedupe_key LIKE ${"%" + runId}`;
+  const expectExpired = async (runId: string, text: string, notify: "webhook" | "email" = "webhook") => {
+    assert.equal(await outcomeOf(runId), "expired");
+    assert.equal(callsFor(text), 0, "no model call");
+    const rows = await outboxOf(db.sql, runId);
+    const key = notify === "webhook" ? `run_expired_webhook:${runId}` : `run_expired:${runId}`;
+    assert.deepEqual(rows.map((row) => row.dedupe_key), [key], "one run.expired notification");
+    const got = await acme("GET", `/v1/runs/${runId}`);
+    assert.equal(got.status, 200);
+    assert.equal(got.body.status, "expired");
+    assert.equal(got.body.attempts, 0);
+  };
+  const running = (worker: StreamWorker) => {
+    const stop = new AbortController();
+    const loop = worker.run(stop.signal);
+    return async () => {
+      stop.abort();
+      await loop;
+      await worker.close();
+    };
+  };
+  const pending = async () => ((await r.redis.xpending(lane.stream, lane.group)) as [number])[0];
+  // Every message of the lane taken and acknowledged (acknowledging deletes the entry).
+  const drained = async () => (await r.redis.xlen(lane.stream)) === 0 && (await pending()) === 0;
+
+  try {
+    assert.equal((await acme("PUT", "/v1/tasks/echo", TASK)).status, 201);
+
+    await t.step(
+      "intake accepts priority and expires_in, carries them in the payload, and fingerprints them",
+      async () => {
+        const before = Date.now();
+        const post = (key: string, body: Record<string, unknown>) =>
+          acme("POST", "/v1/tasks/echo/runs", { input: { text: "intake" }, ...body }, { "idempotency-key": key });
+        const high = await post("expiry-intake-00001", { priority: "high", expires_in: 30 });
+        assert.equal(high.status, 202, JSON.stringify(high.body));
+        const normal = await post("expiry-intake-00002", { priority: "normal" });
+        assert.equal(normal.status, 202);
+        // Each on its priority's stream of the lane (normal's is intake's stream of old).
+        assert.equal(await r.redis.xlen(lane.streamOf("high")), 1);
+        const entries = (await Promise.all(lane.streams.map((stream) => r.redis.xrange(stream, "-", "+"))))
+          .flat() as [string, string[]][];
+        const payloads = new Map(entries.map(([, flat]) => {
+          const fields = Object.fromEntries(flat.flatMap((v, i) => (i % 2 ? [] : [[v, flat[i + 1]]])));
+          return [fields.job_id, JSON.parse(fields.payload ?? "null")];
+        }));
+        const carried = payloads.get(high.body.run_id);
+        assert.equal(carried.priority, "high");
+        assert.ok(carried.expires_at >= before + 30_000 && carried.expires_at <= Date.now() + 30_000);
+        // A normal run's payload is as every release wrote it: no priority, no expiry.
+        assert.deepEqual(Object.keys(payloads.get(normal.body.run_id)).sort(), ["input", "task", "version"]);
+        // The same key with another priority or expiry is another body: 422. The same body is a replay.
+        assert.equal((await post("expiry-intake-00001", { priority: "low", expires_in: 30 })).status, 422);
+        assert.equal((await post("expiry-intake-00001", { priority: "high", expires_in: 31 })).status, 422);
+        assert.equal((await post("expiry-intake-00001", { priority: "high" })).status, 422);
+        const replay = await post("expiry-intake-00001", { expires_in: 30, priority: "high" });
+        assert.equal(replay.status, 202);
+        assert.equal(replay.body.run_id, high.body.run_id);
+        const tooLong = await post("expiry-intake-00003", { expires_in: 7 * 24 * 3600 + 1 });
+        assert.equal(tooLong.status, 422);
+        assert.equal(tooLong.body.errors[0].pointer, "/expires_in");
+        // Cleared, so no later step's worker runs them.
+        await acme("DELETE", `/v1/runs/${high.body.run_id}`);
+        await acme("DELETE", `/v1/runs/${normal.body.run_id}`);
+      },
+    );
+
+    await t.step("taken after its expiry: decided at once, no call, one run.expired webhook and email", async () => {
+      const hooked = await enqueue("queued-webhook", { expires_at: Date.now() - 1 });
+      const mailed = await enqueue("queued-email", { expires_at: Date.now() - 1, notify: "ops@example.com" });
+      const stop = running(summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }));
+      try {
+        await waitFor("both expired", async () => (await outcomeOf(hooked)) && (await outcomeOf(mailed)));
+        await waitFor("the lane drained", drained);
+      } finally {
+        await stop();
+      }
+      await expectExpired(hooked, "queued-webhook");
+      await expectExpired(mailed, "queued-email", "email");
+      const relay = relayTo({ sql: db.sql, mailUrl: mail.url });
+      await relay.runOnce();
+      await relay.runOnce();
+      assert.deepEqual(hooks, [{ type: "run.expired", run_id: hooked, task: "echo", version: 1, status: "expired" }]);
+      const email = mail.delivered.find((e) => e.subject.includes(mailed));
+      assert.ok(email);
+      assert.match(email.subject, /^Your run of echo expired/);
+      assert.match(email.text, /expired: its model call had not started/);
+      assert.equal(email.idempotencyKey, `run_expired:${mailed}`);
+    });
+
+    await t.step("waiting for a permit in a provider pause: the wait ends at the expiry, no call", async () => {
+      const models = pausedModels();
+      const expiresAt = Date.now() + 400;
+      const runId = await enqueue("paused", { expires_at: expiresAt });
+      const stop = running(summaryWorker({ redis: r.redis, sql: db.sql, models, keys }));
+      try {
+        await waitFor("the run to wait for its permit", () => models.waits > 0);
+        assert.equal(await outcomeOf(runId), undefined, "still waiting before its expiry");
+        await waitFor("expired", () => outcomeOf(runId));
+        assert.ok(Date.now() >= expiresAt);
+        await waitFor("acknowledged", async () => (await pending()) === 0);
+      } finally {
+        await stop();
+      }
+      await expectExpired(runId, "paused");
+    });
+
+    await t.step("a permit granted past the expiry by a deployment deaf to its signal goes back unsent", async () => {
+      const models = lateModels(llm, 500);
+      const runId = await enqueue("late-permit", { expires_at: Date.now() + 150 });
+      const stop = running(summaryWorker({ redis: r.redis, sql: db.sql, models, keys }));
+      try {
+        await waitFor("expired", () => outcomeOf(runId));
+        await waitFor("the late permit settled", () => models.settled.length > 0);
+      } finally {
+        await stop();
+      }
+      assert.deepEqual(models.settled, [{ aborted: true, notSent: true }]);
+      await expectExpired(runId, "late-permit");
+    });
+
+    await t.step("deferred for budget, expired meanwhile: the next take decides it, nothing charged", async () => {
+      const prices = createPrices({});
+      const budgets = budgetsOn({ redis: r.redis, sql: db.sql, keys }, { prices, ttlMs: 100 });
+      // Spent up to the limit already: the run's worst case does not fit now, but would in a larger budget.
+      await setTenantBudget(db.sql, "acme", { "--tokens-per-day": 50_000 });
+      await recordAttempt(db.sql, {
+        runId: crypto.randomUUID(),
+        tenant: "acme",
+        promptTokens: 25_000,
+        completionTokens: 25_000,
+      });
+      const runId = await enqueue("budget-deferred", { expires_at: Date.now() + 500 });
+      const stop = running(summaryWorker({ redis: r.redis, sql: db.sql, llm, keys, budgets }));
+      try {
+        await waitFor(
+          "the run deferred (the tenant marked waiting)",
+          async () => (await budgets.waitingUntil("acme")) > 0,
+        );
+        assert.equal(await outcomeOf(runId), undefined);
+        await new Promise((resolve) => setTimeout(resolve, 600));
+        // The budget is raised after the run's expiry: its lane is read again, and the take decides it expired.
+        await setTenantBudget(db.sql, "acme", { "--tokens-per-day": 10_000_000 });
+        await waitFor("expired", () => outcomeOf(runId), 10_000);
+        await waitFor("acknowledged", async () => (await pending()) === 0);
+      } finally {
+        await stop();
+      }
+      await expectExpired(runId, "budget-deferred");
+      const [day] = await budgets.views("acme");
+      assert.equal(day?.spent, 50_000, "nothing charged for the expired run");
+      assert.equal(day?.reserved, 0, "nothing held for it");
+      await setTenantBudget(db.sql, "acme", { "--tokens-per-day": null });
+    });
+
+    await t.step("reclaimed after a crash, past its expiry: decided expired, no call", async () => {
+      const runId = await enqueue("crashed", { expires_at: Date.now() + 200 });
+      await ensureGroup(r.redis, lane);
+      // A worker reads it and dies before anything else.
+      const reply = await r.redis.xreadgroup("GROUP", lane.group, "w-dead", "COUNT", 1, "STREAMS", lane.stream, ">");
+      assert.ok(reply);
+      assert.equal(await pending(), 1);
+      await new Promise((resolve) => setTimeout(resolve, 250));
+      const b = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, { consumer: "w-b", claimIdleMs: 0 });
+      try {
+        assert.equal(await b.runOnce(0), 1);
+        await b.drain();
+      } finally {
+        await b.close();
+      }
+      assert.equal(await pending(), 0);
+      await expectExpired(runId, "crashed");
+    });
+
+    await t.step("expiry against cancel, in both orders and raced: the first decision stands", async () => {
+      // Cancelled first: the expired take finds it cancelled and writes nothing.
+      const cancelled = await enqueue("cancel-first", { expires_at: Date.now() - 1 });
+      assert.equal((await acme("DELETE", `/v1/runs/${cancelled}`)).body.status, "cancelled");
+      const stop = running(summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }));
+      try {
+        await waitFor("taken and acknowledged", drained);
+      } finally {
+        await stop();
+      }
+      assert.equal(await outcomeOf(cancelled), "cancelled");
+      assert.equal((await outboxOf(db.sql, cancelled)).length, 0);
+      assert.equal((await acme("GET", `/v1/runs/${cancelled}`)).body.status, "cancelled");
+      // Expired first: the cancel is a 409 and changes nothing.
+      const expired = await enqueue("expire-first", { expires_at: Date.now() - 1 });
+      const again = running(summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }));
+      try {
+        await waitFor("expired", () => outcomeOf(expired));
+      } finally {
+        await again();
+      }
+      const refused = await acme("DELETE", `/v1/runs/${expired}`);
+      assert.equal(refused.status, 409);
+      await expectExpired(expired, "expire-first");
+      // 300 runs: cancel then expire, expire then cancel, and both at once (100 each). One outcome each, and a
+      // run.expired row exactly when the expiry won.
+      const ids = Array.from({ length: 300 }, () => crypto.randomUUID());
+      const run = { tenant: "acme", task: "echo", version: 1, notify: "ops@example.com" };
+      const results = await Promise.all(ids.map(async (id, i) => {
+        const expire = () => expireRun(db.sql, { ...run, jobId: id }, Date.now());
+        const cancel = () => cancelJob(db.sql, id, "acme", run);
+        if (i % 3 === 0) {
+          const cancelledAs = await cancel();
+          return [await expire(), cancelledAs] as const;
+        }
+        if (i % 3 === 1) {
+          const expiredAs = await expire();
+          return [expiredAs, await cancel()] as const;
+        }
+        return await Promise.all([expire(), cancel()]);
+      }));
+      let expiredWins = 0;
+      for (const [i, [expiredAs, cancelledAs]] of results.entries()) {
+        const outcome = await outcomeOf(ids[i]!);
+        const rows = await outboxOf(db.sql, ids[i]!);
+        if (outcome === "expired") {
+          expiredWins++;
+          assert.equal(expiredAs, "expired");
+          assert.equal(cancelledAs, "expired");
+          assert.equal(rows.length, 1);
+        } else {
+          assert.equal(outcome, "cancelled");
+          assert.equal(expiredAs, "cancelled");
+          assert.equal(cancelledAs, "cancelled");
+          assert.equal(rows.length, 0);
+        }
+      }
+      assert.ok(expiredWins >= 100 && expiredWins <= 200, `expiry won ${expiredWins}`);
+    });
+
+    await t.step("a call already sent when the run expires finishes, and the run is done", async () => {
+      const runId = await enqueue("[[slow]] in flight", { expires_at: Date.now() + 250 });
+      const stop = running(summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }));
+      try {
+        await waitFor("done", () => outcomeOf(runId), 5_000);
+      } finally {
+        await stop();
+      }
+      assert.equal(await outcomeOf(runId), "done");
+      assert.equal(callsFor("[[slow]] in flight"), 1);
+      assert.deepEqual((await outboxOf(db.sql, runId)).map((row) => row.dedupe_key), [`run_done_webhook:${runId}`]);
+    });
+
+    await t.step("a retry due after the expiry does not start: one call, then expired", async () => {
+      const runId = await enqueue("[[fail]] then retry", { expires_at: Date.now() + 300 });
+      const stop = running(
+        summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, {
+          job: { backoffBaseMs: 500, backoffCapMs: 500, random: () => 1 },
+        }),
+      );
+      try {
+        await waitFor("expired", () => outcomeOf(runId), 5_000);
+        await waitFor("acknowledged", async () => (await pending()) === 0);
+      } finally {
+        await stop();
+      }
+      assert.equal(await outcomeOf(runId), "expired");
+      assert.equal(callsFor("[[fail]] then retry"), 1, "the first attempt only");
+      assert.deepEqual((await outboxOf(db.sql, runId)).map((row) => row.dedupe_key), [`run_expired_webhook:${runId}`]);
+    });
+  } finally {
+    await receiver.shutdown();
+    await mail.close();
+    await model.close();
+    await r.close();
+    await db.close();
+  }
+});
