@@ -198,7 +198,7 @@ export async function jobPage(
 ): Promise<Response> {
   if (!JOB_ID.test(jobId)) return page(view, "Job", html`<p>Not a job id: <code>${jobId}</code></p>`, { status: 404 });
   const decided = await decidedRun(sql, jobId);
-  let state: { tenant: string; status: string; error?: string } | undefined = decided
+  let state: { tenant: string; status: string; error?: string; priority?: string } | undefined = decided
     ? { tenant: decided.tenant, status: decided.outcome, error: decided.error ?? undefined }
     : undefined;
   let run = decided ? { task: decided.task, version: decided.version } : undefined;
@@ -206,7 +206,12 @@ export async function jobPage(
     // Undecided: its record in Redis, in its tenant's lane when the link names the tenant (else in each lane).
     const found = await readJobRecord(redis, keys, jobId, tenant);
     if (found) {
-      state = { tenant: found.record.tenant!, status: found.record.status ?? "queued", error: found.record.error };
+      state = {
+        tenant: found.record.tenant!,
+        status: found.record.status ?? "queued",
+        error: found.record.error,
+        priority: found.record.priority,
+      };
       // Its task version as its record names it, or as its first recorded model attempt does.
       const { task, version } = found.record;
       run = task && /^\d+$/.test(version ?? "")
@@ -222,6 +227,14 @@ export async function jobPage(
   const body = html`<dl class="figures"><dt>${isTask ? "run" : "job"}</dt><dd><code id="job-id">${jobId}</code></dd>
 <dt>tenant</dt><dd>${state.tenant}</dd><dt>task</dt><dd id="job-task">${taskOfRun(state.tenant, run)}</dd>
 <dt>status</dt><dd id="job-status">${state.status}</dd>
+${
+    state.priority
+      ? html`
+        <dt>priority</dt>
+        <dd id="job-priority">${state.priority}</dd>
+      `
+      : ""
+  }
 ${
     decided?.expires_at
       ? html`

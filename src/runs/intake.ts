@@ -37,6 +37,8 @@ export interface RunSubmission {
   payload: string;
   /** Its priority: the stream of its lane it is queued on (`LaneKeys.streamOf`); normal when unset. */
   priority?: Priority;
+  /** The priority the request asked for (`batch` is queued as low), as its status record names it. */
+  requested?: string;
 }
 
 /** What one submission came to. */
@@ -213,7 +215,7 @@ export function createIntake(
     JSON.stringify({
       tenant,
       cap: maxQueuedPerTenant ?? 0,
-      status: markQueued(tenant, run),
+      status: markQueued(tenant, run && { ...run, priority: run.requested }),
       lane: known.lane,
       // The lane's other streams, after each submission's three keys: a cap counts the lane over all priorities.
       others,
@@ -234,7 +236,8 @@ export function createIntake(
   const ttlS = Math.max(1, Math.floor(resultTtlS));
   const records = scopeRecords(keys, ttlS, clock);
   const headFor = (tenant: string, run?: RunSubmission): Head => {
-    const id = run ? `${tenant}\n${run.task}\n${run.version}` : tenant;
+    // A head per priority too: its status record names the run's priority.
+    const id = run ? `${tenant}\n${run.task}\n${run.version}\n${run.requested ?? ""}` : tenant;
     let head = heads.get(id);
     if (head === undefined) {
       const lane = keys.lane(tenant);

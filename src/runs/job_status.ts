@@ -29,11 +29,17 @@ export interface RecordChange {
  * no expiry: a queued run is visible and cancellable for as long as it waits (a month's budget, a provider's
  * outage), and a re-POST of its key is a replay however long ago the key's own record expired. Its lifetime starts
  * when its message leaves its lane (see {@linkcode recordExpiryOnAck}, and the dead letter's mark). A task run's
- * record also names its task and version (a summary job's has neither: it runs summarize v1).
+ * record also names its task and version (a summary job's has neither: it runs summarize v1), and its priority
+ * unless normal.
  */
-export function markQueued(tenant: string, run?: { task: string; version: number }): RecordChange {
+export function markQueued(
+  tenant: string,
+  run?: { task: string; version: number; priority?: string },
+): RecordChange {
   const set = ["tenant", tenant];
   if (run) set.push("task", run.task, "version", String(run.version));
+  // A run's priority other than normal, for the console while it waits (its lane's stream says it too).
+  if (run?.priority) set.push("priority", run.priority);
   return { set, del: ["error"], ttl_s: 0 };
 }
 

@@ -162,6 +162,7 @@ export function runRoutes(deps: RunApiDeps): Router {
               payload: JSON.stringify(payload),
               // Its lane's stream: a batch run is low until a deployment's Batch API takes it.
               priority: payload.priority === "batch" ? "low" : payload.priority,
+              requested: payload.priority,
             },
             traceparent: currentTraceparent(),
             refuse,

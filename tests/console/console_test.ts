@@ -416,7 +416,9 @@ Deno.test("the Tasks page, a task's versions, and a run's task, input and output
     await commitResults(db.sql, [{ jobId: summaryJob, tenant: "acme", summary: "The summary.", notify: "a@b.co" }]);
     // Runs not decided yet: their records in Redis; one has a model attempt naming its task version.
     for (const id of [queuedRun, unknownRun]) {
-      await r.redis.hset(keys.lane("acme").job(id), { tenant: "acme", status: "queued" });
+      // The queued run is a high one: intake names a priority other than normal in the record (markQueued).
+      const priority = id === queuedRun ? { priority: "high" } : {};
+      await r.redis.hset(keys.lane("acme").job(id), { tenant: "acme", status: "queued", ...priority });
     }
     await recordAttempt(db.sql, { runId: queuedRun, tenant: "acme", task: "classify", version: 1, outcome: "retry" });
 
@@ -511,6 +513,7 @@ Deno.test("the Tasks page, a task's versions, and a run's task, input and output
     await t.step("an undecided run: its task version from its model attempts, else not known yet", async () => {
       const queued = await get(`/console/jobs/${queuedRun}?tenant=acme`);
       assert.equal(ddOf(queued.body, "job-status"), "queued");
+      assert.equal(ddOf(queued.body, "job-priority"), "high");
       assert.match(
         ddOf(queued.body, "job-task")!,
         /^<a href="\/console\/tasks\/acme\/classify\?version=1">classify v1/,

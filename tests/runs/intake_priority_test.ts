@@ -16,11 +16,11 @@ Deno.test("intake: a run's priority picks its lane's stream; the caps count ever
   const keys = serviceKeys(r.prefix);
   let n = 0;
   const scopeOf = (tenant: string): Scope => ({ tenant, method: "POST", path: PATH, key: `k-${++n}` });
-  const run = (priority?: "high" | "low") => ({
+  const run = (priority?: "high" | "low" | "batch") => ({
     task: "triage",
     version: 1,
     payload: JSON.stringify({ task: "triage", version: 1, input: { n }, ...(priority ? { priority } : {}) }),
-    ...(priority ? { priority } : {}),
+    ...(priority ? { priority: priority === "batch" ? "low" as const : priority, requested: priority } : {}),
   });
   try {
     await t.step("high, normal and low runs go to the lane's high, intake and low streams", async () => {
@@ -40,6 +40,11 @@ Deno.test("intake: a run's priority picks its lane's stream; the caps count ever
       assert.equal(again.replayed, true);
       assert.equal(again.jobId, first.jobId);
       assert.equal(await r.redis.xlen(lane.streamOf("high")), 2);
+      // The status record names a priority other than normal, as asked (a batch run waits on the low stream).
+      assert.equal(await r.redis.hget(lane.job(first.jobId), "priority"), "high");
+      const batch = await intake.submitRun({ scope: scopeOf("acme"), request: { input: 2 }, run: run("batch") });
+      assert.equal(await r.redis.hget(lane.job(batch.jobId), "priority"), "batch");
+      assert.equal(await r.redis.xlen(lane.streamOf("low")), 2);
     });
 
     await t.step("INTAKE_MAX_QUEUED_PER_TENANT counts the lane's runs of every priority", async () => {
