@@ -24,6 +24,8 @@ export interface AcquireSettings {
   learn_step_ms?: number;
   /** How long a known bad document stays known (see the settle script). */
   bad_ttl_ms?: number;
+  /** The first request slot booked after this long without one counts twice (absent: never). */
+  cold_after_ms?: number;
 }
 
 /** One caller's request (one JSON object of the batch's array). */
@@ -160,7 +162,15 @@ local function one(mode, est, probe_id, job)
   end
   if wait > max_ahead then return 0, math.ceil(wait - max_ahead), 'pacing' end
   -- Book the slot: the next caller's earliest start moves one interval (and this call's tokens) later.
-  if req_iv > 0 then tat_req = math.max(now, tat_req) + req_iv end
+  if req_iv > 0 then
+    -- The first call after a quiet spell (or the first paced one after the limits were learned) counts twice. The
+    -- provider counts arrivals, we pace grants: that call may arrive late (a new connection) or follow calls made
+    -- while the limits were unknown, which booked nothing; one slot left free keeps the provider's first second
+    -- at the limit.
+    local cold = s.cold_after_ms and tat_req + s.cold_after_ms <= now
+    tat_req = math.max(now, tat_req) + req_iv
+    if cold then tat_req = tat_req + req_iv end
+  end
   if tok_iv > 0 then tat_tok = math.max(now, tat_tok) + est * tok_iv end
   redis.call('HSET', key, 'tat_req', tat_req, 'tat_tok', tat_tok)
   if single then

@@ -81,6 +81,12 @@ export const FLOW_DEFAULTS = {
   configTtlMs: 10_000,
   /** Permits are paced at this share of the limit, leaving room for clock and network jitter. */
   margin: 0.97,
+  /**
+   * The first request permit after this long without one takes two slots: the provider counts when calls arrive,
+   * the limiter when they are granted, and that call may arrive late (a new connection) or follow the calls made
+   * while the limits were unknown (they book no slot), which put limit + 1 calls in the provider's first second.
+   */
+  coldAfterMs: 1_000,
   /** How far ahead a caller may book a permit; beyond it, it waits without booking. */
   maxAheadMs: 1_000,
   /** The stream gate counts permits due within this horizon. */
@@ -362,6 +368,7 @@ export function createProviderFlow(
     reply_ttl_ms: FLOW_DEFAULTS.replyTtlMs,
     learn_step_ms: FLOW_DEFAULTS.learnStepMs,
     bad_ttl_ms: FLOW_DEFAULTS.badJobTtlMs,
+    cold_after_ms: FLOW_DEFAULTS.coldAfterMs,
     owner,
     cfg_ttl_ms: configTtlMs,
     announce: 0,

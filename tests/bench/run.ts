@@ -35,6 +35,7 @@ import { Redis } from "ioredis";
 import { enqueueJob, enqueueRunToLane, enqueueToLane } from "../support/enqueue.ts";
 import { freePort } from "../support/free_port.ts";
 import { type ProviderRun, providerRun } from "./provider_bench.ts";
+import { type BenchDeployment, type DeploymentsRun, deploymentsRun } from "./deployments_bench.ts";
 import { type TokenShareRun, tokenShareRun } from "./token_share.ts";
 import { fmt, median, quantile } from "./stats.ts";
 import { RUN_BODY, storedDefinition, TRIAGE_BODIES, triageInput } from "./triage_task.ts";
@@ -1376,6 +1377,127 @@ async function benchProvider() {
 }
 
 /**
+ * Issue 40's rows (`deployments_bench.ts`): two deployments of one model by weight at their limits (drain against
+ * the ideal, the split, 429s), the same weights at equal limits (neither pushed past its limit), and a short 429
+ * pause of a model's only deployment under runs of a task that lists a fallback model (the share that fell back).
+ */
+async function benchDeployments() {
+  const rounds = async (
+    label: string,
+    options: Omit<Parameters<typeof deploymentsRun>[0], "adminUrl" | "redisUrl">,
+  ) => {
+    const runs: DeploymentsRun[] = [];
+    for (let i = 0; i < RUNS; i++) {
+      progress(`deployments: ${label} (run ${i + 1})`);
+      const run = await deploymentsRun({ ...options, adminUrl: ADMIN_URL, redisUrl: REDIS_URL });
+      progress(
+        `deployments: ${fmt(run.seconds, 1)} s; served ${JSON.stringify(run.served)}; ` +
+          `servers ${JSON.stringify(run.servers)}; ${run.dead} dead`,
+      );
+      runs.push(run);
+    }
+    return runs;
+  };
+  const calls = (r: DeploymentsRun) => Object.values(r.servers).reduce((sum, s) => sum + s.calls, 0);
+  const limited = (r: DeploymentsRun) => Object.values(r.servers).reduce((sum, s) => sum + s.rateLimited, 0);
+  const servedBy = (r: DeploymentsRun, name: string) => r.served[name] ?? 0;
+  const ofRuns = RUNS > 1 ? ` (medians of ${RUNS}; worst run where it says so)` : "";
+
+  // Two deployments of one model by weight, as the issue sets them: 400 runs at 15 + 5 req/s, ideal 20 s.
+  const byWeight = async (limits: [number, number], jobs: number) => {
+    const deployments: BenchDeployment[] = [
+      { name: "a", models: ["gpt-4.1-mini"], weight: 3, rps: limits[0] },
+      { name: "b", models: ["gpt-4.1-mini"], weight: 1, rps: limits[1] },
+    ];
+    const ideal = jobs / (limits[0] + limits[1]);
+    const label = `weights 3 and 1, limits ${limits[0]} and ${limits[1]} req/s, ${jobs} runs`;
+    const runs = await rounds(label, { deployments, jobs });
+    const seconds = median(runs.map((r) => r.seconds));
+    const shareA = median(runs.map((r) => servedBy(r, "a") / (servedBy(r, "a") + servedBy(r, "b"))));
+    const share429 = median(runs.map((r) => limited(r) / calls(r)));
+    const worst429 = Math.max(...runs.map((r) => limited(r) / calls(r)));
+    const dead = Math.max(...runs.map((r) => r.dead));
+    return { runs, ideal, seconds, shareA, share429, worst429, dead, label };
+  };
+  const setting = `2 worker processes at WORKER_CONCURRENCY=32, limits learned from each server's headers`;
+
+  {
+    const limits: [number, number] = smoke ? [30, 10] : [15, 5];
+    const r = await byWeight(limits, smoke ? 80 : 400);
+    const ratioAB = r.shareA / (1 - r.shareA);
+    // "Within 10% of 3:1": a's share within 10% of 75% (67.5% to 82.5%).
+    const splitMet = Math.abs(r.shareA - 0.75) <= 0.075;
+    const met = r.seconds <= 1.15 * r.ideal && splitMet && r.share429 <= 0.02 && r.dead === 0;
+    rows.push({
+      benchmark: `Two deployments of one model, ${r.label}, ${setting}`,
+      result: `drained in ${fmt(r.seconds, 1)} s; split ${fmt(r.shareA * 100, 1)}% : ${
+        fmt((1 - r.shareA) * 100, 1)
+      }% (${fmt(ratioAB, 2)}:1); 429s ${fmt(r.share429 * 100, 1)}% of calls (worst ${
+        fmt(r.worst429 * 100, 1)
+      }%); ${r.dead} dead-lettered${ofRuns}`,
+      baseline: `ideal ${fmt(r.ideal, 1)} s (runs / ${limits[0] + limits[1]} req/s)`,
+      ratio: `${fmt(r.seconds / r.ideal, 2)}x`,
+      goal: `<= 1.15x, split within 10% of 3:1 (a 67.5-82.5%), <= 2% 429, 0 dead ${met ? "(met)" : "(NOT met)"}`,
+      value: r.seconds,
+      baselineValue: r.ideal,
+    });
+  }
+  {
+    const limits: [number, number] = smoke ? [20, 20] : [10, 10];
+    const r = await byWeight(limits, smoke ? 80 : 400);
+    const most = (name: string) => Math.max(...r.runs.map((x) => x.servers[name]!.maxPerSecond));
+    const limitedOf = (name: string) => Math.max(...r.runs.map((x) => x.servers[name]!.rateLimited));
+    const pushed = limitedOf("a") + limitedOf("b") > 0 || most("a") > limits[0] || most("b") > limits[1];
+    const met = !pushed && r.seconds <= 1.15 * r.ideal && r.dead === 0;
+    rows.push({
+      benchmark: `Two deployments of one model, ${r.label}: neither pushed past its limit, ${setting}`,
+      result: `drained in ${fmt(r.seconds, 1)} s; split ${fmt(r.shareA * 100, 1)}% : ${
+        fmt((1 - r.shareA) * 100, 1)
+      }%; 429s a ${limitedOf("a")}, b ${limitedOf("b")} (worst run); most requests in any sliding second a ${
+        most("a")
+      }, b ${most("b")} (worst run); ${r.dead} dead-lettered${ofRuns}`,
+      baseline: `ideal ${fmt(r.ideal, 1)} s (runs / ${limits[0] + limits[1]} req/s)`,
+      ratio: `${fmt(r.seconds / r.ideal, 2)}x`,
+      goal: `0 429s, <= ${limits[0]} per second each, <= 1.15x, 0 dead ${met ? "(met)" : "(NOT met)"}`,
+      value: r.seconds,
+      baselineValue: r.ideal,
+    });
+  }
+  {
+    const rps = 20;
+    const jobs = smoke ? 60 : 200;
+    const pause = { deployment: "p", atMs: smoke ? 1_000 : 3_000, ms: 2_000 };
+    const deployments: BenchDeployment[] = [
+      { name: "p", models: ["primary"], weight: 1, rps },
+      { name: "f", models: ["fallback"], weight: 1, rps },
+    ];
+    const runs = await rounds(
+      `${jobs} runs of a task listing primary then fallback, a ${pause.ms / 1000} s 429 pause of primary's only ` +
+        `deployment ${pause.atMs / 1000} s in`,
+      { deployments, jobs, fallbackTask: ["primary", "fallback"], pause },
+    );
+    const fellBack = (r: DeploymentsRun) => r.servers.f!.calls;
+    const seconds = median(runs.map((r) => r.seconds));
+    const ideal = jobs / rps + pause.ms / 1000;
+    const share = median(runs.map((r) => fellBack(r) / r.jobs));
+    const worst = Math.max(...runs.map(fellBack));
+    const pauseAnswers = median(runs.map((r) => r.servers.p!.rateLimited));
+    const dead = Math.max(...runs.map((r) => r.dead));
+    const met = worst === 0 && dead === 0;
+    rows.push({
+      benchmark: `A ${pause.ms / 1000} s 429 rate_limit_exceeded pause of a model's only deployment (limit ${rps} ` +
+        `req/s), ${jobs} runs of a task listing a fallback model (LLM_FALLBACK_AFTER_S=10), ${setting}`,
+      result: `${fmt(share * 100, 1)}% of calls fell back (worst run ${worst}); 429 answers ${fmt(pauseAnswers)}; ` +
+        `drained in ${fmt(seconds, 1)} s; ${dead} dead-lettered${ofRuns}`,
+      baseline: `ideal ${fmt(ideal, 1)} s (runs / ${rps} req/s + the pause)`,
+      ratio: `${fmt(seconds / ideal, 2)}x`,
+      goal: `0 fell back, 0 dead ${met ? "(met)" : "(NOT met)"}`,
+      value: share,
+    });
+  }
+}
+
+/**
  * `Prefer: wait`: the real API and worker processes, the real SDK over HTTP
  * to a model that answers in 300 ms. What the client waits beyond the model's
  * answer (commit, NOTIFY, wake-up, the answer) against a client polling GET
@@ -1886,6 +2008,7 @@ const sections: Record<string, () => Promise<void>> = {
   e2e: benchEndToEnd,
   wait: benchWait,
   provider: benchProvider,
+  deployments: benchDeployments,
   hostile: benchHostileSection,
   "lanes-scale": benchLanesScale,
 };

@@ -554,6 +554,37 @@ Deno.test("provider flow control", async (t) => {
       assert.equal(a.leased + b.leased, 0, "a limit in force: nothing is leased");
     });
 
+    await t.step(
+      "the first permit after a quiet second takes two slots: a late first call cannot make limit + 1 in a second",
+      async () => {
+        const flow = flowFor({ rpm: 600 });
+        const started = performance.now();
+        const grants = await Promise.all(
+          Array.from({ length: 11 }, () => flow.acquire(10).then(() => performance.now() - started)),
+        );
+        grants.sort((x, y) => x - y);
+        // 10/s paced at 97%: the 11th permit ~1,031 ms after the first; a first call arriving 31 ms late (a new
+        // connection) would make 11 in the provider's second. Its spare slot moves the 11th to ~1,134 ms.
+        assert.ok(grants[10]! - grants[0]! >= 1_080, `the 11th permit ${Math.round(grants[10]! - grants[0]!)} ms in`);
+        assert.ok(grants[1]! - grants[0]! >= 180, `the second permit ${Math.round(grants[1]! - grants[0]!)} ms in`);
+        for (let i = 2; i < grants.length; i++) assert.ok(grants[i]! - grants[i - 1]! < 180, `gap ${i}`);
+      },
+    );
+
+    await t.step("the call that learned the limits counts in the provider's first second", async () => {
+      const flow = flowFor();
+      const started = performance.now();
+      const probe = await flow.acquire(10);
+      assert.equal(probe.probe, true);
+      await probe.settle({ value: { text: "ok", headers: new Headers(rateLimitHeaders(600, 599)) } });
+      const grants = await Promise.all(
+        Array.from({ length: 10 }, () => flow.acquire(10).then(() => performance.now() - started)),
+      );
+      // The probe at 0 booked no slot (no limit was known); with the 10 after it, at most 10 in its second.
+      const within = grants.filter((g) => g < 1_000).length;
+      assert.ok(1 + within <= 10, `${1 + within} permits in the first second`);
+    });
+
     await t.step("a 401 opens the breaker like insufficient_quota, and is absorbed", async () => {
       const log = recordingLogger();
       const flow = flowFor({ rpm: 60_000 }, createLogger(log));

@@ -234,6 +234,11 @@ export interface LimitedProvider {
   respond(n: number, prompt: string): ModelBehaviour;
   /** Switches every answer to an outage (`quota`: 429 insufficient_quota; `503`), or back with null. */
   setOutage(outage: Outage): void;
+  /**
+   * A short pause, as a provider asks for one: every request for the next `ms` is answered `429
+   * rate_limit_exceeded` with `retry-after-ms` the time left (counted in `rateLimited`).
+   */
+  pauseFor(ms: number): void;
   readonly counts: { ok: number; rateLimited: number; quota: number; unavailable: number };
 }
 
@@ -256,6 +261,7 @@ export function limitedProvider(
   const tokens: { at: number; n: number }[] = [];
   const counts = { ok: 0, rateLimited: 0, quota: 0, unavailable: 0 };
   let outage: Outage = null;
+  let pausedUntil = -Infinity;
   const rpm = rps * 60;
   let bucket = rpm;
   let bucketAt = performance.now();
@@ -280,6 +286,9 @@ export function limitedProvider(
     setOutage(next) {
       outage = next;
     },
+    pauseFor(ms) {
+      pausedUntil = performance.now() + ms;
+    },
     respond(_n, prompt) {
       const now = performance.now();
       if (outage === "quota") {
@@ -300,9 +309,9 @@ export function limitedProvider(
         return { kind: "status", status: 503, body: errorBody("The server is overloaded.", "server_error") };
       }
       while (accepted.length && accepted[0]! <= now - 1_000) accepted.shift();
-      if (accepted.length >= rps) {
+      if (accepted.length >= rps || now < pausedUntil) {
         counts.rateLimited++;
-        const retry = Math.max(1, Math.ceil(accepted[0]! + 1_000 - now));
+        const retry = Math.max(1, Math.ceil(now < pausedUntil ? pausedUntil - now : accepted[0]! + 1_000 - now));
         return {
           kind: "status",
           status: 429,
