@@ -7,8 +7,11 @@ import { json, Router } from "./router.ts";
 
 const READY_TIMEOUT_MS = 1_000;
 
-/** `/readyz`: 200 when Redis and Postgres both answer, else 503 naming the one that did not. */
-export async function ready({ redis, sql, log }: { redis: RedisClient; sql: Sql; log: Logger }): Promise<Response> {
+/**
+ * `/readyz`: 200 when Redis and Postgres both answer, else 503 naming the one that did not. Without `redis` (the
+ * relay uses none), Postgres alone.
+ */
+export async function ready({ redis, sql, log }: { redis?: RedisClient; sql: Sql; log: Logger }): Promise<Response> {
   const check = async (what: string, probe: () => Promise<unknown>) => {
     try {
       await withTimeout(probe(), READY_TIMEOUT_MS, what);
@@ -18,9 +21,12 @@ export async function ready({ redis, sql, log }: { redis: RedisClient; sql: Sql;
       return "unavailable";
     }
   };
-  const [r, p] = await Promise.all([check("redis", () => redis.ping()), check("postgres", () => sql`SELECT 1`)]);
-  const ok = r === "ok" && p === "ok";
-  return json(ok ? 200 : 503, { status: ok ? "ready" : "not ready", redis: r, postgres: p });
+  const [r, p] = await Promise.all([
+    redis ? check("redis", () => redis.ping()) : undefined,
+    check("postgres", () => sql`SELECT 1`),
+  ]);
+  const ok = r !== "unavailable" && p === "ok";
+  return json(ok ? 200 : 503, { status: ok ? "ready" : "not ready", ...(r ? { redis: r } : {}), postgres: p });
 }
 
 /** The routes `/healthz` and `/readyz`. */

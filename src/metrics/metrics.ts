@@ -19,6 +19,7 @@ export interface WorkerMetrics {
   deadLetters: Counter;
   deadLettersDropped: Counter;
   inFlight: Gauge;
+  freeSlots: Gauge;
   modelAttempts: Counter<"outcome">;
   modelRetries: Counter<"reason">;
   deadlineExpiries: Counter;
@@ -104,6 +105,11 @@ export function workerMetrics(registry: Registry): WorkerMetrics {
       registers,
     }),
     inFlight: new Gauge({ name: "oncely_worker_jobs_in_flight", help: "Handlers running now.", registers }),
+    freeSlots: new Gauge({
+      name: "oncely_worker_free_slots",
+      help: "Handlers this worker could start now (WORKER_CONCURRENCY less those running).",
+      registers,
+    }),
     modelAttempts: new Counter({
       name: "oncely_model_attempts_total",
       help: "Model call attempts by outcome (ok, retry, give_up, deadline, paused, aborted).",
@@ -246,15 +252,25 @@ export async function metricsResponse(
   return new Response(await registry.metrics(), { headers: { "content-type": registry.contentType } });
 }
 
-/** Serves `/metrics` on its own port (worker and relay, when METRICS_PORT is set), behind `token` when set. */
+/**
+ * Serves `/metrics` on its own port (worker and relay, when METRICS_PORT is set), behind `token` when set, with
+ * `/healthz` and, given `ready`, `/readyz` (for a Kubernetes readiness probe).
+ */
 export function serveMetrics(
   registry: Registry,
-  { hostname, port, signal, token }: { hostname: string; port: number; signal: AbortSignal; token?: string },
+  { hostname, port, signal, token, ready }: {
+    hostname: string;
+    port: number;
+    signal: AbortSignal;
+    token?: string;
+    ready?: () => Promise<Response>;
+  },
 ): Deno.HttpServer {
   return Deno.serve({ hostname, port, signal, onListen: () => {} }, (req) => {
     const path = new URL(req.url).pathname;
     if (path === "/metrics") return metricsResponse(registry, { token, headers: req.headers });
     if (path === "/healthz") return Response.json({ status: "ok" });
+    if (path === "/readyz" && ready) return ready();
     return new Response("not found", { status: 404 });
   });
 }

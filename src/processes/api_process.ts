@@ -30,6 +30,8 @@ import { problem } from "../http/problem.ts";
 import { usageRoutes } from "../usage/usage_api.ts";
 import { recordRefusal, refusalCounter } from "../metrics/refusals.ts";
 import { REUSE_PORT_ARG } from "../launcher/parallel.ts";
+import { installQueueGauges } from "./metrics_wiring.ts";
+import { processMetrics } from "../metrics/process_metrics.ts";
 
 /** What the API process's handler needs: the summary API's, and the console and `/metrics`. */
 export interface ApiDeps extends SummaryApiDeps {
@@ -131,6 +133,8 @@ export async function serveApi(
   { reusePort = false }: { reusePort?: boolean } = {},
 ): Promise<void> {
   const keys = serviceKeys(KEY_PREFIX);
+  // The API serves the summed backlog too: an autoscaler that scaled the workers to zero still reads it.
+  const backlog = installQueueGauges(registry, { redis, log }, { keys, writer: `api-${Deno.pid}` });
   // One LISTEN connection serves every `Prefer: wait` request of this process.
   const waiter = startJobWaiter({ sql, log }, signal);
   const flows = buildFlows(config, redis, log);
@@ -220,6 +224,7 @@ export async function serveApi(
   }, handler);
   signal.addEventListener("abort", () => void server.shutdown(), { once: true });
   await server.finished;
+  await backlog?.close();
   await waiter.close();
   await validators.close();
   await definitions.close();
@@ -238,6 +243,8 @@ export async function runApi({ config, clients, log, shutdown, args }: RunContex
     return 2;
   }
   const reusePort = args.includes(REUSE_PORT_ARG);
-  await serveApi({ config, ...clients, log, registry: createRegistry() }, shutdown(), { reusePort });
+  const registry = createRegistry();
+  processMetrics(registry);
+  await serveApi({ config, ...clients, log, registry }, shutdown(), { reusePort });
   return 0;
 }

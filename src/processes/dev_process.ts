@@ -3,6 +3,7 @@ import type { RunContext } from "./run_context.ts";
 import type { Config } from "../config.ts";
 import { migrate, readMigrations } from "../db/migrate.ts";
 import { createRegistry } from "../metrics/metrics.ts";
+import { processMetrics } from "../metrics/process_metrics.ts";
 import { createApiKey, tenantExists } from "../tenants/tenant_store.ts";
 import { ensureWebhookSecret } from "../tenants/webhook_secrets.ts";
 import { serveApi } from "./api_process.ts";
@@ -40,6 +41,7 @@ export async function runDev({ config, clients, log, shutdown }: RunContext<{ re
   await ensureDevTenant(clients.sql, config);
   const signal = shutdown();
   const registry = createRegistry();
+  processMetrics(registry);
   await Promise.all([
     serveApi({ config, ...clients, log: log.child({ component: "api" }), registry }, signal),
     startWorker({ config, ...clients, log: log.child({ component: "worker" }), registry }, signal),

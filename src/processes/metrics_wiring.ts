@@ -10,8 +10,8 @@ import { Gauge, type Registry } from "prom-client";
 import type { RelayEvents } from "../outbox/relay.ts";
 import { outboxBacklog } from "../outbox/outbox_store.ts";
 import type { ServiceKeys } from "../runs/keys.ts";
-import { allLanes } from "../runs/all_lanes.ts";
-import { groupLag, laneStats } from "../queue/inspector.ts";
+import { type BacklogMonitor, type BacklogSnapshot, createBacklogMonitor } from "../queue/backlog.ts";
+import type { Logger } from "../log/logger.ts";
 import type { WorkerEvents } from "../queue/stream_worker.ts";
 import type { AttemptReport } from "../retry/retry_policy.ts";
 import type { FlowEvents, ProviderFlow } from "../provider/flow_control.ts";
@@ -19,15 +19,22 @@ import { type RelayMetrics, scrapeGauge, type WorkerMetrics } from "../metrics/m
 import type { ResultCacheMetrics } from "../metrics/metrics.ts";
 import type { ResultCacheEvents } from "../cache/result_cache.ts";
 
-/** Worker events that feed the worker metrics. */
-export function workerEvents(m: WorkerMetrics): WorkerEvents {
+/**
+ * Worker events that feed the worker metrics. With `concurrency` (WORKER_CONCURRENCY), the free slots are its
+ * complement of the handlers in flight, all free from the start.
+ */
+export function workerEvents(m: WorkerMetrics, { concurrency }: { concurrency?: number } = {}): WorkerEvents {
+  if (concurrency !== undefined) m.freeSlots.set(concurrency);
   return {
     delivered: (_msg, source) => m.deliveries.inc({ source }),
     acked: () => m.acked.inc(),
     failed: () => m.failures.inc(),
     deadLettered: () => m.deadLetters.inc(),
     deadLettersTrimmed: (n) => m.deadLettersDropped.inc(n),
-    inFlight: (n) => m.inFlight.set(n),
+    inFlight: (n) => {
+      m.inFlight.set(n);
+      if (concurrency !== undefined) m.freeSlots.set(Math.max(0, concurrency - n));
+    },
   };
 }
 
@@ -45,28 +52,74 @@ export function attemptObserver(m: WorkerMetrics): (report: AttemptReport) => vo
 export const QUEUE_DEPTH_TENANTS = 20;
 
 /**
- * Pending count and consumer lag summed over every lane, and each tenant's
- * queue depth (messages in its lane's streams), read on scrape.
+ * The queue's gauges over every lane, read on scrape from the backlog's snapshot (`queue/backlog.ts`): one Redis
+ * command a scrape, however many lanes there are (a scrape used to walk every lane: six commands a lane). The
+ * snapshot covers the lanes with work and is at most one walk interval and one walk old
+ * (`oncely_queue_snapshot_age_seconds`). Installed once per registry (`dev`'s components share one).
  */
-export function queueGauges(registry: Registry, redis: RedisClient, keys: ServiceKeys): void {
-  type LaneStat = { tenant: string; length: number; pending: number; lag: number };
-  const read = async (): Promise<LaneStat[]> => {
-    return await Promise.all((await allLanes(redis, keys)).map(async ({ tenant, keys: lane }) => {
-      const [{ depth: length, pending }, lag] = await Promise.all([
-        laneStats(redis, lane),
-        groupLag(redis, lane),
-      ]);
-      return { tenant, length, pending, lag };
-    }));
+export function queueGauges(
+  registry: Registry,
+  backlog: { read(): Promise<BacklogSnapshot | undefined> },
+  { now = Date.now }: { now?: () => number } = {},
+): void {
+  if (registry.getSingleMetric("oncely_queue_waiting")) return;
+  // One read serves every gauge of a scrape: prom-client starts their collects together, so they share the read
+  // in flight.
+  let inFlight: Promise<BacklogSnapshot | undefined> | undefined;
+  const read = () => {
+    if (!inFlight) {
+      const value = backlog.read();
+      inFlight = value;
+      const done = () => {
+        if (inFlight === value) inFlight = undefined;
+      };
+      value.then(done, done);
+    }
+    return inFlight;
   };
-  const sum = (field: "pending" | "lag") => async () => (await read()).reduce((n, s) => n + s[field], 0);
-  scrapeGauge(
-    registry,
-    "oncely_queue_pending",
-    "Messages delivered but not yet acknowledged, all lanes.",
-    sum("pending"),
+  const fromSnapshot = (name: string, help: string, value: (s: BacklogSnapshot | undefined) => number) =>
+    new Gauge({
+      name,
+      help,
+      registers: [registry],
+      async collect() {
+        try {
+          this.set(value(await read()));
+        } catch {
+          // A failed read leaves the last value; /metrics must still answer.
+        }
+      },
+    });
+  fromSnapshot(
+    "oncely_queue_waiting",
+    "Runs waiting over all lanes: queued and not yet delivered to a worker (from the backlog's last walk).",
+    (s) => s?.waiting ?? 0,
   );
-  scrapeGauge(registry, "oncely_queue_lag", "Messages not yet delivered to the group, all lanes.", sum("lag"));
+  fromSnapshot(
+    "oncely_queue_oldest_waiting_seconds",
+    "Age of the oldest waiting run over all lanes, from its acceptance (0 when none waits).",
+    (s) => s?.oldestAcceptedMs === undefined ? 0 : Math.max(0, now() - s.oldestAcceptedMs) / 1000,
+  );
+  fromSnapshot(
+    "oncely_queue_lag",
+    "Messages not yet delivered to the group, all lanes (the same figure as oncely_queue_waiting).",
+    (s) => s?.waiting ?? 0,
+  );
+  fromSnapshot(
+    "oncely_queue_pending",
+    "Messages delivered but not yet acknowledged, in the lanes with work.",
+    (s) => s === undefined ? 0 : s.depth - s.waiting,
+  );
+  fromSnapshot(
+    "oncely_queue_lanes_with_work",
+    "Lanes the backlog's last walk found among the lanes with work.",
+    (s) => s?.lanes ?? 0,
+  );
+  fromSnapshot(
+    "oncely_queue_snapshot_age_seconds",
+    "Age of the backlog snapshot the queue gauges come from (NaN before the first walk).",
+    (s) => s === undefined ? NaN : Math.max(0, now() - s.takenAtMs) / 1000,
+  );
   new Gauge({
     name: "oncely_queue_depth",
     help: `Messages in a tenant's lane (waiting or in flight): the ${QUEUE_DEPTH_TENANTS} deepest lanes by ` +
@@ -75,16 +128,39 @@ export function queueGauges(registry: Registry, redis: RedisClient, keys: Servic
     registers: [registry],
     async collect() {
       try {
+        const s = await read();
         this.reset();
+        if (s === undefined) return;
         // Bounded: one series per tenant would grow with every tenant ever seen.
-        const lanes = (await read()).filter((s) => s.length > 0).sort((a, b) => b.length - a.length);
-        for (const s of lanes.slice(0, QUEUE_DEPTH_TENANTS)) this.set({ tenant: s.tenant }, s.length);
-        this.set({ tenant: "other" }, lanes.slice(QUEUE_DEPTH_TENANTS).reduce((n, s) => n + s.length, 0));
+        const named = s.deepest.slice(0, QUEUE_DEPTH_TENANTS);
+        for (const [tenant, depth] of named) this.set({ tenant }, depth);
+        this.set({ tenant: "other" }, s.depth - named.reduce((n, [, depth]) => n + depth, 0));
       } catch {
         // A failed read leaves the gauge empty; /metrics must still answer.
       }
     },
   });
+}
+
+/**
+ * Starts the backlog's walker for this process and installs the queue gauges on `registry`, unless the registry
+ * has them already (`dev`: the API's serve them). @returns the walker, for its owner to close; undefined when the
+ * registry had them.
+ */
+export function installQueueGauges(
+  registry: Registry,
+  { redis, log }: { redis: RedisClient; log: Logger },
+  { keys, writer }: { keys: ServiceKeys; writer: string },
+): BacklogMonitor | undefined {
+  if (registry.getSingleMetric("oncely_queue_waiting")) return undefined;
+  const monitor = createBacklogMonitor({ redis, log }, {
+    active: keys.registry.active,
+    keys: keys.backlog,
+    lane: (tenant) => keys.lane(tenant),
+    writer,
+  });
+  queueGauges(registry, monitor);
+  return monitor;
 }
 
 /** Relay events that feed the relay metrics. */

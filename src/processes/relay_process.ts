@@ -1,5 +1,6 @@
 import type { RunContext } from "./run_context.ts";
 import { createRegistry, relayMetrics } from "../metrics/metrics.ts";
+import { processMetrics } from "../metrics/process_metrics.ts";
 import { outboxGauges, relayEvents } from "./metrics_wiring.ts";
 import { createRelay } from "../outbox/relay.ts";
 import { createRetention } from "../retention/retention.ts";
@@ -13,6 +14,7 @@ import { sleep } from "../async/timeout.ts";
 import type { Sql } from "postgres";
 import { buildMailer } from "./_mailer.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
+import { ready } from "../http/health.ts";
 import type { ComponentDeps } from "./_deps.ts";
 
 /** Runs the outbox relay until `signal` aborts, then finishes its current batch. */
@@ -111,7 +113,8 @@ export async function startRetention(
 export async function runRelay({ config, clients, log, shutdown }: RunContext<{ sql: true }>) {
   const signal = shutdown();
   const registry = createRegistry();
-  maybeServeMetrics(config, registry, signal);
+  processMetrics(registry);
+  maybeServeMetrics(config, registry, signal, () => ready({ sql: clients.sql, log }));
   await Promise.all([
     startRelay({ config, sql: clients.sql, log, registry }, signal),
     startRetention({ config, log }, signal),

@@ -3,11 +3,12 @@ import { createRegistry, resultCacheMetrics, workerMetrics } from "../metrics/me
 import {
   attemptObserver,
   flowEvents,
+  installQueueGauges,
   providerGauges,
-  queueGauges,
   resultCacheEvents,
   workerEvents,
 } from "./metrics_wiring.ts";
+import { processMetrics } from "../metrics/process_metrics.ts";
 import { KEY_PREFIX, serviceKeys } from "../runs/keys.ts";
 import { createSummaryWorker } from "../runs/worker.ts";
 import { createTaskCache } from "../tasks/task_cache.ts";
@@ -17,6 +18,7 @@ import { buildFlows, buildModels } from "./_model.ts";
 import { settlesWithin } from "../async/timeout.ts";
 import type { ProviderFlow } from "../provider/flow_control.ts";
 import { maybeServeMetrics } from "./_metrics_port.ts";
+import { ready } from "../http/health.ts";
 import type { ComponentDeps } from "./_deps.ts";
 import { createBudgets, warnUnpricedModels } from "../budgets/budgets.ts";
 import { budgetEvents } from "../budgets/budget_metrics.ts";
@@ -31,8 +33,9 @@ export async function startWorker(
 ): Promise<void> {
   const metrics = workerMetrics(registry);
   const keys = serviceKeys(KEY_PREFIX);
-  queueGauges(registry, redis, keys);
   const consumer = `${Deno.hostname()}-${Deno.pid}-${crypto.randomUUID().slice(0, 6)}`;
+  // The summed backlog and the oldest run's age: a snapshot one process walks per interval, never a scrape.
+  const backlog = installQueueGauges(registry, { redis, log }, { keys, writer: consumer });
   const flows = buildFlows(config, redis, log, (deployment) => flowEvents(metrics, deployment));
   providerGauges(registry, flows);
   // Model answers are validated under a deadline: a tenant's output schema cannot stall this process.
@@ -54,7 +57,7 @@ export async function startWorker(
     prices,
   }, {
     keys,
-    events: workerEvents(metrics),
+    events: workerEvents(metrics, { concurrency: config.WORKER_CONCURRENCY }),
     consumer,
     claimIdleMs: config.CLAIM_IDLE_MS,
     maxDeliveries: config.MAX_DELIVERIES,
@@ -85,6 +88,7 @@ export async function startWorker(
     await worker.run(signal);
   } finally {
     await worker.close();
+    await backlog?.close();
     // Successes are reported to the shared limiter in the background: the last of them land before the exit,
     // unless Redis does not answer (a report lost only leaves the limiter a little ahead of what was spent).
     const all = <T>(each: (flow: ProviderFlow) => Promise<T>) => Promise.all(flows.map((f) => each(f.flow)));
@@ -108,7 +112,8 @@ const FLOW_SETTLE_MS = 2_000;
 export async function runWorker({ config, clients, log, shutdown }: RunContext<{ redis: true; sql: true }>) {
   const signal = shutdown();
   const registry = createRegistry();
-  maybeServeMetrics(config, registry, signal);
+  processMetrics(registry);
+  maybeServeMetrics(config, registry, signal, () => ready({ ...clients, log }));
   await startWorker({ config, ...clients, log, registry }, signal);
   return 0;
 }

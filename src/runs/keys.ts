@@ -21,6 +21,7 @@
  * module. A deployed Redis holds these names: none may change.
  */
 import type { CacheKeys } from "../cache/result_cache.ts";
+import type { BacklogKeys } from "../queue/backlog.ts";
 import { type LaneRegistryKeys, laneRegistryKeys } from "../queue/lanes.ts";
 import type { LaneNames, QueueNames } from "../queue/message.ts";
 import { TenantMap } from "../tenants/tenant_map.ts";
@@ -114,6 +115,8 @@ export interface ServiceKeys {
   refusals(tenant: string, hour: number): string;
   /** The registry of lanes with work. */
   registry: LaneRegistryKeys;
+  /** The backlog's snapshot over every lane and its walker's lease (`queue/backlog.ts`), in the registry's slot. */
+  backlog: BacklogKeys;
   /** The pre-lane stream, for the legacy drain alone. */
   legacy: LegacyKeys;
 }
@@ -164,6 +167,7 @@ export function serviceKeys(
     budget: (tenant) => `${tenantTag(prefix, tenant)}:budget`,
     refusals: (tenant, hour) => `${tenantTag(prefix, tenant)}:refusals:${hour}`,
     registry: laneRegistryKeys(prefix),
+    backlog: { snapshot: `${prefix}:{lanes}:backlog`, lease: `${prefix}:{lanes}:backlog_lease` },
     legacy: {
       stream: `${legacyTag}:stream`,
       dead: `${legacyTag}:dead`,

@@ -42,7 +42,22 @@ Deno.test("compose.yaml validates against the Compose specification's JSON schem
 
 Deno.test("compose.yaml runs durable Redis, Postgres 16, a one-shot migrate and the app services in order", () => {
   const s = compose.services;
-  assert.deepEqual(Object.keys(s).sort(), ["api", "migrate", "postgres", "proxy", "redis", "relay", "worker"]);
+  assert.deepEqual(Object.keys(s).sort(), [
+    "api",
+    "grafana",
+    "migrate",
+    "postgres",
+    "prometheus",
+    "proxy",
+    "redis",
+    "relay",
+    "worker",
+  ]);
+  // Prometheus and Grafana start only with `--profile monitoring` (tests/deploy/monitoring_test.ts).
+  for (const name of ["prometheus", "grafana"]) assert.deepEqual(s[name].profiles, ["monitoring"]);
+  for (const name of Object.keys(s).filter((n) => !["prometheus", "grafana"].includes(n))) {
+    assert.equal(s[name].profiles, undefined, `${name} runs without a profile`);
+  }
   // Clients come in through the proxy, which waits for a healthy API (tests/deploy/proxy_test.ts runs its config).
   assert.equal(s.proxy.depends_on.api.condition, "service_healthy");
   assert.match(s.proxy.image, /^nginx:/);

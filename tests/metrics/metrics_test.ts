@@ -10,7 +10,9 @@ import {
   workerEvents,
 } from "../../src/processes/metrics_wiring.ts";
 import { enqueueToLane } from "../support/enqueue.ts";
-import { serviceKeys } from "../../src/runs/keys.ts";
+import { type ServiceKeys, serviceKeys } from "../../src/runs/keys.ts";
+import { measureBacklog } from "../../src/queue/backlog.ts";
+import type { RedisClient } from "../../src/clients.ts";
 import { announceLane } from "../../src/queue/lanes.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
@@ -32,6 +34,14 @@ function parseExposition(text: string): Map<string, number> {
     out.set(m[1]! + (m[2] ?? ""), Number(m[3]));
   }
   return out;
+}
+
+/** The backlog as a walk finds it now, on every scrape (the service reads the walker's snapshot instead). */
+function liveBacklog(redis: RedisClient, keys: ServiceKeys) {
+  return {
+    read: () =>
+      measureBacklog(redis, { active: keys.registry.active, keys: keys.backlog, lane: (id) => keys.lane(id) }),
+  };
 }
 
 Deno.test("metrics", async (t) => {
@@ -149,7 +159,7 @@ Deno.test("metrics", async (t) => {
       async () => {
         const registry = createRegistry();
         const metrics = workerMetrics(registry);
-        queueGauges(registry, r.redis, keys);
+        queueGauges(registry, liveBacklog(r.redis, keys));
         const model = startFakeModel((n) =>
           n === 1 ? { kind: "status", status: 429, headers: { "retry-after-ms": "1" } } : { kind: "ok" }
         );
@@ -208,7 +218,7 @@ Deno.test("metrics", async (t) => {
         workerMetrics(registry);
         relayMetrics(registry);
         const lanes = serviceKeys(`${r.prefix}:depth`);
-        queueGauges(registry, r.redis, lanes);
+        queueGauges(registry, liveBacklog(r.redis, lanes));
         const before = parseExposition(await registry.metrics());
         for (
           const series of [
@@ -250,7 +260,7 @@ Deno.test("metrics", async (t) => {
       const relay = createRegistry();
       apiMetrics(api);
       workerMetrics(worker);
-      queueGauges(worker, r.redis, serviceKeys(`${r.prefix}:depth`));
+      queueGauges(worker, liveBacklog(r.redis, serviceKeys(`${r.prefix}:depth`)));
       relayMetrics(relay);
       outboxGauges(relay, db.sql);
       for (const [name, registry] of [["api", api], ["worker", worker], ["relay", relay]] as const) {
