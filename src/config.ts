@@ -117,6 +117,8 @@ const schema = z.object({
   // in src/jobs/task_store.ts).
   TASK_PUTS_PER_MINUTE: int(1, 60_000).optional(),
   TASK_PUT_BURST: int(1, 10_000).optional(),
+  // How long /v1/chat/completions and a foreground /v1/responses wait for their run before answering 408.
+  OPENAI_COMPAT_WAIT_S: int(1, 600).default(60),
 });
 
 /** The names of every environment variable the service reads. */

@@ -33,7 +33,17 @@ export type JobResultRow =
     /** When the job was accepted (its stream entry's time, epoch ms): `job_outcomes.accepted_at`, for latency. */
     acceptedMs?: number;
   }
-  & ({ summary: string } | (RunOf & { input: unknown; output: unknown; model: string | null; cached?: boolean }));
+  & (
+    | { summary: string }
+    | (RunOf & {
+      input: unknown;
+      output: unknown;
+      model: string | null;
+      cached?: boolean;
+      /** The tokens of the committing delivery's calls (`run_results.prompt_tokens`, ...); none for a cached one. */
+      tokens?: { prompt: number; completion: number };
+    })
+  );
 
 /** One model call as recorded in `model_attempts`. */
 export interface AttemptRow {
@@ -101,8 +111,11 @@ export async function completeJobs(
         ${jobs.map((j) => (run(j) ? JSON.stringify(run(j)!.output) : null))}::text[],
         ${jobs.map((j) => run(j)?.model ?? null)}::text[],
         ${jobs.map((j) => j.acceptedMs ?? null)}::float8[],
-        ${jobs.map((j) => (run(j)?.cached ? "t" : "f"))}::text[]::bool[]
-      ) AS t(job_id, tenant, task, version, summary, input, output, model, accepted_ms, cached)
+        ${jobs.map((j) => (run(j)?.cached ? "t" : "f"))}::text[]::bool[],
+        ${jobs.map((j) => storableCount(run(j)?.tokens?.prompt))}::int[],
+        ${jobs.map((j) => storableCount(run(j)?.tokens?.completion))}::int[]
+      ) AS t(job_id, tenant, task, version, summary, input, output, model, accepted_ms, cached, prompt_tokens,
+        completion_tokens)
     ), decided AS (
       INSERT INTO job_outcomes (job_id, tenant, outcome, task, version, accepted_at)
       SELECT job_id, tenant, 'done', task, version, to_timestamp(accepted_ms / 1000) FROM input
@@ -115,8 +128,9 @@ export async function completeJobs(
       ON CONFLICT (job_id) DO NOTHING
       RETURNING job_id
     ), ran AS (
-      INSERT INTO run_results (run_id, tenant, input, output, model, cached)
-      SELECT job_id, tenant, input::jsonb, output::jsonb, model, cached FROM input JOIN decided USING (job_id)
+      INSERT INTO run_results (run_id, tenant, input, output, model, cached, prompt_tokens, completion_tokens)
+      SELECT job_id, tenant, input::jsonb, output::jsonb, model, cached, prompt_tokens, completion_tokens
+      FROM input JOIN decided USING (job_id)
       WHERE summary IS NULL
       ON CONFLICT (run_id) DO NOTHING
       RETURNING run_id AS job_id
@@ -277,6 +291,9 @@ export interface JobReadRow {
   cost_usd: number | null;
   /** Answered from the result cache (a task run's `run_results.cached`, or any run's `cache_hits` row). */
   cached: boolean;
+  /** A done run's tokens as its commit wrote them (null: a summary, a cached run, or one committed before). */
+  result_prompt_tokens: number | null;
+  result_completion_tokens: number | null;
 }
 
 /**
@@ -290,6 +307,7 @@ export async function readJob(sql: Queryable, jobId: string, tenant: string): Pr
     SELECT coalesce(o.tenant, s.tenant) AS tenant, coalesce(o.outcome, CASE WHEN s.job_id IS NOT NULL THEN 'done' END)
         AS outcome, o.error, s.summary, o.task, o.version, r.output, r.model, r.run_id IS NOT NULL AS has_result,
       a.attempts, a.tokens, a.prompt_tokens, a.completion_tokens, a.cost_usd,
+      r.prompt_tokens AS result_prompt_tokens, r.completion_tokens AS result_completion_tokens,
       coalesce(r.cached, false) OR EXISTS (SELECT 1 FROM cache_hits h WHERE h.run_id = j.job_id) AS cached
     FROM (SELECT ${jobId}::uuid AS job_id) j
     LEFT JOIN job_outcomes o USING (job_id) LEFT JOIN summaries s USING (job_id)
@@ -327,7 +345,7 @@ export async function doneLastMinute(sql: Queryable): Promise<{ tenant: string; 
 const INT4_MAX = 2_147_483_647;
 
 /** A count as an `integer` column can hold it: a whole number from 0 to {@linkcode INT4_MAX}, else NULL. */
-function storableCount(value: number | null): number | null {
+function storableCount(value: number | null | undefined): number | null {
   return typeof value === "number" && Number.isInteger(value) && value >= 0 && value <= INT4_MAX ? value : null;
 }
 

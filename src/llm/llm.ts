@@ -24,6 +24,12 @@ export interface ChatTurn {
   content: string;
 }
 
+/** One message of a conversation as a chat request gives it (a run of the built-in `chat` task). */
+export interface ChatMessage {
+  role: "system" | "developer" | "user" | "assistant";
+  content: string;
+}
+
 /** How to make one call; everything but `signal` is optional, with the deployment's defaults. */
 export interface CallOptions {
   /** Aborts the call: an aborted call must stop paying. */
@@ -35,8 +41,18 @@ export interface CallOptions {
   /** The output cap; {@linkcode MAX_OUTPUT_TOKENS} when unset. */
   maxOutputTokens?: number;
   temperature?: number;
-  /** Structured output: the answer must be JSON valid against `schema` (sent as a strict json_schema format). */
-  jsonSchema?: { name: string; schema: unknown };
+  /**
+   * Structured output: the answer must be JSON valid against `schema` (sent as a json_schema format, strict
+   * unless `strict` is false).
+   */
+  jsonSchema?: { name: string; schema: unknown; strict?: boolean };
+  /** The answer must be a JSON object (`response_format: json_object`), with no schema. */
+  jsonObject?: boolean;
+  /**
+   * The whole conversation as the request gave it (a chat run): sent as it is, instead of `system`, the prompt
+   * and `followUp`.
+   */
+  messages?: readonly ChatMessage[];
   /** Turns after the prompt: a repair call sends the model's answer back, then what was wrong with it. */
   followUp?: ChatTurn[];
 }

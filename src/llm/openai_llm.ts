@@ -100,7 +100,7 @@ export function createOpenAiLlm(options: OpenAiOptions): LLM {
       // withResponse() keeps the headers: the shared limiter learns the provider's limits from them.
       const { data, response } = await client.chat.completions.create({
         model: call.model ?? options.model,
-        messages: [
+        messages: call.messages ? [...call.messages] : [
           ...(call.system === undefined ? [] : [{ role: "system" as const, content: call.system }]),
           { role: "user", content: prompt },
           ...(call.followUp ?? []),
@@ -113,10 +113,11 @@ export function createOpenAiLlm(options: OpenAiOptions): LLM {
             json_schema: {
               name: call.jsonSchema.name,
               schema: call.jsonSchema.schema as Record<string, unknown>,
-              strict: true,
+              strict: call.jsonSchema.strict ?? true,
             },
           },
         }),
+        ...(call.jsonObject ? { response_format: { type: "json_object" as const } } : {}),
       }, { signal: call.signal }).withResponse().catch((error) => {
         throw fromOpenAiError(error);
       });

@@ -11,6 +11,7 @@ import { createIntake } from "../runs/intake.ts";
 import { type TaskPutLimits, taskRoutes } from "../tasks/api.ts";
 import { createDefinitionChecker, type DefinitionChecker } from "../tasks/definition_checker.ts";
 import { type RunApiDeps, runRoutes } from "../runs/runs_api.ts";
+import { openAiRoutes } from "../openai_compat/openai_api.ts";
 import { createBudgets } from "../budgets/budgets.ts";
 import { budgetEvents } from "../budgets/budget_metrics.ts";
 import { budgetRecords } from "./_budgets.ts";
@@ -53,6 +54,8 @@ export interface ApiDeps extends SummaryApiDeps {
   taskLimits?: Partial<TaskPutLimits>;
   /** The models a task may name (`servedModels`); any model when unset. */
   models?: ReadonlySet<string>;
+  /** OPENAI_COMPAT_WAIT_S: how long the OpenAI-compatible endpoints wait for a run; 60 s when unset. */
+  openAiWaitS?: number;
 }
 
 /**
@@ -96,6 +99,7 @@ export function createApiHandler(apiDeps: ApiDeps): (req: Request, client?: Clie
     .route(summaryRoutes(deps))
     .route(taskRoutes({ ...runs, definitions: deps.definitions, taskLimits: deps.taskLimits, models: deps.models }))
     .route(runRoutes(runs))
+    .route(openAiRoutes({ ...deps, models: deps.models, waitS: deps.openAiWaitS }))
     .route(usageRoutes(deps))
     .route(healthRoutes(deps))
     .on("/openapi.json", { GET: () => json(200, openApi) })
@@ -166,6 +170,7 @@ export async function serveApi(
     validateNow: validators.validateNow,
     definitions,
     models: servedModels(config),
+    openAiWaitS: config.OPENAI_COMPAT_WAIT_S,
     taskLimits: {
       maxTenantBytes: config.TASK_TENANT_MAX_BYTES,
       putsPerMinute: config.TASK_PUTS_PER_MINUTE,

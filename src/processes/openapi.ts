@@ -28,6 +28,19 @@ export const Problem = z.object({
   })).optional(),
 });
 
+/** An error in OpenAI's shape, on the OpenAI-compatible paths only. */
+export const OpenAIError = z.object({
+  error: z.object({
+    message: z.string(),
+    type: z.string(),
+    param: z.string().nullable(),
+    code: z.string().nullable().describe("model_not_found, run_pending, budget_exhausted, run_failed, ..."),
+  }),
+});
+
+/** An OpenAI request or answer body (Chat Completions, Responses), described by OpenAI's own API reference. */
+const OPENAI_BODY = z.record(z.string(), z.unknown());
+
 /**
  * The routes the API serves, listed apart from the document: a test checks that the handler serves each of them
  * and that the document describes exactly these.
@@ -43,6 +56,10 @@ export const ROUTES = [
   { method: "post", path: "/v1/tasks/{name}/runs" },
   { method: "get", path: "/v1/runs/{run_id}" },
   { method: "delete", path: "/v1/runs/{run_id}" },
+  { method: "post", path: "/v1/chat/completions" },
+  { method: "post", path: "/v1/responses" },
+  { method: "get", path: "/v1/responses/{response_id}" },
+  { method: "post", path: "/v1/responses/{response_id}/cancel" },
   { method: "get", path: "/v1/usage" },
   { method: "get", path: "/healthz" },
   { method: "get", path: "/readyz" },
@@ -65,6 +82,8 @@ const SCHEMAS: Record<string, z.ZodType> = {
   SummaryWebhook,
   Usage: UsageDocument,
   Problem,
+  OpenAIError,
+  OpenAIBody: OPENAI_BODY,
 };
 
 /** An OpenAPI header, parameter or schema object, as it appears in the document. */
@@ -384,6 +403,92 @@ const RUN_ROUTES: Route[] = [{
   },
 }];
 
+const openAiError = (description: string, headers?: Record<string, Spec>): Reply => ({
+  description,
+  ...(headers ? { headers } : {}),
+  body: OpenAIError,
+});
+const RUN_HEADER = { "Oncely-Run-Id": { schema: { type: "string", format: "uuid" }, description: "The run" } };
+const OPTIONAL_KEY = {
+  name: "Idempotency-Key",
+  in: "header",
+  required: false,
+  schema: schema(IdempotencyKey),
+  description: "Optional: the same key and body answer the same result, with no second model call",
+};
+const LONG_WAIT = {
+  ...PREFER,
+  description: "wait=N (N at most 600): how long to wait for the run; OPENAI_COMPAT_WAIT_S when unset",
+};
+const PENDING = openAiError(
+  "The run did not finish within the wait (code run_pending); it goes on. x-should-retry: true with an " +
+    "Idempotency-Key (a retry waits again for the same run), false without",
+  { ...RUN_HEADER, ...retryAfter("integer"), "x-should-retry": { schema: { type: "string" } } },
+);
+const RESPONSE_ID = { name: "response_id", in: "path", required: true, schema: { type: "string" } };
+
+/**
+ * The OpenAI-compatible routes: each request is a run of the built-in chat task; bodies and answers are
+ * OpenAI's (see README, "Use it from the OpenAI SDK").
+ */
+const OPENAI_ROUTES: Route[] = [{
+  method: "post",
+  path: "/v1/chat/completions",
+  operationId: "createChatCompletion",
+  summary: "An OpenAI Chat Completions request, run as a run of the built-in chat task",
+  parameters: [OPTIONAL_KEY, LONG_WAIT],
+  request: OPENAI_BODY,
+  responses: {
+    "200": {
+      description: "A chat.completion (or, with stream: true, text/event-stream chunks, then data: [DONE])",
+      headers: { ...RUN_HEADER, ...REPLAYED },
+      body: OPENAI_BODY,
+    },
+    "401": openAiError("Missing or bad API key"),
+    "404": openAiError("The model is not served here (code model_not_found)"),
+    "408": PENDING,
+    "422": openAiError("An unsupported field (tools, n > 1, audio, images, logprobs), or the key with another body"),
+    "429": openAiError("The tenant's budget is spent (code budget_exhausted, x-should-retry: false)"),
+  },
+}, {
+  method: "post",
+  path: "/v1/responses",
+  operationId: "createResponse",
+  summary: "An OpenAI Responses request; background: true answers at once",
+  parameters: [OPTIONAL_KEY, LONG_WAIT],
+  request: OPENAI_BODY,
+  responses: {
+    "200": { description: "A response object", headers: { ...RUN_HEADER, ...REPLAYED }, body: OPENAI_BODY },
+    "401": openAiError("Missing or bad API key"),
+    "404": openAiError("The model is not served here (code model_not_found)"),
+    "408": PENDING,
+    "422": openAiError("An unsupported field, or the key with another body"),
+    "429": openAiError("The tenant's budget is spent (code budget_exhausted, x-should-retry: false)"),
+  },
+}, {
+  method: "get",
+  path: "/v1/responses/{response_id}",
+  operationId: "getResponse",
+  summary: "A response: queued, in_progress, completed, failed, cancelled or incomplete",
+  parameters: [RESPONSE_ID],
+  responses: {
+    "200": { description: "The response object", body: OPENAI_BODY },
+    "401": openAiError("Missing or bad API key"),
+    "404": openAiError("Unknown response, or another tenant's"),
+  },
+}, {
+  method: "post",
+  path: "/v1/responses/{response_id}/cancel",
+  operationId: "cancelResponse",
+  summary: "Cancel a response's run as DELETE /v1/runs/{run_id} does; a finished one is answered as it is",
+  parameters: [RESPONSE_ID],
+  responses: {
+    "200": { description: "The response object", body: OPENAI_BODY },
+    "401": openAiError("Missing or bad API key"),
+    "404": openAiError("Unknown response, or another tenant's"),
+  },
+}];
+
 /** The usage report's route. */
 const USAGE_ROUTES: Route[] = [{
   method: "get",
@@ -447,6 +552,7 @@ const DOCUMENTED: readonly Route[] = [
   ...SUMMARY_ROUTES,
   ...TASK_ROUTES,
   ...RUN_ROUTES,
+  ...OPENAI_ROUTES,
   ...USAGE_ROUTES,
   ...SERVICE_ROUTES,
 ];

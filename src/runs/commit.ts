@@ -47,6 +47,8 @@ export interface TaskRunResult extends jobs.RunOf {
   acceptedMs?: number;
   /** Set when the output is a cached one (`run_results.cached`): its `cache_hits` row is written with it. */
   cacheHit?: CacheHit;
+  /** The committing delivery's tokens, kept with the result (`run_results.prompt_tokens`, ...). */
+  tokens?: { prompt: number; completion: number };
 }
 
 /** What a worker commits: a summary job's summary, or a task run's output. */

@@ -181,8 +181,9 @@ export async function waitIfPreferred(
   req: Request,
   tenant: string,
   jobId: string,
+  /** How long to wait; the request's `Prefer: wait` when unset (the OpenAI-compatible endpoints pass their own). */
+  waitS: number | undefined = preferredWaitS(req.headers),
 ): Promise<Waited | null> {
-  const waitS = preferredWaitS(req.headers);
   const waiter = deps.waiter;
   if (waitS === undefined || !waiter?.listening || deps.shutdown?.aborted) return null;
   try {
@@ -310,30 +311,38 @@ export async function answerSubmission(
     if (waited) headers["preference-applied"] = waited.applied;
     return json(response.status, response.body, headers);
   } catch (error) {
-    if (error instanceof BudgetExhausted) {
-      throw new HttpError(
-        429,
-        `${error.message}; it is whole again when the ${error.budget.period} ends (UTC), or when it is raised`,
-        { "retry-after": String(error.retryAfterS) },
-        { type: BUDGET_EXHAUSTED, extra: { title: "Budget exhausted", budget: error.budget } },
-      );
-    }
-    if (error instanceof QueueFull) {
-      throw new HttpError(503, `${error.message}; try again later`, { "retry-after": String(error.retryAfterS) });
-    }
-    if (error instanceof NotReplicated) {
-      // The job may be recorded on the primary: the same key replays it or enqueues it, never a second job.
-      throw new HttpError(
-        503,
-        "The job is not yet confirmed on enough replicas; retry with the same Idempotency-Key",
-        { "retry-after": String(error.retryAfterS) },
-        { cause: error },
-      );
-    }
-    if (error instanceof KeyReused) {
-      deps.metrics?.api.keyReuse.inc();
-      throw new HttpError(422, error.message);
-    }
-    throw error;
+    throw submissionRefusal(deps, error);
   }
+}
+
+/**
+ * What a refused submission answers: a spent budget `429`, a full queue or a job too few replicas acknowledged
+ * `503` with `Retry-After`, a key reused with another body `422`; any other error as it is.
+ */
+export function submissionRefusal(deps: Pick<RunHttpDeps, "metrics">, error: unknown): unknown {
+  if (error instanceof BudgetExhausted) {
+    return new HttpError(
+      429,
+      `${error.message}; it is whole again when the ${error.budget.period} ends (UTC), or when it is raised`,
+      { "retry-after": String(error.retryAfterS) },
+      { type: BUDGET_EXHAUSTED, extra: { title: "Budget exhausted", budget: error.budget } },
+    );
+  }
+  if (error instanceof QueueFull) {
+    return new HttpError(503, `${error.message}; try again later`, { "retry-after": String(error.retryAfterS) });
+  }
+  if (error instanceof NotReplicated) {
+    // The job may be recorded on the primary: the same key replays it or enqueues it, never a second job.
+    return new HttpError(
+      503,
+      "The job is not yet confirmed on enough replicas; retry with the same Idempotency-Key",
+      { "retry-after": String(error.retryAfterS) },
+      { cause: error },
+    );
+  }
+  if (error instanceof KeyReused) {
+    deps.metrics?.api.keyReuse.inc();
+    return new HttpError(422, error.message);
+  }
+  return error;
 }

@@ -15,8 +15,10 @@ import { JOB_ID, type SummaryStatus } from "./shapes.ts";
 export interface JobFound {
   document: SummaryStatus;
   recordKey?: string;
-  /** Prompt and completion tokens of its recorded model calls. */
+  /** Prompt and completion tokens of its recorded model calls (or, until they are written, its commit's). */
   tokens: { prompt: number; completion: number };
+  /** Whether `tokens` are known: its attempts are recorded, or its commit kept them. */
+  tokensKnown: boolean;
   /** What it runs: summarize v1 for a summary job; a done task run's output and model. */
   run: { task: string; version: number; summaryJob: boolean; output?: unknown; model?: string };
 }
@@ -35,7 +37,13 @@ export async function jobDocument(
   ]);
   const cost = decided.cost_usd === null ? {} : { cost_usd: decided.cost_usd };
   const usage = decided.attempts > 0 ? { attempts: decided.attempts, tokens: decided.tokens ?? 0, ...cost } : {};
-  const tokens = { prompt: decided.prompt_tokens ?? 0, completion: decided.completion_tokens ?? 0 };
+  // Its recorded attempts' tokens; until they are written (in batches, after the commit), a done run's as its
+  // commit kept them.
+  const committedTokens = decided.attempts === 0 && decided.result_prompt_tokens !== null;
+  const tokens = committedTokens
+    ? { prompt: decided.result_prompt_tokens ?? 0, completion: decided.result_completion_tokens ?? 0 }
+    : { prompt: decided.prompt_tokens ?? 0, completion: decided.completion_tokens ?? 0 };
+  const tokensKnown = committedTokens || decided.attempts > 0;
   // Another tenant's job is indistinguishable from an unknown one.
   if (decided.outcome) {
     if (decided.tenant !== tenant) return null;
@@ -47,19 +55,25 @@ export async function jobDocument(
     if (decided.outcome === "cancelled" || decided.outcome === "failed" || decided.outcome === "expired") {
       const document: SummaryStatus = { job_id: jobId, status: decided.outcome, ...usage };
       if (decided.outcome === "failed") document.error = publicError(decided.error ?? found?.record.error ?? "");
-      return { document, recordKey: found?.key, tokens, run };
+      return { document, recordKey: found?.key, tokens, tokensKnown, run };
     }
     // A run answered from the result cache says so (it made no model call, so it has no attempts or tokens).
     const cached = decided.cached ? { cached: true as const } : {};
     if (decided.has_result) {
       const result = { output: decided.output, ...(decided.model === null ? {} : { model: decided.model }) };
-      return { document: { job_id: jobId, status: "done", ...usage, ...cached }, tokens, run: { ...run, ...result } };
+      return {
+        document: { job_id: jobId, status: "done", ...usage, ...cached },
+        tokens,
+        tokensKnown,
+        run: { ...run, ...result },
+      };
     }
     // Done, but its summary is past SUMMARY_RETENTION_S: as if unknown.
     if (decided.summary === null) return null;
     return {
       document: { job_id: jobId, status: "done", summary: decided.summary, ...usage, ...cached },
       tokens,
+      tokensKnown,
       run,
     };
   }
@@ -71,5 +85,5 @@ export async function jobDocument(
   const run = record.task === undefined
     ? { ...SUMMARY_RUN, summaryJob: true }
     : { task: record.task, version: Number(record.version), summaryJob: false };
-  return { document, recordKey, tokens, run };
+  return { document, recordKey, tokens, tokensKnown, run };
 }

@@ -144,14 +144,14 @@ export function startJobWaiter({ sql, log }: { sql: Sql; log: Logger }, signal: 
  * The `wait` preference of a request (RFC 7240), capped at {@linkcode MAX_WAIT_S};
  * undefined when absent, zero or malformed (a preference the server may ignore).
  */
-export function preferredWaitS(headers: Headers): number | undefined {
+export function preferredWaitS(headers: Headers, maxS: number = MAX_WAIT_S): number | undefined {
   const prefer = headers.get("prefer");
   if (!prefer) return undefined;
   for (const preference of prefer.split(",")) {
     const [token] = preference.split(";");
     const match = /^\s*wait\s*=\s*"?(\d{1,9})"?\s*$/i.exec(token ?? "");
     if (!match) continue;
-    const seconds = Math.min(Number(match[1]), MAX_WAIT_S);
+    const seconds = Math.min(Number(match[1]), maxS);
     return seconds > 0 ? seconds : undefined;
   }
   return undefined;

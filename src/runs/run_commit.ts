@@ -41,7 +41,21 @@ export async function commit(
         return job.committer.commit(
           run.summary
             ? { jobId: job_id, tenant, summary: output as string, notify: notify!, traceparent, acceptedMs, cacheHit }
-            : { jobId: job_id, tenant, task, version, input, output, model, notify, traceparent, acceptedMs, cacheHit },
+            : {
+              jobId: job_id,
+              tenant,
+              task,
+              version,
+              input,
+              output,
+              model,
+              notify,
+              traceparent,
+              acceptedMs,
+              cacheHit,
+              // What this delivery's calls used, beside the result: read at once by the OpenAI-compatible door.
+              ...(cacheHit ? {} : { tokens: { ...delivery.usage } }),
+            },
         );
       },
     );

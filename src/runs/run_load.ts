@@ -7,6 +7,7 @@ import { type RunJob, runOfPayload } from "./run_payload.ts";
 import { type LoadedTask, SUMMARIZE_TASK } from "../tasks/task_cache.ts";
 import { RENDER_LIMITS, renderedChars, renderTemplate } from "../tasks/definition.ts";
 import { SchemaRefused } from "../tasks/json_schema.ts";
+import { CHAT_TASK, chatCall } from "../tasks/chat_task.ts";
 import type { Delivery, Job, ModelCall } from "./run_deps.ts";
 
 /** A job message's fields, as a worker reads them. */
@@ -93,6 +94,14 @@ async function prepareOutput(job: Job, task: LoadedTask): Promise<void> {
  * @throws {PermanentJobError} when the rendered prompt would be over the render limit.
  */
 export function modelCall({ name, definition }: LoadedTask, input: Record<string, unknown>): ModelCall {
+  // The built-in chat task sends the request's own messages, model and format (`tasks/chat_task.ts`).
+  if (name === CHAT_TASK) {
+    try {
+      return chatCall(input);
+    } catch (cause) {
+      throw new PermanentJobError("malformed chat input", { cause });
+    }
+  }
   // Intake refuses such an input; a message from elsewhere (a replayed dead letter of a changed limit) is
   // refused here before rendering it.
   const chars = renderedChars(definition, input);

@@ -27,6 +27,7 @@ import type { RunPayload } from "./run_payload.ts";
 import { skipsCache } from "../cache/result_cache.ts";
 import { parseRunRequest, type RunDocument, type RunRequest } from "./run_schemas.ts";
 import type { TaskCache } from "../tasks/task_cache.ts";
+import { CHAT_TASK } from "../tasks/chat_task.ts";
 
 /** What the run routes need beyond the summary API's. */
 export interface RunApiDeps extends RunHttpDeps {
@@ -95,6 +96,10 @@ export function runRoutes(deps: RunApiDeps): Router {
   async function postRun(req: Request, name: string): Promise<Response> {
     const tenant = await deps.authenticate(req);
     if (!TASK_NAME.test(name)) throw new HttpError(404, `No task ${name} for this tenant`);
+    // Its input is a whole request, checked (and its model allowed) only by the OpenAI-compatible endpoints.
+    if (name === CHAT_TASK) {
+      throw new HttpError(404, `No task ${name} here: it runs through /v1/chat/completions and /v1/responses`);
+    }
     const key = idempotencyKeyFrom(req);
     return await withBodyAdmitted(deps, req, tenant, async (release) => {
       const raw = await readJsonBody(req, deps.maxBodyBytes, { deadlineMs: deps.bodyDeadlineMs });

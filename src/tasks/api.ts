@@ -35,7 +35,7 @@ import {
 } from "../jobs/task_store.ts";
 import type { Logger } from "../log/logger.ts";
 import type { Authenticate } from "../tenants/authenticator.ts";
-import type { TaskCache } from "./task_cache.ts";
+import { isBuiltIn, type TaskCache } from "./task_cache.ts";
 import {
   BUILT_IN_TASK,
   DEFINITION_LIMITS,
@@ -126,7 +126,7 @@ export function taskRoutes(deps: TaskApiDeps): Router {
     if (!TASK_NAME.test(name)) {
       throw new HttpError(422, "A task name is a lowercase letter, then up to 63 of a-z, 0-9, _ and -");
     }
-    if (name === BUILT_IN_TASK) throw new HttpError(409, `${BUILT_IN_TASK} is built in and cannot be changed`);
+    if (isBuiltIn(name)) throw new HttpError(409, `${name} is built in and cannot be changed`);
     // Over its rate, a tenant's PUTs are refused before their bodies are read: a flood of them costs this
     // thread no parsing. (A PUT identical to the latest version takes no token, below.)
     const rate = { perMinute: limits.putsPerMinute, burst: limits.putBurst };

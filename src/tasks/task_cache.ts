@@ -10,6 +10,7 @@ import type { Sql } from "postgres";
 import { taskVersion } from "../jobs/task_store.ts";
 import { BUILT_IN_TASK, SUMMARIZE_DEFINITION, TaskDefinition } from "./definition.ts";
 import { Lru } from "./_lru.ts";
+import { CHAT_DEFINITION, CHAT_TASK } from "./chat_task.ts";
 
 /** A task version ready to run. */
 export interface LoadedTask {
@@ -50,6 +51,25 @@ export const SUMMARIZE_TASK: LoadedTask = {
   key: `/${BUILT_IN_TASK}/1`,
 };
 
+/** The built-in chat task (version 1), for every tenant: what the OpenAI-compatible endpoints run. */
+export const CHAT_TASK_V1: LoadedTask = {
+  name: CHAT_TASK,
+  version: 1,
+  definition: CHAT_DEFINITION,
+  key: `/${CHAT_TASK}/1`,
+};
+
+/** A built-in task's version, for any tenant; undefined for a tenant's task (or a version that does not exist). */
+function builtIn(name: string, version: number | undefined): LoadedTask | undefined {
+  if (version !== undefined && version !== 1) return undefined;
+  return name === BUILT_IN_TASK ? SUMMARIZE_TASK : CHAT_TASK_V1;
+}
+
+/** Whether `name` is a built-in task's. */
+export function isBuiltIn(name: string): boolean {
+  return name === BUILT_IN_TASK || name === CHAT_TASK;
+}
+
 /** A cache of `sql`'s task versions, within `bounds` ({@linkcode TASK_CACHE}'s when unset). */
 export function createTaskCache(
   sql: Sql,
@@ -65,7 +85,7 @@ export function createTaskCache(
   };
   return {
     async get(tenant, name, version) {
-      if (name === BUILT_IN_TASK) return version === undefined || version === 1 ? SUMMARIZE_TASK : undefined;
+      if (isBuiltIn(name)) return builtIn(name, version);
       const wanted = version ?? fresh(latest.get(`${tenant}/${name}`))?.version;
       if (wanted !== undefined) {
         const known = versions.get(`${tenant}/${name}/${wanted}`);
@@ -87,7 +107,7 @@ export function createTaskCache(
       return task;
     },
     peek(tenant, name, version) {
-      if (name === BUILT_IN_TASK) return version === undefined || version === 1 ? SUMMARIZE_TASK : undefined;
+      if (isBuiltIn(name)) return builtIn(name, version);
       const wanted = version ?? fresh(latest.get(`${tenant}/${name}`))?.version;
       return wanted === undefined ? undefined : versions.get(`${tenant}/${name}/${wanted}`)?.task;
     },

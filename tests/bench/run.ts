@@ -48,6 +48,7 @@ import { runSettle } from "../../src/budgets/settle_script.ts";
 import { seedBudgetState } from "../../src/budgets/seed_script.ts";
 import { announceLane } from "../../src/queue/lanes.ts";
 import { benchHostile, type HostileRow } from "./hostile.ts";
+import { benchOpenAiDoor } from "./openai_door.ts";
 import type { SummaryRequest } from "../../src/runs/shapes.ts";
 import { createIntake } from "../../src/runs/intake.ts";
 import { summaryForms } from "../../src/runs/run_payload.ts";
@@ -1991,6 +1992,11 @@ async function benchHostileSection() {
   rows.push(...await benchHostile({ adminUrl: ADMIN_URL, redisUrl: REDIS_URL, smoke, runs: RUNS, progress }));
 }
 
+/** Issue 42's figure: what the OpenAI-compatible door adds to a call (`openai_door.ts`). */
+async function benchOpenAiDoorSection() {
+  rows.push(...await benchOpenAiDoor({ adminUrl: ADMIN_URL, redisUrl: REDIS_URL, smoke, progress }));
+}
+
 const sections: Record<string, () => Promise<void>> = {
   // Memory first: its baseline is then the RSS of a fresh process.
   memory: benchMemory,
@@ -2011,6 +2017,7 @@ const sections: Record<string, () => Promise<void>> = {
   deployments: benchDeployments,
   hostile: benchHostileSection,
   "lanes-scale": benchLanesScale,
+  "openai-door": benchOpenAiDoorSection,
 };
 /** Parts of a section that `--only` may name alone, to measure one of them cheaply; a full run runs them in it. */
 const parts: Record<string, () => Promise<void>> = {
