@@ -119,6 +119,11 @@ const schema = z.object({
   TASK_PUT_BURST: int(1, 10_000).optional(),
   // How long /v1/chat/completions and a foreground /v1/responses wait for their run before answering 408.
   OPENAI_COMPAT_WAIT_S: int(1, 600).default(60),
+  // Batch API (issue 43): a provider batch closes at this many runs or this many seconds of collecting; the runs an
+  // expired or failed batch left unfinished go online or fail.
+  BATCH_MAX_RUNS: int(1, 50_000).default(5000),
+  BATCH_MAX_WAIT_S: int(1, 24 * 3600).default(300),
+  BATCH_ON_EXPIRY: z.enum(["online", "fail"], "must be online or fail").default("online"),
 });
 
 /** The names of every environment variable the service reads. */

@@ -374,6 +374,26 @@ export async function insertAttempts(sql: Queryable, rows: AttemptRow[]): Promis
     )`;
 }
 
+/**
+ * Records the model call a provider batch made for one run (issue 43): its row carries the batch's id
+ * (`model_attempts.batch_id`), and is written once per run and batch, however often the batch's output is read
+ * (the unique index `model_attempts_batch_line`).
+ * @returns whether this call wrote it (false: an earlier read did).
+ */
+export async function insertBatchAttempt(sql: Queryable, row: AttemptRow & { batch_id: string }): Promise<boolean> {
+  const inserted = await sql`
+    INSERT INTO model_attempts (job_id, tenant, delivery, attempt, started_at, duration_ms, outcome, status,
+      prompt_tokens, completion_tokens, provider_request_id, model, error, task, version, cost_usd, deployment,
+      charged_tokens, batch_id)
+    VALUES (${row.job_id}::uuid, ${row.tenant}, ${row.delivery}, ${row.attempt}, ${row.started_at.toISOString()},
+      ${row.duration_ms}, ${row.outcome}, ${storableCount(row.status)}, ${storableCount(row.prompt_tokens)},
+      ${storableCount(row.completion_tokens)}, ${row.provider_request_id}, ${row.model}, ${row.error}, ${row.task},
+      ${row.version}, ${row.cost_usd}::numeric, ${row.deployment}, ${row.charged_tokens ?? null}, ${row.batch_id}::uuid)
+    ON CONFLICT (job_id, batch_id) WHERE batch_id IS NOT NULL DO NOTHING
+    RETURNING id`;
+  return inserted.length > 0;
+}
+
 /** A job's model attempts, oldest first. */
 export async function attemptsOf(sql: Queryable, jobId: string): Promise<JobAttempt[]> {
   return await sql<JobAttempt[]>`

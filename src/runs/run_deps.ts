@@ -64,6 +64,30 @@ export interface SummaryJobDeps {
    * cancelled while it waited that long, and the record, which lives as long as the message waits, still says.
    */
   recordStatus?: (jobId: string, tenant: string) => Promise<string | undefined>;
+  /** The Batch API (issue 43, `src/batches/`): runs with priority `batch` it takes are recorded into a batch. */
+  batches?: BatchIntake;
+}
+
+/**
+ * Where runs with priority `batch` go when a deployment of their model offers the Batch API (implemented in
+ * `src/batches/batch_intake.ts`; declared here so that this folder does not import that one).
+ */
+export interface BatchIntake {
+  /** The batch deployment and model a run accepting `models` (empty: the default) goes to; undefined: none. */
+  target(models: readonly string[]): { deployment: string; model: string } | undefined;
+  /**
+   * Records the run into its target's open batch, in Postgres. Resolves only once it is recorded (the message
+   * is acknowledged after that); a run recorded by an earlier delivery is not recorded again.
+   * @returns "recorded", or "already" when an earlier delivery recorded it.
+   */
+  record(run: {
+    runId: string;
+    tenant: string;
+    payload: string;
+    acceptedMs?: number;
+    call: ModelCall;
+    target: { deployment: string; model: string };
+  }): Promise<"recorded" | "already">;
 }
 
 /** What one summary job's deliveries share. */

@@ -20,6 +20,7 @@ import { callModel } from "./run_call.ts";
 import { beforeExpiry, expire, hasExpired, untilExpiry } from "./run_expiry.ts";
 import { structuredOutput } from "./run_check.ts";
 import { commit } from "./run_commit.ts";
+import { type Batched, intoBatch } from "./run_batch.ts";
 
 /**
  * The summary job: model call, then summary + outbox row in one transaction.
@@ -73,7 +74,7 @@ const MAX_PREPARED = 10_000;
  * read ahead while it waits for its slot, so that its model call can start the moment it runs.
  */
 export type SummaryJob =
-  & ((message: StreamMessage, signal: AbortSignal, finishing?: () => void) => Promise<Committed>)
+  & ((message: StreamMessage, signal: AbortSignal, finishing?: () => void) => Promise<Committed | Batched>)
   & { prepare(message: StreamMessage): void };
 
 async function deliver(
@@ -81,7 +82,7 @@ async function deliver(
   message: StreamMessage,
   signal: AbortSignal,
   finishing: (() => void) | undefined,
-): Promise<Committed> {
+): Promise<Committed | Batched> {
   const delivery = { ...parseDelivery(job, message), finishing };
   // Taken at or after its expiry (it waited in its lane, was deferred for budget, or is reclaimed after a crash):
   // decided now, with no permit asked for and no task loaded. Unless something else decided it first.
@@ -90,6 +91,9 @@ async function deliver(
   }
   const task = await loadTask(job, delivery);
   const call = modelCall(task, delivery.run.input);
+  // A batch run whose model has a batch deployment: recorded into a batch (the message is acknowledged after).
+  const batched = await intoBatch(job, delivery, { task, call });
+  if (batched) return batched;
   // Off for this run (a TTL of 0), the cache costs nothing: no hash, no Redis, and the first permit is asked for
   // in this tick as before.
   const cache = job.cache?.forRun({

@@ -6,6 +6,7 @@
 import { summariseExtractively } from "../../src/llm/extractive.ts";
 import { SUMMARY_INSTRUCTION } from "../../src/llm/llm.ts";
 import { instanceOf } from "../../src/llm/schema_instance.ts";
+import { type BatchScript, createFakeBatchApi, type FakeBatchApi } from "./fake_batch_api.ts";
 
 /** What the server does with one request. */
 export type ModelBehaviour =
@@ -111,6 +112,8 @@ export interface FakeModelServer {
   arrivedAt: number[];
   /** The usage each request's answer reported, by request (n - 1); undefined unless answered `ok` (no `rawUsage`). */
   usages: (Usage | undefined)[];
+  /** The Files and Batches endpoints (see `fake_batch_api.ts`): what they received, and their faults. */
+  batches: FakeBatchApi;
   close(): Promise<void>;
 }
 
@@ -143,7 +146,9 @@ export function errorBody(message: string, type: string, code: string | null = n
 /** Starts the server on an ephemeral loopback port. */
 export function startFakeModel(
   respond: (n: number, prompt: string) => ModelBehaviour = () => ({ kind: "ok" }),
+  { batches: batchScript }: { batches?: (n: number) => BatchScript } = {},
 ): FakeModelServer {
+  const batches = createFakeBatchApi(batchScript);
   const hangs = new Set<() => void>();
   const state = {
     requests: 0,
@@ -153,7 +158,10 @@ export function startFakeModel(
     arrivedAt: [] as number[],
   };
   const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, async (req) => {
-    if (!new URL(req.url).pathname.endsWith("/chat/completions")) return new Response("not found", { status: 404 });
+    const path = new URL(req.url).pathname.replace(/^\/v1/, "");
+    const batchAnswer = batches.handle(req, path);
+    if (batchAnswer) return await batchAnswer;
+    if (!path.endsWith("/chat/completions")) return new Response("not found", { status: 404 });
     const arrived = performance.now();
     const body = await req.json() as ChatBody;
     const prompt = body.messages?.at(-1)?.content ?? "";
@@ -218,6 +226,7 @@ export function startFakeModel(
     get arrivedAt() {
       return state.arrivedAt;
     },
+    batches,
     async close() {
       for (const release of hangs) release();
       await server.shutdown();

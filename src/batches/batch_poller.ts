@@ -1,0 +1,277 @@
+/**
+ * The batch poller: polls the provider batches in flight (`submitted`), records their end (`ended`, with the
+ * output and error file ids), then settles every line (`committed`):
+ *
+ * - an output line (status 200) is the run's answer: its `model_attempts` row (marked with the batch's id, priced
+ *   at the model's batch prices) and then its result and notification through the same group commit and outbox
+ *   as every run. A line read twice commits once: the row's unique index and `job_outcomes`' primary key decide.
+ * - an error line fails its run as a model error would (`failRun`, with its `run.failed` notification); a
+ *   transient one (429, 5xx) goes to the online path instead.
+ * - a line the batch never finished (`batch_expired`, `batch_cancelled`, or missing: a batch that failed
+ *   validation) follows `BATCH_ON_EXPIRY`: the online path, or a failure.
+ *
+ * Each run's line is settled in `batch_runs.settled` after its effects: a process killed between two lines leaves
+ * the batch `ended`, and the next one reads the files again and settles only what is not settled yet.
+ */
+import type { Sql } from "postgres";
+import type { Logger } from "../log/logger.ts";
+import { chargeNanos } from "../budgets/charge.ts";
+import type { Prices } from "../llm/prices.ts";
+import { insertBatchAttempt } from "../jobs/job_store.ts";
+import { failRun, type GroupCommitter, type JobResult } from "../runs/commit.ts";
+import { runOfPayload } from "../runs/run_payload.ts";
+import { type BatchClient, ENDED_STATUSES } from "./batch_client.ts";
+import {
+  type BatchRow,
+  type BatchRunRow,
+  batchRuns,
+  leaseBatch,
+  moveBatch,
+  notePolled,
+  releaseBatch,
+  settleBatchRun,
+} from "./batch_store.ts";
+import { passEvery } from "./_pass_loop.ts";
+
+/** One line of a batch's output or error file (openai-node's `BatchRequestOutput`). */
+interface OutputLine {
+  custom_id: string;
+  response?: {
+    status_code?: number;
+    request_id?: string;
+    body?: {
+      choices?: { message?: { content?: string | null } }[];
+      usage?: { prompt_tokens?: number; completion_tokens?: number };
+      error?: { message?: string; code?: string | null };
+    };
+  } | null;
+  error?: { code?: string; message?: string } | null;
+}
+
+/** A run of an unfinished line, sent to the online path. */
+export interface OnlineRun {
+  runId: string;
+  tenant: string;
+  payload: string;
+  acceptedMs?: number;
+}
+
+/** Defaults of {@linkcode createBatchPoller}. */
+export const POLLER_DEFAULTS = {
+  /** How often a batch in flight is polled (its lease between polls). */
+  pollMs: 30_000,
+  /** How long a process holds an ended batch while it settles its lines. */
+  leaseMs: 10 * 60_000,
+  intervalMs: 1_000,
+  perPass: 20,
+} as const;
+
+/** Options for {@linkcode createBatchPoller}. */
+export interface PollerOptions {
+  /** BATCH_ON_EXPIRY: what becomes of a run whose line the batch never finished. */
+  onExpiry: "online" | "fail";
+  /**
+   * Puts a run back on the online path (its lane's low stream). Without it, such runs fail. A run sent twice (a
+   * stop between the send and its record) is still committed once: its outcome decides.
+   */
+  online?: (run: OnlineRun) => Promise<void>;
+  /** Model prices: each line's `cost_usd`, at the batch prices (`batch_in`, `batch_out`, else the online ones). */
+  prices?: Prices;
+  pollMs?: number;
+  leaseMs?: number;
+  intervalMs?: number;
+  /** Called after each line's settling (tests throw here to stop the poller between two lines). */
+  fault?: (step: "line_settled", runId: string) => void | Promise<void>;
+}
+
+/** The poller service. */
+export interface BatchPoller {
+  /** One pass: polls the batches due, then settles the ended ones. @returns how many batches it settled. */
+  runOnce(): Promise<number>;
+  run(signal: AbortSignal): Promise<void>;
+}
+
+/** Whole nano-dollars as an exact decimal of USD, for `model_attempts.cost_usd`. */
+function decimalUsd(nanos: number): string {
+  const digits = String(nanos).padStart(10, "0");
+  return `${digits.slice(0, -9)}.${digits.slice(-9)}`;
+}
+
+/** A batch file's lines (none without a file). */
+async function readLines(client: BatchClient, fileId: string | null): Promise<OutputLine[]> {
+  if (!fileId) return [];
+  return (await client.content(fileId)).split("\n").filter((l) => l.trim() !== "").map((l) => JSON.parse(l));
+}
+
+/** A batch run as the commit and `failRun` name it. */
+function runOf(row: BatchRunRow) {
+  const run = runOfPayload(row.payload);
+  return {
+    run,
+    ref: {
+      jobId: row.run_id,
+      tenant: row.tenant,
+      task: run.task,
+      version: run.version,
+      notify: run.notify,
+      acceptedMs: row.accepted_ms ?? undefined,
+    },
+  };
+}
+
+/**
+ * A line's `model_attempts` row: marked with its batch's id (what makes it a batch call), priced at the model's
+ * batch prices, its tokens charged as reported.
+ */
+function attemptOf(batch: BatchRow, row: BatchRunRow, line: OutputLine, prices: Prices | undefined) {
+  const status = line.response?.status_code ?? null;
+  const usage = status === 200 ? line.response?.body?.usage : undefined;
+  const prompt = usage?.prompt_tokens ?? 0;
+  const completion = usage?.completion_tokens ?? 0;
+  const nanos = chargeNanos({ prompt, completion }, prices?.of(batch.model), true);
+  const { run } = runOf(row);
+  const started = batch.creating_at ?? batch.opened_at;
+  return {
+    job_id: row.run_id,
+    tenant: row.tenant,
+    delivery: 0,
+    attempt: 1,
+    started_at: started,
+    duration_ms: Math.max(0, (batch.ended_at?.getTime() ?? Date.now()) - started.getTime()),
+    outcome: status === 200 ? "ok" : "give_up",
+    status,
+    prompt_tokens: usage ? prompt : null,
+    completion_tokens: usage ? completion : null,
+    provider_request_id: line.response?.request_id ?? null,
+    model: batch.model,
+    error: status === 200 ? null : `UpstreamHttpError ${status}`,
+    task: run.task,
+    version: run.version,
+    cost_usd: nanos === undefined ? null : decimalUsd(nanos),
+    deployment: batch.deployment,
+    charged_tokens: prompt + completion,
+    batch_id: batch.id,
+  };
+}
+
+const UNFINISHED_CODES = new Set(["batch_expired", "batch_cancelled"]);
+
+/** The poller over the batch deployments' clients (by deployment name). */
+export function createBatchPoller(
+  { sql, clients, log, committer }: {
+    sql: Sql;
+    clients: ReadonlyMap<string, BatchClient>;
+    log: Logger;
+    committer: GroupCommitter;
+  },
+  options: PollerOptions,
+): BatchPoller {
+  const pollMs = options.pollMs ?? POLLER_DEFAULTS.pollMs;
+  const fault = options.fault ?? (() => {});
+
+  const poll = async (batch: BatchRow, client: BatchClient) => {
+    const provider = await client.retrieve(batch.provider_batch_id!);
+    if (!ENDED_STATUSES.has(provider.status)) return await notePolled(sql, batch.id, provider.status);
+    await moveBatch(sql, batch.id, "submitted", "ended", {
+      provider_status: provider.status,
+      output_file_id: provider.output_file_id ?? null,
+      error_file_id: provider.error_file_id ?? null,
+    });
+    log.info("batch_ended", { batch_id: batch.id, provider_status: provider.status });
+    await releaseBatch(sql, batch.id);
+  };
+
+  const fail = async (row: BatchRunRow, reason: string) => {
+    const { run, ref } = runOf(row);
+    await failRun(sql, ref, reason, { summary: run.summary });
+    await settleBatchRun(sql, row.run_id, "failed");
+  };
+
+  const unfinished = async (row: BatchRunRow, why: string) => {
+    if (options.onExpiry === "fail" || !options.online) return await fail(row, `BatchExpired: ${why}`);
+    await options.online({
+      runId: row.run_id,
+      tenant: row.tenant,
+      payload: row.payload,
+      acceptedMs: row.accepted_ms ?? undefined,
+    });
+    await settleBatchRun(sql, row.run_id, "online");
+  };
+
+  const settleLine = async (batch: BatchRow, row: BatchRunRow, line: OutputLine) => {
+    const status = line.response?.status_code;
+    if (line.error && UNFINISHED_CODES.has(line.error.code ?? "") || status === undefined) {
+      return await unfinished(row, line.error?.code ?? "no response");
+    }
+    await insertBatchAttempt(sql, attemptOf(batch, row, line, options.prices));
+    if (status === 200) {
+      const text = line.response?.body?.choices?.[0]?.message?.content?.trim();
+      if (!text) return await fail(row, "EmptyCompletion: The model returned no text");
+      const { run, ref } = runOf(row);
+      const result: JobResult = run.summary
+        ? { ...ref, summary: text, notify: run.notify! }
+        : { ...ref, input: run.input, output: text, model: batch.model };
+      await committer.commit(result);
+      return await settleBatchRun(sql, row.run_id, "committed");
+    }
+    // A transient refusal says nothing about the run: it goes online, as a retry would.
+    if (status === 429 || status >= 500) return await unfinished(row, `status ${status}`);
+    const message = line.response?.body?.error?.message ?? "";
+    await fail(row, `UpstreamHttpError: ${status} ${message}`.trim());
+  };
+
+  const settle = async (batch: BatchRow, client: BatchClient) => {
+    const rows = new Map((await batchRuns(sql, batch.id)).filter((r) => r.in_file).map((r) => [r.run_id, r]));
+    const seen = new Set<string>();
+    const lines = [...await readLines(client, batch.output_file_id), ...await readLines(client, batch.error_file_id)];
+    for (const line of lines) {
+      const row = rows.get(line.custom_id);
+      // Not ours, or a custom_id the provider repeated: the first line of a run is its answer.
+      if (!row || seen.has(row.run_id)) continue;
+      seen.add(row.run_id);
+      if (row.settled) continue;
+      await settleLine(batch, row, line);
+      await fault("line_settled", row.run_id);
+    }
+    // Lines the provider reported nowhere (a batch that failed validation, or was cut short).
+    for (const row of rows.values()) {
+      if (seen.has(row.run_id) || row.settled) continue;
+      await unfinished(row, `batch ${batch.provider_status}`);
+      await fault("line_settled", row.run_id);
+    }
+    await moveBatch(sql, batch.id, "ended", "committed");
+    log.info("batch_committed", { batch_id: batch.id, lines: rows.size, provider_status: batch.provider_status });
+  };
+
+  const runOnce = async () => {
+    for (let n = 0; n < POLLER_DEFAULTS.perPass; n++) {
+      // Leased for the poll interval and not given back while it runs: the lease is the time to its next poll.
+      const batch = await leaseBatch(sql, ["submitted"], { leaseMs: pollMs });
+      if (!batch) break;
+      const client = clients.get(batch.deployment);
+      if (!client) continue;
+      await poll(batch, client).catch((error) => log.warn("batch_poll_failed", { batch_id: batch.id, error }));
+    }
+    let settled = 0;
+    while (settled < POLLER_DEFAULTS.perPass) {
+      const batch = await leaseBatch(sql, ["ended"], { leaseMs: options.leaseMs ?? POLLER_DEFAULTS.leaseMs });
+      if (!batch) break;
+      const client = clients.get(batch.deployment);
+      if (!client) break;
+      try {
+        await settle(batch, client);
+        await releaseBatch(sql, batch.id);
+      } catch (error) {
+        log.warn("batch_commit_failed", { batch_id: batch.id, error });
+        throw error;
+      }
+      settled++;
+    }
+    return settled;
+  };
+
+  return {
+    runOnce,
+    run: (signal) => passEvery(options.intervalMs ?? POLLER_DEFAULTS.intervalMs, signal, runOnce),
+  };
+}

@@ -1,0 +1,243 @@
+/**
+ * The batch store: the one module that reads and writes `batches` and `batch_runs` (migration 020, whose header
+ * lists a batch's states). One SQL operation per function. Every move of a batch from one state to the next is a
+ * compare-and-set on its state, so a step replayed by a second process, or by a process that outlived its
+ * lease, changes nothing.
+ */
+import type { Sql } from "postgres";
+import type { Queryable } from "../db/queryable.ts";
+
+/** A batch's state (see migration 020). */
+export type BatchState =
+  | "open"
+  | "closed"
+  | "uploading"
+  | "uploaded"
+  | "creating"
+  | "submitted"
+  | "ended"
+  | "committed";
+
+/** A batch as stored. */
+export interface BatchRow {
+  id: string;
+  deployment: string;
+  model: string;
+  state: BatchState;
+  runs: number;
+  opened_at: Date;
+  closed_at: Date | null;
+  creating_at: Date | null;
+  input_file_id: string | null;
+  provider_batch_id: string | null;
+  provider_status: string | null;
+  output_file_id: string | null;
+  error_file_id: string | null;
+  ended_at: Date | null;
+  committed_at: Date | null;
+}
+
+/** A run to record into its deployment's and model's open batch. */
+export interface NewBatchRun {
+  runId: string;
+  tenant: string;
+  deployment: string;
+  model: string;
+  payload: string;
+  request: Record<string, unknown>;
+  acceptedMs?: number;
+}
+
+/** A run of a batch, as its line is settled. */
+export interface BatchRunRow {
+  run_id: string;
+  tenant: string;
+  payload: string;
+  request: Record<string, unknown>;
+  accepted_ms: number | null;
+  in_file: boolean | null;
+  settled: string | null;
+}
+
+/**
+ * Records a run into the open batch of its deployment and model (opening one if there is none), and closes that
+ * batch when it reaches `maxRuns`. The open batch's row lock serialises the runs recorded into it, so its count
+ * is exact and a batch being closed takes no more runs.
+ * @returns the batch the run is in, and whether this call recorded it (false: a delivery before did).
+ */
+export async function recordBatchRun(
+  sql: Sql,
+  run: NewBatchRun,
+  { maxRuns }: { maxRuns: number },
+): Promise<{ batchId: string; recorded: boolean }> {
+  return await sql.begin(async (tx) => {
+    const [already] = await tx<{ batch_id: string }[]>`
+      SELECT batch_id::text FROM batch_runs WHERE run_id = ${run.runId}::uuid`;
+    if (already) return { batchId: already.batch_id, recorded: false };
+    await tx`
+      INSERT INTO batches (id, deployment, model) VALUES (${crypto.randomUUID()}::uuid, ${run.deployment}, ${run.model})
+      ON CONFLICT (deployment, model) WHERE state = 'open' DO NOTHING`;
+    const [open] = await tx<{ id: string; runs: number }[]>`
+      SELECT id::text, runs FROM batches WHERE deployment = ${run.deployment} AND model = ${run.model} AND state = 'open'
+      FOR UPDATE`;
+    // Closed between the insert and the lock: the caller tries again (a new open batch).
+    if (!open) throw new BatchClosedMeanwhile(run.deployment, run.model);
+    const inserted = await tx`
+      INSERT INTO batch_runs (run_id, batch_id, tenant, payload, request, accepted_ms)
+      VALUES (${run.runId}::uuid, ${open.id}::uuid, ${run.tenant}, ${run.payload}, ${tx.json(run.request as never)},
+        ${run.acceptedMs ?? null})
+      ON CONFLICT (run_id) DO NOTHING
+      RETURNING run_id`;
+    if (inserted.length === 0) {
+      const [other] = await tx<{ batch_id: string }[]>`
+        SELECT batch_id::text FROM batch_runs WHERE run_id = ${run.runId}::uuid`;
+      return { batchId: other?.batch_id ?? open.id, recorded: false };
+    }
+    await tx`
+      UPDATE batches SET runs = runs + 1, updated_at = now(),
+        state = CASE WHEN runs + 1 >= ${maxRuns} THEN 'closed' ELSE state END,
+        closed_at = CASE WHEN runs + 1 >= ${maxRuns} THEN now() ELSE closed_at END
+      WHERE id = ${open.id}::uuid`;
+    return { batchId: open.id, recorded: true };
+  });
+}
+
+/** The open batch was closed while a run was being recorded into it: record it again (into a new one). */
+export class BatchClosedMeanwhile extends Error {
+  constructor(deployment: string, model: string) {
+    super(`the open batch of ${deployment}/${model} was closed meanwhile`);
+    this.name = "BatchClosedMeanwhile";
+  }
+}
+
+/** Closes the open batches that have collected for `maxWaitMs`. @returns how many. */
+export async function closeDueBatches(sql: Queryable, { maxWaitMs }: { maxWaitMs: number }): Promise<number> {
+  const rows = await sql`
+    UPDATE batches SET state = 'closed', closed_at = now(), updated_at = now()
+    WHERE state = 'open' AND opened_at <= now() - make_interval(secs => ${maxWaitMs / 1000})
+    RETURNING id`;
+  return rows.length;
+}
+
+/**
+ * Takes the oldest unfinished batch in one of `states` that nobody holds (or whose holder's lease ran out), for
+ * `leaseMs`. @returns it, or undefined when there is none.
+ */
+export async function leaseBatch(
+  sql: Queryable,
+  states: readonly BatchState[],
+  { leaseMs }: { leaseMs: number },
+): Promise<BatchRow | undefined> {
+  const [row] = await sql<BatchRow[]>`
+    UPDATE batches SET lease_until = now() + make_interval(secs => ${leaseMs / 1000})
+    WHERE id = (
+      SELECT id FROM batches
+      WHERE state = ANY(${states as string[]}::text[]) AND (lease_until IS NULL OR lease_until <= now())
+      ORDER BY opened_at LIMIT 1 FOR UPDATE SKIP LOCKED
+    )
+    RETURNING id::text, deployment, model, state, runs, opened_at, closed_at, creating_at, input_file_id,
+      provider_batch_id, provider_status, output_file_id, error_file_id, ended_at, committed_at`;
+  return row;
+}
+
+/** Gives a batch's lease back (its holder is done with it for now). */
+export async function releaseBatch(sql: Queryable, id: string): Promise<void> {
+  await sql`UPDATE batches SET lease_until = NULL WHERE id = ${id}::uuid`;
+}
+
+/**
+ * The upload intent: fixes which runs of a closed batch are in its file (those not decided yet: a run cancelled
+ * meanwhile is left out), and moves it to `uploading`. @returns how many lines the file has, or null when the
+ * batch was not `closed` (another process moved it).
+ */
+export async function fixBatchLines(sql: Sql, id: string): Promise<number | null> {
+  return await sql.begin(async (tx) => {
+    const moved = await tx`
+      UPDATE batches SET state = 'uploading', updated_at = now() WHERE id = ${id}::uuid AND state = 'closed'
+      RETURNING id`;
+    if (moved.length === 0) return null;
+    const rows = await tx<{ in_file: boolean }[]>`
+      UPDATE batch_runs r SET
+        in_file = NOT EXISTS (SELECT 1 FROM job_outcomes o WHERE o.job_id = r.run_id),
+        settled = CASE WHEN EXISTS (SELECT 1 FROM job_outcomes o WHERE o.job_id = r.run_id) THEN 'left_out' END
+      WHERE batch_id = ${id}::uuid
+      RETURNING in_file`;
+    return rows.filter((r) => r.in_file).length;
+  });
+}
+
+/** The lines of a batch's file: its runs in the file, in a stable order. */
+export async function batchLines(
+  sql: Queryable,
+  id: string,
+): Promise<{ run_id: string; request: Record<string, unknown> }[]> {
+  return await sql<{ run_id: string; request: Record<string, unknown> }[]>`
+    SELECT run_id::text, request FROM batch_runs WHERE batch_id = ${id}::uuid AND in_file ORDER BY run_id`;
+}
+
+/** The runs of a batch (all of them), to settle its lines. */
+export async function batchRuns(sql: Queryable, id: string): Promise<BatchRunRow[]> {
+  return await sql<BatchRunRow[]>`
+    SELECT run_id::text, tenant, payload, request, accepted_ms, in_file, settled
+    FROM batch_runs WHERE batch_id = ${id}::uuid`;
+}
+
+/** Records how a run's line was settled (once; a second settling of the same run changes nothing). */
+export async function settleBatchRun(
+  sql: Queryable,
+  runId: string,
+  settled: "committed" | "failed" | "online",
+): Promise<void> {
+  await sql`UPDATE batch_runs SET settled = ${settled} WHERE run_id = ${runId}::uuid AND settled IS NULL`;
+}
+
+/**
+ * Moves a batch from `from` to `to`, with the columns the new state records.
+ * @returns whether it moved (false: it was not in `from`; another process moved it).
+ */
+export async function moveBatch(
+  sql: Queryable,
+  id: string,
+  from: BatchState,
+  to: BatchState,
+  set: Partial<
+    Pick<BatchRow, "input_file_id" | "provider_batch_id" | "provider_status" | "output_file_id" | "error_file_id">
+  > = {},
+): Promise<boolean> {
+  const rows = await sql`
+    UPDATE batches SET state = ${to}, updated_at = now(),
+      input_file_id = COALESCE(${set.input_file_id ?? null}, input_file_id),
+      provider_batch_id = COALESCE(${set.provider_batch_id ?? null}, provider_batch_id),
+      provider_status = COALESCE(${set.provider_status ?? null}, provider_status),
+      output_file_id = COALESCE(${set.output_file_id ?? null}, output_file_id),
+      error_file_id = COALESCE(${set.error_file_id ?? null}, error_file_id),
+      creating_at = CASE WHEN ${to} = 'creating' THEN now() ELSE creating_at END,
+      ended_at = CASE WHEN ${to} = 'ended' THEN now() ELSE ended_at END,
+      committed_at = CASE WHEN ${to} = 'committed' THEN now() ELSE committed_at END
+    WHERE id = ${id}::uuid AND state = ${from}
+    RETURNING id`;
+  return rows.length > 0;
+}
+
+/** Records the provider's status of a batch in flight (as polled). */
+export async function notePolled(sql: Queryable, id: string, status: string): Promise<void> {
+  await sql`UPDATE batches SET provider_status = ${status}, updated_at = now() WHERE id = ${id}::uuid`;
+}
+
+/** Batches in flight, and those finished within `recentMs`, newest first (for `batches list`). */
+export async function listBatches(sql: Queryable, { recentMs, limit = 200 }: { recentMs: number; limit?: number }) {
+  return await sql<BatchRow[]>`
+    SELECT id::text, deployment, model, state, runs, opened_at, closed_at, creating_at, input_file_id,
+      provider_batch_id, provider_status, output_file_id, error_file_id, ended_at, committed_at
+    FROM batches
+    WHERE state <> 'committed' OR committed_at > now() - make_interval(secs => ${recentMs / 1000})
+    ORDER BY opened_at DESC LIMIT ${limit}`;
+}
+
+/** The batch a queued run waits in, if it is recorded in one not yet committed (`waiting_for: "batch"`). */
+export async function batchOfRun(sql: Queryable, runId: string): Promise<string | undefined> {
+  const [row] = await sql<{ batch_id: string }[]>`
+    SELECT r.batch_id::text FROM batch_runs r JOIN batches b ON b.id = r.batch_id
+    WHERE r.run_id = ${runId}::uuid AND r.settled IS NULL`;
+  return row?.batch_id;
+}

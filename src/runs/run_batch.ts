@@ -1,0 +1,50 @@
+/**
+ * A run with priority `batch` (issue 43) whose model has a deployment marked `"batch": true`: recorded into that
+ * deployment's open batch in Postgres instead of called now. The delivery resolves, and its message is
+ * acknowledged, only once the run is recorded there; a redelivery (a crash between the two) finds it recorded.
+ * From then on the batch services (`src/batches/`) own the run: upload, creation, polling, and the commit of its
+ * line through the same commit and outbox as every run.
+ */
+import { acceptedMsOf } from "../queue/message.ts";
+import type { LoadedTask } from "../tasks/task_cache.ts";
+import type { Committed } from "./commit.ts";
+import { preCheck } from "./run_decided.ts";
+import type { Delivery, Job, ModelCall } from "./run_deps.ts";
+
+/** How a delivery ends when its run was recorded into a batch (by it or by an earlier delivery). */
+export type Batched = "batched";
+
+/**
+ * Records the delivery's run into a batch when it is a batch run its deployments can take.
+ * @returns "batched" when recorded (now or before); how it ended when it was decided before (the pre-check);
+ * undefined when it runs online (not a batch run, no batch deployment of its model, or a kind the batch path does
+ * not take yet: an output schema, whose repair call is online, or an expiry).
+ */
+export async function intoBatch(
+  job: Job,
+  delivery: Delivery,
+  { task, call }: { task: LoadedTask; call: ModelCall },
+): Promise<Committed | Batched | undefined> {
+  const { run } = delivery;
+  if (!job.batches || run.priority !== "batch") return undefined;
+  if (task.definition.output_schema !== undefined || run.expiresAt !== undefined) return undefined;
+  const target = job.batches.target(call.models);
+  if (!target) return undefined;
+  // A run cancelled (or already done) before it was recorded is not recorded: its line would be paid for nothing.
+  const skip = await preCheck(job, delivery, () => Promise.resolve());
+  if (skip) return skip;
+  const recorded = await job.batches.record({
+    runId: delivery.job_id,
+    tenant: delivery.tenant,
+    payload: delivery.message.fields.payload!,
+    acceptedMs: acceptedMsOf(delivery.message),
+    call,
+    target,
+  });
+  delivery.log.info(recorded === "recorded" ? "run_batched" : "run_batched_before", {
+    deployment: target.deployment,
+    model: target.model,
+    deliveries: delivery.message.deliveries,
+  });
+  return "batched";
+}

@@ -1,0 +1,180 @@
+import assert from "node:assert/strict";
+import { createBatchPoller, type OnlineRun, type PollerOptions } from "../../src/batches/batch_poller.ts";
+import { createBatchSubmitter } from "../../src/batches/batch_submitter.ts";
+import { costNanos, createPrices } from "../../src/llm/prices.ts";
+import { createGroupCommitter } from "../../src/runs/commit.ts";
+import type { BatchScript } from "../support/fake_batch_api.ts";
+import { batchStates, type BatchWorld, batchWorld, Crash, MODEL } from "./_fixture.ts";
+
+const PRICE = { in: 2, out: 8, batch_in: 1, batch_out: 4 };
+
+/** A world with `n` runs recorded, closed and submitted; and a poller (online runs collected in `online`). */
+async function submitted(n: number, script: (i: number) => BatchScript, options: Partial<PollerOptions> = {}) {
+  const world = await batchWorld({ script, maxRuns: n });
+  const runIds = await world.recordRuns(n);
+  await createBatchSubmitter(world, { maxWaitMs: 3_600_000 }).runOnce();
+  const online: OnlineRun[] = [];
+  const poller = (extra: Partial<PollerOptions> = {}) =>
+    createBatchPoller({ ...world, committer: createGroupCommitter({ sql: world.sql, log: world.log }) }, {
+      onExpiry: "online",
+      online: (run) => Promise.resolve(void online.push(run)),
+      prices: createPrices({ LLM_PRICES: { [MODEL]: PRICE } }),
+      leaseMs: 0,
+      ...options,
+      ...extra,
+    });
+  return { world, runIds, online, poller };
+}
+
+/** Effect counts: outcomes by kind, outbox rows by topic, batch attempt rows, per run. */
+async function effects(world: BatchWorld) {
+  const outcomes = await world.sql<{ job_id: string; outcome: string }[]>`
+    SELECT job_id::text, outcome FROM job_outcomes`;
+  const outbox = await world.sql<{ dedupe_key: string }[]>`SELECT dedupe_key FROM outbox`;
+  const attempts = await world.sql<
+    { job_id: string; cost_usd: string | null; prompt_tokens: number | null; completion_tokens: number | null }[]
+  >`
+    SELECT job_id::text, cost_usd::text, prompt_tokens, completion_tokens FROM model_attempts WHERE batch_id IS NOT NULL`;
+  const results = await world.sql<{ run_id: string }[]>`SELECT run_id::text FROM run_results`;
+  return {
+    outcome: new Map(outcomes.map((o) => [o.job_id, o.outcome])),
+    outcomes: outcomes.length,
+    outbox: outbox.map((r) => r.dedupe_key),
+    attempts,
+    results: results.length,
+  };
+}
+
+Deno.test("a completed batch: answers committed once with their notifications, 400s failed, 500s online", async () => {
+  const lineOf = new Map<string, number>();
+  const { world, runIds, online, poller } = await submitted(4, () => ({
+    line: (id, _b, i) => {
+      lineOf.set(id, i);
+      return i === 2
+        ? { kind: "error", status: 400, message: "bad request" }
+        : i === 3
+        ? { kind: "error", status: 500 }
+        : { kind: "ok", usage: { prompt_tokens: 1000, completion_tokens: 500 } };
+    },
+  }));
+  try {
+    assert.equal(await poller().runOnce(), 1);
+    const e = await effects(world);
+    const byLine = (i: number) => [...lineOf].find(([, n]) => n === i)![0];
+    assert.equal(e.outcome.get(byLine(0)), "done");
+    assert.equal(e.outcome.get(byLine(1)), "done");
+    assert.equal(e.outcome.get(byLine(2)), "failed");
+    assert.equal(e.outcome.has(byLine(3)), false, "the transient one is not decided: it runs online");
+    assert.deepEqual(online.map((r) => r.runId), [byLine(3)]);
+    assert.equal(e.results, 2);
+    assert.equal(e.outbox.length, 3, "two run.completed, one run.failed");
+    assert.equal(e.attempts.length, 4, "one model_attempts row per line, marked with its batch");
+    const ok = e.attempts.find((a) => a.job_id === byLine(0))!;
+    assert.equal(Number(ok.cost_usd) * 1e9, costNanos(PRICE, 1000, 500, true), "priced at the batch prices");
+    assert.equal(Number(ok.cost_usd), 0.003);
+    assert.deepEqual((await batchStates(world.sql)).map((b) => b.state), ["committed"]);
+    assert.equal(runIds.length, 4);
+  } finally {
+    await world.close();
+  }
+});
+
+Deno.test("a batch that completes with only an error file fails each of its runs, none left queued", async () => {
+  const { world, runIds, poller } = await submitted(3, () => ({ line: () => ({ kind: "error", status: 400 }) }));
+  try {
+    await poller().runOnce();
+    const e = await effects(world);
+    assert.deepEqual(runIds.map((id) => e.outcome.get(id)), ["failed", "failed", "failed"]);
+    assert.equal(e.outbox.length, 3);
+    const [left] = await world.sql<{ n: number }[]>`SELECT count(*)::int AS n FROM batch_runs WHERE settled IS NULL`;
+    assert.equal(left!.n, 0);
+  } finally {
+    await world.close();
+  }
+});
+
+for (const onExpiry of ["online", "fail"] as const) {
+  Deno.test(`an expired batch: its completed lines are committed, the rest ${onExpiry} (BATCH_ON_EXPIRY)`, async () => {
+    const { world, runIds, online, poller } = await submitted(
+      3,
+      () => ({ end: "expired", line: (_id, _b, i) => (i === 0 ? { kind: "ok" } : { kind: "unfinished" }) }),
+      { onExpiry },
+    );
+    try {
+      await poller().runOnce();
+      const e = await effects(world);
+      const done = runIds.filter((id) => e.outcome.get(id) === "done");
+      assert.equal(done.length, 1, "the completed line is collected, never dropped");
+      const rest = runIds.filter((id) => !done.includes(id));
+      if (onExpiry === "online") {
+        assert.deepEqual(online.map((r) => r.runId).sort(), rest.sort());
+        assert.equal(e.outcomes, 1);
+      } else {
+        assert.deepEqual(rest.map((id) => e.outcome.get(id)), ["failed", "failed"]);
+        assert.equal(online.length, 0);
+      }
+    } finally {
+      await world.close();
+    }
+  });
+}
+
+Deno.test("a poller stopped between two lines: the next one settles the rest; a line read twice commits once", async () => {
+  const { world, runIds, poller } = await submitted(5, () => ({}));
+  try {
+    let settled = 0;
+    const crashing = poller({
+      fault: () => {
+        if (++settled === 2) throw new Crash("line_settled");
+      },
+    });
+    await assert.rejects(crashing.runOnce(), Crash);
+    assert.deepEqual((await batchStates(world.sql)).map((b) => b.state), ["ended"]);
+    assert.equal(await poller().runOnce(), 1);
+    // And the whole output read once more, as a process that died before recording `committed` would.
+    await world.sql`UPDATE batches SET state = 'ended'`;
+    await world.sql`UPDATE batch_runs SET settled = NULL`;
+    assert.equal(await poller().runOnce(), 1);
+    const e = await effects(world);
+    assert.deepEqual(runIds.map((id) => e.outcome.get(id)), runIds.map(() => "done"));
+    assert.equal(e.results, 5);
+    assert.equal(e.outbox.length, 5, "one notification each");
+    assert.equal(new Set(e.outbox).size, 5);
+    assert.equal(e.attempts.length, 5, "one usage row each");
+    assert.equal(world.server.batches.counts.creates, 1);
+  } finally {
+    await world.close();
+  }
+});
+
+Deno.test("a run cancelled after its batch was uploaded: its line is discarded by the commit", async () => {
+  const { world, runIds, poller } = await submitted(2, () => ({}));
+  try {
+    await world
+      .sql`INSERT INTO job_outcomes (job_id, tenant, outcome) VALUES (${runIds[0]!}::uuid, 'acme', 'cancelled')`;
+    await poller().runOnce();
+    const e = await effects(world);
+    assert.equal(e.outcome.get(runIds[0]!), "cancelled");
+    assert.equal(e.outcome.get(runIds[1]!), "done");
+    assert.equal(e.results, 1);
+    assert.equal(e.outbox.length, 1);
+    // The provider ran (and billed) the cancelled line: its usage is still recorded.
+    assert.equal(e.attempts.length, 2);
+  } finally {
+    await world.close();
+  }
+});
+
+Deno.test("a batch still in progress is polled, not settled, until it ends", async () => {
+  const { world, runIds, poller } = await submitted(2, () => ({ delayMs: 150 }));
+  try {
+    assert.equal(await poller({ pollMs: 0 }).runOnce(), 0);
+    assert.deepEqual((await batchStates(world.sql)).map((b) => b.state), ["submitted"]);
+    await new Promise((r) => setTimeout(r, 200));
+    assert.equal(await poller({ pollMs: 0 }).runOnce(), 1);
+    const e = await effects(world);
+    assert.deepEqual(runIds.map((id) => e.outcome.get(id)), ["done", "done"]);
+  } finally {
+    await world.close();
+  }
+});
