@@ -140,6 +140,8 @@ export function chaosDeployments({ answer, cooldownMs, durationMs }: ChaosDeploy
     env: deploymentsEnv(deployments.map((d) => d.entry)),
     /** Requests the deployments received. */
     calls: () => deployments.reduce((sum, d) => sum + d.server.requests, 0),
+    /** The fake providers, for the requests each received. */
+    servers: (): FakeModelServer[] => deployments.map((d) => d.server),
     /** One line for the run's mode. */
     describe: () =>
       `deployments ${

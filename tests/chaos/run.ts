@@ -29,6 +29,12 @@
  * break the schema, and must fail (`output_invalid`, dead-lettered) with their
  * `run_failed` email or `run.failed` webhook once.
  *
+ * In every mode the runs carry a `priority` (high, normal, low, batch, each tenant all four) and two thirds of
+ * them an `expires_in`, short (1 to 3 s) or long (10 minutes): see priorities.ts. A run with an expiry may end
+ * `expired` instead of done (never a long one), with its `run_expired` email or `run.expired` webhook once and
+ * nothing else; no model request for it may arrive after its `expires_at`. The report gives each priority's
+ * runs, outcomes and median time from acceptance to done, and the expired runs with and without earlier calls.
+ *
  * With --cluster, Redis is a local three-master Redis Cluster with AOF on
  * (fsync always) in a temporary directory, REDIS_URL lists its nodes, and one
  * master's process is SIGKILLed and restarted mid-run.
@@ -138,6 +144,14 @@ import { burstJobs, chaosBudgets, PRICE_ENV, RAISE_AT, type RequestKind } from "
 import { MAX_OUTPUT_TOKENS, summaryPrompt } from "../../src/llm/llm.ts";
 import { chaosDeployments, TASK_MODELS } from "./deployments.ts";
 import { createPrices } from "../../src/llm/prices.ts";
+import {
+  checkPriorities,
+  HANGS_FIRST_MARK,
+  hangsFirst,
+  type PlannedRun,
+  type RunExtras,
+  runExtras,
+} from "./priorities.ts";
 
 const args = Deno.args;
 const flag = (name: string) => args.includes(`--${name}`);
@@ -257,6 +271,12 @@ function noteKind(respond: (n: number, prompt: string) => ModelBehaviour) {
  */
 function chaosAnswer(body: ChatBody | undefined, prompt: string, headers?: Record<string, string>): ModelBehaviour {
   if (prompt.includes(POISON_MARK)) return { kind: "hang" };
+  // A run with a short expiry marked so: its first request hangs (priorities.ts).
+  const job = body && prompt.includes(HANGS_FIRST_MARK) ? jobOfRequest(body) : undefined;
+  if (job !== undefined && !hungOnce.has(job)) {
+    hungOnce.add(job);
+    return { kind: "hang" };
+  }
   const r = random();
   if (r < 0.08) return { kind: "status", status: 429, headers: { "retry-after": "0.2" } };
   if (r < 0.14) return { kind: "status", status: 503 };
@@ -270,6 +290,8 @@ function chaosAnswer(body: ChatBody | undefined, prompt: string, headers?: Recor
     ...(BUDGETS ? { usage: "realistic" as const } : {}),
   };
 }
+/** The runs marked HANGS_FIRST_MARK whose first request was left hanging (by job index). */
+const hungOnce = new Set<number>();
 /** The one provider OPENAI_* names (with --deployments, none of the processes may call it). */
 const model = startFakeModel(noteKind((n, prompt) => {
   modelCalls++;
@@ -731,7 +753,8 @@ function ticket(i: number): string {
     : breaksOnce(i)
     ? ` ${STRUCTURED_MARKERS.breaksOnce}`
     : "";
-  return `Ticket ${i}: ${document(i)}${marker}`;
+  const slow = hangsFirst(Math.floor(i / 3), poisonRunIndices.has(i)) ? ` ${HANGS_FIRST_MARK}` : "";
+  return `Ticket ${i}: ${document(i)}${marker}${slow}`;
 }
 
 /**
@@ -799,6 +822,10 @@ interface Submission {
   webhook: boolean;
   run: boolean;
   plan: JobPlan;
+  /** A run's priority and expiry (priorities.ts). */
+  extras?: RunExtras;
+  /** When its last POST so far ended (epoch ms): the job, if taken on, was accepted before. */
+  lastPostEndMs: number;
 }
 const submissions: Submission[] = [];
 /** Keys whose client gave up: the only POST got no answer and was never retried (--new-tenants only). */
@@ -838,13 +865,27 @@ async function submit(i: number) {
   const key = `chaos-${String(SEED).padStart(6, "0")}-${String(i).padStart(6, "0")}`;
   const notify = wantsWebhook(i) ? { webhook: `${receiver.url}/${plan.tenant}` } : `user${i}@example.com`;
   const run = isRun(i);
-  const request = run ? { input: { ticket: ticket(i) }, notify } : { text: document(i), notify };
+  // Every run carries a priority, and most an expiry (priorities.ts): the body, and so the job id, says so.
+  const extras = run ? runExtras(Math.floor(i / 3), poisonRunIndices.has(i)) : undefined;
+  const request = run ? { input: { ticket: ticket(i) }, notify, ...extras } : { text: document(i), notify };
   const path = run ? TASK_RUNS : SUMMARIES;
   const body = JSON.stringify(request);
   const jobIdOf = jobIdFor({ tenant: plan.tenant, method: "POST", path, key }, canonicalJson(request));
-  const submission = { i, key, jobId: jobIdOf, webhook: wantsWebhook(i), run, plan };
+  const submission: Submission = {
+    i,
+    key,
+    jobId: jobIdOf,
+    webhook: wantsWebhook(i),
+    run,
+    plan,
+    extras,
+    lastPostEndMs: Date.now(),
+  };
   submissions.push(submission);
-  const post = () => postOnce(path, key, body, plan.tenant, plan.fresh);
+  const post = () =>
+    postOnce(path, key, body, plan.tenant, plan.fresh).finally(() => {
+      submission.lastPostEndMs = Math.max(submission.lastPostEndMs, Date.now());
+    });
   const results: PostResult[] = [];
   if (!plan.retries && !isPoison(i)) {
     const only = await post();
@@ -1158,14 +1199,24 @@ function poisonRunJobs(): Set<string> {
   return new Set(submissions.filter((s) => poisonRunIndices.has(s.i)).map((s) => accepted.get(s.key) ?? s.jobId));
 }
 
+/** How a run ended, which names its notification: done, failed (a poison run) or expired (it set `expires_in`). */
+type RunEnd = "done" | "failed" | "expired";
+
 /**
  * The dedupe key of a job's notification (its email's Idempotency-Key, its webhook's webhook-id): a summary's,
- * or a run's when done, or when `failed` (a poison run).
+ * or a run's as it ended.
  */
-function notificationKey(id: string, failed = false): string {
+function notificationKey(id: string, end: RunEnd = "done"): string {
   const webhook = webhookJobs.has(id);
   if (!runJobs.has(id)) return `${webhook ? SUMMARY_WEBHOOK_KEY_PREFIX : SUMMARY_READY_KEY_PREFIX}${id}`;
-  return RUN_KEY_PREFIX[webhook ? "webhook" : "email"][failed ? "failed" : "done"] + id;
+  return RUN_KEY_PREFIX[webhook ? "webhook" : "email"][end] + id;
+}
+
+/** The jobs decided expired (runs that set `expires_in`). */
+async function expiredJobs(): Promise<Set<string>> {
+  const rows = await db.sql<{ job_id: string }[]>`
+    SELECT job_id::text FROM job_outcomes WHERE outcome = 'expired'`;
+  return new Set(rows.map((r) => r.job_id));
 }
 
 /** How many poison documents are decided failed. */
@@ -1194,10 +1245,11 @@ async function poisonDeadLettered(): Promise<boolean> {
   return [...poisonJobs()].every((id) => ids.has(id));
 }
 
-/** Summaries and run results: the jobs done. */
+/** Summaries, run results and expired runs: the jobs ended as they should. */
 async function countDone(): Promise<number> {
   const [row] = await db.sql<{ n: number }[]>`
-    SELECT (SELECT count(*) FROM summaries)::int + (SELECT count(*) FROM run_results)::int AS n`;
+    SELECT (SELECT count(*) FROM summaries)::int + (SELECT count(*) FROM run_results)::int +
+      (SELECT count(*) FROM job_outcomes WHERE outcome = 'expired')::int AS n`;
   return row!.n;
 }
 
@@ -1262,7 +1314,8 @@ async function intakeRanFor(list: Submission[]): Promise<Submission[]> {
   const done = new Set(
     (await db.sql<{ job_id: string }[]>`
       SELECT job_id::text FROM summaries WHERE job_id = ANY(${ids}::uuid[])
-      UNION ALL SELECT run_id::text FROM run_results WHERE run_id = ANY(${ids}::uuid[])`)
+      UNION ALL SELECT run_id::text FROM run_results WHERE run_id = ANY(${ids}::uuid[])
+      UNION ALL SELECT job_id::text FROM job_outcomes WHERE outcome = 'expired' AND job_id = ANY(${ids}::uuid[])`)
       .map((r) => r.job_id),
   );
   const records = await Promise.all(list.map((s) => redisAdmin.exists(redisKeys.lane(s.plan.tenant).job(s.jobId))));
@@ -1316,9 +1369,10 @@ try {
         if (s.run) runJobs.add(s.jobId);
       }
       done = await countDone();
+      const expired = await expiredJobs();
       const keys = new Set([...mail.delivered.map((d) => d.idempotencyKey), ...receiver.processed.keys()]);
-      const notified = [...expected].every((id) => keys.has(notificationKey(id)));
-      const poisonNotified = [...poisonRunJobs()].every((id) => keys.has(notificationKey(id, true)));
+      const notified = [...expected].every((id) => keys.has(notificationKey(id, expired.has(id) ? "expired" : "done")));
+      const poisonNotified = [...poisonRunJobs()].every((id) => keys.has(notificationKey(id, "failed")));
       // A poison job's dead letter may come after its failed outcome (a dead-letter write that failed is done
       // again by a later delivery): the drain waits for both.
       if (
@@ -1359,29 +1413,35 @@ const summaryIds = new Set(summaries.map((r) => r.job_id));
 const runResultIds = new Set(runResults.map((r) => r.run_id));
 /** Jobs done: a summary job's summary, or a task run's result. */
 const doneIds = new Set([...summaryIds, ...runResultIds]);
-const lost = [...new Set(accepted.values())].filter((id) => !poison.has(id) && !doneIds.has(id)).length;
+/** Runs decided expired: their model call had not started by their expires_in (priorities.ts checks which). */
+const expiredIds = await expiredJobs();
+/** Jobs ended as a job may: done, or (a run with an expiry) expired. */
+const endedIds = new Set([...doneIds, ...expiredIds]);
+const lost = [...new Set(accepted.values())].filter((id) => !poison.has(id) && !endedIds.has(id)).length;
 // Every job the service took on and never finished, with where it sits: the failure report names each one.
 const idOf = (s: Submission) => accepted.get(s.key) ?? s.jobId;
 const taken = new Set(jobIds);
-const stranded = submissions.filter((s) => taken.has(idOf(s)) && !doneIds.has(idOf(s)));
+const stranded = submissions.filter((s) => taken.has(idOf(s)) && !endedIds.has(idOf(s)));
 const strandedReport = await Promise.all(stranded.map(describeStranded)).catch((error) => [`  (${error})`]);
 const outboxRows = new Map<string, number>();
 for (const r of outbox) outboxRows.set(r.job_id, (outboxRows.get(r.job_id) ?? 0) + 1);
-const doneWithoutOutbox = jobIds.filter((id) => doneIds.has(id) && !outboxRows.has(id)).length;
+const doneWithoutOutbox = jobIds.filter((id) => endedIds.has(id) && !outboxRows.has(id)).length;
 // Poison runs write their failure notification: they were taken on too.
 const outboxUnknown = [...outboxRows.keys()].filter((id) => !taken.has(id) && !poison.has(id)).length;
-const abandonedDone = abandonedRan.filter((s) => doneIds.has(s.jobId)).length;
+const abandonedDone = abandonedRan.filter((s) => endedIds.has(s.jobId)).length;
 const abandonedAbsent = abandoned.size - abandonedRan.length;
 const dupSummaries = summaries.length - summaryIds.size;
 const dupOutbox = outbox.length - new Set(outbox.map((r) => r.job_id)).size;
 const dupOutboxKeys = outbox.length - new Set(outbox.map((r) => r.dedupe_key)).size;
 const unexpected = summaries.filter((r) => !taken.has(r.job_id) || runJobs.has(r.job_id)).length;
-// Every notification the run must have sent, once each, by its dedupe key: one per job taken on, and one per
-// poison run (its failure); a poison document (a summary) sends none.
+// Every notification the run must have sent, once each, by its dedupe key: one per job taken on (a run's as it
+// ended: done or expired), and one per poison run (its failure); a poison document (a summary) sends none.
 const poisonRuns = poisonRunJobs();
+/** How a run ended, as its notification must say. */
+const endOf = (id: string): RunEnd => poisonRuns.has(id) ? "failed" : expiredIds.has(id) ? "expired" : "done";
 const expectedEmailKeys = new Set<string>(), expectedWebhookKeys = new Set<string>();
 for (const id of [...jobIds, ...poisonRuns]) {
-  (webhookJobs.has(id) ? expectedWebhookKeys : expectedEmailKeys).add(notificationKey(id, poisonRuns.has(id)));
+  (webhookJobs.has(id) ? expectedWebhookKeys : expectedEmailKeys).add(notificationKey(id, endOf(id)));
 }
 const expectedKeys = new Set([...expectedEmailKeys, ...expectedWebhookKeys]);
 const outboxUnexpected = outbox.filter((r) => !expectedKeys.has(r.dedupe_key)).length;
@@ -1403,25 +1463,44 @@ const runsTaken = jobIds.filter((id) => runJobs.has(id));
 const runsTakenSet = new Set(runsTaken);
 const runsDone = runRows.filter((r) => r.status === "done").length;
 const runsFailed = runRows.filter((r) => r.status === "failed").length;
-// Each run taken on is done, as the task's version the PUT made; a poison run failed for its output; nothing else.
+const runsExpired = runRows.filter((r) => r.status === "expired").length;
+const submissionOf = new Map(submissions.map((s) => [idOf(s), s]));
+/** Runs that set `expires_in`: the only ones that may end expired. */
+const mayExpire = (id: string) => submissionOf.get(id)?.extras?.expires_in !== undefined;
+// Each run taken on is done (or, with an expiry, expired), as the task's version the PUT made; a poison run
+// failed for its output; nothing else.
 const runsWrong = runsTaken.filter((id) => {
   const row = runOf.get(id);
-  return row?.status !== "done" || row.task !== TASK || !taskVersions.has(row.version);
+  const endedRight = row?.status === "done" || (row?.status === "expired" && mayExpire(id));
+  return !endedRight || row.task !== TASK || !taskVersions.has(row.version);
 }).length + runRows.filter((r) => !taken.has(r.run_id) && !poisonRuns.has(r.run_id)).length;
-// Exactly one result per done run, and none for anything else (summaries, poison runs, jobs never taken on).
+// Exactly one result per done run, and none for anything else (summaries, poison runs, expired runs, jobs never
+// taken on).
 const runResultsWrong = runsTaken.filter((id) => runOf.get(id)?.status === "done" && !runResultIds.has(id)).length +
-  runResults.filter((r) => !runsTakenSet.has(r.run_id)).length + (runResults.length - runResultIds.size);
+  runResults.filter((r) => !runsTakenSet.has(r.run_id) || expiredIds.has(r.run_id)).length +
+  (runResults.length - runResultIds.size);
 // Each output validates against the task's output schema: in its result row, and in its run.completed webhook.
 const runWebhooks = receiver.bodies.filter((b) => b.run_id !== undefined);
 const invalidOutputs = runResults.filter((r) => outputSchema.validate(r.output).length > 0).length +
   runWebhooks.filter((b) =>
-    b.type === "run.completed" ? outputSchema.validate(b.output).length > 0 : b.type !== "run.failed"
+    b.type === "run.completed"
+      ? outputSchema.validate(b.output).length > 0
+      : b.type !== "run.failed" && b.type !== "run.expired"
   ).length;
+/** The type of webhook a run's outcome sends. */
+const WEBHOOK_TYPE: Record<RunEnd, string> = { done: "run.completed", failed: "run.failed", expired: "run.expired" };
+// Each run's webhook says how it ended: run.expired (status expired) exactly for the runs decided expired.
+const webhooksWrongType = runWebhooks.filter((b) => {
+  const id = String(b.run_id);
+  return b.type !== WEBHOOK_TYPE[endOf(id)] || (b.type === "run.expired" && b.status !== "expired");
+}).length;
 const indexOf = new Map(submissions.map((s) => [idOf(s), s.i]));
 const answersTo = (id: string) => structuredAnswers.get(indexOf.get(id)!) ?? { first: 0, repair: 0 };
 const breaksOnceRuns = runsTaken.filter((id) => breaksOnce(indexOf.get(id)!));
-// A run whose first answer was not JSON is done only after a repair call's answer.
-const repaired = breaksOnceRuns.filter((id) => runOf.get(id)?.status === "done" && answersTo(id).repair > 0).length;
+// A run whose first answer was not JSON is done only after a repair call's answer (or expired, a short expiry
+// reached before the call or the repair call started).
+const breaksOnceDone = breaksOnceRuns.filter((id) => runOf.get(id)?.status === "done");
+const repaired = breaksOnceDone.filter((id) => answersTo(id).repair > 0).length;
 // A poison run failed on its output after a first call and a repair call were answered, and said so once.
 const deliveredOnce = (key: string) =>
   deliveredKeys.filter((k) => k === key).length + webhookIds.filter((k) => k === key).length === 1;
@@ -1430,7 +1509,10 @@ const poisonRunsFailed = [...poisonRuns].filter((id) => {
   return row?.status === "failed" && row.error?.includes("output_invalid: ") && answersTo(id).first > 0 &&
     answersTo(id).repair > 0;
 }).length;
-const poisonRunsNotified = [...poisonRuns].filter((id) => deliveredOnce(notificationKey(id, true))).length;
+const poisonRunsNotified = [...poisonRuns].filter((id) => deliveredOnce(notificationKey(id, "failed"))).length;
+// An expired run said so once: its run_expired email or run.expired webhook (and, by the checks above, nothing else).
+const expiredRuns = runsTaken.filter((id) => expiredIds.has(id));
+const expiredNotified = expiredRuns.filter((id) => deliveredOnce(notificationKey(id, "expired"))).length;
 const deadIds = await deadLetterJobIds();
 const dead = deadIds?.length ?? -1;
 const poisonDead = deadIds?.filter((id) => id !== undefined && poison.has(id)).length ?? 0;
@@ -1442,6 +1524,23 @@ const deadTwice = [...deadPerJob.values()].filter((n) => n > 1).length;
 const otherDead = dead - poisonDead;
 const poisonDone = [...poison].filter((id) => doneIds.has(id)).length;
 const poisonDecided = await poisonFailed().catch(() => -1);
+// Priorities and expiries: every run taken on, poison runs included.
+const plannedRuns: PlannedRun[] = submissions.filter((s) => s.run && (taken.has(idOf(s)) || poisonRuns.has(idOf(s))))
+  .map((s) => ({
+    id: idOf(s),
+    index: s.i,
+    extras: s.extras!,
+    poison: poisonRunIndices.has(s.i),
+    slowStart: hangsFirst(Math.floor(s.i / 3), poisonRunIndices.has(s.i)),
+    lastPostEndMs: s.lastPostEndMs,
+  }));
+const priorities = await checkPriorities(
+  { sql: db.sql, servers: [model, ...(deployments?.servers() ?? [])], jobOf: jobOfRequest },
+  plannedRuns,
+).catch((error): { rows: [string, string][]; problems: string[] } => ({
+  rows: [],
+  problems: [`could not check the priorities and expiries: ${error}`],
+}));
 await budgetMode?.finish().catch((error) => console.error(`could not read the budgets at the end: ${error}`));
 await deployments?.finish(db.sql, model).catch((error) => console.error(`could not read the deployments: ${error}`));
 
@@ -1484,12 +1583,23 @@ const rows: [string, string][] = [
   ["duplicate outbox rows", String(dupOutbox)],
   ["summaries for jobs never accepted", String(unexpected)],
   [
-    `runs of ${TASK} (output schema): taken on / done / failed (poison runs)`,
-    `${runsTaken.length + poisonRuns.size} / ${runsDone} / ${runsFailed} (${poisonRuns.size})`,
+    `runs of ${TASK} (output schema): taken on / done / failed (poison runs) / expired`,
+    `${runsTaken.length + poisonRuns.size} / ${runsDone} / ${runsFailed} (${poisonRuns.size}) / ${runsExpired}`,
   ],
+  ...priorities.rows,
   ["runs not done as expected / run results missing, extra or duplicated", `${runsWrong} / ${runResultsWrong}`],
   ["run outputs failing the output schema (results and webhooks)", String(invalidOutputs)],
-  ["runs done after a repair call (first answer not JSON) / expected", `${repaired} / ${breaksOnceRuns.length}`],
+  ["run webhooks whose type is not the run's outcome", String(webhooksWrongType)],
+  [
+    "expired runs notified once (run_expired email or run.expired webhook) / expired",
+    `${expiredNotified} / ${expiredRuns.length}`,
+  ],
+  [
+    "runs done after a repair call (first answer not JSON) / done / expected (expired)",
+    `${repaired} / ${breaksOnceDone.length} / ${breaksOnceRuns.length} (${
+      breaksOnceRuns.filter((id) => expiredIds.has(id)).length
+    })`,
+  ],
   [
     "poison runs failed output_invalid after a repair call / notified once / expected",
     `${poisonRunsFailed} / ${poisonRunsNotified} / ${poisonRuns.size}`,
@@ -1655,8 +1765,11 @@ const ok = !failure && stoppedCleanly && stuck.length === 0 && lost === 0 && dup
   acceptedCount + abandoned.size === JOBS &&
   webhooksRight === expectedWebhookKeys.size && webhookIds.length === expectedWebhookKeys.size &&
   receiver.badSignatures === 0 &&
-  runsWrong === 0 && runResultsWrong === 0 && invalidOutputs === 0 && repaired === breaksOnceRuns.length &&
-  runsDone === runsTaken.length && runsFailed === poisonRuns.size &&
+  runsWrong === 0 && runResultsWrong === 0 && invalidOutputs === 0 && webhooksWrongType === 0 &&
+  expiredNotified === expiredRuns.length &&
+  repaired === breaksOnceDone.length &&
+  breaksOnceDone.length + breaksOnceRuns.filter((id) => expiredIds.has(id)).length === breaksOnceRuns.length &&
+  runsDone + runsExpired === runsTaken.length && runsFailed === poisonRuns.size && priorities.problems.length === 0 &&
   poisonRunsFailed === poisonRuns.size && poisonRunsNotified === poisonRuns.size &&
   dupOutboxKeys === 0 && outboxUnexpected === 0 &&
   stranded.length === 0 &&
@@ -1674,6 +1787,7 @@ if (dropProxy && dropProxy.stats.drops === 0) {
 if (deadTwice > 0) console.error(`${deadTwice} job(s) have more than one dead letter`);
 for (const problem of budgetMode?.problems() ?? []) console.error(`budgets: ${problem}`);
 for (const problem of deployments?.problems() ?? []) console.error(`deployments: ${problem}`);
+for (const problem of priorities.problems) console.error(`priorities and expiries: ${problem}`);
 if (stuck.length > 0) console.error(`did not exit within 15 s of SIGTERM (then SIGKILLed): ${stuck.join(", ")}`);
 if (stranded.length > 0) {
   const tenants = [...new Set(stranded.map((s) => s.plan.tenant))];

@@ -1,0 +1,227 @@
+/**
+ * Priorities and expiries in every chaos run (issue 41). The task runs the chaos run mixes into its jobs carry a
+ * `priority` (high, normal, low, batch, each tenant all four in turn), and two thirds of them an `expires_in`:
+ * short ones (1 to 3 s), which expire when a kill, a hang, a retry's backoff, an outage or a spent budget holds
+ * the run past them, and long ones (10 minutes), which never may. Poison runs set no expiry: they must fail for
+ * their output.
+ *
+ * What it checks, once the run is over, from `job_outcomes`, `model_attempts` and the requests the fake model(s)
+ * received (each names its job: `of job <i>.`):
+ *
+ * - a run ends `expired` only if it set `expires_in`, never before its `expires_at`, and a long one never;
+ * - no model request for a run with an expiry arrived after its `expires_at` (the worker checks the expiry just
+ *   before an attempt goes out, so a request may arrive up to {@linkcode SEND_SLACK_MS} after it, and a
+ *   `model_attempts` row may start up to {@linkcode START_SLACK_MS} after it, no later); an attempt sent before
+ *   the expiry may finish `done`, or fail and leave the run `expired` with that earlier call;
+ * - each expired run's `expires_at` is its acceptance plus its `expires_in`.
+ *
+ * The report gives, per priority, the runs, how they ended and the median time from acceptance to outcome, and the
+ * expired runs with no model call and with calls made before their expiry.
+ */
+import type { Sql } from "postgres";
+import type { ChatBody, FakeModelServer } from "../support/fake_model_server.ts";
+
+/** The priorities the runs take in turn (`batch` runs as `low`). */
+export const PRIORITIES = ["high", "normal", "low", "batch"] as const;
+export type Priority = typeof PRIORITIES[number];
+/** Short expiries, in seconds: a run held by a kill (CLAIM_IDLE_MS 2 s), a hang (1 s) or an outage reaches them. */
+export const SHORT_EXPIRIES_S = [1, 2, 3] as const;
+/** A long expiry, in seconds: no chaos run lasts so long, so a run that sets it never expires. */
+export const LONG_EXPIRY_S = 600;
+/** How long after its run's `expires_at` a model request may arrive: the worker checked before it sent it. */
+export const SEND_SLACK_MS = 250;
+/** How long after its run's `expires_at` an attempt's `started_at` may be: it is read just after the check. */
+export const START_SLACK_MS = 20;
+
+/** What a run adds to its body: its priority, and its expiry if it has one. */
+export interface RunExtras {
+  priority: Priority;
+  expires_in?: number;
+}
+
+/**
+ * Run `n`'s priority and expiry (`n` counts the runs, 0, 1, ...; the four tenants take turns, so each turn of four
+ * runs has one of each tenant). Drawn from `n` alone, not the run's random source, so a seed repeats the runs it
+ * always did. In a turn the four runs have the four priorities, and each tenant's go through the four in turn;
+ * the turns go without an expiry, with a short one (1, 1, 2 and 3 s), with a long one, and again.
+ */
+export function runExtras(n: number, poison: boolean): RunExtras {
+  const turn = Math.floor(n / 4);
+  const priority = PRIORITIES[(n + turn) % PRIORITIES.length]!;
+  if (poison) return { priority };
+  switch (turn % 3) {
+    case 0:
+      return { priority };
+    case 1:
+      return { priority, expires_in: SHORT_EXPIRIES_S[[0, 0, 1, 2][n % 4]!]! };
+    default:
+      return { priority, expires_in: LONG_EXPIRY_S };
+  }
+}
+
+/**
+ * In the ticket of two runs of each turn with a short expiry (one of 1 s, the one of 2 s): the model hangs on the
+ * first request for it, and the worker gives up after LLM_CALL_TIMEOUT_S (1 s). So the 1 s run reaches its expiry
+ * before its retry and ends expired after a call, and the 2 s one is done by its retry. Kills, outages and budgets
+ * add runs expired with no call at all.
+ */
+export const HANGS_FIRST_MARK = "SLOW-START: the first answer never comes.";
+
+/** Whether run `n` (as for {@linkcode runExtras}) carries {@linkcode HANGS_FIRST_MARK}. */
+export function hangsFirst(n: number, poison: boolean): boolean {
+  const { expires_in } = runExtras(n, poison);
+  return expires_in !== undefined && expires_in < LONG_EXPIRY_S && n % 2 === 0;
+}
+
+/** One run the chaos run submitted (accepted, or taken on without an answer). */
+export interface PlannedRun {
+  id: string;
+  /** Its job index: what its model requests name. */
+  index: number;
+  extras: RunExtras;
+  /** A poison run: it must fail. */
+  poison: boolean;
+  /** Its first model request was left hanging on purpose ({@linkcode HANGS_FIRST_MARK}). */
+  slowStart: boolean;
+  /** When its last POST ended (epoch ms): it was accepted before then, so it expires at the latest this plus `expires_in`. */
+  lastPostEndMs: number;
+}
+
+/** What {@linkcode checkPriorities} reads. */
+export interface PrioritiesDeps {
+  sql: Sql;
+  /** Every fake provider the processes called. */
+  servers: FakeModelServer[];
+  /** The job index a model request names, if it names one. */
+  jobOf(body: ChatBody): number | undefined;
+}
+
+/** The report's rows and what failed. */
+export interface PrioritiesReport {
+  rows: [string, string][];
+  problems: string[];
+}
+
+/** The median of `values` (NaN for none). */
+function median(values: number[]): number {
+  if (values.length === 0) return NaN;
+  const sorted = [...values].sort((a, b) => a - b);
+  const mid = Math.floor(sorted.length / 2);
+  return sorted.length % 2 ? sorted[mid]! : (sorted[mid - 1]! + sorted[mid]!) / 2;
+}
+
+const secondsOf = (ms: number) => (Number.isFinite(ms) ? `${(ms / 1000).toFixed(2)} s` : "-");
+
+/** Checks the runs' outcomes against their priorities and expiries: see the module's comment. */
+export async function checkPriorities(deps: PrioritiesDeps, runs: PlannedRun[]): Promise<PrioritiesReport> {
+  const rows: [string, string][] = [];
+  const problems: string[] = [];
+  const ids = runs.map((r) => r.id);
+  const outcomes = new Map(
+    (await deps.sql<
+      { job_id: string; outcome: string; decided: number; accepted: number | null; expires: number | null }[]
+    >`
+      SELECT job_id::text, outcome,
+        (extract(epoch FROM decided_at) * 1000)::float8 AS decided,
+        (extract(epoch FROM accepted_at) * 1000)::float8 AS accepted,
+        (extract(epoch FROM expires_at) * 1000)::float8 AS expires
+      FROM job_outcomes WHERE job_id = ANY(${ids}::uuid[])`).map((o) => [o.job_id, o]),
+  );
+  const attempts = new Map<string, number[]>();
+  for (
+    const a of await deps.sql<{ job_id: string; started: number }[]>`
+      SELECT job_id::text, (extract(epoch FROM started_at) * 1000)::float8 AS started
+      FROM model_attempts WHERE job_id = ANY(${ids}::uuid[])`
+  ) attempts.set(a.job_id, [...(attempts.get(a.job_id) ?? []), a.started]);
+  // Every request any provider received, by the job it names, as epoch ms.
+  const requests = new Map<number, number[]>();
+  for (const server of deps.servers) {
+    server.bodies.forEach((body, n) => {
+      const index = deps.jobOf(body as ChatBody);
+      if (index === undefined) return;
+      requests.set(index, [...(requests.get(index) ?? []), performance.timeOrigin + server.arrivedAt[n]!]);
+    });
+  }
+
+  let lateRequests = 0, lateAttempts = 0, slackRequests = 0, expiredNoCall = 0, expiredAfterCalls = 0;
+  let latestRequestMs = -Infinity, latestAttemptMs = -Infinity;
+  const wrong: string[] = [];
+  for (const run of runs) {
+    const o = outcomes.get(run.id);
+    const expiresIn = run.extras.expires_in;
+    if (!o) continue; // not decided: the chaos run's own checks count it lost
+    if (o.outcome === "expired") {
+      if (expiresIn === undefined) wrong.push(`${run.id} expired without an expires_in`);
+      else if (expiresIn === LONG_EXPIRY_S) wrong.push(`${run.id} expired with expires_in ${LONG_EXPIRY_S}`);
+      if (o.expires === null) wrong.push(`${run.id} expired with no expires_at`);
+      else {
+        if (o.decided < o.expires) wrong.push(`${run.id} was decided expired ${o.expires - o.decided} ms early`);
+        // expires_at is the acceptance (the API's clock) plus expires_in; accepted_at is the stream entry's time.
+        if (
+          o.accepted !== null && expiresIn !== undefined && Math.abs(o.expires - o.accepted - expiresIn * 1000) > 1_000
+        ) {
+          wrong.push(
+            `${run.id}'s expires_at is ${o.expires - o.accepted} ms after its acceptance (expires_in ${expiresIn})`,
+          );
+        }
+      }
+      if ((requests.get(run.index) ?? []).length === 0) expiredNoCall++;
+      else expiredAfterCalls++;
+    }
+    if (expiresIn === undefined) continue;
+    // The expiry: exact for an expired run; else its acceptance plus expires_in, or at the latest its last POST's end.
+    const expiresAt = o.expires ??
+      (o.accepted !== null ? o.accepted + expiresIn * 1000 : run.lastPostEndMs + expiresIn * 1000);
+    for (const at of requests.get(run.index) ?? []) {
+      latestRequestMs = Math.max(latestRequestMs, at - expiresAt);
+      if (at > expiresAt + SEND_SLACK_MS) lateRequests++;
+      else if (at > expiresAt) slackRequests++;
+    }
+    for (const at of attempts.get(run.id) ?? []) {
+      latestAttemptMs = Math.max(latestAttemptMs, at - expiresAt);
+      if (at > expiresAt + START_SLACK_MS) lateAttempts++;
+    }
+  }
+
+  for (const priority of PRIORITIES) {
+    const mine = runs.filter((r) => r.extras.priority === priority);
+    const ended = (outcome: string) => mine.filter((r) => outcomes.get(r.id)?.outcome === outcome);
+    const done = ended("done");
+    // The runs whose first request hung on purpose wait a second for it: they would say nothing of the queue.
+    const latency = done.filter((r) => !r.slowStart).map((r) => outcomes.get(r.id)!).filter((o) => o.accepted !== null)
+      .map((o) => o.decided - o.accepted!);
+    rows.push([
+      `priority ${priority}: runs (short expiry, long) / done / failed (poison) / expired / median acceptance to done (no scripted hang)`,
+      `${mine.length} (${mine.filter((r) => (r.extras.expires_in ?? LONG_EXPIRY_S) < LONG_EXPIRY_S).length}, ${
+        mine.filter((r) => r.extras.expires_in === LONG_EXPIRY_S).length
+      }) / ${done.length} / ${ended("failed").length} / ${ended("expired").length} / ${secondsOf(median(latency))}`,
+    ]);
+  }
+  const short = runs.filter((r) => r.extras.expires_in !== undefined && r.extras.expires_in < LONG_EXPIRY_S);
+  const shortExpired = short.filter((r) => outcomes.get(r.id)?.outcome === "expired").length;
+  rows.push(
+    [
+      `runs with a short expiry (${SHORT_EXPIRIES_S.join(", ")} s): expired / done`,
+      `${shortExpired} / ${short.filter((r) => outcomes.get(r.id)?.outcome === "done").length}`,
+    ],
+    [
+      "expired runs with no model call / with calls sent before their expiry",
+      `${expiredNoCall} / ${expiredAfterCalls}`,
+    ],
+    [
+      `model requests for expiring runs after expires_at: beyond ${SEND_SLACK_MS} ms / within it (latest, relative)`,
+      `${lateRequests} / ${slackRequests} (${
+        Number.isFinite(latestRequestMs) ? `${Math.round(latestRequestMs)} ms` : "-"
+      })`,
+    ],
+    [
+      `attempts (model_attempts) started after expires_at + ${START_SLACK_MS} ms (latest, relative)`,
+      `${lateAttempts} (${Number.isFinite(latestAttemptMs) ? `${Math.round(latestAttemptMs)} ms` : "-"})`,
+    ],
+  );
+  if (lateRequests > 0) problems.push(`${lateRequests} model request(s) for runs arrived after their expires_at`);
+  if (lateAttempts > 0) problems.push(`${lateAttempts} attempt(s) started after their run's expires_at`);
+  problems.push(...wrong.slice(0, 10));
+  if (wrong.length > 10) problems.push(`... and ${wrong.length - 10} more runs decided wrongly for their expiry`);
+  return { rows, problems };
+}
