@@ -1,5 +1,6 @@
 import { z } from "zod";
 import { parsePrices } from "./llm/prices.ts";
+import type { ConfiguredDeployment } from "./llm/deployment_specs.ts";
 
 const int = (min: number, max = Number.MAX_SAFE_INTEGER) =>
   z.string().trim().regex(/^\d+$/, `must be a whole number`).transform(Number)
@@ -397,19 +398,7 @@ function checkPostgresTarget(databaseUrl: string): void {
 
 // ---- LLM_DEPLOYMENTS: the OpenAI-compatible servers model calls go to, each with its own key, models and limits ----
 
-/** One deployment of `LLM_DEPLOYMENTS`, with its key read from the variable `api_key_env` names. */
-export interface ConfiguredDeployment {
-  name: string;
-  base_url: string;
-  api_key_env: string;
-  /** The value of `api_key_env`: a secret, never logged. */
-  api_key: string;
-  models: readonly string[];
-  weight: number;
-  rpm?: number;
-  tpm?: number;
-  batch: boolean;
-}
+export type { ConfiguredDeployment };
 
 /**
  * Where a deployment's key may live: `OPENAI_API_KEY`, or a variable whose name begins with this. The launch task

@@ -20,23 +20,27 @@ export interface DeploymentSpec {
   batch: boolean; // default false
 }
 
+/** One deployment of `LLM_DEPLOYMENTS` as the configuration parsed it, its key read from `api_key_env`. */
+export interface ConfiguredDeployment {
+  name: string;
+  base_url: string;
+  api_key_env: string;
+  /** The value of `api_key_env`: a secret, never logged. */
+  api_key: string;
+  models: readonly string[];
+  weight: number;
+  rpm?: number;
+  tpm?: number;
+  batch: boolean;
+}
+
 /**
  * The fields of the parsed configuration (`Config` of src/config.ts) the deployments come from. Named here rather
  * than imported: config.ts imports this folder, and folders do not import each other in a cycle.
  */
 type DeploymentsConfig = {
   LLM_PROVIDER: "openai" | "extractive";
-  LLM_DEPLOYMENTS?: readonly {
-    name: string;
-    base_url: string;
-    api_key_env: string;
-    api_key: string;
-    models: readonly string[];
-    weight: number;
-    rpm?: number;
-    tpm?: number;
-    batch: boolean;
-  }[];
+  LLM_DEPLOYMENTS?: readonly ConfiguredDeployment[];
   OPENAI_API_KEY?: string;
   OPENAI_BASE_URL?: string;
   OPENAI_MODEL: string;

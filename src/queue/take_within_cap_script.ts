@@ -85,6 +85,15 @@ local function read(k, want)
   end
   return #entries
 end
+-- With that many messages of the lane pending (the argument): lowers the count to what the cap leaves, and says (state 1) when it
+-- leaves none.
+local function capped(pending)
+  if cap <= 0 then return false end
+  count = math.min(count, cap - pending)
+  if count > 0 then return false end
+  out[1] = 1
+  return true
+end
 local drained = true
 if #present > 1 and ARGV[7] then
   -- The group's pending count and whether stream k holds undelivered messages; the group is made when missing.
@@ -111,13 +120,7 @@ if #present > 1 and ARGV[7] then
     pending = pending + p
     if undelivered then work[#work + 1] = k end
   end
-  if cap > 0 then
-    count = math.min(count, cap - pending)
-    if count <= 0 then
-      out[1] = 1
-      return out
-    end
-  end
+  if capped(pending) then return out end
   local state = KEYS[last + 1]
   local saved = redis.call('HGETALL', state)
   local fields = {}
@@ -160,11 +163,7 @@ else
   if cap > 0 then
     local pending = 0
     for _, k in ipairs(present) do pending = pending + onGroup(k, {0}, 'XPENDING', KEYS[k], ARGV[1])[1] end
-    count = math.min(count, cap - pending)
-    if count <= 0 then
-      out[1] = 1
-      return out
-    end
+    if capped(pending) then return out end
   end
   for _, k in ipairs(present) do
     if count <= 0 then
