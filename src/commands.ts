@@ -115,6 +115,11 @@ export const COMMAND_TABLE = {
     clients: { sql: true },
     run: async () => (await import("./processes/admin_commands.ts")).runUsage,
   }),
+  batches: command({
+    net: { postgres: true },
+    clients: { sql: true },
+    run: async () => (await import("./processes/admin_commands.ts")).runBatches,
+  }),
 };
 
 /** A command's name. */

@@ -58,6 +58,7 @@ Deno.test("compiled, api, worker and dev may read the Workers' modules; no other
     provider: [],
     tasks: [],
     usage: [],
+    batches: [],
   });
 });
 

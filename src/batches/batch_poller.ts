@@ -16,6 +16,7 @@
 import type { Sql } from "postgres";
 import type { Logger } from "../log/logger.ts";
 import { chargeNanos } from "../budgets/charge.ts";
+import type { Budgets } from "../budgets/budgets.ts";
 import type { Prices } from "../llm/prices.ts";
 import { insertBatchAttempt } from "../jobs/job_store.ts";
 import { failRun, type GroupCommitter, type JobResult } from "../runs/commit.ts";
@@ -74,14 +75,19 @@ export interface PollerOptions {
    * Puts a run back on the online path (its lane's low stream). Without it, such runs fail. A run sent twice (a
    * stop between the send and its record) is still committed once: its outcome decides.
    */
-  online?: (run: OnlineRun) => Promise<void>;
+  online?: (run: OnlineRun) => Promise<unknown>;
   /** Model prices: each line's `cost_usd`, at the batch prices (`batch_in`, `batch_out`, else the online ones). */
   prices?: Prices;
+  /**
+   * Tenant budgets: each line's usage is charged at the batch prices once its `model_attempts` row is written
+   * (there was no reservation: the line's call was made by the provider, at its own time).
+   */
+  budgets?: Pick<Budgets, "charge">;
   pollMs?: number;
   leaseMs?: number;
   intervalMs?: number;
   /** Called after each line's settling (tests throw here to stop the poller between two lines). */
-  fault?: (step: "line_settled", runId: string) => void | Promise<void>;
+  fault?: (step: "line_settled" | "online_sent", runId: string) => void | Promise<void>;
 }
 
 /** The poller service. */
@@ -195,6 +201,8 @@ export function createBatchPoller(
       payload: row.payload,
       acceptedMs: row.accepted_ms ?? undefined,
     });
+    // A stop here sends it again on the next read: the online hook queues a run once (see `batch_online.ts`).
+    await fault("online_sent", row.run_id);
     await settleBatchRun(sql, row.run_id, "online");
   };
 
@@ -203,7 +211,15 @@ export function createBatchPoller(
     if (line.error && UNFINISHED_CODES.has(line.error.code ?? "") || status === undefined) {
       return await unfinished(row, line.error?.code ?? "no response");
     }
-    await insertBatchAttempt(sql, attemptOf(batch, row, line, options.prices));
+    const attempt = attemptOf(batch, row, line, options.prices);
+    await insertBatchAttempt(sql, attempt);
+    // After the row: a budget hash rebuilt from the record counts the line there, and is not charged again.
+    if (options.budgets && attempt.charged_tokens > 0) {
+      const used = { prompt: attempt.prompt_tokens ?? 0, completion: attempt.completion_tokens ?? 0 };
+      await options.budgets.charge(row.tenant, batch.model, used, { id: `${batch.id}:${row.run_id}`, batch: true })
+        // The record stands (the row is written); the hash catches up when it is next rebuilt from it.
+        .catch((error) => log.warn("batch_budget_charge_failed", { run_id: row.run_id, tenant: row.tenant, error }));
+    }
     if (status === 200) {
       const text = line.response?.body?.choices?.[0]?.message?.content?.trim();
       if (!text) return await fail(row, "EmptyCompletion: The model returned no text");

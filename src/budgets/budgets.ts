@@ -20,7 +20,7 @@ import { type CallEnd, type CallTokens, chargeOf } from "./charge.ts";
 import { costNanos, type ModelPrice, nanosToUsd, type Prices, servedModels, usdToNanos } from "../llm/prices.ts";
 import type { ReplicaAck } from "../redis/replica_ack.ts";
 import type { BudgetView } from "./budget_view.ts";
-import { type BudgetState, type Limits, whole } from "./budget_hash.ts";
+import { type BudgetState, type Limits, RESERVATION_EPOCH_MS, whole } from "./budget_hash.ts";
 import { readBudgetState } from "./read_script.ts";
 import { type InFlight, reinstateReservations } from "./reinstate_script.ts";
 import { type ReserveReply, runReserve } from "./reserve_script.ts";
@@ -247,6 +247,18 @@ export interface Budgets {
    * spent for now ({@linkcode BudgetExhausted}), or never ({@linkcode BudgetTooSmall}).
    */
   check(tenant: string, model: string, worst: CallTokens): Promise<BudgetExhausted | BudgetTooSmall | undefined>;
+  /**
+   * Charges a call made without a reservation (a line of a provider batch, issue 43) at the model's price (its
+   * batch price with `batch`), once per `id` however often it is asked (within an hour). The call's
+   * `model_attempts` row must be written first: a hash lost and rebuilt from that record holds it already, and
+   * nothing more is charged. Nothing without a budget or a price.
+   */
+  charge(tenant: string, model: string, used: CallTokens, options: { id: string; batch?: boolean }): Promise<void>;
+  /**
+   * Intake's question (see {@linkcode check}), at the model's batch prices: the one a batch run asks before it
+   * is recorded into a batch.
+   */
+  checkBatch(tenant: string, model: string, worst: CallTokens): Promise<BudgetExhausted | BudgetTooSmall | undefined>;
   /** The tenant's budgets now (none without a budget). */
   views(tenant: string): Promise<BudgetView[]>;
   /** Whether a blocked tenant's refused worst case fits again (the period ended, the budget was raised, calls settled). */
@@ -346,6 +358,8 @@ export function createBudgets(
     of: p.of,
     reserve: (tenant, model, worst) => reserve(p, tenant, model, worst),
     check: (tenant, model, worst) => check(p, tenant, model, worst),
+    checkBatch: (tenant, model, worst) => check(p, tenant, model, worst, true),
+    charge: (tenant, model, used, options) => chargeUnreserved(p, tenant, model, used, options),
     async views(tenant) {
       const budget = await p.of(tenant);
       return budget ? viewsOf(limitsOf(budget), await readSeeded(p, tenant)) : [];
@@ -405,12 +419,13 @@ function worstOf(
   budget: TenantBudget,
   model: string,
   worst: CallTokens,
+  batch = false,
 ): { price: ModelPrice | undefined; held: { tokens: number; nanos: number } } {
   const price = p.prices.of(model);
   if (!price && (budget.usd_per_day !== undefined || budget.usd_per_month !== undefined)) {
     throw new ModelUnpriced(model, tenant);
   }
-  const nanos = price ? costNanos(price, worst.prompt, worst.completion) : 0;
+  const nanos = price ? costNanos(price, worst.prompt, worst.completion, batch) : 0;
   return { price, held: { tokens: worst.prompt + worst.completion, nanos } };
 }
 
@@ -605,16 +620,58 @@ async function settle(
   }
 }
 
+/**
+ * The incarnation a charge without a reservation names: never a hash's own (those are random ids), so the settle
+ * script takes its id as unknown to this hash, spends the charge, and records the id (`D:<id>`) so that a second
+ * charge of it does nothing.
+ */
+const UNRESERVED_INC = "unreserved";
+
+/** Charges a call made without a reservation (see {@linkcode Budgets.charge}). */
+async function chargeUnreserved(
+  p: ProcessBudgets,
+  tenant: string,
+  model: string,
+  used: CallTokens,
+  { id, batch = false }: { id: string; batch?: boolean },
+): Promise<void> {
+  const budget = await p.of(tenant);
+  if (!budget) return;
+  const price = p.prices.of(model);
+  const limits = limitsOf(budget);
+  const nanos = price ? costNanos(price, used.prompt, used.completion, batch) : 0;
+  const at = { epoch: Math.floor(Date.now() / RESERVATION_EPOCH_MS), inc: UNRESERVED_INC, id: `u:${id}` };
+  const charge = { tokens: used.prompt + used.completion, nanos };
+  const run = (amount: { tokens: number; nanos: number }) =>
+    again(() => runSettle(p.redis, p.keys.budget(tenant), at, { tokens: 0, nanos: 0 }, amount, limits, { ack: p.ack }));
+  const after = await run(charge);
+  if (after.unseeded) {
+    // Lost: rebuilt from the record, which holds this call's row already (the caller wrote it first). The id is
+    // then recorded at a charge of nothing, so that a second charge of it (a line read again) adds nothing either.
+    await seed(p, tenant);
+    await run({ tokens: 0, nanos: 0 });
+    return;
+  }
+  if (!after.applied) return;
+  p.events.state?.(tenant, after.spent, after.reserved);
+  for (const { budget: i, percent } of after.marks) {
+    const usd = BUDGETS[i]!.unit === "usd";
+    const show = (n: number) => usd ? nanosToUsd(n) : n;
+    announce(p, tenant, i, percent, { limit: show(limits[i]!), spent: show(after.spent[i]!) });
+  }
+}
+
 /** Intake's question (see {@linkcode Budgets.check}): reservations in flight aside, does the worst case fit? */
 async function check(
   p: ProcessBudgets,
   tenant: string,
   model: string,
   worst: CallTokens,
+  batch = false,
 ): Promise<BudgetExhausted | BudgetTooSmall | undefined> {
   const budget = await p.of(tenant);
   if (!budget) return undefined;
-  const { held } = worstOf(p, tenant, budget, model, worst);
+  const { held } = worstOf(p, tenant, budget, model, worst, batch);
   const limits = limitsOf(budget);
   const state = await readSeeded(p, tenant);
   const over = overLimit(limits, state.spent, undefined, held);

@@ -1,5 +1,6 @@
 /** The operator commands: one-shot, each with the clients its table entry names. */
 import type { RunContext } from "./run_context.ts";
+import { batchesCommand } from "../cli/batches_command.ts";
 import { dlqCommand } from "../cli/dlq_command.ts";
 import { outboxCommand } from "../cli/outbox_command.ts";
 import { providerCommand } from "../cli/provider_command.ts";
@@ -54,4 +55,9 @@ export function runProvider({ config, clients, args, log }: RunContext<{ redis: 
 export function runUsage({ clients, args }: RunContext<{ sql: true }>): Promise<number> {
   // Costs are read from the record (`cost_usd`, at each model's price when the call was recorded).
   return usageCommand(clients.sql, args);
+}
+
+/** `deno task batches list [--json]`. */
+export function runBatches({ clients, args }: RunContext<{ sql: true }>): Promise<number> {
+  return batchesCommand(clients.sql, args);
 }

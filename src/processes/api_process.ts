@@ -17,6 +17,7 @@ import { budgetEvents } from "../budgets/budget_metrics.ts";
 import { budgetRecords } from "./_budgets.ts";
 import { createPrices, servedModels } from "../llm/prices.ts";
 import { defaultModel } from "../llm/deployment_specs.ts";
+import { batchOfRun } from "../batches/batch_store.ts";
 import { createTaskCache, type TaskCache } from "../tasks/task_cache.ts";
 import { createSchemaValidators, VALIDATION_LIMITS } from "../tasks/validator.ts";
 import { KEY_PREFIX, serviceKeys } from "../runs/keys.ts";
@@ -214,6 +215,8 @@ export async function serveApi(
       events: budgetEvents(registry),
     }),
     defaultModel: defaultModel(config),
+    // One indexed read (`batch_runs`' primary key) per GET of a queued run.
+    batchOf: (runId) => batchOfRun(sql, runId),
   });
   const server = Deno.serve({
     hostname: config.HOST,

@@ -25,11 +25,19 @@ import { budgetEvents } from "../budgets/budget_metrics.ts";
 import { replicaAckOf } from "./_replica_ack.ts";
 import { budgetRecords } from "./_budgets.ts";
 import { taskModels } from "../jobs/task_store.ts";
+import { type BatchTimings, buildBatches } from "./_batches.ts";
+
+/** Options a test may give {@linkcode startWorker}. */
+export interface WorkerProcessOptions {
+  /** Shorter intervals of the batch services (their defaults otherwise). */
+  batchTimings?: BatchTimings;
+}
 
 /** Runs a summary worker until `signal` aborts, then drains it within the grace period. */
 export async function startWorker(
   { config, redis, sql, log, registry }: ComponentDeps,
   signal: AbortSignal,
+  options: WorkerProcessOptions = {},
 ): Promise<void> {
   const metrics = workerMetrics(registry);
   const keys = serviceKeys(KEY_PREFIX);
@@ -46,6 +54,8 @@ export async function startWorker(
   const records = budgetRecords(sql);
   const budgets = createBudgets({ redis, log, ack }, { keys, records, prices, events: budgetEvents(registry) });
   await warnUnpricedModels({ log, records, taskModels: () => taskModels(sql) }, config, prices);
+  // Runs with priority "batch" go through a provider batch when some deployment is marked "batch": true.
+  const batches = buildBatches({ config, sql, redis, log, keys, prices, budgets }, options.batchTimings);
   const worker = createSummaryWorker({
     redis,
     sql,
@@ -55,6 +65,7 @@ export async function startWorker(
     validators,
     budgets,
     prices,
+    batches: batches?.intake,
   }, {
     keys,
     events: workerEvents(metrics, { concurrency: config.WORKER_CONCURRENCY }),
@@ -83,10 +94,17 @@ export async function startWorker(
     deployments: flows.length ? flows.map((f) => f.label) : undefined,
     rpm: config.LLM_RPM ?? (flows.length ? "from headers" : "unlimited"),
     tpm: config.LLM_TPM ?? (flows.length ? "from headers" : "unlimited"),
+    batch_deployments: batches?.deployments,
   });
+  // The submitter and the poller: each finishes the batch step in hand once `signal` aborts.
+  const batchLoops = batches?.run(signal);
   try {
     await worker.run(signal);
   } finally {
+    // A step still running past the grace is left as a crash would leave it: the next process resumes it.
+    if (batchLoops && !(await settlesWithin(batchLoops, BATCH_STOP_MS))) {
+      log.warn("batch_step_unfinished", { waited_ms: BATCH_STOP_MS });
+    }
     await worker.close();
     await backlog?.close();
     // Successes are reported to the shared limiter in the background: the last of them land before the exit,
@@ -104,6 +122,9 @@ export async function startWorker(
     log.info("worker_stopped", { consumer });
   }
 }
+
+/** How long a stopping worker waits, after its runs, for the batch step in hand (an upload, a batch's commit). */
+const BATCH_STOP_MS = 5_000;
 
 /** How long a stopping worker waits for its last reports to the shared limiter. */
 const FLOW_SETTLE_MS = 2_000;

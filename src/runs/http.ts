@@ -91,6 +91,11 @@ export interface RunHttpDeps {
   budgets?: Budgets;
   /** The model a task without one (and every summary) is asked (OPENAI_MODEL), for the budget's price. */
   defaultModel?: string;
+  /**
+   * The provider batch a run is recorded in and waits for (not yet committed), if any: a queued run's
+   * `waiting_for: "batch"` (issue 43). Without it, no run is said to wait for a batch.
+   */
+  batchOf?: (runId: string) => Promise<string | undefined>;
 }
 
 /**

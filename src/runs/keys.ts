@@ -92,6 +92,11 @@ export interface LaneKeys extends LaneNames, QueueNames {
   idempotency(scope: string): string;
   /** Marks that the pre-lane stream's entry `entryId` was moved into this lane (see `legacy_drain.ts`). */
   movedFromLegacy(entryId: string): string;
+  /**
+   * Marks that batch run `runId` was put back on this lane's low stream (the Batch API's online path, see
+   * `batches/batch_online.ts`): written in the same script as its entry, so a second send adds nothing.
+   */
+  batchOnline(runId: string): string;
 }
 
 /**
@@ -195,6 +200,7 @@ function laneUnder(tag: string, streams: readonly string[]): LaneKeys {
     idempotencyRecords: (periodS, index) => `${tag}:idem_records:${periodS}:${index}`,
     idempotency: (scope) => `${tag}:idem:${scope}`,
     movedFromLegacy: (entryId) => `${tag}:moved:${entryId}`,
+    batchOnline: (runId) => `${tag}:batch_online:${runId}`,
   };
 }
 

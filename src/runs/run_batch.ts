@@ -9,6 +9,8 @@ import { acceptedMsOf } from "../queue/message.ts";
 import type { LoadedTask } from "../tasks/task_cache.ts";
 import type { Committed } from "./commit.ts";
 import { preCheck } from "./run_decided.ts";
+import { worstCaseOf } from "./run_call.ts";
+import { GateRefused } from "../retry/errors.ts";
 import type { Delivery, Job, ModelCall } from "./run_deps.ts";
 
 /** How a delivery ends when its run was recorded into a batch (by it or by an earlier delivery). */
@@ -17,8 +19,8 @@ export type Batched = "batched";
 /**
  * Records the delivery's run into a batch when it is a batch run its deployments can take.
  * @returns "batched" when recorded (now or before); how it ended when it was decided before (the pre-check);
- * undefined when it runs online (not a batch run, no batch deployment of its model, or a kind the batch path does
- * not take yet: an output schema, whose repair call is online, or an expiry).
+ * undefined when it runs online (not a batch run, no batch deployment of its model, a tenant whose budget is spent,
+ * or a kind the batch path does not take yet: an output schema, whose repair call is online, or an expiry).
  */
 export async function intoBatch(
   job: Job,
@@ -33,6 +35,15 @@ export async function intoBatch(
   // A run cancelled (or already done) before it was recorded is not recorded: its line would be paid for nothing.
   const skip = await preCheck(job, delivery, () => Promise.resolve());
   if (skip) return skip;
+  // A batch line has no reservation (the provider makes the call when it will): it is charged when its output is
+  // committed. A tenant whose budget its worst case at batch prices no longer fits is not collected: the run goes
+  // online as `low`, where the reservation before its call holds it back like any run of that tenant.
+  const refused = await job.budgets?.checkBatch(delivery.tenant, target.model, worstCaseOf(call))
+    .catch((error) => error instanceof GateRefused ? error : Promise.reject(error));
+  if (refused) {
+    delivery.log.info("run_not_batched_budget", { model: target.model, error: refused.message });
+    return undefined;
+  }
   const recorded = await job.batches.record({
     runId: delivery.job_id,
     tenant: delivery.tenant,

@@ -252,7 +252,7 @@ async function settleBudget(held: HeldReservation, end: CallEnd, log: Logger): P
 }
 
 /** A call's worst case for the budgets: every message it sends and every output token it may write. */
-function worstCaseOf({ prompt, options }: ModelCall) {
+export function worstCaseOf({ prompt, options }: ModelCall): CallTokens {
   const messages = [prompt, ...(options.system === undefined ? [] : [options.system])];
   for (const turn of options.followUp ?? []) messages.push(turn.content);
   // A structured-output call sends its schema too (response_format), which the provider counts as prompt tokens.

@@ -60,11 +60,14 @@ function runDocument({ document, tokens, run }: Pick<JobFound, "document" | "tok
 }
 
 /**
- * A queued run's `waiting_for`: `budget` while a worker finds its tenant's budget spent (the mark a blocked
- * tenant's budget carries, renewed every second by the worker that holds its runs back).
+ * A queued run's `waiting_for`: `batch` while it is recorded in a provider batch not yet committed (issue 43);
+ * `budget` while a worker finds its tenant's budget spent (the mark a blocked tenant's budget carries, renewed
+ * every second by the worker that holds its runs back).
  */
 async function withWaiting(deps: RunApiDeps, tenant: string, document: RunDocument): Promise<RunDocument> {
-  if (document.status !== "queued" || !deps.budgets || !(await deps.budgets.of(tenant))) return document;
+  if (document.status !== "queued") return document;
+  if (deps.batchOf && await deps.batchOf(document.run_id)) return { ...document, waiting_for: "batch" };
+  if (!deps.budgets || !(await deps.budgets.of(tenant))) return document;
   const until = await deps.budgets.waitingUntil(tenant);
   return until > Date.now() ? { ...document, waiting_for: "budget" } : document;
 }

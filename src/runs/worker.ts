@@ -54,7 +54,7 @@ export interface SummaryWorkerOptions {
 export function createSummaryWorker(
   deps:
     & { redis: RedisClient; sql: Sql; models: Models; log: Logger }
-    & Pick<SummaryJobDeps, "tasks" | "validators" | "budgets" | "prices">,
+    & Pick<SummaryJobDeps, "tasks" | "validators" | "budgets" | "prices" | "batches">,
   options: SummaryWorkerOptions,
 ): StreamWorker {
   const committer = createGroupCommitter({ sql: deps.sql, log: deps.log });

@@ -1,0 +1,59 @@
+/**
+ * The Batch API's online path: a run its batch did not finish (an expired or cancelled batch under
+ * `BATCH_ON_EXPIRY=online`, a transient error line) goes back on its lane's low stream, as a `low` run, so the
+ * worker runs it online and never records it into a batch again.
+ *
+ * The send happens before the poller records the run settled in Postgres (`batch_runs.settled = 'online'`), so a
+ * process killed between the two sends it again; so does a client that resends a script whose reply was lost.
+ * Either way the run is queued once: the script writes a marker keyed by the run id in the same step as the
+ * entry, and a second run of it finds the marker and adds nothing.
+ */
+import type { RedisClient } from "../clients.ts";
+import { announceLane, laneKnownArgs } from "../queue/lanes.ts";
+import type { ServiceKeys } from "../runs/keys.ts";
+import type { OnlineRun } from "./batch_poller.ts";
+import { ONLINE_SCRIPT } from "./batch_online_script.ts";
+
+/** How long the marker outlives the send: longer than a batch's 24 h window and its settling. */
+export const ONLINE_MARKER_TTL_S = 7 * 24 * 3600;
+
+/** A batch run's payload as a `low` run: the same run, which no batch takes again. */
+export function onlinePayload(payload: string): string {
+  return JSON.stringify({ ...JSON.parse(payload), priority: "low" });
+}
+
+/**
+ * The online hook of the batch poller (`PollerOptions.online`): puts a run on its lane's low stream, once per run
+ * id however often it is called. @returns whether this call added the entry.
+ */
+export function createBatchOnline(
+  { redis, keys }: { redis: RedisClient; keys: ServiceKeys },
+): (run: OnlineRun) => Promise<boolean> {
+  return async ({ runId, tenant, payload, acceptedMs }) => {
+    const lane = keys.lane(tenant);
+    const known = laneKnownArgs(redis, keys.registry, tenant, lane.stream);
+    const fields = [
+      "job_id",
+      runId,
+      "tenant",
+      tenant,
+      "payload",
+      onlinePayload(payload),
+      // Its age counts from its first acceptance, not from its return to the lane.
+      ...(acceptedMs === undefined ? [] : ["accepted_ms", String(acceptedMs)]),
+    ];
+    const added = await ONLINE_SCRIPT.run(
+      redis,
+      [lane.streamOf("low"), lane.job(runId), lane.batchOnline(runId), ...known.keys],
+      [JSON.stringify({
+        fields,
+        record: ["tenant", tenant, "status", "queued", "priority", "low"],
+        marker_ttl_s: ONLINE_MARKER_TTL_S,
+        lane: known.lane,
+        wake: known.wake,
+      })],
+    );
+    if (!known.announced) await announceLane(redis, keys.registry, tenant);
+    return added === 1;
+  };
+}

@@ -1,0 +1,84 @@
+/**
+ * The Batch API as a worker process runs it (issue 43): the intake that records batch runs, and the submitter and
+ * poller loops, when some deployment of LLM_DEPLOYMENTS is marked `"batch": true`; nothing otherwise.
+ */
+import type { Sql } from "postgres";
+import type { RedisClient } from "../clients.ts";
+import type { Config } from "../config.ts";
+import type { Logger } from "../log/logger.ts";
+import type { Budgets } from "../budgets/budgets.ts";
+import type { Prices } from "../llm/prices.ts";
+import { defaultModel, deploymentSpecs } from "../llm/deployment_specs.ts";
+import type { ServiceKeys } from "../runs/keys.ts";
+import { createGroupCommitter } from "../runs/commit.ts";
+import type { BatchIntake } from "../runs/run_deps.ts";
+import { type BatchClient, createBatchClient } from "../batches/batch_client.ts";
+import { createBatchIntake } from "../batches/batch_intake.ts";
+import { createBatchOnline } from "../batches/batch_online.ts";
+import { createBatchPoller, type PollerOptions } from "../batches/batch_poller.ts";
+import { createBatchSubmitter, type SubmitterOptions } from "../batches/batch_submitter.ts";
+
+/** The batch services of one worker process. */
+export interface WorkerBatches {
+  /** What the worker's run job records batch runs with. */
+  intake: BatchIntake;
+  /** The batch deployments, by name. */
+  deployments: string[];
+  /** Runs the submitter and the poller until `signal` aborts; each finishes its current batch first. */
+  run(signal: AbortSignal): Promise<void>;
+}
+
+/** Timings a test may shorten (the defaults are the services' own). */
+export type BatchTimings =
+  & Pick<SubmitterOptions, "intervalMs" | "leaseMs">
+  & Pick<PollerOptions, "pollMs" | "intervalMs">;
+
+/** The batch services over the configured batch deployments; undefined when none is marked `"batch": true`. */
+export function buildBatches(
+  { config, sql, redis, log, keys, prices, budgets }: {
+    config: Config;
+    sql: Sql;
+    redis: RedisClient;
+    log: Logger;
+    keys: ServiceKeys;
+    prices: Prices;
+    budgets?: Budgets;
+  },
+  timings: BatchTimings = {},
+): WorkerBatches | undefined {
+  if (!config.LLM_DEPLOYMENTS) return undefined;
+  const specs = deploymentSpecs(config);
+  const intake = createBatchIntake({ sql }, {
+    specs,
+    defaultModel: defaultModel(config),
+    maxRuns: config.BATCH_MAX_RUNS,
+  });
+  if (!intake) return undefined;
+  const clients = new Map<string, BatchClient>(
+    specs.filter((spec) => spec.batch && spec.name !== undefined).map((spec) => [
+      spec.name!,
+      createBatchClient({ apiKey: spec.apiKey, baseURL: spec.baseURL }),
+    ]),
+  );
+  const submitter = createBatchSubmitter({ sql, clients, log }, {
+    maxWaitMs: config.BATCH_MAX_WAIT_S * 1000,
+    intervalMs: timings.intervalMs,
+    leaseMs: timings.leaseMs,
+  });
+  // Its own committer: batch lines commit beside the worker's runs, through the same commit and outbox.
+  const poller = createBatchPoller({ sql, clients, log, committer: createGroupCommitter({ sql, log }) }, {
+    onExpiry: config.BATCH_ON_EXPIRY,
+    online: createBatchOnline({ redis, keys }),
+    prices,
+    budgets,
+    pollMs: timings.pollMs,
+    intervalMs: timings.intervalMs,
+  });
+  return {
+    intake,
+    deployments: [...clients.keys()],
+    async run(signal) {
+      await Promise.all([submitter.run(signal), poller.run(signal)]);
+    },
+  };
+}

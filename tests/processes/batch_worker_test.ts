@@ -1,0 +1,130 @@
+/**
+ * Batch runs through the worker process's own code path (`startWorker`, issue 43): LLM_DEPLOYMENTS with a
+ * deployment marked `"batch": true`, parsed as a process parses its environment; runs with priority `batch`
+ * queued as intake queues them; the fake provider's Files and Batches endpoints through the real `openai` SDK;
+ * real Postgres and a Redis of the test's own (the process's keys are under the service's fixed prefix).
+ */
+import assert from "node:assert/strict";
+import type { Sql } from "postgres";
+import { parseConfig } from "../../src/config.ts";
+import { silentLogger } from "../../src/log/logger.ts";
+import { createRegistry } from "../../src/metrics/metrics.ts";
+import { startWorker } from "../../src/processes/worker_process.ts";
+import { KEY_PREFIX, serviceKeys } from "../../src/runs/keys.ts";
+import type { BatchScript } from "../support/fake_batch_api.ts";
+import { type FakeModelServer, startFakeModel } from "../support/fake_model_server.ts";
+import { deployment, deploymentsEnv } from "../support/deployments_env.ts";
+import { enqueueRunToLane } from "../support/enqueue.ts";
+import { type PrivateRedis, startPrivateRedis } from "../support/private_redis.ts";
+import { createTestDatabase, type TestDatabase, waitFor } from "../_support.ts";
+
+const MODEL = "gpt-test";
+
+/** A worker process with a batch deployment `east` serving {@linkcode MODEL}, each batch going as `script` says. */
+async function batchProcess(
+  { script = () => ({}), env = {} }: { script?: (n: number) => BatchScript; env?: Record<string, string> } = {},
+) {
+  const db: TestDatabase = await createTestDatabase();
+  const redis: PrivateRedis = await startPrivateRedis();
+  const server: FakeModelServer = startFakeModel(undefined, { batches: script });
+  const config = parseConfig(deploymentsEnv([
+    deployment("east", { base_url: server.url, models: [MODEL], batch: true }),
+  ], { OPENAI_MODEL: MODEL, BATCH_MAX_RUNS: "20", BATCH_MAX_WAIT_S: "60", ...env }));
+  const stop = new AbortController();
+  const running = startWorker(
+    { config, redis: redis.redis, sql: db.sql, log: silentLogger, registry: createRegistry() },
+    stop.signal,
+    { batchTimings: { intervalMs: 50, pollMs: 100 } },
+  );
+  const keys = serviceKeys(KEY_PREFIX);
+  return {
+    db,
+    sql: db.sql,
+    redis,
+    server,
+    keys,
+    /** Queues `n` batch runs of tenant acme, as intake does (on the lane's low stream). @returns their ids. */
+    async enqueue(n: number): Promise<string[]> {
+      const ids: string[] = [];
+      for (let i = 0; i < n; i++) {
+        const jobId = crypto.randomUUID();
+        ids.push(jobId);
+        await enqueueRunToLane(redis.redis, keys, {
+          jobId,
+          tenant: "acme",
+          run: {
+            task: "summarize",
+            version: 1,
+            input: { text: `Document ${i}. Revenue rose. Costs fell. The outlook is fine.` },
+            notify: `ops+${i}@example.com`,
+            priority: "batch",
+          },
+        }, { priority: "low" });
+      }
+      return ids;
+    },
+    async close() {
+      stop.abort();
+      await running;
+      await server.close();
+      await redis.stop();
+      await db.close();
+    },
+  };
+}
+
+/** Each run's outcomes, notifications and batch usage rows, counted. */
+async function effects(sql: Sql, ids: string[]) {
+  const [row] = await sql<{ done: number; outcomes: number; outbox: number; runs_notified: number; usage: number }[]>`
+    SELECT
+      (SELECT count(*) FROM job_outcomes WHERE job_id = ANY(${ids}::uuid[]) AND outcome = 'done')::int AS done,
+      (SELECT count(*) FROM job_outcomes WHERE job_id = ANY(${ids}::uuid[]))::int AS outcomes,
+      (SELECT count(*) FROM outbox WHERE payload->>'job_id' = ANY(${ids}::text[]))::int AS outbox,
+      (SELECT count(DISTINCT payload->>'job_id') FROM outbox WHERE payload->>'job_id' = ANY(${ids}::text[]))::int
+        AS runs_notified,
+      (SELECT count(*) FROM model_attempts WHERE job_id = ANY(${ids}::uuid[]) AND batch_id IS NOT NULL)::int AS usage`;
+  return row!;
+}
+
+Deno.test("the worker process sends 20 batch runs through one provider batch: each done once, one notification each", async () => {
+  const p = await batchProcess();
+  try {
+    const ids = await p.enqueue(20);
+    await waitFor("20 runs done", async () => (await effects(p.sql, ids)).outcomes === 20, 20_000);
+    // The poller marks the batch committed after its last line.
+    await waitFor("the batch committed", async () => {
+      const [b] = await p.sql<{ state: string }[]>`SELECT state FROM batches`;
+      return b?.state === "committed";
+    }, 5_000);
+    const e = await effects(p.sql, ids);
+    assert.deepEqual(e, { done: 20, outcomes: 20, outbox: 20, runs_notified: 20, usage: 20 });
+    const batches = await p.sql<{ runs: number; state: string }[]>`SELECT runs, state FROM batches`;
+    assert.deepEqual(batches.map((b) => [b.runs, b.state]), [[20, "committed"]]);
+    assert.equal(p.server.batches.counts.creates, 1, "one provider batch");
+    assert.equal(p.server.batches.linesSent, 20, "each line sent once");
+    assert.equal(p.server.requests, 0, "no online call");
+  } finally {
+    await p.close();
+  }
+});
+
+Deno.test("the worker process runs a batch's transient error lines online, once each, and commits the rest", async () => {
+  const p = await batchProcess({
+    script: () => ({ line: (_id, _body, i) => i % 5 === 0 ? { kind: "error", status: 500 } : { kind: "ok" } }),
+  });
+  try {
+    const ids = await p.enqueue(20);
+    await waitFor("20 runs done", async () => (await effects(p.sql, ids)).done === 20, 20_000);
+    const e = await effects(p.sql, ids);
+    assert.equal(e.outcomes, 20);
+    assert.equal(e.outbox, 20, "one notification each");
+    assert.equal(e.runs_notified, 20);
+    const settled = await p.sql<{ settled: string; n: number }[]>`
+      SELECT settled, count(*)::int AS n FROM batch_runs GROUP BY settled ORDER BY settled`;
+    assert.deepEqual(settled.map((s) => [s.settled, s.n]), [["committed", 16], ["online", 4]]);
+    assert.equal(p.server.requests, 4, "the four transient lines, online once each");
+    assert.equal(p.server.batches.counts.creates, 1, "not batched again");
+  } finally {
+    await p.close();
+  }
+});
