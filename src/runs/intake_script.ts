@@ -39,13 +39,13 @@ import { defineScript } from "../redis/script.ts";
 //             message then has no such field), '1' when a new job is refused (the tenant's budget is spent; a
 //             replay is still answered), the payload (the stream entry's), the scope's digest, the job's
 //             fingerprint.
-// A lane the set KEYS[1] holds already is neither added to the others nor published. On one server KEYS[1] is
-// the lanes with work, a subset of every lane (nothing takes a lane out of that one), and a lane in it is
-// served: a worker knows it, or finds it by its walk of the set, or is taking it out after finding it drained,
-// and then looks at its streams again *after* taking it out (`LaneSource.idle`) and finds this job. Once taken
-// out, the next enqueue adds and publishes it again, so a worker's crash between its removal and its look
-// leaves the lane unknown only until the next enqueue or the sweep. With 20,000 tenants, one submission of a
-// batch in each lane, this spared two commands of three per submission (README, issue 39, "Lanes at scale").
+// A lane the set KEYS[1] holds already is not added to the others: on one server KEYS[1] is the lanes with work,
+// a subset of every lane (nothing takes a lane out of that one). It is published all the same: a lane left in the
+// set by a worker that stopped is known to no worker, and an idle one waits for a wake-up (without one, a lane
+// posted to after a restart waited for the worker's next read, about half a second in the isolation sequence).
+// A worker taking a drained lane out looks at its streams again *after* taking it out (`LaneSource.idle`) and
+// finds this job; once out, the next enqueue adds it again. With 20,000 tenants, one submission of a batch in each
+// lane, this spares one command of three per submission (README, issue 39, "Lanes at scale").
 // Returns, per submission: 4 when the scope's record names this job (a replay; also when the scope had no record
 // but the job is still known: it is not enqueued twice, its status is left alone, and the record is stored
 // again), 5 when it names another (the key was used with another body), the stored answer of a record of a
@@ -126,8 +126,10 @@ local function submit(k, a)
     added[h.lane] = true
     if redis.call('SADD', KEYS[1], h.lane) == 1 then
       for i = 2, n do redis.call('SADD', KEYS[i], h.lane) end
-      if ARGV[6] ~= '' then redis.call('PUBLISH', ARGV[6], h.lane) end
     end
+    -- Published whether or not the lane was among those with work: an idle worker waits for a wake-up, and a lane
+    -- left in that set by a worker that stopped is served by nobody until one comes (or the worker's next walk).
+    if ARGV[6] ~= '' then redis.call('PUBLISH', ARGV[6], h.lane) end
   end
   store(r, field, fp)
   return 0
