@@ -71,6 +71,8 @@ export async function benchOpenAiDoor(
   } finally {
     stop.abort();
     await running;
+    // Its lane source's subscriber and its validators keep the bench's process alive until closed.
+    await worker.close();
     await server.shutdown();
     await waiter.close();
     await model.close();
