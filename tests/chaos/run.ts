@@ -824,6 +824,8 @@ interface Submission {
   plan: JobPlan;
   /** A run's priority and expiry (priorities.ts). */
   extras?: RunExtras;
+  /** When its first POST started (epoch ms). */
+  firstPostStartMs: number;
   /** When its last POST so far ended (epoch ms): the job, if taken on, was accepted before. */
   lastPostEndMs: number;
 }
@@ -879,6 +881,7 @@ async function submit(i: number) {
     run,
     plan,
     extras,
+    firstPostStartMs: Date.now(),
     lastPostEndMs: Date.now(),
   };
   submissions.push(submission);
@@ -1532,6 +1535,7 @@ const plannedRuns: PlannedRun[] = submissions.filter((s) => s.run && (taken.has(
     extras: s.extras!,
     poison: poisonRunIndices.has(s.i),
     slowStart: hangsFirst(Math.floor(s.i / 3), poisonRunIndices.has(s.i)),
+    firstPostStartMs: s.firstPostStartMs,
     lastPostEndMs: s.lastPostEndMs,
   }));
 const priorities = await checkPriorities(
