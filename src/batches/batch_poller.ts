@@ -59,8 +59,14 @@ export interface OnlineRun {
 
 /** Defaults of {@linkcode createBatchPoller}. */
 export const POLLER_DEFAULTS = {
-  /** How often a batch in flight is polled (its lease between polls). */
+  /**
+   * How often a batch in flight is polled (its lease between polls): a quarter of its age since its creation,
+   * from `firstPollMs` to `pollMs`. So a batch is first polled a second after its creation, and one the provider
+   * takes hours over is polled every 30 s (OpenAI's batches take minutes to hours; polls are not billed but are
+   * rate limited).
+   */
   pollMs: 30_000,
+  firstPollMs: 1_000,
   /** How long a process holds an ended batch while it settles its lines. */
   leaseMs: 10 * 60_000,
   intervalMs: 1_000,
@@ -83,7 +89,10 @@ export interface PollerOptions {
    * (there was no reservation: the line's call was made by the provider, at its own time).
    */
   budgets?: Pick<Budgets, "charge">;
+  /** The longest time between two polls of a batch. */
   pollMs?: number;
+  /** The shortest time between two polls of a batch (at most `pollMs`). */
+  firstPollMs?: number;
   leaseMs?: number;
   intervalMs?: number;
   /** Called after each line's settling (tests throw here to stop the poller between two lines). */
@@ -173,6 +182,7 @@ export function createBatchPoller(
   options: PollerOptions,
 ): BatchPoller {
   const pollMs = options.pollMs ?? POLLER_DEFAULTS.pollMs;
+  const firstPollMs = Math.min(options.firstPollMs ?? POLLER_DEFAULTS.firstPollMs, pollMs);
   const fault = options.fault ?? (() => {});
 
   const poll = async (batch: BatchRow, client: BatchClient) => {
@@ -262,7 +272,7 @@ export function createBatchPoller(
   const runOnce = async () => {
     for (let n = 0; n < POLLER_DEFAULTS.perPass; n++) {
       // Leased for the poll interval and not given back while it runs: the lease is the time to its next poll.
-      const batch = await leaseBatch(sql, ["submitted"], { leaseMs: pollMs });
+      const batch = await leaseBatch(sql, ["submitted"], { leaseMs: pollMs, shortestMs: firstPollMs });
       if (!batch) break;
       const client = clients.get(batch.deployment);
       if (!client) continue;

@@ -121,15 +121,20 @@ export async function closeDueBatches(sql: Queryable, { maxWaitMs }: { maxWaitMs
 
 /**
  * Takes the oldest unfinished batch in one of `states` that nobody holds (or whose holder's lease ran out), for
- * `leaseMs`. @returns it, or undefined when there is none.
+ * `leaseMs`, or, given `shortestMs`, for a quarter of its age since its creation bounded by the two (the poller's
+ * back-off: a young batch is looked at again soon, an old one every `leaseMs`).
+ * @returns it, or undefined when there is none.
  */
 export async function leaseBatch(
   sql: Queryable,
   states: readonly BatchState[],
-  { leaseMs }: { leaseMs: number },
+  { leaseMs, shortestMs = leaseMs }: { leaseMs: number; shortestMs?: number },
 ): Promise<BatchRow | undefined> {
+  // A quarter of the batch's age since its creation (its opening before that), between the two bounds.
   const [row] = await sql<BatchRow[]>`
-    UPDATE batches SET lease_until = now() + make_interval(secs => ${leaseMs / 1000})
+    UPDATE batches SET lease_until = now() + LEAST(
+      GREATEST((now() - coalesce(creating_at, opened_at)) / 4, make_interval(secs => ${shortestMs / 1000})),
+      make_interval(secs => ${leaseMs / 1000}))
     WHERE id = (
       SELECT id FROM batches
       WHERE state = ANY(${states as string[]}::text[]) AND (lease_until IS NULL OR lease_until <= now())

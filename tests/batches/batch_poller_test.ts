@@ -1,6 +1,12 @@
 import assert from "node:assert/strict";
-import { createBatchPoller, type OnlineRun, type PollerOptions } from "../../src/batches/batch_poller.ts";
+import {
+  createBatchPoller,
+  type OnlineRun,
+  POLLER_DEFAULTS,
+  type PollerOptions,
+} from "../../src/batches/batch_poller.ts";
 import { createBatchSubmitter } from "../../src/batches/batch_submitter.ts";
+import { leaseBatch } from "../../src/batches/batch_store.ts";
 import { costNanos, createPrices } from "../../src/llm/prices.ts";
 import { createGroupCommitter } from "../../src/runs/commit.ts";
 import type { BatchScript } from "../support/fake_batch_api.ts";
@@ -174,6 +180,35 @@ Deno.test("a batch still in progress is polled, not settled, until it ends", asy
     assert.equal(await poller({ pollMs: 0 }).runOnce(), 1);
     const e = await effects(world);
     assert.deepEqual(runIds.map((id) => e.outcome.get(id)), ["done", "done"]);
+  } finally {
+    await world.close();
+  }
+});
+
+Deno.test("the poll backs off: a quarter of the batch's age since its creation, from 1 s to 30 s", async () => {
+  const world = await batchWorld({ maxRuns: 1 });
+  try {
+    await world.recordRuns(1);
+    await createBatchSubmitter(world, { maxWaitMs: 3_600_000 }).runOnce();
+    const leaseAfter = async (ageS: number) => {
+      await world.sql`
+        UPDATE batches SET creating_at = now() - make_interval(secs => ${ageS}), lease_until = NULL`;
+      // The lease the poll pass takes (POLLER_DEFAULTS' bounds); no retrieve, so the batch stays in flight.
+      const leased = await leaseBatch(world.sql, ["submitted"], {
+        leaseMs: POLLER_DEFAULTS.pollMs,
+        shortestMs: POLLER_DEFAULTS.firstPollMs,
+      });
+      assert.ok(leased, "the submitted batch is leased");
+      const [row] = await world.sql<{ s: number }[]>`
+        SELECT extract(epoch FROM lease_until - now())::float8 AS s FROM batches`;
+      return row!.s;
+    };
+    const young = await leaseAfter(0);
+    assert.ok(young > 0.9 && young <= 1.01, `a new batch is polled again in 1 s (${young})`);
+    const minute = await leaseAfter(40);
+    assert.ok(minute > 9.9 && minute <= 10.01, `a batch 40 s old in 10 s (${minute})`);
+    const old = await leaseAfter(3600);
+    assert.ok(old > 29.9 && old <= 30.01, `an hour-old batch in 30 s (${old})`);
   } finally {
     await world.close();
   }
