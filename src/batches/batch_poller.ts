@@ -31,6 +31,7 @@ import {
   notePolled,
   releaseBatch,
   settleBatchRun,
+  whileLeased,
 } from "./batch_store.ts";
 import { passEvery } from "./_pass_loop.ts";
 
@@ -67,8 +68,11 @@ export const POLLER_DEFAULTS = {
    */
   pollMs: 30_000,
   firstPollMs: 1_000,
-  /** How long a process holds an ended batch while it settles its lines. */
-  leaseMs: 10 * 60_000,
+  /**
+   * How long a process holds an ended batch while it settles its lines, renewed every third of it while it does:
+   * how long a batch whose process was killed mid-commit waits before the next one resumes it.
+   */
+  leaseMs: 30_000,
   intervalMs: 1_000,
   perPass: 20,
 } as const;
@@ -194,7 +198,7 @@ export function createBatchPoller(
       error_file_id: provider.error_file_id ?? null,
     });
     log.info("batch_ended", { batch_id: batch.id, provider_status: provider.status });
-    await releaseBatch(sql, batch.id);
+    await releaseBatch(sql, batch);
   };
 
   const fail = async (row: BatchRunRow, reason: string) => {
@@ -285,8 +289,13 @@ export function createBatchPoller(
       const client = clients.get(batch.deployment);
       if (!client) break;
       try {
-        await settle(batch, client);
-        await releaseBatch(sql, batch.id);
+        await whileLeased(
+          sql,
+          batch,
+          options.leaseMs ?? POLLER_DEFAULTS.leaseMs,
+          () => settle(batch, client),
+          () => log.warn("batch_lease_lost", { batch_id: batch.id, state: batch.state }),
+        );
       } catch (error) {
         log.warn("batch_commit_failed", { batch_id: batch.id, error });
         throw error;

@@ -35,6 +35,11 @@ export interface BatchRow {
   error_file_id: string | null;
   ended_at: Date | null;
   committed_at: Date | null;
+  /**
+   * The lease a process took it with (`lease_until`, as Postgres's text, to the microsecond): its token. Compared
+   * as `::text::timestamptz`: a parameter typed timestamptz goes through postgres.js's Date, to the millisecond.
+   */
+  lease?: string;
 }
 
 /** A run to record into its deployment's and model's open batch. */
@@ -141,13 +146,69 @@ export async function leaseBatch(
       ORDER BY opened_at LIMIT 1 FOR UPDATE SKIP LOCKED
     )
     RETURNING id::text, deployment, model, state, runs, opened_at, closed_at, creating_at, input_file_id,
-      provider_batch_id, provider_status, output_file_id, error_file_id, ended_at, committed_at`;
+      provider_batch_id, provider_status, output_file_id, error_file_id, ended_at, committed_at,
+      lease_until::text AS lease`;
   return row;
 }
 
-/** Gives a batch's lease back (its holder is done with it for now). */
-export async function releaseBatch(sql: Queryable, id: string): Promise<void> {
-  await sql`UPDATE batches SET lease_until = NULL WHERE id = ${id}::uuid`;
+/**
+ * Extends the lease `batch` was taken with by `leaseMs` from now, if it is still that lease (no other process
+ * took the batch after it ran out). @returns the batch with its new lease, or undefined when it was lost.
+ */
+export async function renewLease(sql: Queryable, batch: BatchRow, leaseMs: number): Promise<BatchRow | undefined> {
+  const [row] = await sql<{ lease: string }[]>`
+    UPDATE batches SET lease_until = now() + make_interval(secs => ${leaseMs / 1000})
+    WHERE id = ${batch.id}::uuid AND lease_until = ${batch.lease ?? null}::text::timestamptz
+    RETURNING lease_until::text AS lease`;
+  return row ? { ...batch, lease: row.lease } : undefined;
+}
+
+/**
+ * Runs `work` on `batch` while holding the lease it was taken with: renewed every third of `leaseMs` until `work`
+ * ends, then given back. A process killed mid-step holds the batch for at most `leaseMs` more, so the next one
+ * resumes it soon; a step that takes longer (a large upload) keeps it. When `work` fails the lease is kept to its
+ * end (the next try waits that long). `onLost` is told when a renewal finds the lease taken (this process stalled
+ * past it): the step's own compare-and-set writes then decide.
+ */
+export async function whileLeased<T>(
+  sql: Queryable,
+  batch: BatchRow,
+  leaseMs: number,
+  work: () => Promise<T>,
+  onLost: () => void = () => {},
+): Promise<T> {
+  let held: BatchRow | undefined = batch;
+  let renewing = false;
+  const timer = leaseMs >= 30
+    ? setInterval(() => {
+      if (renewing || !held) return;
+      renewing = true;
+      renewLease(sql, held, leaseMs).then((renewed) => {
+        if (!renewed) onLost();
+        held = renewed;
+      }, () => {}).finally(() => renewing = false);
+    }, leaseMs / 3)
+    : undefined;
+  try {
+    const result = await work();
+    clearInterval(timer);
+    if (held) await releaseBatch(sql, held);
+    return result;
+  } finally {
+    clearInterval(timer);
+  }
+}
+
+/**
+ * Gives a batch's lease back (its holder is done with it for now): only the lease `batch` holds, given one, so a
+ * process whose lease ran out does not free a batch another has taken since.
+ */
+export async function releaseBatch(sql: Queryable, batch: Pick<BatchRow, "id" | "lease">): Promise<void> {
+  await sql`
+    UPDATE batches SET lease_until = NULL
+    WHERE id = ${batch.id}::uuid AND (${batch.lease ?? null}::text::timestamptz IS NULL OR lease_until = ${
+    batch.lease ?? null
+  }::text::timestamptz)`;
 }
 
 /**

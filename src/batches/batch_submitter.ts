@@ -25,7 +25,7 @@ import {
   fixBatchLines,
   leaseBatch,
   moveBatch,
-  releaseBatch,
+  whileLeased,
 } from "./batch_store.ts";
 
 /** The steps after which a test may stop the submitter (a crash between this step and the next). */
@@ -35,8 +35,11 @@ export type SubmitStep = "lines_fixed" | "uploaded" | "upload_recorded" | "creat
 export const SUBMITTER_DEFAULTS = {
   /** How often it looks for batches to close and submit. */
   intervalMs: 1_000,
-  /** How long a process holds a batch while it takes one step of it: longer than an upload or a create can take. */
-  leaseMs: 10 * 60_000,
+  /**
+   * How long a process holds a batch while it takes a step of it, renewed every third of it while the step runs:
+   * how long a batch whose process was killed waits before the next one resumes it.
+   */
+  leaseMs: 30_000,
   /** How far before the `creating` intent the search for our batch at the provider starts (clocks differ). */
   searchSlackS: 600,
   /** The most batches one pass advances. */
@@ -132,8 +135,13 @@ export function createBatchSubmitter(
       if (!batch || held.has(batch.id)) break;
       held.add(batch.id);
       try {
-        await advance(batch);
-        await releaseBatch(sql, batch.id);
+        await whileLeased(
+          sql,
+          batch,
+          leaseMs,
+          () => advance(batch),
+          () => log.warn("batch_lease_lost", { batch_id: batch.id, state: batch.state }),
+        );
       } catch (error) {
         // Kept leased: the provider or Postgres failed mid-step; the next try waits for the lease.
         log.warn("batch_submit_failed", { batch_id: batch.id, state: batch.state, error });
