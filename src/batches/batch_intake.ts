@@ -3,27 +3,17 @@
  * batch of that deployment and model (`batch_store.ts`), with the Chat Completions request of their line.
  */
 import type { Sql } from "postgres";
-import { MAX_OUTPUT_TOKENS } from "../llm/llm.ts";
+import { chatCompletionBody } from "../llm/openai_llm.ts";
 import type { DeploymentSpec } from "../llm/deployment_specs.ts";
 import type { BatchIntake, ModelCall } from "../runs/run_deps.ts";
 import { BatchClosedMeanwhile, recordBatchRun } from "./batch_store.ts";
 
 /**
- * The Chat Completions request a run's line carries: the body the online call sends (see `openai_llm.ts`), so a
- * batch answer is the answer the run would have had.
+ * The Chat Completions request a run's line carries: the body the online call sends (`chatCompletionBody`), its
+ * output schema's `response_format` included, so a batch answer is the answer the run would have had.
  */
 export function chatRequest(call: ModelCall, model: string): Record<string, unknown> {
-  const { options } = call;
-  return {
-    model,
-    messages: [
-      ...(options.system === undefined ? [] : [{ role: "system", content: options.system }]),
-      { role: "user", content: call.prompt },
-      ...(options.followUp ?? []),
-    ],
-    max_completion_tokens: options.maxOutputTokens ?? MAX_OUTPUT_TOKENS,
-    ...(options.temperature === undefined ? {} : { temperature: options.temperature }),
-  };
+  return { ...chatCompletionBody(call.prompt, call.options, model) };
 }
 
 /**

@@ -1,7 +1,8 @@
 /**
  * The Batch API's online path: a run its batch did not finish (an expired or cancelled batch under
  * `BATCH_ON_EXPIRY=online`, a transient error line) goes back on its lane's low stream, as a `low` run, so the
- * worker runs it online and never records it into a batch again.
+ * worker runs it online and never records it into a batch again. So does a structured run's answer, for the
+ * worker to check against its output schema (it carries the answer: no first call is made).
  *
  * The send happens before the poller records the run settled in Postgres (`batch_runs.settled = 'online'`), so a
  * process killed between the two sends it again; so does a client that resends a script whose reply was lost.
@@ -13,6 +14,7 @@ import { announceLane, laneKnownArgs } from "../queue/lanes.ts";
 import type { ServiceKeys } from "../runs/keys.ts";
 import type { OnlineRun } from "./batch_poller.ts";
 import { ONLINE_SCRIPT } from "./batch_online_script.ts";
+import { BATCH_ANSWER_FIELD, BATCH_MODEL_FIELD } from "../runs/run_batch.ts";
 
 /** How long the marker outlives the send: longer than a batch's 24 h window and its settling. */
 export const ONLINE_MARKER_TTL_S = 7 * 24 * 3600;
@@ -29,7 +31,7 @@ export function onlinePayload(payload: string): string {
 export function createBatchOnline(
   { redis, keys }: { redis: RedisClient; keys: ServiceKeys },
 ): (run: OnlineRun) => Promise<boolean> {
-  return async ({ runId, tenant, payload, acceptedMs }) => {
+  return async ({ runId, tenant, payload, acceptedMs, answer }) => {
     const lane = keys.lane(tenant);
     const known = laneKnownArgs(redis, keys.registry, tenant, lane.stream);
     const fields = [
@@ -41,6 +43,8 @@ export function createBatchOnline(
       onlinePayload(payload),
       // Its age counts from its first acceptance, not from its return to the lane.
       ...(acceptedMs === undefined ? [] : ["accepted_ms", String(acceptedMs)]),
+      // A structured run's batch answer, for the worker to check (and repair) rather than call again.
+      ...(answer === undefined ? [] : [BATCH_ANSWER_FIELD, answer.text, BATCH_MODEL_FIELD, answer.model]),
     ];
     const added = await ONLINE_SCRIPT.run(
       redis,

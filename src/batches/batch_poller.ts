@@ -56,6 +56,11 @@ export interface OnlineRun {
   tenant: string;
   payload: string;
   acceptedMs?: number;
+  /**
+   * A structured run's answer from its batch line: the worker checks it against the task's output schema (with
+   * its one repair call, online, when it fails) and commits it, with no first call.
+   */
+  answer?: { text: string; model: string };
 }
 
 /** Defaults of {@linkcode createBatchPoller}. */
@@ -175,6 +180,11 @@ function attemptOf(batch: BatchRow, row: BatchRunRow, line: OutputLine, prices: 
 
 const UNFINISHED_CODES = new Set(["batch_expired", "batch_cancelled"]);
 
+/** Whether a run's line asked for an answer in its task's output schema (`response_format`, as the online call). */
+function structured(row: BatchRunRow): boolean {
+  return (row.request.response_format as { type?: string } | undefined)?.type === "json_schema";
+}
+
 /** The poller over the batch deployments' clients (by deployment name). */
 export function createBatchPoller(
   { sql, clients, log, committer }: {
@@ -220,6 +230,16 @@ export function createBatchPoller(
     await settleBatchRun(sql, row.run_id, "online");
   };
 
+  // A structured run's answer goes to a worker, which has the validators and makes the repair call if one is
+  // needed: sent as the online path sends (once per run, however often this is read), the answer in its message.
+  const toCheck = async (row: BatchRunRow, answer: { text: string; model: string }) => {
+    if (!options.online) return await fail(row, "BatchAnswerUnchecked: no worker to check it against its schema");
+    const { run_id: runId, tenant, payload } = row;
+    await options.online({ runId, tenant, payload, acceptedMs: row.accepted_ms ?? undefined, answer });
+    await fault("online_sent", runId);
+    await settleBatchRun(sql, runId, "online");
+  };
+
   const settleLine = async (batch: BatchRow, row: BatchRunRow, line: OutputLine) => {
     const status = line.response?.status_code;
     if (line.error && UNFINISHED_CODES.has(line.error.code ?? "") || status === undefined) {
@@ -237,6 +257,7 @@ export function createBatchPoller(
     if (status === 200) {
       const text = line.response?.body?.choices?.[0]?.message?.content?.trim();
       if (!text) return await fail(row, "EmptyCompletion: The model returned no text");
+      if (structured(row)) return await toCheck(row, { text, model: batch.model });
       const { run, ref } = runOf(row);
       const result: JobResult = run.summary
         ? { ...ref, summary: text, notify: run.notify! }

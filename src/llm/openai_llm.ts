@@ -1,5 +1,5 @@
 import OpenAI from "openai";
-import { type LLM, MAX_OUTPUT_TOKENS } from "./llm.ts";
+import { type CallOptions, type LLM, MAX_OUTPUT_TOKENS } from "./llm.ts";
 import { fromOpenAiError } from "./openai_errors.ts";
 import { checkUsage } from "./provider_usage.ts";
 import { type Logger, silentLogger } from "../log/logger.ts";
@@ -82,6 +82,38 @@ export function boundedFetch(inner: typeof fetch, maxBytes: number): typeof fetc
 }
 
 /**
+ * The Chat Completions body of a call to `model`: what the online call sends, and what a batch line carries
+ * (`batch_intake.ts`), so a batch answer is the answer the run would have had online.
+ */
+export function chatCompletionBody(
+  prompt: string,
+  call: Omit<CallOptions, "signal" | "model">,
+  model: string,
+): OpenAI.ChatCompletionCreateParamsNonStreaming {
+  return {
+    model,
+    messages: call.messages ? [...call.messages] : [
+      ...(call.system === undefined ? [] : [{ role: "system" as const, content: call.system }]),
+      { role: "user", content: prompt },
+      ...(call.followUp ?? []),
+    ],
+    max_completion_tokens: call.maxOutputTokens ?? MAX_OUTPUT_TOKENS,
+    ...(call.temperature === undefined ? {} : { temperature: call.temperature }),
+    ...(call.jsonSchema === undefined ? {} : {
+      response_format: {
+        type: "json_schema" as const,
+        json_schema: {
+          name: call.jsonSchema.name,
+          schema: call.jsonSchema.schema as Record<string, unknown>,
+          strict: call.jsonSchema.strict ?? true,
+        },
+      },
+    }),
+    ...(call.jsonObject ? { response_format: { type: "json_object" as const } } : {}),
+  };
+}
+
+/**
  * An {@linkcode LLM} on OpenAI-compatible Chat Completions. Its errors are
  * the service's transport errors (see `openai_errors.ts`). The SDK's own
  * retries are off (`maxRetries: 0`): the retry policy is the only layer that
@@ -98,27 +130,10 @@ export function createOpenAiLlm(options: OpenAiOptions): LLM {
   return {
     async complete(prompt, call) {
       // withResponse() keeps the headers: the shared limiter learns the provider's limits from them.
-      const { data, response } = await client.chat.completions.create({
-        model: call.model ?? options.model,
-        messages: call.messages ? [...call.messages] : [
-          ...(call.system === undefined ? [] : [{ role: "system" as const, content: call.system }]),
-          { role: "user", content: prompt },
-          ...(call.followUp ?? []),
-        ],
-        max_completion_tokens: call.maxOutputTokens ?? MAX_OUTPUT_TOKENS,
-        ...(call.temperature === undefined ? {} : { temperature: call.temperature }),
-        ...(call.jsonSchema === undefined ? {} : {
-          response_format: {
-            type: "json_schema" as const,
-            json_schema: {
-              name: call.jsonSchema.name,
-              schema: call.jsonSchema.schema as Record<string, unknown>,
-              strict: call.jsonSchema.strict ?? true,
-            },
-          },
-        }),
-        ...(call.jsonObject ? { response_format: { type: "json_object" as const } } : {}),
-      }, { signal: call.signal }).withResponse().catch((error) => {
+      const { data, response } = await client.chat.completions.create(
+        chatCompletionBody(prompt, call, call.model ?? options.model),
+        { signal: call.signal },
+      ).withResponse().catch((error) => {
         throw fromOpenAiError(error);
       });
       const requestId = response.headers.get("x-request-id") ?? undefined;

@@ -6,12 +6,22 @@
  * line through the same commit and outbox as every run.
  */
 import { acceptedMsOf } from "../queue/message.ts";
-import type { LoadedTask } from "../tasks/task_cache.ts";
 import type { Committed } from "./commit.ts";
 import { preCheck } from "./run_decided.ts";
-import { worstCaseOf } from "./run_call.ts";
+import { type Answered, worstCaseOf } from "./run_call.ts";
 import { GateRefused } from "../retry/errors.ts";
 import type { Delivery, Job, ModelCall } from "./run_deps.ts";
+
+/** The fields of a message that carries its structured run's answer from its batch line (`batch_online.ts`). */
+export const BATCH_ANSWER_FIELD = "batch_answer";
+export const BATCH_MODEL_FIELD = "batch_model";
+
+/** A structured run's answer from its batch line, when its message carries one: the worker checks it, no call. */
+export function batchAnswerOf(delivery: Delivery): Answered | undefined {
+  const { fields } = delivery.message;
+  const text = fields[BATCH_ANSWER_FIELD], model = fields[BATCH_MODEL_FIELD];
+  return text === undefined || model === undefined ? undefined : { text, model };
+}
 
 /** How a delivery ends when its run was recorded into a batch (by it or by an earlier delivery). */
 export type Batched = "batched";
@@ -20,16 +30,17 @@ export type Batched = "batched";
  * Records the delivery's run into a batch when it is a batch run its deployments can take.
  * @returns "batched" when recorded (now or before); how it ended when it was decided before (the pre-check);
  * undefined when it runs online (not a batch run, no batch deployment of its model, a tenant whose budget is spent,
- * or a kind the batch path does not take yet: an output schema, whose repair call is online, or an expiry).
+ * or a run with an expiry).
  */
 export async function intoBatch(
   job: Job,
   delivery: Delivery,
-  { task, call }: { task: LoadedTask; call: ModelCall },
+  { call }: { call: ModelCall },
 ): Promise<Committed | Batched | undefined> {
   const { run } = delivery;
   if (!job.batches || run.priority !== "batch") return undefined;
-  if (task.definition.output_schema !== undefined || run.expiresAt !== undefined) return undefined;
+  // A batch line's call starts when the provider gets to it, which nothing here bounds: an expiring run is online.
+  if (run.expiresAt !== undefined) return undefined;
   const target = job.batches.target(call.models);
   if (!target) return undefined;
   // A run cancelled (or already done) before it was recorded is not recorded: its line would be paid for nothing.

@@ -16,11 +16,11 @@ import type { RunCache } from "../cache/result_cache.ts";
 import type { Delivery, Job, ModelCall, SummaryJobDeps, SummaryJobOptions } from "./run_deps.ts";
 import { loadTask, modelCall, parseDelivery } from "./run_load.ts";
 import { preCheck, preparedKey } from "./run_decided.ts";
-import { callModel } from "./run_call.ts";
+import { type Answered, callModel } from "./run_call.ts";
 import { beforeExpiry, expire, hasExpired, untilExpiry } from "./run_expiry.ts";
 import { structuredOutput } from "./run_check.ts";
 import { commit } from "./run_commit.ts";
-import { type Batched, intoBatch } from "./run_batch.ts";
+import { batchAnswerOf, type Batched, intoBatch } from "./run_batch.ts";
 
 /**
  * The summary job: model call, then summary + outbox row in one transaction.
@@ -91,8 +91,11 @@ async function deliver(
   }
   const task = await loadTask(job, delivery);
   const call = modelCall(task, delivery.run.input);
+  // A structured run back from its batch with the line's answer: checked (and repaired online once) here.
+  const fromBatch = batchAnswerOf(delivery);
+  if (fromBatch) return await checkBatchAnswer(job, delivery, { task, call, answered: fromBatch, signal });
   // A batch run whose model has a batch deployment: recorded into a batch (the message is acknowledged after).
-  const batched = await intoBatch(job, delivery, { task, call });
+  const batched = await intoBatch(job, delivery, { call });
   if (batched) return batched;
   // Off for this run (a TTL of 0), the cache costs nothing: no hash, no Redis, and the first permit is asked for
   // in this tick as before.
@@ -141,6 +144,28 @@ async function throughCache(
   } finally {
     await cache.release();
   }
+}
+
+/**
+ * A structured run's answer from its batch line (its usage already recorded and charged at batch prices by the
+ * poller): checked against the output schema as a first answer is, with one repair call online when it fails,
+ * then committed. No first call, no cache.
+ */
+async function checkBatchAnswer(
+  job: Job,
+  delivery: Delivery,
+  { task, call, answered, signal }: { task: LoadedTask; call: ModelCall; answered: Answered; signal: AbortSignal },
+): Promise<Committed> {
+  const skip = await preCheck(job, delivery, () => Promise.resolve());
+  if (skip) return skip;
+  if (task.definition.output_schema === undefined) {
+    return await commit(job, delivery, { output: answered.text, model: answered.model });
+  }
+  const estimated = estimateTokens(call.prompt + (call.options.system ?? ""), task.definition.max_output_tokens);
+  const deadline = Deadline.after(job.options.budgetMs, job.options.clock);
+  const output = await structuredOutput(job, delivery, { task, call, answered, estimated, signal, deadline });
+  if ("skipped" in output) return output.skipped;
+  return await commit(job, delivery, { output: output.value, model: output.model });
 }
 
 /**

@@ -10,6 +10,7 @@ import { parseConfig } from "../../src/config.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createRegistry } from "../../src/metrics/metrics.ts";
 import { startWorker } from "../../src/processes/worker_process.ts";
+import { putTaskVersion } from "../../src/jobs/task_store.ts";
 import { KEY_PREFIX, serviceKeys } from "../../src/runs/keys.ts";
 import type { BatchScript } from "../support/fake_batch_api.ts";
 import { type FakeModelServer, startFakeModel } from "../support/fake_model_server.ts";
@@ -22,11 +23,15 @@ const MODEL = "gpt-test";
 
 /** A worker process with a batch deployment `east` serving {@linkcode MODEL}, each batch going as `script` says. */
 async function batchProcess(
-  { script = () => ({}), env = {} }: { script?: (n: number) => BatchScript; env?: Record<string, string> } = {},
+  { script = () => ({}), env = {}, respond }: {
+    script?: (n: number) => BatchScript;
+    env?: Record<string, string>;
+    respond?: Parameters<typeof startFakeModel>[0];
+  } = {},
 ) {
   const db: TestDatabase = await createTestDatabase();
   const redis: PrivateRedis = await startPrivateRedis();
-  const server: FakeModelServer = startFakeModel(undefined, { batches: script });
+  const server: FakeModelServer = startFakeModel(respond, { batches: script });
   const config = parseConfig(deploymentsEnv([
     deployment("east", { base_url: server.url, models: [MODEL], batch: true }),
   ], { OPENAI_MODEL: MODEL, BATCH_MAX_RUNS: "20", BATCH_MAX_WAIT_S: "60", ...env }));
@@ -43,19 +48,23 @@ async function batchProcess(
     redis,
     server,
     keys,
-    /** Queues `n` batch runs of tenant acme, as intake does (on the lane's low stream). @returns their ids. */
-    async enqueue(n: number): Promise<string[]> {
+    /**
+     * Queues `n` batch runs of tenant acme, as intake does (on the lane's low stream), of the built-in summarize
+     * task or of a task version stored before. @returns their ids.
+     */
+    async enqueue(n: number, task = { name: "summarize", version: 1 }): Promise<string[]> {
       const ids: string[] = [];
       for (let i = 0; i < n; i++) {
         const jobId = crypto.randomUUID();
         ids.push(jobId);
+        const text = `Document ${i}. Revenue rose. Costs fell. The outlook is fine.`;
         await enqueueRunToLane(redis.redis, keys, {
           jobId,
           tenant: "acme",
           run: {
-            task: "summarize",
-            version: 1,
-            input: { text: `Document ${i}. Revenue rose. Costs fell. The outlook is fine.` },
+            task: task.name,
+            version: task.version,
+            input: task.name === "summarize" ? { text } : { ticket: text },
             notify: `ops+${i}@example.com`,
             priority: "batch",
           },
@@ -124,6 +133,51 @@ Deno.test("the worker process runs a batch's transient error lines online, once 
     assert.deepEqual(settled.map((s) => [s.settled, s.n]), [["committed", 16], ["online", 4]]);
     assert.equal(p.server.requests, 4, "the four transient lines, online once each");
     assert.equal(p.server.batches.counts.creates, 1, "not batched again");
+  } finally {
+    await p.close();
+  }
+});
+
+Deno.test("structured batch runs: answers checked by the worker, a bad one repaired online once, none called again", async () => {
+  const answers = new Map<number, string>([[0, "not JSON at all"], [1, JSON.stringify({ label: 42 })]]);
+  const p = await batchProcess({
+    script: () => ({ line: (_id, _body, i) => ({ kind: "ok", content: answers.get(i) ?? '{"label":"billing"}' }) }),
+    // The repair call, online: a valid answer.
+    respond: () => ({ kind: "ok", content: '{"label":"repaired"}' }),
+    env: { BATCH_MAX_RUNS: "10" },
+  });
+  try {
+    const { task } = await putTaskVersion(p.sql, "acme", "triage", {
+      prompt: "Label this ticket: {{input.ticket}}",
+      input_schema: { type: "object", properties: { ticket: { type: "string" } }, required: ["ticket"] },
+      output_schema: {
+        type: "object",
+        properties: { label: { type: "string" } },
+        required: ["label"],
+        additionalProperties: false,
+      },
+    });
+    const ids = await p.enqueue(10, { name: "triage", version: task.version });
+    await waitFor("10 runs done", async () => (await effects(p.sql, ids)).done === 10, 20_000);
+    const e = await effects(p.sql, ids);
+    assert.deepEqual(e, { done: 10, outcomes: 10, outbox: 10, runs_notified: 10, usage: 10 });
+    assert.equal(p.server.batches.counts.creates, 1, "one provider batch");
+    const lines = await p.sql<{ format: string | null }[]>`SELECT request->'response_format'->>'type' AS format
+      FROM batch_runs`;
+    assert.deepEqual(lines.map((l) => l.format), Array(10).fill("json_schema"), "each line asks for the schema");
+    // The two bad answers got one repair call each; the eight good ones no call at all.
+    assert.equal(p.server.requests, 2, "two online calls: the repairs");
+    assert.ok(p.server.prompts.every((prompt) => prompt.startsWith("That answer")), "both are repair calls");
+    const outputs = await p.sql<{ output: unknown }[]>`
+      SELECT output FROM run_results WHERE run_id = ANY(${ids}::uuid[]) ORDER BY output->>'label'`;
+    assert.deepEqual(outputs.map((o) => o.output), [
+      ...Array(8).fill({ label: "billing" }),
+      { label: "repaired" },
+      { label: "repaired" },
+    ]);
+    const settled = await p.sql<{ settled: string; n: number }[]>`
+      SELECT settled, count(*)::int AS n FROM batch_runs GROUP BY settled`;
+    assert.deepEqual(settled.map((r) => [r.settled, r.n]), [["online", 10]], "every answer went to a worker to check");
   } finally {
     await p.close();
   }
