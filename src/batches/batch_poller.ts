@@ -23,6 +23,7 @@ import { failRun, type GroupCommitter, type JobResult } from "../runs/commit.ts"
 import { runOfPayload } from "../runs/run_payload.ts";
 import { type BatchClient, ENDED_STATUSES } from "./batch_client.ts";
 import {
+  type BatchLineOutcome,
   type BatchRow,
   type BatchRunRow,
   batchRuns,
@@ -104,6 +105,8 @@ export interface PollerOptions {
   firstPollMs?: number;
   leaseMs?: number;
   intervalMs?: number;
+  /** Called once for each line this poller settled (a line settled before is not counted again): the metrics. */
+  onSettled?: (outcome: BatchLineOutcome, lines: number) => void;
   /** Called after each line's settling (tests throw here to stop the poller between two lines). */
   fault?: (step: "line_settled" | "online_sent", runId: string) => void | Promise<void>;
 }
@@ -211,10 +214,14 @@ export function createBatchPoller(
     await releaseBatch(sql, batch);
   };
 
+  const settled = async (runId: string, outcome: Exclude<BatchLineOutcome, "left_out">) => {
+    if (await settleBatchRun(sql, runId, outcome)) options.onSettled?.(outcome, 1);
+  };
+
   const fail = async (row: BatchRunRow, reason: string) => {
     const { run, ref } = runOf(row);
     await failRun(sql, ref, reason, { summary: run.summary });
-    await settleBatchRun(sql, row.run_id, "failed");
+    await settled(row.run_id, "failed");
   };
 
   const unfinished = async (row: BatchRunRow, why: string) => {
@@ -227,7 +234,7 @@ export function createBatchPoller(
     });
     // A stop here sends it again on the next read: the online hook queues a run once (see `batch_online.ts`).
     await fault("online_sent", row.run_id);
-    await settleBatchRun(sql, row.run_id, "online");
+    await settled(row.run_id, "online");
   };
 
   // A structured run's answer goes to a worker, which has the validators and makes the repair call if one is
@@ -237,7 +244,7 @@ export function createBatchPoller(
     const { run_id: runId, tenant, payload } = row;
     await options.online({ runId, tenant, payload, acceptedMs: row.accepted_ms ?? undefined, answer });
     await fault("online_sent", runId);
-    await settleBatchRun(sql, runId, "online");
+    await settled(runId, "online");
   };
 
   const settleLine = async (batch: BatchRow, row: BatchRunRow, line: OutputLine) => {
@@ -263,7 +270,7 @@ export function createBatchPoller(
         ? { ...ref, summary: text, notify: run.notify! }
         : { ...ref, input: run.input, output: text, model: batch.model };
       await committer.commit(result);
-      return await settleBatchRun(sql, row.run_id, "committed");
+      return await settled(row.run_id, "committed");
     }
     // A transient refusal says nothing about the run: it goes online, as a retry would.
     if (status === 429 || status >= 500) return await unfinished(row, `status ${status}`);

@@ -248,13 +248,21 @@ export async function batchRuns(sql: Queryable, id: string): Promise<BatchRunRow
     FROM batch_runs WHERE batch_id = ${id}::uuid`;
 }
 
-/** Records how a run's line was settled (once; a second settling of the same run changes nothing). */
+/** How a run's line was settled (`batch_runs.settled`): `left_out` is set by {@linkcode fixBatchLines}. */
+export type BatchLineOutcome = "committed" | "failed" | "online" | "left_out";
+
+/**
+ * Records how a run's line was settled (once; a second settling of the same run changes nothing).
+ * @returns whether this call settled it.
+ */
 export async function settleBatchRun(
   sql: Queryable,
   runId: string,
-  settled: "committed" | "failed" | "online",
-): Promise<void> {
-  await sql`UPDATE batch_runs SET settled = ${settled} WHERE run_id = ${runId}::uuid AND settled IS NULL`;
+  settled: Exclude<BatchLineOutcome, "left_out">,
+): Promise<boolean> {
+  const rows = await sql`
+    UPDATE batch_runs SET settled = ${settled} WHERE run_id = ${runId}::uuid AND settled IS NULL RETURNING run_id`;
+  return rows.length > 0;
 }
 
 /**
@@ -306,4 +314,32 @@ export async function batchOfRun(sql: Queryable, runId: string): Promise<string 
     SELECT r.batch_id::text FROM batch_runs r JOIN batches b ON b.id = r.batch_id
     WHERE r.run_id = ${runId}::uuid AND r.settled IS NULL`;
   return row?.batch_id;
+}
+
+/** Batches not committed, by deployment and state, as the metrics read them (see {@linkcode batchesInFlight}). */
+export interface InFlightBatches {
+  deployment: string;
+  state: Exclude<BatchState, "committed">;
+  batches: number;
+  /** Their runs whose lines are not settled yet. */
+  runs_waiting: number;
+  /** The age of the oldest of them, from its `opened_at`, by Postgres's clock. */
+  oldest_s: number;
+}
+
+/**
+ * The batches not committed, by deployment and state: how many, their runs not settled, and the oldest's age. One
+ * query that reads no committed batch (`batches_unfinished`) and, of `batch_runs`, only the unsettled runs of
+ * those batches (`batch_runs_unsettled`, migration 021): its cost follows what is in flight, not the history.
+ */
+export async function batchesInFlight(sql: Queryable): Promise<InFlightBatches[]> {
+  return await sql<InFlightBatches[]>`
+    SELECT b.deployment, b.state, count(*)::int AS batches, sum(w.n)::int AS runs_waiting,
+      extract(epoch FROM now() - min(b.opened_at))::float8 AS oldest_s
+    FROM batches b
+    CROSS JOIN LATERAL (
+      SELECT count(*) AS n FROM batch_runs r WHERE r.batch_id = b.id AND r.settled IS NULL
+    ) w
+    WHERE b.state <> 'committed'
+    GROUP BY b.deployment, b.state`;
 }

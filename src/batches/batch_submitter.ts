@@ -19,6 +19,7 @@ import type { Logger } from "../log/logger.ts";
 import { passEvery } from "./_pass_loop.ts";
 import type { BatchClient } from "./batch_client.ts";
 import {
+  type BatchLineOutcome,
   batchLines,
   type BatchRow,
   closeDueBatches,
@@ -52,6 +53,8 @@ export interface SubmitterOptions {
   maxWaitMs: number;
   leaseMs?: number;
   intervalMs?: number;
+  /** Called with the lines left out of a batch's file (its runs decided before the upload), once: the metrics. */
+  onSettled?: (outcome: Extract<BatchLineOutcome, "left_out">, lines: number) => void;
   /** Called after each step (tests throw here to stop the submitter between two steps). */
   fault?: (step: SubmitStep, batchId: string) => void | Promise<void>;
 }
@@ -83,6 +86,8 @@ export function createBatchSubmitter(
     if (state === "closed") {
       const lines = await fixBatchLines(sql, id);
       if (lines === null) return;
+      // Leased `closed`, so its `runs` was final: the runs not in the file are those fixBatchLines left out.
+      if (batch.runs > lines) options.onSettled?.("left_out", batch.runs - lines);
       await fault("lines_fixed", id);
       if (lines === 0) {
         // Every run was cancelled (or decided) before the upload: nothing to send.

@@ -30,7 +30,9 @@ export interface ConsoleDeps {
   providerStatus?: () => Promise<string[]>;
   /** The time the charts end at (epoch ms); `Date.now` unless a test fixes it. */
   now?: () => number;
+  /** The deployments of LLM_DEPLOYMENTS marked `"batch": true` (the Batches page); none when absent. */
+  batchDeployments?: readonly string[];
 }
 
 /** What the pages read. */
-export type PageDeps = Pick<ConsoleDeps, "redis" | "sql" | "keys" | "providerStatus" | "now">;
+export type PageDeps = Pick<ConsoleDeps, "redis" | "sql" | "keys" | "providerStatus" | "now" | "batchDeployments">;

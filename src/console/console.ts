@@ -10,6 +10,7 @@
  */
 import { act } from "./actions.ts";
 import { asset } from "./assets.ts";
+import { batchesPage } from "./batch_pages.ts";
 import type { ConsoleDeps } from "./_deps.ts";
 import { html } from "./html.ts";
 import { page } from "./layout.ts";
@@ -69,6 +70,7 @@ async function signedIn(request: SignedInRequest): Promise<Response> {
   if (path === "/console/dead-letters") return await deadLettersPage(deps, view, note);
   if (path === "/console/outbox") return await outboxPage(deps, view, note);
   if (path === "/console/provider") return await providerPage(deps, view);
+  if (path === "/console/batches") return await batchesPage(deps, view);
   if (path === "/console/tasks") return await tasksPage(deps, view);
   const task = /^\/console\/tasks\/([^/]+)\/([^/]+)$/.exec(path);
   if (task) {

@@ -30,7 +30,8 @@ export function page(
 ): Response {
   const header = html`<header><strong>Oncely</strong>
       <nav><a href="/console">Queues</a> <a href="/console/workers">Workers</a> <a href="/console/dead-letters">Dead letters</a>
-      <a href="/console/outbox">Outbox</a> <a href="/console/provider">Provider</a> <a href="/console/tasks">Tasks</a> <a href="/console/usage">Usage</a></nav>
+      <a href="/console/outbox">Outbox</a> <a href="/console/provider">Provider</a> <a href="/console/batches">Batches</a>
+      <a href="/console/tasks">Tasks</a> <a href="/console/usage">Usage</a></nav>
       <form method="get" action="/console/jobs"><input name="id" placeholder="job id" aria-label="job id" size="38">
       <button>Find job</button></form>
       <form method="post" action="/console/logout"><input type="hidden" name="csrf" value="${view.csrf}"><button>Sign out</button></form>

@@ -3,6 +3,7 @@
  * poller loops, when some deployment of LLM_DEPLOYMENTS is marked `"batch": true`; nothing otherwise.
  */
 import type { Sql } from "postgres";
+import type { Registry } from "prom-client";
 import type { RedisClient } from "../clients.ts";
 import type { Config } from "../config.ts";
 import type { Logger } from "../log/logger.ts";
@@ -14,6 +15,7 @@ import { createGroupCommitter } from "../runs/commit.ts";
 import type { BatchIntake } from "../runs/run_deps.ts";
 import { type BatchClient, createBatchClient } from "../batches/batch_client.ts";
 import { createBatchIntake } from "../batches/batch_intake.ts";
+import { batchMetrics } from "../batches/batch_metrics.ts";
 import { createBatchOnline } from "../batches/batch_online.ts";
 import { createBatchPoller, type PollerOptions } from "../batches/batch_poller.ts";
 import { createBatchSubmitter, type SubmitterOptions } from "../batches/batch_submitter.ts";
@@ -33,9 +35,12 @@ export type BatchTimings =
   & Pick<SubmitterOptions, "intervalMs" | "leaseMs">
   & Pick<PollerOptions, "pollMs" | "intervalMs">;
 
-/** The batch services over the configured batch deployments; undefined when none is marked `"batch": true`. */
+/**
+ * The batch services over the configured batch deployments, and their metrics on `registry` when given;
+ * undefined (and no metrics) when no deployment is marked `"batch": true`.
+ */
 export function buildBatches(
-  { config, sql, redis, log, keys, prices, budgets }: {
+  { config, sql, redis, log, keys, prices, budgets, registry }: {
     config: Config;
     sql: Sql;
     redis: RedisClient;
@@ -43,6 +48,7 @@ export function buildBatches(
     keys: ServiceKeys;
     prices: Prices;
     budgets?: Budgets;
+    registry?: Registry;
   },
   timings: BatchTimings = {},
 ): WorkerBatches | undefined {
@@ -60,8 +66,10 @@ export function buildBatches(
       createBatchClient({ apiKey: spec.apiKey, baseURL: spec.baseURL }),
     ]),
   );
+  const metrics = registry && batchMetrics(registry, { sql }, { deployments: [...clients.keys()] });
   const submitter = createBatchSubmitter({ sql, clients, log }, {
     maxWaitMs: config.BATCH_MAX_WAIT_S * 1000,
+    onSettled: metrics?.settled,
     intervalMs: timings.intervalMs,
     leaseMs: timings.leaseMs,
   });
@@ -71,6 +79,7 @@ export function buildBatches(
     online: createBatchOnline({ redis, keys }),
     prices,
     budgets,
+    onSettled: metrics?.settled,
     pollMs: timings.pollMs,
     intervalMs: timings.intervalMs,
   });

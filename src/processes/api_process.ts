@@ -16,7 +16,7 @@ import { createBudgets } from "../budgets/budgets.ts";
 import { budgetEvents } from "../budgets/budget_metrics.ts";
 import { budgetRecords } from "./_budgets.ts";
 import { createPrices, servedModels } from "../llm/prices.ts";
-import { defaultModel } from "../llm/deployment_specs.ts";
+import { defaultModel, deploymentSpecs } from "../llm/deployment_specs.ts";
 import { batchOfRun } from "../batches/batch_store.ts";
 import { createTaskCache, type TaskCache } from "../tasks/task_cache.ts";
 import { createSchemaValidators, VALIDATION_LIMITS } from "../tasks/validator.ts";
@@ -154,6 +154,7 @@ export async function serveApi(
       ack,
       token: config.ADMIN_TOKEN,
       maxBodyBytes: config.MAX_BODY_BYTES,
+      batchDeployments: deploymentSpecs(config).filter((spec) => spec.batch).flatMap((spec) => spec.name ?? []),
       providerStatus: flows.length > 0
         ? (async () => {
           const { formatProviderStatuses } = await import("../cli/provider_command.ts");

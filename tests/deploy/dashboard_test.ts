@@ -12,6 +12,7 @@ import { parse, stringify } from "npm:yaml@2.8.1";
 import { createTestDatabase, freePort, REDIS_URL, waitFor } from "../_support.ts";
 import { emptyRedisDatabase } from "../support/scratch.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
+import { deployment, deploymentsEnv } from "../support/deployments_env.ts";
 import { promtool, promtoolMissing } from "../support/promtool.ts";
 
 const ROOT = decodeURIComponent(new URL("../../", import.meta.url).pathname);
@@ -151,7 +152,14 @@ Deno.test({
       }).spawn();
     const processes = {
       api: { child: spawn("api", { PORT: String(apiPort) }), url: `http://127.0.0.1:${apiPort}` },
-      worker: { child: spawn("worker", { METRICS_PORT: String(workerPort) }), url: `http://127.0.0.1:${workerPort}` },
+      // A deployment with the Batch API, so the worker exports the batch metrics (issue 43) too.
+      worker: {
+        child: spawn("worker", {
+          METRICS_PORT: String(workerPort),
+          ...deploymentsEnv([deployment("main", { base_url: model.url, batch: true })]),
+        }),
+        url: `http://127.0.0.1:${workerPort}`,
+      },
       relay: { child: spawn("relay", { METRICS_PORT: String(relayPort) }), url: `http://127.0.0.1:${relayPort}` },
     };
     const pages: Record<string, string> = {};
@@ -193,6 +201,9 @@ Deno.test({
             );
           }
           assert.equal(sample(pages.worker!, "oncely_worker_free_slots"), CONCURRENCY);
+          // Its batch deployment's series, from 0 (no batch in flight).
+          assert.match(pages.worker!, /^oncely_batch_oldest_in_flight_seconds\{deployment="main"\} 0$/m);
+          assert.match(pages.worker!, /^oncely_batches_in_flight\{state="submitted",deployment="main"\} 0$/m);
           for (const name of ["api", "worker"]) {
             assert.equal(sample(pages[name]!, "oncely_queue_waiting"), 0, `${name} exports the summed backlog`);
             assert.equal(sample(pages[name]!, "oncely_queue_oldest_waiting_seconds"), 0);
@@ -287,7 +298,7 @@ Deno.test({
                 }[]
                 : [];
               const all = groups.flatMap((g) => g.rules);
-              return all.length === 8 && all.every((r) => !r.lastEvaluation.startsWith("0001")) ? all : null;
+              return all.length === 9 && all.every((r) => !r.lastEvaluation.startsWith("0001")) ? all : null;
             }, 15_000);
             for (const rule of rules) assert.equal(rule.health, "ok", rule.name);
             // With all three up and nothing queued, no alert fires.
