@@ -78,8 +78,12 @@ export function apiMetrics(registry: Registry): ApiMetrics {
   };
 }
 
-/** Registers the worker metrics. */
-export function workerMetrics(registry: Registry): WorkerMetrics {
+/**
+ * Registers the worker metrics. `unlabelledFlows`: the single provider's flow-control series (no `deployment`
+ * label) exist from 0; false with LLM_DEPLOYMENTS, whose flows make their own labelled series (`flowEvents`), so
+ * no series of a provider that is not there shows.
+ */
+export function workerMetrics(registry: Registry, { unlabelledFlows = true } = {}): WorkerMetrics {
   const registers = [registry];
   const m: WorkerMetrics = {
     deliveries: new Counter({
@@ -178,6 +182,7 @@ export function workerMetrics(registry: Registry): WorkerMetrics {
   for (const outcome of ["ok", "retry", "give_up", "deadline", "paused", "aborted"]) {
     m.modelAttempts.inc({ outcome }, 0);
   }
+  if (!unlabelledFlows) return m;
   for (const kind of ["permit", "probe"]) m.permits.inc({ kind }, 0);
   for (const kind of ["rate_limited", "quota"]) m.rateLimited.inc({ kind }, 0);
   for (const kind of ["prompt", "completion"]) m.tokens.inc({ kind }, 0);

@@ -39,7 +39,7 @@ export async function startWorker(
   signal: AbortSignal,
   options: WorkerProcessOptions = {},
 ): Promise<void> {
-  const metrics = workerMetrics(registry);
+  const metrics = workerMetrics(registry, { unlabelledFlows: !config.LLM_DEPLOYMENTS });
   const keys = serviceKeys(KEY_PREFIX);
   const consumer = `${Deno.hostname()}-${Deno.pid}-${crypto.randomUUID().slice(0, 6)}`;
   // The summed backlog and the oldest run's age: a snapshot one process walks per interval, never a scrape.

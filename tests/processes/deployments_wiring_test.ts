@@ -23,7 +23,7 @@ Deno.test("LLM_DEPLOYMENTS builds a flow per deployment and model, a router over
     deployment("west", { base_url: west.url, models: ["gpt-4.1-mini"], weight: 1, rpm: 600 }),
   ], { OPENAI_MODEL: "gpt-4.1-mini" }));
   const registry = createRegistry();
-  const metrics = workerMetrics(registry);
+  const metrics = workerMetrics(registry, { unlabelledFlows: false });
   const flows = buildFlows(config, r.redis, silentLogger, (d) => flowEvents(metrics, d));
   try {
     assert.deepEqual(flows.map((f) => [f.deployment, f.model]), [
@@ -69,6 +69,9 @@ Deno.test("LLM_DEPLOYMENTS builds a flow per deployment and model, a router over
     assert.equal(permits("east"), 7);
     assert.equal(permits("west"), 2);
     assert.match(text, /oncely_llm_429_total\{kind="quota",deployment="west"\} 0/);
+    // No series of a single provider that is not there: every flow series names its deployment.
+    assert.doesNotMatch(text, /oncely_llm_(permits|429|tokens|breaker_transitions)_total\{kind="\w+"\}/);
+    assert.doesNotMatch(text, /oncely_llm_breaker_transitions_total\{to="\w+"\}/);
 
     const lines: string[] = [];
     assert.equal(await providerCommand(flows, "unused", ["status", "--json"], (l) => lines.push(l)), 0);
