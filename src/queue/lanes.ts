@@ -206,10 +206,11 @@ export function createLaneRegistry(
   // Wake-ups come on a connection of their own: a subscribed connection can do nothing else.
   const subscriber = redis.duplicate();
   subscriber.on("error", () => {});
-  // The lanes woken since the last `active()`: a wake-up names its lane (a set: a busy lane is named once).
+  // The lanes woken since the last `active()`: a wake-up names its lane, or the lanes of an intake call separated
+  // by spaces (a set: a busy lane is named once).
   const news = new Set<string>();
-  subscriber.on("message", (_channel: string, id: string) => {
-    if (id) news.add(id);
+  subscriber.on("message", (_channel: string, ids: string) => {
+    for (const id of ids.split(" ")) if (id) news.add(id);
     wakeAll();
   });
   const subscribed = subscriber.subscribe(keys.wake).catch((error) => log.warn("lane_wakeup_unavailable", { error }));

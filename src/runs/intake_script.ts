@@ -15,7 +15,7 @@ import { defineScript } from "../redis/script.ts";
 // KEYS[1…n]   the registry sets that make a lane known (`laneKnownArgs`: on one server the lanes with work, then
 //             every lane; on a cluster, the lane's home): the same for every submission of the batch (a batch is
 //             one tenant's on a cluster). The lane is added to KEYS[1]; only when that set lacked it is it added to
-//             the others and published (below).
+//             the others. Every lane of the call is published, in one message (below).
 // KEYS[n+1…]  three per head (below): its lane's records hash of the current period, of the one before, and of the
 //             one before that (unlinked when the current one gets its first record: its records have all expired,
 //             and a background free spares Redis the stall of its expiry freeing a large hash in line).
@@ -65,6 +65,7 @@ local now = tonumber(ARGV[7])
 local expires = math.floor(now / 1000) + tonumber(ARGV[4])
 local first = n + 3 * #heads
 local added = {}
+local lanes = {}
 -- A live record and the fingerprint it holds, or nil.
 local function live(records, field)
   local record = redis.call('HGET', records, field)
@@ -122,17 +123,29 @@ local function submit(k, a)
   -- The record is new (EXISTS said so above): it has no field to delete (status.del).
   redis.call('HSET', job, unpack(h.status.set))
   if h.status.ttl_s > 0 then redis.call('EXPIRE', job, h.status.ttl_s) end
+  -- Made known after the loop, once for every lane of the call (below): right after its XADD, so a job queued
+  -- has its lane announced by this script even if a later write of its submission fails.
   if not added[h.lane] then
     added[h.lane] = true
-    if redis.call('SADD', KEYS[1], h.lane) == 1 then
-      for i = 2, n do redis.call('SADD', KEYS[i], h.lane) end
-    end
-    -- Published whether or not the lane was among those with work: an idle worker waits for a wake-up, and a lane
-    -- left in that set by a worker that stopped is served by nobody until one comes (or the worker's next walk).
-    if ARGV[6] ~= '' then redis.call('PUBLISH', ARGV[6], h.lane) end
+    lanes[#lanes + 1] = h.lane
   end
   store(r, field, fp)
   return 0
+end
+-- Every lane that got work in this call: added to KEYS[1], and those it lacked to the other sets, in one command
+-- each however many lanes (on one server a call may hold 64 tenants' submissions). Published whether or not a lane
+-- was among those with work: an idle worker waits for a wake-up, and a lane left in that set by a worker that
+-- stopped is served by nobody until one comes (or the worker's next walk). One message names them all,
+-- space-separated (a tenant name has no space; one lane alone is published as before).
+local function announce()
+  if #lanes == 0 then return end
+  local had = redis.call('SMISMEMBER', KEYS[1], unpack(lanes))
+  local fresh = {}
+  for i = 1, #lanes do if had[i] == 0 then fresh[#fresh + 1] = lanes[i] end end
+  if #fresh > 0 then
+    for i = 1, n do redis.call('SADD', KEYS[i], unpack(fresh)) end
+  end
+  if ARGV[6] ~= '' then redis.call('PUBLISH', ARGV[6], table.concat(lanes, ' ')) end
 end
 local out = {}
 local a = 9
@@ -150,4 +163,5 @@ while k <= #KEYS do
   k = k + 3 + (heads[tonumber(ARGV[a])].others or 0)
   a = a + 7
 end
+announce()
 return out`);

@@ -299,6 +299,20 @@ Deno.test("lanes", async (t) => {
       },
     );
 
+    await t.step("one wake-up naming several lanes (an intake call's) brings each of them as news", async () => {
+      const { registry, keys, lane } = setup();
+      await registry.active(); // subscribed
+      const waiting = registry.wait(60_000);
+      // As the intake script publishes the lanes of one call; none of them is in the sets the walk reads.
+      await r.redis.publish(keys.wake, "x y z");
+      await Promise.race([waiting, sleep(5_000)]);
+      assert.deepEqual(
+        (await registry.active()).map((l) => l.streams[0]),
+        ["x", "y", "z"].map((id) => lane(id).stream),
+      );
+      await registry.close();
+    });
+
     await t.step("an idle worker is woken by the publish after an enqueue, not by its poll", async () => {
       const { registry, enqueue } = setup();
       await registry.active(); // subscribed

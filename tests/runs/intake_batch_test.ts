@@ -8,7 +8,7 @@ import { KeyReused } from "../../src/idempotency/errors.ts";
 import { createReplicaAck, NotReplicated, type ReplicaAck } from "../../src/redis/replica_ack.ts";
 import { createIntake, INTAKE_SHA, QueueFull } from "../../src/runs/intake.ts";
 import { serviceKeys } from "../../src/runs/keys.ts";
-import { createTestRedis } from "../_support.ts";
+import { createTestRedis, waitFor } from "../_support.ts";
 
 const PATH = "/v1/summaries";
 const request = (text: string) => ({ text, notify: "ops@example.com" });
@@ -164,6 +164,37 @@ Deno.test("intake: submissions that arrive together share one script call", asyn
       },
     );
   } finally {
+    await r.close();
+  }
+});
+
+Deno.test("intake: one call announces its lanes in one message, and adds to the sets only the lanes they lack", async () => {
+  const r = await createTestRedis();
+  const keys = serviceKeys(r.prefix);
+  const listener = r.redis.duplicate();
+  const heard: string[] = [];
+  listener.on("message", (_channel: string, message: string) => heard.push(message));
+  try {
+    await listener.subscribe(keys.registry.wake);
+    const { redis, calls } = counted(r.redis);
+    const intake = createIntake({ redis }, { keys, resultTtlS: 600, path: PATH });
+    const scope = (tenant: string, key: string) => ({ tenant, method: "POST", path: PATH, key });
+    // A lane already among those with work: the call adds only the others to the registry's sets.
+    await r.redis.sadd(keys.registry.active, "beta");
+    const before = calls();
+    await Promise.all(
+      ["alpha", "beta", "gamma", "alpha"].map((tenant, i) =>
+        intake.submit({ scope: scope(tenant, `key-lanes-${i}-0000000000`), request: request(`doc ${i}`) })
+      ),
+    );
+    assert.equal(calls() - before, 1, "one script call");
+    await waitFor("the wake-up", () => heard.length > 0, 2_000);
+    assert.deepEqual(heard, ["alpha beta gamma"], "one message naming each lane once");
+    assert.deepEqual((await r.redis.smembers(keys.registry.active)).sort(), ["alpha", "beta", "gamma"]);
+    // `all` got the lanes `active` lacked (beta was put in `active` alone, by hand, above).
+    assert.deepEqual((await r.redis.smembers(keys.registry.all)).sort(), ["alpha", "gamma"]);
+  } finally {
+    listener.disconnect();
     await r.close();
   }
 });
