@@ -81,7 +81,7 @@ Deno.test("expiry", async (t) => {
   const keys = serviceKeys(r.prefix);
   // A run's calls are those whose prompt carries its text; `[[hang]]`, `[[slow]]` and `[[fail]]` steer the fake.
   const model = startFakeModel((_, prompt) => {
-    if (prompt.includes("[[slow]]")) return { kind: "ok", content: "late answer", delayMs: 600 };
+    if (prompt.includes("[[slow]]")) return { kind: "ok", content: "late answer", delayMs: 3_000 };
     if (prompt.includes("[[fail]]")) return { kind: "status", status: 500, body: { error: { message: "boom" } } };
     return { kind: "ok", content: "ok" };
   });
@@ -217,12 +217,14 @@ Deno.test("expiry", async (t) => {
     });
 
     await t.step("a permit granted past the expiry by a deployment deaf to its signal goes back unsent", async () => {
-      const models = lateModels(llm, 500);
-      const runId = await enqueue("late-permit", { expires_at: Date.now() + 150 });
+      // Margins of seconds, not milliseconds: a loaded machine (CI beside other runs) may take a few hundred ms to
+      // start the worker, and a run taken after its expiry never asks for a permit at all.
+      const models = lateModels(llm, 3_000);
+      const runId = await enqueue("late-permit", { expires_at: Date.now() + 1_500 });
       const stop = running(summaryWorker({ redis: r.redis, sql: db.sql, models, keys }));
       try {
         await waitFor("expired", () => outcomeOf(runId));
-        await waitFor("the late permit settled", () => models.settled.length > 0);
+        await waitFor("the late permit settled", () => models.settled.length > 0, 10_000);
       } finally {
         await stop();
       }
@@ -344,10 +346,15 @@ Deno.test("expiry", async (t) => {
     });
 
     await t.step("a call already sent when the run expires finishes, and the run is done", async () => {
-      const runId = await enqueue("[[slow]] in flight", { expires_at: Date.now() + 250 });
-      const stop = running(summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }));
+      // The call starts well within the expiry (1.5 s, however loaded the machine) and answers after it (3 s).
+      const runId = await enqueue("[[slow]] in flight", { expires_at: Date.now() + 1_500 });
+      const stop = running(
+        summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, {
+          job: { perCallTimeoutMs: 6_000, budgetMs: 10_000 },
+        }),
+      );
       try {
-        await waitFor("done", () => outcomeOf(runId), 5_000);
+        await waitFor("done", () => outcomeOf(runId), 10_000);
       } finally {
         await stop();
       }
@@ -357,14 +364,15 @@ Deno.test("expiry", async (t) => {
     });
 
     await t.step("a retry due after the expiry does not start: one call, then expired", async () => {
-      const runId = await enqueue("[[fail]] then retry", { expires_at: Date.now() + 300 });
+      // The first attempt starts well within the expiry (1.5 s); the retry is due 3 s after it fails.
+      const runId = await enqueue("[[fail]] then retry", { expires_at: Date.now() + 1_500 });
       const stop = running(
         summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, {
-          job: { backoffBaseMs: 500, backoffCapMs: 500, random: () => 1 },
+          job: { backoffBaseMs: 3_000, backoffCapMs: 3_000, random: () => 1 },
         }),
       );
       try {
-        await waitFor("expired", () => outcomeOf(runId), 5_000);
+        await waitFor("expired", () => outcomeOf(runId), 10_000);
         await waitFor("acknowledged", async () => (await pending()) === 0);
       } finally {
         await stop();
