@@ -28,11 +28,21 @@ export async function usageReport(
   const usd = (nanos: number | null) => (nanos === null ? null : nanosToUsd(nanos));
   // Spelled out, for the columns' order: calls and latency, then cost, then the cache.
   return lines.map((
-    { cost_nanos, unpriced_calls, cache_hits, saved_prompt_tokens, saved_completion_tokens, saved_nanos, ...line },
+    {
+      cost_nanos,
+      unpriced_calls,
+      batch_calls,
+      cache_hits,
+      saved_prompt_tokens,
+      saved_completion_tokens,
+      saved_nanos,
+      ...line
+    },
   ) => ({
     ...line,
     cost_usd: usd(cost_nanos),
     unpriced_calls,
+    batch_calls,
     cache_hits,
     saved_prompt_tokens,
     saved_completion_tokens,

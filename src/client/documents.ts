@@ -167,6 +167,8 @@ export interface UsageFigures {
   /** Null when none of the calls had a price. */
   cost_usd: number | null;
   unpriced_calls: number;
+  /** Of the calls, those made through a provider batch, at the model's batch prices. */
+  batch_calls: number;
   cache_hits: number;
   /** What the cache hits would have cost. */
   saved: { tokens: { prompt: number; completion: number }; cost_usd: number | null };

@@ -514,6 +514,8 @@ export interface TaskAttemptUsage extends Omit<AttemptUsage, "p50_ms" | "p99_ms"
   cost_nanos: number | null;
   /** Calls recorded without a price (their model had none), which `cost_nanos` leaves out. */
   unpriced_calls: number;
+  /** Of the calls, those made through a provider batch (a `batch_id`, priced at the model's batch prices). */
+  batch_calls: number;
   /** Runs answered from the result cache (`cache_hits`), and the source runs' tokens and cost they saved. */
   cache_hits: number;
   saved_prompt_tokens: number;
@@ -543,7 +545,8 @@ export async function taskAttemptUsage(
         round(percentile_cont(0.5) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p50_ms,
         round(percentile_cont(0.99) WITHIN GROUP (ORDER BY duration_ms)::numeric, 1)::float8 AS p99_ms,
         (sum(cost_usd) * 1000000000)::bigint::float8 AS cost_nanos,
-        (count(*) FILTER (WHERE cost_usd IS NULL))::int AS unpriced_calls
+        (count(*) FILTER (WHERE cost_usd IS NULL))::int AS unpriced_calls,
+        (count(*) FILTER (WHERE batch_id IS NOT NULL))::int AS batch_calls
       FROM model_attempts
       WHERE started_at >= now() - ${sinceS} * interval '1 second' ${own()}
       GROUP BY tenant, task, version, model
@@ -561,7 +564,7 @@ export async function taskAttemptUsage(
       coalesce(a.calls, 0) AS calls, coalesce(a.jobs, 0) AS jobs,
       coalesce(a.prompt_tokens, 0) AS prompt_tokens, coalesce(a.completion_tokens, 0) AS completion_tokens,
       coalesce(a.failures, 0) AS failures, coalesce(a.retries, 0) AS retries, a.p50_ms, a.p99_ms,
-      a.cost_nanos, coalesce(a.unpriced_calls, 0) AS unpriced_calls,
+      a.cost_nanos, coalesce(a.unpriced_calls, 0) AS unpriced_calls, coalesce(a.batch_calls, 0) AS batch_calls,
       coalesce(h.cache_hits, 0) AS cache_hits, coalesce(h.saved_prompt_tokens, 0) AS saved_prompt_tokens,
       coalesce(h.saved_completion_tokens, 0) AS saved_completion_tokens, h.saved_nanos
     FROM a FULL JOIN h ON a.tenant = h.tenant AND a.task = h.task AND a.version = h.version AND a.model = h.model

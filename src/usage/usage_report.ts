@@ -17,6 +17,7 @@ interface Sum {
   completion: number;
   costNanos: number | null;
   unpriced: number;
+  batch: number;
   hits: number;
   savedPrompt: number;
   savedCompletion: number;
@@ -30,6 +31,7 @@ const empty = (): Sum => ({
   completion: 0,
   costNanos: null,
   unpriced: 0,
+  batch: 0,
   hits: 0,
   savedPrompt: 0,
   savedCompletion: 0,
@@ -45,6 +47,7 @@ function add(sum: Sum, line: TaskAttemptUsage): void {
   sum.completion += line.completion_tokens;
   sum.costNanos = plus(sum.costNanos, line.cost_nanos);
   sum.unpriced += line.unpriced_calls;
+  sum.batch += line.batch_calls;
   sum.hits += line.cache_hits;
   sum.savedPrompt += line.saved_prompt_tokens;
   sum.savedCompletion += line.saved_completion_tokens;
@@ -58,6 +61,7 @@ function figures(sum: Sum): UsageFigures {
     tokens: { prompt: sum.prompt, completion: sum.completion },
     cost_usd: sum.costNanos === null ? null : nanosToUsd(sum.costNanos),
     unpriced_calls: sum.unpriced,
+    batch_calls: sum.batch,
     cache_hits: sum.hits,
     saved: {
       tokens: { prompt: sum.savedPrompt, completion: sum.savedCompletion },

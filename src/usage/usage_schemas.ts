@@ -14,6 +14,9 @@ export const UsageFigures = z.object({
       "call that timed out after it was sent; null when none had a price",
   ),
   unpriced_calls: z.number().int().describe("Calls whose model had no price, left out of cost_usd"),
+  batch_calls: z.number().int().describe(
+    "Of the calls, those made through a provider batch (priority batch), charged at the model's batch prices",
+  ),
   cache_hits: z.number().int().describe("Runs answered from the result cache, with no model call"),
   saved: z.object({
     tokens: Tokens,

@@ -271,7 +271,7 @@ Deno.test("usage reports per tenant, task, task version and model, from rows as 
     );
     assert.match(
       table[0]!,
-      /\scost_usd\s+unpriced_calls\s+cache_hits\s+saved_prompt_tokens\s+saved_completion_tokens\s+saved_usd$/,
+      /\scost_usd\s+unpriced_calls\s+batch_calls\s+cache_hits\s+saved_prompt_tokens\s+saved_completion_tokens\s+saved_usd$/,
     );
 
     // JSON lines carry task and version; --since reaches the older call.

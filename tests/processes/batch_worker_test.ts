@@ -11,6 +11,7 @@ import { silentLogger } from "../../src/log/logger.ts";
 import { createRegistry } from "../../src/metrics/metrics.ts";
 import { startWorker } from "../../src/processes/worker_process.ts";
 import { putTaskVersion } from "../../src/jobs/task_store.ts";
+import { usageReport } from "../../src/cli/usage_command.ts";
 import { KEY_PREFIX, serviceKeys } from "../../src/runs/keys.ts";
 import type { BatchScript } from "../support/fake_batch_api.ts";
 import { type FakeModelServer, startFakeModel } from "../support/fake_model_server.ts";
@@ -112,6 +113,9 @@ Deno.test("the worker process sends 20 batch runs through one provider batch: ea
     assert.equal(p.server.batches.counts.creates, 1, "one provider batch");
     assert.equal(p.server.batches.linesSent, 20, "each line sent once");
     assert.equal(p.server.requests, 0, "no online call");
+    // `deno task usage` and GET /v1/usage count them as calls, all of them batch calls.
+    const usage = await usageReport(p.sql, { tenant: "acme", sinceS: 3600 });
+    assert.deepEqual(usage.map((u) => [u.task, u.calls, u.batch_calls]), [["summarize", 20, 20]]);
   } finally {
     await p.close();
   }
