@@ -1,7 +1,7 @@
 import assert from "node:assert/strict";
 import { createBatchClient } from "../../src/batches/batch_client.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
-import type { BatchScript } from "../support/fake_batch_api.ts";
+import type { BatchApiStep, BatchScript } from "../support/fake_batch_api.ts";
 
 const line = (id: string, content = `text ${id}`) =>
   JSON.stringify({
@@ -122,4 +122,64 @@ Deno.test("fake Batch API: a file with a duplicate custom_id fails its batch (sg
     assert.equal(b.status, "failed");
     assert.equal(b.output_file_id, null);
   });
+});
+
+Deno.test("fake Batch API: the after hook runs once the work is done, before the answer, which a client that left loses", async () => {
+  const events: BatchApiStep[] = [];
+  let holdCreate: Promise<void> | undefined;
+  let createDone!: () => void;
+  const server = startFakeModel(undefined, {
+    batches: () => ({}),
+    afterBatchStep: async (event) => {
+      events.push(event);
+      if (event.step === "create" && holdCreate) {
+        createDone();
+        await holdCreate;
+      }
+    },
+  });
+  try {
+    const client = createBatchClient({ apiKey: "k", baseURL: server.url });
+    const file = await client.upload(line("a") + "\n" + line("b") + "\n", "f");
+    assert.deepEqual(events, [{ step: "upload", fileId: file, filename: "f", lines: 2 }]);
+    // The create is held in the hook while its client gives up: the batch exists, the answer is lost.
+    let release!: () => void;
+    holdCreate = new Promise((resolve) => (release = resolve));
+    const reached = new Promise<void>((resolve) => (createDone = resolve));
+    const giveUp = new AbortController();
+    const lost = fetch(`${server.url}/batches`, {
+      method: "POST",
+      headers: { "content-type": "application/json", authorization: "Bearer k" },
+      body: JSON.stringify({
+        input_file_id: file,
+        endpoint: "/v1/chat/completions",
+        completion_window: "24h",
+        metadata: { oncely_batch: "ours" },
+      }),
+      signal: giveUp.signal,
+    });
+    await reached;
+    giveUp.abort();
+    await assert.rejects(lost);
+    release();
+    holdCreate = undefined;
+    assert.deepEqual(server.batches.batches.map((b) => [b.metadata, b.customIds]), [[{ oncely_batch: "ours" }, [
+      "a",
+      "b",
+    ]]]);
+    const found = await client.findByMetadata("ours", 0);
+    assert.ok(found);
+    const ended = await client.retrieve(found.id);
+    await client.content(ended.output_file_id!);
+    assert.deepEqual(events.slice(1).map((e) => e.step), ["create", "list", "retrieve", "content"]);
+    assert.deepEqual(events.at(-2), { step: "retrieve", batchId: found.id, status: "completed" });
+    assert.deepEqual(events.at(-1), {
+      step: "content",
+      fileId: ended.output_file_id,
+      file: "output",
+      batchId: found.id,
+    });
+  } finally {
+    await server.close();
+  }
 });

@@ -111,7 +111,6 @@ import postgres from "postgres";
 import { sleep } from "../../src/async/timeout.ts";
 import { parseConfig } from "../../src/config.ts";
 import type { Command } from "../../src/commands.ts";
-import { permissionFlags } from "../../src/permissions.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { RUN_KEY_PREFIX, SUMMARY_READY_KEY_PREFIX, SUMMARY_WEBHOOK_KEY_PREFIX } from "../../src/runs/shapes.ts";
 import { compileSchema } from "../../src/tasks/json_schema.ts";
@@ -137,6 +136,7 @@ import { type LocalCluster, startLocalCluster } from "../support/redis_cluster.t
 import { type RedisSentinel, startRedisSentinel } from "../support/redis_sentinel.ts";
 import { connectRedis, type RedisClient } from "../../src/clients.ts";
 import { launchFlags } from "../../main.ts";
+import { apiHealthy, createSpawner, MAIN, type Proc, stopAll, taskArgsOf } from "./_processes.ts";
 import { freePort } from "../support/free_port.ts";
 import { seededRandom } from "../support/random.ts";
 import { pgFailoverMode, startPgFailover } from "./pg_failover.ts";
@@ -516,8 +516,6 @@ const env: Record<string, string> = {
   ...(BUDGETS ? PRICE_ENV : {}),
 };
 const config = parseConfig(env);
-const MAIN = decodeURIComponent(new URL("../../main.ts", import.meta.url).pathname);
-const MIGRATIONS = decodeURIComponent(new URL("../../migrations/", import.meta.url).pathname);
 
 /**
  * What `deno task <task>` runs for this configuration: main.ts with the
@@ -528,7 +526,7 @@ const MIGRATIONS = decodeURIComponent(new URL("../../migrations/", import.meta.u
  * every start as `deno task` would, and checked to name every node.
  */
 async function taskArgs(task: Command): Promise<string[]> {
-  if (!sentinel) return ["run", ...permissionFlags(task, config, MIGRATIONS), MAIN, task];
+  if (!sentinel) return taskArgsOf(task, config);
   const flags = await launchFlags(task, config);
   // The relay's set must keep every node out, the others' must let every node in.
   const net = flags.find((f) => f.startsWith("--deny-net=")) ?? flags.find((f) => f.startsWith("--allow-net="));
@@ -544,61 +542,9 @@ async function taskArgs(task: Command): Promise<string[]> {
 /** With --sentinel: permission sets the launcher derived, each checked to name every node. */
 let launcherSets = 0;
 
-interface Proc {
-  name: string;
-  task: Command;
-  child: Deno.ChildProcess;
-  /** Settles once the process has logged its start (the API listens; a worker has its Redis connection). */
-  started: Promise<void>;
-  /** Settles once both pipes are drained into the log file and its handles closed (and so flushed). */
-  logged: Promise<unknown>;
-}
 const procs: Proc[] = [];
-/** Processes that exited without being killed by us: each must survive Redis and Postgres restarts. */
-const selfExits: string[] = [];
-const killedByUs = new Set<Deno.ChildProcess>();
-
-async function spawn(name: string, task: Command): Promise<Proc> {
-  const open = () => Deno.open(`${logDir}/${name}.log`, { append: true, create: true });
-  const [out, err] = [await open(), await open()];
-  const child = new Deno.Command(Deno.execPath(), { args: await taskArgs(task), env, stdout: "piped", stderr: "piped" })
-    .spawn();
-  let markStarted!: () => void;
-  const started = new Promise<void>((resolve) => (markStarted = resolve));
-  // Keep the pipes drained into the log file (a full pipe would stall the process). One handle per pipe: a
-  // handle's writable takes one writer, so a second pipeTo onto it fails at once and leaves that pipe undrained,
-  // and the service logs to stderr: after 64 KiB its next line blocks it for good, deaf even to SIGTERM. Each pipe
-  // closes its handle when the process is gone; the writable buffers, and only that close writes out the rest.
-  const logged = Promise.all([
-    child.stdout.pipeTo(out.writable).catch(() => {}),
-    child.stderr.pipeThrough(startWatch(markStarted)).pipeTo(err.writable).catch(() => {}),
-  ]);
-  child.status.then((status) => {
-    if (!killedByUs.has(child)) selfExits.push(`${name} (exit ${status.code})`);
-  });
-  return { name, task, child, started, logged };
-}
-
-/** The line each process logs once it is up: the API listening, a worker connected, a relay running. */
-const START_EVENT = /"event":"(api_listening|worker_started|relay_started)"/;
-
-/** Passes a process's log through unchanged, and calls `onStart` once its start line has gone by. */
-function startWatch(onStart: () => void): TransformStream<Uint8Array, Uint8Array> {
-  const decoder = new TextDecoder();
-  let tail = "", seen = false;
-  return new TransformStream({
-    transform(chunk, controller) {
-      if (!seen) {
-        const text = tail + decoder.decode(chunk, { stream: true });
-        // The end of this chunk is kept, in case the start line straddles two.
-        tail = text.slice(-100);
-        seen = START_EVENT.test(text);
-        if (seen) onStart();
-      }
-      controller.enqueue(chunk);
-    },
-  });
-}
+/** Processes that exited without being killed by us (`selfExits`): each must survive Redis and Postgres restarts. */
+const { spawn, killedByUs, selfExits } = createSpawner({ logDir, env, argsOf: taskArgs });
 
 // ---------------------------------------------------------------- budgets
 /** The first model call of job i, as the worker sends it: what --budgets sizes the budgets by. */
@@ -677,18 +623,8 @@ for (
   ]] as const
 ) procs.push(await spawn(name, task));
 
-async function apiUp(timeoutMs: number) {
-  const end = performance.now() + timeoutMs;
-  while (performance.now() < end) {
-    try {
-      const res = await fetch(`http://127.0.0.1:${apiPort}/healthz`);
-      await res.body?.cancel();
-      if (res.ok) return;
-    } catch { /* not yet */ }
-    await sleep(100);
-  }
-  throw new Error(`the API did not come up; see ${logDir}/api.log`);
-}
+/** Waits until the API answers /healthz. */
+const apiUp = (timeoutMs: number) => apiHealthy(apiPort, timeoutMs, logDir);
 await apiUp(30_000);
 
 /**
@@ -1728,25 +1664,8 @@ async function describeStranded(s: Submission): Promise<string> {
 
 // ---------------------------------------------------------------- clean up
 const stoppedCleanly = selfExits.length === 0;
-for (const p of procs) {
-  killedByUs.add(p.child);
-  p.child.kill("SIGTERM");
-}
 // Each process promises to exit within 10 s of SIGTERM: one that has not after 15 s is SIGKILLed, and fails the run.
-const stuck: string[] = [];
-await Promise.all(procs.map(async (p) => {
-  const bound = new AbortController();
-  const stopped = await Promise.race([
-    p.child.status.then(() => true),
-    sleep(15_000, bound.signal).then(() => false, () => true),
-  ]);
-  bound.abort();
-  if (stopped) return;
-  stuck.push(p.name);
-  p.child.kill("SIGKILL");
-  await p.child.status;
-}));
-await Promise.all(procs.map((p) => p.logged));
+const stuck = await stopAll(procs, killedByUs);
 await dropProxy?.close();
 await model.close();
 await deployments?.close();

@@ -6,7 +6,9 @@
  * `FileObject`, `CursorPage`, output and error lines `{id, custom_id, response: {status_code, request_id, body},
  * error}`). How each batch goes is scripted ({@linkcode BatchScript}): a delay before it ends, and each line
  * answered, refused (an error line), or left unfinished (an expired batch's `batch_expired` lines; its completed
- * lines are kept in its output file, as OpenAI keeps them).
+ * lines are kept in its output file, as OpenAI keeps them). A hook ({@linkcode FakeBatchApiOptions.after}) runs after
+ * each request's work is done and before its answer leaves, so a test can stop its client there: the provider
+ * did the work, and the answer is lost.
  */
 import {
   type ChatBody,
@@ -33,6 +35,31 @@ export interface BatchScript {
   end?: "completed" | "expired";
   /** Each line's outcome (default: answered). */
   line?: (customId: string, body: ChatBody, index: number) => LineOutcome;
+}
+
+/** A request the fake has done the work of, about to be answered (see {@linkcode FakeBatchApiOptions.after}). */
+export type BatchApiStep =
+  /** `POST /v1/files`: the file is stored. */
+  | { step: "upload"; fileId: string; filename: string; lines: number }
+  /** `POST /v1/batches`: the batch is created (its answer may still be a scripted loss, see `loseCreateReplies`). */
+  | { step: "create"; batchId: string; metadata: Record<string, string> | null; customIds: readonly string[] }
+  /** `GET /v1/batches/{id}`: its status as answered (an ended one has its files). */
+  | { step: "retrieve"; batchId: string; status: string }
+  /** `GET /v1/batches`: one page of the list. */
+  | { step: "list"; batches: number }
+  /**
+   * `GET /v1/files/{id}/content`: the file read, and which it is: a batch's `output` or `error` file (with that
+   * batch's id), or an uploaded `input` file.
+   */
+  | { step: "content"; fileId: string; file: "output" | "error" | "input"; batchId?: string };
+
+/** Options of {@linkcode createFakeBatchApi}. */
+export interface FakeBatchApiOptions {
+  /**
+   * Awaited after the fake did a request's work and before it answers: a test that kills its client here loses
+   * the answer of a request the provider carried out. Not called for a request the fake refused (400, 404).
+   */
+  after?: (event: BatchApiStep) => void | Promise<void>;
 }
 
 /** One request line of a batch input file, as the Batch API reads it. */
@@ -62,6 +89,8 @@ interface StoredBatch {
   created_at: number;
   createdMs: number;
   script: BatchScript;
+  /** The custom_ids of its input file's lines, in order. */
+  customIds: string[];
   cancelled: boolean;
   /** Set once it ended: its status and files. */
   ended?: {
@@ -87,8 +116,13 @@ export interface FakeBatchApi {
     cancels: number;
     contentReads: number;
   };
-  /** Batches created, oldest first (their ids and metadata), for assertions. */
-  readonly batches: readonly { id: string; metadata: Record<string, string> | null; lines: number }[];
+  /** Batches created, oldest first (their ids, metadata and the custom_ids of their lines), for assertions. */
+  readonly batches: readonly {
+    id: string;
+    metadata: Record<string, string> | null;
+    lines: number;
+    customIds: readonly string[];
+  }[];
   /** Request lines across every batch created, for assertions (a line sent twice is counted twice). */
   readonly linesSent: number;
   /**
@@ -101,7 +135,10 @@ export interface FakeBatchApi {
 const CHAT_ENDPOINT = "/v1/chat/completions";
 
 /** The fake API, each batch going as `script(n)` says (`n` counts batches created, from 1). */
-export function createFakeBatchApi(script: (n: number) => BatchScript = () => ({})): FakeBatchApi {
+export function createFakeBatchApi(
+  script: (n: number) => BatchScript = () => ({}),
+  { after = () => {} }: FakeBatchApiOptions = {},
+): FakeBatchApi {
   const files = new Map<string, StoredFile>();
   const batches: StoredBatch[] = [];
   const counts = { uploads: 0, creates: 0, retrieves: 0, lists: 0, cancels: 0, contentReads: 0 };
@@ -115,6 +152,8 @@ export function createFakeBatchApi(script: (n: number) => BatchScript = () => ({
     files.set(file.id, file);
     return file;
   };
+  const linesOf = (f: StoredFile) =>
+    f.content.split("\n").filter((l) => l.trim() !== "").map((l) => JSON.parse(l) as InputLine);
   const fileObject = (f: StoredFile) => ({
     id: f.id,
     object: "file",
@@ -130,8 +169,7 @@ export function createFakeBatchApi(script: (n: number) => BatchScript = () => ({
     if (b.ended) return;
     const due = performance.now() - b.createdMs >= (b.script.delayMs ?? 0);
     if (!due && !b.cancelled) return;
-    const input = files.get(b.input_file_id)!;
-    const lines = input.content.split("\n").filter((l) => l.trim() !== "").map((l) => JSON.parse(l) as InputLine);
+    const lines = linesOf(files.get(b.input_file_id)!);
     const seen = new Set<string>();
     const duplicate = lines.findIndex((l) => seen.size === seen.add(l.custom_id).size);
     if (duplicate >= 0) {
@@ -246,15 +284,28 @@ export function createFakeBatchApi(script: (n: number) => BatchScript = () => ({
       if (form.get("purpose") !== "batch" || !(file instanceof File)) {
         return Response.json(errorBody("purpose must be batch, with a file", "invalid_request_error"), { status: 400 });
       }
-      return Response.json(fileObject(storeFile("batch", file.name, await file.text())));
+      const stored = storeFile("batch", file.name, await file.text());
+      await after({
+        step: "upload",
+        fileId: stored.id,
+        filename: stored.filename,
+        lines: stored.content.split("\n").filter((l) => l.trim()).length,
+      });
+      return Response.json(fileObject(stored));
     }
     const content = path.match(/^\/files\/([^/]+)\/content$/);
     if (req.method === "GET" && content) {
       counts.contentReads++;
       const f = files.get(content[1]!);
-      return f
-        ? new Response(f.content, { headers: { "content-type": "application/octet-stream" } })
-        : notFound("file");
+      if (!f) return notFound("file");
+      const of = batches.find((b) => b.ended?.output_file_id === f.id || b.ended?.error_file_id === f.id);
+      await after({
+        step: "content",
+        fileId: f.id,
+        file: of ? (of.ended!.output_file_id === f.id ? "output" : "error") : "input",
+        ...(of ? { batchId: of.id } : {}),
+      });
+      return new Response(f.content, { headers: { "content-type": "application/octet-stream" } });
     }
     if (req.method === "POST" && path === "/batches") {
       counts.creates++;
@@ -277,10 +328,12 @@ export function createFakeBatchApi(script: (n: number) => BatchScript = () => ({
         created_at: now(),
         createdMs: performance.now(),
         script: script(batches.length + 1),
+        customIds: linesOf(input).map((l) => l.custom_id),
         cancelled: false,
       };
       batches.push(b);
-      linesSent += input.content.split("\n").filter((l) => l.trim() !== "").length;
+      linesSent += b.customIds.length;
+      await after({ step: "create", batchId: b.id, metadata: b.metadata, customIds: b.customIds });
       if (lostReplies > 0) {
         lostReplies--;
         return Response.json(errorBody("scripted: the reply was lost", "server_error"), { status: 500 });
@@ -291,12 +344,14 @@ export function createFakeBatchApi(script: (n: number) => BatchScript = () => ({
       counts.lists++;
       const limit = Math.min(100, Number(url.searchParams.get("limit") ?? 20));
       const newest = [...batches].reverse();
-      const after = url.searchParams.get("after");
-      const start = after ? newest.findIndex((b) => b.id === after) + 1 : 0;
+      const cursor = url.searchParams.get("after");
+      const start = cursor ? newest.findIndex((b) => b.id === cursor) + 1 : 0;
       const page = newest.slice(start, start + limit);
+      const data = page.map(batchObject);
+      await after({ step: "list", batches: page.length });
       return Response.json({
         object: "list",
-        data: page.map(batchObject),
+        data,
         first_id: page[0]?.id ?? null,
         last_id: page.at(-1)?.id ?? null,
         has_more: start + limit < newest.length,
@@ -313,7 +368,9 @@ export function createFakeBatchApi(script: (n: number) => BatchScript = () => ({
       }
       if (req.method === "GET" && !one[2]) {
         counts.retrieves++;
-        return Response.json(batchObject(b));
+        const answer = batchObject(b);
+        await after({ step: "retrieve", batchId: b.id, status: answer.status });
+        return Response.json(answer);
       }
     }
     return new Response("not found", { status: 404 });
@@ -328,7 +385,8 @@ export function createFakeBatchApi(script: (n: number) => BatchScript = () => ({
       return batches.map((b) => ({
         id: b.id,
         metadata: b.metadata,
-        lines: files.get(b.input_file_id)!.content.split("\n").filter((l) => l.trim() !== "").length,
+        lines: b.customIds.length,
+        customIds: b.customIds,
       }));
     },
     get linesSent() {

@@ -6,7 +6,7 @@
 import { summariseExtractively } from "../../src/llm/extractive.ts";
 import { SUMMARY_INSTRUCTION } from "../../src/llm/llm.ts";
 import { instanceOf } from "../../src/llm/schema_instance.ts";
-import { type BatchScript, createFakeBatchApi, type FakeBatchApi } from "./fake_batch_api.ts";
+import { type BatchScript, createFakeBatchApi, type FakeBatchApi, type FakeBatchApiOptions } from "./fake_batch_api.ts";
 
 /** What the server does with one request. */
 export type ModelBehaviour =
@@ -143,12 +143,18 @@ export function errorBody(message: string, type: string, code: string | null = n
   return { error: { message, type, param: null, code } };
 }
 
-/** Starts the server on an ephemeral loopback port. */
+/**
+ * Starts the server on an ephemeral loopback port. `batches` scripts each batch of its Batch API, and
+ * `afterBatchStep` runs after each Files or Batches request's work, before its answer (see `fake_batch_api.ts`).
+ */
 export function startFakeModel(
   respond: (n: number, prompt: string) => ModelBehaviour = () => ({ kind: "ok" }),
-  { batches: batchScript }: { batches?: (n: number) => BatchScript } = {},
+  { batches: batchScript, afterBatchStep }: {
+    batches?: (n: number) => BatchScript;
+    afterBatchStep?: FakeBatchApiOptions["after"];
+  } = {},
 ): FakeModelServer {
-  const batches = createFakeBatchApi(batchScript);
+  const batches = createFakeBatchApi(batchScript, { after: afterBatchStep });
   const hangs = new Set<() => void>();
   const state = {
     requests: 0,
