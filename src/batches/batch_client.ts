@@ -37,9 +37,12 @@ export interface ProviderBatch {
 /** The Files and Batches API of one deployment. */
 export interface BatchClient {
   /** Uploads a JSONL file with `purpose: batch`. @returns its file id. */
-  upload(jsonl: string, filename: string): Promise<string>;
-  /** Creates a batch on `/v1/chat/completions` with a 24 h window, its metadata naming our batch. */
-  create(inputFileId: string, ourId: string): Promise<ProviderBatch>;
+  upload(jsonl: string, filename: string, signal?: AbortSignal): Promise<string>;
+  /**
+   * Creates a batch on `/v1/chat/completions` with a 24 h window, its metadata naming our batch. `signal` stops
+   * the request (the process lost its lease on the batch).
+   */
+  create(inputFileId: string, ourId: string, signal?: AbortSignal): Promise<ProviderBatch>;
   retrieve(providerBatchId: string): Promise<ProviderBatch>;
   /**
    * The provider's batch whose metadata names our batch, searched newest first among the batches created since
@@ -77,19 +80,19 @@ export function createBatchClient(options: BatchClientOptions): BatchClient {
     }
   };
   return {
-    upload: (jsonl, filename) =>
+    upload: (jsonl, filename, signal) =>
       wrap(async () => {
         const file = await toFile(new TextEncoder().encode(jsonl), filename, { type: "application/jsonl" });
-        return (await client.files.create({ file, purpose: "batch" })).id;
+        return (await client.files.create({ file, purpose: "batch" }, { signal })).id;
       }),
-    create: (inputFileId, ourId) =>
+    create: (inputFileId, ourId, signal) =>
       wrap(async () =>
         await client.batches.create({
           input_file_id: inputFileId,
           endpoint: "/v1/chat/completions",
           completion_window: "24h",
           metadata: { [BATCH_METADATA_KEY]: ourId },
-        }) as ProviderBatch
+        }, { signal }) as ProviderBatch
       ),
     retrieve: (id) => wrap(async () => await client.batches.retrieve(id) as ProviderBatch),
     findByMetadata: (ourId, sinceS) =>

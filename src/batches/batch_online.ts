@@ -40,11 +40,15 @@ export function createBatchOnline(
       "tenant",
       tenant,
       "payload",
-      onlinePayload(payload),
+      onlinePayload(payload).toWellFormed(),
       // Its age counts from its first acceptance, not from its return to the lane.
       ...(acceptedMs === undefined ? [] : ["accepted_ms", String(acceptedMs)]),
       // A structured run's batch answer, for the worker to check (and repair) rather than call again.
-      ...(answer === undefined ? [] : [BATCH_ANSWER_FIELD, answer.text, BATCH_MODEL_FIELD, answer.model]),
+      // Well-formed: a lone surrogate in a provider's answer would make the script's cjson refuse the argument, and
+      // the line (and those after it) would never settle.
+      ...(answer === undefined
+        ? []
+        : [BATCH_ANSWER_FIELD, answer.text.toWellFormed(), BATCH_MODEL_FIELD, answer.model]),
     ];
     const added = await ONLINE_SCRIPT.run(
       redis,

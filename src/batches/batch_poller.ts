@@ -224,27 +224,23 @@ export function createBatchPoller(
     await settled(row.run_id, "failed");
   };
 
-  const unfinished = async (row: BatchRunRow, why: string) => {
-    if (options.onExpiry === "fail" || !options.online) return await fail(row, `BatchExpired: ${why}`);
-    await options.online({
-      runId: row.run_id,
-      tenant: row.tenant,
-      payload: row.payload,
-      acceptedMs: row.accepted_ms ?? undefined,
-    });
-    // A stop here sends it again on the next read: the online hook queues a run once (see `batch_online.ts`).
-    await fault("online_sent", row.run_id);
-    await settled(row.run_id, "online");
-  };
-
-  // A structured run's answer goes to a worker, which has the validators and makes the repair call if one is
-  // needed: sent as the online path sends (once per run, however often this is read), the answer in its message.
-  const toCheck = async (row: BatchRunRow, answer: { text: string; model: string }) => {
-    if (!options.online) return await fail(row, "BatchAnswerUnchecked: no worker to check it against its schema");
+  // Back on its lane's low stream. A stop after the send sends it again on the next read: the online hook queues
+  // a run once (see `batch_online.ts`).
+  const sendOnline = async (row: BatchRunRow, answer?: OnlineRun["answer"]) => {
     const { run_id: runId, tenant, payload } = row;
-    await options.online({ runId, tenant, payload, acceptedMs: row.accepted_ms ?? undefined, answer });
+    await options.online!({ runId, tenant, payload, acceptedMs: row.accepted_ms ?? undefined, answer });
     await fault("online_sent", runId);
     await settled(runId, "online");
+  };
+  const unfinished = async (row: BatchRunRow, why: string) => {
+    if (options.onExpiry === "fail" || !options.online) return await fail(row, `BatchExpired: ${why}`);
+    await sendOnline(row);
+  };
+  // A structured run's answer goes to a worker, which has the validators and makes the repair call if one is
+  // needed, in its message.
+  const toCheck = async (row: BatchRunRow, answer: OnlineRun["answer"]) => {
+    if (!options.online) return await fail(row, "BatchAnswerUnchecked: no worker to check it against its schema");
+    await sendOnline(row, answer);
   };
 
   const settleLine = async (batch: BatchRow, row: BatchRunRow, line: OutputLine) => {
@@ -278,7 +274,7 @@ export function createBatchPoller(
     await fail(row, `UpstreamHttpError: ${status} ${message}`.trim());
   };
 
-  const settle = async (batch: BatchRow, client: BatchClient) => {
+  const settle = async (batch: BatchRow, client: BatchClient, signal: AbortSignal) => {
     const rows = new Map((await batchRuns(sql, batch.id)).filter((r) => r.in_file).map((r) => [r.run_id, r]));
     const seen = new Set<string>();
     const lines = [...await readLines(client, batch.output_file_id), ...await readLines(client, batch.error_file_id)];
@@ -288,12 +284,15 @@ export function createBatchPoller(
       if (!row || seen.has(row.run_id)) continue;
       seen.add(row.run_id);
       if (row.settled) continue;
+      // Another process may have taken the batch: it settles the rest (each line is settled once either way).
+      signal.throwIfAborted();
       await settleLine(batch, row, line);
       await fault("line_settled", row.run_id);
     }
     // Lines the provider reported nowhere (a batch that failed validation, or was cut short).
     for (const row of rows.values()) {
       if (seen.has(row.run_id) || row.settled) continue;
+      signal.throwIfAborted();
       await unfinished(row, `batch ${batch.provider_status}`);
       await fault("line_settled", row.run_id);
     }
@@ -321,7 +320,7 @@ export function createBatchPoller(
           sql,
           batch,
           options.leaseMs ?? POLLER_DEFAULTS.leaseMs,
-          () => settle(batch, client),
+          ({ signal }) => settle(batch, client, signal),
           () => log.warn("batch_lease_lost", { batch_id: batch.id, state: batch.state }),
         );
       } catch (error) {

@@ -163,35 +163,81 @@ export async function renewLease(sql: Queryable, batch: BatchRow, leaseMs: numbe
   return row ? { ...batch, lease: row.lease } : undefined;
 }
 
+/** A batch's lease was lost, or may have lapsed, while this process worked on it. */
+export class LeaseLost extends Error {
+  constructor(id: string) {
+    super(`the lease on batch ${id} was lost`);
+    this.name = "LeaseLost";
+  }
+}
+
+/** What a step holding a batch's lease gets (`whileLeased`). */
+export interface HeldLease {
+  /** Aborted once the lease is lost, or may lapse before a renewal can confirm it (renewals failing). */
+  signal: AbortSignal;
+  /** Renews the lease now, checking it is still this process's: before an effect no later step can undo. */
+  confirm(): Promise<void>;
+}
+
 /**
  * Runs `work` on `batch` while holding the lease it was taken with: renewed every third of `leaseMs` until `work`
  * ends, then given back. A process killed mid-step holds the batch for at most `leaseMs` more, so the next one
  * resumes it soon; a step that takes longer (a large upload) keeps it. When `work` fails the lease is kept to its
- * end (the next try waits that long). `onLost` is told when a renewal finds the lease taken (this process stalled
- * past it): the step's own compare-and-set writes then decide.
+ * end (the next try waits that long). `work`'s signal aborts when a renewal finds the lease taken (this process
+ * stalled past it), or when renewals have failed until the lease could lapse within a third of it (Postgres out
+ * of reach): another process may take the batch from then on, so the step stops its provider call, and `onLost`
+ * is told.
  */
 export async function whileLeased<T>(
   sql: Queryable,
   batch: BatchRow,
   leaseMs: number,
-  work: () => Promise<T>,
+  work: (lease: HeldLease) => Promise<T>,
   onLost: () => void = () => {},
 ): Promise<T> {
   let held: BatchRow | undefined = batch;
-  let renewing = false;
+  const lost = new AbortController();
+  const lose = () => {
+    if (lost.signal.aborted) return;
+    held = undefined;
+    lost.abort(new LeaseLost(batch.id));
+    onLost();
+  };
+  // Until when the lease surely holds: `leaseMs` after the last renewal that was sent and confirmed.
+  let validUntil = performance.now() + leaseMs;
+  const renew = async () => {
+    if (!held) throw new LeaseLost(batch.id);
+    const sent = performance.now();
+    const renewed = await renewLease(sql, held, leaseMs);
+    if (!renewed) {
+      lose();
+      throw new LeaseLost(batch.id);
+    }
+    held = renewed;
+    validUntil = sent + leaseMs;
+  };
+  let pending: Promise<void> | undefined;
   const timer = leaseMs >= 30
     ? setInterval(() => {
-      if (renewing || !held) return;
-      renewing = true;
-      renewLease(sql, held, leaseMs).then((renewed) => {
-        if (!renewed) onLost();
-        held = renewed;
-      }, () => {}).finally(() => renewing = false);
+      if (!held) return;
+      // Checked before a renewal still in flight is waited for: one that hangs (Postgres unreachable) confirms nothing.
+      if (performance.now() > validUntil - leaseMs / 3) return lose();
+      if (pending) return;
+      pending = renew().catch(() => {}).finally(() => pending = undefined);
     }, leaseMs / 3)
     : undefined;
   try {
-    const result = await work();
+    const result = await work({
+      signal: lost.signal,
+      confirm: async () => {
+        await pending;
+        await renew();
+      },
+    });
     clearInterval(timer);
+    // A renewal in flight would move the token the release names (a lost lease has nothing to give back, and its
+    // renewal may hang as long as Postgres does).
+    if (held) await pending;
     if (held) await releaseBatch(sql, held);
     return result;
   } finally {
@@ -295,7 +341,9 @@ export async function moveBatch(
 
 /** Records the provider's status of a batch in flight (as polled). */
 export async function notePolled(sql: Queryable, id: string, status: string): Promise<void> {
-  await sql`UPDATE batches SET provider_status = ${status}, updated_at = now() WHERE id = ${id}::uuid`;
+  // Only while in flight: a slow poll's late answer does not overwrite the status another poller ended it with.
+  await sql`
+    UPDATE batches SET provider_status = ${status}, updated_at = now() WHERE id = ${id}::uuid AND state = 'submitted'`;
 }
 
 /** Batches in flight, and those finished within `recentMs`, newest first (for `batches list`). */

@@ -24,6 +24,7 @@ import {
   type BatchRow,
   closeDueBatches,
   fixBatchLines,
+  type HeldLease,
   leaseBatch,
   moveBatch,
   whileLeased,
@@ -75,7 +76,7 @@ export function createBatchSubmitter(
   const leaseMs = options.leaseMs ?? SUBMITTER_DEFAULTS.leaseMs;
   const fault = options.fault ?? (() => {});
 
-  const advance = async (batch: BatchRow): Promise<void> => {
+  const advance = async (batch: BatchRow, { signal, confirm }: HeldLease): Promise<void> => {
     const client = clients.get(batch.deployment);
     if (!client) return log.warn("batch_deployment_unknown", { batch_id: batch.id, deployment: batch.deployment });
     const { id } = batch;
@@ -101,7 +102,7 @@ export function createBatchSubmitter(
       const jsonl = lines.map((l) =>
         JSON.stringify({ custom_id: l.run_id, method: "POST", url: "/v1/chat/completions", body: l.request })
       ).join("\n") + "\n";
-      inputFileId = await client.upload(jsonl, `oncely-batch-${id}.jsonl`);
+      inputFileId = await client.upload(jsonl, `oncely-batch-${id}.jsonl`, signal);
       await fault("uploaded", id);
       if (!await moveBatch(sql, id, "uploading", "uploaded", { input_file_id: inputFileId })) {
         return;
@@ -121,7 +122,9 @@ export function createBatchSubmitter(
       const since = Math.floor((batch.creating_at?.getTime() ?? Date.now()) / 1000) - SUBMITTER_DEFAULTS.searchSlackS;
       const found = freshIntent ? undefined : await client.findByMetadata(id, since);
       if (found) log.info("batch_found_again", { batch_id: id, provider_batch_id: found.id });
-      const created = found ?? await client.create(inputFileId!, id);
+      // Still this process's batch, just before the one effect nothing undoes (a second create is paid twice).
+      if (!found) await confirm();
+      const created = found ?? await client.create(inputFileId!, id, signal);
       await fault("created", id);
       await moveBatch(sql, id, "creating", "submitted", {
         provider_batch_id: created.id,
@@ -144,7 +147,7 @@ export function createBatchSubmitter(
           sql,
           batch,
           leaseMs,
-          () => advance(batch),
+          (lease) => advance(batch, lease),
           () => log.warn("batch_lease_lost", { batch_id: batch.id, state: batch.state }),
         );
       } catch (error) {

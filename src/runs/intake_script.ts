@@ -123,8 +123,7 @@ local function submit(k, a)
   -- The record is new (EXISTS said so above): it has no field to delete (status.del).
   redis.call('HSET', job, unpack(h.status.set))
   if h.status.ttl_s > 0 then redis.call('EXPIRE', job, h.status.ttl_s) end
-  -- Made known after the loop, once for every lane of the call (below): right after its XADD, so a job queued
-  -- has its lane announced by this script even if a later write of its submission fails.
+  -- Made known after the loop, once for every lane of the call (below), in the same script as the XADD.
   if not added[h.lane] then
     added[h.lane] = true
     lanes[#lanes + 1] = h.lane

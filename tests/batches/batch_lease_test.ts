@@ -65,3 +65,50 @@ Deno.test("a holder that stalled past its lease neither renews nor frees the bat
     await world.close();
   }
 });
+
+Deno.test("a step whose renewals fail is stopped before its lease can lapse, and confirms nothing after", async () => {
+  const world = await batchWorld();
+  try {
+    await world.recordRuns(1);
+    const batch = (await leaseBatch(world.sql, STATES, { leaseMs: 300 }))!;
+    // Renewals that never answer, as with Postgres out of reach: a query that waits on a lock held meanwhile.
+    const blocker = await world.sql.reserve();
+    await blocker`BEGIN`;
+    await blocker`SELECT 1 FROM batches WHERE id = ${batch.id}::uuid FOR UPDATE`;
+    let lost = 0;
+    const started = performance.now();
+    const stoppedAfter = await whileLeased(world.sql, batch, 300, async ({ signal }) => {
+      // A provider call that honours the step's signal.
+      await new Promise<void>((resolve) => signal.addEventListener("abort", () => resolve(), { once: true }));
+      return performance.now() - started;
+    }, () => lost++);
+    await blocker`ROLLBACK`;
+    blocker.release();
+    assert.equal(lost, 1, "told once");
+    // The first renewal (at 100 ms) hangs; the tick at 200 ms sees the lease could lapse by 300 ms and stops the step.
+    assert.ok(stoppedAfter < 300, `stopped before the lease could lapse (${stoppedAfter.toFixed(0)} ms)`);
+  } finally {
+    await world.close();
+  }
+});
+
+Deno.test("confirm() before an effect fails once another process has taken the batch", async () => {
+  const world = await batchWorld();
+  try {
+    await world.recordRuns(1);
+    // A lease too short for the renewal timer (under 30 ms): the holder stalls past it, as one whose event loop
+    // was blocked would, and another process takes the batch meanwhile.
+    const stalled = (await leaseBatch(world.sql, STATES, { leaseMs: 20 }))!;
+    let created = 0;
+    const outcome = await whileLeased(world.sql, stalled, 20, async ({ confirm }) => {
+      await sleep(60);
+      assert.ok(await leaseBatch(world.sql, STATES, { leaseMs: 60_000 }));
+      await confirm(); // throws: the create below never goes out
+      created++;
+    }).then(() => "went on", (error) => (error as Error).name);
+    assert.equal(outcome, "LeaseLost");
+    assert.equal(created, 0);
+  } finally {
+    await world.close();
+  }
+});
