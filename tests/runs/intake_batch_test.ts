@@ -187,6 +187,9 @@ Deno.test("intake: one call announces its lanes in one message, and adds to the 
         intake.submit({ scope: scope(tenant, `key-lanes-${i}-0000000000`), request: request(`doc ${i}`) })
       ),
     );
+    // On a cluster a call holds one slot's submissions, one tenant's, and its lane is made known in its home key,
+    // with no wake-up from the script (the API announces it after: tests/runs/intake_test.ts).
+    if (r.redis.isCluster) return assert.equal(calls() - before, 3, "one script call per tenant");
     assert.equal(calls() - before, 1, "one script call");
     await waitFor("the wake-up", () => heard.length > 0, 2_000);
     assert.deepEqual(heard, ["alpha beta gamma"], "one message naming each lane once");
