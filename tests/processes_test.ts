@@ -15,7 +15,7 @@ import { startFakeModel } from "./support/fake_model_server.ts";
 import { enqueueToLane } from "./support/enqueue.ts";
 import { serviceKeys } from "../src/runs/keys.ts";
 import { createTestDatabase, freePort, REDIS_URL, waitFor } from "./_support.ts";
-import { emptyRedisDatabase } from "./support/scratch.ts";
+import { emptyRedisDatabase, releaseRedisDatabase } from "./support/scratch.ts";
 
 const tasks = JSON.parse(await Deno.readTextFile(new URL("../deno.json", import.meta.url))).tasks as Record<
   string,
@@ -215,8 +215,8 @@ Deno.test("processes", async (t) => {
       }
     });
   } finally {
-    await redis.flushdb();
     await redis.quit();
+    await releaseRedisDatabase(redisUrl);
     await mail.close();
     await db.close();
   }

@@ -10,8 +10,7 @@ import { createApiKey } from "../src/tenants/tenant_store.ts";
 import { startFakeMail } from "./support/fake_mail_server.ts";
 import { startFakeModel } from "./support/fake_model_server.ts";
 import { createTestDatabase, freePort, REDIS_URL, waitFor } from "./_support.ts";
-import { emptyRedisDatabase } from "./support/scratch.ts";
-import { Redis } from "ioredis";
+import { emptyRedisDatabase, releaseRedisDatabase } from "./support/scratch.ts";
 
 const ROOT = decodeURIComponent(new URL("..", import.meta.url).pathname);
 
@@ -143,9 +142,7 @@ Deno.test("one job is one trace across the api, worker and relay processes", asy
     await model.close();
     await mail.close();
     // Give the database index back: the tests and the bench share Redis's sixteen.
-    const redis = new Redis(redisUrl, { maxRetriesPerRequest: 1 });
-    await redis.flushdb().catch(() => {});
-    await redis.quit().catch(() => redis.disconnect());
+    await releaseRedisDatabase(redisUrl).catch(() => {});
     await db.close();
   }
 });

@@ -16,11 +16,10 @@
 import { parseConfig } from "../../src/config.ts";
 import { permissionFlags } from "../../src/permissions.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
-import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
+import { createScratchDatabase, emptyRedisDatabase, releaseRedisDatabase } from "../support/scratch.ts";
 import { freePort } from "../support/free_port.ts";
 import { postLoad } from "./wrk.ts";
 import { fmt } from "./stats.ts";
-import { Redis } from "ioredis";
 import { RUN_BODY, TRIAGE_BODIES } from "./triage_task.ts";
 
 const MAIN = decodeURIComponent(new URL("../../main.ts", import.meta.url).pathname);
@@ -207,9 +206,7 @@ if (import.meta.main) {
       child.kill("SIGTERM");
     } catch { /* already gone */ }
     await child.status;
-    const redis = new Redis(redisUrl);
-    await redis.flushdb();
-    await redis.quit();
+    await releaseRedisDatabase(redisUrl).catch(() => {});
     await db.close();
   }
 }

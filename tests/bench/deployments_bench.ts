@@ -13,7 +13,7 @@ import { putTaskVersion } from "../../src/jobs/task_store.ts";
 import { KEY_PREFIX, serviceKeys } from "../../src/runs/keys.ts";
 import { enqueueJob, enqueueRunToLane } from "../support/enqueue.ts";
 import { type LimitedProvider, limitedProvider, startFakeModel } from "../support/fake_model_server.ts";
-import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
+import { createScratchDatabase, emptyRedisDatabase, releaseRedisDatabase } from "../support/scratch.ts";
 import { startWorkerProcess } from "./worker_process.ts";
 import { storedDefinition, TRIAGE_BODIES, triageInput } from "./triage_task.ts";
 
@@ -173,8 +173,8 @@ export async function deploymentsRun(
   } finally {
     for (const w of workers) await w.stop();
     for (const s of servers) await s.model.close();
-    await redis.flushdb().catch(() => {});
     await redis.quit();
+    await releaseRedisDatabase(url).catch(() => {});
     await db.close();
   }
 }

@@ -34,7 +34,7 @@ import { costed, estimate } from "../../src/tasks/validation_cost.ts";
 import { VALIDATION_LIMITS } from "../../src/tasks/validator.ts";
 import { DEFINITION_CHECK } from "../../src/tasks/definition_checker.ts";
 import { TASK_CACHE } from "../../src/tasks/task_cache.ts";
-import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
+import { createScratchDatabase, emptyRedisDatabase, releaseRedisDatabase } from "../support/scratch.ts";
 import { freePort } from "../support/free_port.ts";
 import { heavyDefinition, wideSchema } from "../support/task_definitions.ts";
 import { startApi } from "./api_server.ts";
@@ -119,8 +119,8 @@ async function deploy(
     ...env,
   };
   const cleanup = async () => {
-    await redis.flushdb().catch(() => {});
     await redis.quit().catch(() => redis.disconnect());
+    await releaseRedisDatabase(redisUrl).catch(() => {});
     await db.close();
   };
   let api: Awaited<ReturnType<typeof startApi>> | undefined;

@@ -12,7 +12,7 @@ import { enqueueToLane } from "../support/enqueue.ts";
 import { KEY_PREFIX, serviceKeys } from "../../src/runs/keys.ts";
 import { startWorkerProcess } from "./worker_process.ts";
 import { limitedProvider, type Outage, startFakeModel } from "../support/fake_model_server.ts";
-import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
+import { createScratchDatabase, emptyRedisDatabase, releaseRedisDatabase } from "../support/scratch.ts";
 
 // The service's own key names: the processes run on an empty Redis database of their own.
 const KEYS = serviceKeys(KEY_PREFIX);
@@ -107,8 +107,8 @@ export async function providerRun(
   } finally {
     for (const w of workers) await w.stop();
     await model.close();
-    await redis.flushdb().catch(() => {});
     await redis.quit();
+    await releaseRedisDatabase(url).catch(() => {});
     await db.close();
   }
 }

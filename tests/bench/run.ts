@@ -22,6 +22,7 @@ import {
   createScratchDatabase,
   createScratchRedis,
   emptyRedisDatabase,
+  releaseRedisDatabase,
   type ScratchRedis,
 } from "../support/scratch.ts";
 import { type HttpLoad, postLoad } from "./wrk.ts";
@@ -285,9 +286,7 @@ async function benchIngest() {
     });
   } finally {
     for (const server of Object.values(servers)) await server.stop();
-    const redis = new Redis(apiRedisUrl, { maxRetriesPerRequest: 1 });
-    await redis.flushdb().catch(() => {});
-    await redis.quit().catch(() => redis.disconnect());
+    await releaseRedisDatabase(apiRedisUrl).catch(() => {});
     await r.close();
     await db.close();
   }
@@ -728,8 +727,8 @@ async function workerProcessRun(
     };
   } finally {
     await worker.stop();
-    await redis.flushdb().catch(() => {});
     await redis.quit();
+    await releaseRedisDatabase(url).catch(() => {});
     await db.close();
   }
 }
@@ -866,8 +865,8 @@ async function benchBudgetScripts() {
       baselineValue: median(pings),
     });
   } finally {
-    await redis.flushdb().catch(() => {});
     await redis.quit();
+    await releaseRedisDatabase(url).catch(() => {});
   }
 }
 
@@ -1582,9 +1581,7 @@ async function benchWait() {
     await api.stop();
     await model.shutdown();
     // Give the database index back: the bench and the tests share Redis's sixteen.
-    const redis = new Redis(url, { maxRetriesPerRequest: 1 });
-    await redis.flushdb().catch(() => {});
-    await redis.quit().catch(() => redis.disconnect());
+    await releaseRedisDatabase(url).catch(() => {});
     await db.close();
   }
 }
@@ -1856,8 +1853,8 @@ async function benchLanesIntake() {
     }
   } finally {
     for (const server of servers.values()) await server.stop();
-    await redis.flushdb().catch(() => {});
     await redis.quit().catch(() => redis.disconnect());
+    await releaseRedisDatabase(redisUrl).catch(() => {});
     await db.close();
   }
 }
@@ -1920,8 +1917,8 @@ async function queuedBytes(jobs: number, tenants: number): Promise<{ used: numbe
     const [usedAfter, keysAfter] = [await usedMemory(probe), await keysMemory(probe)];
     return { used: (usedAfter - usedBefore) / jobs, keys: (keysAfter - keysBefore) / jobs };
   } finally {
-    await probe.flushdb().catch(() => {});
     await probe.quit().catch(() => probe.disconnect());
+    await releaseRedisDatabase(url).catch(() => {});
   }
 }
 

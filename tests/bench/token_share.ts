@@ -12,7 +12,7 @@ import { enqueueToLane } from "../support/enqueue.ts";
 import { KEY_PREFIX, serviceKeys } from "../../src/runs/keys.ts";
 import { startWorkerProcess } from "./worker_process.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
-import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
+import { createScratchDatabase, emptyRedisDatabase, releaseRedisDatabase } from "../support/scratch.ts";
 import { documentOf, tokenLimitedProvider } from "../provider/token_limited_provider.ts";
 
 // The service's own key names: the process runs on an empty Redis database of its own.
@@ -79,8 +79,8 @@ export async function tokenShareRun(
   } finally {
     await worker.stop();
     await model.close();
-    await redis.flushdb().catch(() => {});
     await redis.quit();
+    await releaseRedisDatabase(url).catch(() => {});
     await db.close();
   }
 }

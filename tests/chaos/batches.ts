@@ -72,7 +72,7 @@ import { startFakeMail } from "../support/fake_mail_server.ts";
 import { defaultAnswer, realisticUsage, startFakeModel, type Usage } from "../support/fake_model_server.ts";
 import { freePort } from "../support/free_port.ts";
 import { seededRandom } from "../support/random.ts";
-import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
+import { createScratchDatabase, emptyRedisDatabase, releaseRedisDatabase } from "../support/scratch.ts";
 import { apiHealthy, createSpawner, type Proc, stopAll, taskArgsOf } from "./_processes.ts";
 
 // ---------------------------------------------------------------- options
@@ -746,8 +746,8 @@ check(selfExits.length === 0, `processes exited on their own: ${selfExits.join("
 check(stuck.length === 0, `did not exit within 15 s of SIGTERM (then SIGKILLed): ${stuck.join(", ")}`);
 await model.close();
 await mail.close();
-await redisAdmin.flushdb().catch(() => {});
 await redisAdmin.quit().catch(() => redisAdmin.disconnect());
+await releaseRedisDatabase(redisUrl).catch(() => {});
 // A failed run keeps its database for a post-mortem (dropped by the next `DROP DATABASE`, by hand).
 if (problems.length > 0) await db.sql.end({ timeout: 1 });
 else await db.close();

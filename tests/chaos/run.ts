@@ -131,7 +131,7 @@ import {
   STRUCTURED_MARKERS,
 } from "../support/fake_model_server.ts";
 import { type RedisDropProxy, startRedisDropProxy } from "../support/redis_drop_proxy.ts";
-import { createScratchDatabase, emptyRedisDatabase } from "../support/scratch.ts";
+import { createScratchDatabase, emptyRedisDatabase, releaseRedisDatabase } from "../support/scratch.ts";
 import { type LocalCluster, startLocalCluster } from "../support/redis_cluster.ts";
 import { type RedisSentinel, startRedisSentinel } from "../support/redis_sentinel.ts";
 import { connectRedis, type RedisClient } from "../../src/clients.ts";
@@ -1671,8 +1671,9 @@ await model.close();
 await deployments?.close();
 await mail.close();
 await receiver.close();
-if (!CLUSTER && !SENTINEL) await (redisAdmin as Redis).flushdb().catch(() => {});
 await redisAdmin.quit().catch(() => redisAdmin.disconnect());
+// The shared server's database index, flushed and given back (a no-op for a server of our own).
+await releaseRedisDatabase(redisUrl).catch(() => {});
 await cluster?.stop();
 await sentinel?.stop();
 if (ownRedis) {

@@ -5,11 +5,10 @@
  * (`ps`), and a form dripped one byte a second.
  */
 import assert from "node:assert/strict";
-import { Redis } from "ioredis";
 import { parseConfig } from "../../src/config.ts";
 import { permissionFlags } from "../../src/permissions.ts";
 import { createTestDatabase, freePort, REDIS_URL, waitFor } from "../_support.ts";
-import { emptyRedisDatabase } from "../support/scratch.ts";
+import { emptyRedisDatabase, releaseRedisDatabase } from "../support/scratch.ts";
 import { rawConnect } from "../http/raw_client.ts";
 
 const ROOT = decodeURIComponent(new URL("../..", import.meta.url).pathname);
@@ -133,9 +132,7 @@ Deno.test("the console's sign-in form on a real API: 413 at MAX_BODY_BYTES, 408 
     api.kill("SIGTERM");
     const status = await api.status;
     const err = await stderr;
-    const redis = new Redis(redisUrl);
-    await redis.flushdb();
-    await redis.quit();
+    await releaseRedisDatabase(redisUrl);
     await db.close();
     assert.equal(status.code, 0, err.slice(-1000));
   }

@@ -10,7 +10,7 @@
 import assert from "node:assert/strict";
 import { parse, stringify } from "npm:yaml@2.8.1";
 import { createTestDatabase, freePort, REDIS_URL, waitFor } from "../_support.ts";
-import { emptyRedisDatabase } from "../support/scratch.ts";
+import { emptyRedisDatabase, releaseRedisDatabase } from "../support/scratch.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import { deployment, deploymentsEnv } from "../support/deployments_env.ts";
 import { promtool, promtoolMissing } from "../support/promtool.ts";
@@ -318,6 +318,7 @@ Deno.test({
         assert.equal(status.code, 0, `${name}: ${err.slice(-800)}`);
       }
       await model.close();
+      await releaseRedisDatabase(redisUrl);
       await db.close();
     }
   },

@@ -6,7 +6,7 @@
 import assert from "node:assert/strict";
 import { MAX_PARALLEL, parallelArgs, superviseParallel } from "../../src/launcher/parallel.ts";
 import { createTestDatabase, freePort, REDIS_URL, waitFor } from "../_support.ts";
-import { emptyRedisDatabase } from "../support/scratch.ts";
+import { emptyRedisDatabase, releaseRedisDatabase } from "../support/scratch.ts";
 import { commandLine, descendantsMatching, isRunning } from "../support/process_tree.ts";
 
 const ROOT = decodeURIComponent(new URL("../..", import.meta.url).pathname);
@@ -200,6 +200,7 @@ Deno.test("api --parallel=2: two API processes with the api's permission set sha
       }
     });
   } finally {
+    await releaseRedisDatabase(env.REDIS_URL);
     await db.close();
   }
 });
