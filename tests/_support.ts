@@ -1,4 +1,5 @@
 /** Test helpers: real Redis and Postgres, isolated per test file. */
+import type { Sql } from "postgres";
 import {
   createScratchDatabase,
   createScratchRedis,
@@ -84,4 +85,14 @@ export function fakeClock(start = 0) {
       now += ms;
     },
   };
+}
+
+/** A client that counts the queries sent through it as a tagged template (`sql\`...\``), and runs them on `sql`. */
+export function countingSql(sql: Sql): { sql: Sql; queries: () => number } {
+  let queries = 0;
+  const counting = ((...args: unknown[]) => {
+    queries++;
+    return (sql as unknown as (...a: unknown[]) => unknown)(...args);
+  }) as unknown as Sql;
+  return { sql: counting, queries: () => queries };
 }

@@ -24,6 +24,7 @@ import { KEY_PREFIX, serviceKeys } from "../runs/keys.ts";
 import { createAuthenticator } from "../tenants/authenticator.ts";
 import { createRecipientPolicy } from "../tenants/mail_domains.ts";
 import { createSecretCheck } from "../tenants/webhook_secrets.ts";
+import { tenantChangeFeed } from "../tenants/tenant_changes.ts";
 import { createWebhookHostPolicy } from "../tenants/webhook_hosts.ts";
 import { startJobWaiter } from "../runs/job_waiter.ts";
 import { buildFlows } from "./_model.ts";
@@ -167,6 +168,8 @@ export async function serveApi(
   const validators = createSchemaValidators({ keep: VALIDATION_LIMITS.workers });
   // New task definitions are compiled and checked on a Worker of their own, not on this thread.
   const definitions = createDefinitionChecker();
+  // Which tenants' keys, lists or secrets changed: the request path's caches confirm the rest through it.
+  const changes = tenantChangeFeed(sql);
   const handler = createApiHandler({
     validate: validators.validate,
     validateNow: validators.validateNow,
@@ -184,8 +187,8 @@ export async function serveApi(
     webhooks: {
       allowHttp: config.WEBHOOK_ALLOW_HTTP,
       allowPrivate: config.WEBHOOK_ALLOW_PRIVATE,
-      hasSecret: createSecretCheck(sql, { signal }),
-      hosts: createWebhookHostPolicy({ sql }, { signal }),
+      hasSecret: createSecretCheck(sql, { signal, changes }),
+      hosts: createWebhookHostPolicy({ sql }, { signal, changes }),
     },
     metrics: { api: apiMetrics(registry), registry, token: config.METRICS_TOKEN },
     redis,
@@ -195,6 +198,7 @@ export async function serveApi(
       mode: config.AUTH_MODE,
       gatewaySecret: config.GATEWAY_SECRET,
       signal,
+      changes,
     }),
     intake: createIntake({ redis, log, ack }, {
       maxQueued: config.INTAKE_MAX_QUEUED,
@@ -204,7 +208,7 @@ export async function serveApi(
       path: SUMMARIES,
     }),
     keys,
-    recipients: createRecipientPolicy({ sql }, { signal }),
+    recipients: createRecipientPolicy({ sql }, { signal, changes }),
     maxBodyBytes: config.MAX_BODY_BYTES,
     bodies: config.TENANT_BODY_BYTES_IN_FLIGHT > 0
       ? createBodyAdmission(config.TENANT_BODY_BYTES_IN_FLIGHT)

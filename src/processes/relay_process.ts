@@ -1,3 +1,4 @@
+import { CHANGES_KEPT_MS } from "../tenants/tenant_changes.ts";
 import type { RunContext } from "./run_context.ts";
 import { createRegistry, relayMetrics } from "../metrics/metrics.ts";
 import { processMetrics } from "../metrics/process_metrics.ts";
@@ -100,6 +101,7 @@ export async function startRetention(
       summaryRetentionMs: config.SUMMARY_RETENTION_S === undefined ? undefined : config.SUMMARY_RETENTION_S * 1000,
       attemptRetentionMs: config.MODEL_ATTEMPTS_RETENTION_S * 1000,
       outcomeMinAgeMs: OUTCOME_MIN_AGE_MS,
+      tenantChangesRetentionMs: CHANGES_KEPT_MS,
     });
     retention.start();
     if (!signal.aborted) await new Promise((resolve) => signal.addEventListener("abort", resolve, { once: true }));

@@ -5,7 +5,7 @@
  * holds many locks or runs long (River's `job_cleaner` is the model). Each
  * delete is its table's owner's: the outbox store's for sent rows, the job
  * store's for summaries, outcomes and model attempts, the cache-hit store's
- * for cache hits. The lifetimes are the caller's to hand in.
+ * for cache hits, the tenant change log's for its rows. The lifetimes are the caller's to hand in.
  *
  * Every relay replica runs the service, and one pass runs at a time across
  * them all: a pass holds a Postgres session advisory lock and runs every
@@ -21,6 +21,7 @@ import * as cacheHits from "../cache/cache_hit_store.ts";
 import * as jobs from "../jobs/job_store.ts";
 import type { Logger } from "../log/logger.ts";
 import * as outbox from "../outbox/outbox_store.ts";
+import { deleteOldChanges } from "../tenants/tenant_changes.ts";
 
 const DAY_MS = 24 * 3600 * 1000;
 
@@ -60,6 +61,11 @@ export interface RetentionOptions {
    * still ask about the job (its Redis record, its dead letters), plus a day. The caller knows those lifetimes.
    */
   outcomeMinAgeMs: number;
+  /**
+   * How long the tenant change log (migration 022) keeps a row: the relay passes `CHANGES_KEPT_MS`, an hour (the
+   * API's caches look at it every few seconds). Unset, kept.
+   */
+  tenantChangesRetentionMs?: number;
   everyMs?: number;
   pauseMs?: number;
   firstPassAfterMs?: number;
@@ -156,6 +162,14 @@ async function deleteAll(pass: Pass, outboxAgeMs: number): Promise<number> {
     "outbox",
     (db, limit) => outbox.deleteSentRows(db, { olderThanMs: outboxAgeMs, limit }),
   );
+  const changesAgeMs = options.tenantChangesRetentionMs;
+  if (changesAgeMs !== undefined) {
+    total += await drain(
+      pass,
+      "tenant_changes",
+      (db, limit) => deleteOldChanges(db, { olderThanMs: changesAgeMs, limit }),
+    );
+  }
   const attemptAgeMs = options.attemptRetentionMs;
   if (attemptAgeMs !== undefined) {
     total += await drain(

@@ -5,6 +5,7 @@
  */
 import type { Sql } from "postgres";
 import { createTenantCache } from "./tenant_cache.ts";
+import type { TenantChangeFeed } from "./tenant_changes.ts";
 
 /** How one list is stored and what it accepts. */
 export interface AllowListSpec {
@@ -47,6 +48,8 @@ export interface AllowListCacheOptions {
   ttlMs?: number;
   /** The process's lifetime: the lists in use are read again in bulk while it lasts (`tenant_cache.ts`). */
   signal?: AbortSignal;
+  /** The tenant change log: the lists in use are confirmed through it rather than read again (`tenant_cache.ts`). */
+  changes?: TenantChangeFeed;
   now?: () => number;
 }
 
@@ -58,12 +61,13 @@ export interface AllowListCacheOptions {
 export function createAllowListReader(
   sql: Sql,
   spec: AllowListSpec,
-  { ttlMs = ALLOW_LIST_CACHE_MS, now, signal }: AllowListCacheOptions = {},
+  { ttlMs = ALLOW_LIST_CACHE_MS, now, signal, changes }: AllowListCacheOptions = {},
 ): (tenant: string) => Promise<Set<string> | null> {
   const lists = createTenantCache<Set<string> | null>({
     ttlMs,
     now,
     signal,
+    changes,
     // Every tenant asked about is answered: most have no list (null), and are read again with the others.
     read: async (tenants) => {
       const rows = await sql<{ tenant: string; value: string }[]>`

@@ -3,6 +3,7 @@ import { createHash, timingSafeEqual } from "node:crypto";
 import { HttpError } from "../http/problem.ts";
 import { hashSecret, parseApiKey, TENANT_NAME } from "./tenant_store.ts";
 import { createTenantCache, type TenantCacheOptions } from "./tenant_cache.ts";
+import type { TenantChangeFeed } from "./tenant_changes.ts";
 
 /** Resolves the tenant of a request. */
 export type Authenticate = (req: Request) => Promise<string>;
@@ -23,6 +24,8 @@ export interface AuthOptions {
   absentCacheBytes?: number;
   /** The process's lifetime: its caches are read again in bulk while it lasts, with or without requests. */
   signal?: AbortSignal;
+  /** The tenant change log: the keys in use are confirmed through it rather than read again (`tenant_cache.ts`). */
+  changes?: TenantChangeFeed;
   now?: () => number;
 }
 
@@ -71,6 +74,7 @@ export function createAuthenticator({ sql }: { sql: Sql }, options: AuthOptions)
     maxBytes: options.cacheBytes,
     absentBytes: options.absentCacheBytes,
     signal: options.signal,
+    changes: options.changes,
     now: options.now,
   };
   if (options.mode === "trusted-header") return trustedHeader(sql, options, bounds);
@@ -87,6 +91,7 @@ export function createAuthenticator({ sql }: { sql: Sql }, options: AuthOptions)
       return new Map(found.map((r) => [r.id, { tenant: r.tenant, hash: new Uint8Array(r.secret_sha256) }]));
     },
     weigh: (known) => KNOWN_BYTES + known.tenant.length,
+    tenantOf: (_, known) => known.tenant,
     // An id's secret never changes: a key checked against the row before is checked against it still.
     merge: (before, after) => {
       const same = before.hash.length === after.hash.length && timingSafeEqual(before.hash, after.hash);

@@ -21,8 +21,17 @@
  *   read goes at once, and those missed while it is in flight follow in one
  *   read. Bulk reads go beside these, one at a time, and never hold them up.
  *
+ * - With a change log (`changes`, `tenant_changes.ts`), the half-TTL pass
+ *   reads no entry at all unless its tenant changed: one query asks which
+ *   tenants changed since the snapshot of the last pass, their entries are
+ *   dropped (read at their next use), and every other entry is confirmed as
+ *   of the new snapshot. Only entries the log cannot vouch for (read before
+ *   the last pass, answered after it) are read again in bulk. At 20,000
+ *   tenants the bulk re-reads were some 5% of the API's CPU under load.
+ *
  * What it promises is unchanged by that: every value it answers with comes
- * from a read sent less than `ttlMs` before, so a change in Postgres (a
+ * from a read, or a look at the change log that found its tenant unchanged
+ * since that read, sent less than `ttlMs` before, so a change in Postgres (a
  * revoked key, a changed list) takes effect within `ttlMs`. A key the read did
  * not find (an unknown id, a tenant with no active key) is cached apart, in
  * its own bound ({@linkcode ABSENT_CACHE_BYTES}), and never read in bulk: a
@@ -30,6 +39,7 @@
  * that part, and never evicts a key in use.
  */
 import { TenantMap } from "./tenant_map.ts";
+import { CHANGES_KEPT_MS, type Snapshot, type TenantChangeFeed, type TenantChanges } from "./tenant_changes.ts";
 
 /**
  * The most bytes (estimated: `tenant_map.ts`) of found entries one cache holds by default: about 70,000 tenants'
@@ -48,12 +58,23 @@ export interface Cached<V> {
   readonly value: V | undefined;
 }
 
+/** A look at the change log: its snapshot and when it was sent (the cache's clock). */
+interface Look {
+  readonly snapshot: Snapshot;
+  readonly sentAt: number;
+}
+
 interface Entry<V> extends Cached<V> {
   value: V | undefined;
-  /** When the read that found it was sent (the cache's clock). */
+  /** When the read that found it, or the look that confirmed it, was sent (the cache's clock). */
   readAt: number;
   /** Bulk reads since its last use. */
   idle: number;
+  /**
+   * The last look at the change log answered before its read was sent (or that confirmed it): the entry holds
+   * every change that look saw. Unset without a log, or before the first look.
+   */
+  base?: Look;
 }
 
 /** Options for {@linkcode createTenantCache}. */
@@ -68,6 +89,13 @@ export interface TenantCacheOptions<V> {
   maxBytes?: number;
   /** The bound of keys found absent; {@linkcode ABSENT_CACHE_BYTES} when unset, 0 to read such a key each time. */
   absentBytes?: number;
+  /**
+   * The tenant change log (`tenant_changes.ts`): with it, the half-TTL pass asks which tenants changed instead of
+   * reading every entry again. Unset, every entry is read again in bulk.
+   */
+  changes?: TenantChangeFeed;
+  /** The tenant a found entry belongs to, for the change log: the key itself when unset. */
+  tenantOf?: (key: string, value: V) => string;
   /** The value kept when a found key is read again (the authenticator keeps the key it verified); the new one when unset. */
   merge?: (before: V, after: V) => V;
   /**
@@ -93,6 +121,170 @@ export interface TenantCache<V> {
   settled(): Promise<void>;
 }
 
+/** A cache's entries, found and found absent, and how a value read again is kept. */
+interface Entries<V> {
+  found: TenantMap<Entry<V>>;
+  absent: TenantMap<Entry<V>> | undefined;
+  merge: (before: V, after: V) => V;
+}
+
+/**
+ * Stores what a read sent at `at` (after the look `base` was answered) found for `key`, unless a later read has
+ * stored it already. @returns the key's value now: the one kept from this read, or the later read's.
+ */
+function storeRead<V>(
+  { found, absent, merge }: Entries<V>,
+  key: string,
+  value: V | undefined,
+  at: number,
+  base: Look | undefined,
+): V | undefined {
+  const before = found.get(key) ?? absent?.get(key);
+  if (before && before.readAt > at) return before.value;
+  if (value === undefined) {
+    found.delete(key);
+    absent?.set(key, { value, readAt: at, idle: 0 });
+    return undefined;
+  }
+  absent?.delete(key);
+  const kept = before?.value === undefined ? value : merge(before.value, value);
+  found.set(key, { value: kept, readAt: at, idle: before?.idle ?? 0, base });
+  return kept;
+}
+
+/**
+ * Applies a look at the change log (sent at `sentAt`, asking what `since` could not see) to the entries: those
+ * based on `since` whose tenant did not change are confirmed as of the new look, those whose tenant changed are
+ * dropped (read at their next use), and those the log cannot vouch for (read before `since` was answered, or
+ * every one when there is no `since` or too many changes) go to `readAgain`. Entries idle too long are dropped.
+ * @returns the new look.
+ */
+function confirmThroughLook<V>(
+  found: TenantMap<Entry<V>>,
+  { since, seen, sentAt }: { since: Look | undefined; seen: TenantChanges; sentAt: number },
+  tenantOf: (key: string, value: V) => string,
+  readAgain: (key: string) => void,
+): Look {
+  const next: Look = { snapshot: seen.snapshot, sentAt };
+  const changed = since === undefined ? null : seen.tenants;
+  for (const key of found.keys()) {
+    const entry = found.get(key)!;
+    if (++entry.idle > IDLE_REFRESHES) found.delete(key);
+    else if (changed === null || entry.base !== since) readAgain(key);
+    else if (changed.has(tenantOf(key, entry.value!))) found.delete(key);
+    else {
+      entry.base = next;
+      if (entry.readAt < sentAt) entry.readAt = sentAt;
+    }
+  }
+  return next;
+}
+
+/**
+ * Two lanes of reads, one read in flight in each: one of the keys requests wait for (`asked`), and one of the
+ * keys read again in bulk (`again`, after any asked ones). Keys asked for while a read is in flight go together
+ * in the next, and a bulk read never holds up a request's.
+ */
+class ReadLanes<V> {
+  readonly #asked = new Set<string>();
+  readonly #again = new Set<string>();
+  readonly #waiters = new Map<string, PromiseWithResolvers<V | undefined>>();
+  readonly #inFlight = new Map<string, Promise<Map<string, V>>>();
+  readonly #reads = { asked: 0, again: 0 };
+  #drained: PromiseWithResolvers<void> | undefined;
+
+  /**
+   * @param read the cache's read of keys.
+   * @param idle whether the cache has nothing else in flight (a look at the change log), for `settled`.
+   * @param sending called as a read is sent: returns what stores each key's value the read finds (`asked`: a
+   * request waits for it) and returns the value to answer with.
+   */
+  constructor(
+    private readonly read: (keys: string[]) => Promise<Map<string, V>>,
+    private readonly idle: () => boolean,
+    private readonly sending: () => (key: string, value: V | undefined, asked: boolean) => V | undefined,
+  ) {}
+
+  /** Whether keys wait for a bulk read. */
+  get bulkWaiting(): boolean {
+    return this.#again.size > 0;
+  }
+
+  /** Reads a key again in bulk, unless a read of it is due or in flight. */
+  readAgain(key: string): void {
+    if (!this.#asked.has(key) && !this.#inFlight.has(key)) this.#again.add(key);
+  }
+
+  /** The key's value from the read in flight or a read of its own; `fromInFlight` picks it out of a read's map. */
+  ask(key: string, fromInFlight: (values: Map<string, V>) => V | undefined): Promise<V | undefined> {
+    const waiter = this.#waiters.get(key);
+    if (waiter) return waiter.promise;
+    const reading = this.#inFlight.get(key);
+    if (reading) return reading.then(fromInFlight);
+    const made = Promise.withResolvers<V | undefined>();
+    this.#waiters.set(key, made);
+    this.#again.delete(key);
+    this.#asked.add(key);
+    this.pump();
+    return made.promise;
+  }
+
+  /** Sends what waits in each lane with no read in flight; resolves `settled` once nothing is in flight. */
+  pump(): void {
+    if (this.#reads.asked === 0 && this.#asked.size > 0) this.#send("asked");
+    if (this.#reads.again === 0 && this.#again.size > 0) this.#send("again");
+    if (this.#reads.asked + this.#reads.again === 0 && this.idle() && this.#drained) {
+      this.#drained.resolve();
+      this.#drained = undefined;
+    }
+  }
+
+  /** Resolves once no read is in flight and the cache is idle. */
+  settled(): Promise<void> {
+    if (this.#reads.asked + this.#reads.again === 0 && this.idle()) return Promise.resolve();
+    this.#drained ??= Promise.withResolvers();
+    return this.#drained.promise;
+  }
+
+  #take(from: Set<string>, keys: string[]) {
+    for (const key of from) {
+      if (keys.length === READ_CHUNK) break;
+      keys.push(key);
+      from.delete(key);
+    }
+  }
+
+  #send(lane: "asked" | "again") {
+    const keys: string[] = [];
+    this.#take(this.#asked, keys);
+    if (lane === "again") this.#take(this.#again, keys);
+    const keep = this.sending();
+    const reading = this.read(keys);
+    for (const key of keys) this.#inFlight.set(key, reading);
+    this.#reads[lane]++;
+    /** Ends the read before its callers go on, so that what they do next finds it over. */
+    const end = (each: (key: string, waiter: PromiseWithResolvers<V | undefined> | undefined) => void) => {
+      this.#reads[lane]--;
+      for (const key of keys) {
+        if (this.#inFlight.get(key) === reading) this.#inFlight.delete(key);
+        const waiter = this.#waiters.get(key);
+        this.#waiters.delete(key);
+        each(key, waiter);
+      }
+      this.pump();
+    };
+    reading.then(
+      (values) =>
+        end((key, waiter) => {
+          const value = keep(key, values.get(key), waiter !== undefined);
+          waiter?.resolve(value);
+        }),
+      // A failed bulk read leaves its entries as they were: each is read alone once it is ttlMs old.
+      (error) => end((_, waiter) => waiter?.reject(error)),
+    );
+  }
+}
+
 /** Creates a cache of per-tenant reads (see the module comment). */
 export function createTenantCache<V>(options: TenantCacheOptions<V>): TenantCache<V> {
   const { read, ttlMs } = options;
@@ -105,92 +297,61 @@ export function createTenantCache<V>(options: TenantCacheOptions<V>): TenantCach
     weigh && ((entry) => entry.value === undefined ? 0 : weigh(entry.value)),
   );
   const absent = absentBytes > 0 ? new TenantMap<Entry<V>>(absentBytes) : undefined;
+  const changes = options.changes;
+  const tenantOf = options.tenantOf ?? ((key: string) => key);
   let refreshedAt = now();
+  /** The last look at the change log answered, and whether one is in flight. */
+  let look: Look | undefined;
+  let looking = false;
 
-  /**
-   * Stores what a read sent at `at` found for `key`, unless a later read has stored it already.
-   * @returns the key's value now: the one kept from this read, or the later read's.
-   */
-  const store = (key: string, value: V | undefined, at: number): V | undefined => {
-    const before = found.get(key) ?? absent?.get(key);
-    if (before && before.readAt > at) return before.value;
-    if (value === undefined) {
-      found.delete(key);
-      absent?.set(key, { value, readAt: at, idle: 0 });
-      return undefined;
-    }
-    absent?.delete(key);
-    const kept = before?.value === undefined ? value : merge(before.value, value);
-    found.set(key, { value: kept, readAt: at, idle: before?.idle ?? 0 });
-    return kept;
-  };
+  const store = (key: string, value: V | undefined, at: number, base: Look | undefined) =>
+    storeRead({ found, absent, merge }, key, value, at, base);
 
-  // Two lanes of reads, one read in flight in each: one of the keys requests wait for (`asked`), and one of
-  // the keys read again in bulk (`again`, after any asked ones). Keys asked for while a read is in flight go
-  // together in the next, and a bulk read never holds up a request's.
-  const asked = new Set<string>();
-  const again = new Set<string>();
-  const waiters = new Map<string, PromiseWithResolvers<V | undefined>>();
-  const inFlight = new Map<string, Promise<Map<string, V>>>();
-  const reads = { asked: 0, again: 0 };
-  let drained: PromiseWithResolvers<void> | undefined;
-  const take = (from: Set<string>, keys: string[]) => {
-    for (const key of from) {
-      if (keys.length === READ_CHUNK) break;
-      keys.push(key);
-      from.delete(key);
-    }
-  };
-  const send = (lane: keyof typeof reads) => {
-    const keys: string[] = [];
-    take(asked, keys);
-    if (lane === "again") take(again, keys);
+  const lanes = new ReadLanes<V>(read, () => !looking, () => {
     const at = now();
-    const reading = read(keys);
-    for (const key of keys) inFlight.set(key, reading);
-    reads[lane]++;
-    /** Ends the read before its callers go on, so that what they do next finds it over. */
-    const end = (each: (key: string, waiter: PromiseWithResolvers<V | undefined> | undefined) => void) => {
-      reads[lane]--;
-      for (const key of keys) {
-        if (inFlight.get(key) === reading) inFlight.delete(key);
-        const waiter = waiters.get(key);
-        waiters.delete(key);
-        each(key, waiter);
-      }
-      pump();
-      if (reads.asked + reads.again === 0 && drained) {
-        drained.resolve();
-        drained = undefined;
-      }
-    };
-    reading.then(
-      (values) =>
-        end((key, waiter) => {
-          // A key read again in bulk but dropped meanwhile (idle, evicted) is not brought back by this read.
-          if (waiter) waiter.resolve(store(key, values.get(key), at));
-          else if (found.get(key)) store(key, values.get(key), at);
-        }),
-      // A failed bulk read leaves its entries as they were: each is read alone once it is ttlMs old.
-      (error) => end((_, waiter) => waiter?.reject(error)),
+    const base = look;
+    // A key read again in bulk but dropped meanwhile (idle, evicted) is not brought back by this read.
+    return (key, value, asked) => asked || found.get(key) ? store(key, value, at, base) : undefined;
+  });
+
+  /** Looks at the change log at `t`, asking what `since` could not see (`confirmThroughLook`). */
+  const lookAtChanges = (feed: TenantChangeFeed, t: number, since: Look | undefined) => {
+    looking = true;
+    feed(since?.snapshot).then(
+      (seen) => {
+        looking = false;
+        look = confirmThroughLook(found, { since, seen, sentAt: t }, tenantOf, (key) => lanes.readAgain(key));
+        lanes.pump();
+      },
+      // The entries stay as they were: each is read alone once it is ttlMs old, and the next pass looks again.
+      () => {
+        looking = false;
+        lanes.pump();
+      },
     );
   };
-  const pump = () => {
-    if (reads.asked === 0 && asked.size > 0) send("asked");
-    if (reads.again === 0 && again.size > 0) send("again");
-  };
 
-  /** Every half TTL while the cache is used: its entries are read again in bulk, those idle too long dropped. */
+  /**
+   * Every half TTL while the cache is used: the entries are confirmed through the change log, or read again in
+   * bulk, and those idle too long dropped.
+   */
   const refreshIfDue = (t: number) => {
-    if (ttlMs <= 0 || t - refreshedAt < ttlMs / 2 || again.size > 0) return;
+    if (ttlMs <= 0 || t - refreshedAt < ttlMs / 2 || lanes.bulkWaiting || looking) return;
     refreshedAt = t;
+    if (changes) {
+      // The log keeps its rows for a while only: after a longer gap, a look starts afresh and vouches for nothing.
+      lookAtChanges(changes, t, look && t - look.sentAt < CHANGES_KEPT_MS / 2 ? look : undefined);
+      return;
+    }
     for (const key of found.keys()) {
       const entry = found.get(key)!;
       if (++entry.idle > IDLE_REFRESHES) found.delete(key);
-      else if (!asked.has(key) && !inFlight.has(key)) again.add(key);
+      else lanes.readAgain(key);
     }
-    pump();
+    lanes.pump();
   };
+  // The first look, so that the first reads have a snapshot to be confirmed against.
+  if (changes && ttlMs > 0) lookAtChanges(changes, now(), undefined);
 
   if (options.signal && ttlMs > 0 && !options.signal.aborted) {
     // A quarter of the TTL, so that the half-TTL bulk read is never a whole period late.
@@ -222,22 +383,9 @@ export function createTenantCache<V>(options: TenantCacheOptions<V>): TenantCach
         entry.idle = 0;
         refreshIfDue(now());
       }
-      const waiter = waiters.get(key);
-      if (waiter) return waiter.promise;
-      const reading = inFlight.get(key);
-      // Its read has stored what it found by the time this runs (its own handler came first).
-      if (reading) return reading.then((values) => found.get(key)?.value ?? values.get(key));
-      const made = Promise.withResolvers<V | undefined>();
-      waiters.set(key, made);
-      again.delete(key);
-      asked.add(key);
-      pump();
-      return made.promise;
+      // A read in flight has stored what it found by the time this runs (its own handler came first).
+      return lanes.ask(key, (values) => found.get(key)?.value ?? values.get(key));
     },
-    settled() {
-      if (reads.asked + reads.again === 0) return Promise.resolve();
-      drained ??= Promise.withResolvers();
-      return drained.promise;
-    },
+    settled: () => lanes.settled(),
   };
 }

@@ -8,6 +8,7 @@
 import type { Sql } from "postgres";
 import { newWebhookSecret } from "../webhooks/signature.ts";
 import { createTenantCache } from "./tenant_cache.ts";
+import type { TenantChangeFeed } from "./tenant_changes.ts";
 
 /** How long a rotated-out secret still signs. */
 export const PREVIOUS_SECRET_GRACE_S = 24 * 3600;
@@ -53,11 +54,12 @@ export async function signingSecrets(sql: Sql, tenants: string[]): Promise<Map<s
  */
 export function createSecretCheck(
   sql: Sql,
-  { signal }: { signal?: AbortSignal } = {},
+  { signal, changes }: { signal?: AbortSignal; changes?: TenantChangeFeed } = {},
 ): (tenant: string) => Promise<boolean> {
   const secrets = createTenantCache<true>({
     ttlMs: CACHE_MS,
     signal,
+    changes,
     absentBytes: 0,
     read: async (tenants) => {
       const rows = await sql<{ name: string }[]>`

@@ -211,6 +211,24 @@ Deno.test("retention", async (t) => {
       assert.equal(await retentionWith({}).retention.runOnce(), 0);
     });
 
+    await t.step("the tenant change log's rows past tenantChangesRetentionMs are deleted, in batches", async () => {
+      await reset();
+      for (const name of ["a", "b", "c"]) await sql`INSERT INTO tenants (name) VALUES (${name}) ON CONFLICT DO NOTHING`;
+      await sql`UPDATE tenant_changes SET at = now() - interval '2 hours'`;
+      await sql`INSERT INTO tenant_changes (tenant) VALUES ('d')`;
+      const { retention, batches } = retentionWith({ batch: 2, tenantChangesRetentionMs: 3_600_000 });
+      // A transaction open elsewhere on the server (another test's) holds rows back until it ends.
+      await waitFor("the change log's old rows deleted", async () => {
+        await retention.runOnce();
+        return (await sql`SELECT tenant FROM tenant_changes WHERE at < now() - interval '1 hour'`).length === 0;
+      });
+      assert.ok(batches.some(([table, rows]) => table === "tenant_changes" && rows === 2), "in batches of 2");
+      assert.deepEqual((await sql`SELECT tenant FROM tenant_changes`).map((r) => r.tenant), ["d"]);
+      await sql`UPDATE tenant_changes SET at = now() - interval '400 days'`;
+      await retentionWith({}).retention.runOnce();
+      assert.equal(await count("tenant_changes"), 1, "unset, the log is kept");
+    });
+
     await t.step("start() runs passes on its interval; stop() waits for the one in progress", async () => {
       await reset();
       await addJobs(3);

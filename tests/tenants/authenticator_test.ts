@@ -2,17 +2,13 @@ import assert from "node:assert/strict";
 import type { Sql } from "postgres";
 import { createAuthenticator } from "../../src/tenants/authenticator.ts";
 import { createApiKey, revokeTenant } from "../../src/tenants/tenant_store.ts";
-import { createTestDatabase, waitFor } from "../_support.ts";
+import { countingSql, createTestDatabase, waitFor } from "../_support.ts";
 import { entryBytes } from "../../src/tenants/tenant_map.ts";
 
 Deno.test("API-key lookups: unknown ids are cached apart and a flood of them never evicts a good key", async () => {
   const db = await createTestDatabase();
   try {
-    let queries = 0;
-    const counting = ((...args: Parameters<Sql>) => {
-      queries++;
-      return (db.sql as unknown as (...a: unknown[]) => unknown)(...args);
-    }) as unknown as Sql;
+    const { sql: counting, queries } = countingSql(db.sql);
     // Room for about ten unknown ids (each about 200 bytes by the cache's estimate), on a clock that stands still.
     const auth = createAuthenticator({ sql: counting }, {
       mode: "api-key",
@@ -23,15 +19,15 @@ Deno.test("API-key lookups: unknown ids are cached apart and a flood of them nev
     const good = await createApiKey(db.sql, "acme");
     const as = (key: string) => auth(new Request("http://api/", { headers: { authorization: `Bearer ${key}` } }));
     assert.equal(await as(good), "acme");
-    assert.equal(queries, 1);
+    assert.equal(queries(), 1);
     const invented = () => `onc_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}_${"A".repeat(43)}`;
     const flood = Array.from({ length: 50 }, invented);
     for (const key of flood) await assert.rejects(as(key), /not valid/);
-    assert.equal(queries, 51, "one query per unknown id");
+    assert.equal(queries(), 51, "one query per unknown id");
     await assert.rejects(as(flood[49]!), /not valid/);
-    assert.equal(queries, 51, "a repeated unknown id is answered from its cache");
+    assert.equal(queries(), 51, "a repeated unknown id is answered from its cache");
     assert.equal(await as(good), "acme");
-    assert.equal(queries, 51, "the good key was not evicted by 50 misses in a cache of 10");
+    assert.equal(queries(), 51, "the good key was not evicted by 50 misses in a cache of 10");
   } finally {
     await db.close();
   }
@@ -40,16 +36,12 @@ Deno.test("API-key lookups: unknown ids are cached apart and a flood of them nev
 /** An authenticator on a fake clock, and a way to ask it for a key's tenant. */
 function clocked(sql: Sql, cacheTtlMs: number) {
   let t = 0;
-  let queries = 0;
-  const counting = ((...args: Parameters<Sql>) => {
-    queries++;
-    return (sql as unknown as (...a: unknown[]) => unknown)(...args);
-  }) as unknown as Sql;
+  const { sql: counting, queries } = countingSql(sql);
   const auth = createAuthenticator({ sql: counting }, { mode: "api-key", cacheTtlMs, now: () => t });
   return {
     as: (authorization: string) => auth(new Request("http://api/", { headers: { authorization } })),
     advance: (ms: number) => (t += ms),
-    queries: () => queries,
+    queries,
   };
 }
 
@@ -148,11 +140,7 @@ Deno.test("trusted-header mode: 12,000 tenants are read in bulk, then answered f
       INSERT INTO api_keys (id, tenant, secret_sha256)
       SELECT lpad(to_hex(i), 12, '0'), 'lane-' || i, '\\x00'::bytea FROM generate_series(1, 12000) AS i`;
     await db.sql`UPDATE api_keys SET revoked_at = now() WHERE tenant = 'lane-12000'`;
-    let queries = 0;
-    const counting = ((...args: Parameters<Sql>) => {
-      queries++;
-      return (db.sql as unknown as (...a: unknown[]) => unknown)(...args);
-    }) as unknown as Sql;
+    const { sql: counting, queries } = countingSql(db.sql);
     const secret = "gateway-secret-0123456789";
     const auth = createAuthenticator({ sql: counting }, {
       mode: "trusted-header",
@@ -165,11 +153,11 @@ Deno.test("trusted-header mode: 12,000 tenants are read in bulk, then answered f
     const tenants = Array.from({ length: 12_000 }, (_, i) => `lane-${i + 1}`);
     const first = await Promise.all(tenants.map(as));
     assert.equal(first.filter(Boolean).length, 11_999, "every active tenant, and not the revoked one");
-    assert.ok(queries <= 20, `tenants asked for together were read together (${queries} queries)`);
-    const before = queries;
+    assert.ok(queries() <= 20, `tenants asked for together were read together (${queries()} queries)`);
+    const before = queries();
     const again = await Promise.all(tenants.map(as));
     assert.deepEqual(again, first);
-    assert.equal(queries, before, "no query once warm (a cap of 10,000 entries read each of them again)");
+    assert.equal(queries(), before, "no query once warm (a cap of 10,000 entries read each of them again)");
   } finally {
     await db.close();
   }
