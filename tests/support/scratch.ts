@@ -88,27 +88,29 @@ export async function createScratchRedis(url: string, prefix = "oncely_test"): P
   };
 }
 
-/** Where a database index's claim lives: database 0 of the same server, one key per index. */
-const CLAIM_KEY = "oncely_test:redis_db_claim:";
-/** A claim whose process cannot be checked (another machine's) lapses after this long. */
-const CLAIM_LAPSE_MS = 12 * 60 * 60 * 1000;
+/** Where a database index's claim lives: database 0 of the same server, one key per index, with an expiry. */
+const CLAIM_KEY = "scratch_redis_db:claim:";
+/** Set, with no expiry, on an index once claimed: its keys are a test's, and flushed when it is claimed again. */
+const USED_KEY = "scratch_redis_db:used:";
+/** A claim lapses this long after its last renewal: a process killed holding it frees it within this. */
+export const CLAIM_TTL_MS = 60_000;
+/** How often a process renews the claims it holds. */
+const RENEW_MS = 15_000;
 /** The prefix of every key the service writes (`src/runs/keys.ts`'s `KEY_PREFIX`) and of the tests' own. */
 const OURS = /^oncely/;
 
-/** Claims this process holds, by the URL handed out, for {@linkcode releaseRedisDatabase}. */
-const held = new Map<string, { index: number; token: string }>();
-
-/** Sets the claim to `token` if it still reads `expected` (false: absent); one step. */
-const CLAIM_SCRIPT = `
-local now = redis.call('GET', KEYS[1])
-if (now or '') ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2])
-return 1`;
-
+/** Renews the claim while it is still `token`'s; 0 once it is not (lapsed and claimed by another). */
+const RENEW_SCRIPT = `
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])`;
 /** Deletes the claim if it is still `token`'s. */
 const RELEASE_SCRIPT = `
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0`;
+
+/** The claims this process holds, by the URL handed out, and the timer that renews them while there are any. */
+const held = new Map<string, { index: number; token: string; admin: string }>();
+let renewer: { timer: ReturnType<typeof setInterval>; redis: Map<string, Redis> } | undefined;
 
 /** Database 0 of the server of `url`, where the claims live. */
 function adminUrl(url: string): string {
@@ -117,24 +119,23 @@ function adminUrl(url: string): string {
   return u.toString();
 }
 
-/** Whether the process that wrote a claim may still run: its pid is alive here, or the claim is young. */
-function claimLive(claim: string): boolean {
-  const [host, pid, at] = claim.split("|");
-  if (Date.now() - Number(at) > CLAIM_LAPSE_MS) return false;
-  if (host !== hostName()) return true;
-  try {
-    Deno.statSync(`/proc/${pid}`);
-    return true;
-  } catch {
-    return false;
-  }
-}
-
-function hostName(): string {
-  try {
-    return Deno.hostname();
-  } catch {
-    return "unknown";
+/** Starts renewing the claims held, or stops once none are. */
+function renewHeld(): void {
+  if (held.size > 0 && !renewer) {
+    const redis = new Map<string, Redis>();
+    const timer = setInterval(() => {
+      for (const { index, token, admin } of held.values()) {
+        if (!redis.has(admin)) redis.set(admin, new Redis(admin, { maxRetriesPerRequest: 1 }));
+        redis.get(admin)!.eval(RENEW_SCRIPT, 1, `${CLAIM_KEY}${index}`, token, CLAIM_TTL_MS).catch(() => {});
+      }
+    }, RENEW_MS);
+    // A run that ends holding a claim (a failed bench) still exits: its claim then lapses.
+    Deno.unrefTimer(timer);
+    renewer = { timer, redis };
+  } else if (held.size === 0 && renewer) {
+    clearInterval(renewer.timer);
+    for (const redis of renewer.redis.values()) redis.disconnect();
+    renewer = undefined;
   }
 }
 
@@ -148,34 +149,35 @@ async function holdsOnlyOurs(probe: Redis): Promise<boolean> {
  * Claims a Redis database index (15 down to 1) on the server of `url` for this process, for running real service
  * processes, whose key names are fixed, in isolation; hand it back with {@linkcode releaseRedisDatabase}.
  *
- * Redis outlives any test run, and a run can be killed before it cleans up. So a claim is a key in database 0 naming
- * the claiming process (host, pid, time): an index is free when it has no claim or its claimant is gone. A free
- * index's leftovers are flushed when they are ours (it was claimed before, or every key is the service's); an index
- * holding anyone else's keys is never touched. Two processes racing for an index: the claim is a compare-and-set.
+ * Redis outlives any test run, and a run can be killed before it cleans up. So a claim is a key in database 0,
+ * set with `NX` and an expiry of {@linkcode CLAIM_TTL_MS} that the claiming process renews while it holds the
+ * index: a killed process's claim lapses within a minute. An index with no claim is free; its leftovers are
+ * flushed when they are ours (a test used it before, which a key without expiry records, or every key is the
+ * service's). An index holding anyone else's keys is never touched.
  * @returns the URL of that database, empty.
  * @throws {Error} when no index is free.
  */
 export async function emptyRedisDatabase(url: string): Promise<string> {
   const admin = new Redis(adminUrl(url), { maxRetriesPerRequest: 1 });
   const probe = new Redis(url, { maxRetriesPerRequest: 1 });
-  const token = `${hostName()}|${Deno.pid}|${Date.now()}|${randomId()}`;
+  const token = `${Deno.pid}|${Date.now()}|${randomId()}`;
   try {
     for (let i = 15; i >= 1; i--) {
       const key = `${CLAIM_KEY}${i}`;
-      const before = await admin.get(key);
-      if (before !== null && claimLive(before)) continue;
-      if (await admin.eval(CLAIM_SCRIPT, 1, key, before ?? "", token) !== 1) continue;
+      if (await admin.set(key, token, "PX", CLAIM_TTL_MS, "NX") !== "OK") continue;
       await probe.select(i);
       if ((await probe.dbsize()) > 0) {
-        if (before === null && !(await holdsOnlyOurs(probe))) {
+        if (!(await admin.exists(`${USED_KEY}${i}`)) && !(await holdsOnlyOurs(probe))) {
           await admin.eval(RELEASE_SCRIPT, 1, key, token);
           continue;
         }
         await probe.flushdb();
       }
+      await admin.set(`${USED_KEY}${i}`, "1");
       const u = new URL(url);
       u.pathname = `/${i}`;
-      held.set(u.toString(), { index: i, token });
+      held.set(u.toString(), { index: i, token, admin: adminUrl(url) });
+      renewHeld();
       return u.toString();
     }
   } finally {
@@ -190,8 +192,9 @@ export async function releaseRedisDatabase(url: string): Promise<void> {
   const claim = held.get(url);
   if (!claim) return;
   held.delete(url);
+  renewHeld();
   const db = new Redis(url, { maxRetriesPerRequest: 1 });
-  const admin = new Redis(adminUrl(url), { maxRetriesPerRequest: 1 });
+  const admin = new Redis(claim.admin, { maxRetriesPerRequest: 1 });
   try {
     await db.flushdb();
     await admin.eval(RELEASE_SCRIPT, 1, `${CLAIM_KEY}${claim.index}`, claim.token);
