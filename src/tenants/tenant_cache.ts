@@ -155,24 +155,27 @@ function storeRead<V>(
 /**
  * Applies a look at the change log (sent at `sentAt`, asking what `since` could not see) to the entries: those
  * based on `since` whose tenant did not change are confirmed as of the new look, those whose tenant changed are
- * dropped (read at their next use), and those the log cannot vouch for (read before `since` was answered, or
- * every one when there is no `since` or too many changes) go to `readAgain`. Entries idle too long are dropped.
+ * dropped (read afresh at their next use), and those the log cannot vouch for (read before `since` was answered,
+ * or every one when there is no `since` or any tenant may have changed) are read again in bulk. Entries idle too
+ * long are dropped.
  * @returns the new look.
  */
 function confirmThroughLook<V>(
   found: TenantMap<Entry<V>>,
   { since, seen, sentAt }: { since: Look | undefined; seen: TenantChanges; sentAt: number },
   tenantOf: (key: string, value: V) => string,
-  readAgain: (key: string) => void,
+  lanes: ReadLanes<V>,
 ): Look {
   const next: Look = { snapshot: seen.snapshot, sentAt };
   const changed = since === undefined ? null : seen.tenants;
   for (const key of found.keys()) {
     const entry = found.get(key)!;
     if (++entry.idle > IDLE_REFRESHES) found.delete(key);
-    else if (changed === null || entry.base !== since) readAgain(key);
-    else if (changed.has(tenantOf(key, entry.value!))) found.delete(key);
-    else {
+    else if (changed === null || entry.base !== since) lanes.readAgain(key);
+    else if (changed.has(tenantOf(key, entry.value!))) {
+      found.delete(key);
+      lanes.forget(key);
+    } else {
       entry.base = next;
       if (entry.readAt < sentAt) entry.readAt = sentAt;
     }
@@ -213,6 +216,15 @@ class ReadLanes<V> {
   /** Reads a key again in bulk, unless a read of it is due or in flight. */
   readAgain(key: string): void {
     if (!this.#asked.has(key) && !this.#inFlight.has(key)) this.#again.add(key);
+  }
+
+  /**
+   * Lets the next request for the key send a read of its own rather than join the one in flight, whose answer may
+   * predate a change the log has just reported. Whoever waits for that read still gets its answer.
+   */
+  forget(key: string): void {
+    this.#inFlight.delete(key);
+    this.#waiters.delete(key);
   }
 
   /** The key's value from the read in flight or a read of its own; `fromInFlight` picks it out of a read's map. */
@@ -260,15 +272,17 @@ class ReadLanes<V> {
     if (lane === "again") this.#take(this.#again, keys);
     const keep = this.sending();
     const reading = this.read(keys);
+    // Its waiters are taken now: a key forgotten meanwhile gets a waiter of its own, for a read of its own.
+    const waiters = keys.map((key) => this.#waiters.get(key));
     for (const key of keys) this.#inFlight.set(key, reading);
     this.#reads[lane]++;
     /** Ends the read before its callers go on, so that what they do next finds it over. */
     const end = (each: (key: string, waiter: PromiseWithResolvers<V | undefined> | undefined) => void) => {
       this.#reads[lane]--;
-      for (const key of keys) {
+      for (const [i, key] of keys.entries()) {
         if (this.#inFlight.get(key) === reading) this.#inFlight.delete(key);
-        const waiter = this.#waiters.get(key);
-        this.#waiters.delete(key);
+        const waiter = waiters[i];
+        if (waiter && this.#waiters.get(key) === waiter) this.#waiters.delete(key);
         each(key, waiter);
       }
       this.pump();
@@ -320,7 +334,7 @@ export function createTenantCache<V>(options: TenantCacheOptions<V>): TenantCach
     feed(since?.snapshot).then(
       (seen) => {
         looking = false;
-        look = confirmThroughLook(found, { since, seen, sentAt: t }, tenantOf, (key) => lanes.readAgain(key));
+        look = confirmThroughLook(found, { since, seen, sentAt: t }, tenantOf, lanes);
         lanes.pump();
       },
       // The entries stay as they were: each is read alone once it is ttlMs old, and the next pass looks again.

@@ -16,6 +16,8 @@ export interface Snapshot {
   readonly xmax: bigint;
   /** The transactions between the two still in progress. */
   readonly xip: ReadonlySet<bigint>;
+  /** As Postgres spells it, to hand back. */
+  readonly text: string;
 }
 
 /** Reads `pg_snapshot`'s text form, `xmin:xmax:xip,...`. @throws {TypeError} on anything else. */
@@ -23,7 +25,7 @@ export function parseSnapshot(text: string): Snapshot {
   const match = /^(\d+):(\d+):([\d,]*)$/.exec(text);
   if (!match) throw new TypeError(`Not a pg_snapshot: ${JSON.stringify(text)}`);
   const xip = match[3] ? match[3].split(",").map(BigInt) : [];
-  return { xmin: BigInt(match[1]!), xmax: BigInt(match[2]!), xip: new Set(xip) };
+  return { xmin: BigInt(match[1]!), xmax: BigInt(match[2]!), xip: new Set(xip), text };
 }
 
 /**
@@ -40,7 +42,7 @@ export interface TenantChanges {
   snapshot: Snapshot;
   /**
    * The tenants whose rows changed in a transaction `since` could not see (none when `since` is unset); null when
-   * there were more than {@linkcode CHANGES_READ_LIMIT} rows to read: any tenant may have changed.
+   * any tenant may have changed: a table was truncated, or there were more than {@linkcode CHANGES_READ_LIMIT}.
    */
   tenants: Set<string> | null;
 }
@@ -51,7 +53,7 @@ export interface TenantChanges {
  */
 export type TenantChangeFeed = (since?: Snapshot) => Promise<TenantChanges>;
 
-/** The most rows one look reads: past it, the reader treats every tenant as changed (`all`). */
+/** The most rows one look reads: past it, the reader treats every tenant as changed. */
 export const CHANGES_READ_LIMIT = 10_000;
 
 /**
@@ -64,40 +66,60 @@ export function tenantChangeFeed(sql: Sql): TenantChangeFeed {
       const [row] = await sql<{ snapshot: string }[]>`SELECT pg_current_snapshot()::text AS snapshot`;
       return { snapshot: parseSnapshot(row!.snapshot), tenants: new Set() };
     }
-    // Every transaction the earlier snapshot could not see is at or above its xmin.
+    // Every transaction the earlier snapshot could not see is at or above its xmin (the index's range); of those,
+    // the ones it saw are left out here, so a long transaction elsewhere does not make every look read more.
     const rows = await sql<{ snapshot: string; tenant: string | null; xid: string | null }[]>`
       SELECT s.snapshot, c.tenant, c.xid::text AS xid
       FROM (SELECT pg_current_snapshot()::text AS snapshot) s
       LEFT JOIN LATERAL (
-        SELECT tenant, xid FROM tenant_changes WHERE xid >= ${String(since.xmin)}::xid8
+        SELECT tenant, xid FROM tenant_changes
+        WHERE xid >= ${String(since.xmin)}::xid8 AND NOT pg_visible_in_snapshot(xid, ${since.text}::pg_snapshot)
         LIMIT ${CHANGES_READ_LIMIT + 1}
       ) c ON true`;
     const snapshot = parseSnapshot(rows[0]!.snapshot);
     if (rows.length > CHANGES_READ_LIMIT) return { snapshot, tenants: null };
     const tenants = new Set<string>();
     for (const { tenant, xid } of rows) {
-      if (tenant !== null && !visibleIn(BigInt(xid!), since)) tenants.add(tenant);
+      if (tenant === null || visibleIn(BigInt(xid!), since)) continue;
+      if (tenant === EVERY_TENANT) return { snapshot, tenants: null };
+      tenants.add(tenant);
     }
     return { snapshot, tenants };
   };
 }
 
-/** How long the log keeps a row: a cache that has not looked for half of it reads everything again instead. */
+/** The log's row for a change to every tenant (a TRUNCATE): no tenant is named `*`. */
+const EVERY_TENANT = "*";
+
+/**
+ * How long the log keeps a row after its transaction was seen to end: a cache that has not looked for half of it
+ * reads everything again instead.
+ */
 export const CHANGES_KEPT_MS = 3_600_000;
 
 /**
- * Deletes up to `limit` rows of the log older than `olderThanMs` (retention's batch; `retention.ts`), of
- * transactions every snapshot now sees. @returns rows deleted.
+ * Deletes up to `limit` rows of the log (a batch of retention's, `retention.ts`): those of transactions that had
+ * ended `olderThanMs` ago. Each call records the oldest transaction running now (its snapshot's xmin) with the
+ * time, and deletes the rows below the xmin recorded at least `olderThanMs` before: every look since then sees
+ * them. The time of a row's own write would not do: a transaction that began two hours ago may commit now.
+ * @returns rows deleted.
  */
 export async function deleteOldChanges(
   sql: Sql,
   { olderThanMs = CHANGES_KEPT_MS, limit }: { olderThanMs?: number; limit: number },
 ): Promise<number> {
+  await sql`
+    INSERT INTO tenant_change_horizons (at, oldest_running) VALUES (now(), pg_snapshot_xmin(pg_current_snapshot()))
+    ON CONFLICT DO NOTHING`;
+  // As text: postgres.js would round a timestamptz to the millisecond.
+  const [horizon] = await sql<{ at: string; xmin: string }[]>`
+    SELECT at::text AS at, oldest_running::text AS xmin FROM tenant_change_horizons
+    WHERE at < now() - ${olderThanMs} * interval '1 millisecond' ORDER BY at DESC LIMIT 1`;
+  if (!horizon) return 0;
+  // Older horizons are below this one: only the newest old enough is needed.
+  await sql`DELETE FROM tenant_change_horizons WHERE at < ${horizon.at}::timestamptz`;
   const rows = await sql`
     DELETE FROM tenant_changes WHERE ctid IN (
-      SELECT ctid FROM tenant_changes
-      WHERE at < now() - ${olderThanMs} * interval '1 millisecond'
-        AND xid < pg_snapshot_xmin(pg_current_snapshot())
-      LIMIT ${limit})`;
+      SELECT ctid FROM tenant_changes WHERE xid < ${horizon.xmin}::xid8 LIMIT ${limit})`;
   return rows.count;
 }

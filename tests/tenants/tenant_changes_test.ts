@@ -28,7 +28,7 @@ import { countingSql, createTestDatabase, waitFor } from "../_support.ts";
 
 Deno.test("parseSnapshot() reads pg_snapshot's text and visibleIn() judges a transaction as Postgres does", () => {
   const s = parseSnapshot("100:105:100,103");
-  assert.deepEqual([s.xmin, s.xmax, [...s.xip]], [100n, 105n, [100n, 103n]]);
+  assert.deepEqual([s.xmin, s.xmax, [...s.xip], s.text], [100n, 105n, [100n, 103n], "100:105:100,103"]);
   assert.equal(visibleIn(99n, s), true, "ended before the snapshot");
   assert.equal(visibleIn(100n, s), false, "in progress");
   assert.equal(visibleIn(101n, s), true, "between, not in progress: ended");
@@ -92,18 +92,44 @@ Deno.test("tenant change log: a change whose transaction was open during a look 
   });
 });
 
-Deno.test("tenant change log: retention deletes rows past their age that every snapshot sees, and keeps the rest", async () => {
+Deno.test("tenant change log: retention deletes the rows of transactions that had ended an hour before", async () => {
   await withFeed(async (sql) => {
     await createApiKey(sql, "old");
-    await sql`UPDATE tenant_changes SET at = now() - interval '2 hours'`;
+    // A pass an hour ago recorded the oldest transaction running then; the rows below it go.
+    const olderRows = async () =>
+      (await sql<{ n: number }[]>`
+        SELECT count(*)::int AS n FROM tenant_changes
+        WHERE xid < (SELECT max(oldest_running) FROM tenant_change_horizons WHERE at < now() - interval '1 hour')`)[0]!
+        .n;
+    // A transaction open elsewhere on the server (another test's) holds the horizon back until it ends.
+    await waitFor("a horizon above the old tenant's rows", async () => {
+      await sql`
+        INSERT INTO tenant_change_horizons (at, oldest_running)
+        VALUES (now() - interval '2 hours' + random() * interval '1 second', pg_snapshot_xmin(pg_current_snapshot()))`;
+      return (await olderRows()) === 2;
+    });
+    // A transaction that began three hours ago and committed just now: its row stays, whatever its age.
+    await sql`INSERT INTO tenant_changes (tenant) VALUES ('late')`;
     await createApiKey(sql, "new");
-    // A transaction open anywhere on the server (another test's, say) holds the rows back until it ends.
-    let deleted = 0;
-    await waitFor("the old rows deleted", async () => (deleted += await deleteOldChanges(sql, { limit: 1_000 })) >= 2);
-    assert.equal(deleted, 2, "the old tenant's key and tenant rows");
-    const left = await sql<{ tenant: string }[]>`SELECT tenant FROM tenant_changes`;
-    assert.ok(left.length > 0 && left.every((r) => r.tenant === "new"));
+    assert.equal(await deleteOldChanges(sql, { limit: 1_000 }), 2, "the old tenant's key and tenant rows");
+    const left = await sql<{ tenant: string }[]>`SELECT tenant FROM tenant_changes ORDER BY xid`;
+    assert.deepEqual(left.map((r) => r.tenant), ["late", "new", "new"]);
     assert.equal(await deleteOldChanges(sql, { olderThanMs: CHANGES_KEPT_MS, limit: 1_000 }), 0);
+    const horizons = await sql`SELECT at FROM tenant_change_horizons WHERE at < now() - interval '1 hour'`;
+    assert.equal(horizons.length, 1, "only the newest horizon old enough is kept, and this pass's own");
+  });
+});
+
+Deno.test("tenant change log: a renamed tenant and a truncated table are changes too", async () => {
+  await withFeed(async (sql, feed) => {
+    await sql`INSERT INTO tenants (name) VALUES ('solo')`;
+    await ensureWebhookSecret(sql, "solo");
+    let { snapshot } = await feed();
+    await sql`UPDATE tenants SET name = 'renamed' WHERE name = 'solo'`;
+    assert.deepEqual([...(await feed(snapshot)).tenants!].sort(), ["renamed", "solo"]);
+    ({ snapshot } = await feed());
+    await sql`TRUNCATE tenant_webhook_hosts`;
+    assert.equal((await feed(snapshot)).tenants, null, "every tenant may have changed");
   });
 });
 
@@ -190,7 +216,7 @@ Deno.test("tenant cache with the change log: an entry read before a look was ans
   // A fake log: snapshots count up, nothing ever changes.
   let n = 10n;
   const feed: TenantChangeFeed = () => {
-    const snapshot: Snapshot = { xmin: n, xmax: n, xip: new Set() };
+    const snapshot: Snapshot = { xmin: n, xmax: n, xip: new Set(), text: `${n}:${n}:` };
     n++;
     return Promise.resolve({ snapshot, tenants: new Set<string>() });
   };
@@ -267,4 +293,49 @@ Deno.test("authenticator with the change log: a revoked key stops working at the
     await assert.rejects(as(acme), /not valid/, "revoked within one pass, not a whole TTL");
     assert.equal(await as(globex), "globex");
   });
+});
+
+Deno.test("tenant cache with the change log: a request after a look reported its tenant changed does not join an older read", async () => {
+  let calls = 0;
+  let n = 10n;
+  const feed: TenantChangeFeed = () => {
+    calls++;
+    const snapshot: Snapshot = { xmin: n, xmax: n, xip: new Set(), text: `${n}:${n}:` };
+    n++;
+    if (calls === 2) return Promise.reject(new Error("Postgres is down"));
+    return Promise.resolve({ snapshot, tenants: new Set(calls === 3 ? ["k"] : []) });
+  };
+  let t = 0;
+  let version = "before";
+  const reads: string[] = [];
+  let hold: PromiseWithResolvers<void> | undefined;
+  const cache = createTenantCache<string>({
+    ttlMs: 10_000,
+    now: () => t,
+    changes: feed,
+    read: async (keys) => {
+      const value = version;
+      reads.push(...keys);
+      if (hold) await hold.promise;
+      return new Map(keys.map((k) => [k, value]));
+    },
+  });
+  await cache.settled();
+  assert.equal(await cache.get("k"), "before");
+  t += 5_000;
+  cache.peek("k"); // a look that fails: k is not confirmed, and ages
+  await cache.settled();
+  t += 5_000;
+  // k is ttlMs old: a request reads it (held), and starts the look that reports k's tenant changed.
+  hold = Promise.withResolvers();
+  const old = cache.get("k");
+  await new Promise((r) => setTimeout(r, 0));
+  version = "after";
+  const fresh = cache.get("k");
+  hold.resolve();
+  hold = undefined;
+  assert.equal(await old, "before", "the request that sent the older read still gets its answer");
+  assert.equal(await fresh, "after", "the later one sent a read of its own");
+  assert.deepEqual(reads, ["k", "k", "k"]);
+  await cache.settled();
 });
