@@ -145,3 +145,17 @@ export async function stopAll(procs: readonly Proc[], killedByUs: Set<Deno.Child
   await Promise.all(procs.map((p) => p.logged));
   return stuck;
 }
+
+/**
+ * A number option of a chaos harness, `--name N`: `fallback` when absent; exits 2 naming the option when its value
+ * is not a number of at least 0.
+ */
+export function numberOption(args: readonly string[], name: string, fallback: number): number {
+  const i = args.indexOf(`--${name}`);
+  const value = i >= 0 ? Number(args[i + 1]) : fallback;
+  if (!Number.isFinite(value) || value < 0) {
+    console.error(`--${name} must be a number (got ${JSON.stringify(args[i + 1])})`);
+    Deno.exit(2);
+  }
+  return value;
+}

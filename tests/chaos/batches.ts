@@ -73,19 +73,11 @@ import { defaultAnswer, realisticUsage, startFakeModel, type Usage } from "../su
 import { freePort } from "../support/free_port.ts";
 import { seededRandom } from "../support/random.ts";
 import { createScratchDatabase, emptyRedisDatabase, releaseRedisDatabase } from "../support/scratch.ts";
-import { apiHealthy, createSpawner, type Proc, stopAll, taskArgsOf } from "./_processes.ts";
+import { apiHealthy, createSpawner, numberOption, type Proc, stopAll, taskArgsOf } from "./_processes.ts";
 
 // ---------------------------------------------------------------- options
 const args = Deno.args;
-const option = (name: string, fallback: number) => {
-  const i = args.indexOf(`--${name}`);
-  const value = i >= 0 ? Number(args[i + 1]) : fallback;
-  if (!Number.isFinite(value) || value < 0) {
-    console.error(`--${name} must be a number (got ${JSON.stringify(args[i + 1])})`);
-    Deno.exit(2);
-  }
-  return value;
-};
+const option = (name: string, fallback: number) => numberOption(args, name, fallback);
 const RUNS = Math.floor(option("runs", 1000));
 const MAX_RUNS = Math.max(1, Math.floor(option("max-runs", 100)));
 const DURATION_S = option("duration", Math.max(5, RUNS / 100));

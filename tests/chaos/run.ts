@@ -136,7 +136,7 @@ import { type LocalCluster, startLocalCluster } from "../support/redis_cluster.t
 import { type RedisSentinel, startRedisSentinel } from "../support/redis_sentinel.ts";
 import { connectRedis, type RedisClient } from "../../src/clients.ts";
 import { launchFlags } from "../../main.ts";
-import { apiHealthy, createSpawner, MAIN, type Proc, stopAll, taskArgsOf } from "./_processes.ts";
+import { apiHealthy, createSpawner, MAIN, numberOption, type Proc, stopAll, taskArgsOf } from "./_processes.ts";
 import { freePort } from "../support/free_port.ts";
 import { seededRandom } from "../support/random.ts";
 import { pgFailoverMode, startPgFailover } from "./pg_failover.ts";
@@ -155,15 +155,7 @@ import {
 
 const args = Deno.args;
 const flag = (name: string) => args.includes(`--${name}`);
-const option = (name: string, fallback: number) => {
-  const i = args.indexOf(`--${name}`);
-  const value = i >= 0 ? Number(args[i + 1]) : fallback;
-  if (!Number.isFinite(value) || value < 0) {
-    console.error(`--${name} must be a number (got ${JSON.stringify(args[i + 1])})`);
-    Deno.exit(2);
-  }
-  return value;
-};
+const option = (name: string, fallback: number) => numberOption(args, name, fallback);
 /** --redis-drops' share: the value after the flag (`0.03` or `3%`) if there is one, else 3%; 0 without the flag. */
 function dropShare(): number {
   const i = args.indexOf("--redis-drops");
