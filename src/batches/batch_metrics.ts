@@ -33,8 +33,8 @@ export const BATCH_METRICS_DEFAULTS = {
 
 /** What the submitter and the poller report to the metrics. */
 export interface BatchEvents {
-  /** `lines` lines were settled as `outcome` (by this process, once each). */
-  settled(outcome: BatchLineOutcome, lines: number): void;
+  /** `lines` lines of a batch of `deployment` were settled as `outcome` (by this process, once each). */
+  settled(outcome: BatchLineOutcome, lines: number, deployment: string): void;
 }
 
 const registered = new WeakMap<Registry, BatchEvents>();
@@ -111,13 +111,17 @@ export function batchMetrics(
   );
   const settled = new Counter({
     name: "oncely_batch_lines_settled_total",
-    help: "Batch lines this process settled, by outcome: committed (or found decided), failed, online (sent " +
-      "back to the online path) or left_out (decided before the upload).",
-    labelNames: ["outcome"] as const,
+    help: "Batch lines this process settled, by deployment and outcome: committed (or found decided), failed, " +
+      "online (sent back to the online path) or left_out (decided before the upload).",
+    labelNames: ["deployment", "outcome"] as const,
     registers,
   });
-  for (const outcome of LINE_OUTCOMES) settled.inc({ outcome }, 0);
-  const events: BatchEvents = { settled: (outcome, lines) => settled.inc({ outcome }, lines) };
+  for (const deployment of deployments) {
+    for (const outcome of LINE_OUTCOMES) settled.inc({ deployment, outcome }, 0);
+  }
+  const events: BatchEvents = {
+    settled: (outcome, lines, deployment) => settled.inc({ deployment, outcome }, lines),
+  };
   registered.set(registry, events);
   return events;
 }

@@ -106,7 +106,7 @@ export interface PollerOptions {
   leaseMs?: number;
   intervalMs?: number;
   /** Called once for each line this poller settled (a line settled before is not counted again): the metrics. */
-  onSettled?: (outcome: BatchLineOutcome, lines: number) => void;
+  onSettled?: (outcome: BatchLineOutcome, lines: number, deployment: string) => void;
   /** Called after each line's settling (tests throw here to stop the poller between two lines). */
   fault?: (step: "line_settled" | "online_sent", runId: string) => void | Promise<void>;
 }
@@ -215,7 +215,8 @@ export function createBatchPoller(
   };
 
   const settled = async (runId: string, outcome: Exclude<BatchLineOutcome, "left_out">) => {
-    if (await settleBatchRun(sql, runId, outcome)) options.onSettled?.(outcome, 1);
+    const deployment = await settleBatchRun(sql, runId, outcome);
+    if (deployment !== undefined) options.onSettled?.(outcome, 1, deployment);
   };
 
   const fail = async (row: BatchRunRow, reason: string) => {

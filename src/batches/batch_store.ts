@@ -299,16 +299,18 @@ export type BatchLineOutcome = "committed" | "failed" | "online" | "left_out";
 
 /**
  * Records how a run's line was settled (once; a second settling of the same run changes nothing).
- * @returns whether this call settled it.
+ * @returns the deployment of the run's batch when this call settled it; undefined when it was settled before.
  */
 export async function settleBatchRun(
   sql: Queryable,
   runId: string,
   settled: Exclude<BatchLineOutcome, "left_out">,
-): Promise<boolean> {
-  const rows = await sql`
-    UPDATE batch_runs SET settled = ${settled} WHERE run_id = ${runId}::uuid AND settled IS NULL RETURNING run_id`;
-  return rows.length > 0;
+): Promise<string | undefined> {
+  const [row] = await sql<{ deployment: string }[]>`
+    UPDATE batch_runs r SET settled = ${settled} FROM batches b
+    WHERE r.run_id = ${runId}::uuid AND r.settled IS NULL AND b.id = r.batch_id
+    RETURNING b.deployment`;
+  return row?.deployment;
 }
 
 /**

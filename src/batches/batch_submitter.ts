@@ -55,7 +55,7 @@ export interface SubmitterOptions {
   leaseMs?: number;
   intervalMs?: number;
   /** Called with the lines left out of a batch's file (its runs decided before the upload), once: the metrics. */
-  onSettled?: (outcome: Extract<BatchLineOutcome, "left_out">, lines: number) => void;
+  onSettled?: (outcome: Extract<BatchLineOutcome, "left_out">, lines: number, deployment: string) => void;
   /** Called after each step (tests throw here to stop the submitter between two steps). */
   fault?: (step: SubmitStep, batchId: string) => void | Promise<void>;
 }
@@ -88,7 +88,7 @@ export function createBatchSubmitter(
       const lines = await fixBatchLines(sql, id);
       if (lines === null) return;
       // Leased `closed`, so its `runs` was final: the runs not in the file are those fixBatchLines left out.
-      if (batch.runs > lines) options.onSettled?.("left_out", batch.runs - lines);
+      if (batch.runs > lines) options.onSettled?.("left_out", batch.runs - lines, batch.deployment);
       await fault("lines_fixed", id);
       if (lines === 0) {
         // Every run was cancelled (or decided) before the upload: nothing to send.

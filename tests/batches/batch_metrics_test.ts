@@ -9,7 +9,7 @@ import type { Sql } from "postgres";
 import { Registry } from "prom-client";
 import { createBatchPoller } from "../../src/batches/batch_poller.ts";
 import { createBatchSubmitter } from "../../src/batches/batch_submitter.ts";
-import { batchMetrics, IN_FLIGHT_STATES } from "../../src/batches/batch_metrics.ts";
+import { batchMetrics, IN_FLIGHT_STATES, LINE_OUTCOMES } from "../../src/batches/batch_metrics.ts";
 import { recordBatchRun, settleBatchRun } from "../../src/batches/batch_store.ts";
 import { parseConfig } from "../../src/config.ts";
 import { createPrices } from "../../src/llm/prices.ts";
@@ -150,12 +150,13 @@ Deno.test("the batch gauges: batches in flight by state and deployment, their ru
     assert.ok(Math.abs(oldest.west! - 600) < 60, `west: 10 min (${oldest.west})`);
     assert.ok(Math.abs(oldest.gone! - 3600) < 60, `gone: 1 h (${oldest.gone})`);
     assert.equal(oldest.north, 0, "none in flight: 0");
-    assert.deepEqual(series(text, "oncely_batch_lines_settled_total", ["outcome"]), {
-      committed: 0,
-      failed: 0,
-      online: 0,
-      left_out: 0,
-    });
+    assert.deepEqual(
+      series(text, "oncely_batch_lines_settled_total", ["deployment", "outcome"]),
+      Object.fromEntries(
+        ["east", "west", "north"].flatMap((d) => LINE_OUTCOMES.map((outcome) => [`${d}/${outcome}`, 0])),
+      ),
+      "each configured deployment's outcomes, from 0",
+    );
     await promtoolClean(text);
 
     // Everything committed: the gauges fall to 0, each configured deployment's series still there.
@@ -304,7 +305,12 @@ Deno.test("lines settled are counted once each by outcome: committed, failed, on
     await world
       .sql`INSERT INTO job_outcomes (job_id, tenant, outcome) VALUES (${runIds[0]!}::uuid, 'acme', 'cancelled')`;
     await createBatchSubmitter(world, { maxWaitMs: 3_600_000, onSettled: events.settled }).runOnce();
-    const counted = async () => series(await registry.metrics(), "oncely_batch_lines_settled_total", ["outcome"]);
+    /** The deployment's settled lines by outcome (its label checked too). */
+    const counted = async () =>
+      Object.fromEntries(
+        Object.entries(series(await registry.metrics(), "oncely_batch_lines_settled_total", ["deployment", "outcome"]))
+          .map(([k, v]) => [k.startsWith(`${DEPLOYMENT}/`) ? k.slice(DEPLOYMENT.length + 1) : k, v]),
+      );
     assert.deepEqual(await counted(), { committed: 0, failed: 0, online: 0, left_out: 1 });
     const poller = (fault?: () => void) =>
       createBatchPoller({ ...world, committer: createGroupCommitter({ sql: world.sql, log: world.log }) }, {
@@ -326,17 +332,12 @@ Deno.test("lines settled are counted once each by outcome: committed, failed, on
     assert.equal(Object.values(await counted()).reduce((a, b) => a + b), 1 + 2);
     assert.equal(await poller().runOnce(), 1);
     const text = await registry.metrics();
-    assert.deepEqual(series(text, "oncely_batch_lines_settled_total", ["outcome"]), {
-      committed: 3,
-      failed: 1,
-      online: 1,
-      left_out: 1,
-    });
+    assert.deepEqual(await counted(), { committed: 3, failed: 1, online: 1, left_out: 1 });
     const [rows] = await world.sql<{ n: number }[]>`
       SELECT count(*)::int AS n FROM batch_runs WHERE settled IS NOT NULL`;
     assert.equal(rows!.n, 6, "every run's line settled, each counted once");
     // A line settled again (two processes racing over one line) is settled, and counted, by one of them.
-    assert.equal(await settleBatchRun(world.sql, runIds[1]!, "committed"), false);
+    assert.equal(await settleBatchRun(world.sql, runIds[1]!, "committed"), undefined);
     assert.deepEqual(await counted(), { committed: 3, failed: 1, online: 1, left_out: 1 });
     assert.deepEqual(series(text, "oncely_batches_in_flight", ["deployment", "state"])[`${DEPLOYMENT}/ended`], 0);
     await promtoolClean(text);
