@@ -8,8 +8,14 @@
  * process killed between the two sends it again; so does a client that resends a script whose reply was lost.
  * Either way the run is queued once: the script writes a marker keyed by the run id in the same step as the
  * entry, and a second run of it finds the marker and adds nothing.
+ *
+ * Under REDIS_MIN_REPLICAS_ACK the script is followed by a `WAIT` in the same round trip, and a send short of its
+ * replicas throws, so the line is not recorded `online` until its entry is on them: a failover just after could
+ * otherwise lose an entry Postgres says was sent. The send is then repeated (the poller's next pass), and the
+ * repeat's own write makes its `WAIT` cover the entry.
  */
 import type { RedisClient } from "../clients.ts";
+import { notReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
 import { announceLane, laneKnownArgs } from "../queue/lanes.ts";
 import type { ServiceKeys } from "../runs/keys.ts";
 import type { OnlineRun } from "./batch_poller.ts";
@@ -29,7 +35,7 @@ export function onlinePayload(payload: string): string {
  * id however often it is called. @returns whether this call added the entry.
  */
 export function createBatchOnline(
-  { redis, keys }: { redis: RedisClient; keys: ServiceKeys },
+  { redis, keys, ack }: { redis: RedisClient; keys: ServiceKeys; ack?: ReplicaAck },
 ): (run: OnlineRun) => Promise<boolean> {
   return async ({ runId, tenant, payload, acceptedMs, answer }) => {
     const lane = keys.lane(tenant);
@@ -50,17 +56,20 @@ export function createBatchOnline(
         ? []
         : [BATCH_ANSWER_FIELD, answer.text.toWellFormed(), BATCH_MODEL_FIELD, answer.model]),
     ];
-    const added = await ONLINE_SCRIPT.run(
-      redis,
-      [lane.streamOf("low"), lane.job(runId), lane.batchOnline(runId), ...known.keys],
-      [JSON.stringify({
-        fields,
-        record: ["tenant", tenant, "status", "queued", "priority", "low"],
-        marker_ttl_s: ONLINE_MARKER_TTL_S,
-        lane: known.lane,
-        wake: known.wake,
-      })],
-    );
+    const scriptKeys = [lane.streamOf("low"), lane.job(runId), lane.batchOnline(runId), ...known.keys];
+    const args = [JSON.stringify({
+      fields,
+      record: ["tenant", tenant, "status", "queued", "priority", "low"],
+      marker_ttl_s: ONLINE_MARKER_TTL_S,
+      lane: known.lane,
+      wake: known.wake,
+    })];
+    let added: unknown;
+    if (ack) {
+      const run = await ack.run(ONLINE_SCRIPT, scriptKeys, args);
+      if (!run.replicated) throw notReplicated(ack, run.acked);
+      added = run.result;
+    } else added = await ONLINE_SCRIPT.run(redis, scriptKeys, args);
     if (!known.announced) await announceLane(redis, keys.registry, tenant);
     return added === 1;
   };

@@ -5,6 +5,7 @@
 import type { Sql } from "postgres";
 import type { Registry } from "prom-client";
 import type { RedisClient } from "../clients.ts";
+import type { ReplicaAck } from "../redis/replica_ack.ts";
 import type { Config } from "../config.ts";
 import type { Logger } from "../log/logger.ts";
 import type { Budgets } from "../budgets/budgets.ts";
@@ -40,10 +41,12 @@ export type BatchTimings =
  * undefined (and no metrics) when no deployment is marked `"batch": true`.
  */
 export function buildBatches(
-  { config, sql, redis, log, keys, prices, budgets, registry }: {
+  { config, sql, redis, log, keys, prices, budgets, registry, ack }: {
     config: Config;
     sql: Sql;
     redis: RedisClient;
+    /** REDIS_MIN_REPLICAS_ACK's runner: the online path's sends wait for the replicas. */
+    ack?: ReplicaAck;
     log: Logger;
     keys: ServiceKeys;
     prices: Prices;
@@ -76,7 +79,7 @@ export function buildBatches(
   // Its own committer: batch lines commit beside the worker's runs, through the same commit and outbox.
   const poller = createBatchPoller({ sql, clients, log, committer: createGroupCommitter({ sql, log }) }, {
     onExpiry: config.BATCH_ON_EXPIRY,
-    online: createBatchOnline({ redis, keys }),
+    online: createBatchOnline({ redis, keys, ack }),
     prices,
     budgets,
     onSettled: metrics?.settled,

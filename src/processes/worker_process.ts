@@ -55,7 +55,10 @@ export async function startWorker(
   const budgets = createBudgets({ redis, log, ack }, { keys, records, prices, events: budgetEvents(registry) });
   await warnUnpricedModels({ log, records, taskModels: () => taskModels(sql) }, config, prices);
   // Runs with priority "batch" go through a provider batch when some deployment is marked "batch": true.
-  const batches = buildBatches({ config, sql, redis, log, keys, prices, budgets, registry }, options.batchTimings);
+  const batches = buildBatches(
+    { config, sql, redis, log, keys, prices, budgets, registry, ack },
+    options.batchTimings,
+  );
   const worker = createSummaryWorker({
     redis,
     sql,

@@ -14,6 +14,10 @@ import { serviceKeys } from "../../src/runs/keys.ts";
 import { runOfPayload } from "../../src/runs/run_payload.ts";
 import { summaryWorker } from "../support/fixtures.ts";
 import { createTestRedis, waitFor } from "../_support.ts";
+import { Redis } from "ioredis";
+import { connectRedis } from "../../src/clients.ts";
+import { createReplicaAck, NotReplicated } from "../../src/redis/replica_ack.ts";
+import { startLocalReplication } from "../support/redis_replication.ts";
 import { batchPayload, batchWorld, Crash } from "./_fixture.ts";
 
 Deno.test("onlinePayload() makes a batch run a low run, which no batch takes again", () => {
@@ -108,5 +112,43 @@ Deno.test("a poller stopped between the online send and recording it: the run is
   } finally {
     await r.close();
     await world.close();
+  }
+});
+
+Deno.test("REDIS_MIN_REPLICAS_ACK: an online send answers only once the replica has the entry, and a resend covers it", async () => {
+  const local = await startLocalReplication();
+  const redis = await connectRedis(local.primary, { failFast: true }) as Redis;
+  const replica = new Redis(local.replica);
+  replica.on("error", () => {}); // killed and restarted below
+  const ack = createReplicaAck(redis, { replicas: 1, timeoutMs: 300 });
+  try {
+    const keys = serviceKeys(`oncely_test_${crypto.randomUUID().slice(0, 8)}`);
+    const low = keys.lane("acme").streamOf("low");
+    const online = createBatchOnline({ redis, keys, ack });
+    const run = () => ({ runId: crypto.randomUUID(), tenant: "acme", payload: batchPayload("Text."), acceptedMs: 1 });
+    const onReplica = async (runId: string) =>
+      (await replica.xrange(low, "-", "+")).filter(([, f]) => f[f.indexOf("job_id") + 1] === runId).length;
+
+    const first = run();
+    assert.equal(await online(first), true);
+    assert.equal(await onReplica(first.runId), 1, "on the replica when the send returns");
+
+    // The replica stalls: the send throws, so the poller does not record the line `online`, and sends it again.
+    const second = run();
+    local.pause();
+    await assert.rejects(online(second), NotReplicated);
+    await local.resume();
+    // The resend adds nothing (the marker), and still waits: its own write covers the entry the first one wrote.
+    const waits = async () => Number(/cmdstat_wait:calls=(\d+)/.exec(await redis.info("commandstats"))?.[1] ?? 0);
+    const before = await waits();
+    assert.equal(await online(second), false);
+    assert.equal(await waits(), before + 1, "the resend waited for the replica");
+    assert.equal(await onReplica(second.runId), 1);
+    assert.equal((await redis.xrange(low, "-", "+")).length, 2, "each run queued once");
+  } finally {
+    await ack.close();
+    replica.disconnect();
+    redis.disconnect();
+    await local.stop();
   }
 });
