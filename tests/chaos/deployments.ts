@@ -211,14 +211,22 @@ export function chaosDeployments({ answer, cooldownMs, durationMs }: ChaosDeploy
           between(byName(d), down.end, next.start).filter((c) => c.answer === "ok" && c.model === PRIMARY).length;
         const alpha = served("alpha"), beta = served("beta");
         const back = byName("alpha").calls.find((c) => c.at >= down.end && c.answer === "ok");
+        // A probe that meets a poison hang or a scripted fault fails for the document, not for alpha: in a gap of
+        // 3 s, one such probe (1 s to time out) and the cooldown after it (1 s) can leave no room for another.
+        const faulted = between(byName("alpha"), down.end, next.start).filter((c) => c.answer === "fault").length;
         rows.push([
           `alpha back (${((next.start - down.end) / 1000).toFixed(1)} s between outages): primary calls answered by ` +
-          `alpha / beta (first after ${back ? ((back.at - down.end) / 1000).toFixed(1) : "-"} s)`,
+          `alpha / beta (first after ${back ? ((back.at - down.end) / 1000).toFixed(1) : "-"} s) / alpha's calls ` +
+          `that met a scripted fault or hang`,
           `${alpha} / ${beta}${
             alpha + beta ? ` (${Math.round((100 * alpha) / (alpha + beta))}% alpha, weight 67%)` : ""
-          }`,
+          } / ${faulted}`,
         ]);
-        if (alpha === 0 && beta > 0) problems.push("alpha served no call between its outages: it never came back");
+        if (alpha === 0 && beta > 0 && faulted === 0) {
+          problems.push(
+            "alpha served no call between its outages, and no probe of it met a bad document: it never came back",
+          );
+        }
       }
       // Primary was wholly out while both of its deployments were: the runs' fallback then, and only then.
       const alphaQuota = windows.find((w) => w.deployment === "alpha" && w.outage === "quota");
