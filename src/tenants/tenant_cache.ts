@@ -328,6 +328,16 @@ export function createTenantCache<V>(options: TenantCacheOptions<V>): TenantCach
     return (key, value, asked) => asked || found.get(key) ? store(key, value, at, base) : undefined;
   });
 
+  /** Reads every entry again in bulk, dropping those idle across too many passes. */
+  const readAllAgain = () => {
+    for (const key of found.keys()) {
+      const entry = found.get(key)!;
+      if (++entry.idle > IDLE_REFRESHES) found.delete(key);
+      else lanes.readAgain(key);
+    }
+    lanes.pump();
+  };
+
   /** Looks at the change log at `t`, asking what `since` could not see (`confirmThroughLook`). */
   const lookAtChanges = (feed: TenantChangeFeed, t: number, since: Look | undefined) => {
     looking = true;
@@ -337,10 +347,11 @@ export function createTenantCache<V>(options: TenantCacheOptions<V>): TenantCach
         look = confirmThroughLook(found, { since, seen, sentAt: t }, tenantOf, lanes);
         lanes.pump();
       },
-      // The entries stay as they were: each is read alone once it is ttlMs old, and the next pass looks again.
+      // No look (the log's table missing before `deno task migrate`, Postgres down): the entries are read again in
+      // bulk, as without a log, so they stay fresh; the next pass looks again, from the same snapshot.
       () => {
         looking = false;
-        lanes.pump();
+        readAllAgain();
       },
     );
   };
@@ -357,12 +368,7 @@ export function createTenantCache<V>(options: TenantCacheOptions<V>): TenantCach
       lookAtChanges(changes, t, look && t - look.sentAt < CHANGES_KEPT_MS / 2 ? look : undefined);
       return;
     }
-    for (const key of found.keys()) {
-      const entry = found.get(key)!;
-      if (++entry.idle > IDLE_REFRESHES) found.delete(key);
-      else lanes.readAgain(key);
-    }
-    lanes.pump();
+    readAllAgain();
   };
   // The first look, so that the first reads have a snapshot to be confirmed against.
   if (changes && ttlMs > 0) lookAtChanges(changes, now(), undefined);
