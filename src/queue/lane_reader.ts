@@ -115,6 +115,9 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
 
   /** Asks the source for news of lanes with work, and learns them. */
   const refresh = () => source.active().then((news) => news.forEach(serve));
+  // A wake-up is learned as it comes, not only at the next read: a message read ahead then knows whether a lane is
+  // due before it (see `LaneShares.behind`).
+  source.onNews?.(serve);
 
   /**
    * Lanes skipped that may be read again rejoin the lanes served, at the clock: a tenant whose budget was spent

@@ -12,6 +12,8 @@ export interface LaneCharge {
   /** What was charged: the expected cost, divided by the lane's weight when the message started. */
   readonly weighted: number;
   readonly weight: number;
+  /** The lane's virtual finish time before this message: its start tag, the order it is due in among the lanes. */
+  readonly start: number;
 }
 
 /**
@@ -60,6 +62,11 @@ export interface LaneShares {
   charge(lane: string, cost: number): LaneCharge;
   /** The message finished; `actual` is what it really cost (undefined: unknown, the estimate stands). */
   settle(charge: LaneCharge, actual?: number): void;
+  /**
+   * Whether a lane with work (to ask, or planned and being read; not set aside) is due before a message whose
+   * start tag is `start` (see {@linkcode LaneCharge.start}): a message read ahead then waits for that lane's read.
+   */
+  behind(start: number): boolean;
   /** The lane's virtual finish time, for tests and inspection. */
   finish(lane: string): number | undefined;
   /** How many lanes are served (have work, as far as this worker knows), and how many it keeps figures of. */
@@ -111,6 +118,8 @@ export function createLaneShares(): LaneShares {
   let active = 0;
   let plans = 0;
   let forgetting: Iterator<[string, Lane]> = lanes.entries();
+  // Lanes planned and not yet put back (a read is taking from them): still due where their finish times say.
+  const planned = new Set<Lane>();
   const average = (old: number, cost: number) => old === 0 ? cost : old + LANE_SHARE_DEFAULTS.averaging * (cost - old);
   const get = (id: string) => {
     let lane = lanes.get(id);
@@ -140,6 +149,7 @@ export function createLaneShares(): LaneShares {
   function take(lane: Lane) {
     if (lane.entry !== 0) live--;
     lane.entry = 0;
+    planned.delete(lane);
   }
   /** Forgets a few lanes whose figures say nothing any more: idle, nothing in flight, at or behind the clock. */
   function forget() {
@@ -189,7 +199,7 @@ export function createLaneShares(): LaneShares {
     plan(free, usable) {
       plans++;
       forget();
-      const planned: { lane: string; count: number }[] = [];
+      const plan: { lane: string; count: number }[] = [];
       const served = live;
       while (free > 0) {
         const top = heap.pop();
@@ -205,14 +215,17 @@ export function createLaneShares(): LaneShares {
           const part = Math.floor(free / served);
           count = Math.max(1, Math.min(free, Math.max(catchUp, part)));
         }
-        planned.push({ lane: top.id, count });
+        plan.push({ lane: top.id, count });
+        planned.add(lane);
         free -= count;
       }
-      return planned;
+      return plan;
     },
     putBack(id) {
       const lane = lanes.get(id);
-      if (lane?.active) push(id, lane);
+      if (!lane) return;
+      planned.delete(lane);
+      if (lane.active) push(id, lane);
     },
     charge(id, cost) {
       const lane = get(id);
@@ -221,10 +234,11 @@ export function createLaneShares(): LaneShares {
       lane.unit = average(lane.unit, expected);
       unit = average(unit, expected);
       const weighted = expected / lane.weight;
+      const start = lane.finish;
       lane.finish += weighted;
       lane.inFlight += weighted;
       if (lane.entry !== 0) push(id, lane);
-      return { lane: id, estimate, weighted, weight: lane.weight };
+      return { lane: id, estimate, weighted, weight: lane.weight, start };
     },
     settle(charge, actual) {
       const lane = get(charge.lane);
@@ -241,6 +255,12 @@ export function createLaneShares(): LaneShares {
       // Its place among the lanes to ask follows its finish time.
       if (lane.entry !== 0) push(charge.lane, lane);
       advance(lane);
+    },
+    behind(start) {
+      const top = heap.peek();
+      if (top !== undefined && lanes.get(top.id)!.finish < start) return true;
+      for (const lane of planned) if (lane.finish < start) return true;
+      return false;
     },
     finish(id) {
       return lanes.get(id)?.finish;

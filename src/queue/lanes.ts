@@ -45,6 +45,11 @@ export interface LaneSource {
   idle(lanes: LaneNames[]): Promise<LaneNames[]>;
   /** Resolves on a wake-up (new work somewhere), or after `ms`. */
   wait(ms: number): Promise<void>;
+  /**
+   * Calls `listener` with each lane a wake-up names, as it comes (it is still news for `active`): a reader whose
+   * slots are all busy learns of a new tenant's work before its next read. Optional: a source without wake-ups.
+   */
+  onNews?(listener: (lane: LaneNames) => void): void;
 }
 
 /** A walk over every lane there is (see {@linkcode LaneSource.walk}). */
@@ -209,8 +214,13 @@ export function createLaneRegistry(
   // The lanes woken since the last `active()`: a wake-up names its lane, or the lanes of an intake call separated
   // by spaces (a set: a busy lane is named once).
   const news = new Set<string>();
+  let newsListener: ((lane: LaneNames) => void) | undefined;
   subscriber.on("message", (_channel: string, ids: string) => {
-    for (const id of ids.split(" ")) if (id) news.add(id);
+    for (const id of ids.split(" ")) {
+      if (!id) continue;
+      news.add(id);
+      newsListener?.(toLane(id));
+    }
     wakeAll();
   });
   const subscribed = subscriber.subscribe(keys.wake).catch((error) => log.warn("lane_wakeup_unavailable", { error }));
@@ -294,6 +304,9 @@ export function createLaneRegistry(
       return [...named.keys()].sort().map((id) => named.get(id)!);
     },
     walk: () => walkSet(keys.all),
+    onNews(listener) {
+      newsListener = listener;
+    },
     async idle(lanes) {
       const known = lanes.filter((lane) => registryIds.has(laneId(lane)));
       if (known.length === 0) return [];

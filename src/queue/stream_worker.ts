@@ -196,7 +196,12 @@ export function createStreamWorker(
   const events = options.events ?? {};
   const shares = createLaneShares();
   // What the message really cost (the provider's token count) replaces its estimate in its lane's share.
-  const slots = createSlots(options, (message, charge) => shares.settle(charge, options.spent?.(message)));
+  const slots = createSlots(
+    options,
+    (message, charge) => shares.settle(charge, options.spent?.(message)),
+    // A lane due before a message read ahead (one that got work since it was read) takes the freed slot first.
+    (charge) => shares.behind(charge.start),
+  );
   const groups = createGroupCache({ redis, log });
   const reader = createLaneReader({ redis }, { ...options, groups, shares });
   const reclaimer = createReclaimer({ redis }, {
@@ -239,6 +244,17 @@ export function createStreamWorker(
   const startReclaimed = (lane: LaneNames, stream: QueueNames, m: StreamMessage) => start(lane, stream, m, "reclaimed");
 
   async function runOnce(block = blockMs): Promise<number> {
+    let started = 0;
+    try {
+      return started = await readOnce(block);
+    } finally {
+      // Messages read ahead take the slots the read left free: those a lane with work is due before wait for the
+      // next read, unless this one started nothing (that lane was capped or empty after all).
+      slots.fill(started === 0);
+    }
+  }
+
+  async function readOnce(block: number): Promise<number> {
     let free = slots.wanted();
     if (free <= 0) return 0;
     gateWaitMs = 0;
@@ -258,7 +274,9 @@ export function createStreamWorker(
     }
     let started = await reclaimer.reclaim(free, startReclaimed);
     free -= started;
-    if (free > 0) started += await reader.read(free, started > 0 ? 0 : block, startNew, lanes);
+    // A message read ahead waits for this read (see `createSlots`'s `due`): the read must not block.
+    const wait = started > 0 || slots.readAhead() > 0 ? 0 : block;
+    if (free > 0) started += await reader.read(free, wait, startNew, lanes);
     return started;
   }
 
@@ -387,6 +405,7 @@ type Slots = ReturnType<typeof createSlots>;
 function createSlots(
   options: Pick<StreamWorkerOptions, "events" | "concurrency" | "readAhead">,
   released: (message: StreamMessage, charge: LaneCharge) => void,
+  due: (charge: LaneCharge) => boolean = () => false,
 ) {
   const tag = (stream: QueueNames, id: string) => `${stream.stream}\n${id}`;
   const held = new Map<string, { task: Promise<void>; stream: QueueNames; id: string }>();
@@ -396,15 +415,30 @@ function createSlots(
   // Running handlers past `finishing`, without a slot; and those that kept theirs because as many were.
   const unslotted = new Set<string>();
   const refused = new Set<string>();
-  // Messages read ahead, in the order they were read: each starts (or is abandoned) once.
-  const readAhead: { stream: QueueNames; message: StreamMessage; start(): void; abandon(): void }[] = [];
+  // Messages read ahead, by their start tags (the order fair shares put them in): each starts (or is abandoned) once.
+  const readAhead: {
+    stream: QueueNames;
+    message: StreamMessage;
+    charge: LaneCharge;
+    start(): void;
+    abandon(): void;
+  }[] = [];
+  const queue = (entry: (typeof readAhead)[number]) => {
+    let i = readAhead.length;
+    while (i > 0 && readAhead[i - 1]!.charge.start > entry.charge.start) i--;
+    readAhead.splice(i, 0, entry);
+  };
   let changed: (() => void) | undefined;
   const inFlight = () => options.events?.inFlight?.(handlers.size);
-  /** A slot is free: the first message read ahead takes it. */
+  /**
+   * A slot is free: the first message read ahead takes it, unless a lane is due before it (a tenant whose first job
+   * came while every slot was busy): then the worker's next read fills the slot, and `fill` after it starts the
+   * messages read ahead for the slots the read left free.
+   */
   let stopping = false;
   const freeSlot = (key: string) => {
     slotted.delete(key);
-    if (!stopping) readAhead.shift()?.start();
+    if (!stopping && readAhead.length > 0 && !due(readAhead[0]!.charge)) readAhead.shift()!.start();
   };
   const release = (key: string) => {
     const entry = handlers.get(key);
@@ -465,6 +499,12 @@ function createSlots(
           held.delete(key);
         }, () => finishing(key));
       };
+      // Messages read ahead that are due before this one (they waited for this read: see `freeSlot`) start first.
+      while (
+        !stopping && slotted.size < options.concurrency && (readAhead[0]?.charge.start ?? Infinity) < charge.start
+      ) {
+        readAhead.shift()!.start();
+      }
       if (!stopping && slotted.size < options.concurrency) {
         held.set(key, { task: go(), stream, id: message.id });
         return;
@@ -472,9 +512,10 @@ function createSlots(
       options.readAhead?.(message);
       // Abandoned (a stop past its grace): never started, it stays pending for another worker to reclaim.
       const task = new Promise<void>((resolve) =>
-        readAhead.push({
+        queue({
           stream,
           message,
+          charge,
           start: () => void go().then(resolve),
           abandon: () => {
             held.delete(key);
@@ -484,6 +525,16 @@ function createSlots(
         })
       );
       held.set(key, { task, stream, id: message.id });
+    },
+    /**
+     * Starts messages read ahead in the free slots: with `force`, every one; else those no lane with work is due
+     * before (see `freeSlot`).
+     */
+    fill(force: boolean) {
+      while (!stopping && slotted.size < options.concurrency && readAhead.length > 0) {
+        if (!force && due(readAhead[0]!.charge)) return;
+        readAhead.shift()!.start();
+      }
     },
     /** The worker is stopping: no message starts from now on (each waits read ahead, to be handed back). */
     stopping() {

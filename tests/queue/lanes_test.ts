@@ -161,24 +161,146 @@ Deno.test("lanes", async (t) => {
       });
       await enqueue("a", 20);
       assert.equal(await worker.runOnce(0), 4);
+      // B's jobs arrive (the worker learns of them from the wake-up) while A has four running and none finished:
+      // B starts level with A's finished service, four behind A.
+      const woken = registry.wait(5_000);
       await enqueue("b", 8);
+      await woken;
       // Two of A's four finish: both freed slots go to B, which holds nothing yet.
       release.shift()!();
       release.shift()!();
       await waitFor("two slots free", () => worker.inFlight === 2);
       assert.equal(await worker.runOnce(0), 2);
       assert.deepEqual(started.slice(4), ["b", "b"]);
-      // The other two finish: B holds two, A none, and A is two ahead in service: one each, then in turn.
+      // The other two finish: B has had two, A four: both go to B, which now holds as many as A had running.
       release.shift()!();
       release.shift()!();
       await waitFor("two slots free", () => worker.inFlight === 2);
       assert.equal(await worker.runOnce(0), 2);
-      assert.deepEqual(started.slice(6).sort(), ["a", "b"]);
+      assert.deepEqual(started.slice(6), ["b", "b"]);
+      // Level now: the next two, one each.
+      release.shift()!();
+      release.shift()!();
+      await waitFor("two slots free", () => worker.inFlight === 2);
+      assert.equal(await worker.runOnce(0), 2);
+      assert.deepEqual(started.slice(8).sort(), ["a", "b"]);
       for (const res of release) res();
       await worker.drain();
       await worker.close();
       await registry.close();
     });
+
+    /**
+     * A worker of two slots whose handlers call `finishing` when the test ends their model part, then wait for the
+     * test to end their commit: so messages are read ahead (one per handler committing without its slot).
+     */
+    const twoSlots = (workerWith: ReturnType<typeof setup>["workerWith"]) => {
+      const started: string[] = [];
+      const model = new Map<string, () => void>();
+      const commit = new Map<string, () => void>();
+      const committing: string[] = [];
+      const worker = workerWith(async (m, _signal, finishing) => {
+        const id = m.fields.job_id!;
+        started.push(id);
+        await new Promise<void>((res) => model.set(id, res));
+        finishing();
+        committing.push(id);
+        await new Promise<void>((res) => commit.set(id, res));
+      }, { concurrency: 2 });
+      /** Ends `id`'s model part and waits until it commits (its slot freed, or kept). */
+      const modelDone = async (id: string) => {
+        await waitFor(`${id} started`, () => model.has(id));
+        model.get(id)!();
+        await waitFor(`${id} committing`, () => committing.includes(id));
+      };
+      /** Ends every handler, the ones read ahead too, and waits for them. */
+      const finishAll = async () => {
+        for (let i = 0; i < 100 && commit.size < started.length; i++) {
+          for (const go of model.values()) go();
+          await sleep(5);
+        }
+        for (let i = 0; i < 200 && worker.inFlight > 0; i++) {
+          for (const go of [...model.values(), ...commit.values()]) go();
+          await worker.runOnce(0);
+          await sleep(5);
+        }
+        await worker.drain();
+      };
+      return { worker, started, modelDone, commit, finishAll };
+    };
+
+    await t.step(
+      "a tenant whose first job came while every slot was busy goes before the messages read ahead",
+      async () => {
+        const { registry, enqueue, workerWith } = setup();
+        const { worker, started, modelDone, commit, finishAll } = twoSlots(workerWith);
+        try {
+          await enqueue("a", 8);
+          assert.equal(await worker.runOnce(0), 2);
+          await modelDone("a-0");
+          await modelDone("a-1");
+          // a-0 and a-1 commit without their slots: a-2 and a-3 take them, a-4 and a-5 are read ahead.
+          assert.equal(await worker.runOnce(0), 4);
+          assert.deepEqual(started, ["a-0", "a-1", "a-2", "a-3"]);
+          // B's jobs arrive while both slots are busy; the worker learns of them from the wake-up, without a read.
+          const woken = registry.wait(5_000);
+          await enqueue("b", 2);
+          await woken;
+          commit.get("a-0")!();
+          await modelDone("a-2");
+          // a-2's slot is free, but B is due before a-4 (it holds nothing): the slot waits for the next read.
+          assert.deepEqual(started, ["a-0", "a-1", "a-2", "a-3"]);
+          assert.equal(await worker.runOnce(0), 1);
+          assert.deepEqual(started.slice(4), ["b-0"]);
+          commit.get("a-1")!();
+          await modelDone("a-3");
+          assert.equal(await worker.runOnce(0), 1);
+          assert.deepEqual(started.slice(4), ["b-0", "b-1"]);
+          // B has nothing left: the next slot goes to what was read ahead, in its order.
+          commit.get("a-2")!();
+          await modelDone("b-0");
+          assert.deepEqual(started.slice(4), ["b-0", "b-1", "a-4"]);
+          await finishAll();
+          assert.deepEqual(
+            [...started].sort(),
+            [...Array.from({ length: 8 }, (_, i) => `a-${i}`), "b-0", "b-1"].sort(),
+          );
+        } finally {
+          await worker.close();
+          await registry.close();
+        }
+      },
+    );
+
+    await t.step(
+      "a lane woken with nothing in it holds no slot: the read finds it empty, the one read ahead starts",
+      async () => {
+        const { registry, keys, enqueue, workerWith } = setup();
+        const { worker, started, modelDone, commit, finishAll } = twoSlots(workerWith);
+        try {
+          await enqueue("a", 6);
+          assert.equal(await worker.runOnce(0), 2);
+          await modelDone("a-0");
+          await modelDone("a-1");
+          assert.equal(await worker.runOnce(0), 4);
+          const woken = registry.wait(5_000);
+          await announceLane(r.redis, keys, "empty");
+          await woken;
+          commit.get("a-0")!();
+          await modelDone("a-2");
+          assert.deepEqual(started, ["a-0", "a-1", "a-2", "a-3"], "the freed slot waits for the read");
+          // The read finds the woken lane empty and A drained (its last two are read ahead already): none taken, so
+          // the message read ahead takes the slot.
+          assert.equal(await worker.runOnce(0), 0);
+          assert.deepEqual(started, ["a-0", "a-1", "a-2", "a-3", "a-4"]);
+          await finishAll();
+          assert.equal(started.length, 6);
+        } finally {
+          await worker.close();
+          await registry.close();
+        }
+      },
+    );
 
     await t.step(
       "shares follow cost: messages costing 4 are served a quarter as often as messages costing 1",
