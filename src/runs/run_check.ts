@@ -39,11 +39,16 @@ async function checkAnswer(
   // be so on every try: that is a verdict, a bad answer.
   let violations: SchemaViolation[];
   try {
-    violations = await validateWithin(job.validators.validate, {
-      key: `${task.key}/output`,
-      schema: task.definition.output_schema,
-      instance: value,
-    }, { deadline, signal, clock: job.options.clock, random: job.options.random });
+    const validators = job.validators;
+    violations = await validateWithin(
+      (key, schema, instance, signal) => validators.validate(key, schema, instance, undefined, signal),
+      {
+        key: `${task.key}/output`,
+        schema: task.definition.output_schema,
+        instance: value,
+      },
+      { deadline, signal, clock: job.options.clock, random: job.options.random },
+    );
   } catch (error) {
     if (!(error instanceof ValidationTooCostly)) throw error;
     return { pointer: "", reason: `cannot be validated against the output schema: ${error.message}` };

@@ -37,6 +37,7 @@ import type { PoolIsolation } from "./pool_channels.ts";
 import { type Clock, systemClock } from "../retry/clock.ts";
 import type { Deadline } from "../retry/deadline.ts";
 import { DeadlineExceeded } from "../retry/errors.ts";
+import { linkedSignal } from "../async/linked_signal.ts";
 
 /** Defaults of {@linkcode createSchemaValidators}. */
 export const VALIDATION_LIMITS: Readonly<Required<ValidatorOptions>> = {
@@ -180,7 +181,7 @@ export const VALIDATION_RETRY = {
  * @throws whatever else `validate` throws (a {@linkcode ValidationTooCostly} too), at once.
  */
 export async function validateWithin(
-  validate: (key: string, schema: unknown, instance: unknown) => Promise<SchemaViolation[]>,
+  validate: (key: string, schema: unknown, instance: unknown, signal: AbortSignal) => Promise<SchemaViolation[]>,
   { key, schema, instance }: { key: string; schema: unknown; instance: unknown },
   { deadline, signal, clock = systemClock, random = Math.random }: {
     deadline: Deadline;
@@ -190,8 +191,16 @@ export async function validateWithin(
   },
 ): Promise<SchemaViolation[]> {
   for (let tries = 1;; tries++) {
+    // A try still waiting for a Worker at the deadline gives up waiting (`signal` of `validate`): a starved pool
+    // must not hold the delivery past its budget.
+    const late = new AbortController();
+    const timer = setTimeout(
+      () => late.abort(new DeadlineExceeded(`schema validation of ${key} waited for a validator past the deadline`)),
+      deadline.remaining(),
+    );
+    const linked = signal ? linkedSignal(signal, late.signal) : { signal: late.signal, unlink: () => {} };
     try {
-      return await validate(key, schema, instance);
+      return await validate(key, schema, instance, linked.signal);
     } catch (error) {
       if (!(error instanceof ValidationTimeout || error instanceof ValidationBusy)) throw error;
       const waitMs = Math.round(
@@ -205,6 +214,9 @@ export async function validateWithin(
         });
       }
       await clock.sleep(waitMs, signal);
+    } finally {
+      clearTimeout(timer);
+      linked.unlink();
     }
   }
 }
@@ -221,8 +233,15 @@ export interface SchemaValidators {
    * @throws {ValidationTooCostly} when it is estimated at more than `workerUnits`.
    * @throws {ValidationBusy} when it needs a Worker and the tenant, or everyone, has too many pending.
    * @throws {SchemaRefused} when `compileSchema` refuses `schema` (as a stored schema: `{ stored: true }`).
+   * @throws `signal`'s reason when it aborts while the validation waits for a Worker.
    */
-  validate(key: string, schema: unknown, instance: unknown, tenant?: string): Promise<SchemaViolation[]>;
+  validate(
+    key: string,
+    schema: unknown,
+    instance: unknown,
+    tenant?: string,
+    signal?: AbortSignal,
+  ): Promise<SchemaViolation[]>;
   /**
    * The fast path alone, without a wait: the violations when the validation is small enough for this
    * thread, undefined when it must go to a Worker (call `validate`).
@@ -330,7 +349,7 @@ export function createSchemaValidators(
         ? inThread(v, entry, instance)
         : undefined;
     },
-    validate(key, schema, instance, tenant = tenantOf(key)) {
+    validate(key, schema, instance, tenant = tenantOf(key), signal) {
       if (closed) return Promise.reject(new Error("The schema validators are closed"));
       let entry: Exclude<Entry, SchemaRefused>;
       try {
@@ -344,7 +363,7 @@ export function createSchemaValidators(
       } catch (error) {
         return Promise.reject(error);
       }
-      return onWorker(v, tenant, { key, schema: typeof entry === "symbol" ? schema : entry.schema, instance });
+      return onWorker(v, tenant, { key, schema: typeof entry === "symbol" ? schema : entry.schema, instance }, signal);
     },
     async prepare(key, schema, tenant = tenantOf(key)) {
       if (closed) throw new Error("The schema validators are closed");
@@ -434,6 +453,7 @@ function onWorker(
   { cache, limits, pool }: Validation,
   tenant: string,
   { key, schema, instance }: { key: string; schema: unknown; instance?: unknown },
+  signal?: AbortSignal,
 ): Promise<SchemaViolation[]> {
   /** Sends the message, with the schema when asked, and arms the deadline: `compileMs` for a schema to compile. */
   const send = (slot: PoolSlot<WorkerMemo>, id: number, withSchema: boolean) => {
@@ -465,7 +485,7 @@ function onWorker(
       return { error: rebuildError(data.name, data.message) };
     },
     timedOut: (ms) => new ValidationTimeout(ms),
-  });
+  }, signal);
 }
 
 /**

@@ -113,8 +113,12 @@ export interface PoolWork<S, R, T> {
 
 /** A pool; see the module. */
 export interface WorkerPool<S, R> {
-  /** Runs `work` on a Worker in `tenant`'s turn. @throws `busy` past a cap, at once. */
-  run<T>(tenant: string, work: PoolWork<S, R, T>): Promise<T>;
+  /**
+   * Runs `work` on a Worker in `tenant`'s turn. `signal`: the caller gives up waiting; work not begun yet leaves
+   * the queue and rejects with the signal's reason (work begun runs to its own deadline).
+   * @throws `busy` past a cap, at once.
+   */
+  run<T>(tenant: string, work: PoolWork<S, R, T>, signal?: AbortSignal): Promise<T>;
   /** Its Workers, the terminated ones still finishing their work, and the work waiting or running. */
   stats(): { workers: number; orphans: number; pending: number };
   /** Terminates the Workers; work still waiting or running rejects. Settles once their processes are reaped. */
@@ -189,8 +193,9 @@ class Pool<S, R> implements WorkerPool<S, R> {
     this.#pump();
   }
 
-  run<T>(tenant: string, work: PoolWork<S, R, T>): Promise<T> {
+  run<T>(tenant: string, work: PoolWork<S, R, T>, signal?: AbortSignal): Promise<T> {
     if (this.#closed) return Promise.reject(new Error(`The ${this.#options.name} pool is closed`));
+    if (signal?.aborted) return Promise.reject(signal.reason);
     let done: () => void;
     try {
       done = this.#pending.admit(tenant);
@@ -199,13 +204,21 @@ class Pool<S, R> implements WorkerPool<S, R> {
     }
     return new Promise<T>((resolve, reject) => {
       // Uncounted as it settles, whichever way.
-      const then = <A>(settle: (a: A) => void) => (a: A) => (done(), settle(a));
-      this.#queue.push(tenant, {
+      const then = <A>(settle: (a: A) => void) => (a: A) => {
+        signal?.removeEventListener("abort", giveUp);
+        done();
+        settle(a);
+      };
+      const job: Job<S, R> = {
         id: this.#nextId++,
         work,
         resolve: then(resolve as (value: unknown) => void),
         reject: then(reject),
-      });
+      };
+      // Still waiting for a Worker: it never begins.
+      const giveUp = () => this.#queue.remove(tenant, job) && job.reject(signal!.reason);
+      signal?.addEventListener("abort", giveUp, { once: true });
+      this.#queue.push(tenant, job);
       this.#pump();
     });
   }
@@ -562,6 +575,16 @@ function createTenantQueues<J>() {
       if (jobs.length > 0) byTenant.set(tenant, jobs);
       size--;
       return job;
+    },
+    /** Takes `job` out of `tenant`'s queue: whether it was waiting there. */
+    remove(tenant: string, job: J): boolean {
+      const jobs = byTenant.get(tenant);
+      const at = jobs?.indexOf(job) ?? -1;
+      if (at < 0) return false;
+      jobs!.splice(at, 1);
+      if (jobs!.length === 0) byTenant.delete(tenant);
+      size--;
+      return true;
     },
     takeAll(): J[] {
       const all = [...byTenant.values()].flat();

@@ -117,3 +117,21 @@ Deno.test("validateWithin() waits out validators that are busy, as a timeout, an
   );
   assert.equal(costly, 1);
 });
+
+Deno.test("validateWithin() stops waiting for a Worker at the deadline: a starved pool does not hold the delivery", async () => {
+  const clock = fakeClock();
+  let seen: AbortSignal | undefined;
+  // A validation queued behind busy Workers: it settles only when its caller gives up waiting.
+  const queued = (_k: string, _s: unknown, _i: unknown, signal: AbortSignal) =>
+    new Promise<SchemaViolation[]>((_, reject) => {
+      seen = signal;
+      signal.addEventListener("abort", () => reject(signal.reason), { once: true });
+    });
+  const started = performance.now();
+  const error = await validateWithin(queued, REQUEST, { deadline: Deadline.after(100, clock), clock })
+    .then(() => undefined, (e) => e);
+  assert.ok(error instanceof DeadlineExceeded, String(error));
+  assert.match(error.message, /waited for a validator past the deadline/);
+  assert.equal(seen?.aborted, true);
+  assert.ok(performance.now() - started < 5_000);
+});

@@ -106,7 +106,12 @@ Deno.test("a validation that times out is asked again, never taken for a bad ans
         assert.equal(started.status, 202);
         // Its budget is 1.5 s; each timed-out validation also replaces the pool's Worker, which a loaded machine
         // (CI, 500 tests in) took longer than 5 s in all to do. The claim is the outcome, not its speed.
-        await waitFor("the delivery to give up at its deadline", () => failures.includes("DeadlineExceeded"), 20_000);
+        await waitFor("the delivery to give up at its deadline", () => failures.includes("DeadlineExceeded"), 20_000)
+          .catch((error) => {
+            // What it was doing instead, should it ever not give up.
+            const seen = { failures, tries: starvedOutcomes, starved: starved.pool(), healthy: healthy.pool() };
+            throw new Error(`${(error as Error).message}: ${JSON.stringify(seen)}`);
+          });
         assert.ok(starvedOutcomes.length >= 2, `asked ${starvedOutcomes.length} times`);
         assert.ok(starvedOutcomes.every((o) => o === "ValidationTimeout"));
         assert.equal(repairs(), 0, "no repair call");

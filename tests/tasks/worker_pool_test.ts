@@ -353,3 +353,36 @@ Deno.test("kept children that fail to start are tried again by the pool's own ti
     await pool.close();
   }
 });
+
+Deno.test("work waiting for a Worker leaves the queue when its caller gives up; work begun runs to its deadline", async () => {
+  const pool = fixturePool();
+  try {
+    // The one child spins until its deadline kills it.
+    const spinning = fixtureRun(pool, "spin", 1_500).catch((error) => error);
+    await waitFor("the spin under way", () => pool.stats().workers === 1 && pool.stats().pending === 1);
+    const giveUp = new AbortController();
+    const waiting = pool.run("globex", {
+      begin(slot, id) {
+        slot.post({ id, do: "echo" });
+        slot.arm(5_000);
+      },
+      reply: (data) => ({ value: data }),
+      timedOut: (ms) => new Error(`timed out after ${ms} ms`),
+    }, giveUp.signal);
+    assert.equal(pool.stats().pending, 2);
+    giveUp.abort(new Error("the caller's deadline"));
+    await assert.rejects(waiting, /the caller's deadline/);
+    assert.equal(pool.stats().pending, 1, "no longer counted against the caps");
+    assert.match(String(await spinning), /timed out after 1500 ms/, "the work begun was not cut short by it");
+    // The next work gets the fresh child, and the one given up never ran.
+    assert.equal(typeof await fixtureRun(pool, "echo"), "number");
+    await assert.rejects(
+      pool.run("acme", { begin() {}, reply: () => undefined, timedOut: () => new Error("x") }, AbortSignal.abort()),
+      /abort/i,
+      "a signal already aborted refuses at once",
+    );
+    assert.equal(pool.stats().pending, 0);
+  } finally {
+    await pool.close();
+  }
+});
