@@ -126,18 +126,28 @@ Deno.test("budgets: a tenant is stopped at its budget with 0 overshoot, waits, a
       for (const a of [...acme, ...other]) assert.equal(a.status, 202, JSON.stringify(a.body));
       ids.push(...acme.map((a) => a.body.run_id as string));
       // Another tenant, posting at the same time, is served as if nothing happened.
-      await waitFor("the other tenant's 20 runs", async () => (await statuses("other")).done === 20, 20_000);
+      // What each wait last saw, for its message should it time out.
+      let seen: unknown;
+      const explain = (error: Error) => {
+        throw new Error(`${error.message}; last seen: ${JSON.stringify(seen)}`);
+      };
+      await waitFor("the other tenant's 20 runs", async () => {
+        seen = { other: await statuses("other"), acme: await statuses("acme") };
+        return (await statuses("other")).done === 20;
+      }, 20_000).catch(explain);
       // The budgeted tenant settles: nothing in flight, its runs held back.
       await waitFor("acme's runs held back for the budget", async () => {
         const state = await readBudgetState(r.redis, keys.budget("acme"));
         const doc = await call("acme", "GET", `/v1/runs/${ids.at(-1)}`);
         // Settled: nothing in flight, and what is left of the budget no longer fits one run's worst case.
         const done = (await statuses("acme")).done ?? 0;
+        const queued = await r.redis.xlen(keys.lane("acme").stream);
+        seen = { state, last: doc.body, done, queued, perRunTokens, worstRun, budget };
         return state.reserved[0] === 0 && state.spent[0]! + worstRun > budget && doc.body.status === "queued" &&
-          doc.body.waiting_for === "budget" && done + await r.redis.xlen(keys.lane("acme").stream) === 64 &&
+          doc.body.waiting_for === "budget" && done + queued === 64 &&
           // Every call charged belongs to a committed run (a settled call's run commits just after).
           state.spent[0] === done * perRunTokens;
-      }, 20_000);
+      }, 20_000).catch(explain);
       const done = (await statuses("acme")).done ?? 0;
       console.log(`  ${done} of 64 runs finished within the budget`);
       assert.ok(done >= 1 && done <= 10, `${done} runs finished`);
