@@ -138,7 +138,12 @@ Deno.test("budgets: a tenant is stopped at its budget with 0 overshoot, waits, a
       // The budgeted tenant settles: nothing in flight, its runs held back.
       await waitFor("acme's runs held back for the budget", async () => {
         const state = await readBudgetState(r.redis, keys.budget("acme"));
-        const doc = await call("acme", "GET", `/v1/runs/${ids.at(-1)}`);
+        // A run not decided (the POSTs ran at once, so the last in `ids` may have been queued among the first).
+        const decided = new Set((await db.sql<{ job_id: string }[]>`
+          SELECT job_id::text FROM job_outcomes WHERE job_id = ANY(${ids}::uuid[])`).map((row) => row.job_id));
+        const waiting = ids.find((id) => !decided.has(id));
+        if (waiting === undefined) return false;
+        const doc = await call("acme", "GET", `/v1/runs/${waiting}`);
         // Settled: nothing in flight, and what is left of the budget no longer fits one run's worst case.
         const done = (await statuses("acme")).done ?? 0;
         const queued = await r.redis.xlen(keys.lane("acme").stream);
