@@ -72,6 +72,37 @@ interface Taken {
   drained: boolean;
 }
 
+/**
+ * Takes up to `count` messages from one lane for `consumer`, its streams by their shares (see
+ * `take_within_cap_script.ts`), within its in-flight cap.
+ * @returns the entries of each stream, whether the cap stopped the take, and whether it drained the lane.
+ */
+async function takeFrom(
+  redis: RedisClient,
+  consumer: string,
+  laneMaxInFlight: number | undefined,
+  lane: LaneNames,
+  count: number,
+): Promise<Taken> {
+  // No `groups.ready`: the script makes a missing group itself.
+  // The take's id is made before it is sent: a resend of it carries the same one.
+  const prioritised = lane.priorityState !== undefined && lane.streams.length > 1;
+  const [state, ...perStream] = await TAKE_WITHIN_CAP_SCRIPT.run(
+    redis,
+    [takeRecordKey(laneId(lane), consumer), ...lane.streams, ...(prioritised ? [lane.priorityState!] : [])],
+    [
+      lane.group,
+      consumer,
+      count,
+      laneMaxInFlight ?? 0,
+      crypto.randomUUID(),
+      READER_DEFAULTS.takeRecordMs,
+      ...(prioritised ? [lane.streams.length, ...lane.streams.map((_, i) => lane.shares?.[i] ?? 1)] : []),
+    ],
+  ) as [number, ...RawEntry[][]];
+  return { perStream, capped: state === 1, drained: state === 2 };
+}
+
 /** Creates the reader of one worker. */
 export function createLaneReader({ redis }: { redis: RedisClient }, options: LaneReaderOptions): LaneReader {
   const { consumer, groups, shares, lanes: source } = options;
@@ -82,29 +113,7 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
   const skipped = new Map<string, LaneNames>();
   let weightOf: (lane: LaneNames) => number = () => 1;
 
-  /**
-   * Takes from one lane, its streams by their shares (see `take_within_cap_script.ts`), within its in-flight cap.
-   * @returns the entries of each stream, whether the cap stopped the take, and whether it drained the lane.
-   */
-  async function take(lane: LaneNames, count: number): Promise<Taken> {
-    // No `groups.ready`: the script makes a missing group itself.
-    // The take's id is made before it is sent: a resend of it carries the same one.
-    const prioritised = lane.priorityState !== undefined && lane.streams.length > 1;
-    const [state, ...perStream] = await TAKE_WITHIN_CAP_SCRIPT.run(
-      redis,
-      [takeRecordKey(laneId(lane), consumer), ...lane.streams, ...(prioritised ? [lane.priorityState!] : [])],
-      [
-        lane.group,
-        consumer,
-        count,
-        options.laneMaxInFlight ?? 0,
-        crypto.randomUUID(),
-        READER_DEFAULTS.takeRecordMs,
-        ...(prioritised ? [lane.streams.length, ...lane.streams.map((_, i) => lane.shares?.[i] ?? 1)] : []),
-      ],
-    ) as [number, ...RawEntry[][]];
-    return { perStream, capped: state === 1, drained: state === 2 };
-  }
+  const take = (lane: LaneNames, count: number) => takeFrom(redis, consumer, options.laneMaxInFlight, lane, count);
 
   /** `lane` (has work) joins the lanes served, unless skipped; a lane served already has its weight renewed. */
   function serve(lane: LaneNames) {
@@ -175,6 +184,8 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
     let capped = false;
     // Lanes not asked again in this read (capped, or gave fewer than asked): put back at its end.
     const aside: string[] = [];
+    // The lanes of the plan being taken from, until each is handled: put back should the read fail meanwhile.
+    let planned: string[] = [];
     const usable = (id: string) => {
       const lane = known.get(id);
       if (!lane) return false;
@@ -190,6 +201,7 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
       while (free > 0) {
         const plan = shares.plan(free, usable);
         if (plan.length === 0) break;
+        planned = plan.map(({ lane }) => lane);
         const results = await Promise.all(plan.map(async ({ lane: id }, i) => {
           const lane = known.get(id)!;
           try {
@@ -213,10 +225,12 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
           else if (took < count) aside.push(id);
           else shares.putBack(id);
         });
+        planned = [];
         await drained(emptied);
       }
     } finally {
-      for (const id of aside) shares.putBack(id);
+      for (const id of planned) shares.putBack(id);
+      for (const id of aside) shares.putBack(id, true);
     }
     // Nothing to take: wait for a wake-up; a capped lane frees up as its jobs finish, so look again soon.
     if (started === 0 && block > 0) await source.wait(capped ? Math.min(block, READER_DEFAULTS.cappedWaitMs) : block);

@@ -56,15 +56,20 @@ export interface LaneShares {
    * lane popped) sets aside those not to ask now, also until put back. Costs O(k log n) for k lanes planned of n.
    */
   plan(free: number, usable?: (lane: string) => boolean): { lane: string; count: number }[];
-  /** Puts a lane planned or set aside back among those to ask, at its finish time now (no-op when drained). */
-  putBack(lane: string): void;
+  /**
+   * Puts a lane planned or set aside back among those to ask, at its finish time now (no-op when drained);
+   * `stalled`: the read found it capped or failing (see {@linkcode LaneShares.behind}).
+   */
+  putBack(lane: string, stalled?: boolean): void;
   /** A message of `lane` estimated to cost `cost` started. */
   charge(lane: string, cost: number): LaneCharge;
   /** The message finished; `actual` is what it really cost (undefined: unknown, the estimate stands). */
   settle(charge: LaneCharge, actual?: number): void;
   /**
-   * Whether a lane with work (to ask, or planned and being read; not set aside) is due before a message whose
-   * start tag is `start` (see {@linkcode LaneCharge.start}): a message read ahead then waits for that lane's read.
+   * Whether a lane with work (the first to ask, or one planned and being read) is due before a message whose start
+   * tag is `start` (see {@linkcode LaneCharge.start}): a message read ahead then waits for that lane's read. A lane
+   * a read found capped or failing is not, until it gets work, starts a message or settles one. (Start tags are not
+   * moved when virtual times are rebased, past 2^40: a message read ahead across one waits for one read.)
    */
   behind(start: number): boolean;
   /** The lane's virtual finish time, for tests and inspection. */
@@ -105,6 +110,33 @@ interface Lane {
   entry: number;
   /** The plan in which it was last drained (see `refillGracePlans`). */
   drainedIn: number;
+  /** A read found it capped or failing: it holds back no message read ahead until it starts or settles one. */
+  stalled: boolean;
+}
+
+/**
+ * How many of `free` slots a plan gives `lane` when `served` lanes have work: enough to catch up with the lane
+ * behind it (finish time `behind`), or an equal part, whichever is more, and at least one.
+ */
+function countFor(lane: Lane, behind: number, unit: number, free: number, served: number): number {
+  const perMessage = (lane.unit || unit || 1) / lane.weight;
+  const catchUp = Math.ceil((behind - lane.finish) / perMessage);
+  return Math.max(1, Math.min(free, Math.max(catchUp, Math.floor(free / served))));
+}
+
+/** A lane this worker has no figures of yet, at `clock`. */
+function newLane(clock: number): Lane {
+  return {
+    finish: clock,
+    inFlight: 0,
+    weight: 1,
+    unit: 0,
+    ratio: 0,
+    active: false,
+    entry: 0,
+    drainedIn: -Infinity,
+    stalled: false,
+  };
 }
 
 /** Creates the fair-share bookkeeping of one worker. */
@@ -123,21 +155,7 @@ export function createLaneShares(): LaneShares {
   const average = (old: number, cost: number) => old === 0 ? cost : old + LANE_SHARE_DEFAULTS.averaging * (cost - old);
   const get = (id: string) => {
     let lane = lanes.get(id);
-    if (!lane) {
-      lanes.set(
-        id,
-        lane = {
-          finish: clock,
-          inFlight: 0,
-          weight: 1,
-          unit: 0,
-          ratio: 0,
-          active: false,
-          entry: 0,
-          drainedIn: -Infinity,
-        },
-      );
-    }
+    if (!lane) lanes.set(id, lane = newLane(clock));
     return lane;
   };
   /** Puts `id` among the lanes to ask at its finish time now (its older entry, if any, goes stale). */
@@ -179,6 +197,8 @@ export function createLaneShares(): LaneShares {
     activate(id, weight) {
       const lane = get(id);
       lane.weight = weight > 0 && Number.isFinite(weight) ? weight : 1;
+      // Work came (a wake-up names it): worth a read again.
+      lane.stalled = false;
       if (lane.active) return;
       // Back from idle (or new): start at the clock, not where it stopped, so no credit was banked; unless it was
       // drained only a few plans ago (a burst whose jobs arrive a few ms apart keeps its place, as it did when a
@@ -207,24 +227,18 @@ export function createLaneShares(): LaneShares {
         const lane = lanes.get(top.id)!;
         take(lane);
         if (usable && !usable(top.id)) continue;
-        let count = free;
-        if (served > 1) {
-          const behind = heap.peek()?.finish ?? lane.finish;
-          const perMessage = (lane.unit || unit || 1) / lane.weight;
-          const catchUp = Math.ceil((behind - lane.finish) / perMessage);
-          const part = Math.floor(free / served);
-          count = Math.max(1, Math.min(free, Math.max(catchUp, part)));
-        }
+        const count = served > 1 ? countFor(lane, heap.peek()?.finish ?? lane.finish, unit, free, served) : free;
         plan.push({ lane: top.id, count });
         planned.add(lane);
         free -= count;
       }
       return plan;
     },
-    putBack(id) {
+    putBack(id, stalled = false) {
       const lane = lanes.get(id);
       if (!lane) return;
       planned.delete(lane);
+      lane.stalled = stalled;
       if (lane.active) push(id, lane);
     },
     charge(id, cost) {
@@ -235,6 +249,7 @@ export function createLaneShares(): LaneShares {
       unit = average(unit, expected);
       const weighted = expected / lane.weight;
       const start = lane.finish;
+      lane.stalled = false;
       lane.finish += weighted;
       lane.inFlight += weighted;
       if (lane.entry !== 0) push(id, lane);
@@ -243,6 +258,7 @@ export function createLaneShares(): LaneShares {
     settle(charge, actual) {
       const lane = get(charge.lane);
       lane.inFlight = Math.max(0, lane.inFlight - charge.weighted);
+      lane.stalled = false;
       const known = actual !== undefined && actual >= 0 && Number.isFinite(actual);
       // A message that made no call (a duplicate, a cancel) costs nothing, but says nothing of the lane's costs.
       if (known && actual > 0) {
@@ -257,8 +273,10 @@ export function createLaneShares(): LaneShares {
       advance(lane);
     },
     behind(start) {
+      // Only the first lane to ask is looked at: a stalled one there holds nothing back, as before read-ahead waited.
       const top = heap.peek();
-      if (top !== undefined && lanes.get(top.id)!.finish < start) return true;
+      const first = top && lanes.get(top.id)!;
+      if (first && !first.stalled && first.finish < start) return true;
       for (const lane of planned) if (lane.finish < start) return true;
       return false;
     },

@@ -186,6 +186,21 @@ export interface LaneRegistryOptions {
   sweepMs?: number;
 }
 
+/** A walk over a registry set with SSCAN: each batch bounded, whatever the set's size. */
+function walkRegistrySet(redis: RedisClient, key: string, toLane: (id: string) => LaneNames): LaneWalk {
+  let cursor = "0";
+  let started = false;
+  return {
+    async next() {
+      if (started && cursor === "0") return { lanes: [], done: true };
+      started = true;
+      const [next, found] = await redis.sscan(key, cursor, "COUNT", LANE_WALK_DEFAULTS.batch);
+      cursor = next;
+      return { lanes: [...new Set(found)].map(toLane), done: cursor === "0" };
+    },
+  };
+}
+
 /** A {@linkcode LaneSource} on the Redis registry; `close` ends its subscription. */
 export function createLaneRegistry(
   { redis, log }: { redis: RedisClient; log: Logger },
@@ -255,20 +270,7 @@ export function createLaneRegistry(
     if (repaired) log.info("lanes_repaired", { lanes: repaired });
     return repaired;
   }
-  /** A walk over a registry set with SSCAN: each batch bounded, whatever the set's size. */
-  function walkSet(key: string): LaneWalk {
-    let cursor = "0";
-    let started = false;
-    return {
-      async next() {
-        if (started && cursor === "0") return { lanes: [], done: true };
-        started = true;
-        const [next, found] = await redis.sscan(key, cursor, "COUNT", LANE_WALK_DEFAULTS.batch);
-        cursor = next;
-        return { lanes: [...new Set(found)].map(toLane), done: cursor === "0" };
-      },
-    };
-  }
+  const walkSet = (key: string) => walkRegistrySet(redis, key, toLane);
   const sweep = async () => (await foldHomes()) + (await repair());
   const sweepNow = () => sweep().catch((error) => log.warn("lane_sweep_failed", { error }));
   // Before the first read, the known lanes are walked (a restarted worker finds at once what a crash hid);

@@ -274,8 +274,8 @@ export function createStreamWorker(
     }
     let started = await reclaimer.reclaim(free, startReclaimed);
     free -= started;
-    // A message read ahead waits for this read (see `createSlots`'s `due`): the read must not block.
-    const wait = started > 0 || slots.readAhead() > 0 ? 0 : block;
+    // A slot held for a lane due before the messages read ahead waits for this read: the read must not block.
+    const wait = started > 0 || slots.deferred() ? 0 : block;
     if (free > 0) started += await reader.read(free, wait, startNew, lanes);
     return started;
   }
@@ -415,19 +415,7 @@ function createSlots(
   // Running handlers past `finishing`, without a slot; and those that kept theirs because as many were.
   const unslotted = new Set<string>();
   const refused = new Set<string>();
-  // Messages read ahead, by their start tags (the order fair shares put them in): each starts (or is abandoned) once.
-  const readAhead: {
-    stream: QueueNames;
-    message: StreamMessage;
-    charge: LaneCharge;
-    start(): void;
-    abandon(): void;
-  }[] = [];
-  const queue = (entry: (typeof readAhead)[number]) => {
-    let i = readAhead.length;
-    while (i > 0 && readAhead[i - 1]!.charge.start > entry.charge.start) i--;
-    readAhead.splice(i, 0, entry);
-  };
+  const readAhead = createReadAhead(due);
   let changed: (() => void) | undefined;
   const inFlight = () => options.events?.inFlight?.(handlers.size);
   /**
@@ -436,9 +424,10 @@ function createSlots(
    * messages read ahead for the slots the read left free.
    */
   let stopping = false;
+  const room = () => !stopping && slotted.size < options.concurrency;
   const freeSlot = (key: string) => {
     slotted.delete(key);
-    if (!stopping && readAhead.length > 0 && !due(readAhead[0]!.charge)) readAhead.shift()!.start();
+    readAhead.start(room, false);
   };
   const release = (key: string) => {
     const entry = handlers.get(key);
@@ -476,6 +465,8 @@ function createSlots(
     wanted: () => Math.max(0, options.concurrency - slotted.size) + Math.max(0, unslotted.size - readAhead.length),
     /** Messages read ahead, not started yet. */
     readAhead: () => readAhead.length,
+    /** Whether a slot is free while messages are read ahead: held for a lane due before them (see `freeSlot`). */
+    deferred: () => room() && readAhead.length > 0,
     heldCount: () => held.size,
     held: (): AckItem[] => [...held.values()].map(({ stream, id }) => ({ stream, id })),
     holds: (stream: QueueNames, id: string) => held.has(tag(stream, id)),
@@ -500,19 +491,15 @@ function createSlots(
         }, () => finishing(key));
       };
       // Messages read ahead that are due before this one (they waited for this read: see `freeSlot`) start first.
-      while (
-        !stopping && slotted.size < options.concurrency && (readAhead[0]?.charge.start ?? Infinity) < charge.start
-      ) {
-        readAhead.shift()!.start();
-      }
-      if (!stopping && slotted.size < options.concurrency) {
+      readAhead.startBefore(charge.start, room);
+      if (room()) {
         held.set(key, { task: go(), stream, id: message.id });
         return;
       }
       options.readAhead?.(message);
       // Abandoned (a stop past its grace): never started, it stays pending for another worker to reclaim.
       const task = new Promise<void>((resolve) =>
-        queue({
+        readAhead.push({
           stream,
           message,
           charge,
@@ -531,10 +518,7 @@ function createSlots(
      * before (see `freeSlot`).
      */
     fill(force: boolean) {
-      while (!stopping && slotted.size < options.concurrency && readAhead.length > 0) {
-        if (!force && due(readAhead[0]!.charge)) return;
-        readAhead.shift()!.start();
-      }
+      readAhead.start(room, force);
     },
     /** The worker is stopping: no message starts from now on (each waits read ahead, to be handed back). */
     stopping() {
@@ -542,7 +526,7 @@ function createSlots(
     },
     /** Gives up the messages read ahead and not started (they stay pending until handed back or reclaimed). */
     abandonReadAhead(): { stream: QueueNames; message: StreamMessage }[] {
-      const entries = readAhead.splice(0);
+      const entries = readAhead.takeAll();
       for (const entry of entries) entry.abandon();
       return entries;
     },
@@ -565,6 +549,45 @@ function createSlots(
     drain: async () => {
       await Promise.all([...held.values()].map((f) => f.task));
     },
+  };
+}
+
+/** A message read ahead, waiting in the worker for a slot (see {@linkcode createSlots}). */
+interface ReadAheadEntry {
+  stream: QueueNames;
+  message: StreamMessage;
+  charge: LaneCharge;
+  start(): void;
+  abandon(): void;
+}
+
+/**
+ * The messages read ahead, in the order of their start tags (the order fair shares put them in): each starts (or
+ * is abandoned) once. `due(charge)`: whether a lane with work is due before a message so charged.
+ */
+function createReadAhead(due: (charge: LaneCharge) => boolean) {
+  const entries: ReadAheadEntry[] = [];
+  return {
+    get length() {
+      return entries.length;
+    },
+    push(entry: ReadAheadEntry) {
+      let i = entries.length;
+      while (i > 0 && entries[i - 1]!.charge.start > entry.charge.start) i--;
+      entries.splice(i, 0, entry);
+    },
+    /** Starts the first while `room()`: every one with `force`, else while no lane is due before the first. */
+    start(room: () => boolean, force: boolean) {
+      while (entries.length > 0 && room()) {
+        if (!force && due(entries[0]!.charge)) return;
+        entries.shift()!.start();
+      }
+    },
+    /** Starts those whose start tags are before `start`, while `room()`. */
+    startBefore(start: number, room: () => boolean) {
+      while (entries.length > 0 && entries[0]!.charge.start < start && room()) entries.shift()!.start();
+    },
+    takeAll: () => entries.splice(0),
   };
 }
 

@@ -177,7 +177,7 @@ export const VALIDATION_RETRY = {
  * stalling instance holds a Worker no longer per try than before.
  * @returns the violations, as `validate` returns them.
  * @throws {DeadlineExceeded} when the tries kept failing so until `deadline` left no room (the last failure
- * as its cause).
+ * as its cause), or a try was still waiting for a Worker at the deadline.
  * @throws whatever else `validate` throws (a {@linkcode ValidationTooCostly} too), at once.
  */
 export async function validateWithin(
@@ -196,7 +196,8 @@ export async function validateWithin(
     const late = new AbortController();
     const timer = setTimeout(
       () => late.abort(new DeadlineExceeded(`schema validation of ${key} waited for a validator past the deadline`)),
-      deadline.remaining(),
+      // (A timer's delay past 2^31 - 1 ms would fire at once.)
+      Math.min(deadline.remaining(), 2 ** 31 - 1),
     );
     const linked = signal ? linkedSignal(signal, late.signal) : { signal: late.signal, unlink: () => {} };
     try {
