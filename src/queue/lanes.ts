@@ -232,7 +232,8 @@ export function createLaneRegistry(
   let newsListener: ((lane: LaneNames) => void) | undefined;
   subscriber.on("message", (_channel: string, ids: string) => {
     for (const id of ids.split(" ")) {
-      if (!id) continue;
+      // A lane already news since the last `active()` was told already: a busy lane costs nothing per wake-up.
+      if (!id || news.has(id)) continue;
       news.add(id);
       newsListener?.(toLane(id));
     }
