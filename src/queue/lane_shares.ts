@@ -12,8 +12,13 @@ export interface LaneCharge {
   /** What was charged: the expected cost, divided by the lane's weight when the message started. */
   readonly weighted: number;
   readonly weight: number;
-  /** The lane's virtual finish time before this message: its start tag, the order it is due in among the lanes. */
+  /**
+   * The lane's virtual finish time before this message: its start tag, the order it is due in among the lanes, as
+   * it was when charged. What it is now is {@linkcode LaneShares.startOf}.
+   */
   readonly start: number;
+  /** The lane's settled corrections and the clock's rebases when it was charged (see `startOf`). */
+  readonly moved: number;
 }
 
 /**
@@ -66,12 +71,18 @@ export interface LaneShares {
   /** The message finished; `actual` is what it really cost (undefined: unknown, the estimate stands). */
   settle(charge: LaneCharge, actual?: number): void;
   /**
-   * Whether a lane with work (the first to ask, or one planned and being read) is due before a message whose start
-   * tag is `start` (see {@linkcode LaneCharge.start}): a message read ahead then waits for that lane's read. A lane
-   * a read found capped or failing is not, until it gets work, starts a message or settles one. (Start tags are not
-   * moved when virtual times are rebased, past 2^40: a message read ahead across one waits for one read.)
+   * A charge's start tag now: where it was charged, moved by the corrections its lane settled since (what messages
+   * charged before it really cost; one charged after it seldom settles first, as it starts only after it) and by the
+   * clock's rebases. So a message read ahead before costs were known (a worker's first are charged their whole
+   * estimate) is due again once the messages ahead of it settle at what they really cost.
    */
-  behind(start: number): boolean;
+  startOf(charge: LaneCharge): number;
+  /**
+   * Whether a lane with work (the first to ask, or one planned and being read) is due before a message so charged
+   * (its start tag now: see {@linkcode LaneShares.startOf}): a message read ahead then waits for that lane's read. A
+   * lane a read found capped or failing is not, until it gets work, starts a message or settles one.
+   */
+  behind(charge: LaneCharge): boolean;
   /** The lane's virtual finish time, for tests and inspection. */
   finish(lane: string): number | undefined;
   /** How many lanes are served (have work, as far as this worker knows), and how many it keeps figures of. */
@@ -112,6 +123,11 @@ interface Lane {
   drainedIn: number;
   /** A read found it capped or failing: it holds back no message read ahead until it starts or settles one. */
   stalled: boolean;
+  /**
+   * The sum of its settled corrections (real cost less the charge), less the clock's rebases: a charge's start tag
+   * moves by how much this changed since it was charged.
+   */
+  moved: number;
 }
 
 /**
@@ -136,7 +152,32 @@ function newLane(clock: number): Lane {
     entry: 0,
     drainedIn: -Infinity,
     stalled: false,
+    moved: 0,
   };
+}
+
+/**
+ * Forgets a few lanes whose figures say nothing any more (idle, nothing in flight, at or behind the clock), walking
+ * `lanes` from `forgetting` on. @returns where the next walk goes on.
+ */
+function forgetIdle(
+  lanes: Map<string, Lane>,
+  forgetting: Iterator<[string, Lane]>,
+  plans: number,
+  clock: number,
+): Iterator<[string, Lane]> {
+  for (let i = 0; i < LANE_SHARE_DEFAULTS.forgetPerPlan; i++) {
+    let next = forgetting.next();
+    if (next.done) {
+      forgetting = lanes.entries();
+      next = forgetting.next();
+      if (next.done) break;
+    }
+    const [id, lane] = next.value;
+    const idle = !lane.active && plans - lane.drainedIn > LANE_SHARE_DEFAULTS.refillGracePlans;
+    if (idle && lane.inFlight <= 0 && lane.finish <= clock && lane.entry === 0) lanes.delete(id);
+  }
+  return forgetting;
 }
 
 /** Creates the fair-share bookkeeping of one worker. */
@@ -169,25 +210,19 @@ export function createLaneShares(): LaneShares {
     lane.entry = 0;
     planned.delete(lane);
   }
-  /** Forgets a few lanes whose figures say nothing any more: idle, nothing in flight, at or behind the clock. */
-  function forget() {
-    for (let i = 0; i < LANE_SHARE_DEFAULTS.forgetPerPlan; i++) {
-      let next = forgetting.next();
-      if (next.done) {
-        forgetting = lanes.entries();
-        next = forgetting.next();
-        if (next.done) return;
-      }
-      const [id, lane] = next.value;
-      const idle = !lane.active && plans - lane.drainedIn > LANE_SHARE_DEFAULTS.refillGracePlans;
-      if (idle && lane.inFlight <= 0 && lane.finish <= clock && lane.entry === 0) lanes.delete(id);
-    }
-  }
+  const forget = () => forgetting = forgetIdle(lanes, forgetting, plans, clock);
+  const startOf = (charge: LaneCharge) => {
+    const lane = lanes.get(charge.lane);
+    return lane ? charge.start + lane.moved - charge.moved : charge.start;
+  };
   /** The clock: the finished service of the lanes served, which only moves forward. */
   function advance(lane: Lane) {
     clock = Math.max(clock, lane.finish - lane.inFlight);
     if (clock > LANE_SHARE_DEFAULTS.rebaseAt) {
-      for (const l of lanes.values()) l.finish -= clock;
+      for (const l of lanes.values()) {
+        l.finish -= clock;
+        l.moved -= clock;
+      }
       heap.shift(clock);
       clock = 0;
     }
@@ -253,7 +288,7 @@ export function createLaneShares(): LaneShares {
       lane.finish += weighted;
       lane.inFlight += weighted;
       if (lane.entry !== 0) push(id, lane);
-      return { lane: id, estimate, weighted, weight: lane.weight, start };
+      return { lane: id, estimate, weighted, weight: lane.weight, start, moved: lane.moved };
     },
     settle(charge, actual) {
       const lane = get(charge.lane);
@@ -267,12 +302,17 @@ export function createLaneShares(): LaneShares {
         ratio = average(ratio, real);
       }
       // Unknown (no usage reported, a failed call): the estimate stands, the cautious side.
-      lane.finish += (known ? actual : charge.estimate) / charge.weight - charge.weighted;
+      const correction = (known ? actual : charge.estimate) / charge.weight - charge.weighted;
+      lane.finish += correction;
+      // The messages charged after it, still waiting or running, are due that much sooner (or later).
+      lane.moved += correction;
       // Its place among the lanes to ask follows its finish time.
       if (lane.entry !== 0) push(charge.lane, lane);
       advance(lane);
     },
-    behind(start) {
+    startOf,
+    behind(charge) {
+      const start = startOf(charge);
       // Only the first lane to ask is looked at: a stalled one there holds nothing back, as before read-ahead waited.
       const top = heap.peek();
       const first = top && lanes.get(top.id)!;

@@ -18,7 +18,7 @@ import { JobDeferred, PermanentJobError } from "./errors.ts";
 import { priorDeliveries, requeue } from "./requeue.ts";
 import { createHeartbeat, heartbeatInterval } from "./heartbeat.ts";
 import { createLaneReader } from "./lane_reader.ts";
-import { createLaneShares, type LaneCharge } from "./lane_shares.ts";
+import { createLaneShares, type LaneCharge, type LaneShares } from "./lane_shares.ts";
 import type { LaneSource } from "./lanes.ts";
 import { laneId, type LaneNames, type QueueNames, type StreamMessage } from "./message.ts";
 import { createReclaimer } from "./reclaimer.ts";
@@ -200,7 +200,7 @@ export function createStreamWorker(
     options,
     (message, charge) => shares.settle(charge, options.spent?.(message)),
     // A lane due before a message read ahead (one that got work since it was read) takes the freed slot first.
-    (charge) => shares.behind(charge.start),
+    shares,
   );
   const groups = createGroupCache({ redis, log });
   const reader = createLaneReader({ redis }, { ...options, groups, shares });
@@ -405,7 +405,7 @@ type Slots = ReturnType<typeof createSlots>;
 function createSlots(
   options: Pick<StreamWorkerOptions, "events" | "concurrency" | "readAhead">,
   released: (message: StreamMessage, charge: LaneCharge) => void,
-  due: (charge: LaneCharge) => boolean = () => false,
+  order: Pick<LaneShares, "behind" | "startOf">,
 ) {
   const tag = (stream: QueueNames, id: string) => `${stream.stream}\n${id}`;
   const held = new Map<string, { task: Promise<void>; stream: QueueNames; id: string }>();
@@ -415,7 +415,7 @@ function createSlots(
   // Running handlers past `finishing`, without a slot; and those that kept theirs because as many were.
   const unslotted = new Set<string>();
   const refused = new Set<string>();
-  const readAhead = createReadAhead(due);
+  const readAhead = createReadAhead(order);
   let changed: (() => void) | undefined;
   const inFlight = () => options.events?.inFlight?.(handlers.size);
   /**
@@ -491,7 +491,7 @@ function createSlots(
         }, () => finishing(key));
       };
       // Messages read ahead that are due before this one (they waited for this read: see `freeSlot`) start first.
-      readAhead.startBefore(charge.start, room);
+      readAhead.startBefore(charge, room);
       if (room()) {
         held.set(key, { task: go(), stream, id: message.id });
         return;
@@ -562,10 +562,11 @@ interface ReadAheadEntry {
 }
 
 /**
- * The messages read ahead, in the order of their start tags (the order fair shares put them in): each starts (or
- * is abandoned) once. `due(charge)`: whether a lane with work is due before a message so charged.
+ * The messages read ahead, in the order of their start tags (the order fair shares put them in, as they were when
+ * each was read): each starts (or is abandoned) once. `behind(charge)`: whether a lane with work is due before a
+ * message so charged; `startOf(charge)`: its start tag now.
  */
-function createReadAhead(due: (charge: LaneCharge) => boolean) {
+function createReadAhead({ behind, startOf }: Pick<LaneShares, "behind" | "startOf">) {
   const entries: ReadAheadEntry[] = [];
   return {
     get length() {
@@ -573,19 +574,21 @@ function createReadAhead(due: (charge: LaneCharge) => boolean) {
     },
     push(entry: ReadAheadEntry) {
       let i = entries.length;
-      while (i > 0 && entries[i - 1]!.charge.start > entry.charge.start) i--;
+      const start = startOf(entry.charge);
+      while (i > 0 && startOf(entries[i - 1]!.charge) > start) i--;
       entries.splice(i, 0, entry);
     },
     /** Starts the first while `room()`: every one with `force`, else while no lane is due before the first. */
     start(room: () => boolean, force: boolean) {
       while (entries.length > 0 && room()) {
-        if (!force && due(entries[0]!.charge)) return;
+        if (!force && behind(entries[0]!.charge)) return;
         entries.shift()!.start();
       }
     },
-    /** Starts those whose start tags are before `start`, while `room()`. */
-    startBefore(start: number, room: () => boolean) {
-      while (entries.length > 0 && entries[0]!.charge.start < start && room()) entries.shift()!.start();
+    /** Starts those whose start tags are before `charge`'s, while `room()`. */
+    startBefore(charge: LaneCharge, room: () => boolean) {
+      const start = startOf(charge);
+      while (entries.length > 0 && startOf(entries[0]!.charge) < start && room()) entries.shift()!.start();
     },
     takeAll: () => entries.splice(0),
   };

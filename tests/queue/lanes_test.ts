@@ -197,7 +197,7 @@ Deno.test("lanes", async (t) => {
      * A worker of two slots whose handlers call `finishing` when the test ends their model part, then wait for the
      * test to end their commit: so messages are read ahead (one per handler committing without its slot).
      */
-    const twoSlots = (workerWith: ReturnType<typeof setup>["workerWith"]) => {
+    const twoSlots = (workerWith: ReturnType<typeof setup>["workerWith"], overrides: Record<string, unknown> = {}) => {
       const started: string[] = [];
       const model = new Map<string, () => void>();
       const commit = new Map<string, () => void>();
@@ -209,7 +209,7 @@ Deno.test("lanes", async (t) => {
         finishing();
         committing.push(id);
         await new Promise<void>((res) => commit.set(id, res));
-      }, { concurrency: 2 });
+      }, { concurrency: 2, ...overrides });
       /** Ends `id`'s model part and waits until it commits (its slot freed, or kept). */
       const modelDone = async (id: string) => {
         await waitFor(`${id} started`, () => model.has(id));
@@ -268,6 +268,55 @@ Deno.test("lanes", async (t) => {
             [...started].sort(),
             [...Array.from({ length: 8 }, (_, i) => `a-${i}`), "b-0", "b-1"].sort(),
           );
+        } finally {
+          await worker.close();
+          await registry.close();
+        }
+      },
+    );
+
+    await t.step(
+      "a message read ahead before costs were known is due again once the messages before it settle at their real cost",
+      async () => {
+        const { registry, enqueue, workerWith } = setup();
+        // Estimated at 1,000 and really costing 1: the worker's first messages are charged 1,000 each, all of them
+        // before one has settled, so H's messages read ahead carry start tags of 4,000 and 5,000.
+        const { worker, started, modelDone, commit, finishAll } = twoSlots(workerWith, {
+          cost: () => 1_000,
+          spent: () => 1,
+        });
+        /** Ends `id`'s commit and waits until it has settled. */
+        const finish = async (id: string) => {
+          const before = worker.inFlight;
+          commit.get(id)!();
+          await waitFor(`${id} settled`, () => worker.inFlight < before);
+        };
+        try {
+          await enqueue("h", 8);
+          assert.equal(await worker.runOnce(0), 2);
+          await modelDone("h-0");
+          await modelDone("h-1");
+          assert.equal(await worker.runOnce(0), 4);
+          assert.deepEqual(started, ["h-0", "h-1", "h-2", "h-3"], "h-4 and h-5 are read ahead");
+          const woken = registry.wait(5_000);
+          await enqueue("l", 30);
+          await woken;
+          await finish("h-0");
+          await finish("h-1");
+          // Each round the oldest job running ends: L, at the clock and charged 1 a message now, takes the freed
+          // slot while it is due before h-4; h-4 is due once H's messages before it have settled at 1 each.
+          const ended = new Set(["h-0", "h-1"]);
+          for (let i = 0; i < 40 && !started.includes("h-4"); i++) {
+            const id = started.find((x) => !ended.has(x))!;
+            await modelDone(id);
+            await finish(id);
+            ended.add(id);
+            if (!started.includes("h-4")) await worker.runOnce(0);
+          }
+          const lFirst = started.slice(0, started.indexOf("h-4")).filter((x) => x.startsWith("l-")).length;
+          // Before: h-4 waited behind every one of L's 30 (its start tag stayed at 4,000 while L's ran at 1 each).
+          assert.ok(started.includes("h-4") && lFirst <= 6, `L's jobs before h-4: ${lFirst} (${started.join(" ")})`);
+          await finishAll();
         } finally {
           await worker.close();
           await registry.close();
@@ -499,4 +548,25 @@ Deno.test("lane shares: charged at the expected cost, settled at the real one; n
   assert.equal(shares.finish("a"), 1_200);
   shares.settle(running[1]!, 0);
   assert.equal(shares.finish("a"), 1_100);
+});
+
+Deno.test("lane shares: a charge's start tag moves by the corrections its lane settles after it was charged", () => {
+  const shares = createLaneShares();
+  shares.activate("h", 1);
+  // Nothing known yet: three of H's messages charged 1,000 each; the third waits read ahead.
+  const [h0, h1, h2] = [shares.charge("h", 1_000), shares.charge("h", 1_000), shares.charge("h", 1_000)];
+  assert.equal(h2!.start, 2_000);
+  // L comes at the clock (0) and runs a message; it is due before h2 until H's first two settle.
+  shares.activate("l", 1);
+  shares.settle(shares.charge("l", 1_000), 1);
+  assert.equal(shares.behind(h2!), true);
+  shares.settle(h0!, 1);
+  shares.settle(h1!, 1);
+  // H's first two really cost 1 each: h2 is due at 2, and L (finish 1, charged 1 a message now) before it.
+  assert.equal(shares.startOf(h2!), 2);
+  assert.equal(shares.behind(h2!), true);
+  shares.charge("l", 1_000);
+  shares.charge("l", 1_000);
+  assert.equal(shares.finish("l"), 3);
+  assert.equal(shares.behind(h2!), false, "L is past h2's start now");
 });
