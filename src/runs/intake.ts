@@ -51,16 +51,17 @@ export interface IntakeResult {
 }
 
 /**
- * The most bytes (estimated: `tenants/tenant_map.ts`) of the intake's per-tenant heads, about 1,100 bytes each with
- * their lane's key builders ({@linkcode HEAD_BYTES}): some 45,000 tenants (and task versions) in use. A head is only
+ * The most bytes (estimated: `tenants/tenant_map.ts`) of the intake's per-tenant heads, about 1,300 bytes each with
+ * their lane's key builders ({@linkcode HEAD_BYTES}): some 38,000 tenants (and task versions) in use. A head is only
  * work saved: past the bound, the oldest are built again.
  */
 export const HEADS_BYTES = 48 * 1024 * 1024;
 /**
  * A head's estimate beyond its JSON: its lane's key builders (`keys.lane()`, measured at about 680 bytes for a
- * tenant of 10 characters), the registry's arguments and the record that holds them.
+ * tenant of 10 characters), the registry's arguments, its records hashes' names of the period (three of about 50
+ * characters) and the record that holds them.
  */
-const HEAD_BYTES = 1_000;
+const HEAD_BYTES = 1_200;
 
 /** Accepts summary jobs at most once per Idempotency-Key scope. */
 export interface Intake {
@@ -134,6 +135,12 @@ function recordPeriod(ttlS: number, nowMs: number): { index: number; keepS: numb
  */
 function recordHashes(lane: LaneKeys, ttlS: number, index: number): string[] {
   return [index, index - 1, index - 2].map((i) => lane.idempotencyRecords(ttlS, i));
+}
+
+/** A head's records hashes in period `index` (see `recordHashes`), built once per period and kept with the head. */
+function recordsOf(head: Head, ttlS: number, index: number): string[] {
+  if (head.records?.index !== index) head.records = { index, keys: recordHashes(head.lane, ttlS, index) };
+  return head.records.keys;
 }
 
 /** How long a client told "full" should wait before trying again. */
@@ -378,6 +385,8 @@ interface Head {
   /** Its entry in the script's heads (JSON). */
   head: string;
   lane: LaneKeys;
+  /** Its lane's records hashes of the last period a call named (`recordsOf`). */
+  records?: { index: number; keys: string[] };
 }
 
 interface Submission {
@@ -429,7 +438,7 @@ function createIntakeBatches(
         if (head === undefined) {
           heads.push(submission.head.head);
           index.set(submission.head.head, head = heads.length);
-          keys.push(...recordHashes(submission.head.lane, ttlS, period.index));
+          keys.push(...recordsOf(submission.head, ttlS, period.index));
         }
         for (const key of submission.keys) submitted.push(key);
         args.push(String(head));

@@ -185,13 +185,13 @@ export function serviceKeys(
 function laneUnder(tag: string, streams: readonly string[]): LaneKeys {
   const names = streams.map((name) => `${tag}:${name}`);
   const stream = `${tag}:${INTAKE_STREAM}`;
+  // Each priority's stream named once (intake asks for one per POST); one the lane lacks is its intake stream.
+  const of = (p: Priority) => names[streams.indexOf(PRIORITY_STREAMS[p])] ?? stream;
+  const byPriority: Record<Priority, string> = { high: of("high"), normal: of("normal"), low: of("low") };
   return {
     stream,
     streams: names,
-    streamOf: (priority) => {
-      const name = PRIORITY_STREAMS[priority ?? "normal"];
-      return streams.includes(name) ? `${tag}:${name}` : stream;
-    },
+    streamOf: (priority) => byPriority[priority ?? "normal"],
     priorityState: `${tag}:priority`,
     shares: streams.map((name) => PRIORITY_SHARES[name] ?? 1),
     dead: `${tag}:dead`,
