@@ -19,6 +19,8 @@ export interface LaneCharge {
   readonly start: number;
   /** The lane's settled corrections and the clock's rebases when it was charged (see `startOf`). */
   readonly moved: number;
+  /** The lane's running sum of them: `startOf` reads it with no look-up (a lane is kept while it has charges). */
+  readonly tally: { readonly moved: number };
 }
 
 /**
@@ -211,10 +213,7 @@ export function createLaneShares(): LaneShares {
     planned.delete(lane);
   }
   const forget = () => forgetting = forgetIdle(lanes, forgetting, plans, clock);
-  const startOf = (charge: LaneCharge) => {
-    const lane = lanes.get(charge.lane);
-    return lane ? charge.start + lane.moved - charge.moved : charge.start;
-  };
+  const startOf = (charge: LaneCharge) => charge.start + charge.tally.moved - charge.moved;
   /** The clock: the finished service of the lanes served, which only moves forward. */
   function advance(lane: Lane) {
     clock = Math.max(clock, lane.finish - lane.inFlight);
@@ -288,7 +287,7 @@ export function createLaneShares(): LaneShares {
       lane.finish += weighted;
       lane.inFlight += weighted;
       if (lane.entry !== 0) push(id, lane);
-      return { lane: id, estimate, weighted, weight: lane.weight, start, moved: lane.moved };
+      return { lane: id, estimate, weighted, weight: lane.weight, start, moved: lane.moved, tally: lane };
     },
     settle(charge, actual) {
       const lane = get(charge.lane);

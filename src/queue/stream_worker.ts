@@ -553,7 +553,7 @@ function createSlots(
 }
 
 /** A message read ahead, waiting in the worker for a slot (see {@linkcode createSlots}). */
-interface ReadAheadEntry {
+export interface ReadAheadEntry {
   stream: QueueNames;
   message: StreamMessage;
   charge: LaneCharge;
@@ -562,35 +562,64 @@ interface ReadAheadEntry {
 }
 
 /**
- * The messages read ahead, in the order of their start tags (the order fair shares put them in, as they were when
- * each was read): each starts (or is abandoned) once. `behind(charge)`: whether a lane with work is due before a
- * message so charged; `startOf(charge)`: its start tag now.
+ * The messages read ahead, in the order of their start tags now (the order fair shares put them in): each starts
+ * (or is abandoned) once. `behind(charge)`: whether a lane with work is due before a message so charged;
+ * `startOf(charge)`: its start tag now. A lane's tags move together as its jobs settle (see `LaneShares.startOf`),
+ * so each lane's messages wait in a queue of their own, in the order they were read, and the next to start is
+ * the queue head with the earliest tag now: a look at each lane with messages read ahead, not at every message.
  */
-function createReadAhead({ behind, startOf }: Pick<LaneShares, "behind" | "startOf">) {
-  const entries: ReadAheadEntry[] = [];
+export function createReadAhead({ behind, startOf }: Pick<LaneShares, "behind" | "startOf">) {
+  const lanes = new Map<string, ReadAheadEntry[]>();
+  let length = 0;
+  /** The lane whose first message is due first now (ties: the lane that has waited longest), or undefined. */
+  const next = (): ReadAheadEntry[] | undefined => {
+    let best: ReadAheadEntry[] | undefined;
+    let bestStart = Infinity;
+    for (const queue of lanes.values()) {
+      const start = startOf(queue[0]!.charge);
+      if (start < bestStart) [best, bestStart] = [queue, start];
+    }
+    return best;
+  };
+  const take = (queue: ReadAheadEntry[]): ReadAheadEntry => {
+    const entry = queue.shift()!;
+    length--;
+    if (queue.length === 0) lanes.delete(entry.charge.lane);
+    return entry;
+  };
   return {
     get length() {
-      return entries.length;
+      return length;
     },
     push(entry: ReadAheadEntry) {
-      let i = entries.length;
-      const start = startOf(entry.charge);
-      while (i > 0 && startOf(entries[i - 1]!.charge) > start) i--;
-      entries.splice(i, 0, entry);
+      const queue = lanes.get(entry.charge.lane);
+      if (queue) queue.push(entry);
+      else lanes.set(entry.charge.lane, [entry]);
+      length++;
     },
     /** Starts the first while `room()`: every one with `force`, else while no lane is due before the first. */
     start(room: () => boolean, force: boolean) {
-      while (entries.length > 0 && room()) {
-        if (!force && behind(entries[0]!.charge)) return;
-        entries.shift()!.start();
+      while (length > 0 && room()) {
+        const queue = next()!;
+        if (!force && behind(queue[0]!.charge)) return;
+        take(queue).start();
       }
     },
     /** Starts those whose start tags are before `charge`'s, while `room()`. */
     startBefore(charge: LaneCharge, room: () => boolean) {
       const start = startOf(charge);
-      while (entries.length > 0 && startOf(entries[0]!.charge) < start && room()) entries.shift()!.start();
+      while (length > 0 && room()) {
+        const queue = next()!;
+        if (startOf(queue[0]!.charge) >= start) return;
+        take(queue).start();
+      }
     },
-    takeAll: () => entries.splice(0),
+    /** Every message read ahead, first due first. */
+    takeAll(): ReadAheadEntry[] {
+      const all: ReadAheadEntry[] = [];
+      while (length > 0) all.push(take(next()!));
+      return all;
+    },
   };
 }
 

@@ -191,7 +191,8 @@ function laneUnder(tag: string, streams: readonly string[]): LaneKeys {
   return {
     stream,
     streams: names,
-    streamOf: (priority) => byPriority[priority ?? "normal"],
+    // A priority unknown to the type (an unchecked caller's) queues on the intake stream, as before.
+    streamOf: (priority = "normal") => Object.hasOwn(byPriority, priority) ? byPriority[priority] : stream,
     priorityState: `${tag}:priority`,
     shares: streams.map((name) => PRIORITY_SHARES[name] ?? 1),
     dead: `${tag}:dead`,

@@ -4,9 +4,15 @@
  * when), never about elapsed time.
  */
 import assert from "node:assert/strict";
-import { announceLane, createLaneRegistry, createLaneShares, laneRegistryKeys } from "../../src/queue/lanes.ts";
+import {
+  announceLane,
+  createLaneRegistry,
+  createLaneShares,
+  type LaneCharge,
+  laneRegistryKeys,
+} from "../../src/queue/lanes.ts";
 import type { LaneNames, QueueNames, StreamMessage } from "../../src/queue/message.ts";
-import { createStreamWorker, type MessageHandler } from "../../src/queue/stream_worker.ts";
+import { createReadAhead, createStreamWorker, type MessageHandler } from "../../src/queue/stream_worker.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { sleep } from "../../src/async/timeout.ts";
 import { createTestRedis, waitFor } from "../_support.ts";
@@ -315,7 +321,11 @@ Deno.test("lanes", async (t) => {
           }
           const lFirst = started.slice(0, started.indexOf("h-4")).filter((x) => x.startsWith("l-")).length;
           // Before: h-4 waited behind every one of L's 30 (its start tag stayed at 4,000 while L's ran at 1 each).
-          assert.ok(started.includes("h-4") && lFirst <= 6, `L's jobs before h-4: ${lFirst} (${started.join(" ")})`);
+          // L went first while it was due (the wake-up had made it known), and only while it was.
+          assert.ok(
+            started.includes("h-4") && lFirst >= 1 && lFirst <= 6,
+            `L's jobs before h-4: ${lFirst} (${started.join(" ")})`,
+          );
           await finishAll();
         } finally {
           await worker.close();
@@ -569,4 +579,48 @@ Deno.test("lane shares: a charge's start tag moves by the corrections its lane s
   shares.charge("l", 1_000);
   assert.equal(shares.finish("l"), 3);
   assert.equal(shares.behind(h2!), false, "L is past h2's start now");
+  // A charge taken after the corrections moves only by those that come after it.
+  const h3 = shares.charge("h", 1_000);
+  assert.equal(shares.startOf(h3), shares.finish("h")! - h3.weighted);
+  const before = shares.startOf(h3);
+  shares.settle(h2!, 1);
+  assert.equal(shares.startOf(h3), before - (1_000 - 1));
+});
+
+Deno.test("read ahead: the next to start is the lane whose tag is earliest now, whichever lane was read first", () => {
+  const shares = createLaneShares();
+  shares.activate("x", 1);
+  shares.activate("h", 1);
+  // Nothing known yet: X's and H's first two each charged 1,000; the second of each waits read ahead, X's first.
+  const [x0, x1] = [shares.charge("x", 1_000), shares.charge("x", 1_000)];
+  const [h0, h1] = [shares.charge("h", 1_000), shares.charge("h", 1_000)];
+  const started: string[] = [];
+  const readAhead = createReadAhead(shares);
+  const entry = (name: string, charge: LaneCharge) => ({
+    stream: { stream: name, dead: "d", group: "g" },
+    message: { id: name, fields: {}, deliveries: 1 },
+    charge,
+    start: () => void started.push(name),
+    abandon() {},
+  });
+  readAhead.push(entry("x1", x1!));
+  readAhead.push(entry("h1", h1!));
+  // H's first settles at its real cost (1): h1 is due at 1. X's first is still running: x1 stays at 1,000.
+  shares.settle(h0!, 1);
+  assert.equal(shares.startOf(h1!), 1);
+  assert.equal(shares.startOf(x1!), 1_000);
+  // L comes, runs one job (charged 1 now) and is due at 2: before x1, not before h1.
+  shares.activate("l", 1);
+  shares.charge("l", 1_000);
+  let free = 1;
+  readAhead.start(() => free-- > 0, false);
+  assert.deepEqual(started, ["h1"], "h1 takes the slot; x1 waits for L");
+  // x1 still waits: L is due before it.
+  free = 1;
+  readAhead.start(() => free > 0, false);
+  assert.deepEqual(started, ["h1"]);
+  assert.equal(readAhead.length, 1);
+  shares.settle(x0!, 1);
+  readAhead.start(() => free-- > 0, false);
+  assert.deepEqual(started, ["h1", "x1"], "once X's first settles, x1 is due at 1 and starts");
 });
