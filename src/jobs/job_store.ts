@@ -67,7 +67,7 @@ export interface AttemptRow {
    * price, or the reservation of a call that may have run without reporting any; null when the model has no price.
    */
   cost_usd: string | null;
-  /** The deployment that served the call (the model's name until deployments exist). */
+  /** The deployment that served the call: its name in `LLM_DEPLOYMENTS`, or the model's name without it. */
   deployment: string;
   /** The tokens charged against the tenant's budgets (reported, or the reservation; see `attemptCharge`). */
   charged_tokens?: number | null;

@@ -1,9 +1,9 @@
 /**
  * The seam between a run and the deployments that serve its model calls. A run asks {@linkcode Models.acquire}
  * before every attempt (the first and each retry) and makes the call on what it was given, so each attempt may go
- * to another deployment; the worker asks {@linkcode Models.capacity} how many jobs to read. Its one
- * implementation today is the single configured deployment (`src/provider/deployment.ts`, built in
- * `src/processes/`).
+ * to another deployment; the worker asks {@linkcode Models.capacity} how many jobs to read. Two implementations,
+ * built in `src/processes/_model.ts`: the single configured deployment (`src/provider/deployment.ts`), and the
+ * router over `LLM_DEPLOYMENTS` (`src/provider/deployments.ts`).
  */
 import type { Completion, LLM } from "./llm.ts";
 
