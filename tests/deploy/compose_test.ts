@@ -53,7 +53,7 @@ Deno.test("compose.yaml runs durable Redis, Postgres 16, a one-shot migrate and 
     "relay",
     "worker",
   ]);
-  // Prometheus and Grafana start only with `--profile monitoring` (tests/deploy/monitoring_test.ts).
+  // Prometheus and Grafana start only with `--profile monitoring` (tests/deploy/dashboard_test.ts starts it).
   for (const name of ["prometheus", "grafana"]) assert.deepEqual(s[name].profiles, ["monitoring"]);
   for (const name of Object.keys(s).filter((n) => !["prometheus", "grafana"].includes(n))) {
     assert.equal(s[name].profiles, undefined, `${name} runs without a profile`);

@@ -212,6 +212,85 @@ Deno.test("metrics", async (t) => {
     );
 
     await t.step(
+      "the worker's free slots are its concurrency less the runs held in a slow model call, and all free after",
+      async () => {
+        const CONCURRENCY = 4;
+        const registry = createRegistry();
+        const metrics = workerMetrics(registry);
+        const lanes = serviceKeys(`${r.prefix}:slots`);
+        const model = startFakeModel();
+        const inner = createOpenAiLlm({ apiKey: "k", model: "m", baseURL: model.url });
+        // Each model call waits for the gate before it reaches the (fake) provider: a slow model, held at will.
+        let open!: () => void;
+        const gate = new Promise<void>((resolve) => open = resolve);
+        let calling = 0;
+        const worker = summaryWorker({
+          redis: r.redis,
+          sql: db.sql,
+          llm: {
+            complete: async (prompt, options) => {
+              calling++;
+              await gate;
+              return await inner.complete(prompt, options);
+            },
+          },
+          keys: lanes,
+        }, {
+          concurrency: CONCURRENCY,
+          blockMs: 5,
+          events: workerEvents(metrics, { concurrency: CONCURRENCY }),
+          job: { budgetMs: 30_000, perCallTimeoutMs: 20_000, maxAttempts: 1 },
+        });
+        const gauges = async () => {
+          const m = parseExposition(await registry.metrics());
+          return { free: m.get("oncely_worker_free_slots"), inFlight: m.get("oncely_worker_jobs_in_flight") };
+        };
+        /** Reads until `n` runs are inside the model call (each read starts at most as many as there are slots). */
+        const holdUntil = async (n: number) => {
+          const deadline = performance.now() + 10_000;
+          while (calling < n) {
+            assert.ok(performance.now() < deadline, `${n} runs in the model call (${calling} are)`);
+            await worker.runOnce(0);
+            await new Promise((res) => setTimeout(res, 5));
+          }
+        };
+        const enqueue = (n: number) =>
+          Promise.all(
+            Array.from({ length: n }, () =>
+              enqueueToLane(r.redis, lanes, {
+                jobId: crypto.randomUUID(),
+                tenant: "acme",
+                request: { text: "Revenue rose.", notify: "a@b.co" },
+              })),
+          );
+        try {
+          assert.deepEqual(await gauges(), { free: CONCURRENCY, inFlight: 0 }, "an idle worker: every slot free");
+          await enqueue(3);
+          await holdUntil(3);
+          assert.deepEqual(await gauges(), { free: CONCURRENCY - 3, inFlight: 3 }, "3 runs held in the model call");
+          // Two more: one takes the last slot, the other waits in the stream (a full worker reads nothing).
+          await enqueue(2);
+          await holdUntil(4);
+          for (let i = 0; i < 3; i++) assert.equal(await worker.runOnce(0), 0, "a full worker starts nothing");
+          assert.equal(calling, 4);
+          assert.deepEqual(await gauges(), { free: 0, inFlight: CONCURRENCY }, "every slot held: none free");
+          open();
+          await worker.drain();
+          // The fifth run, read once slots are free again.
+          await holdUntil(5);
+          await worker.drain();
+          assert.equal(model.requests, 5, "every run reached the model");
+          assert.deepEqual(await gauges(), { free: CONCURRENCY, inFlight: 0 }, "after the runs: every slot free");
+          assert.equal(parseExposition(await registry.metrics()).get("oncely_worker_acked_total"), 5);
+        } finally {
+          open();
+          await worker.close();
+          await model.close();
+        }
+      },
+    );
+
+    await t.step(
       "labelled counters exist at 0 before their first event; the depth gauge names at most 20 tenants",
       async () => {
         const registry = createRegistry();
