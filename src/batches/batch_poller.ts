@@ -6,7 +6,7 @@
  *   at the model's batch prices) and then its result and notification through the same group commit and outbox
  *   as every run. A line read twice commits once: the row's unique index and `job_outcomes`' primary key decide.
  * - an error line fails its run as a model error would (`failRun`, with its `run.failed` notification); a
- *   transient one (429, 5xx) goes to the online path instead.
+ *   transient one (429, 5xx) goes to the online path instead, whatever `BATCH_ON_EXPIRY` says.
  * - a line the batch never finished (`batch_expired`, `batch_cancelled`, or missing: a batch that failed
  *   validation) follows `BATCH_ON_EXPIRY`: the online path, or a failure.
  *
@@ -85,11 +85,15 @@ export const POLLER_DEFAULTS = {
 
 /** Options for {@linkcode createBatchPoller}. */
 export interface PollerOptions {
-  /** BATCH_ON_EXPIRY: what becomes of a run whose line the batch never finished. */
+  /**
+   * BATCH_ON_EXPIRY: what becomes of a run whose line the batch never finished (an expired, cancelled or failed
+   * batch). Not a transient error line (429, 5xx): that one always goes online.
+   */
   onExpiry: "online" | "fail";
   /**
-   * Puts a run back on the online path (its lane's low stream). Without it, such runs fail. A run sent twice (a
-   * stop between the send and its record) is still committed once: its outcome decides.
+   * Puts a run back on the online path (its lane's low stream). Without it, such runs fail (a transient error
+   * line too). A run sent twice (a stop between the send and its record) is still committed once: its outcome
+   * decides.
    */
   online?: (run: OnlineRun) => Promise<unknown>;
   /** Model prices: each line's `cost_usd`, at the batch prices (`batch_in`, `batch_out`, else the online ones). */
@@ -181,6 +185,23 @@ function attemptOf(batch: BatchRow, row: BatchRunRow, line: OutputLine, prices: 
   };
 }
 
+/**
+ * Charges a line's reported usage to its tenant's budgets at the batch prices, once per line (its id). A failed
+ * charge is logged: the record stands (the row is written), and the hash catches up when next rebuilt from it.
+ */
+async function chargeLine(
+  budgets: Pick<Budgets, "charge">,
+  log: Logger,
+  batch: BatchRow,
+  row: BatchRunRow,
+  attempt: ReturnType<typeof attemptOf>,
+) {
+  if (attempt.charged_tokens <= 0) return;
+  const used = { prompt: attempt.prompt_tokens ?? 0, completion: attempt.completion_tokens ?? 0 };
+  await budgets.charge(row.tenant, batch.model, used, { id: `${batch.id}:${row.run_id}`, batch: true })
+    .catch((error) => log.warn("batch_budget_charge_failed", { run_id: row.run_id, tenant: row.tenant, error }));
+}
+
 const UNFINISHED_CODES = new Set(["batch_expired", "batch_cancelled"]);
 
 /** Whether a run's line asked for an answer in its task's output schema (`response_format`, as the online call). */
@@ -233,8 +254,15 @@ export function createBatchPoller(
     await fault("online_sent", runId);
     await settled(runId, "online");
   };
+  // A line the batch never finished: BATCH_ON_EXPIRY decides.
   const unfinished = async (row: BatchRunRow, why: string) => {
     if (options.onExpiry === "fail" || !options.online) return await fail(row, `BatchExpired: ${why}`);
+    await sendOnline(row);
+  };
+  // A transient error line (429, 5xx) says nothing about the run: it goes online, as a retry would, whatever
+  // BATCH_ON_EXPIRY says (that covers only lines an expired, cancelled or failed batch left unfinished).
+  const transient = async (row: BatchRunRow, why: string) => {
+    if (!options.online) return await fail(row, `UpstreamHttpError: ${why} (no online path to retry it)`);
     await sendOnline(row);
   };
   // A structured run's answer goes to a worker, which has the validators and makes the repair call if one is
@@ -252,12 +280,7 @@ export function createBatchPoller(
     const attempt = attemptOf(batch, row, line, options.prices);
     await insertBatchAttempt(sql, attempt);
     // After the row: a budget hash rebuilt from the record counts the line there, and is not charged again.
-    if (options.budgets && attempt.charged_tokens > 0) {
-      const used = { prompt: attempt.prompt_tokens ?? 0, completion: attempt.completion_tokens ?? 0 };
-      await options.budgets.charge(row.tenant, batch.model, used, { id: `${batch.id}:${row.run_id}`, batch: true })
-        // The record stands (the row is written); the hash catches up when it is next rebuilt from it.
-        .catch((error) => log.warn("batch_budget_charge_failed", { run_id: row.run_id, tenant: row.tenant, error }));
-    }
+    if (options.budgets) await chargeLine(options.budgets, log, batch, row, attempt);
     if (status === 200) {
       const text = line.response?.body?.choices?.[0]?.message?.content?.trim();
       if (!text) return await fail(row, "EmptyCompletion: The model returned no text");
@@ -269,8 +292,7 @@ export function createBatchPoller(
       await committer.commit(result);
       return await settled(row.run_id, "committed");
     }
-    // A transient refusal says nothing about the run: it goes online, as a retry would.
-    if (status === 429 || status >= 500) return await unfinished(row, `status ${status}`);
+    if (status === 429 || status >= 500) return await transient(row, String(status));
     const message = line.response?.body?.error?.message ?? "";
     await fail(row, `UpstreamHttpError: ${status} ${message}`.trim());
   };

@@ -124,6 +124,27 @@ Deno.test("fake Batch API: a file with a duplicate custom_id fails its batch (sg
   });
 });
 
+Deno.test("fake Batch API: a batch scripted to fail validation ends failed, with no file and its reason", async () => {
+  await withFake(
+    (n) => (n === 1 ? { end: "failed", failure: { code: "token_limit_exceeded", message: "too many" } } : {}),
+    async ({ server, client }) => {
+      const b = await client.retrieve((await client.create(await client.upload(line("a"), "f"), "v")).id);
+      assert.equal(b.status, "failed");
+      assert.equal(b.output_file_id, null);
+      assert.equal(b.error_file_id, null);
+      const raw = await (await fetch(`${server.url}/batches/${b.id}`, { headers: { authorization: "Bearer k" } }))
+        .json();
+      assert.deepEqual(raw.errors.data.map((e: { code: string; message: string }) => [e.code, e.message]), [[
+        "token_limit_exceeded",
+        "too many",
+      ]]);
+      assert.ok(raw.failed_at);
+      const next = await client.retrieve((await client.create(await client.upload(line("b"), "f"), "w")).id);
+      assert.equal(next.status, "completed", "only the batch scripted so");
+    },
+  );
+});
+
 Deno.test("fake Batch API: the after hook runs once the work is done, before the answer, which a client that left loses", async () => {
   const events: BatchApiStep[] = [];
   let holdCreate: Promise<void> | undefined;

@@ -6,7 +6,7 @@
  * `FileObject`, `CursorPage`, output and error lines `{id, custom_id, response: {status_code, request_id, body},
  * error}`). How each batch goes is scripted ({@linkcode BatchScript}): a delay before it ends, and each line
  * answered, refused (an error line), or left unfinished (an expired batch's `batch_expired` lines; its completed
- * lines are kept in its output file, as OpenAI keeps them). A hook ({@linkcode FakeBatchApiOptions.after}) runs after
+ * lines are kept in its output file, as OpenAI keeps them), or failed (validation: no file at all). A hook ({@linkcode FakeBatchApiOptions.after}) runs after
  * each request's work is done and before its answer leaves, so a test can stop its client there: the provider
  * did the work, and the answer is lost.
  */
@@ -31,8 +31,14 @@ export type LineOutcome =
 export interface BatchScript {
   /** How long it stays `in_progress` after its creation (default 0: it ends at its first retrieve). */
   delayMs?: number;
-  /** How it ends (default `completed`). `expired` keeps the lines that finished and reports the rest expired. */
-  end?: "completed" | "expired";
+  /**
+   * How it ends (default `completed`). `expired` keeps the lines that finished and reports the rest expired.
+   * `failed` is a batch that failed validation (as a duplicate custom_id fails one): no output or error file, no
+   * line reported, and the reason in its `errors` (`code`, default `invalid_request`).
+   */
+  end?: "completed" | "expired" | "failed";
+  /** A `failed` batch's error: its code and message. */
+  failure?: { code?: string; message?: string };
   /** Each line's outcome (default: answered). */
   line?: (customId: string, body: ChatBody, index: number) => LineOutcome;
 }
@@ -172,23 +178,22 @@ export function createFakeBatchApi(
     const lines = linesOf(files.get(b.input_file_id)!);
     const seen = new Set<string>();
     const duplicate = lines.findIndex((l) => seen.size === seen.add(l.custom_id).size);
-    if (duplicate >= 0) {
-      // As OpenAI validates a file: a duplicate custom_id fails the whole batch, with no output.
+    const failed = (code: string, message: string, line: number | null) => {
       b.ended = {
         status: "failed",
         at: now(),
         counts: { total: 0, completed: 0, failed: 0 },
-        errors: {
-          object: "list",
-          data: [{
-            code: "duplicate_custom_id",
-            message: `The custom_id '${lines[duplicate]!.custom_id}' is duplicated.`,
-            line: duplicate + 1,
-            param: null,
-          }],
-        },
+        errors: { object: "list", data: [{ code, message, line, param: null }] },
       };
-      return;
+    };
+    if (duplicate >= 0) {
+      // As OpenAI validates a file: a duplicate custom_id fails the whole batch, with no output.
+      const custom = lines[duplicate]!.custom_id;
+      return failed("duplicate_custom_id", `The custom_id '${custom}' is duplicated.`, duplicate + 1);
+    }
+    if (!b.cancelled && b.script.end === "failed") {
+      const { code = "invalid_request", message = "scripted: the batch failed validation" } = b.script.failure ?? {};
+      return failed(code, message, null);
     }
     const end = b.cancelled ? "cancelled" : b.script.end ?? "completed";
     const output: string[] = [];
