@@ -1,7 +1,8 @@
 /**
  * deploy/kubernetes/: every manifest validates against the Kubernetes API's schemas (`kubernetes-models`, generated
  * from the Kubernetes OpenAPI document) and the ScaledObject against KEDA's CRD schema (`@kubernetes-models/keda`,
- * generated from KEDA's CRDs); and the manifests keep what the README promises: the three processes with their
+ * generated from KEDA's CRDs), strictly as `kubectl apply --validate=strict` does: a field its schema does not define
+ * is refused too (./strict_fields.ts); and the manifests keep what the README promises: the three processes with their
  * permission-locked tasks, probes on /readyz and /healthz, the stop's grace, disruption budgets, non-root
  * read-only pods, and workers scaled on the summed backlog.
  */
@@ -17,6 +18,7 @@ import { ScaledObject } from "npm:@kubernetes-models/keda@2.0.0/keda.sh/v1alpha1
 import { parseConfig } from "../../src/config.ts";
 import type { Command } from "../../src/commands.ts";
 import { permissionFlags } from "../../src/permissions.ts";
+import { validateStrict } from "./strict_fields.ts";
 
 const DIR = new URL("../../deploy/kubernetes/", import.meta.url);
 const tasks = JSON.parse(await Deno.readTextFile(new URL("../../deno.json", import.meta.url))).tasks;
@@ -46,12 +48,12 @@ const find = (kind: string, name: string) =>
   manifests.find((m) => m.doc.kind === kind && m.doc.metadata.name === name)!.doc;
 const deployments = ["api", "worker", "relay"].map((name) => find("Deployment", `oncely-${name}`));
 
-Deno.test("every manifest validates against its Kubernetes or KEDA schema", () => {
+Deno.test("every manifest validates against its Kubernetes or KEDA schema, with no field the schema lacks", () => {
   assert.ok(manifests.length >= 12, `${manifests.length} manifests`);
   for (const { file, doc } of manifests) {
     const Model = MODELS[`${doc.apiVersion}/${doc.kind}`];
     assert.ok(Model, `${file}: a schema for ${doc.apiVersion} ${doc.kind}`);
-    new Model(doc).validate();
+    validateStrict(Model, doc);
   }
   // The validators have teeth: a port as a string, a probe without its handler's port, a ScaledObject without
   // its target or with a count as a string are refused.
@@ -63,6 +65,27 @@ Deno.test("every manifest validates against its Kubernetes or KEDA schema", () =
   scaled.spec.minReplicaCount = "1";
   assert.throws(() => new ScaledObject(scaled).validate(), /minReplicaCount must be integer/);
   assert.throws(() => new ScaledObject(scaled).validate(), /scaleTargetRef must have required property name/);
+  // Strictly: a misspelt field (which the validators alone let through) is refused by its path, as kubectl's
+  // --validate=strict refuses it, in the Kubernetes schemas and in KEDA's; free keys (labels, a trigger's
+  // metadata) stay free.
+  const misspelt = structuredClone(deployments[0]);
+  const [container] = misspelt.spec.template.spec.containers;
+  container.readinesProbe = container.readinessProbe;
+  delete container.readinessProbe;
+  misspelt.spec.template.metadata.labels = { ...misspelt.spec.template.metadata.labels, "example.com/any": "x" };
+  new Deployment(misspelt).validate();
+  assert.throws(
+    () => validateStrict(Deployment, misspelt),
+    /^Error: Deployment oncely-api: unknown field "spec\.template\.spec\.containers\[0\]\.readinesProbe"$/,
+  );
+  const advanced = structuredClone(find("ScaledObject", "oncely-worker"));
+  advanced.spec.advanced = { horizontalPodAutoScalerConfig: advanced.spec.advanced.horizontalPodAutoscalerConfig };
+  advanced.spec.triggers[0].metadata.unsafeSsl = "false";
+  new ScaledObject(advanced).validate();
+  assert.throws(
+    () => validateStrict(ScaledObject, advanced),
+    /^Error: ScaledObject oncely-worker: unknown field "spec\.advanced\.horizontalPodAutoScalerConfig"$/,
+  );
 });
 
 Deno.test("the three deployments run their permission-locked tasks with probes, the stop's grace, non-root", async () => {
