@@ -138,18 +138,17 @@ interface ResponseExtra {
   metadata?: Record<string, string>;
 }
 
-/** A finished run that did not end done, as the provider would have answered (the reason withheld as elsewhere). */
+/**
+ * A finished run that did not end done, as the provider would have answered (the reason withheld as elsewhere:
+ * the document's `error` is already `publicError`'s class). `headers` name the run (`Oncely-Run-Id`).
+ */
 function notDone(found: JobFound, headers: Record<string, string> = {}): OpenAiRefusal {
   const { status, error } = found.document;
+  const final = { ...headers, "x-should-retry": "false" };
   if (status === "failed") {
-    return new OpenAiRefusal(400, error ?? "The model call failed", { code: "run_failed" }, {
-      "x-should-retry": "false",
-    });
+    return new OpenAiRefusal(400, error ?? "The model call failed", { code: "run_failed" }, final);
   }
-  return new OpenAiRefusal(409, `The run is ${status}`, { code: `run_${status}` }, {
-    ...headers,
-    "x-should-retry": "false",
-  });
+  return new OpenAiRefusal(409, `The run is ${status}`, { code: `run_${status}` }, final);
 }
 
 /** The 408 of a run that did not finish within the wait: the SDK retries it only when the key makes that safe. */
@@ -335,6 +334,22 @@ export function openAiRoutes(deps: OpenAiApiDeps): Router {
     return found;
   }
 
+  /**
+   * Any error once a run is accepted names it (`Oncely-Run-Id`), an unexpected one (a 500) included. Without a key,
+   * no error invites the SDK to retry (`x-should-retry: false`): a retry would start a second run.
+   */
+  async function namingRun(
+    headers: Record<string, string>,
+    keyed: boolean,
+    answer: () => Promise<Response>,
+  ): Promise<Response> {
+    try {
+      return await answer();
+    } catch (error) {
+      return openAiErrorResponse(error, deps.log, keyed ? headers : { ...headers, "x-should-retry": "false" });
+    }
+  }
+
   async function chat(req: Request): Promise<Response> {
     const tenant = await deps.authenticate(req);
     const accepted = await withBodyAdmitted(deps, req, tenant, async (release) => {
@@ -360,10 +375,12 @@ export function openAiRoutes(deps: OpenAiApiDeps): Router {
         headers,
       );
     }
-    const found = await finished(req, tenant, runId, waitOf(req));
-    if (!found) throw pending(runId, keyed, headers);
-    if (found.document.status !== "done") throw notDone(found, headers);
-    return json(200, chatCompletion(found, request.input.model), headers);
+    return await namingRun(headers, keyed, async () => {
+      const found = await finished(req, tenant, runId, waitOf(req));
+      if (!found) throw pending(runId, keyed, headers);
+      if (found.document.status !== "done") throw notDone(found, headers);
+      return json(200, chatCompletion(found, request.input.model), headers);
+    });
   }
 
   async function createResponse(req: Request): Promise<Response> {
@@ -379,14 +396,16 @@ export function openAiRoutes(deps: OpenAiApiDeps): Router {
       ...(replayed ? { "idempotent-replayed": "true" } : {}),
     };
     const extra = { background: request.background, instructions: request.instructions, metadata: request.metadata };
-    if (request.background) {
-      const now = await jobDocument(deps, tenant, runId);
-      return json(200, responseObject(now ?? { runId, status: "queued" }, request.input.model, extra), headers);
-    }
-    const found = await finished(req, tenant, runId, waitOf(req));
-    if (!found) throw pending(runId, keyed, headers);
-    if (found.document.status === "failed") throw notDone(found, headers);
-    return json(200, responseObject(found, request.input.model, extra), headers);
+    return await namingRun(headers, keyed, async () => {
+      if (request.background) {
+        const now = await jobDocument(deps, tenant, runId);
+        return json(200, responseObject(now ?? { runId, status: "queued" }, request.input.model, extra), headers);
+      }
+      const found = await finished(req, tenant, runId, waitOf(req));
+      if (!found) throw pending(runId, keyed, headers);
+      if (found.document.status === "failed") throw notDone(found, headers);
+      return json(200, responseObject(found, request.input.model, extra), headers);
+    });
   }
 
   async function responseOf(req: Request, id: string, cancel: boolean): Promise<Response> {

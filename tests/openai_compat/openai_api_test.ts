@@ -9,30 +9,52 @@ import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { serviceKeys } from "../../src/runs/keys.ts";
 import { createJobWaiter } from "../../src/runs/job_waiter.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
+import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
+import { createPrices } from "../../src/llm/prices.ts";
 import { silentLogger } from "../../src/log/logger.ts";
-import { startFakeModel } from "../support/fake_model_server.ts";
-import { apiHandler, summaryWorker } from "../support/fixtures.ts";
-import { createTestDatabase, createTestRedis } from "../_support.ts";
+import { errorBody, startFakeModel } from "../support/fake_model_server.ts";
+import { apiHandler, budgetsOn, summaryWorker } from "../support/fixtures.ts";
+import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 
+/** Markers in a prompt that script the fake model: 2.5 s late, a permanent 400, a call that spends a budget. */
 const SLOW = "[slow]";
+const REJECT = "[reject]";
+const SPEND = "[spend]";
+/** The provider's own words in its 400: never shown to the tenant. */
+const PROVIDER_TEXT = "Invalid prompt: policy gw-7.internal.example rejected key sk-live-0000";
+/** A day's token budget, and what the SPEND call reports using of it: the next call's worst case no longer fits. */
+const BUDGET_TOKENS = 1_000;
+const SPENT = { prompt_tokens: 990, completion_tokens: 1 };
 
 Deno.test("the OpenAI SDK against the door: idempotency, streaming, waiting, errors, responses", async (t) => {
   const db = await createTestDatabase();
   const r = await createTestRedis();
   const keys = serviceKeys(r.prefix);
-  const model = startFakeModel((_, prompt) => ({ kind: "ok", delayMs: prompt.includes(SLOW) ? 2_500 : 0 }));
+  const model = startFakeModel((_, prompt) => {
+    if (prompt.includes(REJECT)) {
+      return { kind: "status", status: 400, body: errorBody(PROVIDER_TEXT, "invalid_request_error", "invalid_prompt") };
+    }
+    if (prompt.includes(SPEND)) return { kind: "ok", usage: SPENT };
+    return { kind: "ok", delayMs: prompt.includes(SLOW) ? 2_500 : 0 };
+  });
   const waiter = await createJobWaiter({ sql: db.sql, log: silentLogger });
+  // Each process has its own budgets, as the API and a worker do; only the tenant "broke" has one.
+  const prices = createPrices({ LLM_PRICES: { "fake-model": { in: 0.4, out: 1.6 } } });
+  const budgets = () => budgetsOn({ redis: r.redis, sql: db.sql, keys }, { prices, ttlMs: 200 });
   const handler = apiHandler({ redis: r.redis, sql: db.sql, keys }, {
     authMode: "api-key",
     waiter,
     models: new Set(["fake-model"]),
+    budgets: budgets(),
   });
   const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen() {} }, (req) => handler(req));
   const baseURL = `http://127.0.0.1:${server.addr.port}/v1`;
   const acme = await createApiKey(db.sql, "acme");
   const other = await createApiKey(db.sql, "other");
+  const broke = await createApiKey(db.sql, "broke");
+  await setTenantBudget(db.sql, "broke", { "--tokens-per-day": BUDGET_TOKENS });
   const llm = createOpenAiLlm({ apiKey: "sk-test", model: "fake-model", baseURL: model.url });
-  const worker = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, {
+  const worker = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys, budgets: budgets() }, {
     job: { model: "fake-model", budgetMs: 20_000, perCallTimeoutMs: 10_000 },
   });
   const stop = new AbortController();
@@ -40,6 +62,22 @@ Deno.test("the OpenAI SDK against the door: idempotency, streaming, waiting, err
   const client = new OpenAI({ apiKey: acme, baseURL, maxRetries: 0 });
   const calls = (marker: string) => model.prompts.filter((p) => p.includes(marker)).length;
   const ask = (text: string) => ({ model: "fake-model", messages: [{ role: "user" as const, content: text }] });
+  /** What an SDK call threw (it must throw). */
+  const thrown = async (call: Promise<unknown>) => {
+    try {
+      await call;
+    } catch (error) {
+      return error;
+    }
+    throw new Error("the call answered; it should have thrown");
+  };
+  /** The run document, as `GET /v1/runs/{id}` answers the tenant. */
+  const runDocument = async (runId: string) => {
+    const res = await fetch(`${baseURL}/runs/${runId}`, { headers: { authorization: `Bearer ${acme}` } });
+    assert.equal(res.status, 200);
+    return await res.json() as { status: string; attempts?: number; output?: unknown; error?: string };
+  };
+  const runIdOfResponse = (id: string) => id.slice("resp_".length).replace(/^(.{8})(.{4})(.{4})(.{4})/, "$1-$2-$3-$4-");
   try {
     await t.step("two creates with one Idempotency-Key: the same completion, one model call, Replayed", async (s) => {
       const body = ask("The export button crashes the app since this morning. [twice]");
@@ -188,21 +226,27 @@ Deno.test("the OpenAI SDK against the door: idempotency, streaming, waiting, err
     });
 
     await t.step("responses: background is queued at once, retrieve reaches completed with output_text", async (s) => {
+      // The model takes 2.5 s, so the answer at once cannot be a finished run.
       const created = await client.responses.create({
         model: "fake-model",
-        input: "Summarise: the export button crashes. [background]",
+        input: `Summarise: the export button crashes. ${SLOW} [background]`,
         instructions: "Answer briefly.",
         background: true,
       });
       assert.match(created.id, /^resp_[0-9a-f]{32}$/);
-      assert.ok(["queued", "in_progress", "completed"].includes(created.status!));
+      assert.ok(["queued", "in_progress"].includes(created.status!), `status at once: ${created.status}`);
+      assert.equal(created.background, true);
       let now = created;
+      const seen = new Set<string>([created.status!]);
       const end = performance.now() + 10_000;
       while (now.status !== "completed" && performance.now() < end) {
         await new Promise((resolve) => setTimeout(resolve, 50));
         now = await client.responses.retrieve(created.id);
+        seen.add(now.status!);
       }
       assert.equal(now.status, "completed");
+      assert.deepEqual([...seen].filter((status) => !["queued", "in_progress", "completed"].includes(status)), []);
+      assert.equal(calls("[background]"), 1);
       assert.ok(now.output_text.length > 0);
       assert.equal(now.usage?.total_tokens, 2);
       assert.equal((model.bodies.at(-1) as { messages: { role: string }[] }).messages[0]!.role, "system");
@@ -217,6 +261,11 @@ Deno.test("the OpenAI SDK against the door: idempotency, streaming, waiting, err
       const done = await client.responses.create({ model: "fake-model", input: "Foreground. [fg]" });
       assert.equal(done.status, "completed");
       assert.ok(done.output_text.length > 0);
+      // A finished response is answered as it is.
+      const again = await client.responses.cancel(done.id);
+      assert.equal(again.status, "completed");
+      // (The SDK adds `output_text` on create and retrieve only.)
+      assert.deepEqual(again.output, done.output);
     });
 
     await t.step("cancel of a slow background response ends cancelled with at most one model call", async () => {
@@ -230,6 +279,100 @@ Deno.test("the OpenAI SDK against the door: idempotency, streaming, waiting, err
       await new Promise((resolve) => setTimeout(resolve, 3_000));
       assert.equal((await client.responses.retrieve(created.id)).status, "cancelled");
       assert.ok(calls("[cancel]") <= 1);
+    });
+
+    await t.step("cancel during the model call: cancelled at once, the call's result dropped, one call", async () => {
+      const marker = "[cancel-running]";
+      const created = await client.responses.create({
+        model: "fake-model",
+        input: `Cancelled while the model writes. ${SLOW} ${marker}`,
+        background: true,
+      });
+      // The fake model has the call (it answers 2.5 s later): the run is in its model call.
+      await waitFor("the model call", () => calls(marker) === 1);
+      const at = model.prompts.findIndex((p) => p.includes(marker));
+      assert.equal(model.usages[at], undefined, "the call is still under way");
+      const cancelled = await client.responses.cancel(created.id);
+      assert.equal(cancelled.id, created.id);
+      assert.equal(cancelled.status, "cancelled");
+      assert.deepEqual(cancelled.output, []);
+      // The call under way finishes; the worker records it, drops its result and makes no other.
+      await waitFor("the call's answer", () => model.usages[at] !== undefined, 5_000);
+      const runId = runIdOfResponse(created.id);
+      await waitFor("the call's attempt", async () => ((await runDocument(runId)).attempts ?? 0) >= 1, 5_000);
+      await new Promise((resolve) => setTimeout(resolve, 500));
+      const after = await client.responses.retrieve(created.id);
+      assert.equal(after.status, "cancelled");
+      assert.deepEqual(after.output, []);
+      assert.equal(after.output_text, "");
+      const document = await runDocument(runId);
+      assert.equal(document.status, "cancelled");
+      assert.equal(document.output, undefined);
+      assert.equal(calls(marker), 1);
+    });
+
+    await t.step(
+      "a run the model refuses for good: BadRequestError run_failed naming the run, text withheld",
+      async () => {
+        for (
+          const [path, call] of [
+            ["chat", () => client.chat.completions.create(ask(`Refused for good. ${REJECT} [chat]`))],
+            [
+              "responses",
+              () => client.responses.create({ model: "fake-model", input: `Refused for good. ${REJECT} [resp]` }),
+            ],
+          ] as const
+        ) {
+          const error = await thrown(call());
+          assert.ok(error instanceof OpenAI.BadRequestError, `${path}: ${error}`);
+          assert.equal(error.status, 400);
+          assert.equal(error.code, "run_failed");
+          assert.equal(error.type, "invalid_request_error");
+          // The worker's class of the failure, never the provider's own words.
+          assert.equal((error.error as { message?: string }).message, "model_rejected: 400");
+          assert.ok(!JSON.stringify(error.error).includes("sk-live"), path);
+          assert.ok(!error.message.includes("gw-7"), path);
+          assert.equal(error.headers.get("x-should-retry"), "false");
+          const runId = error.headers.get("oncely-run-id");
+          assert.match(runId ?? "", /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/, path);
+          assert.equal((await runDocument(runId!)).status, "failed");
+        }
+        // A permanent 400 is not retried: one call each.
+        assert.equal(calls(REJECT), 2);
+      },
+    );
+
+    await t.step("a tenant whose budget is spent: RateLimitError budget_exhausted, no retry, no call", async () => {
+      const spender = new OpenAI({ apiKey: broke, baseURL, maxRetries: 0 });
+      // Fits the budget; the model then reports 991 of its 1,000 tokens.
+      await spender.chat.completions.create({ ...ask(`Spends the day. ${SPEND}`), max_completion_tokens: 16 });
+      assert.equal(calls(SPEND), 1);
+      const views = budgets();
+      await waitFor("the spend settled", async () => ((await views.views("broke"))[0]?.spent ?? 0) >= 991);
+      // The SDK may retry twice; x-should-retry: false must stop it at one request.
+      const sent: number[] = [];
+      const sdk = new OpenAI({
+        apiKey: broke,
+        baseURL,
+        maxRetries: 2,
+        fetch: async (input, init) => {
+          const res = await fetch(input, init);
+          sent.push(res.status);
+          return res;
+        },
+      });
+      const error = await thrown(
+        sdk.chat.completions.create({ ...ask("One more. [over]"), max_completion_tokens: 16 }, {
+          headers: { "Idempotency-Key": "door-over-budget-000001" },
+        }),
+      );
+      assert.ok(error instanceof OpenAI.RateLimitError, String(error));
+      assert.equal(error.status, 429);
+      assert.equal(error.code, "budget_exhausted");
+      assert.equal(error.type, "rate_limit_error");
+      assert.equal(error.headers.get("x-should-retry"), "false");
+      assert.deepEqual(sent, [429]);
+      assert.equal(calls("[over]"), 0);
     });
   } finally {
     stop.abort();
