@@ -78,7 +78,9 @@ export function createRouter(options: RouterOptions): Models {
   for (const d of deployments) for (const flow of d.flows.values()) gates.set(flow, tokenGate(flow));
   /** When a call last asked for each model (performance.now()). */
   const asked = new Map<string, number>();
-  // Callers inside `acquire` without a permit: the permits the gate sees are theirs first.
+  // Callers in `acquire` refused a permit and waiting to ask again: the permits the gate sees are theirs first. A
+  // caller a flow has booked a slot for (it sleeps in `tryAcquire` until its slot) is not one: its slot has already
+  // left the flow's count, and counting it here too read fewer jobs than the flows allowed while calls were paced.
   let waiting = 0;
 
   const tryModel = async (
@@ -118,27 +120,27 @@ export function createRouter(options: RouterOptions): Models {
       }
       const now = performance.now();
       for (const model of chain) asked.set(model, now);
-      waiting++;
-      try {
-        for (;;) {
-          options.signal?.throwIfAborted();
-          const seen = { soonest: Infinity, fits: false };
-          for (const [i, model] of chain.entries()) {
-            const got = await tryModel(routes.get(model)!, estimate, options, seen);
-            if (got === "available") break; // wait for this model: it is only busy or briefly paused
-            if (got === "unavailable") continue;
-            if (i > 0) fellBack?.(chain[0]!, model);
-            return got;
-          }
-          if (!seen.fits) {
-            throw new GateRefused(`the call's ${estimate} estimated tokens exceed every deployment's token limit`);
-          }
-          const ms = Number.isFinite(seen.soonest) ? seen.soonest : 100;
+      for (;;) {
+        options.signal?.throwIfAborted();
+        const seen = { soonest: Infinity, fits: false };
+        for (const [i, model] of chain.entries()) {
+          const got = await tryModel(routes.get(model)!, estimate, options, seen);
+          if (got === "available") break; // wait for this model: it is only busy or briefly paused
+          if (got === "unavailable") continue;
+          if (i > 0) fellBack?.(chain[0]!, model);
+          return got;
+        }
+        if (!seen.fits) {
+          throw new GateRefused(`the call's ${estimate} estimated tokens exceed every deployment's token limit`);
+        }
+        const ms = Number.isFinite(seen.soonest) ? seen.soonest : 100;
+        waiting++;
+        try {
           // Spread the callers a pause or an open breaker releases at the same instant.
           await sleep(ms + random() * Math.min(100, ms * 0.1 + 10), options.signal);
+        } finally {
+          waiting--;
         }
-      } finally {
-        waiting--;
       }
     },
     async capacity(averageTokens) {
