@@ -69,6 +69,8 @@ export async function startWorker(
     budgets,
     prices,
     batches: batches?.intake,
+    // A run with an expiry sends its first attempt only once the replicas have its `started` mark.
+    ack,
   }, {
     keys,
     events: workerEvents(metrics, { concurrency: config.WORKER_CONCURRENCY }),

@@ -4,14 +4,18 @@
  * its only writer: every change is one of the operations below, each inside
  * the atomic step that causes it (the enqueue script, the dead-letter script,
  * the replay script), except a cancel, which Postgres decides and this
- * records right after. A record without `status` is a queued job's: intake
- * writes none (issue 39: 16 bytes of every queued job), and every reader,
- * this release's and the one before's, reads a missing status as `queued`.
+ * records right after, and a run's `started` mark, which its worker writes
+ * just before its first model attempt goes out (see {@linkcode markStarted}).
+ * A record without `status` is a queued job's: intake writes none (issue 39:
+ * 16 bytes of every queued job), and every reader, this release's and the one
+ * before's, reads a missing status as `queued`.
  */
 import type { RedisClient } from "../clients.ts";
+import { notReplicated, type ReplicaAck } from "../redis/replica_ack.ts";
 import type { DeadLetterHook, RecordUpdate } from "../queue/dead_letter.ts";
 import type { QueueNames, StreamMessage } from "../queue/message.ts";
 import { MARK_CANCELLED_SCRIPT } from "./mark_cancelled_script.ts";
+import { MARK_STARTED_SCRIPT } from "./mark_started_script.ts";
 import { JOB_RECORD_TTL_S, jobKeyBeside, type LaneKeys, type ServiceKeys } from "./keys.ts";
 
 /** What an enqueue script does to a job's record: fields to set, fields to delete, and its lifetime. */
@@ -81,6 +85,26 @@ export function markQueuedOnReplay(keys: Pick<LaneKeys, "job">, jobId: string): 
 /** Records a cancel that Postgres decided (`cancelJob`) in the job's record at `key`. */
 export async function markCancelled(redis: RedisClient, key: string): Promise<void> {
   await MARK_CANCELLED_SCRIPT.run(redis, [key], []);
+}
+
+/**
+ * Marks in the job's record at `key` that its run's first model attempt goes out at `atMs` (a run with an
+ * expiry, issue 41): written before the attempt is sent, so a later delivery knows the run started and its
+ * expiry no longer applies, even when the worker that sent it died mid-call. The first mark stands. With `ack`
+ * (REDIS_MIN_REPLICAS_ACK), it resolves only once the replicas have it, so a promotion keeps it.
+ * @throws {NotReplicated} when fewer replicas acknowledged it in time (the attempt must not go out).
+ */
+export async function markStarted(redis: RedisClient, key: string, atMs: number, ack?: ReplicaAck): Promise<void> {
+  const args = [Math.floor(atMs), JOB_RECORD_TTL_S];
+  if (!ack) return void await MARK_STARTED_SCRIPT.run(redis, [key], args);
+  const { acked, replicated } = await ack.run(MARK_STARTED_SCRIPT, [key], args);
+  if (!replicated) throw notReplicated(ack, acked);
+}
+
+/** When the job's run (its record at `key`) sent its first model attempt, by its `started` mark; undefined: never. */
+export async function startedAt(redis: RedisClient, key: string): Promise<number | undefined> {
+  const at = await redis.hget(key, "started");
+  return at === null ? undefined : Number(at);
 }
 
 /** A job's status record (tenant, status (none while queued), error) and the key it is under. */

@@ -20,7 +20,7 @@ import { attemptCharge, attemptCost, attemptRow } from "./attempt_log.ts";
 import type { Committed } from "./commit.ts";
 import type { Delivery, Job, ModelCall } from "./run_deps.ts";
 import { endedBy } from "./run_decided.ts";
-import { beforeExpiry, expire, hasExpired, RunExpired, throwIfExpired, untilExpiry } from "./run_expiry.ts";
+import { beforeExpiry, expire, goingOut, hasExpired, RunExpired, throwIfExpired, untilExpiry } from "./run_expiry.ts";
 
 /** What a model call answered, and the model that answered it. */
 export interface Answered {
@@ -72,7 +72,7 @@ function describeAttempt({ value, error }: { value?: Completion; error?: unknown
 /**
  * The model call, with retries under the job's deadline and the permits of the deployments it is given (the
  * first one asked for already, as `first.pending`, which the first attempt takes and clears).
- * @returns the answer, or how the delivery ended when the job was decided meanwhile, or expired before an
+ * @returns the answer, or how the delivery ended when the job was decided meanwhile, or expired before its first
  * attempt could go out.
  * @throws {JobDeferred} when the tenant's budget refused the call (the run goes back to its lane).
  * @throws {PermanentJobError} for a model error no retry can fix.
@@ -124,10 +124,9 @@ export async function callModel(
     return { text: completion.text, model: served.current!.model };
   } catch (error) {
     if (error instanceof JobDecided) return { skipped: endedBy(delivery, error.outcome, "between_attempts") };
-    // No attempt went out at or after the expiry, and none holds a reservation: the run ends expired.
-    if (error instanceof RunExpired) {
-      return { skipped: await expire(job, delivery, served.current ? "retry" : "permit") };
-    }
+    // The run reached its expiry before any attempt of it went out (once one has, none is held to it), and none
+    // holds a reservation: the run ends expired, with no model call.
+    if (error instanceof RunExpired) return { skipped: await expire(job, delivery, "permit") };
     if (error instanceof BudgetExhausted) {
       // Back to the end of its lane, no delivery spent; the lane is not read until the budget fits again.
       job.budgetExhausted?.(error);
@@ -164,8 +163,8 @@ function attemptGate(
   const clock = job.options.clock;
   return {
     acquire: async (signal) => {
-      // An attempt (a retry, the repair call) starts only before the run's expiry. Checked before the first
-      // permit is taken: a pending one stays in `first` and the run job gives it back.
+      // A run's first attempt starts only before its expiry (once one went out, `hasExpired` is false for good).
+      // Checked before the first permit is taken: a pending one stays in `first` and the run job gives it back.
       throwIfExpired(delivery, clock);
       const { pending } = first;
       first.pending = undefined;
@@ -202,13 +201,17 @@ function attemptGate(
         await permit?.settle({ aborted: true }).catch(() => {});
         throw error;
       }
-      if (held && hasExpired(delivery, clock)) {
-        // Expired while the reservation was made: both go back unsent and uncharged; the call does not go out.
+      try {
+        // A run with an expiry is marked started before its first attempt goes out (crash-safe: a redelivery
+        // will not expire it), unless it expired meanwhile (during the reservation or the mark).
+        await goingOut(job, delivery, clock);
+      } catch (error) {
+        // Expired, or the mark not written: both go back unsent and uncharged; the call does not go out.
         await Promise.all([
           permit?.settle({ aborted: true, notSent: true }).catch(() => {}),
-          settleBudget(held, { notSent: true }, delivery.log),
+          held && settleBudget(held, { notSent: true }, delivery.log),
         ]);
-        throw new RunExpired(job_id, delivery.run.expiresAt!);
+        throw error;
       }
       if (!held) return acquired;
       const reserved = held;

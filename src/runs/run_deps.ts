@@ -66,6 +66,20 @@ export interface SummaryJobDeps {
   recordStatus?: (jobId: string, tenant: string) => Promise<string | undefined>;
   /** The Batch API (issue 43, `src/batches/`): runs with priority `batch` it takes are recorded into a batch. */
   batches?: BatchIntake;
+  /**
+   * Where a run with an expiry records that its first model attempt went out (its job's status record), before
+   * the attempt is sent, and where each delivery reads it: a run that started, even in a delivery whose worker
+   * died mid-call, does not expire (`run_expiry.ts`). Without it, only the delivery that sent it knows.
+   */
+  starts?: AttemptStarts;
+}
+
+/** The `started` marks of runs with an expiry (see {@linkcode SummaryJobDeps.starts}). */
+export interface AttemptStarts {
+  /** Marks that the run's first attempt goes out at `atMs` (the first mark stands). Resolves once it is written. */
+  mark(jobId: string, tenant: string, atMs: number): Promise<void>;
+  /** Whether an attempt of the run went out before, by its mark. */
+  started(jobId: string, tenant: string): Promise<boolean>;
 }
 
 /**
@@ -113,6 +127,11 @@ export interface Delivery {
   cache?: RunCache;
   /** Tells the worker that only the commit is left. */
   finishing?: () => void;
+  /**
+   * A model attempt of this run went out, in this delivery or (by its `started` mark) an earlier one: its expiry
+   * no longer applies. Read at the delivery's start for a run with an expiry, set just before its first attempt.
+   */
+  started?: boolean;
 }
 
 /** One model call of a run: the user message, how to ask, and the models it accepts. */

@@ -1,9 +1,16 @@
 /**
- * A run's expiry (`expires_in`, issue 41). A run whose payload carries `expires_at` starts no model call
- * attempt at or after that instant: not its first, not a retry, not the repair call, not a redelivery's. A run
- * taken after it, or whose wait for a permit reaches it, is decided `expired` in Postgres (`job_outcomes`, the
- * primary key every outcome races on), with its `run.expired` notification in the same transaction. An attempt
- * already sent finishes, and its answer is committed as usual.
+ * A run's expiry (`expires_in`, issue 41). A run whose payload carries `expires_at` and whose model call has not
+ * started by then ends `expired`, with no model call: a run taken after it, or whose wait for a permit reaches
+ * it, is decided `expired` in Postgres (`job_outcomes`, the primary key every outcome races on), with its
+ * `run.expired` notification in the same transaction. Its call has started once its first attempt goes out;
+ * from then on the expiry no longer applies: the attempt finishes, and its retries, a later delivery's attempts
+ * and the repair call go on as for any run, which ends done or failed, never expired.
+ *
+ * Crash-safe: just before its first attempt goes out, a run with an expiry marks its job's record (`started`,
+ * {@linkcode goingOut}), and every delivery of such a run reads the mark first ({@linkcode startedEarlier}).
+ * So a run reclaimed after its worker died mid-call is not expired: it is called again. The mark comes before
+ * the send, never after: a worker killed between the two leaves a run marked that sent nothing, which a later
+ * delivery calls (after its expiry, if that has passed), but never a run expired after a call.
  */
 import { linkedSignal } from "../async/linked_signal.ts";
 import type { Acquired } from "../llm/models.ts";
@@ -16,7 +23,7 @@ import { endedBy } from "./run_decided.ts";
 import type { Delivery, Job } from "./run_deps.ts";
 
 /**
- * The run reached its expiry before its next attempt went out. A `GateRefused`, so the retry policy hands it
+ * The run reached its expiry before its first attempt went out. A `GateRefused`, so the retry policy hands it
  * back as it is, and the run job decides the run expired ({@linkcode expire}).
  */
 export class RunExpired extends GateRefused {
@@ -26,9 +33,41 @@ export class RunExpired extends GateRefused {
   }
 }
 
-/** Whether the delivery's run has reached its expiry (never, for a run without one). */
-export function hasExpired({ run }: Delivery, clock: Clock = systemClock): boolean {
-  return run.expiresAt !== undefined && clock.epochNow() >= run.expiresAt;
+/**
+ * Whether the delivery's run has reached its expiry before its model call started (never, for a run without one
+ * or one whose attempt went out: {@linkcode Delivery.started}).
+ */
+export function hasExpired({ run, started }: Delivery, clock: Clock = systemClock): boolean {
+  return run.expiresAt !== undefined && !started && clock.epochNow() >= run.expiresAt;
+}
+
+/**
+ * Reads whether an earlier delivery of the run sent a model attempt (its `started` mark), into
+ * {@linkcode Delivery.started}: then its expiry no longer applies. Only a run with an expiry asks.
+ * @throws Redis's error, to leave the message pending (whether the run may expire is not known without it).
+ */
+export async function startedEarlier(job: Job, delivery: Delivery): Promise<void> {
+  if (delivery.run.expiresAt === undefined || !job.starts) return;
+  if (await job.starts.started(delivery.job_id, delivery.tenant)) delivery.started = true;
+}
+
+/**
+ * Called once an attempt holds its permit and reservation, just before it is sent: the last check of the run's
+ * expiry. For a run with an expiry whose call has not started, it marks the run started (in its record, awaited)
+ * and looks at the expiry again after the mark's round trip, so no first attempt goes out past the expiry; from
+ * then on, {@linkcode Delivery.started}: no later attempt of the run is held to it.
+ * @throws {RunExpired} when the run reached its expiry before the attempt could go out (it has not gone out).
+ * @throws Redis's error when the mark could not be written (the attempt must not go out unmarked).
+ */
+export async function goingOut(job: Job, delivery: Delivery, clock: Clock = systemClock): Promise<void> {
+  const at = delivery.run.expiresAt;
+  if (at === undefined || delivery.started) return;
+  throwIfExpired(delivery, clock);
+  await job.starts?.mark(delivery.job_id, delivery.tenant, clock.epochNow());
+  // A mark written at the expiry's edge: the attempt still does not go out. A delivery that dies before it
+  // decides the run leaves it marked; the next one calls it (see the module's comment).
+  if (clock.epochNow() >= at) throw new RunExpired(delivery.job_id, at);
+  delivery.started = true;
 }
 
 /**
@@ -51,10 +90,11 @@ export interface ExpiryBound {
 
 /**
  * `signal`, linked for one wait (a permit's) with the run's expiry: it aborts with {@linkcode RunExpired} at the
- * run's `expires_at`, so the wait ends there. A run without an expiry gets `signal` itself.
+ * run's `expires_at`, so the wait ends there. A run without an expiry, or whose call has started, gets `signal`
+ * itself.
  */
 export function untilExpiry(delivery: Delivery, signal: AbortSignal, clock: Clock = systemClock): ExpiryBound {
-  const at = delivery.run.expiresAt;
+  const at = delivery.started ? undefined : delivery.run.expiresAt;
   if (at === undefined) return { signal, done: () => {} };
   const expiry = new AbortController();
   const fire = () => expiry.abort(new RunExpired(delivery.job_id, at));
@@ -100,9 +140,9 @@ export function beforeExpiry(acquiring: Promise<Acquired>, { expired }: ExpiryBo
 
 /**
  * Decides the delivery's run expired, with its notification, unless it was decided first (done, cancelled,
- * failed: that decision stands and the delivery ends as it says). No model call is made after this, and none
- * is charged: the run held no budget reservation (one is made only once a call may go out), and a permit it
- * held has gone back unsent.
+ * failed: that decision stands and the delivery ends as it says). Only for a run none of whose attempts went
+ * out: it made no model call and pays nothing (a budget reservation is made only once a call may go out, and a
+ * permit it held has gone back unsent).
  * @throws {JobFailedElsewhere} when another delivery decided it failed first.
  * @throws Postgres's error, to leave the message pending (a later delivery decides).
  */

@@ -17,7 +17,7 @@ import type { Delivery, Job, ModelCall, SummaryJobDeps, SummaryJobOptions } from
 import { loadTask, modelCall, parseDelivery } from "./run_load.ts";
 import { preCheck, preparedKey } from "./run_decided.ts";
 import { type Answered, callModel } from "./run_call.ts";
-import { beforeExpiry, expire, hasExpired, untilExpiry } from "./run_expiry.ts";
+import { beforeExpiry, expire, hasExpired, startedEarlier, untilExpiry } from "./run_expiry.ts";
 import { structuredOutput } from "./run_check.ts";
 import { commit } from "./run_commit.ts";
 import { batchAnswerOf, type Batched, intoBatch } from "./run_batch.ts";
@@ -84,8 +84,12 @@ async function deliver(
   finishing: (() => void) | undefined,
 ): Promise<Committed | Batched> {
   const delivery = { ...parseDelivery(job, message), finishing };
-  // Taken at or after its expiry (it waited in its lane, was deferred for budget, or is reclaimed after a crash):
-  // decided now, with no permit asked for and no task loaded. Unless something else decided it first.
+  // A run with an expiry whose attempt went out in an earlier delivery (its worker died mid-call, say) no longer
+  // expires: its record's mark says so.
+  await startedEarlier(job, delivery);
+  // Taken at or after its expiry (it waited in its lane, was deferred for budget, or is reclaimed after a crash)
+  // with no attempt sent: decided now, with no permit asked for and no task loaded. Unless something else decided
+  // it first.
   if (hasExpired(delivery, job.options.clock)) {
     return await preCheck(job, delivery, () => Promise.resolve()) ?? await expire(job, delivery, "taken");
   }

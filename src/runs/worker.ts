@@ -4,6 +4,7 @@ import type { Sql } from "postgres";
 import { estimateTokens, estimateTokensOfLength, summaryPrompt } from "../llm/llm.ts";
 import type { Models } from "../llm/models.ts";
 import type { Logger } from "../log/logger.ts";
+import type { ReplicaAck } from "../redis/replica_ack.ts";
 import { createStreamWorker, type StreamWorker, type WorkerEvents } from "../queue/stream_worker.ts";
 import { acceptedMsOf, laneId, type LaneNames, type StreamMessage } from "../queue/message.ts";
 import { createTenantWeights, TENANT_WEIGHT } from "../tenants/tenant_weights.ts";
@@ -12,7 +13,7 @@ import { runOfPayload } from "./run_payload.ts";
 import type { SummaryJobDeps, SummaryJobOptions } from "./run_deps.ts";
 import type { LaneKeys, ServiceKeys } from "./keys.ts";
 import { createLaneRegistry } from "../queue/lanes.ts";
-import { markFailedHook, recordExpiryOnAck } from "./job_status.ts";
+import { markFailedHook, markStarted, recordExpiryOnAck, startedAt } from "./job_status.ts";
 import { notifyJob } from "./job_waiter.ts";
 import { keepDrainingLegacyStream } from "./legacy_drain.ts";
 import { createSummaryJob } from "./run_job.ts";
@@ -53,7 +54,7 @@ export interface SummaryWorkerOptions {
 /** The summary worker: the stream worker running the summary job. The caller closes it. */
 export function createSummaryWorker(
   deps:
-    & { redis: RedisClient; sql: Sql; models: Models; log: Logger }
+    & { redis: RedisClient; sql: Sql; models: Models; log: Logger; ack?: ReplicaAck }
     & Pick<SummaryJobDeps, "tasks" | "validators" | "budgets" | "prices" | "batches">,
   options: SummaryWorkerOptions,
 ): StreamWorker {
@@ -71,6 +72,14 @@ export function createSummaryWorker(
   });
   const recordStatus = async (jobId: string, tenant: string) =>
     await deps.redis.hget(keys.lane(tenant).job(jobId), "status") ?? undefined;
+  // A run with an expiry marks its record before its first attempt goes out: a redelivery knows it started. With
+  // REDIS_MIN_REPLICAS_ACK (`ack`), the attempt goes out only once the replicas have the mark.
+  const starts = {
+    mark: (jobId: string, tenant: string, atMs: number) =>
+      markStarted(deps.redis, keys.lane(tenant).job(jobId), atMs, deps.ack),
+    started: async (jobId: string, tenant: string) =>
+      await startedAt(deps.redis, keys.lane(tenant).job(jobId)) !== undefined,
+  };
   const job = createSummaryJob({
     ...deps,
     committer,
@@ -78,6 +87,7 @@ export function createSummaryWorker(
     cache,
     budgetExhausted: blocks?.exhausted,
     recordStatus,
+    starts,
   }, {
     ...options.job,
     onAttempt: share.onAttempt,

@@ -1,24 +1,29 @@
 /**
  * Priorities and expiries in every chaos run (issue 41). The task runs the chaos run mixes into its jobs carry a
  * `priority` (high, normal, low, batch, each tenant all four in turn), and two thirds of them an `expires_in`:
- * short ones (1 to 3 s), which expire when a kill, a hang, a retry's backoff, an outage or a spent budget holds
- * the run past them, and long ones (10 minutes), which never may. Poison runs set no expiry: they must fail for
- * their output.
+ * short ones (1 to 3 s), which expire when a kill, a hang, an outage or a spent budget holds the run past them
+ * before its first model attempt goes out, and long ones (10 minutes), which never may. Poison runs set no
+ * expiry: they must fail for their output.
  *
- * What it checks, once the run is over, from `job_outcomes`, `model_attempts` and the requests the fake model(s)
- * received (each names its job: `of job <i>.`):
+ * A run's call has started once its first attempt went out; from then on its expiry no longer applies (its
+ * retries, a redelivery's attempts after a kill, its repair call go on, and it ends done or failed). What it
+ * checks, once the run is over, from `job_outcomes`, `model_attempts`, the runs' `started` marks in Redis and the
+ * requests the fake model(s) received (each names its job: `of job <i>.`):
  *
  * - a run ends `expired` only if it set `expires_in`, never before its `expires_at`, and a long one never;
- * - no model request for a run with an expiry arrived after its `expires_at` (the worker checks the expiry just
- *   before an attempt goes out, so a request may arrive up to {@linkcode SEND_SLACK_MS} after it, and a
- *   `model_attempts` row may start up to {@linkcode START_SLACK_MS} after it, no later); an attempt sent before
- *   the expiry may finish `done`, or fail and leave the run `expired` with that earlier call;
+ * - an expired run made no model call at all: no request for it reached any provider and it has no
+ *   `model_attempts` row (one with a call is a failure, whatever the mode);
+ * - a run's first model request did not arrive after its `expires_at` (the worker checks the expiry just before
+ *   the first attempt goes out, so it may arrive up to {@linkcode SEND_SLACK_MS} after it), unless the run was
+ *   marked started before its expiry (its worker was killed between the mark and the send: the only way, and
+ *   reported apart); and no `model_attempts` row of a run that had not started by its expiry starts more than
+ *   {@linkcode START_SLACK_MS} after it. Later requests of a run that started in time may come at any time;
  * - each expired run's `expires_at` is its `expires_in` after the API took the request: after its first POST
  *   started, and no later than its acceptance (its stream entry's time; later than the request when Redis was
  *   away while the API waited to enqueue it).
  *
- * The report gives, per priority, the runs, how they ended and the median time from acceptance to outcome, and the
- * expired runs with no model call and with calls made before their expiry.
+ * The report gives, per priority, the runs, how they ended and the median time from acceptance to outcome, the
+ * expired runs (all with no model call), and the runs that started before their expiry and called after it.
  */
 import type { Sql } from "postgres";
 import type { ChatBody, FakeModelServer } from "../support/fake_model_server.ts";
@@ -65,9 +70,9 @@ export function runExtras(n: number, poison: boolean): RunExtras {
 
 /**
  * In the ticket of two runs of each turn with a short expiry (one of 1 s, the one of 2 s): the model hangs on the
- * first request for it, and the worker gives up after LLM_CALL_TIMEOUT_S (1 s). So the 1 s run reaches its expiry
- * before its retry and ends expired after a call, and the 2 s one is done by its retry. Kills, outages and budgets
- * add runs expired with no call at all.
+ * first request for it, and the worker gives up after LLM_CALL_TIMEOUT_S (1 s). So the 1 s run's retry goes out
+ * after its expiry, which no longer applies to it (its call started): it must end done, never expired; the 2 s
+ * one is done by its retry too. Kills, outages and budgets add runs expired with no call at all.
  */
 export const HANGS_FIRST_MARK = "SLOW-START: the first answer never comes.";
 
@@ -80,6 +85,8 @@ export function hangsFirst(n: number, poison: boolean): boolean {
 /** One run the chaos run submitted (accepted, or taken on without an answer). */
 export interface PlannedRun {
   id: string;
+  /** Its tenant: the lane its record (and `started` mark) is in. */
+  tenant: string;
   /** Its job index: what its model requests name. */
   index: number;
   extras: RunExtras;
@@ -100,6 +107,8 @@ export interface PrioritiesDeps {
   servers: FakeModelServer[];
   /** The job index a model request names, if it names one. */
   jobOf(body: ChatBody): number | undefined;
+  /** When the run was marked started (its record's `started` field, epoch ms), if it was. */
+  startedMark(run: PlannedRun): Promise<number | undefined>;
 }
 
 /** The report's rows and what failed. */
@@ -149,13 +158,16 @@ export async function checkPriorities(deps: PrioritiesDeps, runs: PlannedRun[]):
     });
   }
 
-  let lateRequests = 0, lateAttempts = 0, slackRequests = 0, expiredNoCall = 0, expiredAfterCalls = 0;
+  let lateRequests = 0, lateAttempts = 0, slackRequests = 0, expiredNoCall = 0, expiredWithCalls = 0;
+  let startedThenLater = 0, markedThenKilled = 0;
   let latestRequestMs = -Infinity, latestAttemptMs = -Infinity;
   const wrong: string[] = [];
   for (const run of runs) {
     const o = outcomes.get(run.id);
     const expiresIn = run.extras.expires_in;
     if (!o) continue; // not decided: the chaos run's own checks count it lost
+    const sent = [...(requests.get(run.index) ?? [])].sort((a, b) => a - b);
+    const recorded = attempts.get(run.id) ?? [];
     if (o.outcome === "expired") {
       if (expiresIn === undefined) wrong.push(`${run.id} expired without an expires_in`);
       else if (expiresIn === LONG_EXPIRY_S) wrong.push(`${run.id} expired with expires_in ${LONG_EXPIRY_S}`);
@@ -177,21 +189,41 @@ export async function checkPriorities(deps: PrioritiesDeps, runs: PlannedRun[]):
           }
         }
       }
-      if ((requests.get(run.index) ?? []).length === 0) expiredNoCall++;
-      else expiredAfterCalls++;
+      // An expired run never called the model: not before its expiry (its call would have started, and the
+      // expiry no longer applied), not after.
+      if (sent.length === 0 && recorded.length === 0) expiredNoCall++;
+      else {
+        expiredWithCalls++;
+        wrong.push(
+          `${run.id} expired after a model call (${sent.length} request(s) at a provider, ${recorded.length} attempt row(s))`,
+        );
+      }
     }
     if (expiresIn === undefined) continue;
     // The expiry: exact for an expired run; else its acceptance plus expires_in, or at the latest its last POST's end.
     const expiresAt = o.expires ??
       (o.accepted !== null ? o.accepted + expiresIn * 1000 : run.lastPostEndMs + expiresIn * 1000);
-    for (const at of requests.get(run.index) ?? []) {
-      latestRequestMs = Math.max(latestRequestMs, at - expiresAt);
-      if (at > expiresAt + SEND_SLACK_MS) lateRequests++;
-      else if (at > expiresAt) slackRequests++;
+    const first = sent[0];
+    // Started in time: its first request went out before its expiry. Its later ones (retries, a redelivery's after a
+    // kill, the repair call) may come at any time.
+    const startedInTime = first !== undefined && first <= expiresAt + SEND_SLACK_MS;
+    let excused = false;
+    if (first !== undefined) {
+      latestRequestMs = Math.max(latestRequestMs, first - expiresAt);
+      if (first > expiresAt + SEND_SLACK_MS) {
+        // Marked started before its expiry, then its worker killed before the send: a later delivery sent it.
+        const mark = await deps.startedMark(run).catch(() => undefined);
+        excused = mark !== undefined && mark < expiresAt;
+        if (excused) markedThenKilled++;
+        else lateRequests++;
+      } else if (first > expiresAt) slackRequests++;
+      if (startedInTime && sent.some((at) => at > expiresAt + SEND_SLACK_MS)) startedThenLater++;
     }
-    for (const at of attempts.get(run.id) ?? []) {
-      latestAttemptMs = Math.max(latestAttemptMs, at - expiresAt);
-      if (at > expiresAt + START_SLACK_MS) lateAttempts++;
+    if (!startedInTime && !excused) {
+      for (const at of recorded) {
+        latestAttemptMs = Math.max(latestAttemptMs, at - expiresAt);
+        if (at > expiresAt + START_SLACK_MS) lateAttempts++;
+      }
     }
   }
 
@@ -217,21 +249,30 @@ export async function checkPriorities(deps: PrioritiesDeps, runs: PlannedRun[]):
       `${shortExpired} / ${short.filter((r) => outcomes.get(r.id)?.outcome === "done").length}`,
     ],
     [
-      "expired runs with no model call / with calls sent before their expiry",
-      `${expiredNoCall} / ${expiredAfterCalls}`,
+      "expired runs with no model call / with a model call (must be 0)",
+      `${expiredNoCall} / ${expiredWithCalls}`,
     ],
     [
-      `model requests for expiring runs after expires_at: beyond ${SEND_SLACK_MS} ms / within it (latest, relative)`,
+      `expiring runs' first model request after expires_at: beyond ${SEND_SLACK_MS} ms / within it (latest, relative)`,
       `${lateRequests} / ${slackRequests} (${
         Number.isFinite(latestRequestMs) ? `${Math.round(latestRequestMs)} ms` : "-"
       })`,
     ],
     [
-      `attempts (model_attempts) started after expires_at + ${START_SLACK_MS} ms (latest, relative)`,
+      "runs marked started before their expiry whose first request came later (a kill between mark and send)",
+      String(markedThenKilled),
+    ],
+    [
+      "runs started before their expiry that called again after it (retries, redeliveries, repairs)",
+      String(startedThenLater),
+    ],
+    [
+      `attempts (model_attempts) of runs not started in time, started after expires_at + ${START_SLACK_MS} ms (latest)`,
       `${lateAttempts} (${Number.isFinite(latestAttemptMs) ? `${Math.round(latestAttemptMs)} ms` : "-"})`,
     ],
   );
-  if (lateRequests > 0) problems.push(`${lateRequests} model request(s) for runs arrived after their expires_at`);
+  if (expiredWithCalls > 0) problems.push(`${expiredWithCalls} expired run(s) had a model call`);
+  if (lateRequests > 0) problems.push(`${lateRequests} run(s)' first model request arrived after their expires_at`);
   if (lateAttempts > 0) problems.push(`${lateAttempts} attempt(s) started after their run's expires_at`);
   problems.push(...wrong.slice(0, 10));
   if (wrong.length > 10) problems.push(`... and ${wrong.length - 10} more runs decided wrongly for their expiry`);

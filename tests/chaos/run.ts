@@ -32,8 +32,10 @@
  * In every mode the runs carry a `priority` (high, normal, low, batch, each tenant all four) and two thirds of
  * them an `expires_in`, short (1 to 3 s) or long (10 minutes): see priorities.ts. A run with an expiry may end
  * `expired` instead of done (never a long one), with its `run_expired` email or `run.expired` webhook once and
- * nothing else; no model request for it may arrive after its `expires_at`. The report gives each priority's
- * runs, outcomes and median time from acceptance to done, and the expired runs with and without earlier calls.
+ * nothing else, and only if it never called the model: an expired run with a model call fails the chaos run, and
+ * so does a run whose first model request arrived after its `expires_at` (a run that started in time may retry
+ * after it, and ends done or failed). The report gives each priority's runs, outcomes and median time from
+ * acceptance to done, and the expired runs (with no model call, all of them).
  *
  * With --cluster, Redis is a local three-master Redis Cluster with AOF on
  * (fsync always) in a temporary directory, REDIS_URL lists its nodes, and one
@@ -1429,7 +1431,7 @@ const indexOf = new Map(submissions.map((s) => [idOf(s), s.i]));
 const answersTo = (id: string) => structuredAnswers.get(indexOf.get(id)!) ?? { first: 0, repair: 0 };
 const breaksOnceRuns = runsTaken.filter((id) => breaksOnce(indexOf.get(id)!));
 // A run whose first answer was not JSON is done only after a repair call's answer (or expired, a short expiry
-// reached before the call or the repair call started).
+// reached before its first call started: once that call went out, the repair call goes out too).
 const breaksOnceDone = breaksOnceRuns.filter((id) => runOf.get(id)?.status === "done");
 const repaired = breaksOnceDone.filter((id) => answersTo(id).repair > 0).length;
 // A poison run failed on its output after a first call and a repair call were answered, and said so once.
@@ -1459,6 +1461,7 @@ const poisonDecided = await poisonFailed().catch(() => -1);
 const plannedRuns: PlannedRun[] = submissions.filter((s) => s.run && (taken.has(idOf(s)) || poisonRuns.has(idOf(s))))
   .map((s) => ({
     id: idOf(s),
+    tenant: s.plan.tenant,
     index: s.i,
     extras: s.extras!,
     poison: poisonRunIndices.has(s.i),
@@ -1467,7 +1470,15 @@ const plannedRuns: PlannedRun[] = submissions.filter((s) => s.run && (taken.has(
     lastPostEndMs: s.lastPostEndMs,
   }));
 const priorities = await checkPriorities(
-  { sql: db.sql, servers: [model, ...(deployments?.servers() ?? [])], jobOf: jobOfRequest },
+  {
+    sql: db.sql,
+    servers: [model, ...(deployments?.servers() ?? [])],
+    jobOf: jobOfRequest,
+    startedMark: async (run) => {
+      const at = await redisAdmin.hget(redisKeys.lane(run.tenant).job(run.id), "started");
+      return at === null ? undefined : Number(at);
+    },
+  },
   plannedRuns,
 ).catch((error): { rows: [string, string][]; problems: string[] } => ({
   rows: [],

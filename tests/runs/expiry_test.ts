@@ -3,8 +3,11 @@
  * `expires_at` ends `expired`, decided in Postgres, with no model call, no
  * budget charge and one `run.expired` notification; at every stage (taken
  * after its expiry, deferred for budget, waiting for a permit, reclaimed
- * after a crash) and against a cancel in both orders. A call already sent
- * finishes; a retry after the expiry does not start.
+ * after a crash) and against a cancel in both orders. Once a run's first
+ * attempt has gone out, the expiry no longer applies: that call finishes, its
+ * retries go out past the expiry, and a delivery after its worker died
+ * mid-call calls it again (the run's record is marked before the send); such a
+ * run ends done or failed, never expired.
  */
 import assert from "node:assert/strict";
 import type { Sql } from "postgres";
@@ -79,12 +82,23 @@ Deno.test("expiry", async (t) => {
   const db = await createTestDatabase();
   const r = await createTestRedis();
   const keys = serviceKeys(r.prefix);
-  // A run's calls are those whose prompt carries its text; `[[hang]]`, `[[slow]]` and `[[fail]]` steer the fake.
+  // A run's calls are those whose prompt carries its text; markers steer the fake: `[[slow]]` answers after 3 s,
+  // `[[fail]]` answers 500 to the first call and `[[then-400]]` 400 to every later one (else they are answered),
+  // `[[slow-once]]` answers its first call after 3 s and the others at once.
   const model = startFakeModel((_, prompt) => {
-    if (prompt.includes("[[slow]]")) return { kind: "ok", content: "late answer", delayMs: 3_000 };
-    if (prompt.includes("[[fail]]")) return { kind: "status", status: 500, body: { error: { message: "boom" } } };
+    const nth = model.prompts.filter((p) => p === prompt).length;
+    arrivals.set(prompt, [...(arrivals.get(prompt) ?? []), Date.now()]);
+    if (prompt.includes("[[slow]]") || (prompt.includes("[[slow-once]]") && nth === 1)) {
+      return { kind: "ok", content: "late answer", delayMs: 3_000 };
+    }
+    const boom = { error: { message: "boom" } };
+    if (prompt.includes("[[fail]]") && nth === 1) return { kind: "status", status: 500, body: boom };
+    if (prompt.includes("[[then-400]]")) return { kind: "status", status: 400, body: boom };
     return { kind: "ok", content: "ok" };
   });
+  /** When each request of a prompt arrived (epoch ms). */
+  const arrivals = new Map<string, number[]>();
+  const arrivalsFor = (text: string) => [...arrivals].filter(([p]) => p.includes(text)).flatMap(([, at]) => at);
   const callsFor = (text: string) => model.prompts.filter((p) => p.includes(text)).length;
   const hooks: Record<string, unknown>[] = [];
   const receiver = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen() {} }, async (req) => {
@@ -363,24 +377,100 @@ Deno.test("expiry", async (t) => {
       assert.deepEqual((await outboxOf(db.sql, runId)).map((row) => row.dedupe_key), [`run_done_webhook:${runId}`]);
     });
 
-    await t.step("a retry due after the expiry does not start: one call, then expired", async () => {
-      // The first attempt starts well within the expiry (1.5 s); the retry is due 3 s after it fails.
-      const runId = await enqueue("[[fail]] then retry", { expires_at: Date.now() + 1_500 });
-      const stop = running(
-        summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, {
-          job: { backoffBaseMs: 3_000, backoffCapMs: 3_000, random: () => 1 },
-        }),
-      );
+    await t.step(
+      "a retry due after the expiry goes out: the run started, so it ends done or failed, never expired",
+      async () => {
+        // The first attempt starts well within the expiry (1.5 s) and fails (500); the retry is due 3 s after it.
+        const expiresAt = Date.now() + 1_500;
+        const done = await enqueue("[[fail]] then done", { expires_at: expiresAt });
+        // The same, but the retry is refused for good (400): the run fails, as any run would.
+        const failed = await enqueue("[[fail]] [[then-400]] then failed", { expires_at: expiresAt });
+        const stop = running(
+          summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, {
+            job: { backoffBaseMs: 3_000, backoffCapMs: 3_000, random: () => 1, budgetMs: 10_000 },
+          }),
+        );
+        try {
+          await waitFor("both decided", async () => (await outcomeOf(done)) && (await outcomeOf(failed)), 15_000);
+          await waitFor("acknowledged", async () => (await pending()) === 0);
+        } finally {
+          await stop();
+        }
+        assert.equal(await outcomeOf(done), "done");
+        assert.equal(await outcomeOf(failed), "failed");
+        const cases = [[done, "then done", "run_done_webhook"], [failed, "then failed", "run_failed_webhook"]] as const;
+        for (const [runId, text, key] of cases) {
+          const at = arrivalsFor(text);
+          assert.equal(at.length, 2, `${text}: the first attempt and its retry`);
+          assert.ok(at[0]! < expiresAt, `${text}: the first attempt went out before the expiry`);
+          assert.ok(at[1]! >= expiresAt, `${text}: the retry went out after it`);
+          assert.deepEqual((await outboxOf(db.sql, runId)).map((row) => row.dedupe_key), [`${key}:${runId}`]);
+          const got = await acme("GET", `/v1/runs/${runId}`);
+          assert.equal(got.body.status, runId === done ? "done" : "failed");
+        }
+        assert.equal((await acme("GET", `/v1/runs/${done}`)).body.attempts, 2);
+      },
+    );
+
+    await t.step("reclaimed after its worker died mid-call, past its expiry: called again and done", async () => {
+      // Worker A sends the first attempt well within the expiry (1.5 s); its answer would come after 3 s, but A
+      // stops first (a grace period of 50 ms), leaving the message pending for A as a crash would.
+      const text = "[[slow-once]] died mid-call";
+      const expiresAt = Date.now() + 1_500;
+      const runId = await enqueue(text, { expires_at: expiresAt });
+      const a = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, {
+        consumer: "w-a",
+        graceMs: 50,
+        job: { perCallTimeoutMs: 6_000, budgetMs: 10_000 },
+      });
+      const stopA = running(a);
       try {
-        await waitFor("expired", () => outcomeOf(runId), 10_000);
-        await waitFor("acknowledged", async () => (await pending()) === 0);
+        await waitFor("the first attempt sent", () => callsFor(text) === 1);
       } finally {
-        await stop();
+        await stopA();
       }
-      assert.equal(await outcomeOf(runId), "expired");
-      assert.equal(callsFor("[[fail]] then retry"), 1, "the first attempt only");
-      assert.deepEqual((await outboxOf(db.sql, runId)).map((row) => row.dedupe_key), [`run_expired_webhook:${runId}`]);
+      assert.equal(await outcomeOf(runId), undefined, "undecided");
+      assert.equal(await pending(), 1, "still pending");
+      // What survives A: the mark it wrote in the run's record before the attempt went out.
+      const mark = Number(await r.redis.hget(lane.job(runId), "started"));
+      assert.ok(mark > 0 && mark < expiresAt, `marked started before the expiry (${mark})`);
+      await waitFor("past the expiry", () => Date.now() > expiresAt + 100);
+      const b = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, { consumer: "w-b", claimIdleMs: 0 });
+      try {
+        assert.equal(await b.runOnce(0), 1);
+        await b.drain();
+      } finally {
+        await b.close();
+      }
+      assert.equal(await pending(), 0);
+      assert.equal(await outcomeOf(runId), "done", "not expired: its call had started");
+      const at = arrivalsFor(text);
+      assert.equal(at.length, 2, "A's attempt and B's");
+      assert.ok(at[1]! > expiresAt, "B's attempt after the expiry");
+      assert.deepEqual((await outboxOf(db.sql, runId)).map((row) => row.dedupe_key), [`run_done_webhook:${runId}`]);
     });
+
+    await t.step(
+      "a run that never sent an attempt leaves no mark: its redelivery past the expiry expires it",
+      async () => {
+        // The step "reclaimed after a crash" above, with the record looked at: a worker that died before its first
+        // attempt went out wrote no mark, so the expiry still applies.
+        const runId = await enqueue("no-mark", { expires_at: Date.now() + 200 });
+        await ensureGroup(r.redis, lane);
+        assert.ok(await r.redis.xreadgroup("GROUP", lane.group, "w-dead", "COUNT", 1, "STREAMS", lane.stream, ">"));
+        assert.equal(await r.redis.hget(lane.job(runId), "started"), null);
+        await new Promise((resolve) => setTimeout(resolve, 250));
+        const b = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, { consumer: "w-b", claimIdleMs: 0 });
+        try {
+          assert.equal(await b.runOnce(0), 1);
+          await b.drain();
+        } finally {
+          await b.close();
+        }
+        await expectExpired(runId, "no-mark");
+        assert.equal(await r.redis.hget(lane.job(runId), "started"), null, "an expired run is never marked");
+      },
+    );
   } finally {
     await receiver.shutdown();
     await mail.close();
