@@ -31,6 +31,9 @@ import { apiHandler, budgetsOn, jsonClient, relayTo, summaryWorker } from "../su
 import { createTestDatabase, createTestRedis, waitFor } from "../_support.ts";
 import type { StreamWorker } from "../../src/queue/stream_worker.ts";
 
+/** How long the fake model takes to answer a backlog run's call (`[[backlog]]`). */
+const BACKLOG_CALL_MS = 500;
+
 const TASK = {
   prompt: "Echo: {{input.text}}",
   input_schema: { type: "object", properties: { text: { type: "string" } }, required: ["text"] },
@@ -84,10 +87,11 @@ Deno.test("expiry", async (t) => {
   const keys = serviceKeys(r.prefix);
   // A run's calls are those whose prompt carries its text; markers steer the fake: `[[slow]]` answers after 3 s,
   // `[[fail]]` answers 500 to the first call and `[[then-400]]` 400 to every later one (else they are answered),
-  // `[[slow-once]]` answers its first call after 3 s and the others at once.
+  // `[[slow-once]]` answers its first call after 3 s and the others at once, `[[backlog]]` answers after 500 ms.
   const model = startFakeModel((_, prompt) => {
     const nth = model.prompts.filter((p) => p === prompt).length;
     arrivals.set(prompt, [...(arrivals.get(prompt) ?? []), Date.now()]);
+    if (prompt.includes("[[backlog]]")) return { kind: "ok", content: "ok", delayMs: BACKLOG_CALL_MS };
     if (prompt.includes("[[slow]]") || (prompt.includes("[[slow-once]]") && nth === 1)) {
       return { kind: "ok", content: "late answer", delayMs: 3_000 };
     }
@@ -469,6 +473,77 @@ Deno.test("expiry", async (t) => {
         }
         await expectExpired(runId, "no-mark");
         assert.equal(await r.redis.hget(lane.job(runId), "started"), null, "an expired run is never marked");
+      },
+    );
+
+    await t.step(
+      "posted behind a backlog with expires_in 2: expired, no call, one run.expired webhook, GET says expired",
+      async () => {
+        // The issue's case through the real route: a backlog of 8 runs without expiry, then 5 with `expires_in: 2`
+        // and a webhook, one tenant, all posted before a worker with one call at a time starts. Each backlog call
+        // takes 500 ms, so the first expiring run cannot be taken before 8 × 500 ms = 4 s after its POST, twice its
+        // expiry; a loaded machine only makes that wait longer.
+        const step = crypto.randomUUID().slice(0, 8);
+        const post = (text: string, extra: Record<string, unknown> = {}) =>
+          acme("POST", "/v1/tasks/echo/runs", { input: { text }, ...extra }, {
+            "idempotency-key": `expiry-backlog-${step}-${text.replace(/\W+/g, "-")}`,
+          });
+        const backlog: { runId: string; text: string }[] = [];
+        for (let i = 1; i <= 8; i++) {
+          const text = `[[backlog]] ahead ${step} #${i}`;
+          const res = await post(text);
+          assert.equal(res.status, 202, JSON.stringify(res.body));
+          backlog.push({ runId: res.body.run_id, text });
+        }
+        const expiring: { runId: string; text: string }[] = [];
+        for (let i = 1; i <= 5; i++) {
+          const text = `behind the backlog ${step} #${i}`;
+          const res = await post(text, { expires_in: 2, notify: { webhook: hookUrl } });
+          assert.equal(res.status, 202, JSON.stringify(res.body));
+          expiring.push({ runId: res.body.run_id, text });
+        }
+        const all = [...backlog, ...expiring];
+        const stop = running(
+          summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, {
+            concurrency: 1,
+            job: { perCallTimeoutMs: 10_000, budgetMs: 20_000 },
+          }),
+        );
+        try {
+          await waitFor("all 13 decided", async () => {
+            for (const { runId } of all) if (!(await outcomeOf(runId))) return false;
+            return true;
+          }, 60_000);
+          await waitFor("the lane drained", drained, 10_000);
+        } finally {
+          await stop();
+        }
+        for (const { runId, text } of backlog) {
+          assert.equal(await outcomeOf(runId), "done", text);
+          assert.equal(callsFor(text), 1, `${text}: one call`);
+          assert.equal((await acme("GET", `/v1/runs/${runId}`)).body.status, "done");
+        }
+        // Expired, no call for its input, exactly one run.expired outbox row, GET says expired with 0 attempts.
+        for (const { runId, text } of expiring) await expectExpired(runId, text);
+        // The relay's real sender delivers each run.expired webhook once to the receiver. Earlier steps' rows
+        // are delivered too (so the relay may take several passes); one more pass after ours must add nothing.
+        const relay = relayTo({ sql: db.sql, mailUrl: mail.url });
+        const delivered = (runId: string) => hooks.filter((hook) => hook.run_id === runId);
+        await waitFor("each run.expired webhook delivered", async () => {
+          await relay.runOnce();
+          return expiring.every(({ runId }) => delivered(runId).length > 0);
+        }, 30_000);
+        await relay.runOnce();
+        for (const { runId } of expiring) {
+          assert.deepEqual(delivered(runId), [
+            { type: "run.expired", run_id: runId, task: "echo", version: 1, status: "expired" },
+          ]);
+        }
+        const sent = await db.sql<{ n: number }[]>`
+          SELECT count(*)::int AS n FROM outbox
+          WHERE dedupe_key = ANY(${expiring.map(({ runId }) => `run_expired_webhook:${runId}`)})
+            AND sent_at IS NOT NULL`;
+        assert.equal(sent[0]?.n, expiring.length, "each row recorded as sent");
       },
     );
   } finally {
