@@ -7,9 +7,10 @@
 import type { CallOptions, Completion, LLM } from "../../src/llm/llm.ts";
 import { createExtractiveLlm } from "../../src/llm/extractive.ts";
 import { silentLogger } from "../../src/log/logger.ts";
+import type { RedisClient } from "../../src/redis/client.ts";
 import type { Relay } from "../../src/outbox/relay.ts";
 import { createJobWaiter } from "../../src/runs/job_waiter.ts";
-import { serviceKeys } from "../../src/runs/keys.ts";
+import { type ServiceKeys, serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { ensureWebhookSecret } from "../../src/tenants/webhook_secrets.ts";
 import { apiHandler, relayTo, summaryWorker } from "../support/fixtures.ts";
@@ -22,6 +23,9 @@ export const STRUCTURED_ANSWER = { category: "bug", urgent: true };
 export interface ServedApi {
   url: string;
   db: TestDatabase;
+  /** The API's Redis and its key names, to read what intake stored (a run's stream entry, its status record). */
+  redis: RedisClient;
+  keys: ServiceKeys;
   apiKey: string;
   /** The tenant's webhook signing secret (`whsec_...`). */
   secret: string;
@@ -62,6 +66,8 @@ export async function serveTestApi(): Promise<ServedApi> {
   return {
     url: `http://127.0.0.1:${server.addr.port}`,
     db,
+    redis: r.redis,
+    keys,
     apiKey,
     secret,
     prompts,

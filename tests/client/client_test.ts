@@ -9,6 +9,7 @@ import assert from "node:assert/strict";
 import {
   createClient,
   OncelyError,
+  type RunEvent,
   type TaskDefinition,
   verifyWebhook,
   WebhookVerificationError,
@@ -429,6 +430,121 @@ Deno.test({
       assert.deepEqual(usage.budgets, []);
     } finally {
       await worker.stop();
+      await api.close();
+    }
+  },
+});
+
+/** The payloads of a lane stream's entries, by job id, as intake wrote them. */
+async function payloadsOn(api: Awaited<ReturnType<typeof serveTestApi>>, stream: string) {
+  const entries = await api.redis.xrange(stream, "-", "+");
+  return new Map(entries.map(([, flat]) => {
+    const fields = Object.fromEntries(flat.flatMap((v, i) => (i % 2 ? [] : [[v, flat[i + 1]!]])));
+    return [fields.job_id!, JSON.parse(fields.payload ?? "null") as Record<string, unknown>];
+  }));
+}
+
+Deno.test({
+  name: "startRun sends priority and expires_in; a run not started by its expiry is expired to the client",
+  async fn() {
+    const api = await serveTestApi();
+    const oncely = createClient({ baseUrl: api.url, apiKey: api.apiKey });
+    const deliveries: { body: string; event: RunEvent | Error }[] = [];
+    const receiver = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen() {} }, async (req) => {
+      const body = await req.text();
+      const event = await verifyWebhook<RunEvent>({ secret: api.secret, headers: req.headers, body }).catch((e) => e);
+      deliveries.push({ body, event });
+      return new Response(null, { status: event instanceof Error ? 401 : 204 });
+    });
+    const lane = api.keys.lane("acme");
+    let worker: { stop(): Promise<void> } | undefined;
+    try {
+      await oncely.putTask("ticket", TICKET);
+      // No worker yet: both runs wait in the lane. The high one may wait 1 s, the low one 10 minutes.
+      const before = Date.now();
+      const urgent = await oncely.startRun("ticket", {
+        input: { body: "Checkout is down, urgent." },
+        priority: "high",
+        expiresInS: 1,
+        notify: { webhook: `http://127.0.0.1:${receiver.addr.port}/hooks` },
+      });
+      const afterUrgent = Date.now();
+      const backlog = await oncely.startRun("ticket", {
+        input: { body: "Nightly re-classification." },
+        priority: "low",
+        expiresInS: 600,
+      });
+      const afterBacklog = Date.now();
+      assert.equal(urgent.status, 202);
+      assert.equal(backlog.status, 202);
+      const urgentId = urgent.run.run_id, backlogId = backlog.run.run_id;
+      // Waiting on the urgent run from before its expiry: the outcome wakes the long poll.
+      const waiting = oncely.waitForRun(urgentId, { timeoutS: 30 });
+
+      // The POST body carried both fields: each run is on its priority's stream of the tenant's lane, its
+      // payload names the priority and expires_at (acceptance + expires_in, epoch ms), its record the priority.
+      const high = await payloadsOn(api, lane.streamOf("high"));
+      const low = await payloadsOn(api, lane.streamOf("low"));
+      assert.deepEqual([...high.keys()], [urgentId]);
+      assert.deepEqual([...low.keys()], [backlogId]);
+      const urgentPayload = high.get(urgentId)!, backlogPayload = low.get(backlogId)!;
+      assert.equal(urgentPayload.priority, "high");
+      assert.equal(backlogPayload.priority, "low");
+      const urgentExpiresAt = urgentPayload.expires_at as number;
+      const backlogExpiresAt = backlogPayload.expires_at as number;
+      assert.ok(
+        urgentExpiresAt >= before + 1_000 && urgentExpiresAt <= afterUrgent + 1_000,
+        `expires_at ${urgentExpiresAt} is 1 s after acceptance (${before}..${afterUrgent})`,
+      );
+      assert.ok(backlogExpiresAt >= afterUrgent + 600_000 && backlogExpiresAt <= afterBacklog + 600_000);
+      assert.equal(await api.redis.hget(lane.job(urgentId), "priority"), "high");
+      assert.equal(await api.redis.hget(lane.job(backlogId), "priority"), "low");
+      assert.equal((await oncely.getRun(urgentId)).status, "queued");
+
+      // A worker that starts after the urgent run's expiry: it decides it expired and runs the low one.
+      await new Promise((resolve) => setTimeout(resolve, Math.max(0, urgentExpiresAt + 50 - Date.now())));
+      worker = api.startWorker();
+      const expired = await waiting;
+      assert.equal(expired.status, "expired");
+      assert.equal(expired.run_id, urgentId);
+      assert.equal(expired.task, "ticket");
+      assert.equal(expired.version, 1);
+      assert.equal(expired.output, undefined);
+      assert.equal(expired.attempts, 0);
+      assert.deepEqual(expired.tokens, { prompt: 0, completion: 0 });
+      assert.deepEqual(await oncely.getRun(urgentId), expired);
+      assert.equal((await oncely.waitForRun(backlogId, { timeoutS: 30 })).status, "done");
+      assert.equal(api.prompts.filter((p) => p.includes("Checkout is down")).length, 0, "no model call");
+      assert.equal(api.prompts.filter((p) => p.includes("Nightly re-classification")).length, 1);
+      // Decided in Postgres with the expiry the run carried.
+      const [row] = await api.db.sql<{ outcome: string; expires_at: Date }[]>`
+        SELECT outcome, expires_at FROM job_outcomes WHERE job_id = ${urgentId}::uuid`;
+      assert.equal(row?.outcome, "expired");
+      assert.equal(row?.expires_at.getTime(), urgentExpiresAt);
+
+      // expired is final: cancelling it is a 409, and it stays expired.
+      const refused = await oncely.cancelRun(urgentId).catch((e) => e);
+      assert.ok(refused instanceof OncelyError);
+      assert.equal(refused.status, 409);
+      assert.match(refused.problem.detail ?? "", /already expired/);
+      assert.equal((await oncely.getRun(urgentId)).status, "expired");
+
+      // Its one notification, run.expired, signed by the real relay and verified by the client.
+      await waitFor("the run.expired webhook delivered", async () => {
+        await api.relay.runOnce();
+        return deliveries.length > 0;
+      }, 10_000);
+      assert.equal(deliveries.length, 1);
+      assert.deepEqual(deliveries[0]!.event, {
+        type: "run.expired",
+        run_id: urgentId,
+        task: "ticket",
+        version: 1,
+        status: "expired",
+      });
+    } finally {
+      await worker?.stop();
+      await receiver.shutdown();
       await api.close();
     }
   },

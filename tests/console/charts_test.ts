@@ -52,7 +52,7 @@ interface Hit {
 }
 interface Outcome {
   tenant: string;
-  outcome: "done" | "failed" | "cancelled";
+  outcome: "done" | "failed" | "cancelled" | "expired";
   decided: number;
   /** Milliseconds from acceptance to outcome; null for an outcome that does not know when its job was accepted. */
   latency: number | null;
@@ -138,7 +138,7 @@ Deno.test("the usage page and the queue charts draw exactly the seeded figures, 
       const kind = random();
       outcomes.push({
         tenant: int(0, 1) ? "acme" : "globex",
-        outcome: kind < 0.8 ? "done" : kind < 0.9 ? "failed" : "cancelled",
+        outcome: kind < 0.75 ? "done" : kind < 0.85 ? "failed" : kind < 0.93 ? "cancelled" : "expired",
         decided: inside(b),
         latency: random() < 0.15 ? null : int(40, 6_000),
       });
@@ -310,11 +310,12 @@ Deno.test("the usage page and the queue charts draw exactly the seeded figures, 
       assert.match(globex.body, /<option value="globex"\s+selected\s*>/);
     });
 
-    await t.step("the queues page: jobs decided per minute by outcome, p50 and p99 latency", async () => {
+    await t.step("the queues page: jobs decided per minute by outcome (expired too), p50 and p99 latency", async () => {
       const { body } = await get("/console");
       const inMinute = (b: { startMs: number; endMs: number }) =>
         outcomes.filter((o) => o.decided >= b.startMs && o.decided < b.endMs);
-      for (const kind of ["done", "failed", "cancelled"] as const) {
+      for (const kind of ["done", "failed", "cancelled", "expired"] as const) {
+        assert.ok(outcomes.some((o) => o.outcome === kind), `the seeded outcomes include ${kind}`);
         near(
           valuesOf(body, "queue-throughput", kind),
           minutes.buckets.map((b) => inMinute(b).filter((o) => o.outcome === kind).length),

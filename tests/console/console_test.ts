@@ -13,7 +13,7 @@ import { putTaskVersion } from "../../src/jobs/task_store.ts";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { deadLetter } from "../../src/queue/dead_letter.ts";
-import { commitResults } from "../../src/runs/commit.ts";
+import { commitResults, expireRun } from "../../src/runs/commit.ts";
 import { serviceKeys } from "../../src/runs/keys.ts";
 import { markFailedHook } from "../../src/runs/job_status.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
@@ -520,6 +520,37 @@ Deno.test("the Tasks page, a task's versions, and a run's task, input and output
       );
       const unknown = await get(`/console/jobs/${unknownRun}?tenant=acme`);
       assert.equal(ddOf(unknown.body, "job-task"), "not known yet");
+    });
+
+    await t.step("an expired run: expired, when it expired, no model call, its run.expired notification", async () => {
+      const expiredRun = crypto.randomUUID();
+      const expiresAtMs = Date.parse("2030-01-02T03:04:05.678Z");
+      // Its record as intake wrote it (a high run), then decided expired as the worker decides it.
+      await r.redis.hset(keys.lane("acme").job(expiredRun), { tenant: "acme", priority: "high" });
+      const outcome = await expireRun(db.sql, {
+        jobId: expiredRun,
+        tenant: "acme",
+        task: "extract",
+        version: 1,
+        notify: "ops@example.com",
+        acceptedMs: expiresAtMs - 2_000,
+      }, expiresAtMs);
+      assert.equal(outcome, "expired");
+      const { status, body } = await get(`/console/jobs/${expiredRun}`);
+      assert.equal(status, 200);
+      assert.match(body, /<h1>Run<\/h1>/);
+      assert.equal(ddOf(body, "job-status"), "expired");
+      assert.equal(ddOf(body, "job-expires-at"), "2030-01-02T03:04:05.678Z");
+      assert.match(body, /<dt>expired at<\/dt>\s*<dd id="job-expires-at">/);
+      assert.match(ddOf(body, "job-task")!, /^<a href="\/console\/tasks\/acme\/extract\?version=1">extract v1/);
+      assert.match(body, /<dd>email\.run_finished: pending<\/dd>/, "its notification");
+      assert.ok(body.includes("No model call yet."), "no model attempt");
+      assert.ok(!body.includes("<h2>Input</h2>") && !body.includes("<h2>Output</h2>"), "no result");
+      // Only an expired run says when it expired.
+      for (const other of [extractRun, failedRun, queuedRun]) {
+        assert.equal(ddOf((await get(`/console/jobs/${other}?tenant=acme`)).body, "job-expires-at"), undefined);
+      }
+      inert(body, "the expired run's page");
     });
   } finally {
     await r.close();

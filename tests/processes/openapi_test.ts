@@ -3,7 +3,8 @@ import { z } from "zod";
 import { silentLogger } from "../../src/log/logger.ts";
 import { createApiHandler } from "../../src/processes/api_process.ts";
 import { openApiDocument, ROUTES } from "../../src/processes/openapi.ts";
-import { SummaryRequest } from "../../src/runs/shapes.ts";
+import { MAX_EXPIRES_IN_S, RunDocument, RunRequest } from "../../src/runs/run_schemas.ts";
+import { RunWebhook, SummaryRequest } from "../../src/runs/shapes.ts";
 import type { Redis } from "ioredis";
 import type { Sql } from "postgres";
 
@@ -123,4 +124,58 @@ Deno.test("every body the document describes refers to one of its components by 
     [],
     "every component is used",
   );
+});
+
+Deno.test("openapi.json describes priority and expiry: the request fields, expired, the 409, run.expired", () => {
+  type Schema = { type?: string; enum?: string[]; minimum?: number; maximum?: number; $ref?: string };
+  type Body = { description?: string; content: Record<string, { schema: Schema }> };
+  type Operation = { operationId: string; summary: string; requestBody: Body; responses: Record<string, Body> };
+  const doc = openApiDocument() as {
+    components: { schemas: Record<string, { properties: Record<string, Schema>; required?: string[] }> };
+    paths: Record<string, Record<string, Operation>>;
+    webhooks: Record<string, { post: Operation }>;
+  };
+  const { schemas } = doc.components;
+  const refOf = (body: Body, media = "application/json") => body.content[media]!.schema.$ref;
+
+  // The run request: the zod schema that validates it, both fields optional.
+  const { $schema: _, ...expected } = z.toJSONSchema(RunRequest, { io: "input", unrepresentable: "any" });
+  assert.deepEqual(schemas.RunRequest, expected);
+  assert.equal(refOf(doc.paths["/v1/tasks/{name}/runs"]!.post!.requestBody), "#/components/schemas/RunRequest");
+  const { priority, expires_in } = schemas.RunRequest!.properties;
+  assert.deepEqual(priority!.enum, RunRequest.shape.priority.unwrap().options);
+  assert.deepEqual([priority!.type, priority!.enum], ["string", ["high", "normal", "low", "batch"]], "README's four");
+  assert.deepEqual(
+    { type: expires_in!.type, minimum: expires_in!.minimum, maximum: expires_in!.maximum },
+    { type: "integer", minimum: 1, maximum: MAX_EXPIRES_IN_S },
+  );
+  assert.equal(MAX_EXPIRES_IN_S, 604_800, "7 days, as the README says");
+  const required = schemas.RunRequest!.required ?? [];
+  assert.ok(!required.includes("priority") && !required.includes("expires_in"), "both optional");
+
+  // A run's status, as GET, DELETE and a finished wait answer it: expired is one.
+  const status = schemas.Run!.properties.status!;
+  assert.deepEqual(status.enum, RunDocument.shape.status.options);
+  assert.ok(status.enum!.includes("expired"));
+  const run = doc.paths["/v1/runs/{run_id}"]!;
+  assert.equal(refOf(run.get!.responses["200"]!), "#/components/schemas/Run");
+
+  // Cancelling a finished run, an expired one included, is a 409 problem.
+  const conflict = run.delete!.responses["409"]!;
+  assert.match(conflict.description!, /expired/);
+  assert.equal(refOf(conflict, "application/problem+json"), "#/components/schemas/Problem");
+
+  // The run.expired webhook: named by its event type, as the document's other webhooks are, its body a
+  // RunWebhook whose type and status name it.
+  const hook = doc.webhooks["run.expired"]!.post;
+  assert.equal(hook.operationId, "runExpired");
+  assert.match(hook.summary, /expires_in/);
+  assert.equal(refOf(hook.requestBody), "#/components/schemas/RunWebhook");
+  const webhook = schemas.RunWebhook!.properties;
+  assert.deepEqual(webhook.type!.enum, RunWebhook.shape.type.options);
+  assert.ok(webhook.type!.enum!.includes("run.expired"));
+  assert.deepEqual(webhook.status!.enum, RunWebhook.shape.status.options);
+  assert.ok(webhook.status!.enum!.includes("expired"));
+  // Every run event the webhook body names is a webhook of the document.
+  for (const type of webhook.type!.enum!) assert.ok(type in doc.webhooks, type);
 });
