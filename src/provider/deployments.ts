@@ -78,9 +78,11 @@ export function createRouter(options: RouterOptions): Models {
   for (const d of deployments) for (const flow of d.flows.values()) gates.set(flow, tokenGate(flow));
   /** When a call last asked for each model (performance.now()). */
   const asked = new Map<string, number>();
-  // Callers in `acquire` refused a permit and waiting to ask again: the permits the gate sees are theirs first. A
-  // caller a flow has booked a slot for (it sleeps in `tryAcquire` until its slot) is not one: its slot has already
-  // left the flow's count, and counting it here too read fewer jobs than the flows allowed while calls were paced.
+  // Callers in `acquire` without a permit or a booked slot: the permits the gate sees are theirs first. Counted from
+  // the moment they ask (a job asks in the tick it starts, so the worker's next look counts it), until a flow books
+  // them a slot (they then sleep in `tryAcquire` until it comes, and that flow's gate has already left the slot out:
+  // counting them here too read fewer jobs than the flows allowed while calls were paced) or grants a permit; again
+  // from a refusal on.
   let waiting = 0;
 
   const tryModel = async (
@@ -88,12 +90,13 @@ export function createRouter(options: RouterOptions): Models {
     estimate: number,
     { signal, jobId, tenant }: AcquireOptions,
     seen: { soonest: number; fits: boolean },
+    booked: () => void,
   ): Promise<Acquired | "available" | "unavailable"> => {
     let available = false;
     for (const d of pickOrder(route)) {
       let got: Awaited<ReturnType<ProviderFlow["tryAcquire"]>>;
       try {
-        got = await d.flows.get(route.model)!.tryAcquire(estimate, signal, jobId, tenant);
+        got = await d.flows.get(route.model)!.tryAcquire(estimate, signal, jobId, tenant, booked);
       } catch (error) {
         if (error instanceof GateRefused) continue; // too large for this deployment's token limit
         throw error;
@@ -120,27 +123,35 @@ export function createRouter(options: RouterOptions): Models {
       }
       const now = performance.now();
       for (const model of chain) asked.set(model, now);
-      for (;;) {
-        options.signal?.throwIfAborted();
-        const seen = { soonest: Infinity, fits: false };
-        for (const [i, model] of chain.entries()) {
-          const got = await tryModel(routes.get(model)!, estimate, options, seen);
-          if (got === "available") break; // wait for this model: it is only busy or briefly paused
-          if (got === "unavailable") continue;
-          if (i > 0) fellBack?.(chain[0]!, model);
-          return got;
-        }
-        if (!seen.fits) {
-          throw new GateRefused(`the call's ${estimate} estimated tokens exceed every deployment's token limit`);
-        }
-        const ms = Number.isFinite(seen.soonest) ? seen.soonest : 100;
-        waiting++;
-        try {
+      let counted = true;
+      waiting++;
+      const booked = () => {
+        if (counted) waiting--;
+        counted = false;
+      };
+      try {
+        for (;;) {
+          options.signal?.throwIfAborted();
+          const seen = { soonest: Infinity, fits: false };
+          for (const [i, model] of chain.entries()) {
+            const got = await tryModel(routes.get(model)!, estimate, options, seen, booked);
+            if (got === "available") break; // wait for this model: it is only busy or briefly paused
+            if (got === "unavailable") continue;
+            if (i > 0) fellBack?.(chain[0]!, model);
+            return got;
+          }
+          if (!seen.fits) {
+            throw new GateRefused(`the call's ${estimate} estimated tokens exceed every deployment's token limit`);
+          }
+          // Refused (a booked slot forfeit too): waiting again.
+          if (!counted) waiting++;
+          counted = true;
+          const ms = Number.isFinite(seen.soonest) ? seen.soonest : 100;
           // Spread the callers a pause or an open breaker releases at the same instant.
           await sleep(ms + random() * Math.min(100, ms * 0.1 + 10), options.signal);
-        } finally {
-          waiting--;
         }
+      } finally {
+        if (counted) waiting--;
       }
     },
     async capacity(averageTokens) {

@@ -275,10 +275,18 @@ export interface ProviderFlow {
   ready(): Promise<{ permits: number; waitMs: number }>;
   /**
    * One try for a permit, for a caller that may go elsewhere: a permit now (or booked within about a second and
-   * slept for), or why there is none and when to ask again. Not counted as waiting meanwhile.
+   * slept for), or why there is none and when to ask again. Not counted as waiting meanwhile (its caller counts
+   * it: `onBooked` says when a slot is booked, before the sleep until it comes, after which this flow's gate
+   * leaves the slot out).
    * @throws the signal's reason when it aborts; `GateRefused` when the call can never fit the token limit.
    */
-  tryAcquire(estimatedTokens: number, signal?: AbortSignal, jobId?: string, tenant?: string): Promise<Permit | Refusal>;
+  tryAcquire(
+    estimatedTokens: number,
+    signal?: AbortSignal,
+    jobId?: string,
+    tenant?: string,
+    onBooked?: () => void,
+  ): Promise<Permit | Refusal>;
   /** The shared state, once this process's outcomes reported so far are applied. */
   status(): Promise<ProviderStatus>;
   /** Callers of this process waiting for a permit now. */
@@ -447,9 +455,9 @@ export function createProviderFlow(
     },
     acquire: (estimatedTokens, signal, jobId = "", tenant = "") =>
       acquire(flow, estimatedTokens, signal, jobId, tenantTag(tenant)),
-    tryAcquire: (estimatedTokens, signal, jobId = "", tenant = "") => {
+    tryAcquire: (estimatedTokens, signal, jobId = "", tenant = "", onBooked = () => {}) => {
       signal?.throwIfAborted();
-      return takeOnce(flow, estimatedTokens, signal, jobId, tenantTag(tenant), performance.now(), () => {});
+      return takeOnce(flow, estimatedTokens, signal, jobId, tenantTag(tenant), performance.now(), onBooked);
     },
     async ready() {
       if (leased(flow)) return { permits: Math.max(0, UNLIMITED - (flow.waiting - flow.suspects)), waitMs: 0 };
