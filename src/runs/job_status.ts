@@ -4,8 +4,8 @@
  * its only writer: every change is one of the operations below, each inside
  * the atomic step that causes it (the enqueue script, the dead-letter script,
  * the replay script), except a cancel, which Postgres decides and this
- * records right after, and a run's `started` mark, which its worker writes
- * just before its first model attempt goes out (see {@linkcode markStarted}).
+ * records right after, and a run's start decision (`started`: when its first
+ * model attempt was let go out, or `expired`; see {@linkcode decideStart}).
  * A record without `status` is a queued job's: intake writes none (issue 39:
  * 16 bytes of every queued job), and every reader, this release's and the one
  * before's, reads a missing status as `queued`.
@@ -87,24 +87,43 @@ export async function markCancelled(redis: RedisClient, key: string): Promise<vo
   await MARK_CANCELLED_SCRIPT.run(redis, [key], []);
 }
 
+/** A run's start decision in its job's record: when its first attempt was let go out (epoch ms), or `expired`. */
+export type StartDecision = number | "expired";
+
 /**
- * Marks in the job's record at `key` that its run's first model attempt goes out at `atMs` (a run with an
- * expiry, issue 41): written before the attempt is sent, so a later delivery knows the run started and its
- * expiry no longer applies, even when the worker that sent it died mid-call. The first mark stands. With `ack`
- * (REDIS_MIN_REPLICAS_ACK), it resolves only once the replicas have it, so a promotion keeps it.
- * @throws {NotReplicated} when fewer replicas acknowledged it in time (the attempt must not go out).
+ * Decides, once, whether the run whose job record is at `key` (a run with an expiry, issue 41) starts its model
+ * call (`start`: asked just before its first attempt goes out; granted only before `expiresAtMs` by Redis's clock)
+ * or expired (`expire`: asked before it is decided expired). The first decision stands, in any delivery; this
+ * answers it. With `ack` (REDIS_MIN_REPLICAS_ACK), it resolves only once the replicas have it, so a promotion keeps
+ * it (the script writes the decision again each time, so the WAIT covers one made on another connection).
+ * @throws {NotReplicated} when fewer replicas acknowledged it in time (the caller must not act on it).
  */
-export async function markStarted(redis: RedisClient, key: string, atMs: number, ack?: ReplicaAck): Promise<void> {
-  const args = [Math.floor(atMs), JOB_RECORD_TTL_S];
-  if (!ack) return void await MARK_STARTED_SCRIPT.run(redis, [key], args);
-  const { acked, replicated } = await ack.run(MARK_STARTED_SCRIPT, [key], args);
-  if (!replicated) throw notReplicated(ack, acked);
+export async function decideStart(
+  redis: RedisClient,
+  key: string,
+  mode: "start" | "expire",
+  expiresAtMs: number,
+  ack?: ReplicaAck,
+): Promise<StartDecision> {
+  const args = [mode, Math.floor(expiresAtMs), JOB_RECORD_TTL_S];
+  let decided: unknown;
+  if (!ack) decided = await MARK_STARTED_SCRIPT.run(redis, [key], args);
+  else {
+    const { result, acked, replicated } = await ack.run(MARK_STARTED_SCRIPT, [key], args);
+    if (!replicated) throw notReplicated(ack, acked);
+    decided = result;
+  }
+  return startDecisionOf(decided as string);
 }
 
-/** When the job's run (its record at `key`) sent its first model attempt, by its `started` mark; undefined: never. */
-export async function startedAt(redis: RedisClient, key: string): Promise<number | undefined> {
-  const at = await redis.hget(key, "started");
-  return at === null ? undefined : Number(at);
+/** The run's start decision in its record at `key`, if one was made. */
+export async function readStartDecision(redis: RedisClient, key: string): Promise<StartDecision | undefined> {
+  const decided = await redis.hget(key, "started");
+  return decided === null ? undefined : startDecisionOf(decided);
+}
+
+function startDecisionOf(decided: string): StartDecision {
+  return decided === "expired" ? "expired" : Number(decided);
 }
 
 /** A job's status record (tenant, status (none while queued), error) and the key it is under. */

@@ -202,11 +202,11 @@ function attemptGate(
         throw error;
       }
       try {
-        // A run with an expiry is marked started before its first attempt goes out (crash-safe: a redelivery
-        // will not expire it), unless it expired meanwhile (during the reservation or the mark).
+        // A run with an expiry is let start by its record before its first attempt goes out (decided once for
+        // every delivery: a redelivery will not expire it), unless it was decided expired first.
         await goingOut(job, delivery, clock);
       } catch (error) {
-        // Expired, or the mark not written: both go back unsent and uncharged; the call does not go out.
+        // Expired, or no decision written: both go back unsent and uncharged; the call does not go out.
         await Promise.all([
           permit?.settle({ aborted: true, notSent: true }).catch(() => {}),
           held && settleBudget(held, { notSent: true }, delivery.log),

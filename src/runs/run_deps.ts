@@ -67,19 +67,24 @@ export interface SummaryJobDeps {
   /** The Batch API (issue 43, `src/batches/`): runs with priority `batch` it takes are recorded into a batch. */
   batches?: BatchIntake;
   /**
-   * Where a run with an expiry records that its first model attempt went out (its job's status record), before
-   * the attempt is sent, and where each delivery reads it: a run that started, even in a delivery whose worker
-   * died mid-call, does not expire (`run_expiry.ts`). Without it, only the delivery that sent it knows.
+   * Where a run with an expiry decides, once and for every delivery, whether its model call started or it expired
+   * (its job's status record): a run whose first attempt was let go out, even in a delivery whose worker died
+   * mid-call, does not expire, and one decided expired sends nothing (`run_expiry.ts`). Without it, only the
+   * delivery that sent an attempt knows.
    */
   starts?: AttemptStarts;
 }
 
-/** The `started` marks of runs with an expiry (see {@linkcode SummaryJobDeps.starts}). */
+/** The start decisions of runs with an expiry (see {@linkcode SummaryJobDeps.starts}). */
 export interface AttemptStarts {
-  /** Marks that the run's first attempt goes out at `atMs` (the first mark stands). Resolves once it is written. */
-  mark(jobId: string, tenant: string, atMs: number): Promise<void>;
-  /** Whether an attempt of the run went out before, by its mark. */
-  started(jobId: string, tenant: string): Promise<boolean>;
+  /**
+   * Decides (or reads the decision made first): `start` just before the run's first attempt goes out, `expire`
+   * before it is decided expired. Resolves once the decision is written (and replicated, under
+   * REDIS_MIN_REPLICAS_ACK): `expired`, or when the run was let start.
+   */
+  decide(jobId: string, tenant: string, mode: "start" | "expire", expiresAtMs: number): Promise<number | "expired">;
+  /** The decision made so far, if any. */
+  read(jobId: string, tenant: string): Promise<number | "expired" | undefined>;
 }
 
 /**
@@ -128,10 +133,14 @@ export interface Delivery {
   /** Tells the worker that only the commit is left. */
   finishing?: () => void;
   /**
-   * A model attempt of this run went out, in this delivery or (by its `started` mark) an earlier one: its expiry
-   * no longer applies. Read at the delivery's start for a run with an expiry, set just before its first attempt.
+   * The run's model call started (its first attempt was let go out), in this delivery or an earlier one: its
+   * expiry no longer applies. Read at the delivery's start for a run with an expiry, set before its first attempt.
    */
   started?: boolean;
+  /** The run was decided expired before its call started (in an earlier delivery, or a concurrent one). */
+  decidedExpired?: boolean;
+  /** This delivery has its start decision written (and replicated): its attempts may go out. */
+  decided?: boolean;
 }
 
 /** One model call of a run: the user message, how to ask, and the models it accepts. */

@@ -6,11 +6,15 @@
  * from then on the expiry no longer applies: the attempt finishes, and its retries, a later delivery's attempts
  * and the repair call go on as for any run, which ends done or failed, never expired.
  *
- * Crash-safe: just before its first attempt goes out, a run with an expiry marks its job's record (`started`,
- * {@linkcode goingOut}), and every delivery of such a run reads the mark first ({@linkcode startedEarlier}).
- * So a run reclaimed after its worker died mid-call is not expired: it is called again. The mark comes before
- * the send, never after: a worker killed between the two leaves a run marked that sent nothing, which a later
- * delivery calls (after its expiry, if that has passed), but never a run expired after a call.
+ * Decided once, for every delivery: just before a run with an expiry sends its first attempt, the worker asks its
+ * job record to let it start ({@linkcode goingOut}), and before it decides the run expired, it asks the record
+ * to say so ({@linkcode expire}); the first answer stands (`decideStart`: granted a start only before the expiry
+ * by Redis's clock), and every delivery reads it first ({@linkcode startedEarlier}). So a run reclaimed after its
+ * worker died mid-call is called again, never expired; a delivery that stalled past its claim while another took
+ * the run over cannot expire it after the other let its attempt go out, nor send after the other decided it
+ * expired. The decision comes before the send, never after: a worker killed between the two leaves a run let
+ * start that sent nothing, which a later delivery calls (after its expiry, if that has passed), but never a run
+ * expired after a call.
  */
 import { linkedSignal } from "../async/linked_signal.ts";
 import type { Acquired } from "../llm/models.ts";
@@ -34,40 +38,61 @@ export class RunExpired extends GateRefused {
 }
 
 /**
- * Whether the delivery's run has reached its expiry before its model call started (never, for a run without one
- * or one whose attempt went out: {@linkcode Delivery.started}).
+ * A delivery about to decide its run expired found it let start by another delivery (a concurrent one, after
+ * this one stalled past its claim): the run is not expired, and the message is left pending.
  */
-export function hasExpired({ run, started }: Delivery, clock: Clock = systemClock): boolean {
-  return run.expiresAt !== undefined && !started && clock.epochNow() >= run.expiresAt;
+export class RunStartedElsewhere extends Error {
+  constructor(readonly jobId: string) {
+    super(`run ${jobId} started its model call in another delivery: not expired`);
+    this.name = "RunStartedElsewhere";
+  }
 }
 
 /**
- * Reads whether an earlier delivery of the run sent a model attempt (its `started` mark), into
- * {@linkcode Delivery.started}: then its expiry no longer applies. Only a run with an expiry asks.
+ * Whether the delivery's run has reached its expiry before its model call started (never, for a run without one
+ * or one let start: {@linkcode Delivery.started}), or was decided expired by another delivery.
+ */
+export function hasExpired({ run, started, decidedExpired }: Delivery, clock: Clock = systemClock): boolean {
+  if (run.expiresAt === undefined || started) return false;
+  return decidedExpired === true || clock.epochNow() >= run.expiresAt;
+}
+
+/**
+ * Reads the run's start decision, made by an earlier or concurrent delivery, into the delivery: let start
+ * ({@linkcode Delivery.started}: its expiry no longer applies) or expired ({@linkcode Delivery.decidedExpired}).
+ * Only a run with an expiry asks.
  * @throws Redis's error, to leave the message pending (whether the run may expire is not known without it).
  */
 export async function startedEarlier(job: Job, delivery: Delivery): Promise<void> {
   if (delivery.run.expiresAt === undefined || !job.starts) return;
-  if (await job.starts.started(delivery.job_id, delivery.tenant)) delivery.started = true;
+  const decided = await job.starts.read(delivery.job_id, delivery.tenant);
+  if (decided === "expired") delivery.decidedExpired = true;
+  else if (decided !== undefined) delivery.started = true;
 }
 
 /**
- * Called once an attempt holds its permit and reservation, just before it is sent: the last check of the run's
- * expiry. For a run with an expiry whose call has not started, it marks the run started (in its record, awaited)
- * and looks at the expiry again after the mark's round trip, so no first attempt goes out past the expiry; from
- * then on, {@linkcode Delivery.started}: no later attempt of the run is held to it.
- * @throws {RunExpired} when the run reached its expiry before the attempt could go out (it has not gone out).
- * @throws Redis's error when the mark could not be written (the attempt must not go out unmarked).
+ * Called once an attempt holds its permit and reservation, just before it is sent: for a run with an expiry, the
+ * first attempt of each delivery asks its record to let it start (granted only before the expiry, by Redis's
+ * clock, unless an earlier delivery was let start), and waits for the answer to be written (and replicated, under
+ * REDIS_MIN_REPLICAS_ACK, also when an earlier delivery wrote it). Then {@linkcode Delivery.started}: no later
+ * attempt of the run is held to its expiry.
+ * @throws {RunExpired} when the run was decided expired (it has not gone out).
+ * @throws Redis's error when no decision could be written (the attempt must not go out undecided).
  */
 export async function goingOut(job: Job, delivery: Delivery, clock: Clock = systemClock): Promise<void> {
   const at = delivery.run.expiresAt;
-  if (at === undefined || delivery.started) return;
+  if (at === undefined || delivery.decided) return;
   throwIfExpired(delivery, clock);
-  await job.starts?.mark(delivery.job_id, delivery.tenant, clock.epochNow());
-  // A mark written at the expiry's edge: the attempt still does not go out. A delivery that dies before it
-  // decides the run leaves it marked; the next one calls it (see the module's comment).
-  if (clock.epochNow() >= at) throw new RunExpired(delivery.job_id, at);
-  delivery.started = true;
+  if (!job.starts) {
+    delivery.started = true;
+    return;
+  }
+  const decided = await job.starts.decide(delivery.job_id, delivery.tenant, "start", at);
+  if (decided === "expired") {
+    delivery.decidedExpired = true;
+    throw new RunExpired(delivery.job_id, at);
+  }
+  delivery.decided = delivery.started = true;
 }
 
 /**
@@ -144,11 +169,19 @@ export function beforeExpiry(acquiring: Promise<Acquired>, { expired }: ExpiryBo
  * out: it made no model call and pays nothing (a budget reservation is made only once a call may go out, and a
  * permit it held has gone back unsent).
  * @throws {JobFailedElsewhere} when another delivery decided it failed first.
- * @throws Postgres's error, to leave the message pending (a later delivery decides).
+ * @throws {RunStartedElsewhere} when another delivery let the run start first (the message is left pending).
+ * @throws Redis's or Postgres's error, to leave the message pending (a later delivery decides).
  */
 export async function expire(job: Job, delivery: Delivery, stage: string): Promise<Committed> {
   const { job_id, tenant, run, message, log } = delivery;
   const expiresAtMs = run.expiresAt!;
+  // The record decides first: a delivery that took the run over (this one stalled past its claim) may have let
+  // its attempt go out meanwhile. Then the run is not expired: this delivery leaves the message pending, and the
+  // other commits it (or a later delivery, reading the decision, calls it).
+  if (job.starts && await job.starts.decide(job_id, tenant, "expire", expiresAtMs) !== "expired") {
+    delivery.started = true;
+    throw new RunStartedElsewhere(job_id);
+  }
   const outcome = await expireRun(job.sql, {
     jobId: job_id,
     tenant,

@@ -13,7 +13,7 @@ import { runOfPayload } from "./run_payload.ts";
 import type { SummaryJobDeps, SummaryJobOptions } from "./run_deps.ts";
 import type { LaneKeys, ServiceKeys } from "./keys.ts";
 import { createLaneRegistry } from "../queue/lanes.ts";
-import { markFailedHook, markStarted, recordExpiryOnAck, startedAt } from "./job_status.ts";
+import { decideStart, markFailedHook, readStartDecision, recordExpiryOnAck } from "./job_status.ts";
 import { notifyJob } from "./job_waiter.ts";
 import { keepDrainingLegacyStream } from "./legacy_drain.ts";
 import { createSummaryJob } from "./run_job.ts";
@@ -72,13 +72,12 @@ export function createSummaryWorker(
   });
   const recordStatus = async (jobId: string, tenant: string) =>
     await deps.redis.hget(keys.lane(tenant).job(jobId), "status") ?? undefined;
-  // A run with an expiry marks its record before its first attempt goes out: a redelivery knows it started. With
-  // REDIS_MIN_REPLICAS_ACK (`ack`), the attempt goes out only once the replicas have the mark.
+  // A run with an expiry has its start decided once, in its record, before its first attempt goes out: a
+  // redelivery knows it started. With REDIS_MIN_REPLICAS_ACK (`ack`), only once the replicas have the decision.
   const starts = {
-    mark: (jobId: string, tenant: string, atMs: number) =>
-      markStarted(deps.redis, keys.lane(tenant).job(jobId), atMs, deps.ack),
-    started: async (jobId: string, tenant: string) =>
-      await startedAt(deps.redis, keys.lane(tenant).job(jobId)) !== undefined,
+    decide: (jobId: string, tenant: string, mode: "start" | "expire", expiresAtMs: number) =>
+      decideStart(deps.redis, keys.lane(tenant).job(jobId), mode, expiresAtMs, deps.ack),
+    read: (jobId: string, tenant: string) => readStartDecision(deps.redis, keys.lane(tenant).job(jobId)),
   };
   const job = createSummaryJob({
     ...deps,

@@ -1475,8 +1475,9 @@ const priorities = await checkPriorities(
     servers: [model, ...(deployments?.servers() ?? [])],
     jobOf: jobOfRequest,
     startedMark: async (run) => {
+      // The run's start decision: when it was let start, or "expired" (never let start).
       const at = await redisAdmin.hget(redisKeys.lane(run.tenant).job(run.id), "started");
-      return at === null ? undefined : Number(at);
+      return at === null || at === "expired" ? undefined : Number(at);
     },
   },
   plannedRuns,

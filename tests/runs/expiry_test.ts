@@ -18,6 +18,7 @@ import { createPrices } from "../../src/llm/prices.ts";
 import { ensureGroup } from "../../src/queue/stream_worker.ts";
 import { cancelJob } from "../../src/jobs/job_store.ts";
 import { expireRun } from "../../src/runs/commit.ts";
+import { decideStart, readStartDecision } from "../../src/runs/job_status.ts";
 import { serviceKeys } from "../../src/runs/keys.ts";
 import type { RunPayload } from "../../src/runs/run_payload.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
@@ -472,7 +473,48 @@ Deno.test("expiry", async (t) => {
           await b.close();
         }
         await expectExpired(runId, "no-mark");
-        assert.equal(await r.redis.hget(lane.job(runId), "started"), null, "an expired run is never marked");
+        assert.equal(await r.redis.hget(lane.job(runId), "started"), "expired", "decided expired, never let start");
+      },
+    );
+
+    await t.step(
+      "the start decision is made once for every delivery: the first of 'start' and 'expire' stands",
+      async () => {
+        const key = (id: string) => lane.job(id);
+        const future = Date.now() + 60_000;
+        // A start before the expiry is let go out; an 'expire' after it finds the start, and so does a resend.
+        const started = await decideStart(r.redis, key("decide-1"), "start", future);
+        assert.ok(typeof started === "number" && started <= Date.now() && started > Date.now() - 5_000);
+        assert.equal(await decideStart(r.redis, key("decide-1"), "expire", future), started, "expire finds the start");
+        assert.equal(await decideStart(r.redis, key("decide-1"), "start", future), started, "a resend answers it");
+        // A delivery deciding the run expired first: a concurrent one's start, even before the expiry, is refused.
+        assert.equal(await decideStart(r.redis, key("decide-2"), "expire", future), "expired");
+        assert.equal(await decideStart(r.redis, key("decide-2"), "start", future), "expired", "start after expire");
+        // A start asked at or after the expiry, by Redis's clock, decides it expired.
+        assert.equal(await decideStart(r.redis, key("decide-3"), "start", Date.now() - 1), "expired");
+        assert.equal(await readStartDecision(r.redis, key("decide-3")), "expired");
+        assert.equal(await readStartDecision(r.redis, key("decide-4")), undefined, "no decision: none read");
+        await r.redis.del(key("decide-1"), key("decide-2"), key("decide-3"));
+      },
+    );
+
+    await t.step(
+      "a run another delivery decided expired sends nothing, even taken before its expiry",
+      async () => {
+        // As a delivery that stalled past its claim, whose clock passed the expiry, decides it while another
+        // worker took the run over: the other, before the expiry by its own clock, must not send.
+        const expiresAt = Date.now() + 30_000;
+        const runId = await enqueue("decided-expired", { expires_at: expiresAt });
+        assert.equal(await decideStart(r.redis, lane.job(runId), "expire", expiresAt), "expired");
+        const b = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, { consumer: "w-b" });
+        try {
+          assert.equal(await b.runOnce(0), 1);
+          await b.drain();
+        } finally {
+          await b.close();
+        }
+        await expectExpired(runId, "decided-expired");
+        assert.equal(callsFor("decided-expired"), 0);
       },
     );
 
