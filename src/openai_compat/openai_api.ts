@@ -7,6 +7,7 @@
  */
 import { readJsonBody } from "../http/body.ts";
 import { HttpError } from "../http/problem.ts";
+import { QueueFull } from "../runs/intake.ts";
 import { json, Router } from "../http/router.ts";
 import { currentTraceparent } from "../tracing.ts";
 import {
@@ -217,7 +218,18 @@ async function submit(
     else deps.log.info("run_enqueued", { job_id: result.jobId, tenant, task: CHAT_TASK, version: 1 });
     return { runId: result.jobId, replayed: result.replayed, keyed: header !== null };
   } catch (error) {
-    throw submissionRefusal(deps, error);
+    const refusal = submissionRefusal(deps, error);
+    // Without a key, an error after which the run may be recorded all the same (too few replicas acknowledged
+    // it, or one the intake did not expect) must not invite the SDK's retry: it would start a second run. A full
+    // queue wrote nothing, and a 4xx is not retried.
+    if (header !== null || error instanceof QueueFull) throw refusal;
+    if (!(refusal instanceof HttpError)) {
+      throw new HttpError(500, "The server could not complete the request", { "x-should-retry": "false" }, {
+        cause: error,
+      });
+    }
+    if (refusal.status >= 500) refusal.headers["x-should-retry"] = "false";
+    throw refusal;
   }
 }
 
