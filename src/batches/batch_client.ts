@@ -6,6 +6,7 @@
  */
 import OpenAI, { toFile } from "openai";
 import { fromOpenAiError } from "../llm/openai_errors.ts";
+import { UpstreamHttpError } from "../retry/errors.ts";
 
 /** The metadata key that carries our batch id on the provider's batch. */
 export const BATCH_METADATA_KEY = "oncely_batch";
@@ -24,6 +25,50 @@ export type ProviderBatchStatus =
 /** The statuses after which a batch changes no more. */
 export const ENDED_STATUSES: ReadonlySet<string> = new Set(["completed", "expired", "cancelled", "failed"]);
 
+/**
+ * The 4xx answers to an upload or a create that may go another way later, so they are retried like a 5xx: 408
+ * (request timeout), 409 (conflict: a state the provider may leave) and 429 (rate limit, or a quota that is topped
+ * up). Every other 4xx (400, 401, 403, 404, 413, 422, ...) is a refusal ({@linkcode isRefusal}).
+ */
+export const RETRIED_4XX: ReadonlySet<number> = new Set([408, 409, 429]);
+
+/** Whether an upload's or a create's answer status is a refusal for good: a 4xx not in {@linkcode RETRIED_4XX}. */
+export function isRefusal(status: number): boolean {
+  return status >= 400 && status < 500 && !RETRIED_4XX.has(status);
+}
+
+/** The longest provider message a refusal keeps (it is logged). */
+const REFUSAL_MESSAGE_CHARS = 500;
+
+/**
+ * The provider refused an upload (`POST /v1/files`) or a create (`POST /v1/batches`) for good
+ * ({@linkcode isRefusal}): sending the same request again gets the same answer. A refused create created no batch.
+ * Its `cause` is the {@linkcode UpstreamHttpError}.
+ */
+export class BatchRefused extends Error {
+  constructor(
+    readonly step: "upload" | "create",
+    readonly status: number,
+    /** The provider's error message (at most 500 characters), never the file's lines. */
+    readonly providerMessage: string,
+    options?: ErrorOptions,
+  ) {
+    super(`the provider refused the batch's ${step} with ${status}: ${providerMessage}`, options);
+    this.name = "BatchRefused";
+  }
+}
+
+/** The message of the provider's error document (as `fromOpenAiError` keeps it), else its text, bounded. */
+function providerMessage(body: string): string {
+  let message: unknown;
+  try {
+    message = (JSON.parse(body) as { message?: unknown } | null)?.message;
+  } catch {
+    // Not JSON (a proxy's page): its text.
+  }
+  return (typeof message === "string" ? message : body).slice(0, REFUSAL_MESSAGE_CHARS);
+}
+
 /** A provider batch, as far as we read it. */
 export interface ProviderBatch {
   id: string;
@@ -36,11 +81,15 @@ export interface ProviderBatch {
 
 /** The Files and Batches API of one deployment. */
 export interface BatchClient {
-  /** Uploads a JSONL file with `purpose: batch`. @returns its file id. */
+  /**
+   * Uploads a JSONL file with `purpose: batch`. @returns its file id.
+   * @throws {BatchRefused} when the provider refuses it for good (a 4xx but 408, 409, 429).
+   */
   upload(jsonl: string, filename: string, signal?: AbortSignal): Promise<string>;
   /**
    * Creates a batch on `/v1/chat/completions` with a 24 h window, its metadata naming our batch. `signal` stops
    * the request (the process lost its lease on the batch).
+   * @throws {BatchRefused} when the provider refuses it for good (a 4xx but 408, 409, 429): no batch was created.
    */
   create(inputFileId: string, ourId: string, signal?: AbortSignal): Promise<ProviderBatch>;
   retrieve(providerBatchId: string): Promise<ProviderBatch>;
@@ -63,7 +112,10 @@ export interface BatchClientOptions {
   timeoutMs?: number;
 }
 
-/** The Batch API of an OpenAI-compatible deployment. Its errors are the service's transport errors. */
+/**
+ * The Batch API of an OpenAI-compatible deployment. Its errors are the service's transport errors, and a
+ * {@linkcode BatchRefused} for an upload or create refused for good.
+ */
 export function createBatchClient(options: BatchClientOptions): BatchClient {
   const client = new OpenAI({
     apiKey: options.apiKey,
@@ -79,21 +131,29 @@ export function createBatchClient(options: BatchClientOptions): BatchClient {
       throw fromOpenAiError(error);
     }
   };
+  // An upload or a create the provider refused for good: the submitter ends the batch rather than send it again.
+  const refusable = async <T>(step: BatchRefused["step"], call: () => Promise<T>): Promise<T> => {
+    try {
+      return await wrap(call);
+    } catch (error) {
+      if (!(error instanceof UpstreamHttpError) || !isRefusal(error.status)) throw error;
+      throw new BatchRefused(step, error.status, providerMessage(error.body), { cause: error });
+    }
+  };
   return {
     upload: (jsonl, filename, signal) =>
-      wrap(async () => {
+      refusable("upload", async () => {
         const file = await toFile(new TextEncoder().encode(jsonl), filename, { type: "application/jsonl" });
         return (await client.files.create({ file, purpose: "batch" }, { signal })).id;
       }),
     create: (inputFileId, ourId, signal) =>
-      wrap(async () =>
+      refusable("create", async () =>
         await client.batches.create({
           input_file_id: inputFileId,
           endpoint: "/v1/chat/completions",
           completion_window: "24h",
           metadata: { [BATCH_METADATA_KEY]: ourId },
-        }, { signal }) as ProviderBatch
-      ),
+        }, { signal }) as ProviderBatch),
     retrieve: (id) => wrap(async () => await client.batches.retrieve(id) as ProviderBatch),
     findByMetadata: (ourId, sinceS) =>
       wrap(async () => {

@@ -13,11 +13,17 @@
  *   searches the provider's batches for our id in their `metadata` and records that one, and creates one only
  *   when none is found. A batch is never created twice: this is what a retried POST (which takes no
  *   idempotency key) gets wrong.
+ *
+ * An upload or a create the provider refuses for good (`BatchRefused`: a 4xx but 408, 409, 429) ends the batch:
+ * `uploading` or `creating` -> `ended`, provider status `refused`, no file. The poller then settles its lines as
+ * those of a batch that failed validation at the provider: BATCH_ON_EXPIRY sends them online or fails them. Any
+ * other error (a 408, 409, 429 or 5xx, a timeout, a connection error) leaves the batch where it is, and a later
+ * pass tries the step again.
  */
 import type { Sql } from "postgres";
 import type { Logger } from "../log/logger.ts";
 import { passEvery } from "./_pass_loop.ts";
-import type { BatchClient } from "./batch_client.ts";
+import { type BatchClient, BatchRefused, type ProviderBatch } from "./batch_client.ts";
 import {
   type BatchLineOutcome,
   batchLines,
@@ -32,6 +38,13 @@ import {
 
 /** The steps after which a test may stop the submitter (a crash between this step and the next). */
 export type SubmitStep = "lines_fixed" | "uploaded" | "upload_recorded" | "creating" | "created";
+
+/**
+ * The provider status recorded for a batch whose upload or create the provider refused (`batches.provider_status`,
+ * with no provider batch id): its runs' lines are settled as unfinished, `BatchExpired: batch refused` under
+ * `BATCH_ON_EXPIRY=fail`.
+ */
+export const REFUSED_STATUS = "refused";
 
 /** Defaults of {@linkcode createBatchSubmitter}. */
 export const SUBMITTER_DEFAULTS = {
@@ -76,6 +89,20 @@ export function createBatchSubmitter(
   const leaseMs = options.leaseMs ?? SUBMITTER_DEFAULTS.leaseMs;
   const fault = options.fault ?? (() => {});
 
+  // A refusal for good ends the batch (a compare-and-set, as every step): sending the same request again would only
+  // be refused again, for ever. The poller settles its lines per BATCH_ON_EXPIRY, as a failed batch's.
+  const endRefused = async (batch: BatchRow, from: "uploading" | "creating", refusal: BatchRefused) => {
+    const ended = await moveBatch(sql, batch.id, from, "ended", { provider_status: REFUSED_STATUS });
+    log.error("batch_refused", {
+      batch_id: batch.id,
+      deployment: batch.deployment,
+      step: refusal.step,
+      status: refusal.status,
+      provider_message: refusal.providerMessage,
+      ended,
+    });
+  };
+
   const advance = async (batch: BatchRow, { signal, confirm }: HeldLease): Promise<void> => {
     const client = clients.get(batch.deployment);
     if (!client) return log.warn("batch_deployment_unknown", { batch_id: batch.id, deployment: batch.deployment });
@@ -102,7 +129,14 @@ export function createBatchSubmitter(
       const jsonl = lines.map((l) =>
         JSON.stringify({ custom_id: l.run_id, method: "POST", url: "/v1/chat/completions", body: l.request })
       ).join("\n") + "\n";
-      inputFileId = await client.upload(jsonl, `oncely-batch-${id}.jsonl`, signal);
+      try {
+        inputFileId = await client.upload(jsonl, `oncely-batch-${id}.jsonl`, signal);
+      } catch (error) {
+        if (error instanceof BatchRefused) {
+          return await endRefused(batch, "uploading", error);
+        }
+        throw error;
+      }
       await fault("uploaded", id);
       if (!await moveBatch(sql, id, "uploading", "uploaded", { input_file_id: inputFileId })) {
         return;
@@ -124,7 +158,14 @@ export function createBatchSubmitter(
       if (found) log.info("batch_found_again", { batch_id: id, provider_batch_id: found.id });
       // Still this process's batch, just before the one effect nothing undoes (a second create is paid twice).
       if (!found) await confirm();
-      const created = found ?? await client.create(inputFileId!, id, signal);
+      let created: ProviderBatch;
+      try {
+        created = found ?? await client.create(inputFileId!, id, signal);
+      } catch (error) {
+        // A create refused for good made no batch: ending ours leaves nothing running at the provider.
+        if (error instanceof BatchRefused) return await endRefused(batch, "creating", error);
+        throw error;
+      }
       await fault("created", id);
       await moveBatch(sql, id, "creating", "submitted", {
         provider_batch_id: created.id,

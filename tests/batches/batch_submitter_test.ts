@@ -1,11 +1,17 @@
 import assert from "node:assert/strict";
 import { SUMMARIZE_TASK } from "../../src/tasks/task_cache.ts";
-import { createBatchSubmitter, type SubmitStep } from "../../src/batches/batch_submitter.ts";
+import { createBatchOnline } from "../../src/batches/batch_online.ts";
+import { createBatchPoller } from "../../src/batches/batch_poller.ts";
+import { createBatchSubmitter, REFUSED_STATUS, type SubmitStep } from "../../src/batches/batch_submitter.ts";
+import { createLogger } from "../../src/log/logger.ts";
+import { UpstreamHttpError } from "../../src/retry/errors.ts";
+import { serviceKeys } from "../../src/runs/keys.ts";
 import { createGroupCommitter } from "../../src/runs/commit.ts";
 import { createSummaryJob } from "../../src/runs/run_job.ts";
 import type { Models } from "../../src/llm/models.ts";
 import type { TaskCache } from "../../src/tasks/task_cache.ts";
-import { batchPayload, batchStates, batchWorld, Crash, DEPLOYMENT, MODEL } from "./_fixture.ts";
+import { createTestRedis, recordingLogger } from "../_support.ts";
+import { batchPayload, batchStates, type BatchWorld, batchWorld, Crash, DEPLOYMENT, MODEL } from "./_fixture.ts";
 
 const LONG_LEASE = 60_000;
 
@@ -183,3 +189,157 @@ Deno.test("many workers recording at once: every run in exactly one batch, each 
     await world.close();
   }
 });
+
+/** A poller of `world` under `onExpiry` (BATCH_ON_EXPIRY), sending runs online through `online`. */
+function pollerOf(world: BatchWorld, onExpiry: "online" | "fail", online: ReturnType<typeof createBatchOnline>) {
+  const committer = createGroupCommitter({ sql: world.sql, log: world.log });
+  return createBatchPoller({ ...world, committer }, { onExpiry, online, leaseMs: 0 });
+}
+
+const REFUSALS = [{ step: "upload", status: 400 }, { step: "create", status: 403 }] as const;
+
+for (const { step, status } of REFUSALS) {
+  for (const onExpiry of ["online", "fail"] as const) {
+    const title = `${step === "upload" ? "an" : "a"} ${step} refused with ${status} ends the batch, sent once`;
+    Deno.test(`${title}; a poller pass settles its runs per BATCH_ON_EXPIRY=${onExpiry}`, async () => {
+      const world = await batchWorld({ maxRuns: 3 });
+      const r = await createTestRedis();
+      try {
+        const keys = serviceKeys(r.prefix);
+        const runIds = await world.recordRuns(3);
+        const api = world.server.batches;
+        api.failNext(step, { status, message: `scripted: ${step} refused`, code: "invalid_request" });
+        const lines = recordingLogger();
+        const log = createLogger({ write: lines.write, level: "debug" });
+        const submitter = createBatchSubmitter({ ...world, log }, { maxWaitMs: 3_600_000, leaseMs: LONG_LEASE });
+        assert.equal(await submitter.runOnce(), 1);
+        const [row] = await world.sql<
+          { state: string; provider_status: string; provider_batch_id: string | null; file: boolean; leased: boolean }[]
+        >`
+          SELECT state, provider_status, provider_batch_id, input_file_id IS NOT NULL AS file,
+            lease_until IS NOT NULL AS leased
+          FROM batches`;
+        assert.deepEqual({ ...row }, {
+          state: "ended",
+          provider_status: REFUSED_STATUS,
+          provider_batch_id: null,
+          file: step === "create",
+          leased: false,
+        });
+        // A later pass finds nothing to do: the refusal is not sent again.
+        assert.equal(await submitter.runOnce(), 0);
+        assert.equal(api.counts.uploads, 1, "exactly one upload attempt");
+        assert.equal(api.counts.creates, step === "create" ? 1 : 0, "one create attempt, none after a refused upload");
+        assert.equal(api.batches.length, 0, "no batch created at the provider");
+        assert.equal(api.linesSent, 0);
+        const refused = lines.lines.filter((l) => l.event === "batch_refused");
+        assert.equal(refused.length, 1);
+        assert.deepEqual(
+          [refused[0]!.level, refused[0]!.step, refused[0]!.status, refused[0]!.provider_message, refused[0]!.ended],
+          ["error", step, status, `scripted: ${step} refused`, true],
+        );
+        assert.ok(!JSON.stringify(lines.lines).includes("Document 0"), "no line of the file is logged");
+
+        // The poller settles the ended batch as one that failed validation: no file, every line unfinished.
+        const poller = pollerOf(world, onExpiry, createBatchOnline({ redis: r.redis, keys }));
+        assert.equal(await poller.runOnce(), 1);
+        assert.equal(await poller.runOnce(), 0, "settled once");
+        assert.deepEqual((await batchStates(world.sql)).map((b) => b.state), ["committed"]);
+        const settled = await world.sql<{ run_id: string; settled: string }[]>`
+          SELECT run_id::text, settled FROM batch_runs`;
+        const outcomes = await world.sql<{ job_id: string; outcome: string; error: string | null }[]>`
+          SELECT job_id::text, outcome, error FROM job_outcomes`;
+        const [outbox] = await world.sql<{ n: number }[]>`SELECT count(*)::int AS n FROM outbox`;
+        const lane = keys.lane("acme");
+        const entries = await r.redis.xrange(lane.streamOf("low"), "-", "+");
+        const queued = entries.map(([, fields]) => fields[fields.indexOf("job_id") + 1]);
+        if (onExpiry === "online") {
+          assert.deepEqual(queued.sort(), [...runIds].sort(), "each run back on its lane's low stream, once");
+          assert.ok(settled.every((s) => s.settled === "online"));
+          assert.equal(outcomes.length, 0, "not decided: they run online");
+          assert.equal(outbox!.n, 0);
+          for (const id of runIds) {
+            const record = await r.redis.hgetall(lane.job(id));
+            assert.deepEqual([record.status, record.priority], ["queued", "low"]);
+            const entry = entries.find(([, f]) => f[f.indexOf("job_id") + 1] === id)!;
+            assert.equal(JSON.parse(entry[1][entry[1].indexOf("payload") + 1]!).priority, "low");
+          }
+        } else {
+          assert.equal(queued.length, 0);
+          assert.ok(settled.every((s) => s.settled === "failed"));
+          assert.deepEqual(
+            outcomes.map((o) => [o.job_id, o.outcome, o.error]).sort(),
+            runIds.map((id) => [id, "failed", "BatchExpired: batch refused"]).sort(),
+          );
+          assert.equal(outbox!.n, 3, "one run.failed each");
+        }
+        assert.equal(world.server.requests, 0, "no online call made by the poller");
+      } finally {
+        await r.close();
+        await world.close();
+      }
+    });
+  }
+}
+
+Deno.test("a create refused after a restart in creating: the search by metadata runs first, then the batch ends", async () => {
+  const world = await batchWorld({ maxRuns: 2 });
+  try {
+    await world.recordRuns(2);
+    const crashing = createBatchSubmitter(world, {
+      maxWaitMs: 3_600_000,
+      leaseMs: 0,
+      fault: (at) => {
+        if (at === "creating") throw new Crash(at);
+      },
+    });
+    await assert.rejects(crashing.runOnce(), Crash);
+    const api = world.server.batches;
+    api.failNext("create", { status: 422 });
+    const next = createBatchSubmitter(world, { maxWaitMs: 3_600_000, leaseMs: LONG_LEASE });
+    assert.equal(await next.runOnce(), 1);
+    assert.ok(api.counts.lists > 0, "searched before it created");
+    assert.equal(api.counts.creates, 1);
+    assert.equal(api.batches.length, 0);
+    const [row] = await world.sql<{ state: string; provider_status: string }[]>`
+      SELECT state, provider_status FROM batches`;
+    assert.deepEqual({ ...row }, { state: "ended", provider_status: REFUSED_STATUS });
+  } finally {
+    await world.close();
+  }
+});
+
+const TRANSIENT = [{ step: "upload", status: 500 }, { step: "create", status: 429 }] as const;
+
+for (const { step, status } of TRANSIENT) {
+  Deno.test(`a ${status} on ${step} is retried on the next pass: the batch is then submitted and done, one batch`, async () => {
+    const world = await batchWorld({ maxRuns: 2 });
+    try {
+      const runIds = await world.recordRuns(2);
+      const api = world.server.batches;
+      api.failNext(step, { status });
+      // A failed step keeps its lease to its end: here at once, so the next pass may take the batch.
+      const first = createBatchSubmitter(world, { maxWaitMs: 3_600_000, leaseMs: 0 });
+      await assert.rejects(first.runOnce(), (e: unknown) => e instanceof UpstreamHttpError && e.status === status);
+      assert.deepEqual((await batchStates(world.sql)).map((b) => b.state), [
+        step === "upload" ? "uploading" : "creating",
+      ]);
+      const next = createBatchSubmitter(world, { maxWaitMs: 3_600_000, leaseMs: LONG_LEASE });
+      assert.equal(await next.runOnce(), 1);
+      const [batch] = await batchStates(world.sql);
+      assert.equal(batch!.state, "submitted");
+      assert.equal(api.counts.uploads, step === "upload" ? 2 : 1);
+      assert.equal(api.counts.creates, step === "create" ? 2 : 1);
+      assert.equal(api.batches.length, 1, "one batch");
+      assert.equal(api.batches[0]!.id, batch!.provider_batch_id);
+      assert.equal(api.linesSent, 2);
+      const poller = pollerOf(world, "fail", () => Promise.reject(new Error("no run goes online")));
+      assert.equal(await poller.runOnce(), 1);
+      const outcomes = await world.sql<{ job_id: string; outcome: string }[]>`
+        SELECT job_id::text, outcome FROM job_outcomes`;
+      assert.deepEqual(outcomes.map((o) => [o.job_id, o.outcome]).sort(), runIds.map((id) => [id, "done"]).sort());
+    } finally {
+      await world.close();
+    }
+  });
+}

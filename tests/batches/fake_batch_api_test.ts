@@ -1,5 +1,6 @@
 import assert from "node:assert/strict";
-import { createBatchClient } from "../../src/batches/batch_client.ts";
+import { BatchRefused, createBatchClient } from "../../src/batches/batch_client.ts";
+import { UpstreamHttpError } from "../../src/retry/errors.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import type { BatchApiStep, BatchScript } from "../support/fake_batch_api.ts";
 
@@ -203,4 +204,40 @@ Deno.test("fake Batch API: the after hook runs once the work is done, before the
   } finally {
     await server.close();
   }
+});
+
+Deno.test("fake Batch API: scripted upload and create failures; the client refuses for good a 4xx but 408, 409, 429", async () => {
+  await withFake(() => ({}), async ({ server, client }) => {
+    const api = server.batches;
+    api.failNext("upload", { status: 413, message: "File too large.", times: 2 });
+    for (let i = 0; i < 2; i++) {
+      await assert.rejects(client.upload(line("a"), "f"), (e: unknown) => {
+        assert.ok(e instanceof BatchRefused);
+        assert.deepEqual([e.step, e.status, e.providerMessage], ["upload", 413, "File too large."]);
+        assert.ok(e.cause instanceof UpstreamHttpError);
+        return true;
+      });
+    }
+    const file = await client.upload(line("a"), "f");
+    assert.equal(api.counts.uploads, 3, "each refused upload is counted");
+    for (const status of [400, 401, 403, 404, 413, 422]) {
+      api.failNext("create", { status });
+      await assert.rejects(
+        client.create(file, "ours"),
+        (e: unknown) => e instanceof BatchRefused && e.step === "create" && e.status === status,
+      );
+    }
+    for (const status of [408, 409, 429, 500, 503]) {
+      api.failNext("create", { status });
+      await assert.rejects(
+        client.create(file, "ours"),
+        (e: unknown) => !(e instanceof BatchRefused) && e instanceof UpstreamHttpError && e.status === status,
+      );
+    }
+    assert.equal(api.batches.length, 0, "a failed create creates nothing");
+    assert.equal(api.counts.creates, 11);
+    const created = await client.create(file, "ours");
+    assert.deepEqual(created.metadata, { oncely_batch: "ours" }, "no failure scripted any more");
+    assert.equal(api.batches.length, 1);
+  });
 });

@@ -8,7 +8,8 @@
  * answered, refused (an error line), or left unfinished (an expired batch's `batch_expired` lines; its completed
  * lines are kept in its output file, as OpenAI keeps them), or failed (validation: no file at all). A hook ({@linkcode FakeBatchApiOptions.after}) runs after
  * each request's work is done and before its answer leaves, so a test can stop its client there: the provider
- * did the work, and the answer is lost.
+ * did the work, and the answer is lost. {@linkcode FakeBatchApi.failNext} makes an upload or a create answer an
+ * error and do nothing: a refusal for good (a 4xx) or a transient failure (a 500).
  */
 import {
   type ChatBody,
@@ -58,6 +59,17 @@ export type BatchApiStep =
    * batch's id), or an uploaded `input` file.
    */
   | { step: "content"; fileId: string; file: "output" | "error" | "input"; batchId?: string };
+
+/** An error answer scripted for an upload or a create (see {@linkcode FakeBatchApi.failNext}). */
+export interface ScriptedFailure {
+  status: number;
+  /** The error document's message (default `scripted <status>`). */
+  message?: string;
+  /** The error document's code (default null). */
+  code?: string;
+  /** How many requests in a row get it (default 1). */
+  times?: number;
+}
 
 /** Options of {@linkcode createFakeBatchApi}. */
 export interface FakeBatchApiOptions {
@@ -136,6 +148,13 @@ export interface FakeBatchApi {
    * provider did the work (the case that pays twice when the client simply retries).
    */
   loseCreateReplies(n: number): void;
+  /**
+   * Makes the next `times` `POST /v1/files` (`upload`) or `POST /v1/batches` (`create`) answer `status` with an
+   * OpenAI error document, having done nothing: no file stored, no batch created, no `after` hook. Each is still
+   * counted in {@linkcode counts}. A 4xx is a refusal (a 400 bad file, a 403, a 413 too large), a 500 a transient
+   * failure. Failures scripted in turn are answered in that order.
+   */
+  failNext(step: "upload" | "create", failure: ScriptedFailure): void;
 }
 
 const CHAT_ENDPOINT = "/v1/chat/completions";
@@ -150,6 +169,15 @@ export function createFakeBatchApi(
   const counts = { uploads: 0, creates: 0, retrieves: 0, lists: 0, cancels: 0, contentReads: 0 };
   let linesSent = 0;
   let lostReplies = 0;
+  const failures: Record<"upload" | "create", ScriptedFailure[]> = { upload: [], create: [] };
+  /** The next scripted failure of `step` as a response, if one is due. */
+  const scriptedFailure = (step: "upload" | "create"): Response | undefined => {
+    const failure = failures[step].shift();
+    if (!failure) return undefined;
+    const type = failure.status >= 500 ? "server_error" : "invalid_request_error";
+    const body = errorBody(failure.message ?? `scripted ${failure.status}`, type, failure.code ?? null);
+    return Response.json(body, { status: failure.status });
+  };
   const now = () => Math.floor(Date.now() / 1000);
   const id = (prefix: string) => `${prefix}${crypto.randomUUID().replaceAll("-", "")}`;
 
@@ -285,6 +313,8 @@ export function createFakeBatchApi(
     if (req.method === "POST" && path === "/files") {
       counts.uploads++;
       const form = await req.formData();
+      const failed = scriptedFailure("upload");
+      if (failed) return failed;
       const file = form.get("file");
       if (form.get("purpose") !== "batch" || !(file instanceof File)) {
         return Response.json(errorBody("purpose must be batch, with a file", "invalid_request_error"), { status: 400 });
@@ -320,6 +350,8 @@ export function createFakeBatchApi(
         completion_window?: string;
         metadata?: Record<string, string> | null;
       };
+      const failed = scriptedFailure("create");
+      if (failed) return failed;
       const input = body.input_file_id === undefined ? undefined : files.get(body.input_file_id);
       if (!input || body.endpoint !== CHAT_ENDPOINT || body.completion_window !== "24h") {
         return Response.json(errorBody("bad batch request", "invalid_request_error"), { status: 400 });
@@ -399,6 +431,9 @@ export function createFakeBatchApi(
     },
     loseCreateReplies(n) {
       lostReplies += n;
+    },
+    failNext(step, failure) {
+      for (let i = 0; i < (failure.times ?? 1); i++) failures[step].push(failure);
     },
   };
 }
