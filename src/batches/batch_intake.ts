@@ -36,8 +36,8 @@ export function createBatchIntake(
       const deployment = byModel.get(model);
       return deployment === undefined ? undefined : { deployment, model };
     },
-    async record({ runId, tenant, payload, acceptedMs, call, target }) {
-      const run = { runId, tenant, payload, acceptedMs, request: chatRequest(call, target.model), ...target };
+    async record({ runId, tenant, payload, acceptedMs, call, target, held }) {
+      const run = { runId, tenant, payload, acceptedMs, request: chatRequest(call, target.model), held, ...target };
       for (let attempt = 1;; attempt++) {
         try {
           const { recorded } = await recordBatchRun(sql, run, { maxRuns });

@@ -99,10 +99,11 @@ export interface PollerOptions {
   /** Model prices: each line's `cost_usd`, at the batch prices (`batch_in`, `batch_out`, else the online ones). */
   prices?: Prices;
   /**
-   * Tenant budgets: each line's usage is charged at the batch prices once its `model_attempts` row is written
-   * (there was no reservation: the line's call was made by the provider, at its own time).
+   * Tenant budgets: a line that holds its worst case (taken when its run was collected) has its hold settled at
+   * its usage at the batch prices once its `model_attempts` row is written, or released when it ends without an
+   * answer; a line collected without a hold (no budget then) has its usage charged.
    */
-  budgets?: Pick<Budgets, "charge">;
+  budgets?: Pick<Budgets, "charge" | "settleHold">;
   /** The longest time between two polls of a batch. */
   pollMs?: number;
   /** The shortest time between two polls of a batch (at most `pollMs`). */
@@ -186,16 +187,23 @@ function attemptOf(batch: BatchRow, row: BatchRunRow, line: OutputLine, prices: 
 }
 
 /**
- * Charges a line's reported usage to its tenant's budgets at the batch prices, once per line (its id). A failed
- * charge is logged: the record stands (the row is written), and the hash catches up when next rebuilt from it.
+ * Charges a line's reported usage to its tenant's budgets at the batch prices, once per line: its hold is settled at
+ * that charge (nothing for an error line), or, for a line that holds nothing, the usage is charged under the
+ * line's id. A failure is logged: the record stands (the row is written); the holds' sweep settles a hold left
+ * behind at the row's charge, and a hash rebuilt from the record counts the row.
  */
 async function chargeLine(
-  budgets: Pick<Budgets, "charge">,
+  budgets: Pick<Budgets, "charge" | "settleHold">,
   log: Logger,
   batch: BatchRow,
   row: BatchRunRow,
   attempt: ReturnType<typeof attemptOf>,
 ) {
+  if (row.held_tokens !== null) {
+    const charged = { tokens: attempt.charged_tokens, nanos: Math.round(Number(attempt.cost_usd ?? 0) * 1e9) };
+    return await budgets.settleHold(row.tenant, row.run_id, charged)
+      .catch((error) => log.warn("batch_budget_charge_failed", { run_id: row.run_id, tenant: row.tenant, error }));
+  }
   if (attempt.charged_tokens <= 0) return;
   const used = { prompt: attempt.prompt_tokens ?? 0, completion: attempt.completion_tokens ?? 0 };
   await budgets.charge(row.tenant, batch.model, used, { id: `${batch.id}:${row.run_id}`, batch: true })
@@ -207,6 +215,29 @@ const UNFINISHED_CODES = new Set(["batch_expired", "batch_cancelled"]);
 /** Whether a run's line asked for an answer in its task's output schema (`response_format`, as the online call). */
 function structured(row: BatchRunRow): boolean {
   return (row.request.response_format as { type?: string } | undefined)?.type === "json_schema";
+}
+
+/**
+ * A line that ends without an answer charges nothing: its hold goes (before an online send, so that the run's own
+ * reservation is not refused for it). A failure is logged; the holds' sweep releases it later.
+ */
+async function releaseHold(budgets: PollerOptions["budgets"], log: Logger, row: BatchRunRow): Promise<void> {
+  if (row.held_tokens === null || !budgets) return;
+  await budgets.settleHold(row.tenant, row.run_id, { tokens: 0, nanos: 0 })
+    .catch((error) => log.warn("batch_hold_release_failed", { run_id: row.run_id, tenant: row.tenant, error }));
+}
+
+/** Polls a batch in flight at its provider: records its status, and when it has ended, its files (`ended`). */
+async function poll(sql: Sql, log: Logger, batch: BatchRow, client: BatchClient): Promise<void> {
+  const provider = await client.retrieve(batch.provider_batch_id!);
+  if (!ENDED_STATUSES.has(provider.status)) return await notePolled(sql, batch.id, provider.status);
+  await moveBatch(sql, batch.id, "submitted", "ended", {
+    provider_status: provider.status,
+    output_file_id: provider.output_file_id ?? null,
+    error_file_id: provider.error_file_id ?? null,
+  });
+  log.info("batch_ended", { batch_id: batch.id, provider_status: provider.status });
+  await releaseBatch(sql, batch);
 }
 
 /** The poller over the batch deployments' clients (by deployment name). */
@@ -223,24 +254,15 @@ export function createBatchPoller(
   const firstPollMs = Math.min(options.firstPollMs ?? POLLER_DEFAULTS.firstPollMs, pollMs);
   const fault = options.fault ?? (() => {});
 
-  const poll = async (batch: BatchRow, client: BatchClient) => {
-    const provider = await client.retrieve(batch.provider_batch_id!);
-    if (!ENDED_STATUSES.has(provider.status)) return await notePolled(sql, batch.id, provider.status);
-    await moveBatch(sql, batch.id, "submitted", "ended", {
-      provider_status: provider.status,
-      output_file_id: provider.output_file_id ?? null,
-      error_file_id: provider.error_file_id ?? null,
-    });
-    log.info("batch_ended", { batch_id: batch.id, provider_status: provider.status });
-    await releaseBatch(sql, batch);
-  };
-
   const settled = async (runId: string, outcome: Exclude<BatchLineOutcome, "left_out">) => {
     const deployment = await settleBatchRun(sql, runId, outcome);
     if (deployment !== undefined) options.onSettled?.(outcome, 1, deployment);
   };
 
+  const release = (row: BatchRunRow) => releaseHold(options.budgets, log, row);
+
   const fail = async (row: BatchRunRow, reason: string) => {
+    await release(row);
     const { run, ref } = runOf(row);
     await failRun(sql, ref, reason, { summary: run.summary });
     await settled(row.run_id, "failed");
@@ -250,6 +272,7 @@ export function createBatchPoller(
   // a run once (see `batch_online.ts`).
   const sendOnline = async (row: BatchRunRow, answer?: OnlineRun["answer"]) => {
     const { run_id: runId, tenant, payload } = row;
+    await release(row);
     await options.online!({ runId, tenant, payload, acceptedMs: row.accepted_ms ?? undefined, answer });
     await fault("online_sent", runId);
     await settled(runId, "online");
@@ -330,7 +353,9 @@ export function createBatchPoller(
       if (!batch) break;
       const client = clients.get(batch.deployment);
       if (!client) continue;
-      await poll(batch, client).catch((error) => log.warn("batch_poll_failed", { batch_id: batch.id, error }));
+      await poll(sql, log, batch, client).catch((error) =>
+        log.warn("batch_poll_failed", { batch_id: batch.id, error })
+      );
     }
     let settled = 0;
     while (settled < POLLER_DEFAULTS.perPass) {

@@ -51,6 +51,8 @@ export interface NewBatchRun {
   payload: string;
   request: Record<string, unknown>;
   acceptedMs?: number;
+  /** The worst case its line holds against the tenant's budgets (undefined: no budget, nothing held). */
+  held?: { tokens: number; nanos: number };
 }
 
 /** A run of a batch, as its line is settled. */
@@ -62,6 +64,8 @@ export interface BatchRunRow {
   accepted_ms: number | null;
   in_file: boolean | null;
   settled: string | null;
+  /** The tokens its line holds against the tenant's budgets (migration 023); null: nothing held. */
+  held_tokens: string | null;
 }
 
 /**
@@ -88,9 +92,10 @@ export async function recordBatchRun(
     // Closed between the insert and the lock: the caller tries again (a new open batch).
     if (!open) throw new BatchClosedMeanwhile(run.deployment, run.model);
     const inserted = await tx`
-      INSERT INTO batch_runs (run_id, batch_id, tenant, payload, request, accepted_ms)
+      INSERT INTO batch_runs (run_id, batch_id, tenant, payload, request, accepted_ms, held_tokens, held_nanos)
       VALUES (${run.runId}::uuid, ${open.id}::uuid, ${run.tenant}, ${run.payload}, ${tx.json(run.request as never)},
-        ${run.acceptedMs ?? null})
+        ${run.acceptedMs ?? null}, ${run.held ? Math.ceil(run.held.tokens) : null},
+        ${run.held ? Math.ceil(run.held.nanos) : null})
       ON CONFLICT (run_id) DO NOTHING
       RETURNING run_id`;
     if (inserted.length === 0) {
@@ -290,8 +295,46 @@ export async function batchLines(
 /** The runs of a batch (all of them), to settle its lines. */
 export async function batchRuns(sql: Queryable, id: string): Promise<BatchRunRow[]> {
   return await sql<BatchRunRow[]>`
-    SELECT run_id::text, tenant, payload, request, accepted_ms, in_file, settled
+    SELECT run_id::text, tenant, payload, request, accepted_ms, in_file, settled, held_tokens::text
     FROM batch_runs WHERE batch_id = ${id}::uuid`;
+}
+
+/**
+ * A tenant's batch lines that hold their worst case and are neither settled nor charged yet (no `model_attempts`
+ * row): what a budget hash rebuilt from the record holds again (migration 023).
+ */
+export async function heldLines(
+  sql: Queryable,
+  tenant: string,
+): Promise<{ id: string; tokens: number; nanos: number }[]> {
+  const rows = await sql<{ id: string; tokens: string; nanos: string }[]>`
+    SELECT r.run_id::text AS id, r.held_tokens::text AS tokens, COALESCE(r.held_nanos, 0)::text AS nanos
+    FROM batch_runs r
+    WHERE r.tenant = ${tenant} AND r.settled IS NULL AND r.held_tokens IS NOT NULL
+      AND NOT EXISTS (SELECT 1 FROM model_attempts a WHERE a.job_id = r.run_id AND a.batch_id = r.batch_id)`;
+  return rows.map((r) => ({ id: r.id, tokens: Number(r.tokens), nanos: Number(r.nanos) }));
+}
+
+/**
+ * What became of the batch lines of these runs, for the holds' sweep: `live` while a line is neither settled nor
+ * charged; else its charge (its `model_attempts` row's, or nothing for a line settled without an answer). A run
+ * with no line is not in the map.
+ */
+export async function lineVerdicts(
+  sql: Queryable,
+  ids: readonly string[],
+): Promise<Map<string, { live: true } | { live: false; tokens: number; nanos: number }>> {
+  const rows = await sql<{ id: string; settled: string | null; tokens: string | null; usd: string | null }[]>`
+    SELECT r.run_id::text AS id, r.settled, a.charged_tokens::text AS tokens, a.cost_usd::text AS usd
+    FROM batch_runs r
+    LEFT JOIN model_attempts a ON a.job_id = r.run_id AND a.batch_id = r.batch_id
+    WHERE r.run_id = ANY(${ids as string[]}::uuid[])`;
+  return new Map(rows.map((r) => {
+    if (r.tokens !== null) {
+      return [r.id, { live: false, tokens: Number(r.tokens), nanos: Math.round(Number(r.usd ?? 0) * 1e9) }];
+    }
+    return [r.id, r.settled === null ? { live: true } : { live: false, tokens: 0, nanos: 0 }];
+  }));
 }
 
 /** How a run's line was settled (`batch_runs.settled`): `left_out` is set by {@linkcode fixBatchLines}. */

@@ -33,6 +33,11 @@
  * difference. A reservation therefore counts as in flight for at most 30
  * minutes.
  *
+ * A batch line's hold (issue 43) is not a call's reservation: `B:<run id>` (`ms,tokens,nano-USD`, `ms` when it
+ * was held) with the sums `bh:tok` / `bh:usd`. It lasts until its line settles (`hold_script.ts`,
+ * `settle_hold_script.ts`), up to a day or more, and counts meanwhile against the current day and month,
+ * whichever they are, since its charge will be spent in the period its line settles in.
+ *
  * Every reservation has an id (a UUID the worker draws), and only its own
  * settlement removes it, once: `R:<id>` holds a live reservation (`epoch,tokens,nano-USD`), `X:<id>` one that
  * outlived its epoch and was charged whole (a late settlement charges the difference and removes it), `D:<id>` a
@@ -119,6 +124,12 @@ export function stateOf(now: number, seeded: boolean, snapshot: readonly unknown
   const spent: Limits = [count(snapshot[0]), count(snapshot[1]), count(snapshot[2]), count(snapshot[3])];
   const reserved: Limits = [0, 0, 0, 0];
   for (const entry of snapshot.slice(4)) {
+    // 'h,tokens,nano-USD': the batch lines' holds, which count against whichever day and month are current.
+    if (String(entry).startsWith("h,")) {
+      const [, tokens = 0, nanos = 0] = String(entry).split(",").map(count);
+      for (let i = 0; i < 4; i++) reserved[i]! += Math.max(0, i % 2 === 0 ? tokens : nanos);
+      continue;
+    }
     const [n = 0, tokens = 0, nanos = 0] = String(entry).split(",").map(count);
     const ownDay = Math.floor(n * RESERVATION_EPOCH_MS / DAY_MS);
     const ownMonth = monthOfDay(ownDay);

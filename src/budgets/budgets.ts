@@ -25,7 +25,9 @@ import { readBudgetState } from "./read_script.ts";
 import { type InFlight, reinstateReservations } from "./reinstate_script.ts";
 import { type ReserveReply, runReserve } from "./reserve_script.ts";
 import { runSettle } from "./settle_script.ts";
-import { seedBudgetState } from "./seed_script.ts";
+import { type LineHold, seedBudgetState } from "./seed_script.ts";
+import { heldIn, runHold } from "./hold_script.ts";
+import { runSettleHold } from "./settle_hold_script.ts";
 
 /** A tenant's limits as set (`tenant budget`); absent = none. */
 export interface TenantBudget {
@@ -52,7 +54,19 @@ export interface BudgetKeys {
 export interface RecordedSpend {
   day: { tokens: number; usd: number };
   month: { tokens: number; usd: number };
+  /**
+   * The tenant's batch lines in flight that hold their worst case and are not yet charged in the record (no
+   * `model_attempts` row): read in the same snapshot as the spend, so each line is in one or the other.
+   */
+  holds?: LineHold[];
 }
+
+/** What Postgres says of a batch line a hold was taken for (see {@linkcode Budgets.sweepHolds}). */
+export type HoldVerdict =
+  /** Its line is in a batch and neither settled nor charged: the hold stands. */
+  | { live: true }
+  /** Its line was charged (its `model_attempts` row, at that charge) or ended without a charge (nothing). */
+  | { live: false; tokens: number; nanos: number };
 
 /**
  * What the budgets read from Postgres, from the stores that own it (wired in `src/processes/`): every tenant's
@@ -61,6 +75,8 @@ export interface RecordedSpend {
 export interface BudgetRecords {
   limits(): Promise<Map<string, TenantBudget>>;
   spent(tenant: string): Promise<RecordedSpend>;
+  /** What became of the batch lines of these run ids (the holds' sweep); an id not in the map has no line. */
+  holdVerdicts?(ids: readonly string[]): Promise<Map<string, HoldVerdict>>;
 }
 
 /** Whether any limit is set. */
@@ -255,10 +271,33 @@ export interface Budgets {
    */
   charge(tenant: string, model: string, used: CallTokens, options: { id: string; batch?: boolean }): Promise<void>;
   /**
-   * Intake's question (see {@linkcode check}), at the model's batch prices: the one a batch run asks before it
-   * is recorded into a batch.
+   * Holds a batch line's worst case at the model's batch prices against the tenant's budgets, before its run is
+   * recorded into a batch, until the line settles ({@linkcode settleHold}): a batch may take a day, so this is not
+   * a call's reservation (those are charged whole after half an hour). Safe to ask again for the same `id` (the
+   * run's id): it holds once. @returns what is held, or undefined when the tenant has no budget.
+   * @throws {BudgetExhausted} when it does not fit now; {@linkcode BudgetTooSmall} when it never can;
+   * {@linkcode ModelUnpriced} for a USD budget and no price; {@linkcode ReservationNotReplicated}.
    */
-  checkBatch(tenant: string, model: string, worst: CallTokens): Promise<BudgetExhausted | BudgetTooSmall | undefined>;
+  hold(
+    tenant: string,
+    model: string,
+    worst: CallTokens,
+    id: string,
+  ): Promise<{ tokens: number; nanos: number } | undefined>;
+  /**
+   * Settles a batch line's hold, once however often it is asked: the hold goes and `charged` (its reported usage at
+   * batch prices; nothing for a line not answered) is spent. The line's `model_attempts` row must be written
+   * first: a hash lost and rebuilt from the record counts a line with a row as spent, not held, and nothing more
+   * is charged. A line that holds nothing (a tenant without a budget when it was collected) changes nothing.
+   */
+  settleHold(tenant: string, id: string, charged: { tokens: number; nanos: number }): Promise<void>;
+  /**
+   * Releases or charges the holds whose lines ended without settling them (a worker killed between the hold and
+   * the recording of its run, a run cancelled before its redelivery, a settlement that failed), as Postgres says
+   * ({@linkcode BudgetRecords.holdVerdicts}). Looks at holds older than `olderThanMs` only (a run is recorded
+   * within a moment of its hold) of the tenants with a budget. @returns how many it settled.
+   */
+  sweepHolds(options?: { olderThanMs?: number }): Promise<number>;
   /** The tenant's budgets now (none without a budget). */
   views(tenant: string): Promise<BudgetView[]>;
   /** Whether a blocked tenant's refused worst case fits again (the period ended, the budget was raised, calls settled). */
@@ -358,7 +397,9 @@ export function createBudgets(
     of: p.of,
     reserve: (tenant, model, worst) => reserve(p, tenant, model, worst),
     check: (tenant, model, worst) => check(p, tenant, model, worst),
-    checkBatch: (tenant, model, worst) => check(p, tenant, model, worst, true),
+    hold: (tenant, model, worst, id) => hold(p, tenant, model, worst, id),
+    settleHold: (tenant, id, charged) => settleHold(p, tenant, id, charged),
+    sweepHolds: (options) => sweepHolds(p, options),
     charge: (tenant, model, used, options) => chargeUnreserved(p, tenant, model, used, options),
     async views(tenant) {
       const budget = await p.of(tenant);
@@ -456,7 +497,7 @@ async function reinstate(p: ProcessBudgets, tenant: string, inc?: string): Promi
 function seed(p: ProcessBudgets, tenant: string): Promise<void> {
   let running = p.seeding.get(tenant);
   if (!running) {
-    running = seedFromRecord(p, tenant)
+    running = seedFromRecord(p, tenant, { rebuild: true })
       .then(() => p.log.info("budget_state_seeded", { tenant }))
       .then(() => reinstate(p, tenant))
       .finally(() => p.seeding.delete(tenant));
@@ -661,17 +702,101 @@ async function chargeUnreserved(
   }
 }
 
+/** Holds a batch line's worst case (see {@linkcode Budgets.hold}). */
+async function hold(
+  p: ProcessBudgets,
+  tenant: string,
+  model: string,
+  worst: CallTokens,
+  id: string,
+): Promise<{ tokens: number; nanos: number } | undefined> {
+  const budget = await p.of(tenant);
+  if (!budget) return undefined;
+  const { held } = worstOf(p, tenant, budget, model, worst, true);
+  const limits = limitsOf(budget);
+  const key = p.keys.budget(tenant);
+  let reply = await again(() => runHold(p.redis, key, limits, held, { id, ack: p.ack }));
+  for (let tries = 0; reply.unseeded && tries < 3; tries++) {
+    await seed(p, tenant);
+    reply = await again(() => runHold(p.redis, key, limits, held, { id, ack: p.ack }));
+  }
+  if (reply.unseeded) throw new Error(`tenant ${tenant}'s budget hash was lost again each time it was seeded`);
+  if (!reply.ok && reply.never) throw tooSmall(tenant, limits, held);
+  if (!reply.ok) {
+    p.events.refused?.(tenant, "worker");
+    throw exhausted(tenant, reply, held);
+  }
+  if (!reply.replicated) {
+    // Released at once; should that be lost too, the sweep finds a hold with no line behind it and releases it.
+    await settleHold(p, tenant, id, { tokens: 0, nanos: 0 }).catch(() => {});
+    throw new ReservationNotReplicated(tenant);
+  }
+  return held;
+}
+
+/** Settles a batch line's hold (see {@linkcode Budgets.settleHold}): after a seed when the hash was lost. */
+async function settleHold(
+  p: ProcessBudgets,
+  tenant: string,
+  id: string,
+  charged: { tokens: number; nanos: number },
+): Promise<void> {
+  const budget = await p.of(tenant);
+  const limits: Limits = budget ? limitsOf(budget) : [-1, -1, -1, -1];
+  const run = () => again(() => runSettleHold(p.redis, p.keys.budget(tenant), id, charged, limits, { ack: p.ack }));
+  let after = await run();
+  // Lost: a tenant with a budget has its hash rebuilt (with this line's hold if it is still in flight and not yet
+  // charged in the record), then is asked again; without one, nothing holds anything.
+  for (let tries = 0; after.unseeded && budget && tries < 3; tries++) {
+    await seed(p, tenant);
+    after = await run();
+  }
+  if (!after.applied) return;
+  if (!after.replicated) p.log.warn("budget_settle_not_replicated", { tenant });
+  p.events.state?.(tenant, after.spent, after.reserved);
+  for (const { budget: i, percent } of after.marks) {
+    const usd = BUDGETS[i]!.unit === "usd";
+    const show = (n: number) => usd ? nanosToUsd(n) : n;
+    announce(p, tenant, i, percent, { limit: show(limits[i]!), spent: show(after.spent[i]!) });
+  }
+}
+
+/** The holds' sweep (see {@linkcode Budgets.sweepHolds}). */
+async function sweepHolds(p: ProcessBudgets, { olderThanMs = 10 * 60_000 } = {}): Promise<number> {
+  const verdicts = p.records.holdVerdicts?.bind(p.records);
+  if (!verdicts) return 0;
+  const tenants = [...(await p.records.limits()).keys()];
+  const before = Date.now() - olderThanMs;
+  let settled = 0;
+  for (let i = 0; i < tenants.length; i += 100) {
+    const chunk = tenants.slice(i, i + 100);
+    const held = await Promise.all(chunk.map((tenant) => heldIn(p.redis, p.keys.budget(tenant))));
+    for (const [j, tenant] of chunk.entries()) {
+      const old = held[j]!.filter((h) => h.atMs < before);
+      if (old.length === 0) continue;
+      const found = await verdicts(old.map((h) => h.id));
+      for (const h of old) {
+        const verdict = found.get(h.id) ?? { live: false, tokens: 0, nanos: 0 };
+        if (verdict.live) continue;
+        await settleHold(p, tenant, h.id, verdict);
+        settled++;
+        p.log.info("budget_hold_swept", { tenant, run_id: h.id, tokens: verdict.tokens, nanos: verdict.nanos });
+      }
+    }
+  }
+  return settled;
+}
+
 /** Intake's question (see {@linkcode Budgets.check}): reservations in flight aside, does the worst case fit? */
 async function check(
   p: ProcessBudgets,
   tenant: string,
   model: string,
   worst: CallTokens,
-  batch = false,
 ): Promise<BudgetExhausted | BudgetTooSmall | undefined> {
   const budget = await p.of(tenant);
   if (!budget) return undefined;
-  const { held } = worstOf(p, tenant, budget, model, worst, batch);
+  const { held } = worstOf(p, tenant, budget, model, worst);
   const limits = limitsOf(budget);
   const state = await readSeeded(p, tenant);
   const over = overLimit(limits, state.spent, undefined, held);
@@ -729,10 +854,15 @@ export async function currentViews(
 export async function seedFromRecord(
   { redis, keys, records }: { redis: RedisClient; keys: BudgetKeys; records: Pick<BudgetRecords, "spent"> },
   tenant: string,
+  { rebuild = false }: {
+    /** The hash was found lost: one seeded by another process meanwhile is left as it is (see the seed script). */
+    rebuild?: boolean;
+  } = {},
 ): Promise<void> {
-  const { day, month } = await records.spent(tenant);
+  const { day, month, holds } = await records.spent(tenant);
   const nanos = (usd: number) => Math.ceil(usd * 1e9);
-  await seedBudgetState(redis, keys.budget(tenant), [day.tokens, nanos(day.usd), month.tokens, nanos(month.usd)]);
+  const spent: Limits = [day.tokens, nanos(day.usd), month.tokens, nanos(month.usd)];
+  await seedBudgetState(redis, keys.budget(tenant), spent, { holds, rebuild });
 }
 
 /**

@@ -6,7 +6,8 @@ import { type BudgetState, runOnHash, stateOf } from "./budget_hash.ts";
 // KEYS[1]  the tenant's budget hash (its fields: budget_hash.ts).
 // ARGV[1]  JSON: the caller's periods {day, month, ...} (budget_hash.ts's periodsAt; the rest is not read).
 // Answers {-3, now} when Redis's day is not the caller's; else {now ms, seeded (1 or 0), the spend fields
-// (tokens/day, nano-USD/day, tokens/month, nano-USD/month), then one 'epoch,tokens,nano-USD' per open epoch}:
+// (tokens/day, nano-USD/day, tokens/month, nano-USD/month), then one 'epoch,tokens,nano-USD' per open epoch and
+// 'h,tokens,nano-USD' for the batch lines' holds, if any}:
 // budget_hash.ts's stateOf counts them (reservations that never settled count as spent).
 const READ = defineScript(`
 local key = KEYS[1]
@@ -21,6 +22,8 @@ for e in string.gmatch(redis.call('HGET', key, 'open') or '', '[^,]+') do
   local amounts = redis.call('HMGET', key, 'r' .. e .. ':tok', 'r' .. e .. ':usd')
   snapshot[#snapshot + 1] = e .. ',' .. (amounts[1] or '0') .. ',' .. (amounts[2] or '0')
 end
+local holds = redis.call('HMGET', key, 'bh:tok', 'bh:usd')
+if holds[1] or holds[2] then snapshot[#snapshot + 1] = 'h,' .. (holds[1] or '0') .. ',' .. (holds[2] or '0') end
 return snapshot
 `);
 

@@ -90,7 +90,9 @@ if unsettled then
   end
 end
 local s = redis.call('HMGET', key, 'd' .. day .. ':tok', 'd' .. day .. ':usd', 'm' .. month .. ':tok',
-  'm' .. month .. ':usd')
+  'm' .. month .. ':usd', 'bh:tok', 'bh:usd')
+-- Batch lines' holds (hold_script.ts) count against whichever day and month are current.
+for i = 1, 4 do reserved[i] = reserved[i] + math.max(0, tonumber(s[5 + (i - 1) % 2]) or 0) end
 local lim, want, spent = a.limits, {a.tok, a.usd, a.tok, a.usd}, {}
 -- The budget that refuses: of those that would pass their limit, the one whose period ends last (a month's after a
 -- day's), so Retry-After and the wait name when the call can fit again. never: the worst case alone is over a

@@ -16,7 +16,8 @@ import { type Limits, runOnHash, stateOf, whole } from "./budget_hash.ts";
 //   neither otherwise (or D:<id>): already settled, nothing is done.
 // Answers, writing nothing, {-1} when the hash has no seeded mark, {-3, now} when Redis's day is not the caller's.
 // Else {applied (1, or 0 for a repeat), marks, the hash's incarnation, now ms, then the current periods' spend fields
-// (tokens/day, nano-USD/day, tokens/month, nano-USD/month) and one 'epoch,tokens,nano-USD' per open epoch, after
+// (tokens/day, nano-USD/day, tokens/month, nano-USD/month), one 'epoch,tokens,nano-USD' per open epoch and
+// 'h,tokens,nano-USD' for the batch lines' holds, if any, after
 // this settlement (budget_hash.ts's stateOf counts them)}: marks lists the thresholds this settlement crossed first
 // in its period, as 'budget:percent' separated by commas (budget 1..4, percent 80 or 100).
 const SETTLE = defineScript(`
@@ -105,6 +106,8 @@ for open in string.gmatch(redis.call('HGET', key, 'open') or '', '[^,]+') do
   local r = redis.call('HMGET', key, 'r' .. open .. ':tok', 'r' .. open .. ':usd')
   reply[#reply + 1] = open .. ',' .. (r[1] or '0') .. ',' .. (r[2] or '0')
 end
+local holds = redis.call('HMGET', key, 'bh:tok', 'bh:usd')
+if holds[1] or holds[2] then reply[#reply + 1] = 'h,' .. (holds[1] or '0') .. ',' .. (holds[2] or '0') end
 return reply
 `);
 

@@ -9,6 +9,7 @@ import type { ReplicaAck } from "../redis/replica_ack.ts";
 import type { Config } from "../config.ts";
 import type { Logger } from "../log/logger.ts";
 import type { Budgets } from "../budgets/budgets.ts";
+import { passEvery } from "../batches/_pass_loop.ts";
 import type { Prices } from "../llm/prices.ts";
 import { defaultModel, deploymentSpecs } from "../llm/deployment_specs.ts";
 import type { ServiceKeys } from "../runs/keys.ts";
@@ -34,7 +35,13 @@ export interface WorkerBatches {
 /** Timings a test may shorten (the defaults are the services' own). */
 export type BatchTimings =
   & Pick<SubmitterOptions, "intervalMs" | "leaseMs">
-  & Pick<PollerOptions, "pollMs" | "intervalMs">;
+  & Pick<PollerOptions, "pollMs" | "intervalMs">
+  & {
+    /** How often the budgets' holds of batch lines are swept (`Budgets.sweepHolds`); default a minute. */
+    sweepMs?: number;
+    /** How old a hold must be for the sweep to look at it; default 10 minutes. */
+    sweepAfterMs?: number;
+  };
 
 /**
  * The batch services over the configured batch deployments, and their metrics on `registry` when given;
@@ -90,7 +97,20 @@ export function buildBatches(
     intake,
     deployments: [...clients.keys()],
     async run(signal) {
-      await Promise.all([submitter.run(signal), poller.run(signal)]);
+      // Holds whose lines ended without settling them (a worker killed between a hold and its run's recording, a
+      // settlement that failed) are released, or charged at their line's recorded charge.
+      const sweep = async () => {
+        const settled = await budgets!.sweepHolds({ olderThanMs: timings.sweepAfterMs });
+        if (settled > 0) log.info("budget_holds_swept", { holds: settled });
+      };
+      const sweeping = budgets
+        ? passEvery(
+          timings.sweepMs ?? 60_000,
+          signal,
+          () => sweep().catch((error) => log.warn("budget_hold_sweep_failed", { error })),
+        )
+        : undefined;
+      await Promise.all([submitter.run(signal), poller.run(signal), sweeping]);
     },
   };
 }

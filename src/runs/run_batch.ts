@@ -29,7 +29,8 @@ export type Batched = "batched";
 /**
  * Records the delivery's run into a batch when it is a batch run its deployments can take.
  * @returns "batched" when recorded (now or before); how it ended when it was decided before (the pre-check);
- * undefined when it runs online (not a batch run, no batch deployment of its model, a tenant whose budget is spent,
+ * undefined when it runs online (not a batch run, no batch deployment of its model, a tenant whose budget has no room
+ * for its worst case,
  * or a run with an expiry).
  */
 export async function intoBatch(
@@ -46,13 +47,18 @@ export async function intoBatch(
   // A run cancelled (or already done) before it was recorded is not recorded: its line would be paid for nothing.
   const skip = await preCheck(job, delivery, () => Promise.resolve());
   if (skip) return skip;
-  // A batch line has no reservation (the provider makes the call when it will): it is charged when its output is
-  // committed. A tenant whose budget its worst case at batch prices no longer fits is not collected: the run goes
-  // online as `low`, where the reservation before its call holds it back like any run of that tenant.
-  const refused = await job.budgets?.checkBatch(delivery.tenant, target.model, worstCaseOf(call))
-    .catch((error) => error instanceof GateRefused ? error : Promise.reject(error));
-  if (refused) {
-    delivery.log.info("run_not_batched_budget", { model: target.model, error: refused.message });
+  // The line's worst case at batch prices is held against the tenant's budgets until the line settles (the provider
+  // makes the call when it will, up to a day later), so batches in flight never take a tenant past a budget. One
+  // that no longer fits is not collected: the run goes online as `low`, where the reservation before its call
+  // holds it back like any run of that tenant. The hold is the run's (its id): a redelivery finds it held. Should
+  // the run never be recorded (a worker killed here and the run cancelled before its redelivery), the holds'
+  // sweep releases it.
+  let held: { tokens: number; nanos: number } | undefined;
+  try {
+    held = await job.budgets?.hold(delivery.tenant, target.model, worstCaseOf(call), delivery.job_id);
+  } catch (error) {
+    if (!(error instanceof GateRefused)) throw error;
+    delivery.log.info("run_not_batched_budget", { model: target.model, error: error.message });
     return undefined;
   }
   const recorded = await job.batches.record({
@@ -62,6 +68,7 @@ export async function intoBatch(
     acceptedMs: acceptedMsOf(delivery.message),
     call,
     target,
+    held,
   });
   delivery.log.info(recorded === "recorded" ? "run_batched" : "run_batched_before", {
     deployment: target.deployment,

@@ -106,6 +106,8 @@ export interface BatchIntake {
     acceptedMs?: number;
     call: ModelCall;
     target: { deployment: string; model: string };
+    /** What its line holds against the tenant's budgets (`Budgets.hold`), recorded with it; none without a budget. */
+    held?: { tokens: number; nanos: number };
   }): Promise<"recorded" | "already">;
 }
 

@@ -10,8 +10,7 @@ import {
   type BudgetsOptions,
   createBudgets,
 } from "../../src/budgets/budgets.ts";
-import { chargedThisPeriod } from "../../src/jobs/job_store.ts";
-import { loadTenantBudgets } from "../../src/tenants/tenant_budgets.ts";
+import { budgetRecords as processBudgetRecords } from "../../src/processes/_budgets.ts";
 import type { ReplicaAck } from "../../src/redis/replica_ack.ts";
 import type { RedisClient } from "../../src/clients.ts";
 import type { Sql } from "postgres";
@@ -193,7 +192,7 @@ export function relayTo(
 
 /** What the budgets read from `sql`, from the stores that own it, as the processes wire it. */
 export function budgetRecords(sql: Sql): BudgetRecords {
-  return { limits: () => loadTenantBudgets(sql), spent: (tenant) => chargedThisPeriod(sql, tenant) };
+  return processBudgetRecords(sql);
 }
 
 /** A process's budgets on `redis`, reading limits and spend from `sql` as the processes do. */
