@@ -24,9 +24,10 @@ import { preferredWaitS } from "../runs/job_waiter.ts";
 import type { RunPayload } from "../runs/run_payload.ts";
 import { IDEMPOTENCY_KEY, idempotencyKeyOf } from "../runs/shapes.ts";
 import { skipsCache } from "../cache/result_cache.ts";
-import { CHAT_TASK, type ChatInput, conversationText } from "../tasks/chat_task.ts";
+import { CHAT_TASK, conversationText } from "../tasks/chat_task.ts";
 import { openAiErrorResponse, OpenAiRefusal } from "./errors.ts";
 import { readChatRequest, readResponsesRequest } from "./requests.ts";
+import { type EchoingInput, echoOf, NO_ECHO, type ResponseEcho, storedEcho, withEcho } from "./response_echo.ts";
 
 /** The longest a request may ask to wait (`Prefer: wait=N`), and the default (OPENAI_COMPAT_WAIT_S). */
 export const OPENAI_WAIT = { maxS: 600, defaultS: 60 } as const;
@@ -34,7 +35,10 @@ export const OPENAI_WAIT = { maxS: 600, defaultS: 60 } as const;
 /** How long a done run's answer waits for its usage to be recorded (the attempt log's batches: 200 ms). */
 const USAGE_WAIT_MS = 1_000;
 
-/** SSE comments go out at least this often while a streamed run waits, so no proxy times the stream out. */
+/**
+ * SSE comments go out at least this often while a streamed run waits, so no proxy times the stream out: the
+ * default of {@linkcode OpenAiApiDeps.keepAliveMs}.
+ */
 export const KEEPALIVE_MS = 15_000;
 
 /** What the OpenAI-compatible routes need beyond the run APIs'. */
@@ -43,6 +47,8 @@ export interface OpenAiApiDeps extends RunHttpDeps {
   models?: ReadonlySet<string>;
   /** OPENAI_COMPAT_WAIT_S: how long a request waits for its run when it sends no `Prefer: wait`. */
   waitS?: number;
+  /** How often a streamed run's SSE comments go out while it waits; {@linkcode KEEPALIVE_MS} when unset. */
+  keepAliveMs?: number;
 }
 
 const CHAT_PATH = "/v1/chat/completions";
@@ -89,16 +95,16 @@ function chatCompletion(found: JobFound, model: string) {
 }
 
 /** A run as a Responses `response` object, in whatever state it is. */
-function responseObject(found: JobFound | { runId: string; status: "queued" }, model: string, extra: ResponseExtra) {
+function responseObject(found: JobFound | { runId: string; status: "queued" }, model: string, echo: ResponseEcho) {
   const runId = "runId" in found ? found.runId : found.document.job_id;
   const base = {
     id: openAiId("resp_", runId),
     object: "response",
     created_at: Math.floor(Date.now() / 1000),
     model,
-    background: extra.background ?? false,
-    instructions: extra.instructions ?? null,
-    metadata: extra.metadata ?? {},
+    background: echo.background,
+    instructions: echo.instructions,
+    metadata: echo.metadata,
     error: null as unknown,
     incomplete_details: null as unknown,
     output: [] as unknown[],
@@ -133,12 +139,6 @@ function responseObject(found: JobFound | { runId: string; status: "queued" }, m
   return { ...named, status: (found.document.attempts ?? 0) > 0 ? "in_progress" : "queued" };
 }
 
-interface ResponseExtra {
-  background?: boolean;
-  instructions?: string;
-  metadata?: Record<string, string>;
-}
-
 /**
  * A finished run that did not end done, as the provider would have answered (the reason withheld as elsewhere:
  * the document's `error` is already `publicError`'s class). `headers` name the run (`Oncely-Run-Id`).
@@ -166,13 +166,13 @@ function pending(runId: string, keyed: boolean, headers: Record<string, string> 
   );
 }
 
-/** Accepts the run (or finds it, on a replay). */
+/** Accepts the run (or finds it, on a replay): `input` is its input, `fingerprint` what its key's record covers. */
 async function submit(
   deps: OpenAiApiDeps,
   req: Request,
   tenant: string,
   path: string,
-  input: ChatInput,
+  input: EchoingInput,
   fingerprint: unknown,
 ) {
   const header = req.headers.get("idempotency-key");
@@ -253,6 +253,7 @@ function streamed(
 ): Response {
   const encoder = new TextEncoder();
   const until = performance.now() + run.waitOf(req) * 1000;
+  const keepAliveMs = deps.keepAliveMs ?? KEEPALIVE_MS;
   const body = new ReadableStream<Uint8Array>({
     async start(controller) {
       const send = (text: string) => controller.enqueue(encoder.encode(text));
@@ -263,7 +264,7 @@ function streamed(
         for (;;) {
           const left = until - performance.now();
           if (left <= 0 || req.signal.aborted || deps.shutdown?.aborted) break;
-          found = await run.finished(req, tenant, runId, Math.max(1, Math.ceil(Math.min(left, KEEPALIVE_MS) / 1000)));
+          found = await run.finished(req, tenant, runId, Math.min(left, keepAliveMs) / 1000);
           if (found) break;
           const now = await jobDocument(deps, tenant, runId);
           if (now && FINISHED.has(now.document.status)) {
@@ -397,26 +398,28 @@ export function openAiRoutes(deps: OpenAiApiDeps): Router {
 
   async function createResponse(req: Request): Promise<Response> {
     const tenant = await deps.authenticate(req);
-    const { request, runId, replayed, keyed } = await withBodyAdmitted(deps, req, tenant, async (release) => {
+    const { request, echo, runId, replayed, keyed } = await withBodyAdmitted(deps, req, tenant, async (release) => {
       const raw = await readJsonBody(req, deps.maxBodyBytes, { deadlineMs: deps.bodyDeadlineMs });
       const request = readResponsesRequest(raw);
       release();
-      return { request, ...await submit(deps, req, tenant, RESPONSES_PATH, request.input, request.fingerprint) };
+      const echo = echoOf(request);
+      // Kept in the run's input so that GET answers it too; the fingerprint is still the body as sent.
+      const input = withEcho(request.input, echo);
+      return { request, echo, ...await submit(deps, req, tenant, RESPONSES_PATH, input, request.fingerprint) };
     });
     const headers: Record<string, string> = {
       "oncely-run-id": runId,
       ...(replayed ? { "idempotent-replayed": "true" } : {}),
     };
-    const extra = { background: request.background, instructions: request.instructions, metadata: request.metadata };
     return await namingRun(headers, keyed, async () => {
       if (request.background) {
         const now = await jobDocument(deps, tenant, runId);
-        return json(200, responseObject(now ?? { runId, status: "queued" }, request.input.model, extra), headers);
+        return json(200, responseObject(now ?? { runId, status: "queued" }, request.input.model, echo), headers);
       }
       const found = await finished(req, tenant, runId, waitOf(req));
       if (!found) throw pending(runId, keyed, headers);
       if (found.document.status === "failed") throw notDone(found, headers);
-      return json(200, responseObject(found, request.input.model, extra), headers);
+      return json(200, responseObject(found, request.input.model, echo), headers);
     });
   }
 
@@ -440,7 +443,8 @@ export function openAiRoutes(deps: OpenAiApiDeps): Router {
       }
       found = await look();
     }
-    return json(200, responseObject(found, found.run.model ?? "", {}), { "oncely-run-id": runId! });
+    const echo = found.document.status === "done" ? await storedEcho(deps.sql, runId!) : NO_ECHO;
+    return json(200, responseObject(found, found.run.model ?? "", echo), { "oncely-run-id": runId! });
   }
 
   /** Every answer of these paths, errors included, in OpenAI's shape. */

@@ -14,6 +14,7 @@ import { TASK_LIST } from "../tasks/api.ts";
 import { RunAccepted, RunDocument, RunRequest } from "../runs/run_schemas.ts";
 import { UsageDocument } from "../usage/usage_schemas.ts";
 import { DEFAULT_SINCE, MAX_SINCE_S } from "../usage/since.ts";
+import { KEEPALIVE_MS } from "../openai_compat/openai_api.ts";
 
 /** An RFC 9457 problem document. */
 export const Problem = z.object({
@@ -97,6 +98,8 @@ interface Reply {
   body?: z.ZodType;
   /** A body of this media type that the document does not describe further (with no `body`). */
   media?: string;
+  /** The answer may instead be a `text/event-stream` (`stream: true`), which `description` describes. */
+  events?: boolean;
 }
 
 /** One operation of the API, as the document describes it; {@linkcode operation} turns it into OpenAPI. */
@@ -426,6 +429,45 @@ const PENDING = openAiError(
   { ...RUN_HEADER, ...retryAfter("integer"), "x-should-retry": { schema: { type: "string" } } },
 );
 const RESPONSE_ID = { name: "response_id", in: "path", required: true, schema: { type: "string" } };
+const SHOULD_RETRY = (description: string) => ({ "x-should-retry": { schema: { type: "string" }, description } });
+/** The answers of both POSTs (a chat completion, a response) that are not about what the run did. */
+const OPENAI_POST_ERRORS: Record<string, Reply> = {
+  "401": openAiError("Missing or bad API key"),
+  "404": openAiError("The model is not served here (code model_not_found)"),
+  "413": openAiError("Body over MAX_BODY_BYTES; nothing was stored"),
+  "415": openAiError("Content-Type is not application/json; nothing was stored"),
+  "429": openAiError("The tenant's budget is spent (code budget_exhausted, x-should-retry: false)"),
+  "503": openAiError(
+    "The queue, or the tenant's part of it, is over its cap, or the tenant's request bodies being read are over " +
+      "its share (TENANT_BODY_BYTES_IN_FLIGHT): nothing was stored. Or too few replicas acknowledged the run " +
+      "(REDIS_MIN_REPLICAS_ACK): it may be recorded, so without an Idempotency-Key x-should-retry is false",
+    { ...retryAfter("integer"), ...SHOULD_RETRY("false when a retry without a key could start a second run") },
+  ),
+  "500": openAiError(
+    "The server could not complete the request. Once the run is accepted, Oncely-Run-Id names it; without an " +
+      "Idempotency-Key, x-should-retry is false whenever the run may have been recorded",
+    { ...RUN_HEADER, ...SHOULD_RETRY("false when a retry without a key could start a second run") },
+  ),
+};
+/** A POST's 400: `failed` says what else than a malformed request it may be. */
+const openAiBadRequest = (failed: string) =>
+  openAiError(
+    "A malformed Idempotency-Key (param Idempotency-Key), or a body that is not a JSON object (empty, not UTF-8, " +
+      `not JSON, a key twice): nothing was stored. Or ${failed} (code run_failed, x-should-retry: false, ` +
+      "Oncely-Run-Id; the message is the failure's class, the provider's text is withheld)",
+    { ...RUN_HEADER, ...SHOULD_RETRY("false for run_failed") },
+  );
+/** A POST's 408: the run did not finish in time, or the body did not arrive in time. */
+const OPENAI_POST_408 = {
+  ...PENDING,
+  description: `${PENDING.description}. Or the body did not arrive in time (the connection is closed)`,
+};
+/** What the GET and the cancel of a response may answer. */
+const OPENAI_READ_ERRORS: Record<string, Reply> = {
+  "401": openAiError("Missing or bad API key"),
+  "404": openAiError("Unknown response, or another tenant's"),
+  "500": openAiError("The server could not complete the request"),
+};
 
 /**
  * The OpenAI-compatible routes: each request is a run of the built-in chat task; bodies and answers are
@@ -440,15 +482,24 @@ const OPENAI_ROUTES: Route[] = [{
   request: OPENAI_BODY,
   responses: {
     "200": {
-      description: "A chat.completion (or, with stream: true, text/event-stream chunks, then data: [DONE])",
+      description: "A chat.completion. With stream: true, text/event-stream at once: SSE comments (`: ...`) at " +
+        `least every ${KEEPALIVE_MS / 1000} s while the run waits, then chat.completion.chunk events (the role, ` +
+        "the content, the finish_reason), a usage chunk with stream_options.include_usage, and data: [DONE]; or, " +
+        "if the run does not end done within the wait, one data: event holding an error in OpenAI's shape (code " +
+        "run_pending, run_failed, ...) and no [DONE]",
       headers: { ...RUN_HEADER, ...REPLAYED },
       body: OPENAI_BODY,
+      events: true,
     },
-    "401": openAiError("Missing or bad API key"),
-    "404": openAiError("The model is not served here (code model_not_found)"),
-    "408": PENDING,
+    "400": openAiBadRequest("the run failed for good"),
+    ...OPENAI_POST_ERRORS,
+    "408": OPENAI_POST_408,
+    "409": openAiError(
+      "The run was cancelled (DELETE /v1/runs/{run_id}) or expired before it was done (code run_cancelled or " +
+        "run_expired, x-should-retry: false, Oncely-Run-Id)",
+      { ...RUN_HEADER, ...SHOULD_RETRY("false") },
+    ),
     "422": openAiError("An unsupported field (tools, n > 1, audio, images, logprobs), or the key with another body"),
-    "429": openAiError("The tenant's budget is spent (code budget_exhausted, x-should-retry: false)"),
   },
 }, {
   method: "post",
@@ -459,11 +510,10 @@ const OPENAI_ROUTES: Route[] = [{
   request: OPENAI_BODY,
   responses: {
     "200": { description: "A response object", headers: { ...RUN_HEADER, ...REPLAYED }, body: OPENAI_BODY },
-    "401": openAiError("Missing or bad API key"),
-    "404": openAiError("The model is not served here (code model_not_found)"),
-    "408": PENDING,
-    "422": openAiError("An unsupported field, or the key with another body"),
-    "429": openAiError("The tenant's budget is spent (code budget_exhausted, x-should-retry: false)"),
+    "400": openAiBadRequest("without background, the run failed for good"),
+    ...OPENAI_POST_ERRORS,
+    "408": OPENAI_POST_408,
+    "422": openAiError("An unsupported field (stream among them), or the key with another body"),
   },
 }, {
   method: "get",
@@ -472,9 +522,12 @@ const OPENAI_ROUTES: Route[] = [{
   summary: "A response: queued, in_progress, completed, failed, cancelled or incomplete",
   parameters: [RESPONSE_ID],
   responses: {
-    "200": { description: "The response object", body: OPENAI_BODY },
-    "401": openAiError("Missing or bad API key"),
-    "404": openAiError("Unknown response, or another tenant's"),
+    "200": {
+      description: "The response object; once completed, with the background, instructions and metadata its " +
+        "create carried",
+      body: OPENAI_BODY,
+    },
+    ...OPENAI_READ_ERRORS,
   },
 }, {
   method: "post",
@@ -482,11 +535,7 @@ const OPENAI_ROUTES: Route[] = [{
   operationId: "cancelResponse",
   summary: "Cancel a response's run as DELETE /v1/runs/{run_id} does; a finished one is answered as it is",
   parameters: [RESPONSE_ID],
-  responses: {
-    "200": { description: "The response object", body: OPENAI_BODY },
-    "401": openAiError("Missing or bad API key"),
-    "404": openAiError("Unknown response, or another tenant's"),
-  },
+  responses: { "200": { description: "The response object", body: OPENAI_BODY }, ...OPENAI_READ_ERRORS },
 }];
 
 /** The usage report's route. */
@@ -568,13 +617,15 @@ function ref(s: z.ZodType): { $ref: string } {
 }
 
 /** A reply as OpenAPI: its description, headers and content. */
-function response({ description, headers, body, media }: Reply): Spec {
+function response({ description, headers, body, media, events }: Reply): Spec {
   const content = body
     ? { [body === Problem ? "application/problem+json" : "application/json"]: { schema: ref(body) } }
     : media
     ? { [media]: {} }
     : undefined;
-  return { description, ...(headers ? { headers } : {}), ...(content ? { content } : {}) };
+  // OpenAPI 3.1 has no schema for the events of a stream (3.2's itemSchema): the media type alone.
+  const streamed = events ? { ...content, "text/event-stream": {} } : content;
+  return { description, ...(headers ? { headers } : {}), ...(streamed ? { content: streamed } : {}) };
 }
 
 /** What any route may answer besides its own statuses. */

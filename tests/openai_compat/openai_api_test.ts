@@ -6,6 +6,10 @@
 import assert from "node:assert/strict";
 import OpenAI from "openai";
 import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
+import { openAiRoutes } from "../../src/openai_compat/openai_api.ts";
+import { createIntake } from "../../src/runs/intake.ts";
+import { createAuthenticator } from "../../src/tenants/authenticator.ts";
+import { SUMMARIES } from "../../src/summaries/api.ts";
 import { serviceKeys } from "../../src/runs/keys.ts";
 import { createJobWaiter } from "../../src/runs/job_waiter.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
@@ -25,6 +29,32 @@ const PROVIDER_TEXT = "Invalid prompt: policy gw-7.internal.example rejected key
 /** A day's token budget, and what the SPEND call reports using of it: the next call's worst case no longer fits. */
 const BUDGET_TOKENS = 1_000;
 const SPENT = { prompt_tokens: 990, completion_tokens: 1 };
+/** The keep-alive of the door built for that step: a tenth of the SLOW model's 2.5 s. */
+const KEEP_ALIVE_MS = 250;
+
+/** One event of an SSE stream as it arrived: its text (without the blank line) and when, in ms after the headers. */
+interface Arrived {
+  text: string;
+  atMs: number;
+}
+
+/** Reads `res`'s SSE body to its end, event by event, with each event's arrival time. */
+async function sseEvents(res: Response): Promise<Arrived[]> {
+  const start = performance.now();
+  const events: Arrived[] = [];
+  const decoder = new TextDecoder();
+  let buffered = "";
+  for await (const bytes of res.body!) {
+    buffered += decoder.decode(bytes, { stream: true });
+    let end: number;
+    while ((end = buffered.indexOf("\n\n")) >= 0) {
+      events.push({ text: buffered.slice(0, end), atMs: performance.now() - start });
+      buffered = buffered.slice(end + 2);
+    }
+  }
+  assert.equal(buffered, "", "the stream ends after a whole event");
+  return events;
+}
 
 Deno.test("the OpenAI SDK against the door: idempotency, streaming, waiting, errors, responses", async (t) => {
   const db = await createTestDatabase();
@@ -212,6 +242,81 @@ Deno.test("the OpenAI SDK against the door: idempotency, streaming, waiting, err
       },
     );
 
+    await t.step("a streamed run slower than the keep-alive: SSE comments until its chunks, then [DONE]", async () => {
+      // The door alone, with a short keep-alive (the production default is KEEPALIVE_MS, 15 s).
+      const door = openAiRoutes({
+        redis: r.redis,
+        sql: db.sql,
+        log: silentLogger,
+        keys,
+        authenticate: createAuthenticator({ sql: db.sql }, { mode: "api-key", cacheTtlMs: 0 }),
+        intake: createIntake({ redis: r.redis }, { keys, resultTtlS: 86_400, path: SUMMARIES }),
+        maxBodyBytes: 1 << 20,
+        waiter,
+        models: new Set(["fake-model"]),
+        keepAliveMs: KEEP_ALIVE_MS,
+      }).handler({ log: silentLogger });
+      const kept = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen() {} }, (req) => door(req));
+      const keptURL = `http://127.0.0.1:${kept.addr.port}/v1`;
+      try {
+        const body = { ...ask(`Slow and streamed. ${SLOW} [kept-raw]`), stream: true };
+        const key = "door-keep-alive-raw-001";
+        const sdk = new OpenAI({ apiKey: acme, baseURL: keptURL, maxRetries: 0 });
+        const [{ res, events }, bySdk] = await Promise.all([
+          (async () => {
+            const res = await fetch(`${keptURL}/chat/completions`, {
+              method: "POST",
+              headers: { authorization: `Bearer ${acme}`, "content-type": "application/json", "idempotency-key": key },
+              body: JSON.stringify(body),
+            });
+            return { res, events: await sseEvents(res) };
+          })(),
+          // The real SDK on the same slow path: it skips the comments and reads the chunks.
+          (async () => {
+            const { data: stream, response } = await sdk.chat.completions
+              .create({ ...ask(`Slow, through the SDK. ${SLOW} [kept-sdk]`), stream: true })
+              .withResponse();
+            let text = "";
+            for await (const chunk of stream) text += chunk.choices[0]?.delta.content ?? "";
+            return { text, runId: response.headers.get("oncely-run-id")! };
+          })(),
+        ]);
+        assert.equal(res.status, 200);
+        assert.equal(res.headers.get("content-type"), "text/event-stream");
+        const runId = res.headers.get("oncely-run-id")!;
+        const firstData = events.findIndex((e) => e.text.startsWith("data: "));
+        assert.ok(firstData > 0, "data came after comments");
+        const waiting = events.slice(0, firstData);
+        assert.ok(waiting.every((e) => /^: \S/.test(e.text)), JSON.stringify(waiting));
+        // 2.5 s of model time at one comment every 250 ms: about ten, and never a silence near the model's.
+        assert.ok(waiting.length >= 4, `${waiting.length} comments before the first chunk`);
+        const gaps = waiting.map((e, i) => e.atMs - (i === 0 ? 0 : waiting[i - 1]!.atMs));
+        assert.ok(Math.max(...gaps) < 1_250, `longest silence ${Math.max(...gaps).toFixed(0)} ms`);
+        assert.ok(events[firstData]!.atMs >= 2_000, "the first chunk waited for the model");
+        // Then the chunks, nothing else, and [DONE] last.
+        const data = events.slice(firstData).map((e) => e.text);
+        assert.ok(data.every((text) => text.startsWith("data: ")), JSON.stringify(data));
+        assert.equal(data.at(-1), "data: [DONE]");
+        const chunks = data.slice(0, -1).map((text) => JSON.parse(text.slice("data: ".length)));
+        const text = chunks.map((c) => c.choices[0]?.delta.content ?? "").join("");
+        assert.equal(chunks.at(-1).choices[0].finish_reason, "stop");
+        assert.ok(chunks.every((c) => c.id === `chatcmpl-${runId.replaceAll("-", "")}`));
+        // The streamed text is the committed result: the key's replay answers it whole, with no second call.
+        const replay = await sdk.chat.completions.create(ask(`Slow and streamed. ${SLOW} [kept-raw]`), {
+          headers: { "Idempotency-Key": key },
+        }).withResponse();
+        assert.equal(replay.response.headers.get("idempotent-replayed"), "true");
+        assert.ok(text.length > 0);
+        assert.equal(text, replay.data.choices[0]!.message.content);
+        assert.equal(calls("[kept-raw]"), 1);
+        assert.equal(bySdk.text, (await runDocument(bySdk.runId)).output);
+        assert.ok(bySdk.text.length > 0);
+        assert.equal(calls("[kept-sdk]"), 1);
+      } finally {
+        await kept.shutdown();
+      }
+    });
+
     await t.step("without a key, the 408 says x-should-retry: false", async () => {
       const res = await fetch(`${baseURL}/chat/completions`, {
         method: "POST",
@@ -266,6 +371,65 @@ Deno.test("the OpenAI SDK against the door: idempotency, streaming, waiting, err
       assert.equal(again.status, "completed");
       // (The SDK adds `output_text` on create and retrieve only.)
       assert.deepEqual(again.output, done.output);
+    });
+
+    await t.step("responses: retrieve echoes the create's background, instructions and metadata", async (s) => {
+      const marker = "[echo]";
+      const sent = {
+        model: "fake-model",
+        input: `Summarise: the export button crashes. ${marker}`,
+        instructions: "Answer in one line.",
+        metadata: { ticket: "T-1042", team: "support" },
+        background: true,
+      };
+      const options = { headers: { "Idempotency-Key": "door-echo-key-0000001" } };
+      const created = await client.responses.create(sent, options);
+      assert.equal(created.background, true);
+      assert.equal(created.instructions, sent.instructions);
+      assert.deepEqual(created.metadata, sent.metadata);
+      let now = await client.responses.retrieve(created.id);
+      const end = performance.now() + 10_000;
+      while (now.status !== "completed" && performance.now() < end) {
+        await new Promise((resolve) => setTimeout(resolve, 50));
+        now = await client.responses.retrieve(created.id);
+      }
+      assert.equal(now.status, "completed");
+      assert.equal(now.background, true);
+      assert.equal(now.instructions, sent.instructions);
+      assert.deepEqual(now.metadata, sent.metadata);
+      assert.deepEqual((await client.responses.cancel(created.id)).metadata, sent.metadata, "cancel of a done one");
+      // The model got the instructions as the first message, once, and nothing of background or metadata.
+      assert.equal(calls(marker), 1);
+      const call = model.bodies[model.prompts.findIndex((p) => p.includes(marker))] as Record<string, unknown>;
+      const messages = call.messages as { role: string; content: string }[];
+      assert.deepEqual(messages.map((m) => m.role), ["system", "user"]);
+      assert.equal(messages[0]!.content, sent.instructions);
+      assert.ok(!JSON.stringify(call).includes("T-1042"), "metadata is not sent to the model");
+      assert.ok(!("metadata" in call) && !("background" in call));
+
+      await s.step(
+        "the key's fingerprint is the body as sent, as before: a replay, and a 422 for other metadata",
+        async () => {
+          const again = await client.responses.create(sent, options).withResponse();
+          assert.equal(again.data.id, created.id);
+          assert.equal(again.response.headers.get("idempotent-replayed"), "true");
+          assert.deepEqual(again.data.metadata, sent.metadata);
+          await assert.rejects(
+            client.responses.create({ ...sent, metadata: { ticket: "T-9999" } }, options),
+            (e) => e instanceof OpenAI.UnprocessableEntityError,
+          );
+          assert.equal(calls(marker), 1);
+        },
+      );
+
+      await s.step("a create without them retrieves OpenAI's defaults", async () => {
+        const done = await client.responses.create({ model: "fake-model", input: "No extras. [echo-none]" });
+        const got = await client.responses.retrieve(done.id);
+        assert.equal(got.status, "completed");
+        assert.equal(got.background, false);
+        assert.equal(got.instructions, null);
+        assert.deepEqual(got.metadata, {});
+      });
     });
 
     await t.step("cancel of a slow background response ends cancelled with at most one model call", async () => {

@@ -5,6 +5,8 @@ import { createApiHandler } from "../../src/processes/api_process.ts";
 import { openApiDocument, ROUTES } from "../../src/processes/openapi.ts";
 import { MAX_EXPIRES_IN_S, RunDocument, RunRequest } from "../../src/runs/run_schemas.ts";
 import { RunWebhook, SummaryRequest } from "../../src/runs/shapes.ts";
+import { type Intake, QueueFull } from "../../src/runs/intake.ts";
+import { NotReplicated } from "../../src/redis/replica_ack.ts";
 import type { Redis } from "ioredis";
 import type { Sql } from "postgres";
 
@@ -178,4 +180,101 @@ Deno.test("openapi.json describes priority and expiry: the request fields, expir
   assert.ok(webhook.status!.enum!.includes("expired"));
   // Every run event the webhook body names is a webhook of the document.
   for (const type of webhook.type!.enum!) assert.ok(type in doc.webhooks, type);
+});
+
+Deno.test("openapi.json: the door's POSTs document the 400, 413, 415 and 503 their handlers answer, in OpenAI's shape", async () => {
+  type Reply = { content?: Record<string, { schema?: { $ref?: string } }>; headers?: Record<string, unknown> };
+  const doc = openApiDocument() as { paths: Record<string, Record<string, { responses: Record<string, Reply> }>> };
+  const OPENAI_ERROR = "#/components/schemas/OpenAIError";
+  const valid: Record<string, unknown> = {
+    "/v1/chat/completions": { model: "fake-model", messages: [{ role: "user", content: "hi" }] },
+    "/v1/responses": { model: "fake-model", input: "hi" },
+  };
+
+  // What is documented: each error is OpenAI's JSON error, not a problem document (the door's own 500 included).
+  for (const path of Object.keys(valid)) {
+    const { responses } = doc.paths[path]!.post!;
+    for (const status of ["400", "401", "404", "408", "413", "415", "422", "429", "500", "503"]) {
+      const content = responses[status]?.content ?? {};
+      assert.deepEqual(Object.keys(content), ["application/json"], `${path} ${status}`);
+      assert.equal(content["application/json"]!.schema!.$ref, OPENAI_ERROR, `${path} ${status}`);
+    }
+    assert.ok(responses["503"]!.headers?.["Retry-After"], `${path} 503 says when to retry`);
+    assert.ok(responses["503"]!.headers?.["x-should-retry"], `${path} 503 says whether the SDK may retry`);
+  }
+  assert.equal(
+    doc.paths["/v1/chat/completions"]!.post!.responses["409"]!.content!["application/json"]!.schema!.$ref,
+    OPENAI_ERROR,
+  );
+  for (
+    const [path, method] of [
+      ["/v1/responses/{response_id}", "get"],
+      ["/v1/responses/{response_id}/cancel", "post"],
+    ] as const
+  ) {
+    for (const status of ["401", "404", "500"]) {
+      const reply = doc.paths[path]![method]!.responses[status]!;
+      assert.equal(reply.content?.["application/json"]?.schema?.$ref, OPENAI_ERROR, `${method} ${path} ${status}`);
+    }
+  }
+  // A chat completion may be a stream; a response may not (stream: true is a 422 there).
+  const ok = (path: string) => Object.keys(doc.paths[path]!.post!.responses["200"]!.content!);
+  assert.deepEqual(ok("/v1/chat/completions"), ["application/json", "text/event-stream"]);
+  assert.deepEqual(ok("/v1/responses"), ["application/json"]);
+
+  // What is answered: the real handler, before any store is reached (intake and body admission are stand-ins).
+  let intakeFailure: Error = new QueueFull("the queue is full", 5);
+  let bodiesFull = false;
+  const intake: Intake = {
+    submit: () => Promise.reject(intakeFailure),
+    submitRun: () => Promise.reject(intakeFailure),
+    hasRecord: () => Promise.resolve(false),
+    forget: () => Promise.resolve(),
+  };
+  const handler = createApiHandler({
+    redis: unused as Redis,
+    sql: unused as Sql,
+    log: silentLogger,
+    authenticate: () => Promise.resolve("acme"),
+    intake,
+    keys: unused as never,
+    maxBodyBytes: 1024,
+    bodies: { admit: () => bodiesFull ? undefined : () => {}, inFlight: () => 0 },
+  });
+  const answered: string[] = [];
+  const post = async (path: string, body: string, headers: Record<string, string> = {}) => {
+    const res = await handler(
+      new Request(`http://api${path}`, {
+        method: "POST",
+        headers: { "content-type": "application/json", ...headers },
+        body,
+      }),
+    );
+    const error = (await res.json()).error;
+    const documented = doc.paths[path]!.post!.responses[String(res.status)];
+    assert.ok(documented, `${path} answered an undocumented ${res.status}`);
+    assert.equal(res.headers.get("content-type"), "application/json", `${path} ${res.status}`);
+    assert.deepEqual(Object.keys(error).sort(), ["code", "message", "param", "type"], `${path} ${res.status}`);
+    answered.push(`${path} ${res.status}`);
+    return { status: res.status, headers: res.headers, error };
+  };
+  for (const [path, body] of Object.entries(valid)) {
+    const json = JSON.stringify(body);
+    assert.equal((await post(path, json, { "content-type": "text/plain" })).status, 415);
+    assert.equal((await post(path, JSON.stringify({ ...body as object, pad: "x".repeat(2048) }))).status, 413);
+    assert.equal((await post(path, "{not json")).status, 400);
+    const badKey = await post(path, json, { "idempotency-key": "short" });
+    assert.deepEqual([badKey.status, badKey.error.param], [400, "Idempotency-Key"]);
+    intakeFailure = new QueueFull("the queue is full", 5);
+    const full = await post(path, json);
+    assert.deepEqual([full.status, full.headers.get("retry-after")], [503, "5"]);
+    intakeFailure = new NotReplicated("too few replicas", { acked: 0, wanted: 1, timeoutMs: 10, ran: true });
+    const unconfirmed = await post(path, json);
+    assert.deepEqual([unconfirmed.status, unconfirmed.headers.get("x-should-retry")], [503, "false"]);
+    bodiesFull = true;
+    const share = await post(path, json);
+    assert.deepEqual([share.status, share.headers.get("retry-after")], [503, "1"]);
+    bodiesFull = false;
+  }
+  assert.equal(answered.length, 14);
 });
