@@ -6,7 +6,7 @@ import type { Sql } from "postgres";
 import { chatCompletionBody } from "../llm/openai_llm.ts";
 import type { DeploymentSpec } from "../llm/deployment_specs.ts";
 import type { BatchIntake, ModelCall } from "../runs/run_deps.ts";
-import { BatchClosedMeanwhile, recordBatchRun } from "./batch_store.ts";
+import { BatchClosedMeanwhile, batchOfRun, recordBatchRun } from "./batch_store.ts";
 
 /**
  * The Chat Completions request a run's line carries: the body the online call sends (`chatCompletionBody`), its
@@ -36,6 +36,7 @@ export function createBatchIntake(
       const deployment = byModel.get(model);
       return deployment === undefined ? undefined : { deployment, model };
     },
+    recorded: (runId) => batchOfRun(sql, runId).then((batch) => batch !== undefined),
     async record({ runId, tenant, payload, acceptedMs, call, target, held }) {
       const run = { runId, tenant, payload, acceptedMs, request: chatRequest(call, target.model), held, ...target };
       for (let attempt = 1;; attempt++) {

@@ -153,7 +153,11 @@ function runOf(row: BatchRunRow) {
 
 /**
  * A line's `model_attempts` row: marked with its batch's id (what makes it a batch call), priced at the model's
- * batch prices, its tokens charged as reported.
+ * batch prices, its tokens charged as reported. Its `started_at` is when it is charged (now), not when its batch
+ * was created: the budgets count a day's and a month's spend from the rows by `started_at`, and the line's charge
+ * is spent in the period it settles in, so a hash rebuilt from the record counts it where the live hash did (a
+ * batch created before midnight and settled after it counts in the day it settled). `duration_ms` is still the
+ * batch's, from its creation to its end.
  */
 function attemptOf(batch: BatchRow, row: BatchRunRow, line: OutputLine, prices: Prices | undefined) {
   const status = line.response?.status_code ?? null;
@@ -168,7 +172,7 @@ function attemptOf(batch: BatchRow, row: BatchRunRow, line: OutputLine, prices: 
     tenant: row.tenant,
     delivery: 0,
     attempt: 1,
-    started_at: started,
+    started_at: new Date(),
     duration_ms: Math.max(0, (batch.ended_at?.getTime() ?? Date.now()) - started.getTime()),
     outcome: status === 200 ? "ok" : "give_up",
     status,
@@ -189,8 +193,9 @@ function attemptOf(batch: BatchRow, row: BatchRunRow, line: OutputLine, prices: 
 /**
  * Charges a line's reported usage to its tenant's budgets at the batch prices, once per line: its hold is settled at
  * that charge (nothing for an error line), or, for a line that holds nothing, the usage is charged under the
- * line's id. A failure is logged: the record stands (the row is written); the holds' sweep settles a hold left
- * behind at the row's charge, and a hash rebuilt from the record counts the row.
+ * line's id. A hold's settlement that fails throws: the line stays unsettled, and the next pass reads it again and
+ * settles it (once: a hold goes once). A charge without a hold that fails is logged: the record stands (the row is
+ * written), and a hash rebuilt from the record counts the row.
  */
 async function chargeLine(
   budgets: Pick<Budgets, "charge" | "settleHold">,
@@ -201,8 +206,7 @@ async function chargeLine(
 ) {
   if (row.held_tokens !== null) {
     const charged = { tokens: attempt.charged_tokens, nanos: Math.round(Number(attempt.cost_usd ?? 0) * 1e9) };
-    return await budgets.settleHold(row.tenant, row.run_id, charged)
-      .catch((error) => log.warn("batch_budget_charge_failed", { run_id: row.run_id, tenant: row.tenant, error }));
+    return await budgets.settleHold(row.tenant, row.run_id, charged);
   }
   if (attempt.charged_tokens <= 0) return;
   const used = { prompt: attempt.prompt_tokens ?? 0, completion: attempt.completion_tokens ?? 0 };
@@ -219,12 +223,11 @@ function structured(row: BatchRunRow): boolean {
 
 /**
  * A line that ends without an answer charges nothing: its hold goes (before an online send, so that the run's own
- * reservation is not refused for it). A failure is logged; the holds' sweep releases it later.
+ * reservation is not refused for it). A failure throws: the line stays unsettled until a later pass releases it.
  */
-async function releaseHold(budgets: PollerOptions["budgets"], log: Logger, row: BatchRunRow): Promise<void> {
+async function releaseHold(budgets: PollerOptions["budgets"], row: BatchRunRow): Promise<void> {
   if (row.held_tokens === null || !budgets) return;
-  await budgets.settleHold(row.tenant, row.run_id, { tokens: 0, nanos: 0 })
-    .catch((error) => log.warn("batch_hold_release_failed", { run_id: row.run_id, tenant: row.tenant, error }));
+  await budgets.settleHold(row.tenant, row.run_id, { tokens: 0, nanos: 0 });
 }
 
 /** Polls a batch in flight at its provider: records its status, and when it has ended, its files (`ended`). */
@@ -259,7 +262,7 @@ export function createBatchPoller(
     if (deployment !== undefined) options.onSettled?.(outcome, 1, deployment);
   };
 
-  const release = (row: BatchRunRow) => releaseHold(options.budgets, log, row);
+  const release = (row: BatchRunRow) => releaseHold(options.budgets, row);
 
   const fail = async (row: BatchRunRow, reason: string) => {
     await release(row);

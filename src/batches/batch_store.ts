@@ -316,25 +316,13 @@ export async function heldLines(
 }
 
 /**
- * What became of the batch lines of these runs, for the holds' sweep: `live` while a line is neither settled nor
- * charged; else its charge (its `model_attempts` row's, or nothing for a line settled without an answer). A run
- * with no line is not in the map.
+ * Which of these runs' batch lines are still in flight, for the holds' sweep: recorded and not settled. A run with
+ * no line is not in the map.
  */
-export async function lineVerdicts(
-  sql: Queryable,
-  ids: readonly string[],
-): Promise<Map<string, { live: true } | { live: false; tokens: number; nanos: number }>> {
-  const rows = await sql<{ id: string; settled: string | null; tokens: string | null; usd: string | null }[]>`
-    SELECT r.run_id::text AS id, r.settled, a.charged_tokens::text AS tokens, a.cost_usd::text AS usd
-    FROM batch_runs r
-    LEFT JOIN model_attempts a ON a.job_id = r.run_id AND a.batch_id = r.batch_id
-    WHERE r.run_id = ANY(${ids as string[]}::uuid[])`;
-  return new Map(rows.map((r) => {
-    if (r.tokens !== null) {
-      return [r.id, { live: false, tokens: Number(r.tokens), nanos: Math.round(Number(r.usd ?? 0) * 1e9) }];
-    }
-    return [r.id, r.settled === null ? { live: true } : { live: false, tokens: 0, nanos: 0 }];
-  }));
+export async function lineVerdicts(sql: Queryable, ids: readonly string[]): Promise<Map<string, { live: boolean }>> {
+  const rows = await sql<{ id: string; settled: string | null }[]>`
+    SELECT run_id::text AS id, settled FROM batch_runs WHERE run_id = ANY(${ids as string[]}::uuid[])`;
+  return new Map(rows.map((r) => [r.id, { live: r.settled === null }]));
 }
 
 /** How a run's line was settled (`batch_runs.settled`): `left_out` is set by {@linkcode fixBatchLines}. */

@@ -61,12 +61,12 @@ export interface RecordedSpend {
   holds?: LineHold[];
 }
 
-/** What Postgres says of a batch line a hold was taken for (see {@linkcode Budgets.sweepHolds}). */
-export type HoldVerdict =
-  /** Its line is in a batch and neither settled nor charged: the hold stands. */
-  | { live: true }
-  /** Its line was charged (its `model_attempts` row, at that charge) or ended without a charge (nothing). */
-  | { live: false; tokens: number; nanos: number };
+/**
+ * Whether a batch line a hold was taken for is still in flight (see {@linkcode Budgets.sweepHolds}): recorded in a
+ * batch and not settled. A line is settled only once its hold was (the poller settles the hold first, and a
+ * failure leaves the line for its next pass), so a hold whose line is settled, or that has no line, is left over.
+ */
+export type HoldVerdict = { live: boolean };
 
 /**
  * What the budgets read from Postgres, from the stores that own it (wired in `src/processes/`): every tenant's
@@ -75,7 +75,7 @@ export type HoldVerdict =
 export interface BudgetRecords {
   limits(): Promise<Map<string, TenantBudget>>;
   spent(tenant: string): Promise<RecordedSpend>;
-  /** What became of the batch lines of these run ids (the holds' sweep); an id not in the map has no line. */
+  /** Which of these run ids' batch lines are still in flight (the holds' sweep); an id not in the map has no line. */
   holdVerdicts?(ids: readonly string[]): Promise<Map<string, HoldVerdict>>;
 }
 
@@ -292,10 +292,17 @@ export interface Budgets {
    */
   settleHold(tenant: string, id: string, charged: { tokens: number; nanos: number }): Promise<void>;
   /**
-   * Releases or charges the holds whose lines ended without settling them (a worker killed between the hold and
-   * the recording of its run, a run cancelled before its redelivery, a settlement that failed), as Postgres says
-   * ({@linkcode BudgetRecords.holdVerdicts}). Looks at holds older than `olderThanMs` only (a run is recorded
-   * within a moment of its hold) of the tenants with a budget. @returns how many it settled.
+   * Holds a line just recorded in a batch again if the tenant's hash lost its hold meanwhile (rebuilt from a
+   * snapshot taken before the record's commit, or swept because no line was there yet), whether it fits or not: it
+   * is in flight and will be charged. `held` is what {@linkcode hold} answered.
+   */
+  keepHold(tenant: string, id: string, held: { tokens: number; nanos: number }): Promise<void>;
+  /**
+   * Releases the holds no line in flight stands behind (a worker killed between the hold and the recording of its
+   * run and the run cancelled before its redelivery, a line left out of its batch before the upload), as Postgres
+   * says ({@linkcode BudgetRecords.holdVerdicts}). Looks at holds older than `olderThanMs` only (a run is recorded
+   * within a moment of its hold; a renewed hold is younger) of the tenants with a budget. @returns how many it
+   * released.
    */
   sweepHolds(options?: { olderThanMs?: number }): Promise<number>;
   /** The tenant's budgets now (none without a budget). */
@@ -370,6 +377,8 @@ interface ProcessBudgets {
   inFlight: Map<string, Map<string, InFlight>>;
   /** The seed running for a tenant: one at a time, and every caller waits for it (see {@linkcode seed}). */
   seeding: Map<string, Promise<void>>;
+  /** The holds the sweep found in flight, until it asks again (Redis's epoch ms). */
+  liveHolds: Map<string, number>;
 }
 
 /**
@@ -392,6 +401,7 @@ export function createBudgets(
     of: limitsReader(records, log, options.ttlMs ?? 2_000),
     inFlight: new Map(),
     seeding: new Map(),
+    liveHolds: new Map(),
   };
   return {
     of: p.of,
@@ -399,6 +409,7 @@ export function createBudgets(
     check: (tenant, model, worst) => check(p, tenant, model, worst),
     hold: (tenant, model, worst, id) => hold(p, tenant, model, worst, id),
     settleHold: (tenant, id, charged) => settleHold(p, tenant, id, charged),
+    keepHold: (tenant, id, held) => keepHold(p, tenant, id, held),
     sweepHolds: (options) => sweepHolds(p, options),
     charge: (tenant, model, used, options) => chargeUnreserved(p, tenant, model, used, options),
     async views(tenant) {
@@ -740,16 +751,21 @@ async function settleHold(
   tenant: string,
   id: string,
   charged: { tokens: number; nanos: number },
+  at?: number,
 ): Promise<void> {
   const budget = await p.of(tenant);
   const limits: Limits = budget ? limitsOf(budget) : [-1, -1, -1, -1];
-  const run = () => again(() => runSettleHold(p.redis, p.keys.budget(tenant), id, charged, limits, { ack: p.ack }));
+  const key = p.keys.budget(tenant);
+  const run = () => again(() => runSettleHold(p.redis, key, id, charged, limits, { ack: p.ack, at }));
   let after = await run();
   // Lost: a tenant with a budget has its hash rebuilt (with this line's hold if it is still in flight and not yet
   // charged in the record), then is asked again; without one, nothing holds anything.
   for (let tries = 0; after.unseeded && budget && tries < 3; tries++) {
     await seed(p, tenant);
     after = await run();
+  }
+  if (after.unseeded && budget) {
+    throw new Error(`tenant ${tenant}'s budget hash was lost again each time it was seeded`);
   }
   if (!after.applied) return;
   if (!after.replicated) p.log.warn("budget_settle_not_replicated", { tenant });
@@ -761,30 +777,65 @@ async function settleHold(
   }
 }
 
+/** Holds a recorded line again if its hold is gone (see {@linkcode Budgets.keepHold}). */
+async function keepHold(
+  p: ProcessBudgets,
+  tenant: string,
+  id: string,
+  held: { tokens: number; nanos: number },
+): Promise<void> {
+  const key = p.keys.budget(tenant);
+  const run = () => again(() => runHold(p.redis, key, [-1, -1, -1, -1], held, { id, keep: true, ack: p.ack }));
+  let reply = await run();
+  for (let tries = 0; reply.unseeded && tries < 3; tries++) {
+    // Lost: the rebuild reads the line (committed now) as held, and the keep then finds it.
+    await seed(p, tenant);
+    reply = await run();
+  }
+}
+
+/** How long the sweep trusts that a line it found in flight still is, before it asks Postgres again. */
+const LIVE_RECHECK_MS = 30 * 60_000;
+
 /** The holds' sweep (see {@linkcode Budgets.sweepHolds}). */
 async function sweepHolds(p: ProcessBudgets, { olderThanMs = 10 * 60_000 } = {}): Promise<number> {
   const verdicts = p.records.holdVerdicts?.bind(p.records);
   if (!verdicts) return 0;
   const tenants = [...(await p.records.limits()).keys()];
-  const before = Date.now() - olderThanMs;
-  let settled = 0;
+  // Redis's clock: a hold's time is Redis's.
+  const [seconds, micros] = await p.redis.time();
+  const now = Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
+  for (const [id, until] of p.liveHolds) if (until <= now) p.liveHolds.delete(id);
+  // From a random tenant on, so that a tenant whose hash fails every pass does not hold back the ones after it.
+  const from = Math.floor(Math.random() * tenants.length);
+  let released = 0;
   for (let i = 0; i < tenants.length; i += 100) {
-    const chunk = tenants.slice(i, i + 100);
-    const held = await Promise.all(chunk.map((tenant) => heldIn(p.redis, p.keys.budget(tenant))));
-    for (const [j, tenant] of chunk.entries()) {
-      const old = held[j]!.filter((h) => h.atMs < before);
-      if (old.length === 0) continue;
-      const found = await verdicts(old.map((h) => h.id));
-      for (const h of old) {
-        const verdict = found.get(h.id) ?? { live: false, tokens: 0, nanos: 0 };
-        if (verdict.live) continue;
-        await settleHold(p, tenant, h.id, verdict);
-        settled++;
-        p.log.info("budget_hold_swept", { tenant, run_id: h.id, tokens: verdict.tokens, nanos: verdict.nanos });
+    const chunk = Array.from(
+      { length: Math.min(100, tenants.length - i) },
+      (_, j) => tenants[(from + i + j) % tenants.length]!,
+    );
+    await Promise.all(chunk.map(async (tenant) => {
+      try {
+        const old = (await heldIn(p.redis, p.keys.budget(tenant)))
+          .filter((h) => h.atMs < now - olderThanMs && !p.liveHolds.has(h.id));
+        if (old.length === 0) return;
+        const found = await verdicts(old.map((h) => h.id));
+        for (const h of old) {
+          if (found.get(h.id)?.live) {
+            p.liveHolds.set(h.id, now + LIVE_RECHECK_MS);
+            continue;
+          }
+          // Only the hold as read: one renewed since (a redelivery, the line just recorded) is left.
+          await settleHold(p, tenant, h.id, { tokens: 0, nanos: 0 }, h.atMs);
+          released++;
+          p.log.info("budget_hold_swept", { tenant, run_id: h.id, tokens: h.tokens, nanos: h.nanos });
+        }
+      } catch (error) {
+        p.log.warn("budget_hold_sweep_failed", { tenant, error });
       }
-    }
+    }));
   }
-  return settled;
+  return released;
 }
 
 /** Intake's question (see {@linkcode Budgets.check}): reservations in flight aside, does the worst case fit? */

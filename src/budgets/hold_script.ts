@@ -9,13 +9,17 @@ import { type Limits, runOnHash, whole } from "./budget_hash.ts";
 // and counts, meanwhile, against the current day and month, whichever they are.
 // KEYS[1]  the tenant's budget hash (its fields: budget_hash.ts).
 // ARGV[1]  JSON: {limits: [tokens/day, nano-USD/day, tokens/month, nano-USD/month] (-1 = none), tok, usd (the
-//          worst case at batch prices), id (the line's run id), lease_ms, ttl_ms, and the caller's periods: day,
-//          month, prev_month_first, month_first, next_month_first (budget_hash.ts's periodsAt)}.
+//          worst case at batch prices), id (the line's run id), keep (true: the line is recorded, hold it whether it
+//          fits or not), lease_ms, ttl_ms, and the caller's periods: day, month, prev_month_first, month_first,
+//          next_month_first (budget_hash.ts's periodsAt)}.
+// With keep, a line just recorded in Postgres is held again if the hash lost its hold (a rebuild whose snapshot
+// came before the record's commit, or the sweep, which found no line yet): it is in flight and will be charged, so
+// it counts, fit or not.
 // Answers, writing nothing, {-1} when the hash was never seeded from Postgres's record, {-3, now} when Redis's day
 // is not the caller's. Else {ok, budget (1..4, the refusing one whose period ends last; 0 when ok), limit, spent,
 // reserved (calls in flight and holds), now ms, never (1: the worst case alone is over a limit)}.
 // Safe to run twice: a second run (a resend, a redelivery of the run) finds B:<id> and answers ok, holding nothing
-// more.
+// more; it renews the hold's time, so the sweep (which settles a hold only at the time it read) leaves it.
 const HOLD = defineScript(`
 local key = KEYS[1]
 local a = cjson.decode(ARGV[1])
@@ -24,8 +28,18 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local day, month, epoch = math.floor(now / 86400000), a.month, math.floor(now / a.lease_ms)
 if day ~= a.day then return {-3, now} end
-if redis.call('HEXISTS', key, 'B:' .. a.id) == 1 then
-  -- A write, so that a WAIT after this resend covers the first run's hold on this connection too.
+local found = redis.call('HGET', key, 'B:' .. a.id)
+if found then
+  -- Renewed (a write, so that a WAIT after this resend covers the first run's hold on this connection too).
+  local _, ft, fu = string.match(found, '^(%d+),(%d+),(%d+)')
+  redis.call('HSET', key, 'B:' .. a.id, now .. ',' .. ft .. ',' .. fu)
+  redis.call('PEXPIRE', key, a.ttl_ms)
+  return {1, 0, 0, 0, 0, now, 0}
+end
+if a.keep then
+  redis.call('HSET', key, 'B:' .. a.id, now .. ',' .. a.tok .. ',' .. a.usd)
+  if a.tok > 0 then redis.call('HINCRBY', key, 'bh:tok', a.tok) end
+  if a.usd > 0 then redis.call('HINCRBY', key, 'bh:usd', a.usd) end
   redis.call('PEXPIRE', key, a.ttl_ms)
   return {1, 0, 0, 0, 0, now, 0}
 end
@@ -90,19 +104,23 @@ export interface HoldReply {
   replicated: boolean;
 }
 
-/** Runs the hold script: holds `worst` for the line `id` against `limits` if it fits. Safe to run twice. */
+/**
+ * Runs the hold script: holds `worst` for the line `id` against `limits` if it fits (with `keep`, whether it fits
+ * or not). Safe to run twice.
+ */
 export async function runHold(
   redis: RedisClient,
   key: string,
   limits: Limits,
   worst: { tokens: number; nanos: number },
-  { id, ack }: { id: string; ack?: ReplicaAck },
+  { id, keep = false, ack }: { id: string; keep?: boolean; ack?: ReplicaAck },
 ): Promise<HoldReply> {
   const { reply: r, replicated } = await runOnHash(redis, ack, HOLD, key, {
     limits,
     tok: whole(worst.tokens),
     usd: whole(worst.nanos),
     id,
+    keep,
   });
   const n = (i: number) => Number(r[i] ?? 0);
   if (n(0) === -1) {

@@ -6,8 +6,11 @@ import { type Limits, runOnHash, stateOf, whole } from "./budget_hash.ts";
 // SETTLE HOLD: a batch line's hold goes, once, and its charge (the line's reported usage at batch prices; nothing
 // for a line that was not answered) is spent in the current day and month.
 // KEYS[1]  the tenant's budget hash (its fields: budget_hash.ts).
-// ARGV[1]  JSON: {id (the line's run id), charged: {tok, usd}, limits (for the 80% and 100% marks), lease_ms,
-//          ttl_ms, and the caller's periods: day, month, prev_month_first, month_first, next_month_first}.
+// ARGV[1]  JSON: {id (the line's run id), charged: {tok, usd}, at (the hold's time as the sweep read it, or -1),
+//          limits (for the 80% and 100% marks), lease_ms, ttl_ms, and the caller's periods: day, month,
+//          prev_month_first, month_first, next_month_first}.
+// With at >= 0 (the sweep), a hold whose time is another (renewed since: a redelivery holding it again, or the
+// line just recorded) is left as it is.
 // What B:<id> finds decides, and either way leaves nothing for a second run (a resend) to do:
 //   held:    the hold goes, the charge is spent;
 //   missing: settled already, or never held in this hash (it was lost and rebuilt from Postgres's record, which
@@ -27,6 +30,7 @@ if math.floor(now / 86400000) ~= a.day then return {-3, now} end
 local d, m = 'd' .. a.day, 'm' .. a.month
 local found = redis.call('HGET', key, 'B:' .. a.id)
 if not found and redis.call('HEXISTS', key, 'seeded') == 0 then return {-1} end
+if found and a.at >= 0 and tonumber(string.match(found, '^(%d+)')) ~= a.at then found = nil end
 local marks = {}
 if found then
   local _, ft, fu = string.match(found, '^(%d+),(%d+),(%d+)')
@@ -90,11 +94,12 @@ export async function runSettleHold(
   id: string,
   charged: { tokens: number; nanos: number },
   limits: Limits,
-  { ack }: { ack?: ReplicaAck } = {},
+  { ack, at = -1 }: { ack?: ReplicaAck; at?: number } = {},
 ): Promise<SettleHoldReply> {
   const { reply: r, replicated } = await runOnHash(redis, ack, SETTLE_HOLD, key, {
     id,
     charged: { tok: whole(charged.tokens), usd: whole(charged.nanos) },
+    at,
     limits,
   }, { orAlone: true });
   if (Number(r[0]) === -1) {

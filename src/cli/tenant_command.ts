@@ -10,7 +10,7 @@ import type { RedisClient } from "../clients.ts";
 import { KEY_PREFIX, serviceKeys } from "../runs/keys.ts";
 import { loadTenantBudgets, parseBudgetArgs, setTenantBudget } from "../tenants/tenant_budgets.ts";
 import { chargedThisPeriod } from "../jobs/job_store.ts";
-import { currentViews, hasBudget, seedFromRecord, type TenantBudget } from "../budgets/budgets.ts";
+import { type BudgetRecords, currentViews, hasBudget, seedFromRecord, type TenantBudget } from "../budgets/budgets.ts";
 import type { BudgetView } from "../budgets/budget_view.ts";
 
 const USAGE = "Usage: deno task tenant create NAME | list [--json] | revoke NAME | rotate-webhook-secret NAME" +
@@ -40,7 +40,12 @@ export async function tenantCommand(
   sql: Sql,
   args: string[],
   out = console.log,
-  { redis, prefix = KEY_PREFIX }: { redis?: RedisClient; prefix?: string } = {},
+  { redis, prefix = KEY_PREFIX, records }: {
+    redis?: RedisClient;
+    prefix?: string;
+    /** What a budget hash seeded here is rebuilt from: the processes' records (with batch lines' holds). */
+    records?: Pick<BudgetRecords, "spent">;
+  } = {},
 ): Promise<number> {
   const [action, name] = args;
   const run = action === "list"
@@ -50,7 +55,7 @@ export async function tenantCommand(
     : name && action !== undefined && Object.hasOwn(ACTIONS, action)
     ? ACTIONS[action as keyof typeof ACTIONS]
     : undefined;
-  const code = run ? await run(sql, name ?? "", args, out, { redis, prefix }) : undefined;
+  const code = run ? await run(sql, name ?? "", args, out, { redis, prefix, records }) : undefined;
   if (code !== undefined) return code;
   console.error(USAGE);
   return 2;
@@ -60,6 +65,7 @@ export async function tenantCommand(
 interface Spend {
   redis?: RedisClient;
   prefix: string;
+  records?: Pick<BudgetRecords, "spent">;
 }
 
 /** One action: its exit code, or undefined for a usage error. */
@@ -230,7 +236,8 @@ async function budget(sql: Sql, name: string, args: string[], out: (line: string
     return 1;
   }
   if (spend?.redis && hasBudget(after)) {
-    const records = { spent: (tenant: string) => chargedThisPeriod(sql, tenant) };
+    // The processes' records (with the tenant's batch lines in flight, held in a hash seeded here), else the spend.
+    const records = spend.records ?? { spent: (tenant: string) => chargedThisPeriod(sql, tenant) };
     await seedFromRecord({ redis: spend.redis, keys: serviceKeys(spend.prefix), records }, name);
   }
   if (!hasBudget(after)) {

@@ -37,7 +37,7 @@ export type BatchTimings =
   & Pick<SubmitterOptions, "intervalMs" | "leaseMs">
   & Pick<PollerOptions, "pollMs" | "intervalMs">
   & {
-    /** How often the budgets' holds of batch lines are swept (`Budgets.sweepHolds`); default a minute. */
+    /** How often the budgets' holds of batch lines are swept (`Budgets.sweepHolds`); default 5 minutes. */
     sweepMs?: number;
     /** How old a hold must be for the sweep to look at it; default 10 minutes. */
     sweepAfterMs?: number;
@@ -105,7 +105,7 @@ export function buildBatches(
       };
       const sweeping = budgets
         ? passEvery(
-          timings.sweepMs ?? 60_000,
+          timings.sweepMs ?? 5 * 60_000,
           signal,
           () => sweep().catch((error) => log.warn("budget_hold_sweep_failed", { error })),
         )

@@ -6,6 +6,7 @@ import { outboxCommand } from "../cli/outbox_command.ts";
 import { providerCommand } from "../cli/provider_command.ts";
 import { tasksCommand } from "../cli/tasks_command.ts";
 import { tenantCommand } from "../cli/tenant_command.ts";
+import { budgetRecords } from "./_budgets.ts";
 import { usageCommand } from "../cli/usage_command.ts";
 import { migrate, readMigrations } from "../db/migrate.ts";
 import { KEY_PREFIX, serviceKeys } from "../runs/keys.ts";
@@ -21,7 +22,7 @@ export async function runMigrate({ clients, log }: RunContext<{ sql: true }>): P
 
 /** `deno task tenant ...`. */
 export function runTenant({ clients, args }: RunContext<{ redis: true; sql: true }>): Promise<number> {
-  return tenantCommand(clients.sql, args, console.log, { redis: clients.redis });
+  return tenantCommand(clients.sql, args, console.log, { redis: clients.redis, records: budgetRecords(clients.sql) });
 }
 
 /** `deno task tasks list | show ...`. */

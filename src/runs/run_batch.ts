@@ -30,8 +30,7 @@ export type Batched = "batched";
  * Records the delivery's run into a batch when it is a batch run its deployments can take.
  * @returns "batched" when recorded (now or before); how it ended when it was decided before (the pre-check);
  * undefined when it runs online (not a batch run, no batch deployment of its model, a tenant whose budget has no room
- * for its worst case,
- * or a run with an expiry).
+ * for its worst case, or a run with an expiry).
  */
 export async function intoBatch(
   job: Job,
@@ -47,20 +46,11 @@ export async function intoBatch(
   // A run cancelled (or already done) before it was recorded is not recorded: its line would be paid for nothing.
   const skip = await preCheck(job, delivery, () => Promise.resolve());
   if (skip) return skip;
-  // The line's worst case at batch prices is held against the tenant's budgets until the line settles (the provider
-  // makes the call when it will, up to a day later), so batches in flight never take a tenant past a budget. One
-  // that no longer fits is not collected: the run goes online as `low`, where the reservation before its call
-  // holds it back like any run of that tenant. The hold is the run's (its id): a redelivery finds it held. Should
-  // the run never be recorded (a worker killed here and the run cancelled before its redelivery), the holds'
-  // sweep releases it.
-  let held: { tokens: number; nanos: number } | undefined;
-  try {
-    held = await job.budgets?.hold(delivery.tenant, target.model, worstCaseOf(call), delivery.job_id);
-  } catch (error) {
-    if (!(error instanceof GateRefused)) throw error;
-    delivery.log.info("run_not_batched_budget", { model: target.model, error: error.message });
-    return undefined;
-  }
+  // Recorded by an earlier delivery (its worker died before the ack): nothing more to hold or record. Asked before
+  // the hold, so that a line settled since (its hold gone) is not held again.
+  if (job.budgets && await job.batches.recorded(delivery.job_id)) return batched(delivery, target, "already");
+  const held = await holdLine(job, delivery, target.model, call);
+  if (held === "refused") return undefined;
   const recorded = await job.batches.record({
     runId: delivery.job_id,
     tenant: delivery.tenant,
@@ -70,6 +60,44 @@ export async function intoBatch(
     target,
     held,
   });
+  // Recorded: held again if the hash lost the hold meanwhile (rebuilt from a snapshot before this commit, or swept
+  // while no line stood behind it). A failure is logged: the hold is then missing only in those windows.
+  if (held && recorded === "recorded") {
+    await job.budgets?.keepHold(delivery.tenant, delivery.job_id, held)
+      .catch((error) => delivery.log.warn("batch_hold_keep_failed", { error }));
+  }
+  return batched(delivery, target, recorded);
+}
+
+/**
+ * Holds the line's worst case at batch prices against the tenant's budgets until the line settles (the provider
+ * makes the call when it will, up to a day later), so batches in flight never take a tenant past a budget.
+ * @returns what is held (undefined: no budget), or "refused" when it does not fit: the run is not collected and
+ * goes online as `low`, where the reservation before its call holds it back like any run of that tenant. The hold
+ * is the run's (its id): a redelivery finds it held. Should the run never be recorded (a worker killed here and the
+ * run cancelled before its redelivery), the holds' sweep releases it.
+ */
+async function holdLine(
+  job: Job,
+  delivery: Delivery,
+  model: string,
+  call: ModelCall,
+): Promise<{ tokens: number; nanos: number } | undefined | "refused"> {
+  try {
+    return await job.budgets?.hold(delivery.tenant, model, worstCaseOf(call), delivery.job_id);
+  } catch (error) {
+    if (!(error instanceof GateRefused)) throw error;
+    delivery.log.info("run_not_batched_budget", { model, error: error.message });
+    return "refused";
+  }
+}
+
+/** Logs the run collected (now, or by an earlier delivery) and says so. */
+function batched(
+  delivery: Delivery,
+  target: { deployment: string; model: string },
+  recorded: "recorded" | "already",
+): Batched {
   delivery.log.info(recorded === "recorded" ? "run_batched" : "run_batched_before", {
     deployment: target.deployment,
     model: target.model,

@@ -94,6 +94,8 @@ export interface AttemptStarts {
 export interface BatchIntake {
   /** The batch deployment and model a run accepting `models` (empty: the default) goes to; undefined: none. */
   target(models: readonly string[]): { deployment: string; model: string } | undefined;
+  /** Whether the run is recorded in a batch already (by an earlier delivery): its line holds what it holds. */
+  recorded(runId: string): Promise<boolean>;
   /**
    * Records the run into its target's open batch, in Postgres. Resolves only once it is recorded (the message
    * is acknowledged after that); a run recorded by an earlier delivery is not recorded again.

@@ -11,6 +11,10 @@ import { createBatchPoller } from "../../src/batches/batch_poller.ts";
 import { createBatchSubmitter } from "../../src/batches/batch_submitter.ts";
 import { BudgetExhausted, type Budgets } from "../../src/budgets/budgets.ts";
 import { seedBudgetState } from "../../src/budgets/seed_script.ts";
+import { heldIn, runHold } from "../../src/budgets/hold_script.ts";
+import { runSettleHold } from "../../src/budgets/settle_hold_script.ts";
+import { tenantCommand } from "../../src/cli/tenant_command.ts";
+import type { BatchIntake } from "../../src/runs/run_deps.ts";
 import { createPrices } from "../../src/llm/prices.ts";
 import type { Models } from "../../src/llm/models.ts";
 import { createGroupCommitter } from "../../src/runs/commit.ts";
@@ -19,7 +23,7 @@ import { createSummaryJob } from "../../src/runs/run_job.ts";
 import { SUMMARIZE_TASK, type TaskCache } from "../../src/tasks/task_cache.ts";
 import { setTenantBudget } from "../../src/tenants/tenant_budgets.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
-import { budgetsOn } from "../support/fixtures.ts";
+import { budgetRecords, budgetsOn } from "../support/fixtures.ts";
 import type { BatchScript } from "../support/fake_batch_api.ts";
 import { createTestRedis } from "../_support.ts";
 import { batchPayload, type BatchWorld, batchWorld, MODEL } from "./_fixture.ts";
@@ -43,23 +47,26 @@ async function holdsWorld(
   let online = 0;
   const models: Models = { defaultModel: MODEL, acquire: () => Promise.reject(new Error(`online call ${++online}`)) };
   const tasks = { peek: () => SUMMARIZE_TASK, get: () => Promise.resolve(SUMMARIZE_TASK) } as unknown as TaskCache;
-  const job = createSummaryJob({
-    sql: world.sql,
-    models,
-    log: world.log,
-    committer: createGroupCommitter({ sql: world.sql, log: world.log }),
-    tasks,
-    budgets,
-    batches: world.intake,
-  }, { budgetMs: 5_000, perCallTimeoutMs: 1_000, maxAttempts: 1 });
   const signal = new AbortController().signal;
-  /** Delivers a batch run of `acme` to the job: "batched", or the online call's error (it went online). */
-  const deliver = (jobId = crypto.randomUUID()) =>
-    job({
-      id: `${Date.now()}-0`,
-      fields: { job_id: jobId, tenant: "acme", payload: batchPayload("Some text. More text.") },
-      deliveries: 1,
-    }, signal).catch((error: Error) => error.message);
+  /** The run job over `intake`: delivers a batch run of `acme`; "batched", or the error (an online call's: it went online). */
+  const jobWith = (intake: BatchIntake) => {
+    const job = createSummaryJob({
+      sql: world.sql,
+      models,
+      log: world.log,
+      committer: createGroupCommitter({ sql: world.sql, log: world.log }),
+      tasks,
+      budgets,
+      batches: intake,
+    }, { budgetMs: 5_000, perCallTimeoutMs: 1_000, maxAttempts: 1 });
+    return (jobId = crypto.randomUUID()) =>
+      job({
+        id: `${Date.now()}-0`,
+        fields: { job_id: jobId, tenant: "acme", payload: batchPayload("Some text. More text.") },
+        deliveries: 1,
+      }, signal).catch((error: Error) => error.message);
+  };
+  const deliver = jobWith(world.intake);
   const poller = (onExpiry: "online" | "fail" = "online", online?: () => Promise<unknown>) =>
     createBatchPoller({ ...world, committer: createGroupCommitter({ sql: world.sql, log: world.log }) }, {
       onExpiry,
@@ -81,6 +88,7 @@ async function holdsWorld(
     keys,
     budgets,
     deliver,
+    jobWith,
     poller,
     view,
     onlineCalls: () => online,
@@ -188,15 +196,15 @@ Deno.test("a budget hash lost with lines in flight is rebuilt holding them, and 
   }
 });
 
-Deno.test("a hash lost between a line's usage row and its hold's settlement charges the line once", async () => {
+Deno.test("a hold's settlement that fails leaves its line for the next pass; a hash lost in between charges it once", async () => {
   const w = await holdsWorld();
   try {
     await setTenantBudget(w.world.sql, "acme", { "--tokens-per-day": 1_000_000 });
     const ids = [crypto.randomUUID(), crypto.randomUUID()];
     for (const id of ids) assert.equal(await w.deliver(id), "batched");
     const held = (await w.view()).reserved;
-    // The poller stops right after the first line's model_attempts row is written (its budget charge fails: Redis
-    // is not reached), as a crash between the two would leave it.
+    // Redis out of the poller's reach: the first line's usage row is written, its hold's settlement fails, and the
+    // pass stops there (as a crash between the two would leave it): the line is not settled, nor its run committed.
     let refuse = true;
     const budgets: Budgets = {
       ...w.budgets,
@@ -206,60 +214,125 @@ Deno.test("a hash lost between a line's usage row and its hold's settlement char
     const poller = createBatchPoller({
       ...w.world,
       committer: createGroupCommitter({ sql: w.world.sql, log: w.world.log }),
-    }, {
-      onExpiry: "online",
-      prices: prices(),
-      budgets,
-      leaseMs: 0,
-    });
-    assert.equal(await poller.runOnce(), 1);
-    refuse = false;
-    assert.deepEqual(await w.view(), { spent: 0, reserved: held }, "rows written, holds not settled");
-    // The hash is lost now: the rebuild counts the two rows as spend and holds neither line again.
+    }, { onExpiry: "online", prices: prices(), budgets, leaseMs: 0 });
+    await assert.rejects(poller.runOnce(), /Redis unreachable/);
+    assert.deepEqual(await lineStates(w.world.sql), ["null", "null"]);
+    const [rows] = await w.world.sql<{ n: number }[]>`SELECT count(*)::int AS n FROM model_attempts`;
+    assert.equal(rows!.n, 1, "the first line's usage row is written");
+    assert.deepEqual(await w.view(), { spent: 0, reserved: held }, "no hold settled yet");
+    // The hash is lost now: the rebuild counts the first line's row as spend and holds only the second line.
     await w.r.redis.del(w.keys.budget("acme"));
-    assert.deepEqual(await w.view(), { spent: 30, reserved: 0 });
-    // The settlements that failed, asked again, find no hold and charge nothing more.
-    for (const id of ids) await w.budgets.settleHold("acme", id, { tokens: 15, nanos: 0 });
+    assert.deepEqual(await w.view(), { spent: 15, reserved: held / 2 });
+    // Redis back: the next pass settles both lines, the first finding no hold (its row counted) and charging nothing.
+    refuse = false;
+    assert.equal(await poller.runOnce(), 1);
+    assert.deepEqual(await lineStates(w.world.sql), ["committed", "committed"]);
     assert.deepEqual(await w.view(), { spent: 30, reserved: 0 });
   } finally {
     await w.close();
   }
 });
 
-Deno.test("the sweep releases a hold no line stands behind, charges one whose line was charged, and keeps a live one", async () => {
+Deno.test("a worker killed between the hold and the recording: the redelivery holds once; a hash rebuilt before the record's commit holds the line again", async () => {
+  const w = await holdsWorld();
+  try {
+    const worst = await worstOfOne(w);
+    await setTenantBudget(w.world.sql, "acme", { "--tokens-per-day": 1_000_000 });
+    const key = w.keys.budget("acme");
+    const run = crypto.randomUUID();
+    const intake = w.world.intake;
+    let crash = true;
+    const job = w.jobWith({
+      ...intake,
+      record: async (r) => {
+        // The first delivery dies between its hold and its record.
+        if (crash) throw new Error("killed before the record");
+        // The hash lost and rebuilt by another process just before this record commits: its snapshot has no line.
+        await w.r.redis.del(key);
+        assert.deepEqual(await w.view(), { spent: 0, reserved: 0 }, "the rebuild saw no line to hold");
+        return await intake.record(r);
+      },
+    });
+    assert.match(String(await job(run)), /killed before the record/);
+    assert.deepEqual(await w.view(), { spent: 0, reserved: worst });
+    crash = false;
+    assert.equal(await job(run), "batched");
+    // Held again once recorded (it was lost in the rebuild), once.
+    assert.deepEqual(await w.view(), { spent: 0, reserved: worst });
+    // A third delivery (its ack lost) finds the run recorded, and holds nothing more.
+    assert.equal(await w.deliver(run), "batched");
+    assert.deepEqual(await w.view(), { spent: 0, reserved: worst });
+    const [row] = await w.world.sql<{ held: string }[]>`SELECT held_tokens::text AS held FROM batch_runs`;
+    assert.equal(Number(row!.held), worst);
+  } finally {
+    await w.close();
+  }
+});
+
+Deno.test("the sweep releases holds no line in flight stands behind, and leaves live ones", async () => {
   const w = await holdsWorld();
   try {
     await setTenantBudget(w.world.sql, "acme", { "--tokens-per-day": 1_000_000 });
     // A hold whose run was never recorded (its worker killed between the two, the run cancelled meanwhile).
     const orphan = crypto.randomUUID();
     await w.budgets.hold("acme", MODEL, { prompt: 1000, completion: 0 }, orphan);
-    // Two lines collected; the batch runs, but the budget charge of both fails (Redis unreachable to the poller).
-    const lines = [crypto.randomUUID(), crypto.randomUUID()];
-    for (const id of lines) assert.equal(await w.deliver(id), "batched");
-    // One more collected after the batch closed: live in the next batch.
-    const held = (await w.view()).reserved;
-    const budgets: Budgets = { ...w.budgets, settleHold: () => Promise.reject(new Error("Redis unreachable")) };
-    await createBatchSubmitter(w.world, { maxWaitMs: 0 }).runOnce();
-    const poller = createBatchPoller({
-      ...w.world,
-      committer: createGroupCommitter({ sql: w.world.sql, log: w.world.log }),
-    }, {
-      onExpiry: "online",
-      prices: prices(),
-      budgets,
-      leaseMs: 0,
-    });
-    assert.equal(await poller.runOnce(), 1);
-    assert.deepEqual(await lineStates(w.world.sql), ["committed", "committed"]);
-    const live = crypto.randomUUID();
-    assert.equal(await w.deliver(live), "batched");
-    const liveHeld = (await w.view()).reserved - held;
-    // Not yet old enough: the sweep looks at nothing.
+    // A line left out of its batch (cancelled before the upload): settled `left_out`, its hold still there.
+    const leftOut = crypto.randomUUID();
+    assert.equal(await w.deliver(leftOut), "batched");
+    const one = (await w.view()).reserved - 1000;
+    await w.world.sql`UPDATE batch_runs SET settled = 'left_out', in_file = false WHERE run_id = ${leftOut}::uuid`;
+    // A line in flight.
+    assert.equal(await w.deliver(), "batched");
+    assert.deepEqual(await w.view(), { spent: 0, reserved: 1000 + 2 * one });
+    // Not old enough: the sweep looks at nothing.
     assert.equal(await w.budgets.sweepHolds({ olderThanMs: 60_000 }), 0);
-    // Old enough: the orphan released, the two lines charged at their rows (15 tokens each), the live one kept.
-    assert.equal(await w.budgets.sweepHolds({ olderThanMs: 0 }), 3);
-    assert.deepEqual(await w.view(), { spent: 30, reserved: liveHeld });
+    await new Promise((resolve) => setTimeout(resolve, 5));
+    assert.equal(await w.budgets.sweepHolds({ olderThanMs: 0 }), 2);
+    assert.deepEqual(await w.view(), { spent: 0, reserved: one });
     assert.equal(await w.budgets.sweepHolds({ olderThanMs: 0 }), 0, "a second sweep finds nothing to do");
+  } finally {
+    await w.close();
+  }
+});
+
+Deno.test("a hold renewed after the sweep read it is not released by the sweep", async () => {
+  const r = await createTestRedis();
+  try {
+    const key = serviceKeys(r.prefix).budget("acme");
+    await seedBudgetState(r.redis, key, [0, 0, 0, 0]);
+    const limits = [-1, -1, -1, -1] as [number, number, number, number];
+    await runHold(r.redis, key, limits, { tokens: 100, nanos: 0 }, { id: "x" });
+    const [read] = await heldIn(r.redis, key);
+    await new Promise((resolve) => setTimeout(resolve, 5));
+    // A redelivery holds it again (renewed), then the sweep settles the hold it read: nothing is done.
+    await runHold(r.redis, key, limits, { tokens: 100, nanos: 0 }, { id: "x" });
+    const stale = await runSettleHold(r.redis, key, "x", { tokens: 0, nanos: 0 }, limits, { at: read!.atMs });
+    assert.equal(stale.applied, false);
+    assert.equal(await r.redis.hget(key, "bh:tok"), "100");
+    const [renewed] = await heldIn(r.redis, key);
+    const current = await runSettleHold(r.redis, key, "x", { tokens: 0, nanos: 0 }, limits, { at: renewed!.atMs });
+    assert.equal(current.applied, true);
+    assert.equal(await r.redis.hget(key, "bh:tok"), "0");
+  } finally {
+    await r.close();
+  }
+});
+
+Deno.test("`tenant budget` run on a lost hash rebuilds it with the lines in flight held", async () => {
+  const w = await holdsWorld();
+  try {
+    const worst = await worstOfOne(w);
+    await setTenantBudget(w.world.sql, "acme", { "--tokens-per-day": 1_000_000 });
+    for (let i = 0; i < 2; i++) assert.equal(await w.deliver(), "batched");
+    await w.r.redis.del(w.keys.budget("acme"));
+    const out: string[] = [];
+    const code = await tenantCommand(w.world.sql, ["budget", "acme", "--tokens-per-day", "2000000"], (line) => {
+      out.push(String(line));
+    }, { redis: w.r.redis, prefix: w.r.prefix, records: budgetRecords(w.world.sql) });
+    assert.equal(code, 0, out.join("\n"));
+    assert.deepEqual(await w.view(), { spent: 0, reserved: 2 * worst });
+    await submitAndSettle(w.world, w.poller());
+    assert.deepEqual(await w.view(), { spent: 30, reserved: 0 });
   } finally {
     await w.close();
   }
