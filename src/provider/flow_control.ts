@@ -80,7 +80,7 @@ export const FLOW_DEFAULTS = {
    */
   configTtlMs: 10_000,
   /** Permits are paced at this share of the limit, leaving room for clock and network jitter. */
-  margin: 0.97,
+  margin: 0.95,
   /**
    * The first request permit after this long without one takes two slots: the provider counts when calls arrive,
    * the limiter when they are granted, and that call may arrive late (a new connection) or follow the calls made

@@ -42,6 +42,11 @@ export interface ServerCounts {
   maxPerSecond: number;
   /** When each 429 was answered, in ms from the server's first request. */
   limitedAtMs: number[];
+  /**
+   * The shortest time spanned by limit + 1 arrivals in a row (ms): under 1,000, the provider saw more than its
+   * limit in a sliding second; its distance above 1,000 is the headroom the pacing left.
+   */
+  tightestMs: number;
 }
 
 /** What one run measured. */
@@ -166,7 +171,7 @@ export async function deploymentsRun(
     return {
       jobs,
       seconds,
-      servers: Object.fromEntries(servers.map((s) => [s.name, countsOf(s.provider, s.arrived, s.limitedAt)])),
+      servers: Object.fromEntries(servers.map((s) => [s.name, countsOf(s.provider, s.arrived, s.limitedAt, s.rps)])),
       served: Object.fromEntries(served.map((s) => [s.deployment, s.n])),
       dead: deadCount,
     };
@@ -179,14 +184,17 @@ export async function deploymentsRun(
   }
 }
 
-function countsOf(provider: LimitedProvider, arrived: number[], limitedAt: number[]): ServerCounts {
+function countsOf(provider: LimitedProvider, arrived: number[], limitedAt: number[], rps: number): ServerCounts {
   const { ok, rateLimited } = provider.counts;
   const first = arrived[0] ?? 0;
+  let tightest = Infinity;
+  for (let i = rps; i < arrived.length; i++) tightest = Math.min(tightest, arrived[i]! - arrived[i - rps]!);
   return {
     calls: arrived.length,
     ok,
     rateLimited,
     maxPerSecond: maxInWindow(arrived),
     limitedAtMs: limitedAt.map((at) => Math.round(at - first)),
+    tightestMs: Math.round(tightest),
   };
 }

@@ -8,7 +8,7 @@
  * shortest wait its flows named, 50 ms for a flow that named none, at least 50 ms.
  *
  * Every flow is real, in one Redis under a scratch prefix, with a configured limit and nothing else booked, so
- * its gate's permits are exact: `floor(1000 ms / interval) + 1` at an interval of `60000 / (rpm * 0.97)` ms.
+ * its gate's permits are exact: `floor(1000 ms / interval) + 1` at an interval of `60000 / (rpm * FLOW_DEFAULTS.margin)` ms.
  * No model is ever called: a call's permit is settled as aborted, which says nothing about the provider.
  */
 import assert from "node:assert/strict";
@@ -22,7 +22,7 @@ import { createProviderFlow, type ProviderFlow, providerStateKey } from "../../s
 import { createTestRedis, type TestRedis, waitFor } from "../_support.ts";
 
 /** The permits a flow's gate has with nothing booked, by its configured requests per minute. */
-const PERMITS = { 600: 10, 1200: 20, 3000: 49, 100_000: 1617 } as const;
+const PERMITS = { 600: 10, 1200: 20, 3000: 48, 100_000: 1584 } as const;
 type Rpm = keyof typeof PERMITS;
 
 /** An error as the OpenAI SDK raises it for an HTTP answer. */
@@ -105,7 +105,7 @@ Deno.test("the router's read gate: the models asked for lately, less the callers
         const [deployment, model] = key.split("/") as [string, string];
         assert.deepEqual(await flow(deployment, model).ready(), { permits: PERMITS[rpm], waitMs: 0 }, key);
       }
-      assert.deepEqual(await models.capacity!(500), { permits: 10 + 1617 + 20 + 49, waitMs: 0 });
+      assert.deepEqual(await models.capacity!(500), { permits: 10 + 1584 + 20 + 48, waitMs: 0 });
     });
 
     await t.step("calls asked for A only: A's deployments count, B's much larger limit and C do not", async () => {
@@ -123,7 +123,7 @@ Deno.test("the router's read gate: the models asked for lately, less the callers
       const { models, flow } = routerOf(r, { east: { A: 600, B: 100_000 }, west: { A: 1200, C: 3000 } });
       await call(models, ["A"], flow);
       await call(models, ["B"], flow);
-      assert.deepEqual(await models.capacity!(500), { permits: 10 + 20 + 1617, waitMs: 0 });
+      assert.deepEqual(await models.capacity!(500), { permits: 10 + 20 + 1584, waitMs: 0 });
       // (Past the 10 s window B would drop out; the router reads performance.now() and its window is a constant,
       // so that is not checked here.)
     });
@@ -132,10 +132,10 @@ Deno.test("the router's read gate: the models asked for lately, less the callers
       const listed = routerOf(r, { east: { A: 600, B: 100_000 }, west: { A: 1200, C: 3000 } });
       const got = await call(listed.models, ["A", "B"], listed.flow);
       assert.equal(got.model, "A", "served by its first model");
-      assert.deepEqual(await listed.models.capacity!(500), { permits: 10 + 20 + 1617, waitMs: 0 });
+      assert.deepEqual(await listed.models.capacity!(500), { permits: 10 + 20 + 1584, waitMs: 0 });
       const summary = routerOf(r, { east: { A: 600, B: 100_000 }, west: { A: 1200, C: 3000 } }, "C");
       assert.equal((await call(summary.models, [], summary.flow)).model, "C");
-      assert.deepEqual(await summary.models.capacity!(500), { permits: 49, waitMs: 0 });
+      assert.deepEqual(await summary.models.capacity!(500), { permits: 48, waitMs: 0 });
     });
 
     await t.step("callers waiting in acquire() are taken off; more than the permits: none, and a wait", async () => {
@@ -168,7 +168,7 @@ Deno.test("the router's read gate: the models asked for lately, less the callers
     });
 
     await t.step("a caller with a slot booked ahead is not taken off twice: the gate is its flow's", async () => {
-      // One deployment at 600 rpm (a slot every 103 ms): three calls at once, the first goes at once and the
+      // One deployment at 600 rpm (a slot every 105 ms): three calls at once, the first goes at once and the
       // other two sleep in the flow until their booked slots. The flow's own gate already leaves their slots out;
       // the router counted them again as waiting (6 against the flow's 8), so the worker read fewer jobs than the
       // flow allowed while calls were paced.
@@ -188,10 +188,10 @@ Deno.test("the router's read gate: the models asked for lately, less the callers
     await t.step("a paused deployment and a broken one count nothing", async () => {
       const { models, flow } = routerOf(r, { east: { A: 600 }, west: { A: 1200 }, north: { A: 3000 } });
       await call(models, ["A"], flow);
-      assert.deepEqual(await models.capacity!(500), { permits: 10 + 20 + 49, waitMs: 0 });
+      assert.deepEqual(await models.capacity!(500), { permits: 10 + 20 + 48, waitMs: 0 });
       // A pause shorter than LLM_FALLBACK_AFTER_S (2 s of 10 s): the model is still available, west counts 0.
       await pause(flow("west", "A"), 2);
-      assert.deepEqual(await models.capacity!(500), { permits: 10 + 49, waitMs: 0 });
+      assert.deepEqual(await models.capacity!(500), { permits: 10 + 48, waitMs: 0 });
       // north out of quota: its breaker open, it counts 0 too (until its first probe is due, 1 s on, when its
       // half-open flow counts the probe's 1).
       await breakOpen(flow("north", "A"));
