@@ -327,7 +327,8 @@ export function openAiRoutes(deps: OpenAiApiDeps): Router {
   async function finished(req: Request, tenant: string, runId: string, waitS: number) {
     const waited = await waitIfPreferred(deps, req, tenant, runId, waitS);
     if (!waited?.finished) return undefined;
-    return await withUsage(tenant, runId, await jobDocument(deps, tenant, runId) ?? undefined);
+    // The wait's last look found the run's outcome: no second read.
+    return await withUsage(tenant, runId, waited.found);
   }
 
   /**

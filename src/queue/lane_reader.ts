@@ -103,6 +103,21 @@ async function takeFrom(
   return { perStream, capped: state === 1, drained: state === 2 };
 }
 
+/** Starts what a take gave, each message with its stream. @returns how many. */
+function startTaken(lane: LaneNames, taken: Taken, start: (l: LaneNames, s: QueueNames, m: StreamMessage) => void) {
+  let took = 0;
+  lane.streams.forEach((stream, k) => {
+    const names = { stream, dead: lane.dead, group: lane.group };
+    for (const [id, flat] of taken.perStream[k] ?? []) {
+      if (flat === null) continue;
+      // A new message has been delivered exactly once.
+      start(lane, names, { id, fields: fieldsToObject(flat), deliveries: 1 });
+      took++;
+    }
+  });
+  return took;
+}
+
 /** Creates the reader of one worker. */
 export function createLaneReader({ redis }: { redis: RedisClient }, options: LaneReaderOptions): LaneReader {
   const { consumer, groups, shares, lanes: source } = options;
@@ -112,6 +127,8 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
   // Lanes with work not to read for now (`skip`: a tenant whose budget is spent), looked at again on every read.
   const skipped = new Map<string, LaneNames>();
   let weightOf: (lane: LaneNames) => number = () => 1;
+  // Whether the last read started nothing: the next is a wake-up's (or a poll's), see `read`.
+  let wasIdle = true;
 
   const take = (lane: LaneNames, count: number) => takeFrom(redis, consumer, options.laneMaxInFlight, lane, count);
 
@@ -150,21 +167,6 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
     for (const lane of await source.idle(lanes)) serve(lane);
   }
 
-  /** Starts what a take gave, each message with its stream. @returns how many. */
-  function startTaken(lane: LaneNames, taken: Taken, start: (l: LaneNames, s: QueueNames, m: StreamMessage) => void) {
-    let took = 0;
-    lane.streams.forEach((stream, k) => {
-      const names = { stream, dead: lane.dead, group: lane.group };
-      for (const [id, flat] of taken.perStream[k] ?? []) {
-        if (flat === null) continue;
-        // A new message has been delivered exactly once.
-        start(lane, names, { id, fields: fieldsToObject(flat), deliveries: 1 });
-        took++;
-      }
-    });
-    return took;
-  }
-
   /**
    * Shares `free` slots between the lanes with work by weighted cost: each round asks the lanes furthest behind
    * (see `LaneShares.plan`) at once, one take each, so one tenant's backlog never stalls another's jobs, a tenant of
@@ -178,8 +180,21 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
     ahead?: Promise<void>,
   ) {
     if (options.weights) weightOf = await options.weights();
-    await (ahead ?? refresh());
+    // Woken from idle with two slots or more free, the lane furthest behind that is known already (a wake-up names
+    // its lane as it comes) gives one message beside the walk for news, and the lanes the walk names share the
+    // other slots: the first job after a wake-up waits one round trip, not two. Otherwise the walk comes first.
+    const learning = ahead ?? refresh();
+    let learned = !(wasIdle && free >= 2);
+    if (learned) await learning;
+    else learning.catch(() => {}); // observed by `learn`
     unskip();
+    // What became of the walk beside the first take: a failure is thrown if the read started nothing.
+    let walk: { error: unknown } | undefined;
+    const learn = async () => {
+      learned = true;
+      await learning.catch((error) => walk = { error });
+      unskip();
+    };
     let started = 0;
     let capped = false;
     // Lanes not asked again in this read (capped, or gave fewer than asked): put back at its end.
@@ -199,8 +214,12 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
       // Keep asking until the free slots are used or every lane has said it has no more: an empty or capped lane
       // never leaves a slot idle while another lane has work.
       while (free > 0) {
-        const plan = shares.plan(free, usable);
-        if (plan.length === 0) break;
+        const plan = shares.plan(learned ? free : 1, usable);
+        if (plan.length === 0) {
+          if (learned) break;
+          await learn();
+          continue;
+        }
         planned = plan.map(({ lane }) => lane);
         const results = await Promise.all(plan.map(async ({ lane: id }, i) => {
           const lane = known.get(id)!;
@@ -212,17 +231,19 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
             return undefined;
           }
         }));
+        const took = plan.map(({ lane: id }, i) => results[i] ? startTaken(known.get(id)!, results[i], start) : 0);
+        // The walk's lanes are learned before those the take drained are dropped: a lane it drained stays drained.
+        if (!learned) await learn();
         const emptied: LaneNames[] = [];
         plan.forEach(({ lane: id, count }, i) => {
           const lane = known.get(id)!;
           const taken = results[i];
-          const took = taken ? startTaken(lane, taken, start) : 0;
           capped ||= taken?.capped ?? false;
-          free -= took;
-          started += took;
+          free -= took[i]!;
+          started += took[i]!;
           if (taken?.drained) emptied.push(lane);
           // A lane that gave fewer than asked is capped (or failed) for now: not asked again in this read.
-          else if (took < count) aside.push(id);
+          else if (took[i]! < count) aside.push(id);
           else shares.putBack(id);
         });
         planned = [];
@@ -232,6 +253,8 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
       for (const id of planned) shares.putBack(id);
       for (const id of aside) shares.putBack(id, true);
     }
+    wasIdle = started === 0;
+    if (walk && started === 0) throw walk.error;
     // Nothing to take: wait for a wake-up; a capped lane frees up as its jobs finish, so look again soon.
     if (started === 0 && block > 0) await source.wait(capped ? Math.min(block, READER_DEFAULTS.cappedWaitMs) : block);
     return started;

@@ -16,7 +16,7 @@ import { type Intake, type IntakeResult, QueueFull } from "./intake.ts";
 import { BudgetExhausted, type Budgets, BudgetTooSmall, ModelUnpriced, worstCaseTokens } from "../budgets/budgets.ts";
 import { NotReplicated } from "../redis/replica_ack.ts";
 import { cancelJob } from "../jobs/job_store.ts";
-import { jobDocument } from "./job_document.ts";
+import { jobDocument, type JobFound } from "./job_document.ts";
 import { markCancelled } from "./job_status.ts";
 import { type BodyAdmission, type BodyRelease, declaredBytes } from "../http/body_admission.ts";
 import { type JobWaiter, preferredWaitS } from "./job_waiter.ts";
@@ -133,6 +133,8 @@ export async function budgetRefusal(
 /** What a `Prefer: wait` came to: the job's document, and whether it finished within the wait. */
 export interface Waited {
   document: SummaryStatus;
+  /** The job as the wait's last look found it (`document` is its document): its output and tokens by kind. */
+  found: JobFound;
   /** The `Preference-Applied` value. */
   applied: string;
   finished: boolean;
@@ -215,10 +217,12 @@ async function waitFor(
   try {
     for (;;) {
       const found = await jobDocument(deps, tenant, jobId);
-      if (found && FINISHED.has(found.document.status)) return { document: found.document, applied, finished: true };
+      if (found && FINISHED.has(found.document.status)) {
+        return { document: found.document, found, applied, finished: true };
+      }
       const left = deadline - performance.now();
       if (!found) return null;
-      if (left <= 0 || deps.shutdown?.aborted) return { document: found.document, applied, finished: false };
+      if (left <= 0 || deps.shutdown?.aborted) return { document: found.document, found, applied, finished: false };
       // Linked for this wait only: the shutdown signal outlives every request (see linkedSignal).
       const stop = linkedSignal(req.signal, ...(deps.shutdown ? [deps.shutdown] : []));
       try {

@@ -179,11 +179,8 @@ export function runRoutes(deps: RunApiDeps): Router {
         {
           enqueued: (jobId) =>
             deps.log.info("run_enqueued", { job_id: jobId, tenant, task: task.name, version: task.version }),
-          // The wait ended on the run's outcome: read it once more for its output and tokens by kind.
-          finished: async (jobId, waited) => {
-            const now = await jobDocument(deps, tenant, jobId);
-            return now ? runDocument(now) : waited.document;
-          },
+          // The wait's last look found the run's outcome, with its output and tokens by kind: no second read.
+          finished: (_, waited) => Promise.resolve(runDocument(waited.found)),
         },
       );
     });
@@ -197,9 +194,8 @@ export function runRoutes(deps: RunApiDeps): Router {
     if (!FINISHED.has(found.document.status)) {
       const waited = await waitIfPreferred(deps, req, tenant, runId);
       if (waited?.finished) {
-        // The wait ended on the run's outcome: read it once more for its output and tokens by kind.
-        const now = await jobDocument(deps, tenant, runId);
-        return json(200, runDocument(now ?? { ...found, document: waited.document }), {
+        // The wait's last look found the run's outcome, with its output and tokens by kind: no second read.
+        return json(200, runDocument(waited.found), {
           ...headers,
           "preference-applied": waited.applied,
         });

@@ -29,6 +29,12 @@ export interface AuthOptions {
   now?: () => number;
 }
 
+/** Defaults of {@linkcode createAuthenticator}. */
+export const AUTH_DEFAULTS = {
+  /** How old a cached key row (or tenant) may be (`cacheTtlMs`): a revocation takes effect within this time. */
+  cacheTtlMs: 10_000,
+} as const;
+
 /** An id's row as cached: its tenant, its secret's hash, and the one key already checked against that hash. */
 type Known = { tenant: string; hash: Uint8Array; verified?: string };
 /**
@@ -70,7 +76,7 @@ function constantTimeEqual(a: string, b: string): boolean {
  */
 export function createAuthenticator({ sql }: { sql: Sql }, options: AuthOptions): Authenticate {
   const bounds = {
-    ttlMs: options.cacheTtlMs ?? 10_000,
+    ttlMs: options.cacheTtlMs ?? AUTH_DEFAULTS.cacheTtlMs,
     maxBytes: options.cacheBytes,
     absentBytes: options.absentCacheBytes,
     signal: options.signal,

@@ -8,6 +8,7 @@ import { createOpenAiLlm } from "../../src/llm/openai_llm.ts";
 import { serviceKeys } from "../../src/runs/keys.ts";
 import { createJobWaiter } from "../../src/runs/job_waiter.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
+import { AUTH_DEFAULTS } from "../../src/tenants/authenticator.ts";
 import { silentLogger } from "../../src/log/logger.ts";
 import { startFakeModel } from "../support/fake_model_server.ts";
 import { apiHandler, summaryWorker } from "../support/fixtures.ts";
@@ -30,7 +31,12 @@ export async function benchOpenAiDoor(
   const keys = serviceKeys(r.prefix);
   const model = startFakeModel();
   const waiter = await createJobWaiter({ sql: db.sql, log: silentLogger });
-  const handler = apiHandler({ redis: r.redis, sql: db.sql, keys }, { authMode: "api-key", waiter });
+  // Keys cached as the API process caches them (the fixture's default of 0 looks the key up on every request).
+  const handler = apiHandler({ redis: r.redis, sql: db.sql, keys }, {
+    authMode: "api-key",
+    waiter,
+    authCacheTtlMs: AUTH_DEFAULTS.cacheTtlMs,
+  });
   const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen() {} }, (req) => handler(req));
   const llm = createOpenAiLlm({ apiKey: "sk-bench", model: "fake-model", baseURL: model.url });
   const worker = summaryWorker({ redis: r.redis, sql: db.sql, llm, keys }, { job: { model: "fake-model" } });
