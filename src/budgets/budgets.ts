@@ -591,6 +591,21 @@ function announce(
   p.events.threshold?.(tenant, b, percent);
 }
 
+/** Reports a settlement: the tenant's spend and reservations now, and the 80% and 100% marks it crossed first. */
+function reportSettled(
+  p: ProcessBudgets,
+  tenant: string,
+  limits: Limits,
+  after: { spent: Limits; reserved: Limits; marks: { budget: number; percent: 80 | 100 }[] },
+): void {
+  p.events.state?.(tenant, after.spent, after.reserved);
+  for (const { budget: i, percent } of after.marks) {
+    const usd = BUDGETS[i]!.unit === "usd";
+    const show = (n: number) => usd ? nanosToUsd(n) : n;
+    announce(p, tenant, i, percent, { limit: show(limits[i]!), spent: show(after.spent[i]!) });
+  }
+}
+
 /** Reserves a call's worst case (see {@linkcode Budgets.reserve}). */
 async function reserve(
   p: ProcessBudgets,
@@ -664,12 +679,7 @@ async function settle(
   if (after.inc !== own.inc) {
     await reinstate(p, tenant, after.inc).catch((error) => p.log.warn("budget_reinstate_failed", { tenant, error }));
   }
-  p.events.state?.(tenant, after.spent, after.reserved);
-  for (const { budget: i, percent } of after.marks) {
-    const usd = BUDGETS[i]!.unit === "usd";
-    const show = (n: number) => usd ? nanosToUsd(n) : n;
-    announce(p, tenant, i, percent, { limit: show(limits[i]!), spent: show(after.spent[i]!) });
-  }
+  reportSettled(p, tenant, limits, after);
 }
 
 /**
@@ -705,12 +715,7 @@ async function chargeUnreserved(
     return;
   }
   if (!after.applied) return;
-  p.events.state?.(tenant, after.spent, after.reserved);
-  for (const { budget: i, percent } of after.marks) {
-    const usd = BUDGETS[i]!.unit === "usd";
-    const show = (n: number) => usd ? nanosToUsd(n) : n;
-    announce(p, tenant, i, percent, { limit: show(limits[i]!), spent: show(after.spent[i]!) });
-  }
+  reportSettled(p, tenant, limits, after);
 }
 
 /** Holds a batch line's worst case (see {@linkcode Budgets.hold}). */
@@ -769,12 +774,7 @@ async function settleHold(
   }
   if (!after.applied) return;
   if (!after.replicated) p.log.warn("budget_settle_not_replicated", { tenant });
-  p.events.state?.(tenant, after.spent, after.reserved);
-  for (const { budget: i, percent } of after.marks) {
-    const usd = BUDGETS[i]!.unit === "usd";
-    const show = (n: number) => usd ? nanosToUsd(n) : n;
-    announce(p, tenant, i, percent, { limit: show(limits[i]!), spent: show(after.spent[i]!) });
-  }
+  reportSettled(p, tenant, limits, after);
 }
 
 /** Holds a recorded line again if its hold is gone (see {@linkcode Budgets.keepHold}). */
