@@ -3,7 +3,7 @@
  * every window of a batch's life, then every effect counted.
  *
  *   deno task chaos:batches [--runs N] [--max-runs M] [--duration S] [--kills K] [--kill-chance P] [--seed S]
- *                           [--expire-every K] [--drain-timeout S] [--keep-logs]
+ *                           [--expire-every K] [--drain-timeout S] [--budgets] [--corrupt-budget] [--keep-logs]
  *
  * It starts the API, two workers and a relay as `main.ts` subprocesses with the permission sets their tasks
  * derive, against a scratch Postgres database and an empty Redis database index. `LLM_DEPLOYMENTS` names one
@@ -59,21 +59,35 @@
  *   has none;
  * - every `batches` row ends `committed`, every `batch_runs` row settled (`committed` or, for the unfinished
  *   lines, `online`); no process exited on its own, and each stopped within 15 s of SIGTERM.
+ *
+ * With `--budgets`, two tenants post under budgets set by the real `tenant budget` command before the processes
+ * start (`batch-a` per day, `batch-b` per month, each in tokens and USD, room for all their runs), so every line
+ * holds its worst case from collection until it settles; at the end no hold is left, each budget's spend is its
+ * tenant's `model_attempts` rows and the provider's report at batch prices, and no budget was ever passed (see
+ * `batch_budgets.ts`, and `--corrupt-budget` for a self-check of those checks).
  */
 import { Redis } from "ioredis";
 import { sleep } from "../../src/async/timeout.ts";
 import { parseConfig } from "../../src/config.ts";
 import { costNanos, type ModelPrice } from "../../src/llm/prices.ts";
 import { RUN_KEY_PREFIX } from "../../src/runs/shapes.ts";
+import { KEY_PREFIX, serviceKeys } from "../../src/runs/keys.ts";
 import { createApiKey } from "../../src/tenants/tenant_store.ts";
 import { deploymentsEnv } from "../support/deployments_env.ts";
 import type { BatchApiStep, BatchScript, LineOutcome } from "../support/fake_batch_api.ts";
 import { startFakeMail } from "../support/fake_mail_server.ts";
-import { defaultAnswer, realisticUsage, startFakeModel, type Usage } from "../support/fake_model_server.ts";
+import {
+  type ChatBody,
+  defaultAnswer,
+  realisticUsage,
+  startFakeModel,
+  type Usage,
+} from "../support/fake_model_server.ts";
 import { freePort } from "../support/free_port.ts";
 import { seededRandom } from "../support/random.ts";
 import { createScratchDatabase, emptyRedisDatabase, releaseRedisDatabase } from "../support/scratch.ts";
 import { apiHealthy, createSpawner, numberOption, type Proc, stopAll, taskArgsOf } from "./_processes.ts";
+import { batchBudgets, type BudgetCheck } from "./batch_budgets.ts";
 
 // ---------------------------------------------------------------- options
 const args = Deno.args;
@@ -88,6 +102,9 @@ const KILL_CHANCE = option("kill-chance", 0.5);
 const EXPIRE_EVERY = Math.max(0, Math.floor(option("expire-every", 4)));
 const DRAIN_TIMEOUT_S = option("drain-timeout", 900);
 const KEEP_LOGS = args.includes("--keep-logs");
+/** A self-check of the budget checks: the budget of `batch-a` is corrupted once the run drained (see batch_budgets.ts). */
+const CORRUPT_BUDGET = args.includes("--corrupt-budget");
+const BUDGETS = args.includes("--budgets") || CORRUPT_BUDGET;
 const SEED = option("seed", Date.now() % 1_000_000);
 const random = seededRandom(SEED);
 const CLIENTS = 16;
@@ -199,6 +216,33 @@ const env: Record<string, string> = {
 };
 const config = parseConfig(env);
 const { spawn, killedByUs, selfExits } = createSpawner({ logDir, env, argsOf: (task) => taskArgsOf(task, config) });
+
+/** `main.ts tenant ARGS`, as `deno task tenant` runs it: @returns its output. */
+async function tenantCommand(commandArgs: string[]): Promise<string> {
+  const out = await new Deno.Command(Deno.execPath(), {
+    args: [...taskArgsOf("tenant", config), ...commandArgs],
+    env,
+    stdout: "piped",
+    stderr: "piped",
+  }).output();
+  const text = (bytes: Uint8Array) => new TextDecoder().decode(bytes).trim();
+  if (!out.success) throw new Error(`tenant ${commandArgs.join(" ")} exited ${out.code}: ${text(out.stderr)}`);
+  return text(out.stdout);
+}
+// --budgets: set before any process starts, as an operator would.
+const budgetMode = BUDGETS
+  ? batchBudgets({
+    sql: db.sql,
+    redis: redisAdmin,
+    keys: serviceKeys(KEY_PREFIX),
+    price: PRICE,
+    tenantCommand,
+    plannedRuns: (tenant) =>
+      Array.from({ length: RUNS }, (_, i) => i).filter((i) => TENANTS[i % TENANTS.length] === tenant).length,
+  })
+  : undefined;
+await budgetMode?.setUp();
+
 const procs: Proc[] = [];
 for (
   const [name, task] of [["api", "api"], ["worker-1", "worker"], ["worker-2", "worker"], ["relay", "relay"]] as const
@@ -521,6 +565,15 @@ try {
   const progress = setInterval(() => {
     drained(accepted()).then(({ line }) => note(`submitted ${submissions.length}/${RUNS}; ${line}`), () => {});
   }, 5_000);
+  // --budgets: each budget sampled every 250 ms until the run drained (one sample at a time).
+  let sampling: Promise<void> | undefined;
+  const sampler = setInterval(() => {
+    if (budgetMode && !sampling) {
+      sampling = budgetMode.sample().catch((error) => void note(`budget sample failed: ${error}`)).finally(() => {
+        sampling = undefined;
+      });
+    }
+  }, 250);
   try {
     await Promise.all(Array.from({ length: CLIENTS }, async () => {
       while (next < RUNS) {
@@ -552,7 +605,10 @@ try {
   } finally {
     killsOver = true;
     clearInterval(progress);
+    clearInterval(sampler);
+    await sampling;
   }
+  if (CORRUPT_BUDGET) await budgetMode!.corrupt();
 } catch (error) {
   failure = error;
 }
@@ -751,6 +807,38 @@ check(settledOtherwise.length === 0, `${settledOtherwise.length} line(s) settled
 const notBatched = ids.filter((id) => !settledAs.has(id)).length;
 check(notBatched === 0, `${notBatched} run(s) never recorded into a batch (ran online as low)`);
 
+// --budgets: no hold left, spend = the record = the provider's report, no budget passed (batch_budgets.ts).
+if (budgetMode) {
+  try {
+    await budgetMode.finish({
+      runsOf: (tenant) => submissions.filter((s) => s.tenant === tenant && s.runId).map((s) => s.runId!),
+      reported: reportedUsage,
+      online: onlineRequests.map((job, i) => ({
+        n: i + 1,
+        runId: runOfIndex.get(job),
+        job,
+        body: model.bodies[i] as ChatBody,
+        usage: model.usages[i],
+      })),
+      wentOnline: (id) => unfinishedLines.has(id) || repaired.has(id),
+    });
+  } catch (error) {
+    problems.push(`the budgets could not be checked: ${error instanceof Error ? error.message : error}`);
+  }
+  const found = budgetMode.problems();
+  if (CORRUPT_BUDGET) {
+    // The self-check: each of the three checks must have failed on the corrupted budget, and nothing else.
+    const expected: BudgetCheck[] = ["holds", "spend", "limit"];
+    for (const { check: kind, problem } of found) console.log(`expected (--corrupt-budget), ${kind}: ${problem}`);
+    const missed = expected.filter((kind) => !found.some((f) => f.check === kind && f.problem.startsWith("batch-a:")));
+    check(missed.length === 0, `--corrupt-budget: the ${missed.join(", ")} check(s) did not catch the corruption`);
+    const other = found.filter((f) => !f.problem.startsWith("batch-a:") || f.check === "other");
+    for (const f of other) problems.push(`budgets: ${f.problem}`);
+  } else {
+    for (const f of found) problems.push(`budgets: ${f.problem}`);
+  }
+}
+
 // ---------------------------------------------------------------- clean up
 const stuck = await stopAll(procs, killedByUs);
 check(selfExits.length === 0, `processes exited on their own: ${selfExits.join(", ")}`);
@@ -822,6 +910,7 @@ const rows: [string, string][] = [
     `${usd(batchNanos)} / ${usd(onlineEquivalentNanos)}`,
   ],
   ["online calls (expired lines, repairs) at online prices", usd(onlineNanos)],
+  ...(budgetMode?.rows() ?? []),
   ["POSTs took / from the last POST to drained", `${lastPostS.toFixed(1)} s / ${drainS.toFixed(1)} s`],
   ["wall time", elapsed()],
 ];
@@ -837,3 +926,9 @@ if (problems.length > 0) {
 if (KEEP_LOGS) console.log(`\nprocess logs: ${logDir}`);
 else await Deno.remove(logDir, { recursive: true });
 console.log("\nOK: every batch run done once, one email each, at batch prices; no batch created twice.");
+if (budgetMode && !CORRUPT_BUDGET) {
+  console.log(
+    "OK: no hold left; each budget's spend is its model_attempts rows and the provider's report; none passed.",
+  );
+}
+if (CORRUPT_BUDGET) console.log("OK: the budget checks caught the corrupted budget (holds, spend, limit).");
