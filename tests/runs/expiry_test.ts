@@ -220,7 +220,9 @@ Deno.test("expiry", async (t) => {
 
     await t.step("waiting for a permit in a provider pause: the wait ends at the expiry, no call", async () => {
       const models = pausedModels();
-      const expiresAt = Date.now() + 400;
+      // Seconds, not milliseconds (a CI run on a Redis Cluster once took the run after a 400 ms expiry: decided at
+      // once, it never asked for a permit): the worker must start and take the run before it expires.
+      const expiresAt = Date.now() + 2_000;
       const runId = await enqueue("paused", { expires_at: expiresAt });
       const stop = running(summaryWorker({ redis: r.redis, sql: db.sql, models, keys }));
       try {
