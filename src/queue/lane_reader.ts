@@ -252,8 +252,9 @@ export function createLaneReader({ redis }: { redis: RedisClient }, options: Lan
     } finally {
       for (const id of planned) shares.putBack(id);
       for (const id of aside) shares.putBack(id, true);
+      // Also when the read throws after starting jobs: the next read is then a busy worker's, which walks first.
+      wasIdle = started === 0;
     }
-    wasIdle = started === 0;
     if (walk && started === 0) throw walk.error;
     // Nothing to take: wait for a wake-up; a capped lane frees up as its jobs finish, so look again soon.
     if (started === 0 && block > 0) await source.wait(capped ? Math.min(block, READER_DEFAULTS.cappedWaitMs) : block);

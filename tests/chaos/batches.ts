@@ -554,7 +554,14 @@ let failure: unknown;
 let lastPostS = NaN, drainS = NaN;
 try {
   await apiHealthy(apiPort, 30_000, logDir);
-  await Promise.all(procs.map((p) => p.started));
+  // Bounded: a process that dies at start-up would otherwise hold the run until CI's own limit.
+  const startBound = new AbortController();
+  await Promise.race([
+    Promise.all(procs.map((p) => p.started)).finally(() => startBound.abort()),
+    sleep(60_000, startBound.signal).then(() => {
+      throw new Error("a process did not start within 60 s (see its log)");
+    }, () => {}),
+  ]);
   await Promise.all(TENANTS.flatMap((t) => [putTask(t), putTask(t, STRUCTURED, TRIAGE)]));
   note(`${RUNS} batch runs over ${DURATION_S} s, BATCH_MAX_RUNS=${MAX_RUNS}, seed ${SEED}; logs in ${logDir}`);
   const posted = new AbortController();
