@@ -51,17 +51,17 @@ export interface IntakeResult {
 }
 
 /**
- * The most bytes (estimated: `tenants/tenant_map.ts`) of the intake's per-tenant heads, about 1,300 bytes each with
- * their lane's key builders ({@linkcode HEAD_BYTES}): some 38,000 tenants (and task versions) in use. A head is only
- * work saved: past the bound, the oldest are built again.
+ * The most bytes (estimated: `tenants/tenant_map.ts`) of the intake's per-tenant heads, about 850 bytes each with
+ * their lane's names ({@linkcode HEAD_BYTES}) and JSON: some 55,000 tenants (and task versions) in use. A head is
+ * only work saved: past the bound, the oldest are built again.
  */
 export const HEADS_BYTES = 48 * 1024 * 1024;
 /**
- * A head's estimate beyond its JSON: its lane's key builders (`keys.lane()`, measured at about 680 bytes for a
- * tenant of 10 characters), the registry's arguments, its records hashes' names of the period (three of about 50
- * characters) and the record that holds them.
+ * A head's estimate beyond its JSON: its lane's names (`keys.lane()`, measured at 457 bytes with its entry for a
+ * tenant of 10 characters), its records hashes' names of the period (three of about 50 characters) and the objects
+ * that hold them. On one server every head shares the registry's arguments.
  */
-const HEAD_BYTES = 1_200;
+const HEAD_BYTES = 600;
 
 /** Accepts summary jobs at most once per Idempotency-Key scope. */
 export interface Intake {
@@ -218,12 +218,13 @@ export function createIntake(
 ): Intake {
   const fullQueueShare = queueShare(redis, keys, maxQueued);
   /** What the script's submissions of one tenant (and task version) share: their entry in its heads. */
-  const headOf = (tenant: string, known: LaneKnown, others: number, run?: RunSubmission) =>
+  const headOf = (tenant: string, others: number, run?: RunSubmission) =>
     JSON.stringify({
       tenant,
       cap: maxQueuedPerTenant ?? 0,
       status: markQueued(tenant, run && { ...run, priority: run.requested }),
-      lane: known.lane,
+      // The lane's id in the registry: its tenant (`laneKnownArgs`).
+      lane: tenant,
       // The lane's other streams, after each submission's three keys: a cap counts the lane over all priorities.
       others,
     });
@@ -242,14 +243,17 @@ export function createIntake(
   // A large TTL still makes periods of whole seconds; 0 is refused by the configuration.
   const ttlS = Math.max(1, Math.floor(resultTtlS));
   const records = scopeRecords(keys, ttlS, clock);
+  // On one server every lane is made known through the same two sets: one object for every head, not one each (a
+  // head is kept per tenant in use, and each object kept is work for every full collection of V8's heap).
+  const shared = redis.isCluster ? undefined : laneKnownArgs(redis, keys.registry, "", "");
   const headFor = (tenant: string, run?: RunSubmission): Head => {
     // A head per priority too: its status record names the run's priority.
     const id = run ? `${tenant}\n${run.task}\n${run.version}\n${run.requested ?? ""}` : tenant;
     let head = heads.get(id);
     if (head === undefined) {
       const lane = keys.lane(tenant);
-      const known = laneKnownArgs(redis, keys.registry, tenant, lane.stream);
-      heads.set(id, head = { lane, known, head: headOf(tenant, known, capped ? lane.streams.length - 1 : 0, run) });
+      const known = shared ?? laneKnownArgs(redis, keys.registry, tenant, lane.stream);
+      heads.set(id, head = { lane, known, head: headOf(tenant, capped ? lane.streams.length - 1 : 0, run) });
     }
     return head;
   };

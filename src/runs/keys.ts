@@ -30,13 +30,17 @@ import { TenantMap } from "../tenants/tenant_map.ts";
 export const KEY_PREFIX = "oncely";
 
 /**
- * The most bytes (estimated: `tenants/tenant_map.ts`) of lanes' key builders one key book keeps, about 700 bytes
- * each ({@linkcode LANE_KEYS_BYTES_EACH}): some 24,000 tenants. Past it the oldest are built again when asked for
- * (a count of 10,000 built one per request at 20,000 tenants); the intake keeps its own with its heads.
+ * The most bytes (estimated: `tenants/tenant_map.ts`) of lanes' names one key book keeps, about 480 bytes each with
+ * a name of 10 characters ({@linkcode LANE_KEYS_BYTES_EACH}): some 34,000 tenants. Past it the oldest are built
+ * again when asked for (a count of 10,000 built one per request at 20,000 tenants); the intake keeps its own with
+ * its heads.
  */
 export const LANE_KEYS_BYTES = 16 * 1024 * 1024;
-/** A lane's key builders beyond its tenant's name: measured at about 680 bytes (a name of 10 characters). */
-const LANE_KEYS_BYTES_EACH = 600;
+/**
+ * A lane's names beyond its tenant's name and its entry: measured at 457 bytes a lane with both (a name of 10 or 11
+ * characters, 20,000 lanes; 1,154 when its builders were closures).
+ */
+const LANE_KEYS_BYTES_EACH = 360;
 
 /** The consumer group on every stream of every lane (named before runs were). */
 const GROUP = "summarisers";
@@ -137,7 +141,7 @@ export interface ServiceKeysOptions {
 
 /** The start of every key of `tenant`'s: the prefix and the tenant's hash tag. The one place the tag is spelled. */
 function tenantTag(prefix: string, tenant: string): string {
-  return `${prefix}:{t:${tenant}}`;
+  return joined(prefix, ":{t:", tenant, "}");
 }
 
 /**
@@ -154,13 +158,14 @@ export function serviceKeys(
     );
   }
   const lanes = new TenantMap<LaneKeys>(LANE_KEYS_BYTES, () => LANE_KEYS_BYTES_EACH);
+  const shape = laneShape(laneStreams);
   const legacyTag = `${prefix}:{jobs}`;
   return {
     prefix,
     lane(tenant) {
       let keys = lanes.get(tenant);
       if (!keys) {
-        keys = laneUnder(tenantTag(prefix, tenant), laneStreams);
+        keys = new Lane(tenantTag(prefix, tenant), shape);
         lanes.set(tenant, keys);
       }
       return keys;
@@ -182,27 +187,82 @@ export function serviceKeys(
   };
 }
 
-function laneUnder(tag: string, streams: readonly string[]): LaneKeys {
-  const names = streams.map((name) => `${tag}:${name}`);
-  const stream = `${tag}:${INTAKE_STREAM}`;
-  // Each priority's stream named once (intake asks for one per POST); one the lane lacks is its intake stream.
-  const of = (p: Priority) => names[streams.indexOf(PRIORITY_STREAMS[p])] ?? stream;
-  const byPriority: Record<Priority, string> = { high: of("high"), normal: of("normal"), low: of("low") };
+/**
+ * What every lane of a key book shares: its streams' names after the tag, their shares, and each priority's index
+ * among them (one the lane lacks: its intake stream's).
+ */
+interface LaneShape {
+  streams: readonly string[];
+  shares: readonly number[];
+  byPriority: Readonly<Record<Priority, number>>;
+}
+
+function laneShape(streams: readonly string[]): LaneShape {
+  const intake = streams.indexOf(INTAKE_STREAM);
+  const of = (p: Priority) => streams.includes(PRIORITY_STREAMS[p]) ? streams.indexOf(PRIORITY_STREAMS[p]) : intake;
   return {
-    stream,
-    streams: names,
-    // A priority unknown to the type (an unchecked caller's) queues on the intake stream, as before.
-    streamOf: (priority = "normal") => Object.hasOwn(byPriority, priority) ? byPriority[priority] : stream,
-    priorityState: `${tag}:priority`,
-    shares: streams.map((name) => PRIORITY_SHARES[name] ?? 1),
-    dead: `${tag}:dead`,
-    group: GROUP,
-    job: (jobId) => jobUnder(tag, jobId),
-    idempotencyRecords: (periodS, index) => `${tag}:idem_records:${periodS}:${index}`,
-    idempotency: (scope) => `${tag}:idem:${scope}`,
-    movedFromLegacy: (entryId) => `${tag}:moved:${entryId}`,
-    batchOnline: (runId) => `${tag}:batch_online:${runId}`,
+    streams,
+    shares: Object.freeze(streams.map((name) => PRIORITY_SHARES[name] ?? 1)),
+    byPriority: { high: of("high"), normal: of("normal"), low: of("low") },
   };
+}
+
+/** One string of `parts`, flat: a template literal's is a rope, a V8 object more per name for every lane kept. */
+function joined(...parts: string[]): string {
+  return parts.join("");
+}
+
+/**
+ * A lane's names, as few objects as can be (issue 39): a process keeps one per tenant in use (the API's intake
+ * heads, a worker's lanes), and every object kept is work for each full collection of V8's heap, which stalls the
+ * process (at 20,000 tenants, 20 to 40 ms several times in a row every few seconds under load: the intake's p99).
+ * A lane of one closure per builder was some 30 objects and 1,154 bytes; this one is 457 bytes. Its builders are
+ * methods, its strings flat, and what every lane has alike (the streams' shares, the priorities' places) is the
+ * key book's. Its methods read `this`: call them on the lane (`lane.job(id)`), never detached.
+ */
+class Lane implements LaneKeys {
+  readonly stream: string;
+  readonly streams: readonly string[];
+  readonly priorityState: string;
+  readonly dead: string;
+  readonly group = GROUP;
+  readonly shares: readonly number[];
+
+  constructor(private readonly tag: string, private readonly shape: LaneShape) {
+    this.streams = shape.streams.map((name) => joined(tag, ":", name));
+    this.shares = shape.shares;
+    this.stream = this.streams[shape.streams.indexOf(INTAKE_STREAM)]!;
+    this.priorityState = joined(tag, ":priority");
+    this.dead = joined(tag, ":dead");
+  }
+
+  // A priority unknown to the type (an unchecked caller's) queues on the intake stream, as before.
+  streamOf(priority: Priority = "normal"): string {
+    return Object.hasOwn(this.shape.byPriority, priority)
+      ? this.streams[this.shape.byPriority[priority]]!
+      : this.stream;
+  }
+
+  job(jobId: string): string {
+    return jobUnder(this.tag, jobId);
+  }
+
+  idempotencyRecords(periodS: number, index: number): string {
+    // Flat: intake keeps a period's names with its head.
+    return joined(this.tag, ":idem_records:", String(periodS), ":", String(index));
+  }
+
+  idempotency(scope: string): string {
+    return `${this.tag}:idem:${scope}`;
+  }
+
+  movedFromLegacy(entryId: string): string {
+    return `${this.tag}:moved:${entryId}`;
+  }
+
+  batchOnline(runId: string): string {
+    return `${this.tag}:batch_online:${runId}`;
+  }
 }
 
 /**

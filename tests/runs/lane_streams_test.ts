@@ -17,7 +17,7 @@ Deno.test("the summary worker reads every stream of a tenant's lane, in the lane
   const keys = serviceKeys(r.prefix, { laneStreams: ["high", "stream"] });
   const lane = keys.lane("acme");
   // The first stream in the lane's order; intake writes the lane's `stream`, the second.
-  const high = { stream: lane.streams[0]!, job: lane.job };
+  const high = { stream: lane.streams[0]!, job: (jobId: string) => lane.job(jobId) };
   const extractive = createExtractiveLlm();
   const prompts: string[] = [];
   const llm: typeof extractive = {

@@ -143,11 +143,12 @@ Deno.test("summaries API", async (t) => {
     await t.step("an enqueue failure is a 500 problem without internals, and releases the key", async () => {
       const brokenKeys = {
         ...keys,
-        lane: (tenant: string) => ({
-          ...keys.lane(tenant),
-          stream: acme.job("not-a-stream"),
-          streamOf: () => acme.job("not-a-stream"),
-        }),
+        // A lane's builders are methods: the broken lane keeps them, with its streams pointed elsewhere.
+        lane: (tenant: string) =>
+          Object.assign(Object.create(keys.lane(tenant)), {
+            stream: acme.job("not-a-stream"),
+            streamOf: () => acme.job("not-a-stream"),
+          }),
       };
       const broken = handlerWith(
         createIntake({ redis: r.redis }, { keys: brokenKeys, resultTtlS: 60, path: "/v1/summaries" }),
