@@ -1768,9 +1768,12 @@ async function benchBacklogDrain(model: { url: string; pid: number }) {
   });
 }
 
-/** Warms an API of the lanes-intake bench: one POST for each of `tenants` tenants, 64 at a time (not measured). */
-async function postOncePerTenant(port: number, tenants: number, runId: string) {
-  progress(`lanes scale: one POST per tenant to the API for ${fmt(tenants)} tenant(s) (warming its caches)`);
+/**
+ * One POST for each of `tenants` tenants to an API of the lanes-intake bench, 64 at a time (not measured): to warm
+ * its caches, and before each load to put every tenant's lane in place.
+ */
+async function postOncePerTenant(port: number, tenants: number, runId: string, why = "warming its caches") {
+  progress(`lanes scale: one POST per tenant to the API for ${fmt(tenants)} tenant(s) (${why})`);
   let next = 1;
   await Promise.all(Array.from({ length: 64 }, async () => {
     for (let i = next++; i <= tenants; i = next++) {
@@ -1793,9 +1796,13 @@ async function postOncePerTenant(port: number, tenants: number, runId: string) {
 /**
  * Intake by tenant count: one real API per count (`deno task api`, AUTH_MODE=trusted-header, so the tenants need
  * no keys in the requests), side by side on one database of tenants and one Redis database, each loaded in turn
- * by wrk with `X-Tenant-Id` drawn at random per POST from its count's tenants, the order rotating; Redis is
- * emptied after every load, so each starts from an empty queue. Each API has had one POST from each of its tenants
- * first, as a service has from the tenants it serves. The baseline is one tenant in the same rounds.
+ * by wrk with `X-Tenant-Id` drawn at random per POST from its count's tenants, the order rotating. Each API has had
+ * one POST from each of its tenants first, as a service has from the tenants it serves. Before each load Redis is
+ * emptied and every tenant of the count posts one job (not measured), so each tenant's lane is in place as a
+ * tenant in use has it (its streams, its period's records hash, its place in the registry) and every load starts
+ * from the same queue, one job a tenant; then 2 s for the API to settle after that burst. The largest count is
+ * also loaded as new tenants, each load from an empty Redis database (every tenant's first POST makes its lane),
+ * against one tenant likewise. The baseline is one tenant in the same rounds.
  */
 async function benchLanesIntake() {
   const db = await createScratchDatabase(ADMIN_URL, { prefix: "oncely_bench" });
@@ -1804,15 +1811,21 @@ async function benchLanesIntake() {
   const seconds = smoke ? 1 : 5;
   const runId = crypto.randomUUID().slice(0, 8);
   const servers = new Map<number, { port: number; cpuMs(): Promise<number>; stop(): Promise<void> }>();
-  const load = async (tenants: number, seconds: number, tag: string) => {
+  /** A load of `tenants`: with their lanes in place (`inUse`), or from an empty Redis database (new tenants). */
+  const load = async (tenants: number, seconds: number, tag: string, inUse = true) => {
     const server = servers.get(tenants)!;
+    await redis.flushdb();
+    if (inUse) {
+      await postOncePerTenant(server.port, tenants, `${runId}-${tag}`, "its lanes in place");
+      await new Promise((resolve) => setTimeout(resolve, 2_000));
+    }
     const before = await server.cpuMs();
     const redisBefore = await redisCpuMs(redis);
     const result = await postLoad({
       url: `http://127.0.0.1:${server.port}${SUMMARIES}`,
       headers: { "content-type": "application/json", "x-gateway-secret": LANES_GATEWAY_SECRET },
       body: JSON.stringify(LANES_REQUEST),
-      vary: { header: "idempotency-key", prefix: `lanes-${tenants}-${runId}-${tag}-` },
+      vary: { header: "idempotency-key", prefix: `lanes-${tenants}-${runId}-${tag}-${inUse ? "u" : "n"}-` },
       spread: { header: "x-tenant-id", prefix: LANE_TENANT_PREFIX, count: tenants },
       connections: 64,
       seconds,
@@ -1820,12 +1833,14 @@ async function benchLanesIntake() {
     }, progress);
     const cpuUs = ((await server.cpuMs()) - before) * 1000 / (result.perSecond * seconds);
     const redisCpuUs = ((await redisCpuMs(redis)) - redisBefore) * 1000 / (result.perSecond * seconds);
-    await redis.flushdb();
     if (result.errors > 0) {
       throw new Error(`lanes intake, ${tenants} tenant(s): ${result.errors} POSTs not answered 202`);
     }
     progress(
-      `lanes scale: intake over ${fmt(tenants)} tenant(s): ${fmt(result.perSecond)}/s, p99 ${fmt(result.p99, 1)} ms, ` +
+      `lanes scale: intake over ${fmt(tenants)} ${inUse ? "tenant(s)" : "new tenant(s)"}: ${
+        fmt(result.perSecond)
+      }/s, ` +
+        `p99 ${fmt(result.p99, 1)} ms, ` +
         `${fmt(cpuUs)} µs CPU/req, Redis ${fmt(redisCpuUs, 1)} µs/req`,
     );
     return { ...result, cpuUs, redisCpuUs };
@@ -1849,16 +1864,24 @@ async function benchLanesIntake() {
     // Every tenant in use, as a service's are: one POST each first, so each API holds every tenant's cached rows
     // and lane head (a draw at random per POST first meets some of 20,000 tenants only in the rounds measured).
     for (const tenants of LANE_COUNTS) await postOncePerTenant(servers.get(tenants)!.port, tenants, runId);
-    await redis.flushdb();
     // Every API compiled by the JIT before any is measured.
     for (const tenants of LANE_COUNTS) await load(tenants, smoke ? 1 : 3, "warm");
-    const results = new Map<number, (HttpLoad & { cpuUs: number; redisCpuUs: number })[]>();
+    type Measured = HttpLoad & { cpuUs: number; redisCpuUs: number };
+    const results = new Map<number, Measured[]>();
+    // New tenants: the largest count and one tenant, each load's lanes made by its own POSTs.
+    const largest = LANE_COUNTS.at(-1)!;
+    const fresh = new Map<number, Measured[]>();
     for (let i = 0; i < RUNS; i++) {
       for (const tenants of rotated(LANE_COUNTS, i)) {
         progress(`lanes scale: intake over ${fmt(tenants)} tenant(s), ${seconds} s (round ${i + 1})`);
         results.set(tenants, [...results.get(tenants) ?? [], await load(tenants, seconds, String(i))]);
       }
+      for (const tenants of i % 2 === 0 ? [1, largest] : [largest, 1]) {
+        progress(`lanes scale: intake over ${fmt(tenants)} new tenant(s), ${seconds} s (round ${i + 1})`);
+        fresh.set(tenants, [...fresh.get(tenants) ?? [], await load(tenants, seconds, String(i), false)]);
+      }
     }
+    await redis.flushdb();
     const one = medianRun(results.get(1)!);
     const cpu = (tenants: number) =>
       `API CPU ${fmt(median(results.get(tenants)!.map((x) => x.cpuUs)))} µs/request, Redis ${
@@ -1882,6 +1905,22 @@ async function benchLanesIntake() {
         baselineValue: one.rps,
       });
     }
+    const newOne = medianRun(fresh.get(1)!);
+    const newMany = medianRun(fresh.get(largest)!);
+    const freshCpu = (tenants: number) =>
+      `API CPU ${fmt(median(fresh.get(tenants)!.map((x) => x.cpuUs)))} µs/request, Redis ${
+        fmt(median(fresh.get(tenants)!.map((x) => x.redisCpuUs)), 1)
+      }`;
+    rows.push({
+      benchmark: `Lanes: intake POST ${SUMMARIES} per s over ${fmt(largest)} new tenants (each load from an empty ` +
+        `Redis database: every tenant's first POST makes its lane), as above`,
+      result: `${fmt(newMany.rps)}/s (${latency(newMany)}); ${freshCpu(largest)}`,
+      baseline: `1 new tenant, same rounds: ${fmt(newOne.rps)}/s (${latency(newOne)}); ${freshCpu(1)}`,
+      ratio: `${fmt(newMany.rps / newOne.rps, 2)}x`,
+      goal: "none (the goal is for tenants in use, above)",
+      value: newMany.rps,
+      baselineValue: newOne.rps,
+    });
   } finally {
     for (const server of servers.values()) await server.stop();
     await redis.quit().catch(() => redis.disconnect());
