@@ -3,7 +3,8 @@ import { defineScript } from "../redis/script.ts";
 // LANE_BACKLOG: what each of some lanes holds, over all its streams, in one command (the backlog's walk,
 // `backlog.ts`, runs it for the lanes with work: on one server for up to 64 lanes a call, on a cluster for one,
 // whose streams share a slot).
-// KEYS[1…] the lanes' streams, lane after lane (a lane's share its hash tag).
+// KEYS[1…] the lanes' streams, lane after lane (a lane's share its hash tag; on one server the lanes' tags differ,
+//          which only a cluster forbids).
 // ARGV[1]  the group. ARGV[2…] how many streams each lane has, in the order of KEYS.
 // Returns, per lane, {waiting, depth, oldest} in one flat list: the entries not yet delivered to the group, the
 // entries in the streams (waiting or delivered and not yet acknowledged), and when the oldest waiting one was
@@ -13,10 +14,10 @@ import { defineScript } from "../redis/script.ts";
 // id; a stream without the group (never read) holds only waiting entries.
 // Reads only: safe to run twice.
 export const LANE_BACKLOG_SCRIPT = defineScript(`
--- One lane's figures, over its streams KEYS[first] … KEYS[last].
-local function lane(first, last)
+-- One lane's figures, over its streams KEYS[from] … KEYS[to].
+local function lane(from, to)
   local waiting, depth, oldest = 0, 0, 0
-  for k = first, last do
+  for k = from, to do
     local length = redis.call('XLEN', KEYS[k])
     if length > 0 then
       depth = depth + length
@@ -49,11 +50,11 @@ local function lane(first, last)
   return waiting, depth, oldest
 end
 local out = {}
-local from = 1
+local at = 1
 for a = 2, #ARGV do
   local count = tonumber(ARGV[a])
-  local waiting, depth, oldest = lane(from, from + count - 1)
-  from = from + count
+  local waiting, depth, oldest = lane(at, at + count - 1)
+  at = at + count
   out[#out + 1] = waiting
   out[#out + 1] = depth
   out[#out + 1] = oldest

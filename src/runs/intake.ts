@@ -62,6 +62,8 @@ export const HEADS_BYTES = 48 * 1024 * 1024;
  * that hold them. On one server every head shares the registry's arguments.
  */
 const HEAD_BYTES = 600;
+/** On a cluster, what a head holds besides: its own registry arguments (its lane's home set's name, in an array). */
+const KNOWN_BYTES = 200;
 
 /** Accepts summary jobs at most once per Idempotency-Key scope. */
 export interface Intake {
@@ -237,7 +239,10 @@ export function createIntake(
    * per request again), within a bound of bytes, so that every tenant in use keeps its own (a cap of 10,000
    * entries rebuilt one per request at 20,000 tenants, and its eviction walked the map).
    */
-  const heads = new TenantMap<Head>(HEADS_BYTES, (head) => HEAD_BYTES + head.head.length);
+  const heads = new TenantMap<Head>(
+    HEADS_BYTES,
+    (head) => HEAD_BYTES + (redis.isCluster ? KNOWN_BYTES : 0) + head.head.length,
+  );
   // With INTAKE_MAX_QUEUED or INTAKE_MAX_QUEUED_PER_TENANT, the script counts a lane's runs over all its streams.
   const capped = maxQueuedPerTenant !== undefined || maxQueued !== undefined;
   // A large TTL still makes periods of whole seconds; 0 is refused by the configuration.

@@ -201,7 +201,7 @@ function laneShape(streams: readonly string[]): LaneShape {
   const intake = streams.indexOf(INTAKE_STREAM);
   const of = (p: Priority) => streams.includes(PRIORITY_STREAMS[p]) ? streams.indexOf(PRIORITY_STREAMS[p]) : intake;
   return {
-    streams,
+    streams: Object.freeze([...streams]),
     shares: Object.freeze(streams.map((name) => PRIORITY_SHARES[name] ?? 1)),
     byPriority: { high: of("high"), normal: of("normal"), low: of("low") },
   };

@@ -1799,8 +1799,9 @@ async function postOncePerTenant(port: number, tenants: number, runId: string, w
  * by wrk with `X-Tenant-Id` drawn at random per POST from its count's tenants, the order rotating. Each API has had
  * one POST from each of its tenants first, as a service has from the tenants it serves. Before each load Redis is
  * emptied and every tenant of the count posts one job (not measured), so each tenant's lane is in place as a
- * tenant in use has it (its streams, its period's records hash, its place in the registry) and every load starts
- * from the same queue, one job a tenant; then 2 s for the API to settle after that burst. The largest count is
+ * tenant in use has it (its streams, its period's records hash, its place in the registry), each lane holding one
+ * queued job (so the backlog walk of `/metrics` reads every lane, as it does a service's lanes with work); then 2 s
+ * for the API to settle after that burst. The largest count is
  * also loaded as new tenants, each load from an empty Redis database (every tenant's first POST makes its lane),
  * against one tenant likewise. The baseline is one tenant in the same rounds.
  */
@@ -1893,8 +1894,9 @@ async function benchLanesIntake() {
       const x = medianRun(results.get(tenants)!);
       const ratio = x.rps / one.rps;
       rows.push({
-        benchmark: `Lanes: intake POST ${SUMMARIES} per s over ${fmt(tenants)} tenant(s) (X-Tenant-Id at random per ` +
-          `POST), real API (deno task api, AUTH_MODE=trusted-header), one process, ${INGEST_LOAD}, ${by}`,
+        benchmark: `Lanes: intake POST ${SUMMARIES} per s over ${fmt(tenants)} tenant(s) in use (each lane in place ` +
+          `with one queued job; X-Tenant-Id at random per POST), real API (deno task api, ` +
+          `AUTH_MODE=trusted-header), one process, ${INGEST_LOAD}, ${by}`,
         result: `${fmt(x.rps)}/s (${latency(x)}); ${cpu(tenants)}`,
         baseline: tenants === 1
           ? "the baseline of the intake rows below"
