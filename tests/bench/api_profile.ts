@@ -171,8 +171,8 @@ if (import.meta.main) {
     const started = performance.now();
     await postLoad({
       ...load,
-      // At thousands of tenants 3 s meets many only in the load measured, each first POST waiting for Postgres (some
-      // 2,000 queries a second at 20,000 tenants): 12 s meets nearly all of them first.
+      // At thousands of tenants 3 s meets many only in the load measured, each first POST waiting for Postgres (over a
+      // thousand queries a second at 20,000 tenants): 12 s meets nearly all of them first.
       seconds: Number(arg("warm", tenants >= 1_000 ? "12" : "3")),
       vary: { header: "idempotency-key", prefix: `warm-${runId}-` },
     });
